@@ -1,0 +1,5 @@
+"""webhook-dedup-proxy: a sidecar reverse proxy that makes each webhook event reach the app once."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"

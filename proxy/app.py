@@ -1,0 +1,77 @@
+"""The aiohttp application: one cleanup context per long-lived resource, one route per webhook.
+
+aiohttp's router is the route table: configured webhook paths take POST through the pipeline,
+and a catch-all passes everything else through to the upstream unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from proxy import claims, config, embedded, forwarder, pipeline
+
+CONFIG = web.AppKey("config", config.Config)
+DSN = web.AppKey("dsn", str)
+
+# Runner settings both `serve` and the tests use: the body is relayed as received (never
+# inflated), and a provider hanging up must not cancel a request the upstream may have acted on.
+RUNNER_OPTIONS: dict[str, object] = {"auto_decompress": False, "handler_cancellation": False}
+
+
+async def _database(app: web.Application) -> AsyncIterator[None]:
+    settings = app[CONFIG].database
+    if settings.dsn is not None:
+        app[DSN] = settings.dsn.reveal()
+        yield
+        return
+    server = embedded.EmbeddedPostgres(settings.data_dir)
+    app[DSN] = await asyncio.to_thread(server.start)
+    try:
+        yield
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def _claim_store(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    store = await claims.ClaimStore.open(
+        app[DSN],
+        cfg.database,
+        claim_wait=cfg.claim_wait,
+        upstream_timeout=cfg.upstream.timeout,
+    )
+    try:
+        await store.ensure_schema()
+        app[pipeline.STORE] = store
+        yield
+    finally:
+        await store.close()
+
+
+async def _forwarder(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    client = forwarder.Forwarder(
+        cfg.upstream.timeout,
+        preserve_host=cfg.upstream.preserve_host,
+        # Webhook requests are bounded by the database pool; pass-through traffic gets headroom.
+        connections=cfg.database.pool_size + 100,
+    )
+    app[pipeline.FORWARDER] = client
+    try:
+        yield
+    finally:
+        await client.close()
+
+
+def create_app(cfg: config.Config) -> web.Application:
+    """Build the proxy application for ``cfg``; resources open when it starts."""
+    app = web.Application()
+    app[CONFIG] = cfg
+    app.cleanup_ctx.extend([_database, _claim_store, _forwarder])
+    for route in cfg.routes:
+        app.router.add_post(route.path, pipeline.Webhook(route).handle, name=route.name)
+    app.router.add_route("*", "/{tail:.*}", pipeline.make_passthrough(cfg.upstream.url))
+    return app

@@ -1,0 +1,200 @@
+"""The claim store: one row per (scope, event_id) in PostgreSQL, claimed inside an open transaction.
+
+The whole concurrency design rests on PostgreSQL's unique index. ``INSERT … ON CONFLICT DO
+NOTHING`` in a READ COMMITTED transaction either inserts the row (this request owns the event
+until it commits or rolls back), returns nothing because a committed row exists (a duplicate), or
+*waits* on another transaction's uncommitted row and then does one of the two once that
+transaction ends. No SELECT-before-INSERT, no advisory locks: the index is the lock, and it is
+released exactly when the owner's transaction ends (commit, rollback, or its connection dying).
+
+asyncpg and socket errors are translated into ``errors`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import asyncpg
+
+from proxy import errors
+
+if TYPE_CHECKING:
+    from proxy import config
+
+log = logging.getLogger(__name__)
+
+# Errors meaning "the database is not usable right now"; anything else is a bug and propagates.
+_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+# Any constant will do: it only serialises concurrent schema creation by several replicas.
+_SCHEMA_LOCK_KEY = 0x64656475
+
+
+def _quote(table: str) -> str:
+    return ".".join(f'"{part}"' for part in table.split("."))
+
+
+def schema_sql(table: str) -> str:
+    """The DDL for the claim table (idempotent)."""
+    index = f"{table.rpartition('.')[2]}_received_at_idx"
+    return (
+        f"CREATE TABLE IF NOT EXISTS {_quote(table)} (\n"
+        "    scope       text        NOT NULL,\n"
+        "    event_id    text        NOT NULL,\n"
+        "    event_type  text,\n"
+        "    received_at timestamptz NOT NULL DEFAULT now(),\n"
+        "    PRIMARY KEY (scope, event_id)\n"
+        ");\n"
+        f'CREATE INDEX IF NOT EXISTS "{index}" ON {_quote(table)} (received_at);\n'
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+class Claim:
+    """This request's hold on one event; ``acquired`` is False for a duplicate."""
+
+    def __init__(
+        self, store: ClaimStore, connection: asyncpg.pool.PoolConnectionProxy, acquired: bool
+    ) -> None:
+        self._store = store
+        self._connection = connection
+        self.acquired = acquired
+        self._open = True
+
+    async def commit(self) -> None:
+        """Make the claim permanent; raise CommitFailed if that is not certain."""
+        self._open = False
+        try:
+            await self._connection.execute("COMMIT", timeout=self._store.op_timeout)
+        except _DB_ERRORS as exc:
+            self._connection.terminate()
+            raise errors.CommitFailed(f"COMMIT failed: {exc!r}") from exc
+
+    async def release(self) -> None:
+        """Roll back unless committed; a connection in doubt is closed, never reused."""
+        if self._open:
+            self._open = False
+            try:
+                await self._connection.execute("ROLLBACK", timeout=self._store.op_timeout)
+            except _DB_ERRORS as exc:
+                log.warning("rollback failed, closing the connection: %r", exc)
+                self._connection.terminate()
+
+
+class ClaimStore:
+    """A pool of connections, each set up so that a stuck claim cannot outlive its bounds."""
+
+    def __init__(self, pool: asyncpg.Pool, settings: config.DatabaseConfig) -> None:
+        self._pool = pool
+        self._settings = settings
+        self.op_timeout = settings.connect_timeout
+        self._insert = (
+            f"INSERT INTO {_quote(settings.table)} (scope, event_id, event_type) "
+            "VALUES ($1, $2, $3) ON CONFLICT (scope, event_id) DO NOTHING RETURNING true"
+        )
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        settings: config.DatabaseConfig,
+        *,
+        claim_wait: float,
+        upstream_timeout: float,
+    ) -> ClaimStore:
+        """Connect the pool; raise StoreUnavailable if PostgreSQL cannot be reached."""
+        server_settings = {
+            "application_name": "dedup-proxy",
+            # A copy waits on an in-flight claim at most this long (55P03 past it).
+            "lock_timeout": _ms(claim_wait),
+            # The claim stays open while the upstream works; past this the server itself
+            # rolls back a claim whose proxy vanished without closing its socket.
+            "idle_in_transaction_session_timeout": _ms(upstream_timeout + settings.connect_timeout),
+        }
+        try:
+            pool = await asyncpg.create_pool(
+                dsn,
+                min_size=settings.pool_size,
+                max_size=settings.pool_size,
+                timeout=settings.connect_timeout,
+                command_timeout=claim_wait + settings.connect_timeout,
+                server_settings=server_settings,
+            )
+        except _DB_ERRORS as exc:
+            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+        return cls(pool, settings)
+
+    async def close(self) -> None:
+        try:
+            await self._pool.close()
+        except _DB_ERRORS as exc:
+            log.warning("closing the database pool failed: %r", exc)
+            self._pool.terminate()
+
+    async def ensure_schema(self) -> None:
+        """Create the table if allowed, else check that it exists."""
+        table = self._settings.table
+        try:
+            async with self._pool.acquire(timeout=self.op_timeout) as connection:
+                if self._settings.create_schema:
+                    async with connection.transaction():
+                        await connection.execute(
+                            "SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK_KEY
+                        )
+                        await connection.execute(schema_sql(table))
+                    return
+                exists = await connection.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
+        except _DB_ERRORS as exc:
+            raise errors.StoreUnavailable(f"cannot prepare table {table}: {exc}") from exc
+        if not exists:
+            raise errors.StoreUnavailable(
+                f"table {table} does not exist and database.create_schema is false; "
+                "create it (see README, 'Schema') or set create_schema: true"
+            )
+
+    @contextlib.asynccontextmanager
+    async def claim(
+        self, scope: str, event_id: str, event_type: str | None
+    ) -> AsyncIterator[Claim]:
+        """Claim (scope, event_id); waits while another transaction holds it uncommitted.
+
+        Raises StoreUnavailable (no connection or the database failed) or ClaimWaitExceeded.
+        On exit the transaction is rolled back unless ``Claim.commit()`` was called.
+        """
+        try:
+            connection = await self._pool.acquire(timeout=self._settings.pool_timeout)
+        except TimeoutError as exc:
+            raise errors.StoreUnavailable(
+                f"no free database connection within {self._settings.pool_timeout:g}s "
+                f"(pool_size {self._settings.pool_size})"
+            ) from exc
+        except _DB_ERRORS as exc:
+            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc!r}") from exc
+        claim = Claim(self, connection, acquired=False)
+        try:
+            try:
+                # Pinned: under REPEATABLE READ a copy waiting on our row would fail with a
+                # serialization error after our COMMIT instead of seeing the duplicate.
+                await connection.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+                inserted = await connection.fetchval(self._insert, scope, event_id, event_type)
+            except asyncpg.LockNotAvailableError as exc:
+                raise errors.ClaimWaitExceeded() from exc
+            except _DB_ERRORS as exc:
+                raise errors.StoreUnavailable(f"claim failed: {exc!r}") from exc
+            claim.acquired = inserted is not None
+            yield claim
+        finally:
+            await claim.release()
+            try:
+                await self._pool.release(connection, timeout=self.op_timeout)
+            except _DB_ERRORS as exc:
+                log.warning("returning a connection to the pool failed: %r", exc)
+
+    def pool_stats(self) -> tuple[int, int]:
+        """(connections open, connections idle)."""
+        return self._pool.get_size(), self._pool.get_idle_size()

@@ -1,0 +1,425 @@
+"""Configuration: YAML in, frozen dataclasses out.
+
+``${VAR}`` and ``${VAR:-default}`` are interpolated inside parsed string values (never in the raw
+YAML text, so a variable cannot inject structure), unknown keys are errors, and every problem is
+collected with its path and reported at once in one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import yaml
+
+from proxy import errors, keys
+
+DEFAULT_LISTEN = "0.0.0.0:8080"
+DEFAULT_UPSTREAM_TIMEOUT = 30.0
+DEFAULT_CLAIM_WAIT = 10.0
+DEFAULT_MAX_BODY = 10 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_POOL_SIZE = 10
+DEFAULT_POOL_TIMEOUT = 5.0
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_TABLE = "processed_events"
+DEFAULT_DATA_DIR = ".dedup-proxy/pgdata"
+EMBEDDED = "embedded"
+
+_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)?")
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+_SIZE = re.compile(r"(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?")
+_SIZE_UNITS = {None: 1, "B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2**20,
+               "GB": 10**9, "GiB": 2**30}  # fmt: skip
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_LEVELS = ("debug", "info", "warning", "error")
+_TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
+             "shutdown_timeout", "log")  # fmt: skip
+_DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
+                  "connect_timeout")  # fmt: skip
+_ROUTE_KEYS = ("name", "path", "scope", "event_id", "event_type", "upstream", "max_body")
+T = TypeVar("T")
+
+
+class Secret:
+    """A string that does not show itself in ``repr`` or ``str``."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('**********')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+def redact_dsn(dsn: str) -> str:
+    """The DSN with its password replaced, fit for logs and ``check`` output."""
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return parts._replace(netloc=netloc).geturl()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Listen:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpstreamConfig:
+    url: str
+    timeout: float = DEFAULT_UPSTREAM_TIMEOUT
+    preserve_host: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DatabaseConfig:
+    dsn: Secret | None  # None: the embedded server
+    data_dir: Path = Path(DEFAULT_DATA_DIR)
+    table: str = DEFAULT_TABLE
+    create_schema: bool = True
+    pool_size: int = DEFAULT_POOL_SIZE
+    pool_timeout: float = DEFAULT_POOL_TIMEOUT
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+
+    @property
+    def embedded(self) -> bool:
+        return self.dsn is None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteConfig:
+    name: str
+    path: str
+    scope: str
+    event_id: keys.Source
+    event_type: keys.Source | None
+    upstream: str
+    max_body: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogConfig:
+    level: str = "info"
+    format: str = "auto"  # auto: JSON unless stderr is a terminal
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    listen: Listen
+    upstream: UpstreamConfig
+    database: DatabaseConfig
+    routes: tuple[RouteConfig, ...]
+    claim_wait: float = DEFAULT_CLAIM_WAIT
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def parse_duration(value: object) -> float:
+    """``500ms``, ``30s``, ``5m``, ``2h``, ``30d`` or a number of seconds; positive."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
+        seconds = float(match[1]) * _DURATION_UNITS[match[2]]
+    else:
+        raise ValueError(f"must be a duration like 500ms, 30s, 5m or 30d, got {value!r}")
+    if seconds <= 0:
+        raise ValueError(f"must be positive, got {value!r}")
+    return seconds
+
+
+def parse_size(value: object) -> int:
+    """A byte count: an integer or ``512KiB``, ``10MiB``, ``1MB``…; positive."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (match := _SIZE.fullmatch(value.strip())):
+        size = int(match[1]) * _SIZE_UNITS[match[2]]
+    else:
+        raise ValueError(f"must be a size like 512KiB or 10MiB, got {value!r}")
+    if size <= 0:
+        raise ValueError(f"must be positive, got {value!r}")
+    return size
+
+
+def parse_listen(value: object) -> Listen:
+    if not isinstance(value, str):
+        raise ValueError(f"must be host:port, got {value!r}")
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"must be host:port, got {value!r}")
+    return Listen(host=host, port=int(port))
+
+
+def parse_http_url(value: object) -> str:
+    parts = urlsplit(value) if isinstance(value, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http(s) URL, got {value!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"must not carry a query or fragment, got {value!r}")
+    return str(value).rstrip("/")
+
+
+def parse_dsn(value: object) -> Secret | None:
+    if value == EMBEDDED:
+        return None
+    if not isinstance(value, str) or urlsplit(value).scheme not in ("postgres", "postgresql"):
+        raise ValueError("must be 'embedded' or a postgresql:// URL")
+    return Secret(value)
+
+
+def parse_table(value: object) -> str:
+    if not isinstance(value, str) or not all(
+        _IDENTIFIER.fullmatch(part) for part in value.split(".", 1)
+    ):
+        raise ValueError(
+            f"must be a lower-case SQL identifier, optionally schema.table; got {value!r}"
+        )
+    return value
+
+
+def parse_name(value: object) -> str:
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"must be letters, digits, '_', '.' or '-' (at most 63), got {value!r}")
+    return value
+
+
+def parse_path(value: object) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or any(c.isspace() for c in value):
+        raise ValueError(f"must be a URL path starting with '/', got {value!r}")
+    return value
+
+
+def parse_source(value: object) -> keys.Source:
+    if not isinstance(value, str):
+        raise ValueError(f"must be body:/pointer, header:Name or query:name, got {value!r}")
+    return keys.parse_source(value)
+
+
+def parse_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"must be true or false, got {value!r}")
+
+
+def parse_positive_int(value: object) -> int:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_choice(*choices: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
+        return str(value)
+
+    return parse
+
+
+class _Reader:
+    """Walks the parsed YAML, interpolating and validating, and collects every problem."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def problem(self, path: str, message: str) -> None:
+        self.problems.append(f"{path}: {message}" if path else message)
+
+    def mapping(self, raw: object, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
+        if raw is None:
+            return {}
+        if not isinstance(raw, Mapping):
+            self.problem(path, f"must be a mapping, got {type(raw).__name__}")
+            return {}
+        for key in raw:
+            if key not in allowed:
+                hint = difflib.get_close_matches(str(key), allowed, n=1)
+                suggestion = (
+                    f"did you mean {hint[0]!r}?" if hint else f"expected {', '.join(allowed)}"
+                )
+                self.problem(_join(path, str(key)), f"unknown key ({suggestion})")
+        return dict(raw)
+
+    def value(
+        self,
+        section: Mapping[str, Any],
+        key: str,
+        path: str,
+        parse: Callable[[object], T],
+        default: T,
+    ) -> T:
+        """The parsed value at ``key``, or ``default`` when it is absent or invalid."""
+        where = _join(path, key)
+        if section.get(key) is None:
+            return default
+        raw = self.interpolate(section[key], where)
+        if raw is None:
+            return default
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            self.problem(where, str(exc))
+            return default
+
+    def required(
+        self, section: Mapping[str, Any], key: str, path: str, parse: Callable[[object], T]
+    ) -> T | None:
+        if section.get(key) is None:
+            self.problem(_join(path, key), "is required")
+            return None
+        return self.value(section, key, path, parse, None)
+
+    def interpolate(self, raw: object, path: str) -> object:
+        if not isinstance(raw, str):
+            return raw
+        missing: list[str] = []
+
+        def substitute(match: re.Match[str]) -> str:
+            if match[0] == "$$":
+                return "$"
+            name, default = match[1], match[2]
+            if name in os.environ:
+                return os.environ[name]
+            if default is not None:
+                return default
+            missing.append(name)
+            return ""
+
+        value = _VAR.sub(substitute, raw)
+        for name in missing:
+            self.problem(path, f"environment variable {name} is not set")
+        return None if missing else value
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def load(path: str | os.PathLike[str]) -> Config:
+    """Read and validate a config file; raise ConfigError listing every problem."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise errors.ConfigError(source, [f"cannot read file: {exc}"]) from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise errors.ConfigError(source, [f"not valid YAML: {exc}"]) from exc
+    return parse(raw, source=source)
+
+
+def parse(raw: object, *, source: str = "<config>") -> Config:
+    """Validate an already-parsed YAML document."""
+    r = _Reader()
+    top = r.mapping(raw, "", _TOP_KEYS)
+    up = r.mapping(top.get("upstream"), "upstream", ("url", "timeout", "preserve_host"))
+    upstream = UpstreamConfig(
+        url=r.required(up, "url", "upstream", parse_http_url) or "",
+        timeout=r.value(up, "timeout", "upstream", parse_duration, DEFAULT_UPSTREAM_TIMEOUT),
+        preserve_host=r.value(up, "preserve_host", "upstream", parse_bool, True),
+    )
+    db = r.mapping(top.get("database"), "database", _DATABASE_KEYS)
+    if top.get("database") is None:
+        r.problem("database", "is required (dsn: embedded, or a postgresql:// URL)")
+    database = DatabaseConfig(
+        dsn=r.required(db, "dsn", "database", parse_dsn)
+        if top.get("database") is not None
+        else None,
+        data_dir=Path(r.value(db, "data_dir", "database", str, DEFAULT_DATA_DIR)),
+        table=r.value(db, "table", "database", parse_table, DEFAULT_TABLE),
+        create_schema=r.value(db, "create_schema", "database", parse_bool, True),
+        pool_size=r.value(db, "pool_size", "database", parse_positive_int, DEFAULT_POOL_SIZE),
+        pool_timeout=r.value(db, "pool_timeout", "database", parse_duration, DEFAULT_POOL_TIMEOUT),
+        connect_timeout=r.value(
+            db, "connect_timeout", "database", parse_duration, DEFAULT_CONNECT_TIMEOUT
+        ),
+    )
+    lg = r.mapping(top.get("log"), "log", ("level", "format"))
+    max_body = r.value(top, "max_body", "", parse_size, DEFAULT_MAX_BODY)
+    config = Config(
+        listen=r.value(top, "listen", "", parse_listen, parse_listen(DEFAULT_LISTEN)),
+        upstream=upstream,
+        database=database,
+        routes=_parse_routes(r, top.get("routes"), upstream.url, max_body),
+        claim_wait=r.value(top, "claim_wait", "", parse_duration, DEFAULT_CLAIM_WAIT),
+        shutdown_timeout=r.value(
+            top, "shutdown_timeout", "", parse_duration, DEFAULT_SHUTDOWN_TIMEOUT
+        ),
+        log=LogConfig(
+            level=r.value(lg, "level", "log", parse_choice(*_LEVELS), "info"),
+            format=r.value(lg, "format", "log", parse_choice("auto", "json", "text"), "auto"),
+        ),
+    )
+    if r.problems:
+        raise errors.ConfigError(source, r.problems)
+    return config
+
+
+def _parse_routes(
+    r: _Reader, raw: object, default_upstream: str, default_max_body: int
+) -> tuple[RouteConfig, ...]:
+    if not isinstance(raw, list) or not raw:
+        r.problem("routes", "must be a non-empty list of routes")
+        return ()
+    parsed: list[RouteConfig] = []
+    seen_names: dict[str, str] = {}
+    seen_paths: dict[str, str] = {}
+    for index, item in enumerate(raw):
+        path = f"routes[{index}]"
+        route = r.mapping(item, path, _ROUTE_KEYS)
+        if not route:
+            r.problem(path, "must be a mapping with name, path and event_id")
+            continue
+        name = r.required(route, "name", path, parse_name)
+        url_path = r.required(route, "path", path, parse_path)
+        event_id = r.required(route, "event_id", path, parse_source)
+        for value, seen, key in ((name, seen_names, "name"), (url_path, seen_paths, "path")):
+            if value is not None and value in seen:
+                r.problem(f"{path}.{key}", f"{value!r} is already used by {seen[value]}")
+            elif value is not None:
+                seen[value] = path
+        if name is None or url_path is None or event_id is None:
+            continue
+        parsed.append(
+            RouteConfig(
+                name=name,
+                path=url_path,
+                scope=r.value(route, "scope", path, parse_name, name),
+                event_id=event_id,
+                event_type=r.value(route, "event_type", path, parse_source, None),
+                upstream=r.value(route, "upstream", path, parse_http_url, default_upstream),
+                max_body=r.value(route, "max_body", path, parse_size, default_max_body),
+            )
+        )
+    return tuple(parsed)

@@ -1,0 +1,114 @@
+"""The proxy's exception tree.
+
+Foreign exceptions (asyncpg, aiohttp client, YAML) are translated into these exactly once, where
+they enter: the claim store, the forwarder, the config loader. Everything above those boundaries
+deals only in this tree, and the pipeline turns a ``RequestError`` into its HTTP answer in one
+place.
+
+::
+
+    * ProxyError
+      x ConfigError                 start-up; lists every problem at once
+      x EmbeddedDatabaseError       the embedded PostgreSQL could not be started
+      x CommitFailed                COMMIT after an upstream 2xx did not go through
+      x RequestError                carries .status, .code and .retry_after
+        + EventIdInvalid            400  no usable event ID in the request
+        + RequestIncomplete         400  the body ended before its declared end
+        + BodyTooLarge              413  body over max_body
+        + StoreUnavailable          503  database down, pool exhausted, schema missing
+          + ClaimWaitExceeded       503  a copy waited longer than claim_wait
+        + UpstreamUnavailable       502  refused, reset or unreachable upstream
+        + UpstreamTimeout           504  upstream did not answer in time
+
+A subclass's docstring is its default message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ProxyError(Exception):
+    """The proxy failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class ConfigError(ProxyError):
+    """Invalid configuration."""
+
+    def __init__(self, source: str, problems: Sequence[str]) -> None:
+        self.source = source
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  {problem}" for problem in self.problems)
+        super().__init__(f"invalid configuration in {source}:\n{lines}")
+
+
+class EmbeddedDatabaseError(ProxyError):
+    """The embedded PostgreSQL could not be started."""
+
+
+class CommitFailed(ProxyError):
+    """COMMIT did not go through; whether the claim was stored is unknown."""
+
+
+class RequestError(ProxyError):
+    """The request could not be processed."""
+
+    status = 500
+    code = "internal_error"
+    retry_after: int | None = None
+
+
+class EventIdInvalid(RequestError):
+    """The request carries no usable event ID."""
+
+    status = 400
+    code = "event_id_invalid"
+
+
+class RequestIncomplete(RequestError):
+    """The request body ended before its declared end."""
+
+    status = 400
+    code = "request_incomplete"
+
+
+class BodyTooLarge(RequestError):
+    """The request body is larger than max_body."""
+
+    status = 413
+    code = "body_too_large"
+
+
+class StoreUnavailable(RequestError):
+    """The claim store (PostgreSQL) is unavailable."""
+
+    status = 503
+    code = "store_unavailable"
+    retry_after = 5
+
+
+class ClaimWaitExceeded(StoreUnavailable):
+    """Another copy of this event is still in flight; try again later."""
+
+    code = "claim_wait_exceeded"
+
+
+class UpstreamUnavailable(RequestError):
+    """The upstream could not be reached or dropped the connection."""
+
+    status = 502
+    code = "upstream_unavailable"
+
+
+class UpstreamTimeout(RequestError):
+    """The upstream did not answer in time."""
+
+    status = 504
+    code = "upstream_timeout"

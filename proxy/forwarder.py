@@ -1,0 +1,184 @@
+"""The upstream client: what the app behind the proxy receives, and how its answer comes back.
+
+The request goes out as it came in (method, path, query, end-to-end headers and the raw body
+bytes) minus the hop-by-hop headers, with ``X-Forwarded-*`` added; the answer comes back the same
+way. aiohttp's client errors and timeouts are translated into ``errors`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import hdrs, web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy import errors
+
+log = logging.getLogger(__name__)
+
+# RFC 9110 §7.6.1 (and §11.7 for the Proxy-* pair): they describe one connection, not the message.
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Connection", "Proxy-Authenticate",
+        "Proxy-Authorization", "TE", "Trailer", "Transfer-Encoding", "Upgrade",
+    )
+)  # fmt: skip
+# aiohttp adds these to every request unless told not to; the upstream must see the provider's.
+_AUTO_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE)
+_CHUNK = 64 * 1024
+
+
+def _end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
+    named = {
+        token.strip().lower()
+        for value in headers.getall(hdrs.CONNECTION, [])
+        for token in value.split(",")
+    }
+    return CIMultiDict(
+        (name, value)
+        for name, value in headers.items()
+        if name.lower() not in HOP_BY_HOP and name.lower() not in named
+    )
+
+
+def request_headers(
+    incoming: CIMultiDictProxy[str] | CIMultiDict[str],
+    *,
+    peer: str | None,
+    scheme: str,
+    preserve_host: bool,
+    keep_length: bool,
+) -> CIMultiDict[str]:
+    """Headers for the upstream request. Content-Length is kept only for a streamed body."""
+    headers = _end_to_end(incoming)
+    if not keep_length:
+        headers.popall(hdrs.CONTENT_LENGTH, None)
+    host = incoming.get(hdrs.HOST)
+    if not preserve_host:
+        headers.popall(hdrs.HOST, None)
+    if peer:
+        prior = ", ".join(headers.popall(hdrs.X_FORWARDED_FOR, []))
+        headers[hdrs.X_FORWARDED_FOR] = f"{prior}, {peer}" if prior else peer
+    # An ingress in front of the sidecar may have set these already: its values are the truth.
+    headers.setdefault(hdrs.X_FORWARDED_PROTO, scheme)
+    if host:
+        headers.setdefault(hdrs.X_FORWARDED_HOST, host)
+    return headers
+
+
+def response_headers(upstream: CIMultiDictProxy[str], *, keep_length: bool) -> CIMultiDict[str]:
+    headers = _end_to_end(upstream)
+    if not keep_length:
+        headers.popall(hdrs.CONTENT_LENGTH, None)
+    return headers
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamResponse:
+    """The upstream's answer, read whole, headers already filtered for relaying."""
+
+    status: int
+    reason: str | None
+    headers: CIMultiDict[str]
+    body: bytes
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def to_web(self) -> web.Response:
+        return web.Response(
+            status=self.status, reason=self.reason, headers=self.headers, body=self.body
+        )
+
+
+class Forwarder:
+    """One client session to the upstream(s), shared by every request."""
+
+    def __init__(self, timeout: float, *, preserve_host: bool, connections: int) -> None:
+        self._timeout = timeout
+        self._preserve_host = preserve_host
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections),
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=_AUTO_HEADERS,
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    def _headers(self, request: web.Request, *, keep_length: bool) -> CIMultiDict[str]:
+        return request_headers(
+            request.headers,
+            peer=request.remote,
+            scheme=request.scheme,
+            preserve_host=self._preserve_host,
+            keep_length=keep_length,
+        )
+
+    async def forward(self, request: web.Request, base_url: str, body: bytes) -> UpstreamResponse:
+        """Send the webhook with its already-read body; read the whole answer."""
+        try:
+            async with self._session.request(
+                request.method,
+                base_url + request.raw_path,
+                headers=self._headers(request, keep_length=False),
+                data=body,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=self._timeout),
+            ) as upstream:
+                payload = await upstream.read()
+                return UpstreamResponse(
+                    status=upstream.status,
+                    reason=upstream.reason,
+                    headers=response_headers(upstream.headers, keep_length=False),
+                    body=payload,
+                )
+        except TimeoutError as exc:
+            raise errors.UpstreamTimeout(
+                f"upstream did not answer within {self._timeout:g}s"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
+
+    async def relay(self, request: web.Request, base_url: str) -> web.StreamResponse:
+        """Pass a request through unchanged, streaming both ways (no claim, no size cap)."""
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self._timeout, sock_read=self._timeout
+        )
+        try:
+            upstream = await self._session.request(
+                request.method,
+                base_url + request.raw_path,
+                headers=self._headers(request, keep_length=True),
+                data=request.content if request.body_exists else None,
+                allow_redirects=False,
+                timeout=timeout,
+            )
+        except TimeoutError as exc:
+            raise errors.UpstreamTimeout(
+                f"upstream did not answer within {self._timeout:g}s"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
+        async with upstream:
+            response = web.StreamResponse(
+                status=upstream.status,
+                reason=upstream.reason,
+                headers=response_headers(upstream.headers, keep_length=True),
+            )
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_chunked(_CHUNK):
+                    await response.write(chunk)
+                await response.write_eof()
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                # The status line is gone already: cutting the connection is the only honest
+                # signal left that the body is incomplete.
+                log.warning("pass-through body broke off: %r", exc)
+                response.force_close()
+            return response

@@ -1,0 +1,149 @@
+"""Event-ID extraction: where a route finds the provider's event ID and type in a request.
+
+A source is written ``body:/json/pointer`` (RFC 6901), ``header:Name`` or ``query:name``. Sources
+are parsed once at start-up; extraction is a pure function of the request's headers, query and
+raw body, so this module knows nothing of aiohttp.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from dataclasses import dataclass
+from typing import Literal, NoReturn, Protocol
+
+from proxy import errors
+
+MAX_ID_BYTES = 256
+_KINDS = ("body", "header", "query")
+_MISSING = object()
+
+Kind = Literal["body", "header", "query"]
+
+
+class MultiMapping(Protocol):
+    """Read access to a multi-valued, for headers case-insensitive, mapping (a multidict)."""
+
+    def getall(self, key: str, default: list[str], /) -> list[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a value lives in a request."""
+
+    kind: Kind
+    name: str
+    pointer: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+def parse_source(text: str) -> Source:
+    """Parse ``kind:name``; raises ValueError with a message fit for a config error."""
+    kind, sep, name = text.partition(":")
+    if not sep or kind not in _KINDS:
+        raise ValueError(f"must be body:/pointer, header:Name or query:name, got {text!r}")
+    if kind == "body":
+        if name and not name.startswith("/"):
+            raise ValueError(f"a JSON pointer must be empty or start with '/', got {name!r}")
+        tokens = tuple(token.replace("~1", "/").replace("~0", "~") for token in name.split("/")[1:])
+        return Source("body", name, tokens)
+    if not name or not name.isprintable() or " " in name:
+        raise ValueError(f"{kind} name must be a non-empty token, got {name!r}")
+    return Source(kind, name)  # type: ignore[arg-type]
+
+
+def _resolve_pointer(document: object, tokens: tuple[str, ...]) -> object:
+    node = document
+    for token in tokens:
+        if isinstance(node, dict):
+            node = node.get(token, _MISSING)
+        elif isinstance(node, list) and token.isdigit() and (token == "0" or token[0] != "0"):
+            index = int(token)
+            node = node[index] if index < len(node) else _MISSING
+        else:
+            return _MISSING
+        if node is _MISSING:
+            return _MISSING
+    return node
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", float: "number", dict: "object", list: "array"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _normalise(value: object) -> str | None:
+    """An ID as stored, or None when the value is not an acceptable ID."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return str(value)
+    if not isinstance(value, str) or not value:
+        return None
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        return None
+    # Control characters (NUL above all: PostgreSQL text cannot hold it) never appear in real IDs.
+    if any(unicodedata.category(char) in ("Cc", "Cs") for char in value):
+        return None
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Extractor:
+    """Finds one route's event ID (required) and event type (informational) in a request."""
+
+    route: str
+    event_id: Source
+    event_type: Source | None = None
+
+    @property
+    def needs_json(self) -> bool:
+        return self.event_id.kind == "body" or (
+            self.event_type is not None and self.event_type.kind == "body"
+        )
+
+    def extract(
+        self, headers: MultiMapping, query: MultiMapping, body: bytes
+    ) -> tuple[str, str | None]:
+        """Return ``(event_id, event_type)``; raise EventIdInvalid naming the route and source."""
+        document: object = _MISSING
+        if self.needs_json:
+            try:
+                document = json.loads(body)
+            except (ValueError, RecursionError):
+                # ValueError covers invalid JSON, invalid UTF-8 and over-long integers.
+                self._fail(f"body is not valid JSON (needed for {self.event_id})")
+        raw = self._lookup(self.event_id, headers, query, document)
+        if raw is _MISSING:
+            self._fail(f"no event ID at {self.event_id}")
+        event_id = _normalise(raw)
+        if event_id is None:
+            self._fail(
+                f"event ID at {self.event_id} must be a non-empty string (at most "
+                f"{MAX_ID_BYTES} bytes, no control characters) or an integer, "
+                f"got {_type_name(raw)}"
+            )
+        event_type = None
+        if self.event_type is not None:
+            # The type is informational: a missing or odd one is stored as NULL, never refused.
+            event_type = _normalise(self._lookup(self.event_type, headers, query, document))
+        return event_id, event_type
+
+    def _lookup(
+        self, source: Source, headers: MultiMapping, query: MultiMapping, document: object
+    ) -> object:
+        if source.kind == "body":
+            return _resolve_pointer(document, source.pointer)
+        values = (headers if source.kind == "header" else query).getall(source.name, [])
+        if len(values) > 1:
+            # Two values means the proxy and the app might read different IDs.
+            self._fail(f"{source} appears {len(values)} times")
+        return values[0] if values else _MISSING
+
+    def _fail(self, reason: str) -> NoReturn:
+        raise errors.EventIdInvalid(f"route {self.route!r}: {reason}")

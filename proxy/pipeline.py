@@ -1,0 +1,158 @@
+"""One request through the proxy: key → claim → forward → commit or roll back → respond.
+
+This is the one place where a ``RequestError`` becomes an HTTP answer, and where each request's
+canonical log line is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from proxy import claims, config, errors, forwarder, keys
+
+log = logging.getLogger(__name__)
+
+STORE = web.AppKey("store", claims.ClaimStore)
+FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
+
+_READ_CHUNK = 64 * 1024
+
+
+def _json(status: int, payload: dict[str, Any], outcome: str, retry_after: int | None = None
+          ) -> web.Response:  # fmt: skip
+    headers = {"Dedup-Status": outcome}
+    if retry_after is not None:
+        headers["Retry-After"] = str(retry_after)
+    return web.json_response(payload, status=status, headers=headers, dumps=json.dumps)
+
+
+def _outcome(exc: errors.RequestError) -> str:
+    if isinstance(exc, errors.StoreUnavailable):
+        return "unavailable"
+    if isinstance(exc, errors.UpstreamUnavailable | errors.UpstreamTimeout):
+        return "upstream_error"
+    return "rejected"
+
+
+def error_response(exc: errors.RequestError) -> web.Response:
+    """The proxy's own answer for a request it could not carry through."""
+    return _json(
+        exc.status,
+        {"status": "error", "error": exc.code, "message": exc.message},
+        _outcome(exc),
+        exc.retry_after,
+    )
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, refusing more than ``limit`` bytes (before reading, when declared)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise errors.BodyTooLarge(
+            f"body of {request.content_length} bytes is over max_body {limit}"
+        )
+    body = bytearray()
+    try:
+        async for chunk in request.content.iter_chunked(_READ_CHUNK):
+            body += chunk
+            if len(body) > limit:
+                raise errors.BodyTooLarge(f"body is over max_body {limit} bytes")
+    except (aiohttp.ClientPayloadError, OSError) as exc:
+        raise errors.RequestIncomplete(f"request body ended early: {exc!r}") from exc
+    return bytes(body)
+
+
+def _log_line(fields: dict[str, Any], started: float) -> None:
+    fields["total_ms"] = round((time.perf_counter() - started) * 1000, 2)
+    outcome = fields["outcome"]
+    level = {
+        "duplicate": logging.DEBUG,
+        "unavailable": logging.ERROR,
+        "commit_failed": logging.ERROR,
+        "rejected": logging.WARNING,
+    }.get(outcome, logging.INFO)
+    log.log(
+        level, "%s %s -> %s", fields["method"], fields["path"], outcome, extra={"fields": fields}
+    )
+
+
+class Webhook:
+    """The handler of one configured webhook route."""
+
+    def __init__(self, route: config.RouteConfig) -> None:
+        self.route = route
+        self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        fields: dict[str, Any] = {
+            "route": self.route.name,
+            "scope": self.route.scope,
+            "method": request.method,
+            "path": request.path,
+        }
+        try:
+            response = await self._handle(request, fields)
+        except errors.RequestError as exc:
+            fields["outcome"] = _outcome(exc)
+            fields["error"] = exc.message
+            response = error_response(exc)
+        fields["status"] = response.status
+        _log_line(fields, started)
+        return response
+
+    async def _handle(self, request: web.Request, fields: dict[str, Any]) -> web.StreamResponse:
+        route = self.route
+        body = await read_body(request, route.max_body)
+        event_id, event_type = self.extractor.extract(request.headers, request.query, body)
+        fields.update(event_id=event_id, event_type=event_type)
+        claim_started = time.perf_counter()
+        async with request.app[STORE].claim(route.scope, event_id, event_type) as claim:
+            fields["claim_ms"] = round((time.perf_counter() - claim_started) * 1000, 2)
+            if not claim.acquired:
+                fields["outcome"] = "duplicate"
+                return _json(200, {"status": "duplicate", "event_id": event_id}, "duplicate")
+            upstream = await request.app[FORWARDER].forward(request, route.upstream, body)
+            fields["upstream_status"] = upstream.status
+            if not upstream.ok:
+                fields["outcome"] = "upstream_error"
+                return upstream.to_web()
+            try:
+                await claim.commit()
+            except errors.CommitFailed as exc:
+                # The upstream did the work: answering anything but its 2xx would make the
+                # provider retry, and the retry would be forwarded again (see README, limits).
+                fields["outcome"] = "commit_failed"
+                fields["error"] = exc.message
+                return upstream.to_web()
+            fields["outcome"] = "processed"
+            return upstream.to_web()
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_passthrough(upstream: str) -> Handler:
+    """The handler for paths that match no route: forwarded unchanged, nothing claimed."""
+
+    async def passthrough(request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        fields: dict[str, Any] = {"route": None, "method": request.method, "path": request.path}
+        try:
+            response = await request.app[FORWARDER].relay(request, upstream)
+            fields["outcome"] = "passthrough"
+        except errors.RequestError as exc:
+            fields["outcome"] = _outcome(exc)
+            fields["error"] = exc.message
+            response = error_response(exc)
+        fields["status"] = response.status
+        _log_line(fields, started)
+        return response
+
+    return passthrough

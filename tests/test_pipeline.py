@@ -1,0 +1,402 @@
+"""End-to-end behaviour through ``create_app``: every row of the README's situation table."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+import socket
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.conftest import (
+    FakeUpstream,
+    MakeProxy,
+    claimed,
+    execute,
+    wait_for_lock_waiters,
+    wait_until,
+)
+
+
+def event(event_id: object, event_type: str = "charge.succeeded", **extra: Any) -> bytes:
+    return json.dumps({"id": event_id, "type": event_type, **extra}).encode()
+
+
+async def test_new_event_is_forwarded_once_and_relayed_byte_exact(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy()
+    body = event("evt_1", amount=100)
+
+    response = await client.post("/webhooks/corvel?x=1", data=body)
+
+    assert response.status == 200
+    assert await response.read() == b"processed\x00bytes"
+    assert response.headers["X-Upstream"] == "yes"
+    assert "Dedup-Status" not in response.headers
+    assert [(r.method, r.path_qs, r.body) for r in upstream.requests] == [
+        ("POST", "/webhooks/corvel?x=1", body)
+    ]
+    assert await claimed(pg_dsn, table) == [("corvel", "evt_1", "charge.succeeded")]
+
+
+async def test_duplicate_of_committed_event_is_absorbed(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    client = await make_proxy()
+    first = await client.post("/webhooks/corvel", data=event("evt_dup"))
+    assert first.status == 200
+
+    second = await client.post("/webhooks/corvel", data=event("evt_dup"))
+
+    assert second.status == 200
+    assert second.headers["Dedup-Status"] == "duplicate"
+    assert await second.json() == {"status": "duplicate", "event_id": "evt_dup"}
+    assert len(upstream.requests) == 1
+
+
+async def test_integer_id_and_header_id(make_proxy: MakeProxy, upstream: FakeUpstream) -> None:
+    client = await make_proxy()
+    assert (await client.post("/webhooks/corvel", data=event(42))).status == 200
+    duplicate = await client.post("/webhooks/corvel", data=event(42))
+    assert await duplicate.json() == {"status": "duplicate", "event_id": "42"}
+
+    headers = {"X-GitHub-Delivery": "72d3162e-cc78-11e3-81ab-4c9367dc0958"}
+    assert (await client.post("/webhooks/github", data=b"{}", headers=headers)).status == 200
+    again = await client.post("/webhooks/github", data=b"{}", headers=headers)
+    assert again.headers["Dedup-Status"] == "duplicate"
+    assert len(upstream.requests) == 2
+
+
+async def test_same_id_on_two_routes_is_two_events(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy()
+    await client.post("/webhooks/corvel", data=event("shared-id"))
+    await client.post("/webhooks/github", data=b"{}", headers={"X-GitHub-Delivery": "shared-id"})
+
+    assert len(upstream.requests) == 2
+    assert [row[:2] for row in await claimed(pg_dsn, table)] == [
+        ("corvel", "shared-id"),
+        ("github", "shared-id"),
+    ]
+
+
+async def test_upstream_failure_releases_the_claim_and_the_retry_goes_through(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: (
+        web.Response(status=500, text="boom") if n == 0 else web.Response(text="ok")
+    )
+    client = await make_proxy()
+
+    failed = await client.post("/webhooks/corvel", data=event("evt_retry"))
+    assert failed.status == 500
+    assert await failed.text() == "boom"
+    assert await claimed(pg_dsn, table) == []
+
+    retried = await client.post("/webhooks/corvel", data=event("evt_retry"))
+    assert retried.status == 200
+    assert await retried.text() == "ok"
+    assert len(upstream.requests) == 2
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_retry"]
+
+
+async def test_concurrent_copies_reach_the_upstream_once(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    copies = 6
+    upstream.gate = asyncio.Event()
+    client = await make_proxy(database={"pool_size": copies + 1})
+    first = asyncio.create_task(client.post("/webhooks/corvel", data=event("evt_storm")))
+    await upstream.arrived.wait()
+    others = [
+        asyncio.create_task(client.post("/webhooks/corvel", data=event("evt_storm")))
+        for _ in range(copies - 1)
+    ]
+    # The copies are parked on PostgreSQL's row lock, not answered early.
+    await wait_for_lock_waiters(pg_dsn, table, copies - 1)
+    assert not any(task.done() for task in others)
+
+    upstream.gate.set()
+    responses = await asyncio.gather(first, *others)
+
+    assert [r.status for r in responses] == [200] * copies
+    statuses = [r.headers.get("Dedup-Status") for r in responses]
+    assert statuses.count("duplicate") == copies - 1
+    assert len(upstream.requests) == 1
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_storm"]
+
+
+async def test_unsynchronised_burst_of_copies_reaches_the_upstream_once(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    client = await make_proxy(database={"pool_size": 3})
+    responses = await asyncio.gather(
+        *(client.post("/webhooks/corvel", data=event("evt_burst")) for _ in range(30))
+    )
+    assert [r.status for r in responses] == [200] * 30
+    assert len(upstream.requests) == 1
+
+
+async def test_failing_first_copy_hands_over_to_the_waiting_copy(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    upstream.respond = lambda n: (
+        web.Response(status=503, text="down") if n == 0 else web.Response(text="second won")
+    )
+    client = await make_proxy()
+    first = asyncio.create_task(client.post("/webhooks/corvel", data=event("evt_handover")))
+    await upstream.arrived.wait()
+    second = asyncio.create_task(client.post("/webhooks/corvel", data=event("evt_handover")))
+    await wait_for_lock_waiters(pg_dsn, table, 1)
+
+    upstream.gate.set()
+    first_response, second_response = await asyncio.gather(first, second)
+
+    assert first_response.status == 503
+    assert second_response.status == 200
+    assert await second_response.text() == "second won"
+    assert "Dedup-Status" not in second_response.headers
+    assert len(upstream.requests) == 2
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_handover"]
+
+
+async def test_copy_waiting_past_claim_wait_gets_503(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    client = await make_proxy(claim_wait="300ms")
+    first = asyncio.create_task(client.post("/webhooks/corvel", data=event("evt_slow")))
+    await upstream.arrived.wait()
+
+    copy = await client.post("/webhooks/corvel", data=event("evt_slow"))
+
+    assert copy.status == 503
+    assert copy.headers["Retry-After"] == "5"
+    assert copy.headers["Dedup-Status"] == "unavailable"
+    assert (await copy.json())["error"] == "claim_wait_exceeded"
+    upstream.gate.set()
+    assert (await first).status == 200
+    assert len(upstream.requests) == 1
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_slow"]
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_unreachable_upstream_gives_502_and_no_claim(
+    make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(upstream={"url": f"http://127.0.0.1:{_closed_port()}"})
+
+    response = await client.post("/webhooks/corvel", data=event("evt_502"))
+
+    assert response.status == 502
+    assert (await response.json())["error"] == "upstream_unavailable"
+    assert response.headers["Dedup-Status"] == "upstream_error"
+    assert await claimed(pg_dsn, table) == []
+
+
+async def test_upstream_timeout_gives_504_and_no_claim(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    client = await make_proxy(upstream={"timeout": "300ms"})
+    try:
+        response = await client.post("/webhooks/corvel", data=event("evt_504"))
+    finally:
+        upstream.gate.set()
+
+    assert response.status == 504
+    assert (await response.json())["error"] == "upstream_timeout"
+    assert await claimed(pg_dsn, table) == []
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"type": "x"}', "no event ID at body:/id"),
+        (b"not json", "body is not valid JSON"),
+        (b'{"id": ""}', "must be a non-empty string"),
+        (b'{"id": {"nested": 1}}', "got object"),
+        (b'{"id": null}', "got null"),
+        (b'{"id": "a\\u0000b"}', "no control characters"),
+    ],
+)
+async def test_unusable_event_id_gives_400_and_nothing_forwarded(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, body: bytes, reason: str
+) -> None:
+    client = await make_proxy()
+
+    response = await client.post("/webhooks/corvel", data=body)
+
+    assert response.status == 400
+    payload = await response.json()
+    assert payload["error"] == "event_id_invalid"
+    assert payload["message"].startswith("route 'corvel': ")
+    assert reason in payload["message"]
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []
+
+
+async def test_body_over_max_body_gives_413(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(max_body="1KiB")
+    big = event("evt_big", padding="x" * 2000)
+
+    declared = await client.post("/webhooks/corvel", data=big)
+
+    async def chunks() -> Any:
+        for start in range(0, len(big), 100):
+            yield big[start : start + 100]
+
+    streamed = await client.post("/webhooks/corvel", data=chunks())
+
+    assert declared.status == 413
+    assert streamed.status == 413
+    assert (await streamed.json())["error"] == "body_too_large"
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []
+
+
+async def test_unrouted_paths_and_methods_pass_through_without_a_claim(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy()
+
+    get = await client.get("/health?deep=1")
+    put = await client.put("/api/items/7", data=b"payload")
+    webhook_get = await client.get("/webhooks/corvel")
+
+    assert [r.status for r in (get, put, webhook_get)] == [200, 200, 200]
+    assert [(r.method, r.path_qs, r.body) for r in upstream.requests] == [
+        ("GET", "/health?deep=1", b""),
+        ("PUT", "/api/items/7", b"payload"),
+        ("GET", "/webhooks/corvel", b""),
+    ]
+    assert await claimed(pg_dsn, table) == []
+
+
+async def test_bytes_and_headers_are_forwarded_exactly_minus_hop_by_hop(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    compressed = gzip.compress(event("evt_gzip"))
+    raw_answer = gzip.compress(b"accepted")
+    upstream.respond = lambda n: web.Response(
+        body=raw_answer,
+        headers={"Content-Encoding": "gzip", "Keep-Alive": "timeout=5", "X-Trace": "t1"},
+    )
+    client = await make_proxy(
+        routes=[{"name": "raw", "path": "/webhooks/raw", "event_id": "header:Webhook-Id"}]
+    )
+
+    response = await client.post(
+        "/webhooks/raw",
+        data=compressed,
+        headers={
+            "Webhook-Id": "msg_1",
+            "Content-Encoding": "gzip",
+            "Content-Type": "application/json",
+            "Connection": "keep-alive, X-Hop",
+            "X-Hop": "secret-to-this-hop",
+            "Keep-Alive": "timeout=5",
+            "Proxy-Authorization": "Basic Zm9vOmJhcg==",
+            "TE": "trailers",
+            "X-Signature": "sig",
+        },
+        skip_auto_headers=["User-Agent", "Accept-Encoding", "Accept"],
+        auto_decompress=False,
+    )
+
+    assert response.status == 200
+    assert await response.read() == raw_answer
+    assert response.headers["Content-Encoding"] == "gzip"
+    assert response.headers["X-Trace"] == "t1"
+    assert "Keep-Alive" not in response.headers
+    (received,) = upstream.requests
+    assert received.body == compressed
+    headers = received.headers
+    assert headers["content-encoding"] == ["gzip"]
+    assert headers["content-type"] == ["application/json"]
+    assert headers["x-signature"] == ["sig"]
+    assert headers["content-length"] == [str(len(compressed))]
+    for dropped in ("x-hop", "keep-alive", "proxy-authorization", "te", "transfer-encoding"):
+        assert dropped not in headers
+    # Nothing the provider did not send, apart from X-Forwarded-*.
+    for added in ("user-agent", "accept-encoding", "accept"):
+        assert added not in headers
+    assert headers["x-forwarded-for"] == ["127.0.0.1"]
+    assert headers["x-forwarded-proto"] == ["http"]
+    assert headers["host"] == headers["x-forwarded-host"]
+
+
+async def test_commit_failure_after_upstream_2xx_still_answers_2xx_and_logs(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = await make_proxy()
+    await client.post("/webhooks/corvel", data=event("evt_ok"))  # creates the table
+    # A deferred constraint trigger runs at COMMIT: a real PostgreSQL commit failure.
+    await execute(
+        pg_dsn,
+        f"""
+        CREATE FUNCTION "{table}_fail"() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+          IF NEW.event_id = 'evt_commit_fails' THEN RAISE EXCEPTION 'commit refused'; END IF;
+          RETURN NULL;
+        END $$;
+        CREATE CONSTRAINT TRIGGER fail_at_commit AFTER INSERT ON "{table}"
+          DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION "{table}_fail"();
+        """,
+    )
+    try:
+        with caplog.at_level(logging.ERROR, logger="proxy.pipeline"):
+            response = await client.post("/webhooks/corvel", data=event("evt_commit_fails"))
+    finally:
+        await execute(pg_dsn, f'DROP FUNCTION "{table}_fail" CASCADE')
+
+    assert response.status == 200
+    assert await response.read() == b"processed\x00bytes"
+    assert len(upstream.requests) == 2
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_ok"]
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert fields["outcome"] == "commit_failed"
+    assert fields["event_id"] == "evt_commit_fails"
+    assert "commit refused" in fields["error"]
+
+
+async def test_provider_hanging_up_does_not_undo_the_work(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    client = await make_proxy()
+    request = asyncio.create_task(client.post("/webhooks/corvel", data=event("evt_hangup")))
+    await upstream.arrived.wait()
+    request.cancel()  # the provider gives up and closes its connection
+    with pytest.raises(asyncio.CancelledError):
+        await request
+
+    upstream.gate.set()
+
+    async def committed() -> bool:
+        return [row[1] for row in await claimed(pg_dsn, table)] == ["evt_hangup"]
+
+    await wait_until(committed, "the claim to commit after the provider hung up")
+    retry = await client.post("/webhooks/corvel", data=event("evt_hangup"))
+    assert retry.headers["Dedup-Status"] == "duplicate"
+    assert len(upstream.requests) == 1
