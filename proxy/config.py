@@ -8,6 +8,7 @@ collected with its path and reported at once in one ``ConfigError``.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -148,6 +149,8 @@ def parse_duration(value: object) -> float:
         seconds = float(match[1]) * _DURATION_UNITS[match[2]]
     else:
         raise ValueError(f"must be a duration like 500ms, 30s, 5m or 30d, got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"must be a finite duration, got {value!r}")
     if seconds <= 0:
         raise ValueError(f"must be positive, got {value!r}")
     return seconds

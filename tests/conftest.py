@@ -173,9 +173,7 @@ async def claimed(dsn: str, table: str) -> list[tuple[str, str, str | None]]:
     return [(r["scope"], r["event_id"], r["event_type"]) for r in rows]
 
 
-async def wait_until(
-    check: Callable[[], Awaitable[bool]], what: str, within: float = 10.0
-) -> None:
+async def wait_until(check: Callable[[], Awaitable[bool]], what: str, within: float = 10.0) -> None:
     """Poll ``check`` until it is true; fail the test after ``within`` seconds."""
     deadline = time.monotonic() + within
     while not await check():

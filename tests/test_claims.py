@@ -1,0 +1,165 @@
+"""The claim store against a real PostgreSQL: connection settings, schema, outages, exhaustion."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from proxy import app, claims, config, embedded, errors
+from tests.conftest import FakeUpstream, MakeProxy, claimed, fetch
+
+
+def event(event_id: str) -> bytes:
+    return json.dumps({"id": event_id, "type": "t"}).encode()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[embedded.EmbeddedPostgres]:
+    """A PostgreSQL of this test's own, which it may stop and start."""
+    server = embedded.EmbeddedPostgres(tmp_path / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_connections_bound_lock_waits_and_abandoned_transactions(
+    pg_dsn: str, table: str
+) -> None:
+    settings = config.DatabaseConfig(dsn=None, table=table, pool_size=1)
+    store = await claims.ClaimStore.open(pg_dsn, settings, claim_wait=1.5, upstream_timeout=30.0)
+    try:
+        await store.ensure_schema()
+        async with store.claim("s", "e1", None) as claim:
+            assert claim.acquired
+            rows = await fetch(
+                pg_dsn,
+                "SELECT state, application_name FROM pg_stat_activity "
+                "WHERE application_name = 'dedup-proxy' AND state LIKE 'idle in transaction%'",
+            )
+            assert len(rows) == 1  # the claim is held open while the upstream would be called
+            setting = await claim._connection.fetch(
+                "SELECT name, setting FROM pg_settings WHERE name IN "
+                "('lock_timeout', 'idle_in_transaction_session_timeout', 'transaction_isolation')"
+            )
+        values = {row["name"]: row["setting"] for row in setting}
+        assert values["lock_timeout"] == "1500"
+        # Above the upstream timeout, so only a vanished proxy's claim is cut off.
+        assert int(values["idle_in_transaction_session_timeout"]) > 30_000
+        assert values["transaction_isolation"] == "read committed"
+        # Not committed: released.
+        assert await claimed(pg_dsn, table) == []
+    finally:
+        await store.close()
+
+
+async def test_schema_creation_is_idempotent_and_safe_for_concurrent_replicas(
+    pg_dsn: str, table: str
+) -> None:
+    settings = config.DatabaseConfig(dsn=None, table=table, pool_size=1)
+    stores = await asyncio.gather(
+        *(
+            claims.ClaimStore.open(pg_dsn, settings, claim_wait=1, upstream_timeout=1)
+            for _ in range(4)
+        )
+    )
+    try:
+        await asyncio.gather(*(store.ensure_schema() for store in stores))
+        await stores[0].ensure_schema()
+    finally:
+        await asyncio.gather(*(store.close() for store in stores))
+    columns = await fetch(
+        pg_dsn,
+        "SELECT column_name, data_type, is_nullable FROM information_schema.columns "
+        "WHERE table_name = $1 ORDER BY ordinal_position",
+        table,
+    )
+    assert [(c["column_name"], c["data_type"], c["is_nullable"]) for c in columns] == [
+        ("scope", "text", "NO"),
+        ("event_id", "text", "NO"),
+        ("event_type", "text", "YES"),
+        ("received_at", "timestamp with time zone", "NO"),
+    ]
+    indexes = await fetch(pg_dsn, "SELECT indexdef FROM pg_indexes WHERE tablename = $1", table)
+    definitions = sorted(row["indexdef"] for row in indexes)
+    assert any("(scope, event_id)" in d and "UNIQUE" in d for d in definitions)
+    assert any("(received_at)" in d for d in definitions)
+
+
+async def start_up(cfg: config.Config) -> None:
+    """Start the app as ``serve`` does, and clean up whatever started."""
+    runner = web.AppRunner(app.create_app(cfg))
+    try:
+        await runner.setup()
+    finally:
+        await runner.cleanup()
+
+
+async def test_missing_table_without_create_schema_fails_start_up(
+    proxy_config: Callable[..., config.Config], table: str
+) -> None:
+    with pytest.raises(errors.StoreUnavailable, match=f"table {table} does not exist"):
+        await start_up(proxy_config(database={"create_schema": False}))
+
+
+async def test_unreachable_database_fails_start_up_clearly(
+    proxy_config: Callable[..., config.Config],
+) -> None:
+    cfg = proxy_config(
+        database={"dsn": "postgresql://nobody@127.0.0.1:1/none", "connect_timeout": "2s"}
+    )
+    with pytest.raises(errors.StoreUnavailable, match="cannot connect to PostgreSQL"):
+        await start_up(cfg)
+
+
+async def test_database_outage_fails_closed_then_recovers_without_restart(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    own_server: embedded.EmbeddedPostgres,
+    table: str,
+) -> None:
+    dsn = own_server.start()  # already running: returns its DSN
+    client = await make_proxy(database={"dsn": dsn, "pool_size": 2})
+    assert (await client.post("/webhooks/corvel", data=event("before"))).status == 200
+
+    await asyncio.to_thread(own_server.stop)
+    during = await client.post("/webhooks/corvel", data=event("during"))
+
+    assert during.status == 503
+    assert during.headers["Retry-After"] == "5"
+    assert (await during.json())["error"] == "store_unavailable"
+    assert len(upstream.requests) == 1  # fail closed: nothing forwarded unclaimed
+
+    await asyncio.to_thread(own_server.start)
+    after = await client.post("/webhooks/corvel", data=event("during"))
+
+    assert after.status == 200
+    assert "Dedup-Status" not in after.headers
+    assert len(upstream.requests) == 2
+    assert [row[1] for row in await claimed(dsn, table)] == ["before", "during"]
+
+
+async def test_pool_exhaustion_gives_503_after_pool_timeout(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    client = await make_proxy(database={"pool_size": 1, "pool_timeout": "300ms"})
+    first = asyncio.create_task(client.post("/webhooks/corvel", data=event("holds-the-pool")))
+    await upstream.arrived.wait()
+
+    second = await client.post("/webhooks/corvel", data=event("another-event"))
+
+    assert second.status == 503
+    body = await second.json()
+    assert body["error"] == "store_unavailable"
+    assert "no free database connection within 0.3s (pool_size 1)" in body["message"]
+    upstream.gate.set()
+    assert (await first).status == 200
+    assert [r.body for r in upstream.requests] == [event("holds-the-pool")]
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["holds-the-pool"]
