@@ -54,6 +54,8 @@ def request_headers(
 ) -> CIMultiDict[str]:
     """Headers for the upstream request. Content-Length is kept only for a streamed body."""
     headers = _end_to_end(incoming)
+    # The proxy has answered any "100-continue" itself; the upstream must not be asked again.
+    headers.popall(hdrs.EXPECT, None)
     if not keep_length:
         headers.popall(hdrs.CONTENT_LENGTH, None)
     host = incoming.get(hdrs.HOST)
