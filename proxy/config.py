@@ -74,12 +74,16 @@ class Secret:
 
 
 def redact_dsn(dsn: str) -> str:
-    """The DSN with its password replaced, fit for logs and ``check`` output."""
+    """The DSN with its password (in the authority or as ``?password=``) replaced."""
     parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return parts._replace(netloc=netloc).geturl()
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
+    query = "&".join(
+        "password=***" if pair.split("=", 1)[0].lower() == "password" else pair
+        for pair in parts.query.split("&")
+    )
+    return parts._replace(netloc=netloc, query=query if parts.query else "").geturl()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,12 +174,13 @@ def parse_size(value: object) -> int:
 
 
 def parse_listen(value: object) -> Listen:
-    if not isinstance(value, str):
-        raise ValueError(f"must be host:port, got {value!r}")
-    host, sep, port = value.rpartition(":")
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    bracketed = host.startswith("[") == host.endswith("]")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"must be host:port, got {value!r}")
+    if not (sep and host and bracketed and port.isascii() and port.isdigit()) or not (
+        0 < int(port) <= 65535
+    ):
+        raise ValueError(f"must be host:port, port 1-65535, IPv6 as [::1]:port; got {value!r}")
     return Listen(host=host, port=int(port))
 
 
@@ -311,10 +316,13 @@ class _Reader:
             if match[0] == "$$":
                 return "$"
             name, default = match[1], match[2]
-            if name in os.environ:
+            # As in POSIX shells: ":-" falls back when the variable is unset *or empty*.
+            if os.environ.get(name):
                 return os.environ[name]
             if default is not None:
                 return default
+            if name in os.environ:
+                return ""
             missing.append(name)
             return ""
 
@@ -346,6 +354,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
     """Validate an already-parsed YAML document."""
     r = _Reader()
     top = r.mapping(raw, "", _TOP_KEYS)
+    listen = r.value(top, "listen", "", parse_listen, parse_listen(DEFAULT_LISTEN))
     up = r.mapping(top.get("upstream"), "upstream", ("url", "timeout", "preserve_host"))
     upstream = UpstreamConfig(
         url=r.required(up, "url", "upstream", parse_http_url) or "",
@@ -371,7 +380,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
     lg = r.mapping(top.get("log"), "log", ("level", "format"))
     max_body = r.value(top, "max_body", "", parse_size, DEFAULT_MAX_BODY)
     config = Config(
-        listen=r.value(top, "listen", "", parse_listen, parse_listen(DEFAULT_LISTEN)),
+        listen=listen,
         upstream=upstream,
         database=database,
         routes=_parse_routes(r, top.get("routes"), upstream.url, max_body),

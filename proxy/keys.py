@@ -54,12 +54,17 @@ def parse_source(text: str) -> Source:
     return Source(kind, name)  # type: ignore[arg-type]
 
 
+def _is_index(token: str) -> bool:
+    """RFC 6901 array index: ASCII digits, no leading zero."""
+    return token.isascii() and token.isdigit() and (token == "0" or token[0] != "0")
+
+
 def _resolve_pointer(document: object, tokens: tuple[str, ...]) -> object:
     node = document
     for token in tokens:
         if isinstance(node, dict):
             node = node.get(token, _MISSING)
-        elif isinstance(node, list) and token.isdigit() and (token == "0" or token[0] != "0"):
+        elif isinstance(node, list) and _is_index(token):
             index = int(token)
             node = node[index] if index < len(node) else _MISSING
         else:
@@ -82,7 +87,7 @@ def _normalise(value: object) -> str | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return str(value)
+        value = str(value)
     if not isinstance(value, str) or not value:
         return None
     if len(value.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
@@ -94,6 +99,11 @@ def _normalise(value: object) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
+class _Repeated:
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class Extractor:
     """Finds one route's event ID (required) and event type (informational) in a request."""
 
@@ -101,26 +111,24 @@ class Extractor:
     event_id: Source
     event_type: Source | None = None
 
-    @property
-    def needs_json(self) -> bool:
-        return self.event_id.kind == "body" or (
-            self.event_type is not None and self.event_type.kind == "body"
-        )
-
     def extract(
         self, headers: MultiMapping, query: MultiMapping, body: bytes
     ) -> tuple[str, str | None]:
         """Return ``(event_id, event_type)``; raise EventIdInvalid naming the route and source."""
         document: object = _MISSING
-        if self.needs_json:
+        if self.event_id.kind == "body" or (self.event_type and self.event_type.kind == "body"):
             try:
                 document = json.loads(body)
             except (ValueError, RecursionError):
                 # ValueError covers invalid JSON, invalid UTF-8 and over-long integers.
-                self._fail(f"body is not valid JSON (needed for {self.event_id})")
+                if self.event_id.kind == "body":
+                    self._fail(f"body is not valid JSON (needed for {self.event_id})")
         raw = self._lookup(self.event_id, headers, query, document)
         if raw is _MISSING:
             self._fail(f"no event ID at {self.event_id}")
+        if isinstance(raw, _Repeated):
+            # Two values means the proxy and the app might read different IDs.
+            self._fail(f"{self.event_id} appears {raw.count} times")
         event_id = _normalise(raw)
         if event_id is None:
             self._fail(
@@ -134,15 +142,15 @@ class Extractor:
             event_type = _normalise(self._lookup(self.event_type, headers, query, document))
         return event_id, event_type
 
+    @staticmethod
     def _lookup(
-        self, source: Source, headers: MultiMapping, query: MultiMapping, document: object
+        source: Source, headers: MultiMapping, query: MultiMapping, document: object
     ) -> object:
         if source.kind == "body":
             return _resolve_pointer(document, source.pointer)
         values = (headers if source.kind == "header" else query).getall(source.name, [])
         if len(values) > 1:
-            # Two values means the proxy and the app might read different IDs.
-            self._fail(f"{source} appears {len(values)} times")
+            return _Repeated(len(values))
         return values[0] if values else _MISSING
 
     def _fail(self, reason: str) -> NoReturn:

@@ -1,0 +1,184 @@
+"""Header filtering between the webhook provider, the proxy and the upstream app."""
+
+from __future__ import annotations
+
+import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy import forwarder
+
+HOP_BY_HOP_NAMES = [
+    "Connection",
+    "Keep-Alive",
+    "Proxy-Connection",
+    "Proxy-Authenticate",
+    "Proxy-Authorization",
+    "TE",
+    "Trailer",
+    "Transfer-Encoding",
+    "Upgrade",
+]
+PEER = "203.0.113.7"
+
+
+def outgoing(
+    headers: list[tuple[str, str]],
+    *,
+    peer: str | None = PEER,
+    scheme: str = "https",
+    preserve_host: bool = True,
+    keep_length: bool = False,
+) -> CIMultiDict[str]:
+    return forwarder.request_headers(
+        CIMultiDict(headers),
+        peer=peer,
+        scheme=scheme,
+        preserve_host=preserve_host,
+        keep_length=keep_length,
+    )
+
+
+def returned(headers: list[tuple[str, str]], *, keep_length: bool = False) -> CIMultiDict[str]:
+    return forwarder.response_headers(
+        CIMultiDictProxy(CIMultiDict(headers)), keep_length=keep_length
+    )
+
+
+def test_hop_by_hop_set() -> None:
+    assert {name.lower() for name in HOP_BY_HOP_NAMES} == forwarder.HOP_BY_HOP
+
+
+@pytest.mark.parametrize("name", [*HOP_BY_HOP_NAMES, "transfer-encoding", "UPGRADE"])
+def test_hop_by_hop_header_is_not_forwarded(name: str) -> None:
+    incoming = [("Content-Type", "application/json"), (name, "x"), ("Stripe-Signature", "t=1")]
+
+    sent = outgoing(incoming)
+    back = returned(incoming)
+
+    assert name not in sent
+    assert name not in back
+    assert sent.getall("Stripe-Signature") == ["t=1"]
+    assert list(back.items()) == [("Content-Type", "application/json"), ("Stripe-Signature", "t=1")]
+
+
+def test_headers_named_by_connection_are_dropped() -> None:
+    incoming = [
+        ("Connection", "close, X-Foo"),
+        ("X-Foo", "hop"),
+        ("Connection", " x-TRACE ,keep-alive"),
+        ("X-Trace", "hop"),
+        ("X-Bar", "end-to-end"),
+    ]
+
+    sent = outgoing(incoming)
+    back = returned(incoming)
+
+    for headers in (sent, back):
+        assert "X-Foo" not in headers
+        assert "X-Trace" not in headers
+        assert "Connection" not in headers
+        assert headers.getall("X-Bar") == ["end-to-end"]
+
+
+def test_repeated_end_to_end_headers_are_kept_in_order() -> None:
+    upstream = [
+        ("Set-Cookie", "a=1; Path=/"),
+        ("Content-Type", "text/plain"),
+        ("Transfer-Encoding", "chunked"),
+        ("Set-Cookie", "b=2; Path=/"),
+        ("X-Custom", "one"),
+        ("X-Custom", "two"),
+    ]
+
+    back = returned(upstream)
+
+    assert list(back.items()) == [
+        ("Set-Cookie", "a=1; Path=/"),
+        ("Content-Type", "text/plain"),
+        ("Set-Cookie", "b=2; Path=/"),
+        ("X-Custom", "one"),
+        ("X-Custom", "two"),
+    ]
+
+
+def test_repeated_request_headers_are_kept_in_order() -> None:
+    sent = outgoing([("X-Custom", "one"), ("Accept", "*/*"), ("X-Custom", "two")])
+
+    assert sent.getall("X-Custom") == ["one", "two"]
+    assert sent.getall("Accept") == ["*/*"]
+
+
+@pytest.mark.parametrize(("keep_length", "expected"), [(False, []), (True, ["17"])])
+def test_content_length_is_kept_only_when_asked(keep_length: bool, expected: list[str]) -> None:
+    headers = [("Content-Length", "17"), ("Content-Type", "application/json")]
+
+    assert outgoing(headers, keep_length=keep_length).getall("Content-Length", []) == expected
+    assert returned(headers, keep_length=keep_length).getall("Content-Length", []) == expected
+
+
+def test_forwarded_for_is_set_from_the_peer() -> None:
+    assert outgoing([]).getall("X-Forwarded-For") == [PEER]
+
+
+def test_forwarded_for_is_appended_to() -> None:
+    sent = outgoing([("X-Forwarded-For", "198.51.100.1"), ("x-forwarded-for", "10.0.0.2")])
+
+    assert sent.getall("X-Forwarded-For") == [f"198.51.100.1, 10.0.0.2, {PEER}"]
+
+
+def test_forwarded_for_is_left_alone_without_a_peer() -> None:
+    assert outgoing([], peer=None).getall("X-Forwarded-For", []) == []
+    assert outgoing([("X-Forwarded-For", "198.51.100.1")], peer=None).getall("X-Forwarded-For") == [
+        "198.51.100.1"
+    ]
+
+
+def test_forwarded_proto_and_host_are_set_when_absent() -> None:
+    sent = outgoing([("Host", "hooks.example.com")], scheme="http")
+
+    assert sent.getall("X-Forwarded-Proto") == ["http"]
+    assert sent.getall("X-Forwarded-Host") == ["hooks.example.com"]
+
+
+def test_forwarded_proto_and_host_from_an_ingress_win() -> None:
+    sent = outgoing(
+        [
+            ("Host", "proxy.internal:8080"),
+            ("X-Forwarded-Proto", "https"),
+            ("X-Forwarded-Host", "hooks.example.com"),
+        ],
+        scheme="http",
+    )
+
+    assert sent.getall("X-Forwarded-Proto") == ["https"]
+    assert sent.getall("X-Forwarded-Host") == ["hooks.example.com"]
+
+
+def test_no_forwarded_host_without_a_host() -> None:
+    assert "X-Forwarded-Host" not in outgoing([])
+
+
+def test_host_is_kept_when_preserved() -> None:
+    sent = outgoing([("Host", "hooks.example.com")], preserve_host=True)
+
+    assert sent.getall("Host") == ["hooks.example.com"]
+
+
+def test_host_is_removed_when_not_preserved() -> None:
+    sent = outgoing([("Host", "hooks.example.com")], preserve_host=False)
+
+    assert "Host" not in sent
+    assert sent.getall("X-Forwarded-Host") == ["hooks.example.com"]
+
+
+def test_incoming_headers_are_not_modified() -> None:
+    incoming = CIMultiDict(
+        [("Host", "h"), ("Connection", "close"), ("Content-Length", "3"), ("X-Forwarded-For", "a")]
+    )
+    before = list(incoming.items())
+
+    forwarder.request_headers(
+        incoming, peer=PEER, scheme="https", preserve_host=False, keep_length=False
+    )
+
+    assert list(incoming.items()) == before
