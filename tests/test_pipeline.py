@@ -401,3 +401,39 @@ async def test_provider_hanging_up_does_not_undo_the_work(
     retry = await client.post("/webhooks/corvel", data=event("evt_hangup"))
     assert retry.headers["Dedup-Status"] == "duplicate"
     assert len(upstream.requests) == 1
+
+
+async def test_redirect_is_relayed_not_followed_and_releases_the_claim(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: web.Response(status=302, headers={"Location": "/elsewhere"})
+    client = await make_proxy()
+
+    response = await client.post("/webhooks/corvel", data=event("evt_302"), allow_redirects=False)
+
+    assert response.status == 302
+    assert response.headers["Location"] == "/elsewhere"
+    assert [r.path_qs for r in upstream.requests] == ["/webhooks/corvel"]
+    assert await claimed(pg_dsn, table) == []
+
+
+async def test_route_upstream_override(
+    make_proxy: MakeProxy, upstream: FakeUpstream, aiohttp_server: Any
+) -> None:
+    other = FakeUpstream()
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", other.handle)
+    other_url = str((await aiohttp_server(application)).make_url("")).rstrip("/")
+    client = await make_proxy(
+        routes=[
+            {"name": "a", "path": "/hooks/a", "event_id": "body:/id"},
+            {"name": "b", "path": "/hooks/b", "event_id": "body:/id", "upstream": other_url},
+        ]
+    )
+
+    await client.post("/hooks/a", data=event("1"))
+    await client.post("/hooks/b", data=event("1"))
+    await client.get("/unrouted")
+
+    assert [r.path_qs for r in upstream.requests] == ["/hooks/a", "/unrouted"]
+    assert [r.path_qs for r in other.requests] == ["/hooks/b"]
