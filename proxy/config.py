@@ -8,7 +8,6 @@ collected with its path and reported at once in one ``ConfigError``.
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -19,7 +18,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from proxy import errors, keys
+from proxy import errors, keys, values
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_UPSTREAM_TIMEOUT = 30.0
@@ -31,16 +30,8 @@ DEFAULT_POOL_TIMEOUT = 5.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_TABLE = "processed_events"
 DEFAULT_DATA_DIR = ".dedup-proxy/pgdata"
-EMBEDDED = "embedded"
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)?")
-_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-_SIZE = re.compile(r"(\d+)\s*(B|KB|KiB|MB|MiB|GB|GiB)?")
-_SIZE_UNITS = {None: 1, "B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2**20,
-               "GB": 10**9, "GiB": 2**30}  # fmt: skip
-_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _LEVELS = ("debug", "info", "warning", "error")
 _TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
              "shutdown_timeout", "log")  # fmt: skip
@@ -145,113 +136,14 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-def parse_duration(value: object) -> float:
-    """``500ms``, ``30s``, ``5m``, ``2h``, ``30d`` or a number of seconds; positive."""
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
-        seconds = float(match[1]) * _DURATION_UNITS[match[2]]
-    else:
-        raise ValueError(f"must be a duration like 500ms, 30s, 5m or 30d, got {value!r}")
-    if not math.isfinite(seconds):
-        raise ValueError(f"must be a finite duration, got {value!r}")
-    if seconds <= 0:
-        raise ValueError(f"must be positive, got {value!r}")
-    return seconds
+def _listen(value: object) -> Listen:
+    host, port = values.parse_listen(value)
+    return Listen(host=host, port=port)
 
 
-def parse_size(value: object) -> int:
-    """A byte count: an integer or ``512KiB``, ``10MiB``, ``1MB``…; positive."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (match := _SIZE.fullmatch(value.strip())):
-        size = int(match[1]) * _SIZE_UNITS[match[2]]
-    else:
-        raise ValueError(f"must be a size like 512KiB or 10MiB, got {value!r}")
-    if size <= 0:
-        raise ValueError(f"must be positive, got {value!r}")
-    return size
-
-
-def parse_listen(value: object) -> Listen:
-    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    bracketed = host.startswith("[") == host.endswith("]")
-    host = host.removeprefix("[").removesuffix("]")
-    if not (sep and host and bracketed and port.isascii() and port.isdigit()) or not (
-        0 < int(port) <= 65535
-    ):
-        raise ValueError(f"must be host:port, port 1-65535, IPv6 as [::1]:port; got {value!r}")
-    return Listen(host=host, port=int(port))
-
-
-def parse_http_url(value: object) -> str:
-    parts = urlsplit(value) if isinstance(value, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http(s) URL, got {value!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"must not carry a query or fragment, got {value!r}")
-    return str(value).rstrip("/")
-
-
-def parse_dsn(value: object) -> Secret | None:
-    if value == EMBEDDED:
-        return None
-    if not isinstance(value, str) or urlsplit(value).scheme not in ("postgres", "postgresql"):
-        raise ValueError("must be 'embedded' or a postgresql:// URL")
-    return Secret(value)
-
-
-def parse_table(value: object) -> str:
-    if not isinstance(value, str) or not all(
-        _IDENTIFIER.fullmatch(part) for part in value.split(".", 1)
-    ):
-        raise ValueError(
-            f"must be a lower-case SQL identifier, optionally schema.table; got {value!r}"
-        )
-    return value
-
-
-def parse_name(value: object) -> str:
-    if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"must be letters, digits, '_', '.' or '-' (at most 63), got {value!r}")
-    return value
-
-
-def parse_path(value: object) -> str:
-    if not isinstance(value, str) or not value.startswith("/") or any(c.isspace() for c in value):
-        raise ValueError(f"must be a URL path starting with '/', got {value!r}")
-    return value
-
-
-def parse_source(value: object) -> keys.Source:
-    if not isinstance(value, str):
-        raise ValueError(f"must be body:/pointer, header:Name or query:name, got {value!r}")
-    return keys.parse_source(value)
-
-
-def parse_bool(value: object) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise ValueError(f"must be true or false, got {value!r}")
-
-
-def parse_positive_int(value: object) -> int:
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"must be a positive integer, got {value!r}")
-    return value
-
-
-def parse_choice(*choices: str) -> Callable[[object], str]:
-    def parse(value: object) -> str:
-        if value not in choices:
-            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
-        return str(value)
-
-    return parse
+def _dsn(value: object) -> Secret | None:
+    dsn = values.parse_dsn(value)
+    return None if dsn is None else Secret(dsn)
 
 
 class _Reader:
@@ -354,43 +246,47 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
     """Validate an already-parsed YAML document."""
     r = _Reader()
     top = r.mapping(raw, "", _TOP_KEYS)
-    listen = r.value(top, "listen", "", parse_listen, parse_listen(DEFAULT_LISTEN))
+    listen = r.value(top, "listen", "", _listen, _listen(DEFAULT_LISTEN))
     up = r.mapping(top.get("upstream"), "upstream", ("url", "timeout", "preserve_host"))
     upstream = UpstreamConfig(
-        url=r.required(up, "url", "upstream", parse_http_url) or "",
-        timeout=r.value(up, "timeout", "upstream", parse_duration, DEFAULT_UPSTREAM_TIMEOUT),
-        preserve_host=r.value(up, "preserve_host", "upstream", parse_bool, True),
+        url=r.required(up, "url", "upstream", values.parse_http_url) or "",
+        timeout=r.value(up, "timeout", "upstream", values.parse_duration, DEFAULT_UPSTREAM_TIMEOUT),
+        preserve_host=r.value(up, "preserve_host", "upstream", values.parse_bool, True),
     )
     db = r.mapping(top.get("database"), "database", _DATABASE_KEYS)
     if top.get("database") is None:
         r.problem("database", "is required (dsn: embedded, or a postgresql:// URL)")
     database = DatabaseConfig(
-        dsn=r.required(db, "dsn", "database", parse_dsn)
-        if top.get("database") is not None
-        else None,
+        dsn=r.required(db, "dsn", "database", _dsn) if top.get("database") is not None else None,
         data_dir=Path(r.value(db, "data_dir", "database", str, DEFAULT_DATA_DIR)),
-        table=r.value(db, "table", "database", parse_table, DEFAULT_TABLE),
-        create_schema=r.value(db, "create_schema", "database", parse_bool, True),
-        pool_size=r.value(db, "pool_size", "database", parse_positive_int, DEFAULT_POOL_SIZE),
-        pool_timeout=r.value(db, "pool_timeout", "database", parse_duration, DEFAULT_POOL_TIMEOUT),
+        table=r.value(db, "table", "database", values.parse_table, DEFAULT_TABLE),
+        create_schema=r.value(db, "create_schema", "database", values.parse_bool, True),
+        pool_size=r.value(
+            db, "pool_size", "database", values.parse_positive_int, DEFAULT_POOL_SIZE
+        ),
+        pool_timeout=r.value(
+            db, "pool_timeout", "database", values.parse_duration, DEFAULT_POOL_TIMEOUT
+        ),
         connect_timeout=r.value(
-            db, "connect_timeout", "database", parse_duration, DEFAULT_CONNECT_TIMEOUT
+            db, "connect_timeout", "database", values.parse_duration, DEFAULT_CONNECT_TIMEOUT
         ),
     )
     lg = r.mapping(top.get("log"), "log", ("level", "format"))
-    max_body = r.value(top, "max_body", "", parse_size, DEFAULT_MAX_BODY)
+    max_body = r.value(top, "max_body", "", values.parse_size, DEFAULT_MAX_BODY)
     config = Config(
         listen=listen,
         upstream=upstream,
         database=database,
         routes=_parse_routes(r, top.get("routes"), upstream.url, max_body),
-        claim_wait=r.value(top, "claim_wait", "", parse_duration, DEFAULT_CLAIM_WAIT),
+        claim_wait=r.value(top, "claim_wait", "", values.parse_duration, DEFAULT_CLAIM_WAIT),
         shutdown_timeout=r.value(
-            top, "shutdown_timeout", "", parse_duration, DEFAULT_SHUTDOWN_TIMEOUT
+            top, "shutdown_timeout", "", values.parse_duration, DEFAULT_SHUTDOWN_TIMEOUT
         ),
         log=LogConfig(
-            level=r.value(lg, "level", "log", parse_choice(*_LEVELS), "info"),
-            format=r.value(lg, "format", "log", parse_choice("auto", "json", "text"), "auto"),
+            level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
+            format=r.value(
+                lg, "format", "log", values.parse_choice("auto", "json", "text"), "auto"
+            ),
         ),
     )
     if r.problems:
@@ -413,9 +309,9 @@ def _parse_routes(
         if not route:
             r.problem(path, "must be a mapping with name, path and event_id")
             continue
-        name = r.required(route, "name", path, parse_name)
-        url_path = r.required(route, "path", path, parse_path)
-        event_id = r.required(route, "event_id", path, parse_source)
+        name = r.required(route, "name", path, values.parse_name)
+        url_path = r.required(route, "path", path, values.parse_path)
+        event_id = r.required(route, "event_id", path, values.parse_source)
         for value, seen, key in ((name, seen_names, "name"), (url_path, seen_paths, "path")):
             if value is not None and value in seen:
                 r.problem(f"{path}.{key}", f"{value!r} is already used by {seen[value]}")
@@ -427,11 +323,11 @@ def _parse_routes(
             RouteConfig(
                 name=name,
                 path=url_path,
-                scope=r.value(route, "scope", path, parse_name, name),
+                scope=r.value(route, "scope", path, values.parse_name, name),
                 event_id=event_id,
-                event_type=r.value(route, "event_type", path, parse_source, None),
-                upstream=r.value(route, "upstream", path, parse_http_url, default_upstream),
-                max_body=r.value(route, "max_body", path, parse_size, default_max_body),
+                event_type=r.value(route, "event_type", path, values.parse_source, None),
+                upstream=r.value(route, "upstream", path, values.parse_http_url, default_upstream),
+                max_body=r.value(route, "max_body", path, values.parse_size, default_max_body),
             )
         )
     return tuple(parsed)
