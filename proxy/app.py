@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
@@ -16,9 +17,19 @@ from proxy import claims, config, embedded, forwarder, pipeline
 CONFIG = web.AppKey("config", config.Config)
 DSN = web.AppKey("dsn", str)
 
-# Runner settings both `serve` and the tests use: the body is relayed as received (never
-# inflated), and a provider hanging up must not cancel a request the upstream may have acted on.
-RUNNER_OPTIONS: dict[str, object] = {"auto_decompress": False, "handler_cancellation": False}
+
+def runner_options(cfg: config.Config) -> dict[str, Any]:
+    """Server settings both `serve` and the tests use.
+
+    The body is relayed as received (never inflated); a provider hanging up must not cancel a
+    request the upstream may have acted on; and aiohttp's keep-alive timer, which also runs while
+    a request's headers are still arriving, cuts off idle and slow-header (slowloris) clients.
+    """
+    return {
+        "auto_decompress": False,
+        "handler_cancellation": False,
+        "keepalive_timeout": cfg.client_timeout,
+    }
 
 
 async def _database(app: web.Application) -> AsyncIterator[None]:
@@ -72,6 +83,8 @@ def create_app(cfg: config.Config) -> web.Application:
     app[CONFIG] = cfg
     app.cleanup_ctx.extend([_database, _claim_store, _forwarder])
     for route in cfg.routes:
-        app.router.add_post(route.path, pipeline.Webhook(route).handle, name=route.name)
+        app.router.add_post(
+            route.path, pipeline.Webhook(route, cfg.client_timeout).handle, name=route.name
+        )
     app.router.add_route("*", "/{tail:.*}", pipeline.make_passthrough(cfg.upstream.url))
     return app

@@ -25,6 +25,7 @@ DEFAULT_UPSTREAM_TIMEOUT = 30.0
 DEFAULT_CLAIM_WAIT = 10.0
 DEFAULT_MAX_BODY = 10 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_CLIENT_TIMEOUT = 60.0
 DEFAULT_POOL_SIZE = 10
 DEFAULT_POOL_TIMEOUT = 5.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -34,7 +35,7 @@ DEFAULT_DATA_DIR = ".dedup-proxy/pgdata"
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LEVELS = ("debug", "info", "warning", "error")
 _TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
-             "shutdown_timeout", "log")  # fmt: skip
+             "shutdown_timeout", "client_timeout", "log")  # fmt: skip
 _DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
 _ROUTE_KEYS = ("name", "path", "scope", "event_id", "event_type", "upstream", "max_body")
@@ -133,6 +134,7 @@ class Config:
     routes: tuple[RouteConfig, ...]
     claim_wait: float = DEFAULT_CLAIM_WAIT
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    client_timeout: float = DEFAULT_CLIENT_TIMEOUT
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -281,6 +283,9 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         claim_wait=r.value(top, "claim_wait", "", values.parse_duration, DEFAULT_CLAIM_WAIT),
         shutdown_timeout=r.value(
             top, "shutdown_timeout", "", values.parse_duration, DEFAULT_SHUTDOWN_TIMEOUT
+        ),
+        client_timeout=r.value(
+            top, "client_timeout", "", values.parse_duration, DEFAULT_CLIENT_TIMEOUT
         ),
         log=LogConfig(
             level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),

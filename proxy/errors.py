@@ -14,6 +14,8 @@ place.
       x RequestError                carries .status, .code and .retry_after
         + EventIdInvalid            400  no usable event ID in the request
         + RequestIncomplete         400  the body ended before its declared end
+        + SignatureInvalid          401  the route's signature check failed
+        + RequestTimeout            408  the client sent its body too slowly
         + BodyTooLarge              413  body over max_body
         + StoreUnavailable          503  database down, pool exhausted, schema missing
           + ClaimWaitExceeded       503  a copy waited longer than claim_wait
@@ -77,6 +79,20 @@ class RequestIncomplete(RequestError):
 
     status = 400
     code = "request_incomplete"
+
+
+class SignatureInvalid(RequestError):
+    """The request's signature does not verify."""
+
+    status = 401
+    code = "signature_invalid"
+
+
+class RequestTimeout(RequestError):
+    """The request body did not arrive within client_timeout."""
+
+    status = 408
+    code = "request_timeout"
 
 
 class BodyTooLarge(RequestError):

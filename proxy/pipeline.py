@@ -6,6 +6,7 @@ canonical log line is written.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -51,18 +52,22 @@ def error_response(exc: errors.RequestError) -> web.Response:
     )
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, refusing more than ``limit`` bytes (before reading, when declared)."""
+async def read_body(request: web.Request, limit: int, within: float) -> bytes:
+    """The whole body within ``within`` seconds, refusing more than ``limit`` bytes (before
+    reading, when the length is declared)."""
     if request.content_length is not None and request.content_length > limit:
         raise errors.BodyTooLarge(
             f"body of {request.content_length} bytes is over max_body {limit}"
         )
     body = bytearray()
     try:
-        async for chunk in request.content.iter_chunked(_READ_CHUNK):
-            body += chunk
-            if len(body) > limit:
-                raise errors.BodyTooLarge(f"body is over max_body {limit} bytes")
+        async with asyncio.timeout(within):
+            async for chunk in request.content.iter_chunked(_READ_CHUNK):
+                body += chunk
+                if len(body) > limit:
+                    raise errors.BodyTooLarge(f"body is over max_body {limit} bytes")
+    except TimeoutError as exc:
+        raise errors.RequestTimeout(f"body not received within {within:g}s") from exc
     except (aiohttp.ClientPayloadError, OSError) as exc:
         raise errors.RequestIncomplete(f"request body ended early: {exc!r}") from exc
     return bytes(body)
@@ -85,8 +90,9 @@ def _log_line(fields: dict[str, Any], started: float) -> None:
 class Webhook:
     """The handler of one configured webhook route."""
 
-    def __init__(self, route: config.RouteConfig) -> None:
+    def __init__(self, route: config.RouteConfig, client_timeout: float) -> None:
         self.route = route
+        self.client_timeout = client_timeout
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -109,7 +115,7 @@ class Webhook:
 
     async def _handle(self, request: web.Request, fields: dict[str, Any]) -> web.StreamResponse:
         route = self.route
-        body = await read_body(request, route.max_body)
+        body = await read_body(request, route.max_body, self.client_timeout)
         event_id, event_type = self.extractor.extract(request.headers, request.query, body)
         fields.update(event_id=event_id, event_type=event_type)
         claim_started = time.perf_counter()

@@ -21,7 +21,7 @@ async def serve(cfg: config.Config) -> None:
         handle_signals=False,
         access_log=None,
         shutdown_timeout=cfg.shutdown_timeout,
-        **app.RUNNER_OPTIONS,  # type: ignore[arg-type]
+        **app.runner_options(cfg),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -117,7 +117,8 @@ class ProxyTestServer(TestServer):
     """
 
     async def _make_runner(self, **kwargs: Any) -> BaseRunner:
-        return await super()._make_runner(**{**kwargs, **app.RUNNER_OPTIONS})
+        options = app.runner_options(self.app[app.CONFIG])
+        return await super()._make_runner(**{**kwargs, **options})
 
 
 @pytest.fixture

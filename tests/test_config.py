@@ -364,7 +364,7 @@ def test_unknown_keys_are_errors_with_a_hint() -> None:
     assert set(problems) == {
         "rouets: unknown key (did you mean 'routes'?)",
         "zzz: unknown key (expected listen, upstream, database, routes, claim_wait, max_body, "
-        "shutdown_timeout, log)",
+        "shutdown_timeout, client_timeout, log)",
         "database.pool: unknown key (did you mean 'pool_size'?)",
         "routes[0].event-id: unknown key (did you mean 'event_id'?)",
     }
