@@ -45,9 +45,11 @@ def schema_sql(table: str) -> str:
         "    event_id    text        NOT NULL,\n"
         "    event_type  text,\n"
         "    received_at timestamptz NOT NULL DEFAULT now(),\n"
+        "    body_sha256 bytea,\n"
         "    PRIMARY KEY (scope, event_id)\n"
         ");\n"
         f'CREATE INDEX IF NOT EXISTS "{index}" ON {_quote(table)} (received_at);\n'
+        f"ALTER TABLE {_quote(table)} ADD COLUMN IF NOT EXISTS body_sha256 bytea;\n"
     )
 
 
@@ -56,7 +58,8 @@ def _ms(seconds: float) -> str:
 
 
 class Claim:
-    """This request's hold on one event; ``acquired`` is False for a duplicate."""
+    """This request's hold on one event; ``acquired`` is False for a duplicate, and then
+    ``stored_sha256`` is the digest of the body the event was first claimed with."""
 
     def __init__(
         self, store: ClaimStore, connection: asyncpg.pool.PoolConnectionProxy, acquired: bool
@@ -64,6 +67,7 @@ class Claim:
         self._store = store
         self._connection = connection
         self.acquired = acquired
+        self.stored_sha256: bytes | None = None
         self._open = True
 
     async def commit(self) -> None:
@@ -93,10 +97,14 @@ class ClaimStore:
         self._pool = pool
         self._settings = settings
         self.op_timeout = settings.connect_timeout
+        table = _quote(settings.table)
         self._insert = (
-            f"INSERT INTO {_quote(settings.table)} (scope, event_id, event_type) "
-            "VALUES ($1, $2, $3) ON CONFLICT (scope, event_id) DO NOTHING RETURNING true"
+            f"INSERT INTO {table} (scope, event_id, event_type, body_sha256) "
+            "VALUES ($1, $2, $3, $4) ON CONFLICT (scope, event_id) DO NOTHING RETURNING true"
         )
+        # Only after a conflict, and in a new statement: under READ COMMITTED it sees the row
+        # that a concurrent owner committed while our INSERT waited.
+        self._stored = f"SELECT body_sha256 FROM {table} WHERE scope = $1 AND event_id = $2"
 
     @classmethod
     async def open(
@@ -149,17 +157,27 @@ class ClaimStore:
                         await connection.execute(schema_sql(table))
                     return
                 exists = await connection.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
+                if exists:
+                    await connection.execute(
+                        f"SELECT scope, event_id, event_type, received_at, body_sha256 "
+                        f"FROM {_quote(table)} LIMIT 0"
+                    )
+        except asyncpg.UndefinedColumnError as exc:
+            raise errors.StoreUnavailable(
+                f"table {table} lacks a column ({exc}); apply the DDL from the README or set "
+                "database.create_schema: true"
+            ) from exc
         except _DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot prepare table {table}: {exc}") from exc
         if not exists:
             raise errors.StoreUnavailable(
                 f"table {table} does not exist and database.create_schema is false; "
-                "create it (see README, 'Schema') or set create_schema: true"
+                "apply the DDL from the README or set database.create_schema: true"
             )
 
     @contextlib.asynccontextmanager
     async def claim(
-        self, scope: str, event_id: str, event_type: str | None
+        self, scope: str, event_id: str, event_type: str | None, body_sha256: bytes
     ) -> AsyncIterator[Claim]:
         """Claim (scope, event_id); waits while another transaction holds it uncommitted.
 
@@ -181,7 +199,11 @@ class ClaimStore:
                 # Pinned: under REPEATABLE READ a copy waiting on our row would fail with a
                 # serialization error after our COMMIT instead of seeing the duplicate.
                 await connection.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-                inserted = await connection.fetchval(self._insert, scope, event_id, event_type)
+                inserted = await connection.fetchval(
+                    self._insert, scope, event_id, event_type, body_sha256
+                )
+                if inserted is None:
+                    claim.stored_sha256 = await connection.fetchval(self._stored, scope, event_id)
             except asyncpg.LockNotAvailableError as exc:
                 raise errors.ClaimWaitExceeded() from exc
             except _DB_ERRORS as exc:

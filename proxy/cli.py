@@ -59,11 +59,20 @@ def _describe(cfg: config.Config, source: str) -> str:
         "routes:",
     ]
     for route in cfg.routes:
-        event_type = f", type {route.event_type}" if route.event_type else ""
-        lines.append(
-            f"  POST {route.path} -> {route.upstream}  [{route.name}] "
-            f"id {route.event_id}{event_type}, scope {route.scope}, max_body {route.max_body}"
-        )
+        ids = route.event_id if isinstance(route.event_id, tuple) else (route.event_id,)
+        verify = f"verify {route.verify.scheme}" if route.verify else "NOT VERIFIED"
+        details = [
+            f"id {' + '.join(map(str, ids))}",
+            f"type {route.event_type}" if route.event_type else "",
+            f"scope {route.scope}",
+            verify,
+            f"retention {route.retention / 86400:g}d",
+            f"max_body {route.max_body}",
+            f"preset {route.preset}" if route.preset else "",
+            "no ID: forwarded unclaimed" if route.forward_missing_id else "",
+        ]
+        lines.append(f"  POST {route.path} -> {route.upstream}  [{route.name}]")
+        lines.append(f"       {', '.join(d for d in details if d)}")
     lines.append(f"  *    (any other path) -> {cfg.upstream.url}  [pass-through, no claim]")
     return "\n".join(lines)
 

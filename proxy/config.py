@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from proxy import errors, keys, values
+from proxy import errors, keys, presets, signatures, values
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_UPSTREAM_TIMEOUT = 30.0
@@ -26,6 +26,7 @@ DEFAULT_CLAIM_WAIT = 10.0
 DEFAULT_MAX_BODY = 10 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_CLIENT_TIMEOUT = 60.0
+DEFAULT_RETENTION = 30 * 86400.0
 DEFAULT_POOL_SIZE = 10
 DEFAULT_POOL_TIMEOUT = 5.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -38,7 +39,10 @@ _TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body
              "shutdown_timeout", "client_timeout", "log")  # fmt: skip
 _DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
-_ROUTE_KEYS = ("name", "path", "scope", "event_id", "event_type", "upstream", "max_body")
+_ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
+               "max_body", "verify", "retention", "missing_id")  # fmt: skip
+_VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
+                "prefix")  # fmt: skip
 T = TypeVar("T")
 
 
@@ -114,10 +118,14 @@ class RouteConfig:
     name: str
     path: str
     scope: str
-    event_id: keys.Source
+    event_id: keys.Source | tuple[keys.Source, ...]  # a tuple: a composite key
     event_type: keys.Source | None
     upstream: str
     max_body: int
+    preset: str | None = None
+    verify: signatures.Verifier | None = None
+    retention: float = DEFAULT_RETENTION
+    forward_missing_id: bool = False  # ``missing_id: forward``
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -201,7 +209,21 @@ class _Reader:
             return None
         return self.value(section, key, path, parse, None)
 
+    def strings(self, section: Mapping[str, Any], key: str, path: str) -> list[str] | None:
+        """A string or a list of strings (each interpolated); None, reported, if absent."""
+        where = _join(path, key)
+        raw = section.get(key)
+        items = [raw] if isinstance(raw, str) else raw
+        if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
+            self.problem(where, "must be a string or a non-empty list of strings")
+            return None
+        resolved = [self.interpolate(item, f"{where}[{n}]") for n, item in enumerate(items)]
+        return None if None in resolved else [str(item) for item in resolved]
+
     def interpolate(self, raw: object, path: str) -> object:
+        if isinstance(raw, list):
+            items = [self.interpolate(item, f"{path}[{n}]") for n, item in enumerate(raw)]
+            return None if None in items else items
         if not isinstance(raw, str):
             return raw
         missing: list[str] = []
@@ -312,27 +334,85 @@ def _parse_routes(
         path = f"routes[{index}]"
         route = r.mapping(item, path, _ROUTE_KEYS)
         if not route:
-            r.problem(path, "must be a mapping with name, path and event_id")
+            r.problem(path, "must be a mapping with name, path and event_id (or preset)")
             continue
+        preset_name = r.value(route, "preset", path, values.parse_choice(*presets.PRESETS), None)
+        preset = presets.PRESETS.get(preset_name or "")
         name = r.required(route, "name", path, values.parse_name)
         url_path = r.required(route, "path", path, values.parse_path)
-        event_id = r.required(route, "event_id", path, values.parse_source)
+        if preset is None:
+            event_id = r.required(route, "event_id", path, values.parse_sources)
+        else:
+            ids = preset.event_id
+            event_id = r.value(
+                route, "event_id", path, values.parse_sources,
+                values.parse_sources(ids if len(ids) > 1 else ids[0]),
+            )  # fmt: skip
         for value, seen, key in ((name, seen_names, "name"), (url_path, seen_paths, "path")):
             if value is not None and value in seen:
                 r.problem(f"{path}.{key}", f"{value!r} is already used by {seen[value]}")
             elif value is not None:
                 seen[value] = path
-        if name is None or url_path is None or event_id is None:
-            continue
-        parsed.append(
-            RouteConfig(
-                name=name,
-                path=url_path,
-                scope=r.value(route, "scope", path, values.parse_name, name),
-                event_id=event_id,
-                event_type=r.value(route, "event_type", path, values.parse_source, None),
-                upstream=r.value(route, "upstream", path, values.parse_http_url, default_upstream),
-                max_body=r.value(route, "max_body", path, values.parse_size, default_max_body),
-            )
+        default_type = (
+            values.parse_source(preset.event_type) if preset and preset.event_type else None
         )
+        missing_id = "forward" if preset and preset.forward_missing_id else "reject"
+        route_config = RouteConfig(
+            name=name or "",
+            path=url_path or "",
+            scope=r.value(route, "scope", path, values.parse_name, name or ""),
+            event_id=event_id or (),
+            event_type=r.value(route, "event_type", path, values.parse_source, default_type),
+            upstream=r.value(route, "upstream", path, values.parse_http_url, default_upstream),
+            max_body=r.value(route, "max_body", path, values.parse_size, default_max_body),
+            preset=preset_name,
+            verify=_parse_verify(r, route.get("verify"), f"{path}.verify", preset_name, preset),
+            retention=r.value(
+                route,
+                "retention",
+                path,
+                values.parse_duration,
+                preset.retention if preset else DEFAULT_RETENTION,
+            ),
+            forward_missing_id=r.value(
+                route, "missing_id", path, values.parse_choice("reject", "forward"), missing_id
+            )
+            == "forward",
+        )
+        if name is not None and url_path is not None and event_id is not None:
+            parsed.append(route_config)
     return tuple(parsed)
+
+
+def _parse_verify(
+    r: _Reader, raw: object, path: str, preset_name: str | None, preset: presets.Preset | None
+) -> signatures.Verifier | None:
+    section = r.mapping(raw, path, _VERIFY_KEYS)
+    if raw is None:
+        return None
+    scheme = r.value(section, "scheme", path, values.parse_choice(*signatures.SCHEMES), None)
+    if scheme is None and "scheme" not in section:
+        scheme = preset.scheme if preset else None
+        if scheme is None:
+            reason = (
+                f"preset {preset_name} has no signature scheme the proxy can check"
+                if preset_name
+                else "is required"
+            )
+            r.problem(f"{path}.scheme", reason)
+    if "secret" in section and "secrets" in section:
+        r.problem(path, "give either secret or secrets, not both")
+    secrets = r.strings(section, "secrets" if "secrets" in section else "secret", path)
+    options = {
+        key: r.value(section, key, path, str, None)
+        for key in ("header", "algorithm", "encoding", "prefix")
+    }
+    default_tolerance = (preset and preset.tolerance) or signatures.DEFAULT_TOLERANCE
+    tolerance = r.value(section, "tolerance", path, values.parse_duration, default_tolerance)
+    if scheme is None or secrets is None:
+        return None
+    try:
+        return signatures.build(scheme, secrets, tolerance=tolerance, **options)
+    except ValueError as exc:
+        r.problem(path, str(exc))
+        return None

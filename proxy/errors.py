@@ -10,9 +10,11 @@ place.
     * ProxyError
       x ConfigError                 start-up; lists every problem at once
       x EmbeddedDatabaseError       the embedded PostgreSQL could not be started
+      x UnsafeRuntime               aiohttp's C HTTP parser is not in use
       x CommitFailed                COMMIT after an upstream 2xx did not go through
       x RequestError                carries .status, .code and .retry_after
         + EventIdInvalid            400  no usable event ID in the request
+          + EventIdMissing          400  the event ID's source is absent
         + RequestIncomplete         400  the body ended before its declared end
         + SignatureInvalid          401  the route's signature check failed
         + RequestTimeout            408  the client sent its body too slowly
@@ -34,7 +36,7 @@ class ProxyError(Exception):
     """The proxy failed."""
 
     def __init__(self, message: str | None = None) -> None:
-        super().__init__(message or (self.__doc__ or "").strip())
+        super().__init__(message or " ".join((self.__doc__ or "").split()))
 
     @property
     def message(self) -> str:
@@ -55,6 +57,12 @@ class EmbeddedDatabaseError(ProxyError):
     """The embedded PostgreSQL could not be started."""
 
 
+class UnsafeRuntime(ProxyError):
+    """aiohttp's C HTTP parser is not in use (AIOHTTP_NO_EXTENSIONS set, or no compiled wheel for
+    this platform); the pure-Python parser is more lenient, and leniency is how requests are
+    smuggled past a proxy. Refusing to start."""
+
+
 class CommitFailed(ProxyError):
     """COMMIT did not go through; whether the claim was stored is unknown."""
 
@@ -72,6 +80,10 @@ class EventIdInvalid(RequestError):
 
     status = 400
     code = "event_id_invalid"
+
+
+class EventIdMissing(EventIdInvalid):
+    """The request carries no event ID."""
 
 
 class RequestIncomplete(RequestError):

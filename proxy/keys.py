@@ -103,44 +103,88 @@ class _Repeated:
     count: int
 
 
+class DuplicateKey(ValueError):
+    """A JSON object names the same key twice."""
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        # Parsers disagree on which duplicate wins: the proxy and the app could see different IDs.
+        raise DuplicateKey("duplicate key in a JSON object")
+    return document
+
+
+def parse_json(body: bytes) -> object:
+    """The body as JSON; ValueError for anything a strict reader would refuse."""
+    try:
+        return json.loads(body, object_pairs_hook=_no_duplicate_keys)
+    except RecursionError as exc:
+        raise ValueError("JSON nested too deeply") from exc
+
+
+def _join(parts: list[str]) -> str:
+    """Composite key: parts escaped so that no two different lists give the same string."""
+    return ":".join(part.replace("%", "%25").replace(":", "%3A") for part in parts)
+
+
 @dataclass(frozen=True, slots=True)
 class Extractor:
-    """Finds one route's event ID (required) and event type (informational) in a request."""
+    """Finds one route's event ID (required) and event type (informational) in a request.
+
+    ``event_id`` may be several sources (a composite key, e.g. GitHub's hook ID and delivery
+    GUID); each part must be present and valid, and the parts are joined unambiguously.
+    """
 
     route: str
-    event_id: Source
+    event_id: Source | tuple[Source, ...]
     event_type: Source | None = None
+
+    @property
+    def id_sources(self) -> tuple[Source, ...]:
+        return self.event_id if isinstance(self.event_id, tuple) else (self.event_id,)
 
     def extract(
         self, headers: MultiMapping, query: MultiMapping, body: bytes
     ) -> tuple[str, str | None]:
         """Return ``(event_id, event_type)``; raise EventIdInvalid naming the route and source."""
+        sources = self.id_sources
         document: object = _MISSING
-        if self.event_id.kind == "body" or (self.event_type and self.event_type.kind == "body"):
+        in_body = [source for source in sources if source.kind == "body"]
+        if in_body or (self.event_type and self.event_type.kind == "body"):
             try:
-                document = json.loads(body)
-            except (ValueError, RecursionError):
-                # ValueError covers invalid JSON, invalid UTF-8 and over-long integers.
-                if self.event_id.kind == "body":
-                    self._fail(f"body is not valid JSON (needed for {self.event_id})")
-        raw = self._lookup(self.event_id, headers, query, document)
-        if raw is _MISSING:
-            self._fail(f"no event ID at {self.event_id}")
-        if isinstance(raw, _Repeated):
-            # Two values means the proxy and the app might read different IDs.
-            self._fail(f"{self.event_id} appears {raw.count} times")
-        event_id = _normalise(raw)
-        if event_id is None:
-            self._fail(
-                f"event ID at {self.event_id} must be a non-empty string (at most "
-                f"{MAX_ID_BYTES} bytes, no control characters) or an integer, "
-                f"got {_type_name(raw)}"
-            )
+                document = parse_json(body)
+            except DuplicateKey:
+                if in_body:
+                    self._fail(f"body has a duplicate JSON key (needed for {in_body[0]})")
+            except ValueError:
+                # Also invalid UTF-8 and integers too long to convert.
+                if in_body:
+                    self._fail(f"body is not valid JSON (needed for {in_body[0]})")
+        parts = [self._part(source, headers, query, document) for source in sources]
         event_type = None
         if self.event_type is not None:
             # The type is informational: a missing or odd one is stored as NULL, never refused.
             event_type = _normalise(self._lookup(self.event_type, headers, query, document))
-        return event_id, event_type
+        return (parts[0] if len(parts) == 1 else _join(parts)), event_type
+
+    def _part(
+        self, source: Source, headers: MultiMapping, query: MultiMapping, document: object
+    ) -> str:
+        raw = self._lookup(source, headers, query, document)
+        if raw is _MISSING:
+            raise errors.EventIdMissing(f"route {self.route!r}: no event ID at {source}")
+        if isinstance(raw, _Repeated):
+            # Two values means the proxy and the app might read different IDs.
+            self._fail(f"{source} appears {raw.count} times")
+        value = _normalise(raw)
+        if value is None:
+            self._fail(
+                f"event ID at {source} must be a non-empty string (at most "
+                f"{MAX_ID_BYTES} bytes, no control characters) or an integer, "
+                f"got {_type_name(raw)}"
+            )
+        return value
 
     @staticmethod
     def _lookup(

@@ -7,6 +7,7 @@ canonical log line is written.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -76,11 +77,14 @@ async def read_body(request: web.Request, limit: int, within: float) -> bytes:
 def _log_line(fields: dict[str, Any], started: float) -> None:
     fields["total_ms"] = round((time.perf_counter() - started) * 1000, 2)
     outcome = fields["outcome"]
+    if fields.get("mismatch"):
+        outcome = "mismatch"
     level = {
         "duplicate": logging.DEBUG,
         "unavailable": logging.ERROR,
         "commit_failed": logging.ERROR,
         "rejected": logging.WARNING,
+        "mismatch": logging.WARNING,
     }.get(outcome, logging.INFO)
     log.log(
         level, "%s %s -> %s", fields["method"], fields["path"], outcome, extra={"fields": fields}
@@ -116,13 +120,30 @@ class Webhook:
     async def _handle(self, request: web.Request, fields: dict[str, Any]) -> web.StreamResponse:
         route = self.route
         body = await read_body(request, route.max_body, self.client_timeout)
-        event_id, event_type = self.extractor.extract(request.headers, request.query, body)
+        if route.verify is not None:
+            # Before the claim: an unauthenticated request must never squat an event ID.
+            try:
+                route.verify.verify(request.headers, body, time.time())
+            except errors.SignatureInvalid as exc:
+                raise errors.SignatureInvalid(f"route {route.name!r}: {exc.message}") from None
+        try:
+            event_id, event_type = self.extractor.extract(request.headers, request.query, body)
+        except errors.EventIdMissing:
+            if not route.forward_missing_id:
+                raise
+            upstream = await request.app[FORWARDER].forward(request, route.upstream, body)
+            fields.update(outcome="unclaimed", upstream_status=upstream.status)
+            return upstream.to_web()
         fields.update(event_id=event_id, event_type=event_type)
+        digest = hashlib.sha256(body).digest()
         claim_started = time.perf_counter()
-        async with request.app[STORE].claim(route.scope, event_id, event_type) as claim:
+        async with request.app[STORE].claim(route.scope, event_id, event_type, digest) as claim:
             fields["claim_ms"] = round((time.perf_counter() - claim_started) * 1000, 2)
             if not claim.acquired:
                 fields["outcome"] = "duplicate"
+                if claim.stored_sha256 is not None and claim.stored_sha256 != digest:
+                    # Same ID, other bytes: the ID is not a per-event key here, or a replay.
+                    fields["mismatch"] = True
                 return _json(200, {"status": "duplicate", "event_id": event_id}, "duplicate")
             upstream = await request.app[FORWARDER].forward(request, route.upstream, body)
             fields["upstream_status"] = upstream.status

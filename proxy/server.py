@@ -6,9 +6,9 @@ import asyncio
 import logging
 import signal
 
-from aiohttp import web
+from aiohttp import http_parser, web
 
-from proxy import app, config
+from proxy import app, config, errors
 
 log = logging.getLogger(__name__)
 
@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 async def serve(cfg: config.Config) -> None:
     """Serve until SIGTERM or SIGINT, then drain: refuse new connections, let in-flight
     requests finish and commit (bounded by ``shutdown_timeout``), close the pool."""
+    if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
+        raise errors.UnsafeRuntime()
     runner = web.AppRunner(
         app.create_app(cfg),
         handle_signals=False,
@@ -38,6 +40,13 @@ async def serve(cfg: config.Config) -> None:
             cfg.upstream.url,
             extra={"fields": {"listen": str(cfg.listen), "routes": [r.name for r in cfg.routes]}},
         )
+        for route in cfg.routes:
+            if route.verify is None:
+                log.warning(
+                    "route %s checks no signature: anyone who can reach the proxy and knows an "
+                    "event ID can claim it first (see README, Security)",
+                    route.name,
+                )
         await stop.wait()
         log.info("draining: no new connections, waiting up to %gs", cfg.shutdown_timeout)
     finally:

@@ -26,6 +26,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 def parse_duration(value: object) -> float:
     """``500ms``, ``30s``, ``5m``, ``2h``, ``30d`` or a number of seconds; positive."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 10**9:
+        raise ValueError(f"must be at most 1000000000 seconds, got {value!r}")
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = float(value)
     elif isinstance(value, str) and (match := _DURATION.fullmatch(value.strip())):
@@ -106,6 +108,15 @@ def parse_source(value: object) -> keys.Source:
     if not isinstance(value, str):
         raise ValueError(f"must be body:/pointer, header:Name or query:name, got {value!r}")
     return keys.parse_source(value)
+
+
+def parse_sources(value: object) -> keys.Source | tuple[keys.Source, ...]:
+    """One source, or a list of them for a composite key."""
+    if isinstance(value, list | tuple):
+        if len(value) < 2:
+            raise ValueError("a composite event_id needs at least two sources")
+        return tuple(parse_source(item) for item in value)
+    return parse_source(value)
 
 
 def parse_bool(value: object) -> bool:

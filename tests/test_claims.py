@@ -36,7 +36,7 @@ async def test_connections_bound_lock_waits_and_abandoned_transactions(
     store = await claims.ClaimStore.open(pg_dsn, settings, claim_wait=1.5, upstream_timeout=30.0)
     try:
         await store.ensure_schema()
-        async with store.claim("s", "e1", None) as claim:
+        async with store.claim("s", "e1", None, b"\x00" * 32) as claim:
             assert claim.acquired
             rows = await fetch(
                 pg_dsn,
@@ -85,6 +85,7 @@ async def test_schema_creation_is_idempotent_and_safe_for_concurrent_replicas(
         ("event_id", "text", "NO"),
         ("event_type", "text", "YES"),
         ("received_at", "timestamp with time zone", "NO"),
+        ("body_sha256", "bytea", "YES"),
     ]
     indexes = await fetch(pg_dsn, "SELECT indexdef FROM pg_indexes WHERE tablename = $1", table)
     definitions = sorted(row["indexdef"] for row in indexes)

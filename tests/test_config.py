@@ -487,7 +487,7 @@ def test_routes_must_be_a_non_empty_list(routes: object) -> None:
 def test_route_must_be_a_mapping() -> None:
     assert problems_of(raw_config(routes=["stripe"])) == (
         "routes[0]: must be a mapping, got str",
-        "routes[0]: must be a mapping with name, path and event_id",
+        "routes[0]: must be a mapping with name, path and event_id (or preset)",
     )
 
 
@@ -669,12 +669,14 @@ def test_check_prints_routes_without_the_password(
         "database:    postgresql://app:***@db.internal:5432/events, table processed_events" in out
     )
     assert (
-        "  POST /webhooks/stripe -> http://127.0.0.1:3000  [stripe] id body:/id, type body:/type,"
-        " scope stripe, max_body 10485760\n"
+        "  POST /webhooks/stripe -> http://127.0.0.1:3000  [stripe]\n"
+        "       id body:/id, type body:/type, scope stripe, NOT VERIFIED, retention 30d,"
+        " max_body 10485760\n"
     ) in out
     assert (
-        "  POST /webhooks/github -> http://127.0.0.1:4000  [github] id header:X-GitHub-Delivery,"
-        " scope github, max_body 10485760\n"
+        "  POST /webhooks/github -> http://127.0.0.1:4000  [github]\n"
+        "       id header:X-GitHub-Delivery, scope github, NOT VERIFIED, retention 30d,"
+        " max_body 10485760\n"
     ) in out
     assert PASSWORD not in out + err
     assert err == ""

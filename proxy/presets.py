@@ -1,0 +1,88 @@
+"""Provider presets: where each provider puts its event ID, how it signs, how long it retries.
+
+A route's ``preset`` fills in these defaults; anything set explicitly on the route wins. Sources:
+the providers' public documentation, summarised in PROVIDERS.md; the README's preset table says
+which facts are unverified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DAY = 86400.0
+HOUR = 3600.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Preset:
+    event_id: tuple[str, ...]
+    event_type: str | None
+    scheme: str | None  # signature scheme for ``verify``; None: not supported
+    # At least the provider's retry (or redelivery) horizon, with a margin.
+    retention: float
+    # Forward requests without an event ID unclaimed (Slack's url_verification handshake).
+    forward_missing_id: bool = False
+    # Signature timestamp tolerance, when the scheme's default (5 minutes) is unsafe.
+    tolerance: float | None = None
+
+
+PRESETS: dict[str, Preset] = {
+    # Up to 3 days of retries in live mode.
+    "stripe": Preset(
+        event_id=("body:/id",), event_type="body:/type", scheme="stripe", retention=4 * DAY
+    ),
+    # No automatic retries; manual redelivery reuses the GUID for 3 days. The GUID is shared by
+    # every hook subscribed to the event, so the hook's ID is part of the key.
+    "github": Preset(
+        event_id=("header:X-GitHub-Hook-ID", "header:X-GitHub-Delivery"),
+        event_type="header:X-GitHub-Event",
+        scheme="github",
+        retention=4 * DAY,
+    ),
+    # 8 retries over 4 hours; X-Shopify-Event-Id is Shopify's documented deduplication key.
+    "shopify": Preset(
+        event_id=("header:X-Shopify-Event-Id",),
+        event_type="header:X-Shopify-Topic",
+        scheme="shopify",
+        retention=DAY,
+    ),
+    # Svix's schedule spans about 28 hours.
+    "standard-webhooks": Preset(
+        event_id=("header:webhook-id",),
+        event_type="body:/type",
+        scheme="standard-webhooks",
+        retention=2 * DAY,
+    ),
+    "svix": Preset(
+        event_id=("header:svix-id",),
+        event_type="body:/type",
+        scheme="standard-webhooks",
+        retention=2 * DAY,
+    ),
+    # 3 retries within minutes; the url_verification handshake carries no event_id.
+    "slack": Preset(
+        event_id=("body:/event_id",),
+        event_type="body:/event/type",
+        scheme="slack",
+        retention=DAY,
+        forward_missing_id=True,
+    ),
+    # Whether a retry is re-signed with a fresh ts is unverified; if it is not, a 5-minute
+    # window would refuse every retry and lose the event. A replay inside the retention window
+    # is a duplicate anyway, so the window spans the retention.
+    "paddle": Preset(
+        event_id=("body:/event_id",),
+        event_type="body:/event_type",
+        scheme="paddle",
+        retention=4 * DAY,
+        tolerance=4 * DAY,
+    ),
+    # Square signs the notification URL + body and PayPal uses RSA certificates: neither is
+    # verified by the proxy (yet), so those presets set only the key.
+    "square": Preset(
+        event_id=("body:/event_id",), event_type="body:/type", scheme=None, retention=4 * DAY
+    ),
+    "paypal": Preset(
+        event_id=("body:/id",), event_type="body:/event_type", scheme=None, retention=4 * DAY
+    ),
+}

@@ -1,0 +1,283 @@
+"""Webhook signature verification: each provider's signing scheme as a small immutable verifier.
+
+``build`` turns a route's ``verify`` settings into a ``Verifier`` once, at start-up; ``verify`` is
+then a pure function of the request's headers, raw body and the current time, so this module knows
+nothing of aiohttp. Every configured secret is tried against every signature a request carries,
+which is how rotation works. A refusal's reason names the header at fault and never contains a
+secret or a received signature.
+"""
+
+from __future__ import annotations
+
+import binascii
+import hmac
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NoReturn, Protocol
+
+from proxy import errors, keys
+
+SCHEMES: tuple[str, ...] = (
+    "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "hmac",
+)  # fmt: skip
+DEFAULT_TOLERANCE = 300.0  # seconds
+ALGORITHMS = ("sha1", "sha256", "sha512")
+ENCODINGS = ("hex", "base64")
+
+_STANDARD_PREFIX = "whsec_"
+_MAX_TIMESTAMP_DIGITS = 15
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name
+
+# scheme: (header, algorithm, encoding, prefix) for a signature over the body alone
+_BODY_SCHEMES = {
+    "github": ("X-Hub-Signature-256", "sha256", "hex", "sha256="),
+    "shopify": ("X-Shopify-Hmac-Sha256", "sha256", "base64", ""),
+}
+# scheme: (header, separator, timestamp key, signature key, joiner) for ``t=…,v1=…`` headers
+_LISTED_SCHEMES = {
+    "stripe": ("Stripe-Signature", ",", "t", "v1", "."),
+    "paddle": ("Paddle-Signature", ";", "ts", "h1", ":"),
+}
+
+
+class Verifier(Protocol):
+    """Checks the signature of one route's requests."""
+
+    @property
+    def scheme(self) -> str: ...
+
+    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+        """Return if the request is authentic; raise errors.SignatureInvalid(reason) otherwise."""
+
+
+def _fail(reason: str) -> NoReturn:
+    raise errors.SignatureInvalid(reason)
+
+
+def _header(headers: keys.MultiMapping, name: str) -> str:
+    values = headers.getall(name, [])
+    if not values:
+        _fail(f"{name} missing")
+    if len(values) > 1:
+        # Two values means the proxy and the app might check different signatures.
+        _fail(f"{name} appears {len(values)} times")
+    return values[0]
+
+
+def _signature(text: str, encoding: str, name: str) -> bytes:
+    """The raw bytes of one received signature; hex is accepted in either case."""
+    try:
+        raw = (
+            binascii.unhexlify(text)
+            if encoding == "hex"
+            else binascii.a2b_base64(text, strict_mode=True)
+        )
+    except ValueError:  # binascii.Error, or text that is not ASCII
+        raw = b""
+    if not raw:
+        _fail(f"{name} malformed")
+    return raw
+
+
+def _timestamp(text: str, name: str) -> int:
+    if not (text.isascii() and text.isdigit() and len(text) <= _MAX_TIMESTAMP_DIGITS):
+        _fail(f"{name} is not an integer")
+    return int(text)
+
+
+def _match(
+    secrets: tuple[bytes, ...], algorithm: str, message: bytes, signatures: list[bytes]
+) -> None:
+    for secret in secrets:
+        expected = hmac.digest(secret, message, algorithm)
+        if any(hmac.compare_digest(expected, signature) for signature in signatures):
+            return
+    _fail("no signature matches")
+
+
+def _check_age(stamp: int, now: float, tolerance: float, name: str) -> None:
+    # Called after _match, so "outside tolerance" always means an authentic but stale (or
+    # clock-skewed) request, and a forgery is always reported as "no signature matches".
+    if abs(now - stamp) > tolerance:
+        _fail(f"{name} outside tolerance of {tolerance:g}s")
+
+
+@dataclass(frozen=True, slots=True)
+class BodySignature:
+    """One signature over the raw body alone, in one header: GitHub, Shopify, generic HMAC."""
+
+    scheme: str
+    header: str
+    algorithm: str
+    encoding: str
+    prefix: str
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+        value = _header(headers, self.header)
+        if not value.startswith(self.prefix):
+            _fail(f"{self.header} malformed")
+        signature = _signature(value[len(self.prefix) :], self.encoding, self.header)
+        _match(self.secrets, self.algorithm, body, [signature])
+
+
+@dataclass(frozen=True, slots=True)
+class ListedSignature:
+    """``t=…,v1=…`` items in one header, HMAC-SHA256 over ``{t}{joiner}{body}``: Stripe, Paddle."""
+
+    scheme: str
+    header: str
+    separator: str
+    timestamp_key: str
+    signature_key: str
+    joiner: str
+    tolerance: float
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+        value = _header(headers, self.header)
+        stamps: list[str] = []
+        signatures: list[bytes] = []
+        for item in value.split(self.separator):
+            key, sep, text = item.strip().partition("=")
+            if not sep:
+                _fail(f"{self.header} malformed")
+            if key == self.timestamp_key:
+                stamps.append(text)
+            elif key == self.signature_key:
+                signatures.append(_signature(text, "hex", self.header))
+            # Other keys (Stripe's v0, future schemes) are signatures this verifier cannot check.
+        if len(stamps) != 1:
+            _fail(f"{self.header} must carry exactly one {self.timestamp_key}")
+        if not signatures:
+            _fail(f"{self.header} has no {self.signature_key} signature")
+        name = f"{self.header} timestamp"
+        stamp = _timestamp(stamps[0], name)
+        message = f"{stamps[0]}{self.joiner}".encode() + body
+        _match(self.secrets, "sha256", message, signatures)
+        _check_age(stamp, now, self.tolerance, name)
+
+
+@dataclass(frozen=True, slots=True)
+class SlackSignature:
+    """``X-Slack-Signature: v0=<hex>`` over ``v0:{X-Slack-Request-Timestamp}:{body}``."""
+
+    scheme: str
+    tolerance: float
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+        stamp_name, signature_name = "X-Slack-Request-Timestamp", "X-Slack-Signature"
+        stamp_text = _header(headers, stamp_name)
+        version, sep, text = _header(headers, signature_name).partition("=")
+        if version != "v0" or not sep:
+            _fail(f"{signature_name} malformed")
+        signature = _signature(text, "hex", signature_name)
+        stamp = _timestamp(stamp_text, stamp_name)
+        _match(self.secrets, "sha256", f"v0:{stamp_text}:".encode() + body, [signature])
+        _check_age(stamp, now, self.tolerance, stamp_name)
+
+
+@dataclass(frozen=True, slots=True)
+class StandardWebhooksSignature:
+    """Standard Webhooks' ``webhook-*`` headers, or Svix's ``svix-*`` when only those are sent."""
+
+    scheme: str
+    tolerance: float
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+        svix = headers.getall("svix-signature", []) and not headers.getall("webhook-signature", [])
+        prefix = "svix" if svix else "webhook"
+        msg_id = _header(headers, f"{prefix}-id")
+        stamp_text = _header(headers, f"{prefix}-timestamp")
+        signature_name = f"{prefix}-signature"
+        signatures: list[bytes] = []
+        for entry in _header(headers, signature_name).split():
+            version, sep, text = entry.partition(",")
+            if not sep:
+                _fail(f"{signature_name} malformed")
+            if version == "v1":
+                signatures.append(_signature(text, "base64", signature_name))
+            # v1a (ed25519) and later versions need other keys than a shared secret.
+        if not signatures:
+            _fail(f"{signature_name} has no v1 signature")
+        stamp = _timestamp(stamp_text, f"{prefix}-timestamp")
+        # aiohttp decodes header bytes as UTF-8 with surrogateescape: this restores them exactly.
+        message = f"{msg_id}.{stamp_text}.".encode("utf-8", "surrogateescape") + body
+        _match(self.secrets, "sha256", message, signatures)
+        _check_age(stamp, now, self.tolerance, f"{prefix}-timestamp")
+
+
+def _standard_key(secret: str, index: int) -> bytes:
+    """The HMAC key of a Standard Webhooks secret: ``whsec_`` (optional) and base64."""
+    text = secret.removeprefix(_STANDARD_PREFIX)
+    try:
+        # Secrets are sometimes shown without padding; the reference libraries accept that too.
+        key = binascii.a2b_base64(text + "=" * (-len(text) % 4), strict_mode=True)
+    except ValueError:
+        key = b""
+    if not key:
+        raise ValueError(f"secrets[{index}] must be base64, optionally after {_STANDARD_PREFIX}")
+    return key
+
+
+def _choice(name: str, value: str | None, default: str, choices: tuple[str, ...]) -> str:
+    value = default if value is None else value
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    return value
+
+
+def build(
+    scheme: str,
+    secrets: Sequence[str],
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    header: str | None = None,
+    algorithm: str | None = None,
+    encoding: str | None = None,
+    prefix: str | None = None,
+) -> Verifier:
+    """The verifier for a route; ValueError messages complete "routes[0].verify: …".
+
+    ``header``, ``algorithm`` (sha1, sha256, sha512; default sha256), ``encoding`` (hex, base64;
+    default hex) and ``prefix`` (default none) apply to scheme ``hmac`` only, where ``header`` is
+    required. ``tolerance`` bounds the age of timestamped schemes' timestamps, in both directions.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
+    options = {"header": header, "algorithm": algorithm, "encoding": encoding, "prefix": prefix}
+    given = [name for name, value in options.items() if value is not None]
+    if scheme != "hmac" and given:
+        raise ValueError(f"{', '.join(given)}: only for scheme hmac, not {scheme}")
+    if isinstance(secrets, str) or not secrets:
+        raise ValueError("secrets must be a non-empty list")
+    for index, secret in enumerate(secrets):
+        if not isinstance(secret, str) or not secret.strip():
+            raise ValueError(f"secrets[{index}] must be a non-empty string")
+        if secret != secret.strip():
+            # A newline from a secrets file would otherwise fail every request, silently.
+            raise ValueError(f"secrets[{index}] has leading or trailing whitespace")
+    if not (math.isfinite(tolerance) and tolerance > 0):
+        raise ValueError(f"tolerance must be a positive number of seconds, got {tolerance!r}")
+
+    if scheme == "standard-webhooks":
+        decoded = tuple(_standard_key(secret, index) for index, secret in enumerate(secrets))
+        return StandardWebhooksSignature(scheme, tolerance, decoded)
+    material = tuple(secret.encode() for secret in secrets)
+    if scheme in _LISTED_SCHEMES:
+        return ListedSignature(scheme, *_LISTED_SCHEMES[scheme], tolerance, material)
+    if scheme in _BODY_SCHEMES:
+        return BodySignature(scheme, *_BODY_SCHEMES[scheme], material)
+    if scheme == "slack":
+        return SlackSignature(scheme, tolerance, material)
+    if header is None:
+        raise ValueError("header is required for scheme hmac")
+    if not _TOKEN.fullmatch(header):
+        raise ValueError(f"header must be a header name, got {header!r}")
+    algorithm = _choice("algorithm", algorithm, "sha256", ALGORITHMS)
+    encoding = _choice("encoding", encoding, "hex", ENCODINGS)
+    return BodySignature(scheme, header, algorithm, encoding, prefix or "", material)

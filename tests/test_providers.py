@@ -1,0 +1,304 @@
+"""Presets, signature checks before the claim, payload mismatch, and start-up safety checks."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy import cli, config, errors
+from tests.conftest import FakeUpstream, MakeProxy, claimed
+
+STRIPE_SECRET = "whsec_test_secret_for_the_proxy"
+SLACK_SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
+
+
+def stripe_headers(
+    body: bytes, secret: str = STRIPE_SECRET, at: int | None = None
+) -> dict[str, str]:
+    timestamp = int(time.time()) if at is None else at
+    signed = f"{timestamp}.".encode() + body
+    signature = hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
+    return {"Stripe-Signature": f"t={timestamp},v1={signature}", "Content-Type": "application/json"}
+
+
+def stripe_route(**extra: Any) -> dict[str, Any]:
+    return {
+        "name": "stripe",
+        "path": "/webhooks/stripe",
+        "preset": "stripe",
+        "verify": {"secrets": [STRIPE_SECRET]},
+        **extra,
+    }
+
+
+def stripe_event(event_id: str, **extra: Any) -> bytes:
+    return json.dumps({"id": event_id, "type": "charge.succeeded", **extra}).encode()
+
+
+async def test_signed_delivery_is_processed_and_forwarded_byte_exact(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[stripe_route()])
+    body = stripe_event("evt_signed")
+
+    response = await client.post("/webhooks/stripe", data=body, headers=stripe_headers(body))
+
+    assert response.status == 200
+    assert upstream.bodies() == [body]
+    assert await claimed(pg_dsn, table) == [("stripe", "evt_signed", "charge.succeeded")]
+
+
+async def test_forged_request_cannot_squat_an_event_id(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[stripe_route()])
+    forged = stripe_event("evt_victim", amount=1)
+
+    rejected = await client.post(
+        "/webhooks/stripe", data=forged, headers=stripe_headers(forged, secret="whsec_guess")
+    )
+    unsigned = await client.post("/webhooks/stripe", data=forged)
+
+    assert rejected.status == 401
+    assert (await rejected.json())["error"] == "signature_invalid"
+    assert unsigned.status == 401
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []
+    # The real delivery is processed, not answered "duplicate".
+    real = stripe_event("evt_victim", amount=100)
+    response = await client.post("/webhooks/stripe", data=real, headers=stripe_headers(real))
+    assert response.status == 200
+    assert "Dedup-Status" not in response.headers
+    assert upstream.bodies() == [real]
+
+
+async def test_stale_signature_is_refused(make_proxy: MakeProxy, upstream: FakeUpstream) -> None:
+    client = await make_proxy(routes=[stripe_route()])
+    body = stripe_event("evt_replayed")
+
+    old = stripe_headers(body, at=int(time.time()) - 3600)
+    response = await client.post("/webhooks/stripe", data=body, headers=old)
+
+    assert response.status == 401
+    assert upstream.requests == []
+
+
+async def test_secret_rotation_accepts_either_secret(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    client = await make_proxy(
+        routes=[stripe_route(verify={"secrets": ["whsec_new_one", STRIPE_SECRET]})]
+    )
+    body = stripe_event("evt_rotated")
+    response = await client.post("/webhooks/stripe", data=body, headers=stripe_headers(body))
+    assert response.status == 200
+    assert len(upstream.requests) == 1
+
+
+async def test_github_preset_keys_by_hook_and_delivery(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    secret = "It's a Secret to Everybody"
+    client = await make_proxy(
+        routes=[
+            {
+                "name": "github",
+                "path": "/webhooks/github",
+                "preset": "github",
+                "verify": {"secret": secret},
+            }
+        ]
+    )
+    body = b'{"zen": "Keep it logically awesome."}'
+    signature = "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+    async def deliver(hook_id: str) -> int:
+        response = await client.post(
+            "/webhooks/github",
+            data=body,
+            headers={
+                "X-GitHub-Delivery": "72d3162e-cc78-11e3-81ab-4c9367dc0958",
+                "X-GitHub-Hook-ID": hook_id,
+                "X-GitHub-Event": "ping",
+                "X-Hub-Signature-256": signature,
+            },
+        )
+        return response.status
+
+    assert [await deliver("111"), await deliver("222"), await deliver("111")] == [200] * 3
+
+    # One delivery GUID, two hooks: two events; the third call is a duplicate.
+    assert len(upstream.requests) == 2
+    assert await claimed(pg_dsn, table) == [
+        ("github", "111:72d3162e-cc78-11e3-81ab-4c9367dc0958", "ping"),
+        ("github", "222:72d3162e-cc78-11e3-81ab-4c9367dc0958", "ping"),
+    ]
+
+
+async def test_slack_handshake_without_event_id_is_forwarded_unclaimed(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(
+        routes=[
+            {
+                "name": "slack",
+                "path": "/slack/events",
+                "preset": "slack",
+                "verify": {"secret": SLACK_SECRET},
+            }
+        ]
+    )
+    body = b'{"token": "t", "challenge": "3eZbrw1aBm2rZgRN", "type": "url_verification"}'
+
+    def signed(payload: bytes) -> dict[str, str]:
+        timestamp = str(int(time.time()))
+        base = f"v0:{timestamp}:".encode() + payload
+        digest = hmac.new(SLACK_SECRET.encode(), base, hashlib.sha256).hexdigest()
+        return {"X-Slack-Request-Timestamp": timestamp, "X-Slack-Signature": f"v0={digest}"}
+
+    handshake = await client.post("/slack/events", data=body, headers=signed(body))
+    unsigned = await client.post("/slack/events", data=body)
+
+    assert handshake.status == 200
+    assert unsigned.status == 401
+    assert upstream.bodies() == [body]
+    assert await claimed(pg_dsn, table) == []
+    event = b'{"event_id": "Ev123", "event": {"type": "app_mention"}}'
+    for _ in range(2):
+        assert (await client.post("/slack/events", data=event, headers=signed(event))).status == 200
+    assert upstream.bodies() == [body, event]
+    assert await claimed(pg_dsn, table) == [("slack", "Ev123", "app_mention")]
+
+
+async def test_duplicate_with_another_body_is_answered_200_and_logged_as_mismatch(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await make_proxy()
+    await client.post("/webhooks/corvel", data=b'{"id": "evt_m", "amount": 1}')
+
+    with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
+        same = await client.post("/webhooks/corvel", data=b'{"id": "evt_m", "amount": 1}')
+        other = await client.post("/webhooks/corvel", data=b'{"id": "evt_m", "amount": 999}')
+
+    assert [same.status, other.status] == [200, 200]
+    assert other.headers["Dedup-Status"] == "duplicate"
+    assert len(upstream.requests) == 1
+    lines = [(r.levelno, r.fields) for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    assert [(level, f.get("mismatch", False)) for level, f in lines] == [
+        (logging.DEBUG, False),
+        (logging.WARNING, True),
+    ]
+
+
+async def test_duplicate_json_keys_are_refused(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    client = await make_proxy()
+    response = await client.post("/webhooks/corvel", data=b'{"id": "evt_a", "id": "evt_b"}')
+    assert response.status == 400
+    assert "duplicate JSON key" in (await response.json())["message"]
+    assert upstream.requests == []
+
+
+def test_explicit_route_settings_win_over_the_preset() -> None:
+    cfg = config.parse(
+        {
+            "upstream": {"url": "http://127.0.0.1:3000"},
+            "database": {"dsn": "embedded"},
+            "routes": [
+                {"name": "s", "path": "/s", "preset": "stripe", "event_id": "header:X-Id"},
+                {"name": "t", "path": "/t", "preset": "stripe", "retention": "10d"},
+            ],
+        }
+    )
+    explicit, default = cfg.routes
+    assert str(explicit.event_id) == "header:X-Id"
+    assert str(explicit.event_type) == "body:/type"
+    assert explicit.retention == 4 * 86400  # covers Stripe's 3 days of retries
+    assert default.retention == 10 * 86400
+    assert explicit.verify is None
+
+
+@pytest.mark.parametrize(
+    ("route", "problem"),
+    [
+        ({"preset": "stripes"}, "routes[0].preset: must be one of stripe, github"),
+        (
+            {"event_id": "body:/id", "verify": {"secret": "x"}},
+            "routes[0].verify.scheme: is required",
+        ),
+        (
+            {"preset": "paypal", "verify": {"secret": "x"}},
+            "routes[0].verify.scheme: preset paypal has no signature scheme the proxy can check",
+        ),
+        ({"preset": "stripe", "verify": {}}, "routes[0].verify.secret: must be a string"),
+        (
+            {"preset": "stripe", "verify": {"secret": "a", "secrets": ["b"]}},
+            "routes[0].verify: give either secret or secrets, not both",
+        ),
+        (
+            {"event_id": ["body:/id"]},
+            "routes[0].event_id: a composite event_id needs at least two sources",
+        ),
+        ({"preset": "stripe", "missing_id": "drop"}, "routes[0].missing_id: must be one of"),
+    ],
+)
+def test_preset_and_verify_problems(route: dict[str, Any], problem: str) -> None:
+    raw = {
+        "upstream": {"url": "http://127.0.0.1:3000"},
+        "database": {"dsn": "embedded"},
+        "routes": [{"name": "r", "path": "/r", **route}],
+    }
+    with pytest.raises(errors.ConfigError) as info:
+        config.parse(raw)
+    assert any(p.startswith(problem) for p in info.value.problems), info.value.problems
+
+
+def test_secrets_come_from_the_environment_and_never_show(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STRIPE_WEBHOOK_SECRET", "whsec_very_secret_value")
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "upstream: {url: 'http://127.0.0.1:3000'}\n"
+        "database: {dsn: 'postgresql://app:dbpassword@127.0.0.1/db'}\n"
+        "routes:\n"
+        "  - {name: stripe, path: /s, preset: stripe,"
+        " verify: {secrets: ['${STRIPE_WEBHOOK_SECRET}']}}\n"
+    )
+    assert cli.main(["check", "--config", str(path)]) == 0
+    cfg = config.load(path)
+
+    printed = capsys.readouterr().out
+    assert "verify stripe" in printed
+    for secret in ("whsec_very_secret_value", "dbpassword"):
+        assert secret not in printed
+        assert secret not in repr(cfg)
+
+
+async def test_refuses_to_start_without_the_c_http_parser(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "upstream: {url: 'http://127.0.0.1:9'}\n"
+        "database: {dsn: 'postgresql://nobody@127.0.0.1:1/none'}\n"
+        "routes: [{name: a, path: /a, event_id: 'body:/id'}]\n"
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(path),
+        env={"AIOHTTP_NO_EXTENSIONS": "1", "PATH": "/usr/bin:/bin"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
+
+    assert process.returncode == 1
+    assert b"C HTTP parser is not in use" in stdout
+    assert b"Traceback" not in stdout + stderr

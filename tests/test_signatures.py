@@ -1,0 +1,643 @@
+"""Webhook signature schemes: provider formats, rotation, replay bounds and configuration errors.
+
+Expected signatures are computed here with hmac/hashlib/base64, independently of the module. The
+providers' own libraries (stripe, standardwebhooks) cross-check both directions: what they sign we
+accept, and what we accept they accept.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import hmac
+import importlib
+import json
+import re
+from datetime import UTC, datetime, tzinfo
+from types import ModuleType
+
+import pytest
+from multidict import CIMultiDict
+
+from proxy import errors, signatures
+
+NOW = 1_700_000_000
+BODY = json.dumps({"id": "evt_1", "type": "invoice.paid"}, separators=(",", ":")).encode()
+TAMPERED = BODY[:-2] + bytes([BODY[-2] ^ 0x01]) + BODY[-1:]
+# Standard Webhooks secrets are base64 keys; the other schemes use the same strings as-is.
+SECRET = "whsec_" + base64.b64encode(b"current signing key 24 b").decode()
+OLD = "whsec_" + base64.b64encode(b"previous signing key 24b").decode()
+UNKNOWN = "whsec_" + base64.b64encode(b"an attacker's own key 24").decode()
+MSG_ID = "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"
+HMAC_HEADER = "X-Signature"
+SW = "standard-webhooks"
+HEX = "ab" * 32  # well-formed, but nobody's signature
+B64 = base64.b64encode(b"\xab" * 32).decode()
+
+ALL = signatures.SCHEMES
+TIMESTAMPED = ("stripe", "paddle", "slack", SW)
+MULTI = ("stripe", "paddle", SW)  # one header may carry several signatures
+STAMP = {
+    "stripe": "Stripe-Signature timestamp",
+    "paddle": "Paddle-Signature timestamp",
+    "slack": "X-Slack-Request-Timestamp",
+    SW: "webhook-timestamp",
+}
+
+Headers = list[tuple[str, str]]
+
+
+def hex_mac(secret: str, message: bytes, algorithm: str = "sha256") -> str:
+    return hmac.new(secret.encode(), message, algorithm).hexdigest()
+
+
+def b64_mac(key: bytes, message: bytes, algorithm: str = "sha256") -> str:
+    return base64.b64encode(hmac.new(key, message, algorithm).digest()).decode()
+
+
+def standard_key(secret: str) -> bytes:
+    return base64.b64decode(secret.removeprefix("whsec_"))
+
+
+def signed(scheme: str, *secrets: str, body: bytes = BODY, stamp: int = NOW) -> Headers:
+    """The headers a provider sends, with one signature per secret (several during rotation)."""
+    secrets = secrets or (SECRET,)
+    if scheme == "stripe":
+        macs = ",".join(f"v1={hex_mac(s, f'{stamp}.'.encode() + body)}" for s in secrets)
+        return [("Stripe-Signature", f"t={stamp},{macs}")]
+    if scheme == "paddle":
+        macs = ";".join(f"h1={hex_mac(s, f'{stamp}:'.encode() + body)}" for s in secrets)
+        return [("Paddle-Signature", f"ts={stamp};{macs}")]
+    if scheme == SW:
+        message = f"{MSG_ID}.{stamp}.".encode() + body
+        macs = " ".join(f"v1,{b64_mac(standard_key(s), message)}" for s in secrets)
+        return [
+            ("webhook-id", MSG_ID),
+            ("webhook-timestamp", str(stamp)),
+            ("webhook-signature", macs),
+        ]
+    (secret,) = secrets
+    if scheme == "slack":
+        mac = hex_mac(secret, f"v0:{stamp}:".encode() + body)
+        return [("X-Slack-Request-Timestamp", str(stamp)), ("X-Slack-Signature", f"v0={mac}")]
+    if scheme == "github":
+        return [("X-Hub-Signature-256", f"sha256={hex_mac(secret, body)}")]
+    if scheme == "shopify":
+        return [("X-Shopify-Hmac-Sha256", b64_mac(secret.encode(), body))]
+    assert scheme == "hmac"
+    return [(HMAC_HEADER, hex_mac(secret, body))]
+
+
+def build(scheme: str, *secrets: str, **options: object) -> signatures.Verifier:
+    if scheme == "hmac":
+        options.setdefault("header", HMAC_HEADER)
+    return signatures.build(scheme, list(secrets or (SECRET,)), **options)  # type: ignore[arg-type]
+
+
+def check(
+    scheme: str,
+    headers: Headers,
+    body: bytes = BODY,
+    now: float = NOW,
+    *,
+    secrets: tuple[str, ...] = (SECRET,),
+    **options: object,
+) -> None:
+    build(scheme, *secrets, **options).verify(CIMultiDict(headers), body, now)
+
+
+def refused(
+    scheme: str,
+    headers: Headers,
+    body: bytes = BODY,
+    now: float = NOW,
+    *,
+    secrets: tuple[str, ...] = (SECRET,),
+    **options: object,
+) -> str:
+    """The reason of the SignatureInvalid raised for this request; checks it leaks nothing."""
+    with pytest.raises(errors.SignatureInvalid) as info:
+        check(scheme, headers, body, now, secrets=secrets, **options)
+    error = info.value
+    assert (error.status, error.code) == (401, "signature_invalid")
+    for secret in (SECRET, OLD, UNKNOWN):
+        assert secret not in error.message
+        assert secret.removeprefix("whsec_") not in error.message
+    received = [part for _, value in headers for part in re.split(r"[,;= ]", value)]
+    assert not [part for part in received if len(part) >= 16 and part in error.message]
+    return error.message
+
+
+def replaced(headers: Headers, name: str, value: str) -> Headers:
+    return [(key, value if key == name else old) for key, old in headers]
+
+
+def provider_library(name: str) -> ModuleType:
+    """A provider's own library, from the test extra: if it is missing the test fails, not skips."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        pytest.fail(f"{name} is needed for this cross-check; install the test extra ({exc})")
+
+
+# --- every scheme ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_valid_signature_passes(scheme: str) -> None:
+    check(scheme, signed(scheme))
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_binary_body_is_verified_byte_for_byte(scheme: str) -> None:
+    body = bytes(range(256))
+    check(scheme, signed(scheme, body=body), body)
+    assert refused(scheme, signed(scheme, body=body), body[:-1]) == "no signature matches"
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_header_names_are_case_insensitive(scheme: str) -> None:
+    check(scheme, [(name.upper(), value) for name, value in signed(scheme)])
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_wrong_secret_is_refused(scheme: str) -> None:
+    assert refused(scheme, signed(scheme, UNKNOWN)) == "no signature matches"
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_tampered_body_is_refused(scheme: str) -> None:
+    assert len(TAMPERED) == len(BODY)
+    assert sum(a != b for a, b in zip(TAMPERED, BODY, strict=True)) == 1
+    assert refused(scheme, signed(scheme), TAMPERED) == "no signature matches"
+
+
+REQUIRED = [(scheme, name) for scheme in ALL for name, _ in signed(scheme)]
+
+
+@pytest.mark.parametrize(("scheme", "name"), REQUIRED)
+def test_missing_header_is_refused(scheme: str, name: str) -> None:
+    headers = [(key, value) for key, value in signed(scheme) if key != name]
+    assert refused(scheme, headers) == f"{name} missing"
+
+
+@pytest.mark.parametrize(("scheme", "name"), REQUIRED)
+def test_repeated_header_is_refused_even_when_identical(scheme: str, name: str) -> None:
+    headers = signed(scheme)
+    headers += [(key, value) for key, value in headers if key == name]
+    assert refused(scheme, headers) == f"{name} appears 2 times"
+
+
+@pytest.mark.parametrize(
+    ("scheme", "name", "value", "reason"),
+    [
+        ("stripe", "Stripe-Signature", "", "Stripe-Signature malformed"),
+        ("stripe", "Stripe-Signature", "garbage", "Stripe-Signature malformed"),
+        ("stripe", "Stripe-Signature", f"t={NOW},v1={HEX},", "Stripe-Signature malformed"),
+        ("stripe", "Stripe-Signature", f"t={NOW},v1=xyz", "Stripe-Signature malformed"),
+        ("stripe", "Stripe-Signature", f"t={NOW},v1=abc", "Stripe-Signature malformed"),
+        ("stripe", "Stripe-Signature", f"t={NOW},v1=", "Stripe-Signature malformed"),
+        ("stripe", "Stripe-Signature", f"v1={HEX}", "Stripe-Signature must carry exactly one t"),
+        (
+            "stripe",
+            "Stripe-Signature",
+            f"t={NOW},t={NOW},v1={HEX}",
+            "Stripe-Signature must carry exactly one t",
+        ),
+        ("stripe", "Stripe-Signature", f"t={NOW}", "Stripe-Signature has no v1 signature"),
+        ("stripe", "Stripe-Signature", f"t={NOW},v0={HEX}", "Stripe-Signature has no v1 signature"),
+        (
+            "stripe",
+            "Stripe-Signature",
+            f"t=1.7e9,v1={HEX}",
+            "Stripe-Signature timestamp is not an integer",
+        ),
+        (
+            "stripe",
+            "Stripe-Signature",
+            f"t=-{NOW},v1={HEX}",
+            "Stripe-Signature timestamp is not an integer",
+        ),
+        (
+            "stripe",
+            "Stripe-Signature",
+            f"t=,v1={HEX}",
+            "Stripe-Signature timestamp is not an integer",
+        ),
+        (
+            "stripe",
+            "Stripe-Signature",
+            f"t={'9' * 5000},v1={HEX}",
+            "Stripe-Signature timestamp is not an integer",
+        ),
+        (
+            "paddle",
+            "Paddle-Signature",
+            f"ts={NOW},h1={HEX}",
+            "Paddle-Signature has no h1 signature",
+        ),
+        ("paddle", "Paddle-Signature", f"ts={NOW};h1=é", "Paddle-Signature malformed"),
+        ("paddle", "Paddle-Signature", f"h1={HEX}", "Paddle-Signature must carry exactly one ts"),
+        (
+            "paddle",
+            "Paddle-Signature",
+            f"ts=yesterday;h1={HEX}",
+            "Paddle-Signature timestamp is not an integer",
+        ),
+        ("slack", "X-Slack-Signature", HEX, "X-Slack-Signature malformed"),
+        ("slack", "X-Slack-Signature", f"v1={HEX}", "X-Slack-Signature malformed"),
+        ("slack", "X-Slack-Signature", "v0=zz", "X-Slack-Signature malformed"),
+        (
+            "slack",
+            "X-Slack-Request-Timestamp",
+            "now",
+            "X-Slack-Request-Timestamp is not an integer",
+        ),
+        ("github", "X-Hub-Signature-256", HEX, "X-Hub-Signature-256 malformed"),
+        ("github", "X-Hub-Signature-256", f"sha1={HEX[:40]}", "X-Hub-Signature-256 malformed"),
+        ("github", "X-Hub-Signature-256", "sha256=not-hex", "X-Hub-Signature-256 malformed"),
+        ("github", "X-Hub-Signature-256", "sha256=", "X-Hub-Signature-256 malformed"),
+        ("shopify", "X-Shopify-Hmac-Sha256", "not base64!", "X-Shopify-Hmac-Sha256 malformed"),
+        ("shopify", "X-Shopify-Hmac-Sha256", B64.rstrip("="), "X-Shopify-Hmac-Sha256 malformed"),
+        (SW, "webhook-signature", "v1", "webhook-signature malformed"),
+        (SW, "webhook-signature", "v1,@@@@", "webhook-signature malformed"),
+        (
+            SW,
+            "webhook-signature",
+            f"v1a,{B64}",
+            "webhook-signature has no v1 signature",
+        ),
+        (
+            SW,
+            "webhook-signature",
+            f"v2,{B64}",
+            "webhook-signature has no v1 signature",
+        ),
+        (
+            SW,
+            "webhook-timestamp",
+            f"{NOW}.5",
+            "webhook-timestamp is not an integer",
+        ),
+        ("hmac", HMAC_HEADER, "zz", f"{HMAC_HEADER} malformed"),
+    ],
+)
+def test_malformed_header_is_refused(scheme: str, name: str, value: str, reason: str) -> None:
+    assert refused(scheme, replaced(signed(scheme), name, value)) == reason
+
+
+# --- timestamps --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [-301, 301, -86_400, 86_400])
+@pytest.mark.parametrize("scheme", TIMESTAMPED)
+def test_timestamp_outside_tolerance_is_refused(scheme: str, offset: int) -> None:
+    reason = refused(scheme, signed(scheme, stamp=NOW + offset))
+    assert reason == f"{STAMP[scheme]} outside tolerance of 300s"
+
+
+@pytest.mark.parametrize("offset", [-300, 300])
+@pytest.mark.parametrize("scheme", TIMESTAMPED)
+def test_timestamp_at_the_tolerance_edge_passes(scheme: str, offset: int) -> None:
+    check(scheme, signed(scheme, stamp=NOW + offset))
+
+
+@pytest.mark.parametrize("scheme", TIMESTAMPED)
+def test_tolerance_is_configurable(scheme: str) -> None:
+    check(scheme, signed(scheme, stamp=NOW - 59), tolerance=60)
+    check(scheme, signed(scheme, stamp=NOW - 59), now=NOW + 0.5, tolerance=60)
+    reason = refused(scheme, signed(scheme, stamp=NOW - 59), now=NOW + 1.5, tolerance=60)
+    assert reason == f"{STAMP[scheme]} outside tolerance of 60s"
+    reason = refused(scheme, signed(scheme, stamp=NOW + 61), tolerance=60.5)
+    assert reason == f"{STAMP[scheme]} outside tolerance of 60.5s"
+
+
+@pytest.mark.parametrize("scheme", TIMESTAMPED)
+def test_stale_forgery_is_reported_as_forgery(scheme: str) -> None:
+    assert refused(scheme, signed(scheme, UNKNOWN, stamp=NOW - 3600)) == "no signature matches"
+
+
+# --- rotation ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_any_configured_secret_verifies(scheme: str) -> None:
+    check(scheme, signed(scheme, SECRET), secrets=(OLD, SECRET))
+    check(scheme, signed(scheme, OLD), secrets=(OLD, SECRET))
+    assert refused(scheme, signed(scheme, UNKNOWN), secrets=(OLD, SECRET)) == "no signature matches"
+
+
+@pytest.mark.parametrize("scheme", MULTI)
+def test_one_matching_signature_among_several_passes(scheme: str) -> None:
+    check(scheme, signed(scheme, UNKNOWN, SECRET))
+    check(scheme, signed(scheme, SECRET, UNKNOWN))
+    check(scheme, signed(scheme, UNKNOWN, OLD), secrets=(SECRET, OLD))
+    assert refused(scheme, signed(scheme, UNKNOWN, OLD)) == "no signature matches"
+
+
+# --- scheme details ----------------------------------------------------------------------------
+
+
+def test_github_documented_test_vector() -> None:
+    # https://docs.github.com/en/webhooks/using-webhooks/validating-webhook-deliveries
+    secret, payload = "It's a Secret to Everybody", b"Hello, World!"
+    digest = "757107ea0eb2509fc211221cce984b8a37570b6d7586c22c46f4379c8b043e17"
+    assert hmac.new(secret.encode(), payload, hashlib.sha256).hexdigest() == digest
+    check("github", [("X-Hub-Signature-256", f"sha256={digest}")], payload, secrets=(secret,))
+    check(
+        "hmac",
+        [("X-Hub-Signature-256", f"sha256={digest}")],
+        payload,
+        secrets=(secret,),
+        header="X-Hub-Signature-256",
+        prefix="sha256=",
+    )
+
+
+def test_stripe_ignores_signatures_of_other_schemes() -> None:
+    v1 = hex_mac(SECRET, f"{NOW}.".encode() + BODY)
+    check("stripe", [("Stripe-Signature", f"t={NOW},v0=not-hex,v1={v1},v9=x")])
+    reason = refused("stripe", [("Stripe-Signature", f"t={NOW},v0={v1}")])
+    assert reason == "Stripe-Signature has no v1 signature"
+
+
+def test_stripe_key_is_the_whole_secret_string() -> None:
+    bare = SECRET.removeprefix("whsec_")
+    headers = [("Stripe-Signature", f"t={NOW},v1={hex_mac(bare, f'{NOW}.'.encode() + BODY)}")]
+    assert refused("stripe", headers) == "no signature matches"
+
+
+def test_standard_webhooks_accepts_svix_header_names() -> None:
+    svix = [(name.replace("webhook-", "svix-"), value) for name, value in signed(SW)]
+    check(SW, svix)
+    stale = [
+        (name.replace("webhook-", "svix-"), value) for name, value in signed(SW, stamp=NOW - 301)
+    ]
+    reason = refused(SW, stale)
+    assert reason == "svix-timestamp outside tolerance of 300s"
+
+
+def test_standard_webhooks_prefers_webhook_headers_over_svix() -> None:
+    svix = [(name.replace("webhook-", "svix-"), value) for name, value in signed(SW)]
+    forged = signed(SW, UNKNOWN)
+    check(SW, signed(SW) + svix)
+    forged_svix = [(name.replace("webhook-", "svix-"), value) for name, value in forged]
+    check(SW, signed(SW) + forged_svix)
+    assert refused(SW, forged + svix) == "no signature matches"
+
+
+def test_standard_webhooks_ignores_asymmetric_signatures() -> None:
+    headers = signed(SW)
+    (value,) = [value for name, value in headers if name == "webhook-signature"]
+    check(SW, replaced(headers, "webhook-signature", f"v1a,{B64}  {value}"))
+
+
+def test_standard_webhooks_id_is_signed_as_the_bytes_received() -> None:
+    raw_id = b"msg_\xff\xfe"  # not UTF-8: aiohttp hands it over surrogate-escaped
+    mac = b64_mac(standard_key(SECRET), raw_id + f".{NOW}.".encode() + BODY)
+    headers = replaced(signed(SW), "webhook-signature", f"v1,{mac}")
+    check(SW, replaced(headers, "webhook-id", raw_id.decode("utf-8", "surrogateescape")))
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        SECRET.removeprefix("whsec_"),
+        "whsec_" + base64.b64encode(b"a 23-byte signing key!!").decode().rstrip("="),
+    ],
+    ids=["without whsec_", "unpadded"],
+)
+def test_standard_webhooks_secret_forms(secret: str) -> None:
+    message = f"{MSG_ID}.{NOW}.".encode() + BODY
+    text = secret.removeprefix("whsec_")
+    key = base64.b64decode(text + "=" * (-len(text) % 4))
+    headers = replaced(signed(SW), "webhook-signature", f"v1,{b64_mac(key, message)}")
+    check(SW, headers, secrets=(secret,))
+
+
+@pytest.mark.parametrize("encoding", ["hex", "base64"])
+@pytest.mark.parametrize("algorithm", ["sha1", "sha256", "sha512"])
+def test_hmac_algorithms_and_encodings(algorithm: str, encoding: str) -> None:
+    mac = hmac.new(SECRET.encode(), BODY, algorithm).digest()
+    value = mac.hex() if encoding == "hex" else base64.b64encode(mac).decode()
+    check("hmac", [(HMAC_HEADER, value)], algorithm=algorithm, encoding=encoding)
+    other = "sha512" if algorithm == "sha256" else "sha256"
+    reason = refused("hmac", [(HMAC_HEADER, value)], algorithm=other, encoding=encoding)
+    assert reason == "no signature matches"
+
+
+def test_hmac_defaults_to_sha256_hex_without_prefix() -> None:
+    check("hmac", [(HMAC_HEADER, hex_mac(SECRET, BODY))])
+    assert refused("hmac", [(HMAC_HEADER, "sha256=" + hex_mac(SECRET, BODY))]) == (
+        f"{HMAC_HEADER} malformed"
+    )
+
+
+def test_hmac_hex_is_case_insensitive_base64_is_not() -> None:
+    check("hmac", [(HMAC_HEADER, hex_mac(SECRET, BODY).upper())])
+    swapped = b64_mac(SECRET.encode(), BODY).swapcase()
+    assert refused("hmac", [(HMAC_HEADER, swapped)], encoding="base64") == "no signature matches"
+
+
+def test_hmac_prefix_is_required_when_configured() -> None:
+    mac = hex_mac(SECRET, BODY)
+    check("hmac", [(HMAC_HEADER, f"sha256={mac}")], prefix="sha256=")
+    assert refused("hmac", [(HMAC_HEADER, mac)], prefix="sha256=") == f"{HMAC_HEADER} malformed"
+
+
+# --- build -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("scheme", "secrets", "options", "message"),
+    [
+        (
+            "twilio",
+            [SECRET],
+            {},
+            "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
+            "hmac; got 'twilio'",
+        ),
+        ("stripe", [], {}, "secrets must be a non-empty list"),
+        ("stripe", SECRET, {}, "secrets must be a non-empty list"),
+        ("stripe", [SECRET, ""], {}, "secrets[1] must be a non-empty string"),
+        ("github", ["  "], {}, "secrets[0] must be a non-empty string"),
+        ("slack", [f"{SECRET}\n"], {}, "secrets[0] has leading or trailing whitespace"),
+        (
+            SW,
+            ["whsec_not base64!"],
+            {},
+            "secrets[0] must be base64, optionally after whsec_",
+        ),
+        (
+            SW,
+            [SECRET, "whsec_"],
+            {},
+            "secrets[1] must be base64, optionally after whsec_",
+        ),
+        ("github", [SECRET], {"header": "X-Sig"}, "header: only for scheme hmac, not github"),
+        (
+            "stripe",
+            [SECRET],
+            {"algorithm": "sha1", "encoding": "hex"},
+            "algorithm, encoding: only for scheme hmac, not stripe",
+        ),
+        ("shopify", [SECRET], {"prefix": ""}, "prefix: only for scheme hmac, not shopify"),
+        ("hmac", [SECRET], {}, "header is required for scheme hmac"),
+        ("hmac", [SECRET], {"header": "X Sig"}, "header must be a header name, got 'X Sig'"),
+        ("hmac", [SECRET], {"header": "X-Sig:"}, "header must be a header name, got 'X-Sig:'"),
+        ("hmac", [SECRET], {"header": ""}, "header must be a header name, got ''"),
+        (
+            "hmac",
+            [SECRET],
+            {"header": "X-Sig", "algorithm": "md5"},
+            "algorithm must be one of sha1, sha256, sha512; got 'md5'",
+        ),
+        (
+            "hmac",
+            [SECRET],
+            {"header": "X-Sig", "algorithm": "SHA256"},
+            "algorithm must be one of sha1, sha256, sha512; got 'SHA256'",
+        ),
+        (
+            "hmac",
+            [SECRET],
+            {"header": "X-Sig", "encoding": "base32"},
+            "encoding must be one of hex, base64; got 'base32'",
+        ),
+        (
+            "stripe",
+            [SECRET],
+            {"tolerance": 0},
+            "tolerance must be a positive number of seconds, got 0",
+        ),
+        (
+            "paddle",
+            [SECRET],
+            {"tolerance": -1.0},
+            "tolerance must be a positive number of seconds, got -1.0",
+        ),
+        (
+            "slack",
+            [SECRET],
+            {"tolerance": float("nan")},
+            "tolerance must be a positive number of seconds, got nan",
+        ),
+        (
+            SW,
+            [SECRET],
+            {"tolerance": float("inf")},
+            "tolerance must be a positive number of seconds, got inf",
+        ),
+    ],
+)
+def test_build_rejects_bad_settings(
+    scheme: str, secrets: list[str], options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        signatures.build(scheme, secrets, **options)  # type: ignore[arg-type]
+    assert str(info.value) == message
+    assert not [secret for secret in secrets if len(secret.strip()) > 6 and secret in message]
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_verifier_hides_its_secrets(scheme: str) -> None:
+    verifier = build(scheme, OLD, SECRET)
+    shown = f"{verifier!r} {verifier!s}"
+    assert verifier.scheme == scheme
+    assert f"scheme='{scheme}'" in shown
+    for secret in (OLD, SECRET):
+        for form in (secret, secret.removeprefix("whsec_"), repr(secret.encode())):
+            assert form not in shown
+        assert repr(standard_key(secret)) not in shown
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_verifier_is_immutable(scheme: str) -> None:
+    verifier = build(scheme)
+    assert dataclasses.is_dataclass(verifier)
+    assert not hasattr(verifier, "__dict__")
+    for field in dataclasses.fields(verifier):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(verifier, field.name, getattr(verifier, field.name))
+    assert build(scheme) == verifier
+
+
+# --- the providers' own libraries ---------------------------------------------------------------
+
+
+def test_stripe_library_signature_is_accepted() -> None:
+    stripe = provider_library("stripe")
+    header = stripe.WebhookSignature.generate_signature_header(BODY.decode(), SECRET, timestamp=NOW)
+    check("stripe", [("Stripe-Signature", header)])
+    check("stripe", [("Stripe-Signature", header)], secrets=(OLD, SECRET))
+    assert (
+        refused("stripe", [("Stripe-Signature", header)], secrets=(OLD,)) == "no signature matches"
+    )
+
+
+@pytest.mark.parametrize("signers", [(SECRET,), (UNKNOWN, SECRET), (SECRET, OLD)])
+def test_what_we_accept_stripe_library_accepts(signers: tuple[str, ...]) -> None:
+    stripe = provider_library("stripe")
+    ((_, header),) = signed("stripe", *signers)
+    check("stripe", [("Stripe-Signature", header)])
+    # tolerance=None: the library would read the real clock; our tolerance is tested above.
+    assert stripe.WebhookSignature.verify_header(BODY.decode(), header, SECRET, None)
+    ((_, forged),) = signed("stripe", UNKNOWN)
+    with pytest.raises(stripe.SignatureVerificationError):
+        stripe.WebhookSignature.verify_header(BODY.decode(), forged, SECRET, None)
+
+
+class FrozenDatetime(datetime):
+    """``datetime`` whose ``now()`` is NOW, for a library that reads the clock itself."""
+
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> FrozenDatetime:
+        return cls.fromtimestamp(NOW, tz)
+
+
+@pytest.fixture
+def standardwebhooks(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    module = provider_library("standardwebhooks")
+    monkeypatch.setattr(
+        importlib.import_module("standardwebhooks.webhooks"), "datetime", FrozenDatetime
+    )
+    return module
+
+
+def test_standardwebhooks_library_signature_is_accepted(standardwebhooks: ModuleType) -> None:
+    webhook = standardwebhooks.Webhook(SECRET)
+    value = webhook.sign(MSG_ID, datetime.fromtimestamp(NOW, UTC), BODY.decode())
+    headers = [
+        ("webhook-id", MSG_ID),
+        ("webhook-timestamp", str(NOW)),
+        ("webhook-signature", value),
+    ]
+    check(SW, headers)
+    check(SW, headers, secrets=(OLD, SECRET))
+    assert refused(SW, headers, secrets=(OLD,)) == "no signature matches"
+
+
+@pytest.mark.parametrize(
+    ("signers", "stamp"),
+    [((SECRET,), NOW), ((UNKNOWN, SECRET), NOW), ((SECRET,), NOW - 300), ((SECRET,), NOW + 300)],
+)
+def test_what_we_accept_standardwebhooks_library_accepts(
+    standardwebhooks: ModuleType, signers: tuple[str, ...], stamp: int
+) -> None:
+    headers = signed(SW, *signers, stamp=stamp)
+    check(SW, headers)
+    assert standardwebhooks.Webhook(SECRET).verify(BODY, dict(headers)) == json.loads(BODY)
+
+
+@pytest.mark.parametrize(
+    ("signer", "stamp"), [(UNKNOWN, NOW), (SECRET, NOW - 301), (SECRET, NOW + 301)]
+)
+def test_what_we_refuse_standardwebhooks_library_refuses(
+    standardwebhooks: ModuleType, signer: str, stamp: int
+) -> None:
+    headers = signed(SW, signer, stamp=stamp)
+    refused(SW, headers)
+    with pytest.raises(standardwebhooks.WebhookVerificationError):
+        standardwebhooks.Webhook(SECRET).verify(BODY, dict(headers))
