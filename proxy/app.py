@@ -7,12 +7,12 @@ and a catch-all passes everything else through to the upstream unchanged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
-from proxy import claims, config, embedded, forwarder, pipeline
+from proxy import claims, config, embedded, flights, forwarder, pipeline
 
 CONFIG = web.AppKey("config", config.Config)
 DSN = web.AppKey("dsn", str)
@@ -77,14 +77,26 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
         await client.close()
 
 
+@web.middleware
+async def _close_after_chunked(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    response = await handler(request)
+    if hdrs.TRANSFER_ENCODING in request.headers:
+        # aiohttp 3.14's C parser carries a chunked request's last trailer field over into the
+        # next request on the connection as a header (an event ID, a signature...): never let
+        # another request follow a chunked one on the same connection.
+        response.force_close()
+    return response
+
+
 def create_app(cfg: config.Config) -> web.Application:
     """Build the proxy application for ``cfg``; resources open when it starts."""
-    app = web.Application()
+    app = web.Application(middlewares=[_close_after_chunked])
     app[CONFIG] = cfg
+    app[pipeline.FLIGHTS] = flights.Flights()
     app.cleanup_ctx.extend([_database, _claim_store, _forwarder])
     for route in cfg.routes:
-        app.router.add_post(
-            route.path, pipeline.Webhook(route, cfg.client_timeout).handle, name=route.name
-        )
+        app.router.add_post(route.path, pipeline.Webhook(route, cfg).handle, name=route.name)
     app.router.add_route("*", "/{tail:.*}", pipeline.make_passthrough(cfg.upstream.url))
     return app

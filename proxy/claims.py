@@ -12,10 +12,12 @@ asyncpg and socket errors are translated into ``errors`` here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
     from proxy import config
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    PoolConnection = asyncpg.pool.PoolConnectionProxy[Any]
 
 # Errors meaning "the database is not usable right now"; anything else is a bug and propagates.
 _DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
@@ -57,27 +62,46 @@ def _ms(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
 
+@dataclass(frozen=True, slots=True)
+class Key:
+    """What is claimed: the event, and the facts stored with it."""
+
+    scope: str
+    event_id: str
+    event_type: str | None
+    body_sha256: bytes
+
+
 class Claim:
     """This request's hold on one event; ``acquired`` is False for a duplicate, and then
     ``stored_sha256`` is the digest of the body the event was first claimed with."""
 
-    def __init__(
-        self, store: ClaimStore, connection: asyncpg.pool.PoolConnectionProxy, acquired: bool
-    ) -> None:
+    def __init__(self, store: ClaimStore, connection: PoolConnection, key: Key) -> None:
         self._store = store
         self._connection = connection
-        self.acquired = acquired
+        self.key = key
+        self.acquired = False
         self.stored_sha256: bytes | None = None
+        self.reconciled = False
         self._open = True
 
     async def commit(self) -> None:
-        """Make the claim permanent; raise CommitFailed if that is not certain."""
+        """Make the claim permanent; raise CommitFailed if that cannot be made certain.
+
+        When COMMIT fails (the connection was lost, the server went away) the claim may or may
+        not have been stored. ``reconcile`` then settles it on a fresh connection.
+        """
         self._open = False
         try:
             await self._connection.execute("COMMIT", timeout=self._store.op_timeout)
         except _DB_ERRORS as exc:
             self._connection.terminate()
-            raise errors.CommitFailed(f"COMMIT failed: {exc!r}") from exc
+            if await self._store.reconcile(self.key):
+                self.reconciled = True
+                return
+            raise errors.CommitFailed(
+                f"COMMIT failed and could not be reconciled: {exc!r}"
+            ) from exc
 
     async def release(self) -> None:
         """Roll back unless committed; a connection in doubt is closed, never reused."""
@@ -89,14 +113,22 @@ class Claim:
                 log.warning("rollback failed, closing the connection: %r", exc)
                 self._connection.terminate()
 
+    def abandon(self) -> None:
+        """The connection failed mid-claim: close it rather than wait on it again."""
+        self._open = False
+        self._connection.terminate()
+
 
 class ClaimStore:
     """A pool of connections, each set up so that a stuck claim cannot outlive its bounds."""
 
-    def __init__(self, pool: asyncpg.Pool, settings: config.DatabaseConfig) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, settings: config.DatabaseConfig, claim_wait: float
+    ) -> None:
         self._pool = pool
         self._settings = settings
         self.op_timeout = settings.connect_timeout
+        self._claim_timeout = claim_wait + settings.connect_timeout
         table = _quote(settings.table)
         self._insert = (
             f"INSERT INTO {table} (scope, event_id, event_type, body_sha256) "
@@ -135,11 +167,12 @@ class ClaimStore:
             )
         except _DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
-        return cls(pool, settings)
+        return cls(pool, settings, claim_wait)
 
     async def close(self) -> None:
         try:
-            await self._pool.close()
+            # Bounded: asyncpg's close() can hang on a server that no longer answers.
+            await asyncio.wait_for(self._pool.close(), self.op_timeout)
         except _DB_ERRORS as exc:
             log.warning("closing the database pool failed: %r", exc)
             self._pool.terminate()
@@ -176,16 +209,70 @@ class ClaimStore:
             )
 
     @contextlib.asynccontextmanager
-    async def claim(
-        self, scope: str, event_id: str, event_type: str | None, body_sha256: bytes
-    ) -> AsyncIterator[Claim]:
+    async def claim(self, key: Key) -> AsyncIterator[Claim]:
         """Claim (scope, event_id); waits while another transaction holds it uncommitted.
 
         Raises StoreUnavailable (no connection or the database failed) or ClaimWaitExceeded.
         On exit the transaction is rolled back unless ``Claim.commit()`` was called.
         """
+        connection = await self._acquire()
+        claim = Claim(self, connection, key)
         try:
-            connection = await self._pool.acquire(timeout=self._settings.pool_timeout)
+            try:
+                # Pinned: under REPEATABLE READ a copy waiting on our row would fail with a
+                # serialization error after our COMMIT instead of seeing the duplicate.
+                await connection.execute(
+                    "BEGIN ISOLATION LEVEL READ COMMITTED", timeout=self.op_timeout
+                )
+                inserted = await connection.fetchval(
+                    self._insert, key.scope, key.event_id, key.event_type, key.body_sha256,
+                    timeout=self._claim_timeout,
+                )  # fmt: skip
+                if inserted is None:
+                    claim.stored_sha256 = await connection.fetchval(
+                        self._stored, key.scope, key.event_id, timeout=self.op_timeout
+                    )
+            except asyncpg.LockNotAvailableError as exc:
+                raise errors.ClaimWaitExceeded() from exc
+            except _DB_ERRORS as exc:
+                claim.abandon()
+                raise errors.StoreUnavailable(f"claim failed: {exc!r}") from exc
+            claim.acquired = inserted is not None
+            yield claim
+        finally:
+            await claim.release()
+            await self._release(connection)
+
+    async def reconcile(self, key: Key) -> bool:
+        """After a COMMIT in doubt: is the claim stored now? Re-claims it if it is absent.
+
+        On a fresh connection, without a transaction: a conflict means the row is there (our
+        COMMIT went through, or the event was processed elsewhere); an insert means our COMMIT
+        was lost and the claim is now stored. Anything else (the database still unreachable, our
+        old transaction still holding the row past claim_wait) leaves it unknown: False.
+        """
+        try:
+            connection = await self._acquire()
+        except errors.StoreUnavailable:
+            return False
+        try:
+            await connection.fetchval(
+                self._insert, key.scope, key.event_id, key.event_type, key.body_sha256,
+                timeout=self._claim_timeout,
+            )  # fmt: skip
+        except _DB_ERRORS as exc:
+            log.warning("reconciling a COMMIT in doubt failed: %r", exc)
+            connection.terminate()
+            return False
+        finally:
+            await self._release(connection)
+        return True
+
+    async def _acquire(self) -> PoolConnection:
+        try:
+            connection: PoolConnection = await self._pool.acquire(
+                timeout=self._settings.pool_timeout
+            )
         except TimeoutError as exc:
             raise errors.StoreUnavailable(
                 f"no free database connection within {self._settings.pool_timeout:g}s "
@@ -193,29 +280,13 @@ class ClaimStore:
             ) from exc
         except _DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc!r}") from exc
-        claim = Claim(self, connection, acquired=False)
+        return connection
+
+    async def _release(self, connection: PoolConnection) -> None:
         try:
-            try:
-                # Pinned: under REPEATABLE READ a copy waiting on our row would fail with a
-                # serialization error after our COMMIT instead of seeing the duplicate.
-                await connection.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
-                inserted = await connection.fetchval(
-                    self._insert, scope, event_id, event_type, body_sha256
-                )
-                if inserted is None:
-                    claim.stored_sha256 = await connection.fetchval(self._stored, scope, event_id)
-            except asyncpg.LockNotAvailableError as exc:
-                raise errors.ClaimWaitExceeded() from exc
-            except _DB_ERRORS as exc:
-                raise errors.StoreUnavailable(f"claim failed: {exc!r}") from exc
-            claim.acquired = inserted is not None
-            yield claim
-        finally:
-            await claim.release()
-            try:
-                await self._pool.release(connection, timeout=self.op_timeout)
-            except _DB_ERRORS as exc:
-                log.warning("returning a connection to the pool failed: %r", exc)
+            await self._pool.release(connection, timeout=self.op_timeout)
+        except _DB_ERRORS as exc:
+            log.warning("returning a connection to the pool failed: %r", exc)
 
     def pool_stats(self) -> tuple[int, int]:
         """(connections open, connections idle)."""

@@ -44,6 +44,9 @@ _ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "ups
 _VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
                 "prefix")  # fmt: skip
 T = TypeVar("T")
+# Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
+# far beyond any provider's patience.
+_SHORT_DURATION = values.parse_duration_upto(3600)
 
 
 class Secret:
@@ -263,6 +266,10 @@ def load(path: str | os.PathLike[str]) -> Config:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise errors.ConfigError(source, [f"not valid YAML: {exc}"]) from exc
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
+        # PyYAML's constructors let these through for e.g. `2001-13-01`, `!!timestamp x`,
+        # 5000-digit integers or deep nesting.
+        raise errors.ConfigError(source, [f"not valid YAML: {exc!r}"]) from exc
     return parse(raw, source=source)
 
 
@@ -274,7 +281,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
     up = r.mapping(top.get("upstream"), "upstream", ("url", "timeout", "preserve_host"))
     upstream = UpstreamConfig(
         url=r.required(up, "url", "upstream", values.parse_http_url) or "",
-        timeout=r.value(up, "timeout", "upstream", values.parse_duration, DEFAULT_UPSTREAM_TIMEOUT),
+        timeout=r.value(up, "timeout", "upstream", _SHORT_DURATION, DEFAULT_UPSTREAM_TIMEOUT),
         preserve_host=r.value(up, "preserve_host", "upstream", values.parse_bool, True),
     )
     db = r.mapping(top.get("database"), "database", _DATABASE_KEYS)
@@ -288,11 +295,9 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         pool_size=r.value(
             db, "pool_size", "database", values.parse_positive_int, DEFAULT_POOL_SIZE
         ),
-        pool_timeout=r.value(
-            db, "pool_timeout", "database", values.parse_duration, DEFAULT_POOL_TIMEOUT
-        ),
+        pool_timeout=r.value(db, "pool_timeout", "database", _SHORT_DURATION, DEFAULT_POOL_TIMEOUT),
         connect_timeout=r.value(
-            db, "connect_timeout", "database", values.parse_duration, DEFAULT_CONNECT_TIMEOUT
+            db, "connect_timeout", "database", _SHORT_DURATION, DEFAULT_CONNECT_TIMEOUT
         ),
     )
     lg = r.mapping(top.get("log"), "log", ("level", "format"))
@@ -302,7 +307,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         upstream=upstream,
         database=database,
         routes=_parse_routes(r, top.get("routes"), upstream.url, max_body),
-        claim_wait=r.value(top, "claim_wait", "", values.parse_duration, DEFAULT_CLAIM_WAIT),
+        claim_wait=r.value(top, "claim_wait", "", _SHORT_DURATION, DEFAULT_CLAIM_WAIT),
         shutdown_timeout=r.value(
             top, "shutdown_timeout", "", values.parse_duration, DEFAULT_SHUTDOWN_TIMEOUT
         ),

@@ -17,12 +17,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from proxy import claims, config, errors, forwarder, keys
+from proxy import claims, config, errors, flights, forwarder, keys
 
 log = logging.getLogger(__name__)
 
 STORE = web.AppKey("store", claims.ClaimStore)
 FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
+FLIGHTS = web.AppKey("flights", flights.Flights)
 
 _READ_CHUNK = 64 * 1024
 
@@ -74,15 +75,19 @@ async def read_body(request: web.Request, limit: int, within: float) -> bytes:
     return bytes(body)
 
 
+def _ms_since(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 2)
+
+
 def _log_line(fields: dict[str, Any], started: float) -> None:
-    fields["total_ms"] = round((time.perf_counter() - started) * 1000, 2)
+    fields["total_ms"] = _ms_since(started)
     outcome = fields["outcome"]
     if fields.get("mismatch"):
         outcome = "mismatch"
     level = {
         "duplicate": logging.DEBUG,
         "unavailable": logging.ERROR,
-        "commit_failed": logging.ERROR,
+        "ambiguous_commit": logging.ERROR,
         "rejected": logging.WARNING,
         "mismatch": logging.WARNING,
     }.get(outcome, logging.INFO)
@@ -94,9 +99,10 @@ def _log_line(fields: dict[str, Any], started: float) -> None:
 class Webhook:
     """The handler of one configured webhook route."""
 
-    def __init__(self, route: config.RouteConfig, client_timeout: float) -> None:
+    def __init__(self, route: config.RouteConfig, cfg: config.Config) -> None:
         self.route = route
-        self.client_timeout = client_timeout
+        self.client_timeout = cfg.client_timeout
+        self.claim_wait = cfg.claim_wait
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -135,31 +141,54 @@ class Webhook:
             fields.update(outcome="unclaimed", upstream_status=upstream.status)
             return upstream.to_web()
         fields.update(event_id=event_id, event_type=event_type)
-        digest = hashlib.sha256(body).digest()
+        key = claims.Key(route.scope, event_id, event_type, hashlib.sha256(body).digest())
         claim_started = time.perf_counter()
-        async with request.app[STORE].claim(route.scope, event_id, event_type, digest) as claim:
-            fields["claim_ms"] = round((time.perf_counter() - claim_started) * 1000, 2)
-            if not claim.acquired:
-                fields["outcome"] = "duplicate"
-                if claim.stored_sha256 is not None and claim.stored_sha256 != digest:
-                    # Same ID, other bytes: the ID is not a per-event key here, or a replay.
-                    fields["mismatch"] = True
-                return _json(200, {"status": "duplicate", "event_id": event_id}, "duplicate")
-            upstream = await request.app[FORWARDER].forward(request, route.upstream, body)
-            fields["upstream_status"] = upstream.status
-            if not upstream.ok:
-                fields["outcome"] = "upstream_error"
-                return upstream.to_web()
-            try:
-                await claim.commit()
-            except errors.CommitFailed as exc:
-                # The upstream did the work: answering anything but its 2xx would make the
-                # provider retry, and the retry would be forwarded again (see README, limits).
-                fields["outcome"] = "commit_failed"
-                fields["error"] = exc.message
-                return upstream.to_web()
-            fields["outcome"] = "processed"
+        async with request.app[FLIGHTS].turn((key.scope, key.event_id), self.claim_wait) as flight:
+            if flight.committed_sha256 is not None:
+                # A copy in this process just committed this event: no database round trip.
+                fields["claim_ms"] = _ms_since(claim_started)
+                return self._duplicate(key, flight.committed_sha256, fields)
+            async with request.app[STORE].claim(key) as claim:
+                fields["claim_ms"] = _ms_since(claim_started)
+                if not claim.acquired:
+                    return self._duplicate(key, claim.stored_sha256, fields)
+                response = await self._forward(request, body, claim, fields)
+                if claim.acquired and fields["outcome"] == "processed":
+                    flight.committed_sha256 = key.body_sha256
+                return response
+
+    async def _forward(
+        self, request: web.Request, body: bytes, claim: claims.Claim, fields: dict[str, Any]
+    ) -> web.StreamResponse:
+        upstream = await request.app[FORWARDER].forward(request, self.route.upstream, body)
+        fields["upstream_status"] = upstream.status
+        if upstream.status == 410:
+            # Standard Webhooks senders disable an endpoint that answers 410: never relay it.
+            raise errors.UpstreamUnavailable("upstream answered 410 Gone; relayed as 502")
+        if not upstream.ok:
+            fields["outcome"] = "upstream_error"
             return upstream.to_web()
+        try:
+            await claim.commit()
+        except errors.CommitFailed as exc:
+            # The upstream did the work: answering anything but its 2xx would make the provider
+            # retry, and the retry would be forwarded again (see README, limits).
+            fields.update(outcome="ambiguous_commit", error=exc.message)
+            return upstream.to_web()
+        fields["outcome"] = "processed"
+        if claim.reconciled:
+            fields["reconciled"] = True
+        return upstream.to_web()
+
+    @staticmethod
+    def _duplicate(
+        key: claims.Key, stored_sha256: bytes | None, fields: dict[str, Any]
+    ) -> web.Response:
+        fields["outcome"] = "duplicate"
+        if stored_sha256 is not None and stored_sha256 != key.body_sha256:
+            # Same ID, other bytes: the ID is not a per-event key here, or a replay.
+            fields["mismatch"] = True
+        return _json(200, {"status": "duplicate", "event_id": key.event_id}, "duplicate")
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -26,7 +26,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 
 def parse_duration(value: object) -> float:
     """``500ms``, ``30s``, ``5m``, ``2h``, ``30d`` or a number of seconds; positive."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 10**9:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**9:
+        # float() of a huge integer overflows; no duration is that long anyway.
         raise ValueError(f"must be at most 1000000000 seconds, got {value!r}")
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = float(value)
@@ -39,6 +40,19 @@ def parse_duration(value: object) -> float:
     if seconds <= 0:
         raise ValueError(f"must be positive, got {value!r}")
     return seconds
+
+
+def parse_duration_upto(limit: float) -> Callable[[object], float]:
+    """A duration of at most ``limit`` seconds (those sent to PostgreSQL as milliseconds must
+    stay below its 24.8-day maximum)."""
+
+    def parse(value: object) -> float:
+        seconds = parse_duration(value)
+        if seconds > limit:
+            raise ValueError(f"must be at most {limit:g}s, got {value!r}")
+        return seconds
+
+    return parse
 
 
 def parse_size(value: object) -> int:

@@ -36,7 +36,7 @@ async def test_connections_bound_lock_waits_and_abandoned_transactions(
     store = await claims.ClaimStore.open(pg_dsn, settings, claim_wait=1.5, upstream_timeout=30.0)
     try:
         await store.ensure_schema()
-        async with store.claim("s", "e1", None, b"\x00" * 32) as claim:
+        async with store.claim(claims.Key("s", "e1", None, b"\x00" * 32)) as claim:
             assert claim.acquired
             rows = await fetch(
                 pg_dsn,

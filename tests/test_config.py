@@ -196,7 +196,22 @@ def test_load_reads_a_yaml_file(tmp_path: Path) -> None:
     ],
 )
 def test_durations(value: object, seconds: float) -> None:
-    assert config.parse(raw_config(claim_wait=value)).claim_wait == seconds
+    assert config.parse(raw_config(shutdown_timeout=value)).shutdown_timeout == seconds
+
+
+@pytest.mark.parametrize("key", ["claim_wait", "upstream.timeout", "database.pool_timeout"])
+def test_timeouts_sent_to_postgresql_are_capped_at_an_hour(key: str) -> None:
+    def with_value(value: str) -> dict[str, Any]:
+        raw = raw_config()
+        *sections, name = key.split(".")
+        target = raw
+        for section in sections:
+            target = target[section]
+        target[name] = value
+        return raw
+
+    assert problems_of(with_value("61m")) == (f"{key}: must be at most 3600s, got '61m'",)
+    assert config.parse(with_value("1h"))
 
 
 @pytest.mark.parametrize("value", ["soon", "30 seconds", "5w", "-5s", "1,5s", "s", True, [30]])
