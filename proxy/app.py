@@ -69,6 +69,7 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
         preserve_host=cfg.upstream.preserve_host,
         # Webhook requests are bounded by the database pool; pass-through traffic gets headroom.
         connections=cfg.database.pool_size + 100,
+        keepalive=cfg.upstream.keepalive,
     )
     app[pipeline.FORWARDER] = client
     try:

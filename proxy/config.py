@@ -22,6 +22,7 @@ from proxy import errors, keys, presets, signatures, values
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_UPSTREAM_TIMEOUT = 30.0
+DEFAULT_UPSTREAM_KEEPALIVE = 4.0
 DEFAULT_CLAIM_WAIT = 10.0
 DEFAULT_MAX_BODY = 10 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -99,6 +100,7 @@ class UpstreamConfig:
     url: str
     timeout: float = DEFAULT_UPSTREAM_TIMEOUT
     preserve_host: bool = True
+    keepalive: float = DEFAULT_UPSTREAM_KEEPALIVE
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,11 +280,16 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
     r = _Reader()
     top = r.mapping(raw, "", _TOP_KEYS)
     listen = r.value(top, "listen", "", _listen, _listen(DEFAULT_LISTEN))
-    up = r.mapping(top.get("upstream"), "upstream", ("url", "timeout", "preserve_host"))
+    up = r.mapping(
+        top.get("upstream"), "upstream", ("url", "timeout", "preserve_host", "keepalive")
+    )
     upstream = UpstreamConfig(
         url=r.required(up, "url", "upstream", values.parse_http_url) or "",
         timeout=r.value(up, "timeout", "upstream", _SHORT_DURATION, DEFAULT_UPSTREAM_TIMEOUT),
         preserve_host=r.value(up, "preserve_host", "upstream", values.parse_bool, True),
+        keepalive=r.value(
+            up, "keepalive", "upstream", values.parse_duration, DEFAULT_UPSTREAM_KEEPALIVE
+        ),
     )
     db = r.mapping(top.get("database"), "database", _DATABASE_KEYS)
     if top.get("database") is None:

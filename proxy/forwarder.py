@@ -100,11 +100,16 @@ class UpstreamResponse:
 class Forwarder:
     """One client session to the upstream(s), shared by every request."""
 
-    def __init__(self, timeout: float, *, preserve_host: bool, connections: int) -> None:
+    def __init__(
+        self, timeout: float, *, preserve_host: bool, connections: int, keepalive: float
+    ) -> None:
         self._timeout = timeout
         self._preserve_host = preserve_host
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=connections),
+            # An idle connection is dropped before the app's own keep-alive timer (5 s in
+            # Node.js and uvicorn) can close it under a request: a POST on a connection the
+            # app is closing fails with 502, and aiohttp retries only idempotent methods.
+            connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=keepalive),
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=_AUTO_HEADERS,
