@@ -7,12 +7,13 @@ and a catch-all passes everything else through to the upstream unchanged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import hdrs, web
 
-from proxy import claims, config, embedded, flights, forwarder, pipeline
+from proxy import claims, config, embedded, flights, forwarder, metrics, pipeline, retention
 
 CONFIG = web.AppKey("config", config.Config)
 DSN = web.AppKey("dsn", str)
@@ -57,9 +58,20 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     try:
         await store.ensure_schema()
         app[pipeline.STORE] = store
+        app[pipeline.METRICS].watch_pool(store.pool_stats)
         yield
     finally:
         await store.close()
+
+
+async def _sweeper(app: web.Application) -> AsyncIterator[None]:
+    cfg = app[CONFIG]
+    sweeper = retention.Sweeper(app[pipeline.STORE], cfg.routes, cfg.sweeper, app[pipeline.METRICS])
+    task = asyncio.create_task(sweeper.run(), name="retention-sweeper")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _forwarder(app: web.Application) -> AsyncIterator[None]:
@@ -96,7 +108,9 @@ def create_app(cfg: config.Config) -> web.Application:
     app = web.Application(middlewares=[_close_after_chunked])
     app[CONFIG] = cfg
     app[pipeline.FLIGHTS] = flights.Flights()
-    app.cleanup_ctx.extend([_database, _claim_store, _forwarder])
+    app[pipeline.METRICS] = metrics.Metrics()
+    app[pipeline.DRAINING] = asyncio.Event()
+    app.cleanup_ctx.extend([_database, _claim_store, _forwarder, _sweeper])
     for route in cfg.routes:
         app.router.add_post(route.path, pipeline.Webhook(route, cfg).handle, name=route.name)
     app.router.add_route("*", "/{tail:.*}", pipeline.make_passthrough(cfg.upstream.url))

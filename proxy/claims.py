@@ -32,12 +32,13 @@ if TYPE_CHECKING:
     PoolConnection = asyncpg.pool.PoolConnectionProxy[Any]
 
 # Errors meaning "the database is not usable right now"; anything else is a bug and propagates.
-_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 # Any constant will do: it only serialises concurrent schema creation by several replicas.
 _SCHEMA_LOCK_KEY = 0x64656475
+_SWEEP_LOCK_KEY = 0x64656476
 
 
-def _quote(table: str) -> str:
+def quote(table: str) -> str:
     return ".".join(f'"{part}"' for part in table.split("."))
 
 
@@ -45,7 +46,7 @@ def schema_sql(table: str) -> str:
     """The DDL for the claim table (idempotent)."""
     index = f"{table.rpartition('.')[2]}_received_at_idx"
     return (
-        f"CREATE TABLE IF NOT EXISTS {_quote(table)} (\n"
+        f"CREATE TABLE IF NOT EXISTS {quote(table)} (\n"
         "    scope       text        NOT NULL,\n"
         "    event_id    text        NOT NULL,\n"
         "    event_type  text,\n"
@@ -53,9 +54,17 @@ def schema_sql(table: str) -> str:
         "    body_sha256 bytea,\n"
         "    PRIMARY KEY (scope, event_id)\n"
         ");\n"
-        f'CREATE INDEX IF NOT EXISTS "{index}" ON {_quote(table)} (received_at);\n'
-        f"ALTER TABLE {_quote(table)} ADD COLUMN IF NOT EXISTS body_sha256 bytea;\n"
+        f'CREATE INDEX IF NOT EXISTS "{index}" ON {quote(table)} (received_at);\n'
+        f"ALTER TABLE {quote(table)} ADD COLUMN IF NOT EXISTS body_sha256 bytea;\n"
     )
+
+
+async def apply_schema(connection: Any, table: str) -> None:
+    """Create or upgrade the claim table; safe when several replicas start at once."""
+    async with connection.transaction():
+        # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
+        await connection.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK_KEY)
+        await connection.execute(schema_sql(table))
 
 
 def _ms(seconds: float) -> str:
@@ -94,7 +103,7 @@ class Claim:
         self._open = False
         try:
             await self._connection.execute("COMMIT", timeout=self._store.op_timeout)
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             self._connection.terminate()
             if await self._store.reconcile(self.key):
                 self.reconciled = True
@@ -109,7 +118,7 @@ class Claim:
             self._open = False
             try:
                 await self._connection.execute("ROLLBACK", timeout=self._store.op_timeout)
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 log.warning("rollback failed, closing the connection: %r", exc)
                 self._connection.terminate()
 
@@ -117,6 +126,32 @@ class Claim:
         """The connection failed mid-claim: close it rather than wait on it again."""
         self._open = False
         self._connection.terminate()
+
+
+class Sweep:
+    """Deletes expired claims, one short transaction per batch."""
+
+    def __init__(self, connection: PoolConnection, table: str, timeout: float) -> None:
+        self._connection = connection
+        self._timeout = timeout
+        table = quote(table)
+        # SKIP LOCKED: a row another transaction holds (an operator's forget) is left for later.
+        self._delete = (
+            f"DELETE FROM {table} AS t USING ("
+            f"  SELECT scope, event_id FROM {table}"
+            "   WHERE scope = $1 AND received_at < now() - make_interval(secs => $2)"
+            "   LIMIT $3 FOR UPDATE SKIP LOCKED"
+            ") AS expired WHERE t.scope = expired.scope AND t.event_id = expired.event_id"
+        )
+
+    async def delete_expired(self, scope: str, retention: float, batch: int) -> int:
+        try:
+            status = await self._connection.execute(
+                self._delete, scope, retention, batch, timeout=self._timeout
+            )
+        except DB_ERRORS as exc:
+            raise errors.StoreUnavailable(f"retention delete failed: {exc!r}") from exc
+        return int(status.split()[-1])
 
 
 class ClaimStore:
@@ -129,7 +164,7 @@ class ClaimStore:
         self._settings = settings
         self.op_timeout = settings.connect_timeout
         self._claim_timeout = claim_wait + settings.connect_timeout
-        table = _quote(settings.table)
+        table = quote(settings.table)
         self._insert = (
             f"INSERT INTO {table} (scope, event_id, event_type, body_sha256) "
             "VALUES ($1, $2, $3, $4) ON CONFLICT (scope, event_id) DO NOTHING RETURNING true"
@@ -165,7 +200,7 @@ class ClaimStore:
                 command_timeout=claim_wait + settings.connect_timeout,
                 server_settings=server_settings,
             )
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
         return cls(pool, settings, claim_wait)
 
@@ -173,7 +208,7 @@ class ClaimStore:
         try:
             # Bounded: asyncpg's close() can hang on a server that no longer answers.
             await asyncio.wait_for(self._pool.close(), self.op_timeout)
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("closing the database pool failed: %r", exc)
             self._pool.terminate()
 
@@ -183,24 +218,20 @@ class ClaimStore:
         try:
             async with self._pool.acquire(timeout=self.op_timeout) as connection:
                 if self._settings.create_schema:
-                    async with connection.transaction():
-                        await connection.execute(
-                            "SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK_KEY
-                        )
-                        await connection.execute(schema_sql(table))
+                    await apply_schema(connection, table)
                     return
                 exists = await connection.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
                 if exists:
                     await connection.execute(
                         f"SELECT scope, event_id, event_type, received_at, body_sha256 "
-                        f"FROM {_quote(table)} LIMIT 0"
+                        f"FROM {quote(table)} LIMIT 0"
                     )
         except asyncpg.UndefinedColumnError as exc:
             raise errors.StoreUnavailable(
                 f"table {table} lacks a column ({exc}); apply the DDL from the README or set "
                 "database.create_schema: true"
             ) from exc
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot prepare table {table}: {exc}") from exc
         if not exists:
             raise errors.StoreUnavailable(
@@ -234,7 +265,7 @@ class ClaimStore:
                     )
             except asyncpg.LockNotAvailableError as exc:
                 raise errors.ClaimWaitExceeded() from exc
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 claim.abandon()
                 raise errors.StoreUnavailable(f"claim failed: {exc!r}") from exc
             claim.acquired = inserted is not None
@@ -260,7 +291,7 @@ class ClaimStore:
                 self._insert, key.scope, key.event_id, key.event_type, key.body_sha256,
                 timeout=self._claim_timeout,
             )  # fmt: skip
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("reconciling a COMMIT in doubt failed: %r", exc)
             connection.terminate()
             return False
@@ -278,15 +309,58 @@ class ClaimStore:
                 f"no free database connection within {self._settings.pool_timeout:g}s "
                 f"(pool_size {self._settings.pool_size})"
             ) from exc
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc!r}") from exc
         return connection
 
     async def _release(self, connection: PoolConnection) -> None:
         try:
             await self._pool.release(connection, timeout=self.op_timeout)
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("returning a connection to the pool failed: %r", exc)
+
+    async def check(self) -> None:
+        """Raise StoreUnavailable unless the database answers and the claim table exists."""
+        table = self._settings.table
+        connection = await self._acquire()
+        try:
+            exists = await connection.fetchval(
+                "SELECT to_regclass($1) IS NOT NULL", table, timeout=self.op_timeout
+            )
+        except DB_ERRORS as exc:
+            connection.terminate()
+            raise errors.StoreUnavailable(f"database check failed: {exc!r}") from exc
+        finally:
+            await self._release(connection)
+        if not exists:
+            raise errors.StoreUnavailable(f"table {table} does not exist")
+
+    @contextlib.asynccontextmanager
+    async def sweeping(self) -> AsyncIterator[Sweep | None]:
+        """A connection holding the sweeper's advisory lock, or None if another replica has it."""
+        connection = await self._acquire()
+        try:
+            try:
+                locked = await connection.fetchval(
+                    "SELECT pg_try_advisory_lock($1)", _SWEEP_LOCK_KEY, timeout=self.op_timeout
+                )
+            except DB_ERRORS as exc:
+                connection.terminate()
+                raise errors.StoreUnavailable(f"sweep failed: {exc!r}") from exc
+            if not locked:
+                yield None
+                return
+            try:
+                yield Sweep(connection, self._settings.table, self.op_timeout)
+            finally:
+                try:
+                    await connection.execute(
+                        "SELECT pg_advisory_unlock($1)", _SWEEP_LOCK_KEY, timeout=self.op_timeout
+                    )
+                except DB_ERRORS:
+                    connection.terminate()  # the lock goes with the session
+        finally:
+            await self._release(connection)
 
     def pool_stats(self) -> tuple[int, int]:
         """(connections open, connections idle)."""

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from proxy import __version__, config, errors, logs, server
+from proxy import __version__, claims, config, demo, errors, logs, operations, server, values
 
 log = logging.getLogger(__name__)
 
@@ -21,26 +21,64 @@ EXIT_CONFIG = 2
 CONFIG_ENV = "DEDUP_PROXY_CONFIG"
 
 
+def _config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        "-c",
+        default=os.environ.get(CONFIG_ENV),
+        help=f"YAML configuration file (default: ${CONFIG_ENV})",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dedup-proxy",
         description="A sidecar reverse proxy that forwards each webhook event to your app once, "
         "using PostgreSQL as the lock.",
+        epilog="Exit codes: 0 success, 1 failure (database unreachable, event not found), "
+        "2 usage or configuration error.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, text in (
-        ("serve", "run the proxy"),
-        ("check", "validate the configuration and print the resolved routes"),
-    ):
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
-        sub.add_argument(
-            "--config",
-            "-c",
-            default=os.environ.get(CONFIG_ENV),
-            help=f"YAML configuration file (default: ${CONFIG_ENV})",
-        )
+        if name != "demo":
+            _config_option(sub)
+        return sub
+
+    command("serve", "run the proxy")
+    command("check", "validate the configuration and print the resolved routes")
+    command("stats", "claims per route: rows, oldest, newest, retention")
+    command("schema", "print the claim table's DDL (for create_schema: false deployments)")
+    command("migrate", "create or upgrade the claim table")
+    demo.add_arguments(command("demo", "see the proxy absorb duplicates, in one command"))
+    events = command("events", "list recent claims, or forget some")
+    actions = events.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="recent claims of a route, newest first")
+    listing.add_argument("--route", required=True, help="route name from the configuration")
+    listing.add_argument(
+        "--since", type=_duration, help="only claims newer than this (e.g. 1h, 30m, 2d)"
+    )
+    listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    forgetting = actions.add_parser(
+        "forget",
+        help="release claims so a manual redelivery from the provider goes through",
+        description="Delete the claims of these event IDs in the route's scope. The next "
+        "delivery of each is forwarded to the app again.",
+    )
+    forgetting.add_argument("--route", required=True, help="route name from the configuration")
+    forgetting.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
+    for sub in (listing, forgetting):
+        _config_option(sub)
     return parser
+
+
+def _duration(text: str) -> float:
+    try:
+        return values.parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _describe(cfg: config.Config, source: str) -> str:
@@ -79,6 +117,11 @@ def _describe(cfg: config.Config, source: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "demo":
+        return demo.main(args)
+    if args.command == "schema" and not args.config:
+        print(claims.schema_sql(config.DEFAULT_TABLE), end="")
+        return 0
     if not args.config:
         print(
             f"dedup-proxy {args.command}: no configuration; pass --config FILE or set {CONFIG_ENV}",
@@ -93,6 +136,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         print(_describe(cfg, args.config))
         return 0
+    if args.command == "schema":
+        print(claims.schema_sql(cfg.database.table), end="")
+        return 0
+    if args.command == "serve":
+        return _serve(cfg)
+    try:
+        return asyncio.run(_operate(cfg, args))
+    except errors.ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_CONFIG
+    except errors.ProxyError as exc:
+        print(f"dedup-proxy {args.command}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
+    if args.command == "stats":
+        return await operations.stats(cfg)
+    if args.command == "migrate":
+        return await operations.migrate(cfg)
+    if args.action == "list":
+        return await operations.list_events(cfg, args.route, args.since, args.limit)
+    return await operations.forget(cfg, args.route, args.event_ids)
+
+
+def _serve(cfg: config.Config) -> int:
     logs.setup(cfg.log)
     try:
         asyncio.run(server.serve(cfg))

@@ -28,6 +28,9 @@ DEFAULT_MAX_BODY = 10 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_CLIENT_TIMEOUT = 60.0
 DEFAULT_RETENTION = 30 * 86400.0
+DEFAULT_ADMIN_LISTEN = "127.0.0.1:9901"
+DEFAULT_SWEEP_INTERVAL = 60.0
+DEFAULT_SWEEP_BATCH = 1000
 DEFAULT_POOL_SIZE = 10
 DEFAULT_POOL_TIMEOUT = 5.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -37,7 +40,7 @@ DEFAULT_DATA_DIR = ".dedup-proxy/pgdata"
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LEVELS = ("debug", "info", "warning", "error")
 _TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
-             "shutdown_timeout", "client_timeout", "log")  # fmt: skip
+             "shutdown_timeout", "client_timeout", "log", "admin", "sweeper")  # fmt: skip
 _DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
 _ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
@@ -140,6 +143,17 @@ class LogConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class AdminConfig:
+    listen: Listen = field(default_factory=lambda: _listen(DEFAULT_ADMIN_LISTEN))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SweeperConfig:
+    interval: float = DEFAULT_SWEEP_INTERVAL
+    batch: int = DEFAULT_SWEEP_BATCH
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
     listen: Listen
     upstream: UpstreamConfig
@@ -149,6 +163,8 @@ class Config:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT
     log: LogConfig = field(default_factory=LogConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    sweeper: SweeperConfig = field(default_factory=SweeperConfig)
 
 
 def _listen(value: object) -> Listen:
@@ -308,6 +324,8 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         ),
     )
     lg = r.mapping(top.get("log"), "log", ("level", "format"))
+    adm = r.mapping(top.get("admin"), "admin", ("listen",))
+    sw = r.mapping(top.get("sweeper"), "sweeper", ("interval", "batch"))
     max_body = r.value(top, "max_body", "", values.parse_size, DEFAULT_MAX_BODY)
     config = Config(
         listen=listen,
@@ -321,6 +339,15 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         client_timeout=r.value(
             top, "client_timeout", "", values.parse_duration, DEFAULT_CLIENT_TIMEOUT
         ),
+        admin=AdminConfig(
+            listen=r.value(adm, "listen", "admin", _listen, _listen(DEFAULT_ADMIN_LISTEN))
+        ),
+        sweeper=SweeperConfig(
+            interval=r.value(
+                sw, "interval", "sweeper", values.parse_duration, DEFAULT_SWEEP_INTERVAL
+            ),
+            batch=r.value(sw, "batch", "sweeper", values.parse_positive_int, DEFAULT_SWEEP_BATCH),
+        ),
         log=LogConfig(
             level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
             format=r.value(
@@ -328,6 +355,8 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
             ),
         ),
     )
+    if config.admin.listen.port == config.listen.port:
+        r.problem("admin.listen", f"must not share the public port {config.listen.port}")
     if r.problems:
         raise errors.ConfigError(source, r.problems)
     return config

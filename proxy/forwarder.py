@@ -118,22 +118,28 @@ class Forwarder:
     async def close(self) -> None:
         await self._session.close()
 
-    def _headers(self, request: web.Request, *, keep_length: bool) -> CIMultiDict[str]:
-        return request_headers(
+    def _headers(
+        self, request: web.Request, request_id: str, *, keep_length: bool
+    ) -> CIMultiDict[str]:
+        headers = request_headers(
             request.headers,
             peer=request.remote,
             scheme=request.scheme,
             preserve_host=self._preserve_host,
             keep_length=keep_length,
         )
+        headers.setdefault(hdrs.X_REQUEST_ID, request_id)
+        return headers
 
-    async def forward(self, request: web.Request, base_url: str, body: bytes) -> UpstreamResponse:
+    async def forward(
+        self, request: web.Request, base_url: str, body: bytes, request_id: str
+    ) -> UpstreamResponse:
         """Send the webhook with its already-read body; read the whole answer."""
         try:
             async with self._session.request(
                 request.method,
                 base_url + request.raw_path,
-                headers=self._headers(request, keep_length=False),
+                headers=self._headers(request, request_id, keep_length=False),
                 data=body,
                 allow_redirects=False,
                 timeout=aiohttp.ClientTimeout(total=self._timeout),
@@ -152,7 +158,9 @@ class Forwarder:
         except (aiohttp.ClientError, OSError) as exc:
             raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
 
-    async def relay(self, request: web.Request, base_url: str) -> web.StreamResponse:
+    async def relay(
+        self, request: web.Request, base_url: str, request_id: str
+    ) -> web.StreamResponse:
         """Pass a request through unchanged, streaming both ways (no claim, no size cap)."""
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self._timeout, sock_read=self._timeout
@@ -161,7 +169,7 @@ class Forwarder:
             upstream = await self._session.request(
                 request.method,
                 base_url + request.raw_path,
-                headers=self._headers(request, keep_length=True),
+                headers=self._headers(request, request_id, keep_length=True),
                 data=request.content if request.body_exists else None,
                 allow_redirects=False,
                 timeout=timeout,

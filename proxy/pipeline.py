@@ -11,19 +11,22 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
-from proxy import claims, config, errors, flights, forwarder, keys
+from proxy import claims, config, errors, flights, forwarder, keys, metrics
 
 log = logging.getLogger(__name__)
 
 STORE = web.AppKey("store", claims.ClaimStore)
 FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
 FLIGHTS = web.AppKey("flights", flights.Flights)
+METRICS = web.AppKey("metrics", metrics.Metrics)
+DRAINING = web.AppKey("draining", asyncio.Event)
 
 _READ_CHUNK = 64 * 1024
 
@@ -79,8 +82,7 @@ def _ms_since(started: float) -> float:
     return round((time.perf_counter() - started) * 1000, 2)
 
 
-def _log_line(fields: dict[str, Any], started: float) -> None:
-    fields["total_ms"] = _ms_since(started)
+def _log_line(fields: dict[str, Any]) -> None:
     outcome = fields["outcome"]
     if fields.get("mismatch"):
         outcome = "mismatch"
@@ -107,20 +109,17 @@ class Webhook:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
-        fields: dict[str, Any] = {
-            "route": self.route.name,
-            "scope": self.route.scope,
-            "method": request.method,
-            "path": request.path,
-        }
+        fields = _fields(request, self.route)
+        in_flight = request.app[METRICS].in_flight.labels(self.route.name)
+        in_flight.inc()
         try:
             response = await self._handle(request, fields)
         except errors.RequestError as exc:
-            fields["outcome"] = _outcome(exc)
-            fields["error"] = exc.message
+            fields.update(outcome=_outcome(exc), error=exc.message)
             response = error_response(exc)
-        fields["status"] = response.status
-        _log_line(fields, started)
+        finally:
+            in_flight.dec()
+        _finish(request, fields, started, response)
         return response
 
     async def _handle(self, request: web.Request, fields: dict[str, Any]) -> web.StreamResponse:
@@ -137,7 +136,9 @@ class Webhook:
         except errors.EventIdMissing:
             if not route.forward_missing_id:
                 raise
-            upstream = await request.app[FORWARDER].forward(request, route.upstream, body)
+            upstream = await request.app[FORWARDER].forward(
+                request, route.upstream, body, fields["request_id"]
+            )
             fields.update(outcome="unclaimed", upstream_status=upstream.status)
             return upstream.to_web()
         fields.update(event_id=event_id, event_type=event_type)
@@ -146,21 +147,32 @@ class Webhook:
         async with request.app[FLIGHTS].turn((key.scope, key.event_id), self.claim_wait) as flight:
             if flight.committed_sha256 is not None:
                 # A copy in this process just committed this event: no database round trip.
-                fields["claim_ms"] = _ms_since(claim_started)
+                self._claimed(request, fields, claim_started)
                 return self._duplicate(key, flight.committed_sha256, fields)
             async with request.app[STORE].claim(key) as claim:
-                fields["claim_ms"] = _ms_since(claim_started)
+                self._claimed(request, fields, claim_started)
                 if not claim.acquired:
                     return self._duplicate(key, claim.stored_sha256, fields)
                 response = await self._forward(request, body, claim, fields)
-                if claim.acquired and fields["outcome"] == "processed":
+                if fields["outcome"] == "processed":
                     flight.committed_sha256 = key.body_sha256
                 return response
+
+    def _claimed(self, request: web.Request, fields: dict[str, Any], started: float) -> None:
+        waited = time.perf_counter() - started
+        fields["claim_ms"] = round(waited * 1000, 2)
+        request.app[METRICS].claim_wait.labels(self.route.name).observe(waited)
 
     async def _forward(
         self, request: web.Request, body: bytes, claim: claims.Claim, fields: dict[str, Any]
     ) -> web.StreamResponse:
-        upstream = await request.app[FORWARDER].forward(request, self.route.upstream, body)
+        started = time.perf_counter()
+        upstream = await request.app[FORWARDER].forward(
+            request, self.route.upstream, body, fields["request_id"]
+        )
+        request.app[METRICS].upstream_latency.labels(self.route.name).observe(
+            time.perf_counter() - started
+        )
         fields["upstream_status"] = upstream.status
         if upstream.status == 410:
             # Standard Webhooks senders disable an endpoint that answers 410: never relay it.
@@ -199,16 +211,41 @@ def make_passthrough(upstream: str) -> Handler:
 
     async def passthrough(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
-        fields: dict[str, Any] = {"route": None, "method": request.method, "path": request.path}
+        fields = _fields(request, None)
         try:
-            response = await request.app[FORWARDER].relay(request, upstream)
+            response = await request.app[FORWARDER].relay(request, upstream, fields["request_id"])
             fields["outcome"] = "passthrough"
         except errors.RequestError as exc:
-            fields["outcome"] = _outcome(exc)
-            fields["error"] = exc.message
+            fields.update(outcome=_outcome(exc), error=exc.message)
             response = error_response(exc)
-        fields["status"] = response.status
-        _log_line(fields, started)
+        _finish(request, fields, started, response)
         return response
 
     return passthrough
+
+
+def _fields(request: web.Request, route: config.RouteConfig | None) -> dict[str, Any]:
+    """The start of the request's canonical log line."""
+    return {
+        "route": route.name if route else None,
+        "scope": route.scope if route else None,
+        "method": request.method,
+        "path": request.path,
+        # The provider's (or an ingress's) ID if it sent one, so the lines can be joined.
+        "request_id": request.headers.get(hdrs.X_REQUEST_ID) or uuid.uuid4().hex,
+    }
+
+
+def _finish(
+    request: web.Request, fields: dict[str, Any], started: float, response: web.StreamResponse
+) -> None:
+    """Count the request and write its canonical log line."""
+    fields.update(status=response.status, total_ms=_ms_since(started))
+    meters = request.app[METRICS]
+    route = fields["route"] or ""
+    meters.requests.labels(route, fields["outcome"]).inc()
+    if fields.get("mismatch"):
+        meters.mismatches.labels(route).inc()
+    if fields["outcome"] == "ambiguous_commit":
+        meters.ambiguous_commits.labels(route).inc()
+    _log_line(fields)

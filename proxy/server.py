@@ -1,4 +1,4 @@
-"""Running the proxy: the listener, signal handling and the graceful drain on SIGTERM."""
+"""Running the proxy: the listeners, signal handling and the graceful drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,34 +8,40 @@ import signal
 
 from aiohttp import http_parser, web
 
-from proxy import app, config, errors
+from proxy import admin, app, config, errors, pipeline
 
 log = logging.getLogger(__name__)
 
 
 async def serve(cfg: config.Config) -> None:
-    """Serve until SIGTERM or SIGINT, then drain: refuse new connections, let in-flight
-    requests finish and commit (bounded by ``shutdown_timeout``), close the pool."""
+    """Serve until SIGTERM or SIGINT, then drain: ``/readyz`` turns 503, the public listener
+    closes (new connections are refused), in-flight requests finish and commit (bounded by
+    ``shutdown_timeout``), the pool closes, and the admin listener goes last."""
     if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
         raise errors.UnsafeRuntime()
+    proxy = app.create_app(cfg)
     runner = web.AppRunner(
-        app.create_app(cfg),
+        proxy,
         handle_signals=False,
         access_log=None,
         shutdown_timeout=cfg.shutdown_timeout,
         **app.runner_options(cfg),
     )
+    admin_runner = web.AppRunner(admin.create_admin_app(proxy), access_log=None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, cfg.admin.listen.host, cfg.admin.listen.port).start()
         await runner.setup()
         site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, reuse_address=True)
         await site.start()
         log.info(
-            "listening on %s, %d route(s), upstream %s",
+            "listening on %s (admin on %s), %d route(s), upstream %s",
             cfg.listen,
+            cfg.admin.listen,
             len(cfg.routes),
             cfg.upstream.url,
             extra={"fields": {"listen": str(cfg.listen), "routes": [r.name for r in cfg.routes]}},
@@ -48,9 +54,14 @@ async def serve(cfg: config.Config) -> None:
                     route.name,
                 )
         await stop.wait()
+        proxy[pipeline.DRAINING].set()
+        proxy[pipeline.METRICS].draining.set(1)
         log.info("draining: no new connections, waiting up to %gs", cfg.shutdown_timeout)
     finally:
-        await runner.cleanup()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
+        try:
+            await runner.cleanup()
+        finally:
+            await admin_runner.cleanup()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
     log.info("stopped")

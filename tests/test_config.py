@@ -378,8 +378,9 @@ def test_unknown_keys_are_errors_with_a_hint() -> None:
 
     assert set(problems) == {
         "rouets: unknown key (did you mean 'routes'?)",
-        "zzz: unknown key (expected listen, upstream, database, routes, claim_wait, max_body, "
-        "shutdown_timeout, client_timeout, log)",
+        "zzz: unknown key (expected "
+        + ", ".join(config._TOP_KEYS)  # every top-level key, listed for the reader
+        + ")",
         "database.pool: unknown key (did you mean 'pool_size'?)",
         "routes[0].event-id: unknown key (did you mean 'event_id'?)",
     }

@@ -38,10 +38,11 @@ async def accepts(port: int) -> bool:
 class Proxy:
     """A ``dedup-proxy serve`` process and what it printed."""
 
-    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
+    def __init__(self, process: asyncio.subprocess.Process, port: int, admin_port: int) -> None:
         self.process = process
         self.url = f"http://127.0.0.1:{port}"
         self.port = port
+        self.admin_url = f"http://127.0.0.1:{admin_port}"
 
     async def log_lines(self) -> list[dict[str, Any]]:
         assert self.process.stdout is not None
@@ -53,12 +54,13 @@ class Proxy:
 async def serve(
     tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
 ) -> AsyncIterator[Proxy]:
-    port = free_port()
+    port, admin_port = free_port(), free_port()
     config_file = tmp_path / "config.yaml"
     config_file.write_text(
         yaml.safe_dump(
             {
                 "listen": f"127.0.0.1:{port}",
+                "admin": {"listen": f"127.0.0.1:{admin_port}"},
                 "upstream": {"url": upstream.url, "timeout": "10s"},
                 "database": {"dsn": pg_dsn, "table": table, "pool_size": 2},
                 "shutdown_timeout": "20s",
@@ -70,7 +72,7 @@ async def serve(
         sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    proxy = Proxy(process, port)
+    proxy = Proxy(process, port, admin_port)
     try:
         await wait_until(lambda: accepts(port), "the proxy to listen", within=30)
         yield proxy
@@ -89,10 +91,15 @@ async def test_sigterm_drains_in_flight_requests_then_exits_0(
             session.post(f"{serve.url}/webhooks/corvel", data=b'{"id": "evt_drain"}')
         )
         await upstream.arrived.wait()
+        ready = await session.get(f"{serve.admin_url}/readyz")
+        assert ready.status == 200
 
         serve.process.send_signal(signal.SIGTERM)
-        # New connections are refused while the in-flight request is still running.
+        # New connections are refused while the in-flight request is still running, and the
+        # load balancer's readiness probe says so.
         await wait_until(lambda: _refuses(serve.port), "the listener to close")
+        draining = await session.get(f"{serve.admin_url}/readyz")
+        assert (draining.status, await draining.json()) == (503, {"status": "draining"})
         assert not in_flight.done()
 
         upstream.gate.set()

@@ -1,0 +1,43 @@
+"""The admin listener: ``/metrics``, ``/healthz`` and ``/readyz``, never on the public port.
+
+It is a separate application bound to ``admin.listen`` (loopback by default) that reads the
+proxy application's state: its metrics registry, its claim store and whether it is draining.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from proxy import errors, pipeline
+
+PROXY = web.AppKey("proxy", web.Application)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """The process is alive and its event loop answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready to take webhooks: not draining, database reachable and the claim table present."""
+    proxy = request.app[PROXY]
+    if proxy[pipeline.DRAINING].is_set():
+        return web.json_response({"status": "draining"}, status=503)
+    store = proxy.get(pipeline.STORE)
+    if store is None:
+        return web.json_response({"status": "starting"}, status=503)
+    try:
+        await store.check()
+    except errors.StoreUnavailable as exc:
+        return web.json_response({"status": "unavailable", "reason": exc.message}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+def create_admin_app(proxy: web.Application) -> web.Application:
+    admin = web.Application()
+    admin[PROXY] = proxy
+    admin.router.add_get("/metrics", make_aiohttp_handler(proxy[pipeline.METRICS].registry))
+    admin.router.add_get("/healthz", healthz)
+    admin.router.add_get("/readyz", readyz)
+    return admin

@@ -1,0 +1,176 @@
+"""The operator commands: look at the claims, release some, apply the schema.
+
+Each command opens one plain connection from the same configuration file the proxy reads
+(starting the embedded server if that is what it names), does its work and closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, TextIO
+
+import asyncpg
+
+from proxy import claims, config, embedded, errors
+
+
+@contextlib.asynccontextmanager
+async def connect(cfg: config.Config) -> AsyncIterator[asyncpg.Connection[Any]]:
+    """A connection to the configured database; StoreUnavailable if there is none."""
+    server = None
+    if cfg.database.dsn is None:
+        server = embedded.EmbeddedPostgres(cfg.database.data_dir)
+        dsn = await asyncio.to_thread(server.start)
+    else:
+        dsn = cfg.database.dsn.reveal()
+    try:
+        try:
+            connection = await asyncpg.connect(
+                dsn,
+                timeout=cfg.database.connect_timeout,
+                server_settings={
+                    "application_name": "dedup-proxy-cli",
+                    # A forget must not queue for long behind a transaction holding the row.
+                    "lock_timeout": f"{round(cfg.claim_wait * 1000)}ms",
+                },
+            )
+        except claims.DB_ERRORS as exc:
+            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+        try:
+            yield connection
+        finally:
+            await connection.close()
+    finally:
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+
+
+def route_scope(cfg: config.Config, name: str) -> str:
+    for route in cfg.routes:
+        if route.name == name:
+            return route.scope
+    known = ", ".join(route.name for route in cfg.routes)
+    raise errors.ConfigError("--route", [f"no route named {name!r} (routes: {known})"])
+
+
+def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
+    """A plain aligned text table."""
+    cells = [[str(h) for h in headers], *[["" if v is None else str(v) for v in r] for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        out.write("  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)))
+        out.write("\n")
+
+
+async def list_events(
+    cfg: config.Config, route: str, since: float | None, limit: int, out: TextIO = sys.stdout
+) -> int:
+    scope = route_scope(cfg, route)
+    after = datetime.now(UTC) - timedelta(seconds=since) if since else None
+    async with connect(cfg) as connection:
+        rows = await _fetch(
+            connection,
+            f"SELECT event_id, event_type, received_at FROM {claims.quote(cfg.database.table)} "
+            "WHERE scope = $1 AND ($2::timestamptz IS NULL OR received_at >= $2) "
+            "ORDER BY received_at DESC LIMIT $3",
+            scope,
+            after,
+            limit,
+        )
+    table(
+        [
+            (r["received_at"].isoformat(timespec="seconds"), r["event_id"], r["event_type"])
+            for r in rows
+        ],
+        ("received_at", "event_id", "event_type"),
+        out,
+    )
+    out.write(f"{len(rows)} claim(s) in scope {scope}\n")
+    return 0
+
+
+async def forget(
+    cfg: config.Config, route: str, event_ids: Sequence[str], out: TextIO = sys.stdout
+) -> int:
+    """Delete claims so a manual redelivery goes through. Exit 1 if some were not there.
+
+    A claim still in flight is an uncommitted row, invisible here: it is "not found" until its
+    request has finished (and then it is either committed, so forgettable, or gone)."""
+    scope = route_scope(cfg, route)
+    async with connect(cfg) as connection:
+        try:
+            rows = await connection.fetch(
+                f"DELETE FROM {claims.quote(cfg.database.table)} "
+                "WHERE scope = $1 AND event_id = ANY($2::text[]) RETURNING event_id",
+                scope,
+                list(event_ids),
+            )
+        except asyncpg.LockNotAvailableError as exc:
+            raise errors.StoreUnavailable(
+                "one of these claims is locked by another transaction (the retention sweeper or "
+                "another forget); try again in a moment"
+            ) from exc
+        except claims.DB_ERRORS as exc:
+            raise errors.StoreUnavailable(f"forget failed: {exc}") from exc
+    forgotten = {r["event_id"] for r in rows}
+    for event_id in event_ids:
+        state = "forgotten" if event_id in forgotten else "not found"
+        out.write(f"{state}: {scope} {event_id}\n")
+    return 0 if len(forgotten) == len(set(event_ids)) else 1
+
+
+async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
+    """Per route: rows, oldest and newest claim."""
+    async with connect(cfg) as connection:
+        rows = await _fetch(
+            connection,
+            "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest "
+            f"FROM {claims.quote(cfg.database.table)} GROUP BY scope",
+        )
+    by_scope = {r["scope"]: r for r in rows}
+
+    def when(value: datetime | None) -> str:
+        return value.isoformat(timespec="seconds") if value else "-"
+
+    lines = []
+    for route in cfg.routes:
+        row = by_scope.get(route.scope)
+        lines.append(
+            (
+                route.name,
+                route.scope,
+                row["n"] if row else 0,
+                when(row["oldest"] if row else None),
+                when(row["newest"] if row else None),
+                f"{route.retention / 86400:g}d",
+            )
+        )
+    table(lines, ("route", "scope", "rows", "oldest", "newest", "retention"), out)
+    return 0
+
+
+async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:
+    async with connect(cfg) as connection:
+        try:
+            await claims.apply_schema(connection, cfg.database.table)
+        except claims.DB_ERRORS as exc:
+            raise errors.StoreUnavailable(f"migrate failed: {exc}") from exc
+    out.write(f"schema applied: table {cfg.database.table}\n")
+    return 0
+
+
+async def _fetch(
+    connection: asyncpg.Connection[Any], query: str, *args: object
+) -> list[asyncpg.Record]:
+    try:
+        return await connection.fetch(query, *args)
+    except asyncpg.UndefinedTableError as exc:
+        raise errors.StoreUnavailable(
+            "the claim table does not exist yet: start the proxy once or run 'dedup-proxy migrate'"
+        ) from exc
+    except claims.DB_ERRORS as exc:
+        raise errors.StoreUnavailable(f"query failed: {exc}") from exc

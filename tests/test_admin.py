@@ -1,0 +1,177 @@
+"""The admin listener (metrics, health, readiness) and the canonical log line."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import admin, config, embedded, errors, logs, pipeline
+from tests.conftest import FakeUpstream, MakeProxy
+
+
+async def admin_client(aiohttp_client: Any, proxy: TestClient[Any, Any]) -> TestClient[Any, Any]:
+    client: TestClient[Any, Any] = await aiohttp_client(admin.create_admin_app(proxy.app))
+    return client
+
+
+async def scrape(
+    client: TestClient[Any, Any],
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample on /metrics, keyed by (name, sorted labels)."""
+    response = await client.get("/metrics")
+    assert response.status == 200
+    samples = {}
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+async def test_metrics_count_requests_by_route_and_outcome(
+    make_proxy: MakeProxy, upstream: FakeUpstream, aiohttp_client: Any
+) -> None:
+    proxy = await make_proxy()
+    client = await admin_client(aiohttp_client, proxy)
+    await proxy.post("/webhooks/corvel", data=b'{"id": "m1"}')
+    await proxy.post("/webhooks/corvel", data=b'{"id": "m1"}')
+    await proxy.post("/webhooks/corvel", data=b'{"id": "m1", "changed": true}')
+    await proxy.post("/webhooks/corvel", data=b"{}")
+    await proxy.get("/elsewhere")
+
+    samples = await scrape(client)
+
+    def requests(route: str, outcome: str) -> float:
+        return samples.get(("dedup_requests_total", (("outcome", outcome), ("route", route))), 0.0)
+
+    assert requests("corvel", "processed") == 1
+    assert requests("corvel", "duplicate") == 2
+    assert requests("corvel", "rejected") == 1
+    assert requests("", "passthrough") == 1
+    assert samples[("dedup_payload_mismatches_total", (("route", "corvel"),))] == 1
+    assert samples[("dedup_upstream_latency_seconds_count", (("route", "corvel"),))] == 1
+    assert samples[("dedup_claim_wait_seconds_count", (("route", "corvel"),))] == 3
+    assert samples[("dedup_db_pool_connections", ())] == 4  # pool_size in the test config
+    assert samples[("dedup_db_pool_connections_in_use", ())] == 0
+    assert samples[("dedup_in_flight_requests", (("route", "corvel"),))] == 0
+
+
+async def test_in_flight_and_pool_in_use_while_a_webhook_is_held(
+    make_proxy: MakeProxy, upstream: FakeUpstream, aiohttp_client: Any
+) -> None:
+    upstream.gate = asyncio.Event()
+    proxy = await make_proxy()
+    client = await admin_client(aiohttp_client, proxy)
+    held = asyncio.create_task(proxy.post("/webhooks/corvel", data=b'{"id": "held"}'))
+    await upstream.arrived.wait()
+
+    samples = await scrape(client)
+    upstream.gate.set()
+    assert (await held).status == 200
+
+    assert samples[("dedup_in_flight_requests", (("route", "corvel"),))] == 1
+    assert samples[("dedup_db_pool_connections_in_use", ())] == 1
+
+
+async def test_health_and_readiness(
+    make_proxy: MakeProxy, aiohttp_client: Any, tmp_path: Path
+) -> None:
+    server = embedded.EmbeddedPostgres(tmp_path / "data")
+    dsn = server.start()
+    try:
+        proxy = await make_proxy(database={"dsn": dsn})
+        client = await admin_client(aiohttp_client, proxy)
+        assert (await client.get("/healthz")).status == 200
+        ready = await client.get("/readyz")
+        assert (ready.status, await ready.json()) == (200, {"status": "ready"})
+
+        await asyncio.to_thread(server.stop)
+        down = await client.get("/readyz")
+        assert down.status == 503
+        assert (await down.json())["status"] == "unavailable"
+        assert (await client.get("/healthz")).status == 200  # alive, just not ready
+
+        await asyncio.to_thread(server.start)
+        assert (await client.get("/readyz")).status == 200
+
+        proxy.app[pipeline.DRAINING].set()
+        draining = await client.get("/readyz")
+        assert (draining.status, await draining.json()) == (503, {"status": "draining"})
+    finally:
+        server.stop()
+
+
+async def test_canonical_log_line(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await make_proxy()
+    with caplog.at_level(logging.INFO, logger="proxy.pipeline"):
+        response = await proxy.post(
+            "/webhooks/corvel",
+            data=b'{"id": "evt_log", "type": "invoice.paid", "card": "4242424242424242"}',
+            headers={"X-Request-Id": "req-123", "Authorization": "Bearer s3cret"},
+        )
+    assert response.status == 200
+
+    (record,) = [r for r in caplog.records if r.name == "proxy.pipeline"]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert fields["route"] == "corvel"
+    assert fields["scope"] == "corvel"
+    assert fields["event_id"] == "evt_log"
+    assert fields["event_type"] == "invoice.paid"
+    assert fields["outcome"] == "processed"
+    assert fields["upstream_status"] == 200
+    assert fields["request_id"] == "req-123"
+    assert fields["claim_ms"] >= 0
+    assert fields["total_ms"] >= fields["claim_ms"]
+    # The request ID reaches the app too, so its logs can be joined with the proxy's.
+    assert upstream.requests[0].headers["x-request-id"] == ["req-123"]
+
+    stream = io.StringIO()
+    formatter = logs.JsonFormatter()
+    line = json.loads(formatter.format(record))
+    assert line["level"] == "info"
+    assert line["outcome"] == "processed"
+    stream.write(formatter.format(record))
+    assert "4242424242424242" not in stream.getvalue()
+    assert "s3cret" not in stream.getvalue()
+
+
+def test_log_format_follows_the_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        for stream, expect_json in ((io.StringIO(), True), (Terminal(), False)):
+            logs.setup(config.LogConfig(), stream)
+            logging.getLogger("proxy.test").info("hello", extra={"fields": {"k": "v"}})
+            text = stream.getvalue().strip()
+            if expect_json:
+                assert json.loads(text)["k"] == "v"
+            else:
+                assert text.endswith("proxy.test: hello k=v")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+
+
+def test_admin_listener_defaults_to_loopback_and_never_shares_the_public_port() -> None:
+    base: dict[str, Any] = {
+        "upstream": {"url": "http://127.0.0.1:3000"},
+        "database": {"dsn": "embedded"},
+        "routes": [{"name": "a", "path": "/a", "event_id": "body:/id"}],
+    }
+    assert str(config.parse(base).admin.listen) == "127.0.0.1:9901"
+    with pytest.raises(errors.ConfigError) as info:
+        config.parse({**base, "listen": "0.0.0.0:9000", "admin": {"listen": "127.0.0.1:9000"}})
+    assert info.value.problems == ("admin.listen: must not share the public port 9000",)

@@ -1,0 +1,205 @@
+"""The operator commands: events list / forget, stats, schema, migrate — and the CLI around them."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+import yaml
+
+from proxy import config, errors, operations
+from tests.conftest import FakeUpstream, MakeProxy, claimed, execute, fetch
+
+
+async def run_cli(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+@pytest.fixture
+def config_file(tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": upstream.url},
+                "database": {"dsn": pg_dsn, "table": table},
+                "routes": [
+                    {"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"},
+                    {"name": "gh", "path": "/gh", "preset": "github", "scope": "github-main"},
+                ],
+            }
+        )
+    )
+    return path
+
+
+async def test_forget_lets_a_manual_redelivery_through(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, pg_dsn: str, table: str
+) -> None:
+    proxy = await make_proxy()
+    for event_id in ("a", "b"):
+        await proxy.post("/webhooks/corvel", data=f'{{"id": "{event_id}"}}'.encode())
+    cfg = config.load(config_file)
+    out = io.StringIO()
+
+    code = await operations.forget(cfg, "corvel", ["a", "missing"], out)
+
+    assert code == 1  # one of them was not there
+    assert out.getvalue() == "forgotten: corvel a\nnot found: corvel missing\n"
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["b"]
+    redelivered = await proxy.post("/webhooks/corvel", data=b'{"id": "a"}')
+    assert "Dedup-Status" not in redelivered.headers
+    assert len(upstream.requests) == 3
+
+
+async def test_forget_neither_sees_nor_waits_on_a_claim_in_flight(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    proxy = await make_proxy()
+    held = asyncio.create_task(proxy.post("/webhooks/corvel", data=b'{"id": "busy"}'))
+    await upstream.arrived.wait()
+    out = io.StringIO()
+    try:
+        code = await asyncio.wait_for(
+            operations.forget(config.load(config_file), "corvel", ["busy"], out), timeout=10
+        )
+    finally:
+        upstream.gate.set()
+    assert (code, out.getvalue()) == (1, "not found: corvel busy\n")
+    assert (await held).status == 200
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["busy"]
+
+
+async def test_forget_gives_up_on_a_locked_claim(
+    make_proxy: MakeProxy, config_file: Path, pg_dsn: str, table: str
+) -> None:
+    proxy = await make_proxy()
+    await proxy.post("/webhooks/corvel", data=b'{"id": "locked"}')
+    cfg = config.load(config_file)
+    quick = dataclasses.replace(cfg, claim_wait=0.3)
+    holder = await asyncpg.connect(pg_dsn)
+    try:
+        async with holder.transaction():
+            await holder.execute(f"SELECT 1 FROM \"{table}\" WHERE event_id = 'locked' FOR UPDATE")
+            with pytest.raises(errors.StoreUnavailable, match="locked by another transaction"):
+                await operations.forget(quick, "corvel", ["locked"], io.StringIO())
+    finally:
+        await holder.close()
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["locked"]
+
+
+async def test_events_list_and_stats(
+    make_proxy: MakeProxy, config_file: Path, pg_dsn: str, table: str
+) -> None:
+    proxy = await make_proxy()
+    for n in range(3):
+        await proxy.post("/webhooks/corvel", data=f'{{"id": "e{n}", "type": "t{n}"}}'.encode())
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET received_at = now() - interval '2 hours' WHERE event_id = 'e0'",
+    )
+    cfg = config.load(config_file)
+
+    recent = io.StringIO()
+    await operations.list_events(cfg, "corvel", since=3600, limit=10, out=recent)
+    everything = io.StringIO()
+    await operations.list_events(cfg, "corvel", since=None, limit=2, out=everything)
+    summary = io.StringIO()
+    await operations.stats(cfg, summary)
+
+    lines = recent.getvalue().splitlines()
+    assert lines[0].split() == ["received_at", "event_id", "event_type"]
+    assert [line.split()[1] for line in lines[1:-1]] == ["e2", "e1"]  # newest first, e0 too old
+    assert lines[-1] == "2 claim(s) in scope corvel"
+    assert [line.split()[1] for line in everything.getvalue().splitlines()[1:-1]] == ["e2", "e1"]
+    rows = [line.split() for line in summary.getvalue().splitlines()]
+    assert rows[0] == ["route", "scope", "rows", "oldest", "newest", "retention"]
+    assert rows[1][:3] == ["corvel", "corvel", "3"]
+    assert rows[2][:3] == ["gh", "github-main", "0"]
+    assert rows[2][3:] == ["-", "-", "4d"]
+
+
+async def test_schema_and_migrate_for_create_schema_false(
+    config_file: Path, pg_dsn: str, table: str, proxy_config: Callable[..., config.Config]
+) -> None:
+    code, ddl, _ = await run_cli("schema", "--config", str(config_file))
+    assert code == 0
+    assert f'CREATE TABLE IF NOT EXISTS "{table}"' in ddl
+    assert "PRIMARY KEY (scope, event_id)" in ddl
+
+    code, out, _ = await run_cli("migrate", "--config", str(config_file))
+    assert (code, out) == (0, f"schema applied: table {table}\n")
+    columns = await fetch(
+        pg_dsn, "SELECT column_name FROM information_schema.columns WHERE table_name = $1", table
+    )
+    assert {c["column_name"] for c in columns} == {
+        "scope", "event_id", "event_type", "received_at", "body_sha256",
+    }  # fmt: skip
+    code, _, _ = await run_cli("migrate", "--config", str(config_file))
+    assert code == 0  # idempotent
+
+
+async def test_cli_events_exit_codes_and_help(config_file: Path) -> None:
+    code, out, err = await run_cli(
+        "events", "list", "--route", "nope", "--config", str(config_file)
+    )
+    assert code == 2
+    assert "no route named 'nope' (routes: corvel, gh)" in err
+
+    code, out, err = await run_cli("events", "list", "--route", "corvel", "-c", str(config_file))
+    assert code == 1
+    assert "the claim table does not exist yet" in err
+    assert (await run_cli("migrate", "-c", str(config_file)))[0] == 0
+
+    code, out, err = await run_cli("events", "list", "--route", "corvel", "-c", str(config_file))
+    assert (code, err) == (0, "")
+    assert out.endswith("0 claim(s) in scope corvel\n")
+
+    code, out, err = await run_cli(
+        "events", "forget", "--route", "corvel", "x", "-c", str(config_file)
+    )
+    assert (code, out) == (1, "not found: corvel x\n")
+
+    code, out, _ = await run_cli("--help")
+    for command in ("serve", "check", "events", "stats", "schema", "migrate", "demo"):
+        assert command in out
+    code, out, _ = await run_cli("events", "forget", "--help")
+    assert "forwarded to the app again" in out
+
+
+async def test_cli_reports_an_unreachable_database(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "upstream: {url: 'http://127.0.0.1:9'}\n"
+        "database: {dsn: 'postgresql://nobody@127.0.0.1:1/none', connect_timeout: 2s}\n"
+        "routes: [{name: a, path: /a, event_id: 'body:/id'}]\n"
+    )
+    code, _, err = await run_cli("stats", "--config", str(path))
+    assert code == 1
+    assert err.startswith("dedup-proxy stats: cannot connect to PostgreSQL")
+    assert "Traceback" not in err
+
+
+def test_table_formatting() -> None:
+    out = io.StringIO()
+    rows: list[tuple[Any, ...]] = [("a", None, 1), ("long value", "x", 22)]
+    operations.table(rows, ("h1", "h2", "h3"), out)
+    assert out.getvalue().splitlines() == [
+        "h1          h2  h3",
+        "a               1 ",
+        "long value  x   22",
+    ]
