@@ -66,7 +66,9 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
-    sweeper = retention.Sweeper(app[pipeline.STORE], cfg.routes, cfg.sweeper, app[pipeline.METRICS])
+    sweeper = retention.Sweeper(
+        app[pipeline.STORE], cfg.database.table, cfg.routes, cfg.sweeper, app[pipeline.METRICS]
+    )
     task = asyncio.create_task(sweeper.run(), name="retention-sweeper")
     yield
     task.cancel()

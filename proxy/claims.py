@@ -128,32 +128,6 @@ class Claim:
         self._connection.terminate()
 
 
-class Sweep:
-    """Deletes expired claims, one short transaction per batch."""
-
-    def __init__(self, connection: PoolConnection, table: str, timeout: float) -> None:
-        self._connection = connection
-        self._timeout = timeout
-        table = quote(table)
-        # SKIP LOCKED: a row another transaction holds (an operator's forget) is left for later.
-        self._delete = (
-            f"DELETE FROM {table} AS t USING ("
-            f"  SELECT scope, event_id FROM {table}"
-            "   WHERE scope = $1 AND received_at < now() - make_interval(secs => $2)"
-            "   LIMIT $3 FOR UPDATE SKIP LOCKED"
-            ") AS expired WHERE t.scope = expired.scope AND t.event_id = expired.event_id"
-        )
-
-    async def delete_expired(self, scope: str, retention: float, batch: int) -> int:
-        try:
-            status = await self._connection.execute(
-                self._delete, scope, retention, batch, timeout=self._timeout
-            )
-        except DB_ERRORS as exc:
-            raise errors.StoreUnavailable(f"retention delete failed: {exc!r}") from exc
-        return int(status.split()[-1])
-
-
 class ClaimStore:
     """A pool of connections, each set up so that a stuck claim cannot outlive its bounds."""
 
@@ -336,7 +310,7 @@ class ClaimStore:
             raise errors.StoreUnavailable(f"table {table} does not exist")
 
     @contextlib.asynccontextmanager
-    async def sweeping(self) -> AsyncIterator[Sweep | None]:
+    async def sweeping(self) -> AsyncIterator[PoolConnection | None]:
         """A connection holding the sweeper's advisory lock, or None if another replica has it."""
         connection = await self._acquire()
         try:
@@ -351,7 +325,7 @@ class ClaimStore:
                 yield None
                 return
             try:
-                yield Sweep(connection, self._settings.table, self.op_timeout)
+                yield connection
             finally:
                 try:
                     await connection.execute(

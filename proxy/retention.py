@@ -16,6 +16,32 @@ from proxy import claims, config, errors, metrics
 log = logging.getLogger(__name__)
 
 
+class Sweep:
+    """Deletes expired claims, one short transaction per batch."""
+
+    def __init__(self, connection: claims.PoolConnection, table: str, timeout: float) -> None:
+        self._connection = connection
+        self._timeout = timeout
+        table = claims.quote(table)
+        # SKIP LOCKED: a row another transaction holds (an operator's forget) is left for later.
+        self._delete = (
+            f"DELETE FROM {table} AS t USING ("
+            f"  SELECT scope, event_id FROM {table}"
+            "   WHERE scope = $1 AND received_at < now() - make_interval(secs => $2)"
+            "   LIMIT $3 FOR UPDATE SKIP LOCKED"
+            ") AS expired WHERE t.scope = expired.scope AND t.event_id = expired.event_id"
+        )
+
+    async def delete_expired(self, scope: str, retention: float, batch: int) -> int:
+        try:
+            status = await self._connection.execute(
+                self._delete, scope, retention, batch, timeout=self._timeout
+            )
+        except claims.DB_ERRORS as exc:
+            raise errors.StoreUnavailable(f"retention delete failed: {exc!r}") from exc
+        return int(status.split()[-1])
+
+
 def scope_retention(routes: tuple[config.RouteConfig, ...]) -> dict[str, float]:
     """Each scope's retention; routes sharing a scope keep the longest of theirs."""
     retention: dict[str, float] = {}
@@ -28,11 +54,13 @@ class Sweeper:
     def __init__(
         self,
         store: claims.ClaimStore,
+        table: str,
         routes: tuple[config.RouteConfig, ...],
         settings: config.SweeperConfig,
         meters: metrics.Metrics,
     ) -> None:
         self._store = store
+        self._table = table
         self._retention = scope_retention(routes)
         self._settings = settings
         self._metrics = meters
@@ -49,9 +77,10 @@ class Sweeper:
     async def sweep(self) -> dict[str, int] | None:
         """One round; the rows removed per scope, or None if another replica is sweeping."""
         started = time.perf_counter()
-        async with self._store.sweeping() as sweep:
-            if sweep is None:
+        async with self._store.sweeping() as connection:
+            if connection is None:
                 return None
+            sweep = Sweep(connection, self._table, self._store.op_timeout)
             removed: dict[str, int] = {}
             for scope, retention in self._retention.items():
                 total = 0

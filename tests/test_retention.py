@@ -17,6 +17,7 @@ def sweeper_of(proxy: Any) -> retention.Sweeper:
     app = proxy.app
     return retention.Sweeper(
         app[pipeline.STORE],
+        app[app_module.CONFIG].database.table,
         app[app_module.CONFIG].routes,
         app[app_module.CONFIG].sweeper,
         app[pipeline.METRICS],
