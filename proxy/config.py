@@ -7,18 +7,15 @@ collected with its path and reported at once in one ``ConfigError``.
 
 from __future__ import annotations
 
-import difflib
 import os
-import re
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 
-from proxy import errors, keys, presets, signatures, values
+from proxy import errors, reader, values
+from proxy import routes as routes_module
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_UPSTREAM_TIMEOUT = 30.0
@@ -27,7 +24,6 @@ DEFAULT_CLAIM_WAIT = 10.0
 DEFAULT_MAX_BODY = 10 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_CLIENT_TIMEOUT = 60.0
-DEFAULT_RETENTION = 30 * 86400.0
 DEFAULT_ADMIN_LISTEN = "127.0.0.1:9901"
 DEFAULT_SWEEP_INTERVAL = 60.0
 DEFAULT_SWEEP_BATCH = 1000
@@ -37,17 +33,11 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_TABLE = "processed_events"
 DEFAULT_DATA_DIR = ".dedup-proxy/pgdata"
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _LEVELS = ("debug", "info", "warning", "error")
-_TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
+TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
              "shutdown_timeout", "client_timeout", "log", "admin", "sweeper")  # fmt: skip
-_DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
+DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
-_ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
-               "max_body", "verify", "retention", "missing_id")  # fmt: skip
-_VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
-                "prefix")  # fmt: skip
-T = TypeVar("T")
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
 # far beyond any provider's patience.
 _SHORT_DURATION = values.parse_duration_upto(3600)
@@ -122,21 +112,6 @@ class DatabaseConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class RouteConfig:
-    name: str
-    path: str
-    scope: str
-    event_id: keys.Source | tuple[keys.Source, ...]  # a tuple: a composite key
-    event_type: keys.Source | None
-    upstream: str
-    max_body: int
-    preset: str | None = None
-    verify: signatures.Verifier | None = None
-    retention: float = DEFAULT_RETENTION
-    forward_missing_id: bool = False  # ``missing_id: forward``
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class LogConfig:
     level: str = "info"
     format: str = "auto"  # auto: JSON unless stderr is a terminal
@@ -158,7 +133,7 @@ class Config:
     listen: Listen
     upstream: UpstreamConfig
     database: DatabaseConfig
-    routes: tuple[RouteConfig, ...]
+    routes: tuple[routes_module.RouteConfig, ...]
     claim_wait: float = DEFAULT_CLAIM_WAIT
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT
@@ -175,102 +150,6 @@ def _listen(value: object) -> Listen:
 def _dsn(value: object) -> Secret | None:
     dsn = values.parse_dsn(value)
     return None if dsn is None else Secret(dsn)
-
-
-class _Reader:
-    """Walks the parsed YAML, interpolating and validating, and collects every problem."""
-
-    def __init__(self) -> None:
-        self.problems: list[str] = []
-
-    def problem(self, path: str, message: str) -> None:
-        self.problems.append(f"{path}: {message}" if path else message)
-
-    def mapping(self, raw: object, path: str, allowed: tuple[str, ...]) -> dict[str, Any]:
-        if raw is None:
-            return {}
-        if not isinstance(raw, Mapping):
-            self.problem(path, f"must be a mapping, got {type(raw).__name__}")
-            return {}
-        for key in raw:
-            if key not in allowed:
-                hint = difflib.get_close_matches(str(key), allowed, n=1)
-                suggestion = (
-                    f"did you mean {hint[0]!r}?" if hint else f"expected {', '.join(allowed)}"
-                )
-                self.problem(_join(path, str(key)), f"unknown key ({suggestion})")
-        return dict(raw)
-
-    def value(
-        self,
-        section: Mapping[str, Any],
-        key: str,
-        path: str,
-        parse: Callable[[object], T],
-        default: T,
-    ) -> T:
-        """The parsed value at ``key``, or ``default`` when it is absent or invalid."""
-        where = _join(path, key)
-        if section.get(key) is None:
-            return default
-        raw = self.interpolate(section[key], where)
-        if raw is None:
-            return default
-        try:
-            return parse(raw)
-        except ValueError as exc:
-            self.problem(where, str(exc))
-            return default
-
-    def required(
-        self, section: Mapping[str, Any], key: str, path: str, parse: Callable[[object], T]
-    ) -> T | None:
-        if section.get(key) is None:
-            self.problem(_join(path, key), "is required")
-            return None
-        return self.value(section, key, path, parse, None)
-
-    def strings(self, section: Mapping[str, Any], key: str, path: str) -> list[str] | None:
-        """A string or a list of strings (each interpolated); None, reported, if absent."""
-        where = _join(path, key)
-        raw = section.get(key)
-        items = [raw] if isinstance(raw, str) else raw
-        if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
-            self.problem(where, "must be a string or a non-empty list of strings")
-            return None
-        resolved = [self.interpolate(item, f"{where}[{n}]") for n, item in enumerate(items)]
-        return None if None in resolved else [str(item) for item in resolved]
-
-    def interpolate(self, raw: object, path: str) -> object:
-        if isinstance(raw, list):
-            items = [self.interpolate(item, f"{path}[{n}]") for n, item in enumerate(raw)]
-            return None if None in items else items
-        if not isinstance(raw, str):
-            return raw
-        missing: list[str] = []
-
-        def substitute(match: re.Match[str]) -> str:
-            if match[0] == "$$":
-                return "$"
-            name, default = match[1], match[2]
-            # As in POSIX shells: ":-" falls back when the variable is unset *or empty*.
-            if os.environ.get(name):
-                return os.environ[name]
-            if default is not None:
-                return default
-            if name in os.environ:
-                return ""
-            missing.append(name)
-            return ""
-
-        value = _VAR.sub(substitute, raw)
-        for name in missing:
-            self.problem(path, f"environment variable {name} is not set")
-        return None if missing else value
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
 
 
 def load(path: str | os.PathLike[str]) -> Config:
@@ -293,8 +172,8 @@ def load(path: str | os.PathLike[str]) -> Config:
 
 def parse(raw: object, *, source: str = "<config>") -> Config:
     """Validate an already-parsed YAML document."""
-    r = _Reader()
-    top = r.mapping(raw, "", _TOP_KEYS)
+    r = reader.Reader()
+    top = r.mapping(raw, "", TOP_KEYS)
     listen = r.value(top, "listen", "", _listen, _listen(DEFAULT_LISTEN))
     up = r.mapping(
         top.get("upstream"), "upstream", ("url", "timeout", "preserve_host", "keepalive")
@@ -307,7 +186,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
             up, "keepalive", "upstream", values.parse_duration, DEFAULT_UPSTREAM_KEEPALIVE
         ),
     )
-    db = r.mapping(top.get("database"), "database", _DATABASE_KEYS)
+    db = r.mapping(top.get("database"), "database", DATABASE_KEYS)
     if top.get("database") is None:
         r.problem("database", "is required (dsn: embedded, or a postgresql:// URL)")
     database = DatabaseConfig(
@@ -331,7 +210,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         listen=listen,
         upstream=upstream,
         database=database,
-        routes=_parse_routes(r, top.get("routes"), upstream.url, max_body),
+        routes=routes_module.parse_routes(r, top.get("routes"), upstream.url, max_body),
         claim_wait=r.value(top, "claim_wait", "", _SHORT_DURATION, DEFAULT_CLAIM_WAIT),
         shutdown_timeout=r.value(
             top, "shutdown_timeout", "", values.parse_duration, DEFAULT_SHUTDOWN_TIMEOUT
@@ -360,100 +239,3 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
     if r.problems:
         raise errors.ConfigError(source, r.problems)
     return config
-
-
-def _parse_routes(
-    r: _Reader, raw: object, default_upstream: str, default_max_body: int
-) -> tuple[RouteConfig, ...]:
-    if not isinstance(raw, list) or not raw:
-        r.problem("routes", "must be a non-empty list of routes")
-        return ()
-    parsed: list[RouteConfig] = []
-    seen_names: dict[str, str] = {}
-    seen_paths: dict[str, str] = {}
-    for index, item in enumerate(raw):
-        path = f"routes[{index}]"
-        route = r.mapping(item, path, _ROUTE_KEYS)
-        if not route:
-            r.problem(path, "must be a mapping with name, path and event_id (or preset)")
-            continue
-        preset_name = r.value(route, "preset", path, values.parse_choice(*presets.PRESETS), None)
-        preset = presets.PRESETS.get(preset_name or "")
-        name = r.required(route, "name", path, values.parse_name)
-        url_path = r.required(route, "path", path, values.parse_path)
-        if preset is None:
-            event_id = r.required(route, "event_id", path, values.parse_sources)
-        else:
-            ids = preset.event_id
-            event_id = r.value(
-                route, "event_id", path, values.parse_sources,
-                values.parse_sources(ids if len(ids) > 1 else ids[0]),
-            )  # fmt: skip
-        for value, seen, key in ((name, seen_names, "name"), (url_path, seen_paths, "path")):
-            if value is not None and value in seen:
-                r.problem(f"{path}.{key}", f"{value!r} is already used by {seen[value]}")
-            elif value is not None:
-                seen[value] = path
-        default_type = (
-            values.parse_source(preset.event_type) if preset and preset.event_type else None
-        )
-        missing_id = "forward" if preset and preset.forward_missing_id else "reject"
-        route_config = RouteConfig(
-            name=name or "",
-            path=url_path or "",
-            scope=r.value(route, "scope", path, values.parse_name, name or ""),
-            event_id=event_id or (),
-            event_type=r.value(route, "event_type", path, values.parse_source, default_type),
-            upstream=r.value(route, "upstream", path, values.parse_http_url, default_upstream),
-            max_body=r.value(route, "max_body", path, values.parse_size, default_max_body),
-            preset=preset_name,
-            verify=_parse_verify(r, route.get("verify"), f"{path}.verify", preset_name, preset),
-            retention=r.value(
-                route,
-                "retention",
-                path,
-                values.parse_duration,
-                preset.retention if preset else DEFAULT_RETENTION,
-            ),
-            forward_missing_id=r.value(
-                route, "missing_id", path, values.parse_choice("reject", "forward"), missing_id
-            )
-            == "forward",
-        )
-        if name is not None and url_path is not None and event_id is not None:
-            parsed.append(route_config)
-    return tuple(parsed)
-
-
-def _parse_verify(
-    r: _Reader, raw: object, path: str, preset_name: str | None, preset: presets.Preset | None
-) -> signatures.Verifier | None:
-    section = r.mapping(raw, path, _VERIFY_KEYS)
-    if raw is None:
-        return None
-    scheme = r.value(section, "scheme", path, values.parse_choice(*signatures.SCHEMES), None)
-    if scheme is None and "scheme" not in section:
-        scheme = preset.scheme if preset else None
-        if scheme is None:
-            reason = (
-                f"preset {preset_name} has no signature scheme the proxy can check"
-                if preset_name
-                else "is required"
-            )
-            r.problem(f"{path}.scheme", reason)
-    if "secret" in section and "secrets" in section:
-        r.problem(path, "give either secret or secrets, not both")
-    secrets = r.strings(section, "secrets" if "secrets" in section else "secret", path)
-    options = {
-        key: r.value(section, key, path, str, None)
-        for key in ("header", "algorithm", "encoding", "prefix")
-    }
-    default_tolerance = (preset and preset.tolerance) or signatures.DEFAULT_TOLERANCE
-    tolerance = r.value(section, "tolerance", path, values.parse_duration, default_tolerance)
-    if scheme is None or secrets is None:
-        return None
-    try:
-        return signatures.build(scheme, secrets, tolerance=tolerance, **options)
-    except ValueError as exc:
-        r.problem(path, str(exc))
-        return None

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from proxy import claims, config, errors, flights, forwarder, keys, metrics
+from proxy import claims, config, errors, flights, forwarder, keys, metrics, routes
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _log_line(fields: dict[str, Any]) -> None:
 class Webhook:
     """The handler of one configured webhook route."""
 
-    def __init__(self, route: config.RouteConfig, cfg: config.Config) -> None:
+    def __init__(self, route: routes.RouteConfig, cfg: config.Config) -> None:
         self.route = route
         self.client_timeout = cfg.client_timeout
         self.claim_wait = cfg.claim_wait
@@ -224,7 +224,7 @@ def make_passthrough(upstream: str) -> Handler:
     return passthrough
 
 
-def _fields(request: web.Request, route: config.RouteConfig | None) -> dict[str, Any]:
+def _fields(request: web.Request, route: routes.RouteConfig | None) -> dict[str, Any]:
     """The start of the request's canonical log line."""
     return {
         "route": route.name if route else None,

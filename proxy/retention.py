@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-from proxy import claims, config, errors, metrics
+from proxy import claims, config, errors, metrics, routes
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class Sweep:
         return int(status.split()[-1])
 
 
-def scope_retention(routes: tuple[config.RouteConfig, ...]) -> dict[str, float]:
+def scope_retention(routes: tuple[routes.RouteConfig, ...]) -> dict[str, float]:
     """Each scope's retention; routes sharing a scope keep the longest of theirs."""
     retention: dict[str, float] = {}
     for route in routes:
@@ -55,7 +55,7 @@ class Sweeper:
         self,
         store: claims.ClaimStore,
         table: str,
-        routes: tuple[config.RouteConfig, ...],
+        routes: tuple[routes.RouteConfig, ...],
         settings: config.SweeperConfig,
         meters: metrics.Metrics,
     ) -> None:

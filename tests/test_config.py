@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy import cli, config, errors, keys
+from proxy import cli, config, errors, keys, routes
 
 UPSTREAM = "http://127.0.0.1:3000"
 PASSWORD = "hunter2-not-for-logs"
@@ -86,7 +86,7 @@ def test_minimal_config_gets_the_documented_defaults() -> None:
     assert cfg.database.connect_timeout == 5.0
     assert cfg.log == config.LogConfig(level="info", format="auto")
     assert cfg.routes == (
-        config.RouteConfig(
+        routes.RouteConfig(
             name="stripe",
             path="/webhooks/stripe",
             scope="stripe",
@@ -379,7 +379,7 @@ def test_unknown_keys_are_errors_with_a_hint() -> None:
     assert set(problems) == {
         "rouets: unknown key (did you mean 'routes'?)",
         "zzz: unknown key (expected "
-        + ", ".join(config._TOP_KEYS)  # every top-level key, listed for the reader
+        + ", ".join(config.TOP_KEYS)  # every top-level key, listed for the reader
         + ")",
         "database.pool: unknown key (did you mean 'pool_size'?)",
         "routes[0].event-id: unknown key (did you mean 'event_id'?)",

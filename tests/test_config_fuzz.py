@@ -18,21 +18,21 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from proxy import config, errors
+from proxy import config, errors, routes
 
 FUZZ = settings(max_examples=200, deadline=None, database=None)
 
 SECTION_KEYS = {
     "upstream": ("url", "timeout", "preserve_host"),
-    "database": config._DATABASE_KEYS,
+    "database": config.DATABASE_KEYS,
     "log": ("level", "format"),
 }
-VERIFY_KEYS: tuple[str, ...] = getattr(config, "_VERIFY_KEYS", ())
+VERIFY_KEYS: tuple[str, ...] = routes.VERIFY_KEYS
 KEY_NAMES = tuple(
     dict.fromkeys(
-        config._TOP_KEYS
-        + config._DATABASE_KEYS
-        + config._ROUTE_KEYS
+        config.TOP_KEYS
+        + config.DATABASE_KEYS
+        + routes.ROUTE_KEYS
         + VERIFY_KEYS
         + SECTION_KEYS["upstream"]
         + SECTION_KEYS["log"]
@@ -142,9 +142,9 @@ def section(names: tuple[str, ...], value: st.SearchStrategy[Any]) -> st.SearchS
 
 
 verify = section(VERIFY_KEYS or ("scheme",), leaf)
-route = section(config._ROUTE_KEYS, st.one_of(leaf, verify))
+route = section(routes.ROUTE_KEYS, st.one_of(leaf, verify))
 top_level_values: dict[str, st.SearchStrategy[Any]] = {
-    **{key: leaf for key in config._TOP_KEYS},
+    **{key: leaf for key in config.TOP_KEYS},
     **{name: section(names, leaf) for name, names in SECTION_KEYS.items()},
     "routes": st.one_of(st.lists(route, max_size=3), anything),
 }

@@ -1,0 +1,125 @@
+"""Routes: each webhook path, where its event ID is, how it is verified, how long it is kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy import keys, presets, reader, signatures, values
+
+DEFAULT_RETENTION = 30 * 86400.0
+ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
+              "max_body", "verify", "retention", "missing_id")  # fmt: skip
+VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
+               "prefix")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteConfig:
+    name: str
+    path: str
+    scope: str
+    event_id: keys.Source | tuple[keys.Source, ...]  # a tuple: a composite key
+    event_type: keys.Source | None
+    upstream: str
+    max_body: int
+    preset: str | None = None
+    verify: signatures.Verifier | None = None
+    retention: float = DEFAULT_RETENTION
+    forward_missing_id: bool = False  # ``missing_id: forward``
+
+
+def parse_routes(
+    r: reader.Reader, raw: object, default_upstream: str, default_max_body: int
+) -> tuple[RouteConfig, ...]:
+    if not isinstance(raw, list) or not raw:
+        r.problem("routes", "must be a non-empty list of routes")
+        return ()
+    parsed: list[RouteConfig] = []
+    seen_names: dict[str, str] = {}
+    seen_paths: dict[str, str] = {}
+    for index, item in enumerate(raw):
+        path = f"routes[{index}]"
+        route = r.mapping(item, path, ROUTE_KEYS)
+        if not route:
+            r.problem(path, "must be a mapping with name, path and event_id (or preset)")
+            continue
+        preset_name = r.value(route, "preset", path, values.parse_choice(*presets.PRESETS), None)
+        preset = presets.PRESETS.get(preset_name or "")
+        name = r.required(route, "name", path, values.parse_name)
+        url_path = r.required(route, "path", path, values.parse_path)
+        if preset is None:
+            event_id = r.required(route, "event_id", path, values.parse_sources)
+        else:
+            ids = preset.event_id
+            event_id = r.value(
+                route, "event_id", path, values.parse_sources,
+                values.parse_sources(ids if len(ids) > 1 else ids[0]),
+            )  # fmt: skip
+        for value, seen, key in ((name, seen_names, "name"), (url_path, seen_paths, "path")):
+            if value is not None and value in seen:
+                r.problem(f"{path}.{key}", f"{value!r} is already used by {seen[value]}")
+            elif value is not None:
+                seen[value] = path
+        default_type = (
+            values.parse_source(preset.event_type) if preset and preset.event_type else None
+        )
+        missing_id = "forward" if preset and preset.forward_missing_id else "reject"
+        route_config = RouteConfig(
+            name=name or "",
+            path=url_path or "",
+            scope=r.value(route, "scope", path, values.parse_name, name or ""),
+            event_id=event_id or (),
+            event_type=r.value(route, "event_type", path, values.parse_source, default_type),
+            upstream=r.value(route, "upstream", path, values.parse_http_url, default_upstream),
+            max_body=r.value(route, "max_body", path, values.parse_size, default_max_body),
+            preset=preset_name,
+            verify=_parse_verify(r, route.get("verify"), f"{path}.verify", preset_name, preset),
+            retention=r.value(
+                route,
+                "retention",
+                path,
+                values.parse_duration,
+                preset.retention if preset else DEFAULT_RETENTION,
+            ),
+            forward_missing_id=r.value(
+                route, "missing_id", path, values.parse_choice("reject", "forward"), missing_id
+            )
+            == "forward",
+        )
+        if name is not None and url_path is not None and event_id is not None:
+            parsed.append(route_config)
+    return tuple(parsed)
+
+
+def _parse_verify(
+    r: reader.Reader, raw: object, path: str, preset_name: str | None, preset: presets.Preset | None
+) -> signatures.Verifier | None:
+    section = r.mapping(raw, path, VERIFY_KEYS)
+    if raw is None:
+        return None
+    scheme = r.value(section, "scheme", path, values.parse_choice(*signatures.SCHEMES), None)
+    if scheme is None and "scheme" not in section:
+        scheme = preset.scheme if preset else None
+        if scheme is None:
+            reason = (
+                f"preset {preset_name} has no signature scheme the proxy can check"
+                if preset_name
+                else "is required"
+            )
+            r.problem(f"{path}.scheme", reason)
+    if "secret" in section and "secrets" in section:
+        r.problem(path, "give either secret or secrets, not both")
+    secrets = r.strings(section, "secrets" if "secrets" in section else "secret", path)
+    options = {
+        key: r.value(section, key, path, str, None)
+        for key in ("header", "algorithm", "encoding", "prefix")
+    }
+    default_tolerance = (preset and preset.tolerance) or signatures.DEFAULT_TOLERANCE
+    tolerance = r.value(section, "tolerance", path, values.parse_duration, default_tolerance)
+    if scheme is None or secrets is None:
+        return None
+    try:
+        return signatures.build(scheme, secrets, tolerance=tolerance, **options)
+    except ValueError as exc:
+        r.problem(path, str(exc))
+        return None
