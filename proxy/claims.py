@@ -32,7 +32,15 @@ if TYPE_CHECKING:
     PoolConnection = asyncpg.pool.PoolConnectionProxy[Any]
 
 # Errors meaning "the database is not usable right now"; anything else is a bug and propagates.
-DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+# InternalClientError: asyncpg's protocol is in a state it cannot leave (an error still being
+# consumed when the connection broke): the connection is as unusable as a dead one.
+DB_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
 # Any constant will do: it only serialises concurrent schema creation by several replicas.
 _SCHEMA_LOCK_KEY = 0x64656475
 _SWEEP_LOCK_KEY = 0x64656476
@@ -44,7 +52,7 @@ def quote(table: str) -> str:
 
 def schema_sql(table: str) -> str:
     """The DDL for the claim table (idempotent)."""
-    index = f"{table.rpartition('.')[2]}_received_at_idx"
+    index = _index_name(table).rpartition(".")[2]
     return (
         f"CREATE TABLE IF NOT EXISTS {quote(table)} (\n"
         "    scope       text        NOT NULL,\n"
@@ -59,12 +67,44 @@ def schema_sql(table: str) -> str:
     )
 
 
+def _index_name(table: str) -> str:
+    schema, dot, name = table.rpartition(".")
+    return f"{schema}{dot}{name}_received_at_idx"
+
+
+async def missing_schema(connection: Any, table: str) -> str:
+    """What the claim table lacks ("" when nothing), read from the catalog without locks."""
+    row = await connection.fetchrow(
+        "SELECT to_regclass($1) IS NOT NULL AS table,"
+        " EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1)"
+        "         AND attname = 'body_sha256' AND NOT attisdropped) AS digest,"
+        " to_regclass($2) IS NOT NULL AS index",
+        table,
+        _index_name(table),
+    )
+    if not row["table"]:
+        return "does not exist"
+    lacking = [name for name in ("digest", "index") if not row[name]]
+    names = {"digest": "column body_sha256", "index": "index on received_at"}
+    return "lacks " + " and ".join(names[n] for n in lacking) if lacking else ""
+
+
 async def apply_schema(connection: Any, table: str) -> None:
     """Create or upgrade the claim table; safe when several replicas start at once."""
     async with connection.transaction():
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
         await connection.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK_KEY)
         await connection.execute(schema_sql(table))
+
+
+def discard(connection: PoolConnection) -> None:
+    """Close a connection in doubt so the pool never lends it again.
+
+    When the server drops a connection, asyncpg detaches it from its pool proxy, and the proxy's
+    ``terminate()`` then raises: the connection is already gone, which is all we wanted.
+    """
+    with contextlib.suppress(asyncpg.InterfaceError):
+        connection.terminate()
 
 
 def _ms(seconds: float) -> str:
@@ -104,7 +144,7 @@ class Claim:
         try:
             await self._connection.execute("COMMIT", timeout=self._store.op_timeout)
         except DB_ERRORS as exc:
-            self._connection.terminate()
+            discard(self._connection)
             if await self._store.reconcile(self.key):
                 self.reconciled = True
                 return
@@ -120,12 +160,12 @@ class Claim:
                 await self._connection.execute("ROLLBACK", timeout=self._store.op_timeout)
             except DB_ERRORS as exc:
                 log.warning("rollback failed, closing the connection: %r", exc)
-                self._connection.terminate()
+                discard(self._connection)
 
     def abandon(self) -> None:
         """The connection failed mid-claim: close it rather than wait on it again."""
         self._open = False
-        self._connection.terminate()
+        discard(self._connection)
 
 
 class ClaimStore:
@@ -187,30 +227,25 @@ class ClaimStore:
             self._pool.terminate()
 
     async def ensure_schema(self) -> None:
-        """Create the table if allowed, else check that it exists."""
+        """Check the claim table; create or upgrade it only if something is missing.
+
+        The check reads the catalog only. The DDL is never run needlessly: even with IF NOT
+        EXISTS, CREATE INDEX and ALTER TABLE take table locks that queue behind every claim in
+        flight and block every new one, so a replica restarting under traffic would stall all.
+        """
         table = self._settings.table
         try:
             async with self._pool.acquire(timeout=self.op_timeout) as connection:
-                if self._settings.create_schema:
+                missing = await missing_schema(connection, table)
+                if missing and self._settings.create_schema:
                     await apply_schema(connection, table)
                     return
-                exists = await connection.fetchval("SELECT to_regclass($1) IS NOT NULL", table)
-                if exists:
-                    await connection.execute(
-                        f"SELECT scope, event_id, event_type, received_at, body_sha256 "
-                        f"FROM {quote(table)} LIMIT 0"
-                    )
-        except asyncpg.UndefinedColumnError as exc:
-            raise errors.StoreUnavailable(
-                f"table {table} lacks a column ({exc}); apply the DDL from the README or set "
-                "database.create_schema: true"
-            ) from exc
         except DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot prepare table {table}: {exc}") from exc
-        if not exists:
+        if missing:
             raise errors.StoreUnavailable(
-                f"table {table} does not exist and database.create_schema is false; "
-                "apply the DDL from the README or set database.create_schema: true"
+                f"table {table}: {missing}, and database.create_schema is false; run "
+                "'dedup-proxy migrate' (or apply 'dedup-proxy schema') or set create_schema: true"
             )
 
     @contextlib.asynccontextmanager
@@ -267,7 +302,7 @@ class ClaimStore:
             )  # fmt: skip
         except DB_ERRORS as exc:
             log.warning("reconciling a COMMIT in doubt failed: %r", exc)
-            connection.terminate()
+            discard(connection)
             return False
         finally:
             await self._release(connection)
@@ -302,7 +337,7 @@ class ClaimStore:
                 "SELECT to_regclass($1) IS NOT NULL", table, timeout=self.op_timeout
             )
         except DB_ERRORS as exc:
-            connection.terminate()
+            discard(connection)
             raise errors.StoreUnavailable(f"database check failed: {exc!r}") from exc
         finally:
             await self._release(connection)
@@ -319,7 +354,7 @@ class ClaimStore:
                     "SELECT pg_try_advisory_lock($1)", _SWEEP_LOCK_KEY, timeout=self.op_timeout
                 )
             except DB_ERRORS as exc:
-                connection.terminate()
+                discard(connection)
                 raise errors.StoreUnavailable(f"sweep failed: {exc!r}") from exc
             if not locked:
                 yield None
@@ -332,7 +367,7 @@ class ClaimStore:
                         "SELECT pg_advisory_unlock($1)", _SWEEP_LOCK_KEY, timeout=self.op_timeout
                     )
                 except DB_ERRORS:
-                    connection.terminate()  # the lock goes with the session
+                    discard(connection)  # the lock goes with the session
         finally:
             await self._release(connection)
 

@@ -11,6 +11,7 @@ place.
       x ConfigError                 start-up; lists every problem at once
       x EmbeddedDatabaseError       the embedded PostgreSQL could not be started
       x UnsafeRuntime               aiohttp's C HTTP parser is not in use
+      x ListenFailed                a listener's address is taken or not allowed
       x CommitFailed                COMMIT after an upstream 2xx did not go through
       x RequestError                carries .status, .code and .retry_after
         + EventIdInvalid            400  no usable event ID in the request
@@ -61,6 +62,10 @@ class UnsafeRuntime(ProxyError):
     """aiohttp's C HTTP parser is not in use (AIOHTTP_NO_EXTENSIONS set, or no compiled wheel for
     this platform); the pure-Python parser is more lenient, and leniency is how requests are
     smuggled past a proxy. Refusing to start."""
+
+
+class ListenFailed(ProxyError):
+    """A listener could not be opened."""
 
 
 class CommitFailed(ProxyError):

@@ -13,6 +13,13 @@ from proxy import admin, app, config, errors, pipeline
 log = logging.getLogger(__name__)
 
 
+async def _listen(site: web.TCPSite) -> None:
+    try:
+        await site.start()
+    except OSError as exc:
+        raise errors.ListenFailed(f"cannot listen on {site.name}: {exc.strerror or exc}") from exc
+
+
 async def serve(cfg: config.Config) -> None:
     """Serve until SIGTERM or SIGINT, then drain: ``/readyz`` turns 503, the public listener
     closes (new connections are refused), in-flight requests finish and commit (bounded by
@@ -34,10 +41,9 @@ async def serve(cfg: config.Config) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         await admin_runner.setup()
-        await web.TCPSite(admin_runner, cfg.admin.listen.host, cfg.admin.listen.port).start()
+        await _listen(web.TCPSite(admin_runner, cfg.admin.listen.host, cfg.admin.listen.port))
         await runner.setup()
-        site = web.TCPSite(runner, cfg.listen.host, cfg.listen.port, reuse_address=True)
-        await site.start()
+        await _listen(web.TCPSite(runner, cfg.listen.host, cfg.listen.port, reuse_address=True))
         log.info(
             "listening on %s (admin on %s), %d route(s), upstream %s",
             cfg.listen,

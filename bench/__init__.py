@@ -1,0 +1,1 @@
+"""The benchmark harness: bench/run.py and its helpers (see bench/RESULTS.md)."""

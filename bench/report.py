@@ -1,0 +1,427 @@
+"""The benchmark's one table, its targets, and RESULTS.md around them.
+
+Everything here is derived from ``Figures``; nothing is measured. Each target from the
+performance issue is reported as met or not met, beside the figure it was judged on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import os
+import platform
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from bench import loads
+
+MB = 1_000_000
+
+
+@dataclass
+class Figures:
+    """Everything measured, by name."""
+
+    runs: dict[str, loads.Result] = field(default_factory=dict)
+    storms: dict[str, loads.StormResult] = field(default_factory=dict)
+    rss: dict[str, dict[int, int]] = field(default_factory=dict)  # label → {pid: VmHWM bytes}
+    facts: dict[str, Any] = field(default_factory=dict)
+    profile: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str
+    measured: str
+    limit: str
+    ok: bool
+
+
+def _lat(result: loads.Result) -> str:
+    return f"p50 {result.p50_ms:.2f} ms, p99 {result.p99_ms:.2f} ms"
+
+
+def _rate(result: loads.Result, unit: str = "req/s") -> str:
+    errors = f", **{result.errors} errors**" if result.errors else ""
+    return f"{result.rate:,.0f} {unit} ({_lat(result)}{errors})"
+
+
+def _growth(a: loads.Result, b: loads.Result) -> str:
+    return f"p50 {a.p50_ms:.2f} → {b.p50_ms:.2f} ms; p99 {a.p99_ms:.2f} → {b.p99_ms:.2f} ms"
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**NOT met**"
+
+
+def exact(result: loads.Result) -> tuple[bool, str]:
+    """Did the upstream get exactly one call per unique request, and no duplicate?"""
+    u = result.upstream
+    ok = (
+        u.get("calls") == result.uniques
+        and u.get("distinct") == u.get("calls")
+        and u.get("repeated") == 0
+        and u.get("seeded") == 0
+    )
+    text = (
+        f"{u.get('calls', 0):,} upstream calls for {result.uniques:,} unique IDs sent, "
+        f"{u.get('repeated', 0)} repeated, {u.get('seeded', 0)} already-committed IDs forwarded"
+    )
+    return ok, text
+
+
+def proxy_runs(f: Figures) -> list[loads.Result]:
+    return [r for r in f.runs.values() if r.through_proxy]
+
+
+def targets(f: Figures) -> list[Target]:
+    r = f.runs
+    found: list[Target] = []
+    if "proxy_c32" in r and "pg_c32" in r:
+        ratio = r["proxy_c32"].rate / r["pg_c32"].rate
+        found.append(Target(
+            "throughput at c32", f"{ratio:.2f} x pgbench prepared "
+            f"({r['proxy_c32'].rate:,.0f} vs {r['pg_c32'].rate:,.0f}/s)", "≥ 0.5 x", ratio >= 0.5,
+        ))  # fmt: skip
+    if "proxy_c32" in r:
+        run = r["proxy_c32"]
+        proxy_us = run.cpu_us("proxy")
+        upstream_us = run.cpu_us("upstream", per=run.upstream.get("calls", 0))
+        ratio = proxy_us / max(upstream_us, 1e-9)
+        found.append(Target(
+            "CPU per request", f"proxy {proxy_us:.0f} µs vs upstream {upstream_us:.0f} µs "
+            f"= {ratio:.2f} x", "≤ 2.5 x", ratio <= 2.5,
+        ))  # fmt: skip
+    if "proxy_c1" in r and "up_c1" in r:
+        added = r["proxy_c1"].p50_ms - r["up_c1"].p50_ms
+        found.append(Target(
+            "added median latency, c1", f"{added:.2f} ms", "≤ 0.3 ms", added <= 0.3
+        ))  # fmt: skip
+    if "proxy_c32" in r and "up_c32" in r:
+        limit = 3 * r["up_c32"].p99_ms + 2
+        found.append(Target(
+            "p99 at c32", f"{r['proxy_c32'].p99_ms:.2f} ms",
+            f"≤ 3 x upstream p99 + 2 ms = {limit:.2f} ms", r["proxy_c32"].p99_ms <= limit,
+        ))  # fmt: skip
+    for name, storm in f.storms.items():
+        ok = storm.upstream_calls == 1 and storm.peak_db <= 2 and storm.after_commit_ms <= 100
+        found.append(Target(
+            f"duplicate storm ({name} upstream)",
+            f"{storm.upstream_calls} upstream call(s), {storm.peak_db} DB connections, "
+            f"last answer {storm.after_commit_ms:.0f} ms after the first commit",
+            "1 call, ≤ 2 connections, ≤ 100 ms", ok,
+        ))  # fmt: skip
+    peaks = [rss for label in f.rss for rss in f.rss[label].values()]
+    if peaks:
+        found.append(Target(
+            "peak RSS per proxy process", f"{max(peaks) / MB:.0f} MB", "≤ 80 MB",
+            max(peaks) <= 80 * MB,
+        ))  # fmt: skip
+    checked = [r for r in proxy_runs(f) if r.body_bytes < 1024 * 1024]
+    if checked:
+        misses = [run.label for run in checked if not exact(run)[0]]
+        found.append(Target(
+            "one upstream call per unique request",
+            f"{len(checked) - len(misses)} of {len(checked)} proxy runs exact"
+            + (f" (not: {', '.join(misses)})" if misses else ""),
+            "every run", not misses,
+        ))  # fmt: skip
+    return found
+
+
+class _Rows:
+    """The table being built: (section, measurement, result, target and verdict)."""
+
+    def __init__(self, f: Figures) -> None:
+        self.runs = f.runs
+        self.goals = {t.name: t for t in targets(f)}
+        self.lines: list[tuple[str, str, str, str]] = []
+        self.section = ""
+
+    def has(self, *keys: str) -> bool:
+        return all(k in self.runs for k in keys)
+
+    def add(self, measurement: str, result: str, goal: str = "") -> None:
+        target = self.goals.get(goal)
+        verdict = f"{target.limit}: {_verdict(target.ok)}" if target else ""
+        self.lines.append((self.section, measurement, result, verdict))
+        self.section = ""
+
+    def render(self) -> str:
+        header = ["| | measurement | result | target |", "|---|---|---|---|"]
+        return "\n".join(header + ["| " + " | ".join(line) + " |" for line in self.lines])
+
+
+def table(f: Figures, pool: int, rows: int) -> str:
+    """The one table: pgbench, the upstream and the proxy side by side, with the targets."""
+    t = _Rows(f)
+    _throughput(t, f, pool)
+    _latency(t)
+    _duplicates(t, f)
+    _growth_rows(t, f, rows)
+    t.section = "**memory**"
+    for label, per_pid in f.rss.items():
+        sizes = ", ".join(f"{rss / MB:.0f} MB (pid {pid})" for pid, rss in per_pid.items())
+        goal = "peak RSS per proxy process" if label == "proxy after all runs" else ""
+        t.add(f"peak RSS (VmHWM), {label}", sizes, goal)
+    return t.render()
+
+
+def _throughput(t: _Rows, f: Figures, pool: int) -> None:
+    r = t.runs
+    t.section = "**throughput**"
+    if t.has("pg_c32", "pg_c32_simple", "proxy_c32"):
+        t.add("pgbench claim transaction, -M prepared, c32", _rate(r["pg_c32"], "tx/s"))
+        t.add("pgbench claim transaction, -M simple, c32", _rate(r["pg_c32_simple"], "tx/s"))
+        simple = r["proxy_c32"].rate / r["pg_c32_simple"].rate
+        t.add(f"proxy, unique IDs, c32, pool {pool}",
+              f"{_rate(r['proxy_c32'])}; {t.goals['throughput at c32'].measured}; "
+              f"{simple:.2f} x pgbench simple", "throughput at c32")  # fmt: skip
+    if t.has("up_c32"):
+        loop = "uvloop" if f.facts.get("uvloop") else "asyncio loop"
+        t.add(f"upstream alone, c32 ({loop})", _rate(r["up_c32"]))
+    if t.has("up_c32_asyncio"):
+        t.add("upstream alone, c32 (asyncio loop)", _rate(r["up_c32_asyncio"]))
+    t.section = "**CPU**"
+    if t.has("proxy_c32", "up_c32"):
+        t.add("CPU per request in the c32 proxy run (/proc utime+stime)",
+              t.goals["CPU per request"].measured + "; upstream alone "
+              f"{r['up_c32'].cpu_us('upstream'):.0f} µs", "CPU per request")  # fmt: skip
+    if t.has("proxy_c32", "pg_c32", "pg_c32_simple"):
+        t.add("PostgreSQL CPU per claim",
+              f"via the proxy {r['proxy_c32'].cpu_us('postgres'):.0f} µs; pgbench prepared "
+              f"{r['pg_c32'].cpu_us('postgres'):.0f} µs, simple "
+              f"{r['pg_c32_simple'].cpu_us('postgres'):.0f} µs")  # fmt: skip
+
+
+def _latency(t: _Rows) -> None:
+    r = t.runs
+    t.section = "**latency**"
+    for c, up, px in (("1", "up_c1", "proxy_c1"), ("32", "up_c32", "proxy_c32")):
+        if t.has(up, px):
+            p50 = r[px].p50_ms - r[up].p50_ms
+            p99 = r[px].p99_ms - r[up].p99_ms
+            t.add(f"added latency at c{c} (proxy vs upstream alone)",
+                  f"p50 {r[up].p50_ms:.2f} → {r[px].p50_ms:.2f} ms (+{p50:.2f}); "
+                  f"p99 {r[up].p99_ms:.2f} → {r[px].p99_ms:.2f} ms (+{p99:.2f})",
+                  "added median latency, c1" if c == "1" else "p99 at c32")  # fmt: skip
+
+
+def _duplicates(t: _Rows, f: Figures) -> None:
+    r = t.runs
+    t.section = "**duplicates**"
+    for key in ("proxy_c1", "proxy_c32"):
+        if t.has(key):
+            t.add(f"one call per request: {r[key].label}", exact(r[key])[1],
+                  "one upstream call per unique request")  # fmt: skip
+    if t.has("proxy_dup50"):
+        run = r["proxy_dup50"]
+        t.add("50 % duplicates (committed IDs), c32", f"{_rate(run)}; {exact(run)[1]}",
+              "one upstream call per unique request")  # fmt: skip
+    for name, storm in f.storms.items():
+        answers = ", ".join(f"{n} {k}" for k, n in storm.statuses.items())
+        t.add(f"duplicate storm, {storm.copies} concurrent copies, {name} upstream",
+              f"{storm.upstream_calls} upstream call(s); peak {storm.peak_db} DB connections "
+              f"in use ({storm.polls} polls); copies sent within {storm.sent_ms:.0f} ms; "
+              f"first commit answered at {storm.owner_ms:.0f} ms, "
+              f"all answered at {storm.all_answered_ms:.0f} ms ({storm.after_commit_ms:.0f} ms "
+              f"after); {answers}; {storm.listen_overflows} SYNs dropped by a full listen queue "
+              "while the connections opened", f"duplicate storm ({name} upstream)")  # fmt: skip
+    t.section = "**slow upstream**"
+    for key, run in r.items():
+        if key.startswith("slow_pool"):
+            size = int(key.removeprefix("slow_pool"))
+            ideal = size / 0.05
+            share = f"{run.rate / ideal:.0%} of pool/latency = {ideal:,.0f}/s"
+            t.add(f"50 ms upstream, c32, pool {size}", f"{_rate(run)}; {share}")
+
+
+def _growth_rows(t: _Rows, f: Figures, rows: int) -> None:
+    r = t.runs
+    t.section = "**growth**"
+    if t.has("pg_c1_empty", "pg_c1_full"):
+        a, b = r["pg_c1_empty"], r["pg_c1_full"]
+        size = f.facts.get("table_size", "?")
+        t.add(f"claim latency, pgbench prepared c1: empty → {rows:,} rows",
+              f"{_growth(a, b)}; {a.rate:,.0f} → {b.rate:,.0f} tx/s; table {size}")  # fmt: skip
+    if t.has("proxy_c1", "proxy_c1_full"):
+        t.add(f"proxy c1: empty → {rows:,} rows", _growth(r["proxy_c1"], r["proxy_c1_full"]))
+    if t.has("up_c1", "proxy_c1", "up_c1_1mib", "proxy_c1_1mib"):
+        small = r["proxy_c1"].p50_ms - r["up_c1"].p50_ms
+        big = r["proxy_c1_1mib"].p50_ms - r["up_c1_1mib"].p50_ms
+        t.add("1 KiB → 1 MiB body, c1",
+              f"upstream p50 {r['up_c1'].p50_ms:.2f} → {r['up_c1_1mib'].p50_ms:.2f} ms; proxy "
+              f"p50 {r['proxy_c1'].p50_ms:.2f} → {r['proxy_c1_1mib'].p50_ms:.2f} ms; added "
+              f"{small:.2f} → {big:.2f} ms; proxy CPU {r['proxy_c1'].cpu_us('proxy'):.0f} → "
+              f"{r['proxy_c1_1mib'].cpu_us('proxy'):.0f} µs/request; "
+              f"{exact(r['proxy_c1_1mib'])[1]}")  # fmt: skip
+
+
+def runs_table(f: Figures) -> str:
+    """Every load run, with the CPU each process spent and what else ran on the machine."""
+    lines = [
+        "| run | sent | answered | rate/s | p50 ms | p99 ms | errors | CPU µs/req: proxy, "
+        "upstream, postgres, load generator | other programs (cores) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in f.runs.values():
+        cpu = ", ".join(
+            f"{run.cpu_us(name):.0f}" if name in run.window.cpu else "-"
+            for name in ("proxy", "upstream", "postgres")
+        )
+        loadgen = run.window.loadgen * 1e6 / max(run.sent, 1)
+        lines.append(
+            f"| {run.label} | {run.sent:,} | {run.requests:,} | {run.rate:,.0f} | "
+            f"{run.p50_ms:.2f} | {run.p99_ms:.2f} | {run.errors} | {cpu}, {loadgen:.0f} | "
+            f"{run.window.others:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def machine() -> dict[str, str]:
+    meminfo = Path("/proc/meminfo").read_text()
+    memory = int(re.search(r"MemTotal:\s+(\d+)", meminfo)[1]) * 1024  # type: ignore[index]
+    model = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+    wrk = shutil.which("wrk")
+    wrk_version = (
+        subprocess.run([wrk, "-v"], capture_output=True, text=True, check=False).stdout
+        if wrk
+        else "wrk missing"
+    )
+    return {
+        "nproc": str(len(os.sched_getaffinity(0))),
+        "memory": f"{memory / 2**30:.1f} GiB",
+        "cpu": model[1] if model else platform.machine(),
+        "kernel": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "packages": ", ".join(
+            f"{name} {metadata.version(name)}"
+            for name in ("aiohttp", "asyncpg", "uvloop")
+            if _installed(name)
+        ),
+        "wrk": wrk_version.split("Copyright")[0].strip(),
+        "load_before": loadavg(),
+    }
+
+
+def _installed(name: str) -> bool:
+    try:
+        metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def document(
+    main_table: str, f: Figures, machine: dict[str, str], command: str, seconds: int
+) -> str:
+    noise = [run.window.others for run in f.runs.values()]
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    goals = "\n".join(
+        f"- {t.name}: {t.measured} (target {t.limit}): {_verdict(t.ok)}" for t in targets(f)
+    )
+    fill = f.facts.get("fill_seconds")
+    return f"""# dedup-proxy benchmark results
+
+- Date: {now}
+- Command: `{command}` (from the repository root, with the project's venv)
+- Machine: {machine["nproc"]} CPUs (`nproc`), {machine["memory"]} memory, {machine["cpu"]}, \
+{machine["kernel"]}
+- Software: Python {machine["python"]}, {machine["packages"]}, PostgreSQL \
+{f.facts.get("postgres", "?")} (embedded, unix socket; {f.facts.get("pg_settings", "")}), \
+{machine["wrk"]}; upstream loop: {"uvloop" if f.facts.get("uvloop") else "asyncio"}
+- Each load run: {seconds} s; wrk `-t1 -c1` or `-t2 -c32`, `--latency`, 1 KiB JSON bodies with \
+unique IDs unless stated; pgbench `-j2` with `bench/claim.sql`. \
+{f"Table fill: {fill:.0f} s." if fill else ""}
+- Noise: load average {machine["load_before"]} before, {machine["load_after"]} after; other \
+programs on the machine used {sum(noise) / max(len(noise), 1):.2f} cores on average during the \
+load runs (at most {max(noise, default=0):.2f}). Everything (PostgreSQL, upstream, proxy, load \
+generator) shares the same {machine["nproc"]} CPUs.
+
+{main_table}
+
+## Targets
+
+{goals}
+
+## Every run
+
+{runs_table(f)}
+
+## Method
+
+- Event IDs: `bench/unique_ids.lua` gives every request `{{8 random hex}}-{{run}}-{{thread}}-{{n}}`,
+  unique per run, thread and request, and scattered over the index like providers' IDs. The
+  upstream (`bench/upstream.py`) counts calls and distinct IDs; "exact" means calls = unique IDs
+  sent = distinct IDs, with none of the committed `seed-*` IDs (the 50 % mix reuses those).
+- pgbench runs `bench/claim.sql` (BEGIN; the proxy's INSERT … ON CONFLICT DO NOTHING RETURNING
+  with a fresh `gen_random_uuid()` ID; COMMIT) on the proxy's own table. The "empty" table holds
+  the 1,000 seed rows and what earlier runs added; the full one adds random md5 IDs, then
+  VACUUM ANALYZE and CHECKPOINT.
+- Storm: the copies' connections are opened beforehand (one pass-through GET each), then all
+  copies are POSTed at once from one aiohttp client (unlimited connector); "copies sent within"
+  is how long that Python client took to write them all, a floor for the other times. Peak DB
+  connections polls `pg_stat_activity` (application_name `dedup-proxy`, state not idle) as fast
+  as it can from a thread of its own. "First commit" is when the one processed copy's answer
+  arrived.
+- Slow upstream: the upstream sleeps 50 ms per call; each webhook holds a pool connection for
+  that long, so pool_size / 50 ms is the ceiling.
+- CPU per request is the process's utime + stime from `/proc/PID/stat` over the run (PostgreSQL:
+  the postmaster and all its backends, live and exited), divided by the requests sent (the
+  upstream's: by the calls it received). "Other programs" is the machine's busy time from
+  `/proc/stat` minus ours, in cores: how noisy the run was. Peak RSS is `VmHWM` from
+  `/proc/PID/status`.
+"""
+
+
+def as_json(f: Figures) -> dict[str, Any]:
+    runs = {}
+    for key, run in f.runs.items():
+        entry = {
+            fld.name: getattr(run, fld.name)
+            for fld in dataclasses.fields(run)
+            if fld.name != "window"
+        }
+        entry["cpu_us"] = {name: run.cpu_us(name) for name in run.window.cpu}
+        entry["other_cores"] = run.window.others
+        entry["exact"] = exact(run)[0] if run.through_proxy else None
+        runs[key] = entry
+    return {
+        "runs": runs,
+        "storms": {name: dataclasses.asdict(storm) for name, storm in f.storms.items()},
+        "rss": f.rss,
+        "targets": [dataclasses.asdict(t) for t in targets(f)],
+        "facts": f.facts,
+    }
+
+
+def profile_top(path: Path, count: int = 15) -> list[str]:
+    """The functions py-spy saw most, by own samples and by samples anywhere on the stack."""
+    own: collections.Counter[str] = collections.Counter()
+    anywhere: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, samples = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(samples)
+        total += n
+        frames = [re.sub(r":\d+\)$", ")", frame) for frame in stack.split(";")]
+        own[frames[-1]] += n
+        for frame in set(frames):
+            anywhere[frame] += n
+    lines = [f"{total} samples; own time (the function itself):"]
+    lines += [f"{n / total:6.1%}  {frame}" for frame, n in own.most_common(count)]
+    lines.append("anywhere on the stack (inclusive):")
+    lines += [f"{n / total:6.1%}  {frame}" for frame, n in anywhere.most_common(count)]
+    return lines

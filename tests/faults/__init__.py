@@ -1,0 +1,1 @@
+"""Fault injection: a TCP fault relay, a randomized Jepsen-style campaign and its checker."""

@@ -1,0 +1,870 @@
+"""A randomized Jepsen-style fault campaign against real ``dedup-proxy serve`` processes.
+
+Set-up: a PostgreSQL of the campaign's own (so it can be restarted), one fault relay per replica
+between that replica and PostgreSQL, 2-3 replicas, a fake app with random latency and 5xx, and a
+fake provider delivering each event 1-5 times to random replicas and retrying with back-off.
+A nemesis meanwhile kills replicas (``kill -9``, then restarts them), restarts PostgreSQL,
+blackholes, resets or refuses a replica's database link and makes the app slow. Afterwards every
+event not yet acknowledged is redelivered until it is (the settle phase), the database and every
+replica's pool are checked for leftovers, and ``checker.check`` judges the history.
+
+Run it on demand (exit status 1 on any violation)::
+
+    python -m tests.faults.campaign --minutes 5 [--replicas 3] [--seed S] [--events K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import parse_qs, urlsplit
+
+import aiohttp
+import asyncpg
+import yaml
+from aiohttp import web
+
+from proxy import config, embedded, errors
+from tests.faults import checker
+from tests.faults.relay import Mode, Relay
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTE = "camp"
+HOOK = "/hook"
+KINDS = ("kill", "pg_restart", "blackhole", "reset", "refuse", "latency")
+_WEIGHTS = {"kill": 2, "pg_restart": 1, "blackhole": 2, "reset": 2, "refuse": 1, "latency": 2}
+_LINK_FAULTS: dict[str, Mode] = {"blackhole": "blackhole", "reset": "reset", "refuse": "refuse"}
+_LINK_HOLD = {"blackhole": (1.0, 4.0), "reset": (0.0, 0.5), "refuse": (0.5, 2.5)}
+_POLL = 0.05
+RESTART_WITHIN = 30.0  # a killed replica must listen again within this
+
+
+class CampaignError(Exception):
+    """The harness itself could not carry on (not a finding about the proxy)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """The replicas' configuration and the provider's behaviour."""
+
+    upstream_timeout: float = 2.0
+    claim_wait: float = 1.0
+    pool_size: int = 4
+    pool_timeout: float = 1.0
+    connect_timeout: float = 1.0
+    shutdown_timeout: float = 1.0
+    table: str = "processed_events"
+    provider_timeout: float = 15.0  # a real provider waits 10-30 s
+    attempts: int = 5  # per copy while the nemesis runs
+    max_in_flight: int = 64  # provider-side concurrency cap
+    settle_timeout: float = 30.0
+    failure_rate: float = 0.05  # the app answers 5xx
+    spike_rate: float = 0.02  # the app answers later than upstream.timeout
+
+    @property
+    def request_bound(self) -> float:
+        """About the longest one request may take by the configured timeouts."""
+        return (
+            self.pool_timeout
+            + 2 * self.claim_wait
+            + self.upstream_timeout
+            + 3 * self.connect_timeout
+            + 1.0
+        )
+
+    @property
+    def commit_margin(self) -> float:
+        """After the app's answer, how long its claim may still be lost (COMMIT bound + slack)."""
+        return self.connect_timeout + 0.5
+
+    def replica_config(self, *, port: int, upstream: str, dsn: str) -> dict[str, Any]:
+        return _known_keys(
+            {
+                "listen": f"127.0.0.1:{port}",
+                # Several replicas share one host here: each needs its own admin port.
+                "admin": {"listen": f"127.0.0.1:{free_port()}"},
+                "upstream": {"url": upstream, "timeout": f"{self.upstream_timeout}s"},
+                "database": {
+                    "dsn": dsn,
+                    "table": self.table,
+                    "pool_size": self.pool_size,
+                    "pool_timeout": f"{self.pool_timeout}s",
+                    "connect_timeout": f"{self.connect_timeout}s",
+                },
+                "claim_wait": f"{self.claim_wait}s",
+                "shutdown_timeout": f"{self.shutdown_timeout}s",
+                "log": {"level": "debug", "format": "json"},
+                "routes": [{"name": ROUTE, "path": HOOK, "event_id": "body:/id"}],
+            }
+        )
+
+
+def _known_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` without the optional top-level keys this version of the proxy does not know."""
+    try:
+        config.parse(raw)
+    except errors.ConfigError as exc:
+        unknown = {p.split(":")[0] for p in exc.problems if ": unknown key" in p}
+        return {key: value for key, value in raw.items() if key not in unknown}
+    return raw
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def accepts(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+async def poll(check: Callable[[], Awaitable[bool] | bool], what: str, within: float) -> float:
+    """Poll ``check`` until true; return the seconds it took; CampaignError past ``within``."""
+    started = time.monotonic()
+    while True:
+        result = check()
+        if result if isinstance(result, bool) else await result:
+            return time.monotonic() - started
+        if time.monotonic() - started > within:
+            raise CampaignError(f"timed out after {within:g}s waiting for {what}")
+        await asyncio.sleep(_POLL)
+
+
+def event_body(event_id: str) -> bytes:
+    return json.dumps({"id": event_id, "type": "camp.test"}).encode()
+
+
+def unix_socket_of(dsn: str) -> Path:
+    """The socket file of a ``postgresql://…?host=/dir`` DSN (the embedded server's)."""
+    parts = urlsplit(dsn)
+    directory = parse_qs(parts.query)["host"][0]
+    return Path(directory) / f".s.PGSQL.{parts.port or 5432}"
+
+
+# --- the app behind the proxy -------------------------------------------------------------
+
+
+class App:
+    """The fake upstream app: records every request it answers (a 2xx answer: it acted)."""
+
+    def __init__(self, rng: random.Random, settings: Settings) -> None:
+        self.rng = rng
+        self.settings = settings
+        self.calls: list[checker.UpstreamCall] = []
+        self.arrived: list[tuple[str, str | None, float]] = []  # event, delivery, time
+        self.in_flight = 0
+        self.chaos = False  # random latency and 5xx for campaign events
+        self.spikes = True  # with chaos: now and then an answer later than upstream.timeout
+        self.spike_until = 0.0
+        self.latency = 0.02  # the most an ordinary answer takes
+        self.fixed: dict[str, float] = {}  # event-ID prefix -> latency, answered 200
+        self.gates: dict[str, asyncio.Event] = {}  # event ID -> answer once set
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        application = web.Application()
+        application.router.add_post(HOOK, self._handle)
+        self._runner = web.AppRunner(application, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def decide(self, event_id: str) -> tuple[float, int]:
+        """(latency, status) for one request."""
+        for prefix, latency in self.fixed.items():
+            if event_id.startswith(prefix):
+                return latency, 200
+        rng, timeout = self.rng, self.settings.upstream_timeout
+        if not self.chaos:
+            return rng.uniform(0.001, self.latency), 200
+        status = rng.choice((500, 502, 503)) if rng.random() < self.settings.failure_rate else 200
+        roll = rng.random()
+        if time.monotonic() < self.spike_until:
+            return rng.uniform(0.3, 1.8) * timeout, status
+        if self.spikes and roll < self.settings.spike_rate:
+            return rng.uniform(1.05, 1.6) * timeout, status
+        if roll < 0.1:
+            return rng.uniform(0.05, 0.4), status
+        return rng.uniform(0.001, self.latency), status
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        start = time.monotonic()
+        self.in_flight += 1
+        try:
+            body = await request.read()
+            event_id = str(json.loads(body)["id"])
+            delivery = request.headers.get("X-Camp-Delivery")
+            self.arrived.append((event_id, delivery, start))
+            latency, status = self.decide(event_id)
+            gate = self.gates.get(event_id)
+            if gate is not None:
+                await gate.wait()
+            await asyncio.sleep(latency)
+            self.calls.append(
+                checker.UpstreamCall(
+                    event_id=event_id,
+                    delivery_id=delivery,
+                    replica=request.headers.get("X-Camp-Replica"),
+                    start=start,
+                    end=time.monotonic(),
+                    status=status,
+                )
+            )
+            return web.Response(status=status, text="acted" if status < 300 else "failed")
+        finally:
+            self.in_flight -= 1
+
+
+# --- the proxy replicas -------------------------------------------------------------------
+
+
+class Replica:
+    """One ``python -m proxy serve`` process (restartable) and every line it logged."""
+
+    def __init__(self, name: str, workdir: Path, document: dict[str, Any], port: int) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.config_path = workdir / f"{name}.yaml"
+        self.config_path.write_text(yaml.safe_dump(document))
+        self.log_path = workdir / f"{name}.log"
+        self.stderr_path = workdir / f"{name}.stderr"
+        self.logs: list[dict[str, Any]] = []
+        self.incarnation = 0
+        self.process: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._log_file: TextIO | None = None
+        self._stderr: TextIO | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    async def start(self, within: float = 30.0) -> float:
+        """Start and wait until it listens (starting again if it exits, e.g. while the database
+        is down); return the seconds it took."""
+        started = time.monotonic()
+        for _ in range(50):
+            await self._spawn()
+            while self.running and time.monotonic() - started <= within:
+                if await accepts(self.port):
+                    return time.monotonic() - started
+                await asyncio.sleep(_POLL)
+            if self.process is not None and self.process.returncode is None:
+                self.process.send_signal(signal.SIGKILL)  # still not listening: give up on it
+            await self._reap()
+            if time.monotonic() - started > within:
+                break
+            await asyncio.sleep(0.2)  # back-off before the next start attempt
+        raise CampaignError(
+            f"replica {self.name} did not listen within {within:g}s; see {self.stderr_path}"
+        )
+
+    async def kill(self) -> int:
+        """``kill -9``; return the PID killed."""
+        process = self.process
+        if process is None or process.returncode is not None:
+            raise CampaignError(f"replica {self.name} is not running")
+        process.send_signal(signal.SIGKILL)
+        await self._reap()
+        return process.pid
+
+    async def stop(self) -> None:
+        """SIGTERM (a graceful drain), SIGKILL if it does not exit in time."""
+        process = self.process
+        if process is not None and process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 10.0)
+            except TimeoutError:
+                process.send_signal(signal.SIGKILL)
+        await self._reap()
+        for handle in (self._log_file, self._stderr):
+            if handle is not None:
+                handle.close()
+        self._log_file = self._stderr = None
+
+    async def _spawn(self) -> None:
+        if self._log_file is None:
+            self._log_file = self.log_path.open("a", encoding="utf-8")
+            self._stderr = self.stderr_path.open("a", encoding="utf-8")
+        self.incarnation += 1
+        self.process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "serve", "--config", str(self.config_path),
+            stdout=asyncio.subprocess.PIPE, stderr=self._stderr, cwd=ROOT,
+        )  # fmt: skip
+        self._reader = asyncio.create_task(self._read(self.process, self.incarnation))
+
+    async def _reap(self) -> None:
+        """Wait for the process to exit (after a signal) and for its output to be read."""
+        process, reader = self.process, self._reader
+        if process is not None and process.returncode is None:
+            try:
+                await asyncio.wait_for(process.wait(), 10.0)
+            except TimeoutError:
+                process.send_signal(signal.SIGKILL)
+                await process.wait()
+        if reader is not None:
+            await reader
+            self._reader = None
+
+    async def _read(self, process: asyncio.subprocess.Process, incarnation: int) -> None:
+        assert process.stdout is not None
+        async for raw in process.stdout:
+            text = raw.decode(errors="replace").rstrip("\n")
+            if self._log_file is not None:
+                self._log_file.write(text + "\n")
+            try:
+                line = json.loads(text)
+            except ValueError:
+                line = {"msg": text}
+            if not isinstance(line, dict):
+                line = {"msg": text}
+            line.update(replica=self.name, incarnation=incarnation, pid=process.pid)
+            self.logs.append(line)
+
+
+# --- the provider -------------------------------------------------------------------------
+
+
+class Provider:
+    """Delivers events like a webhook provider: at least once, retrying with back-off."""
+
+    def __init__(self, replicas: Sequence[Replica], rng: random.Random, settings: Settings) -> None:
+        self.replicas = replicas
+        self.rng = rng
+        self.settings = settings
+        self.deliveries: list[checker.Delivery] = []
+        self.acked: set[str] = set()
+        self.retrying = True  # copies retry while the nemesis runs; settling takes over after
+        self._ids = itertools.count(1)
+        self._slots = asyncio.Semaphore(settings.max_in_flight)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Provider:
+        self._session = aiohttp.ClientSession(
+            # One connection per delivery: a killed replica's kept-alive socket would otherwise
+            # fail a later delivery that never reached it.
+            connector=aiohttp.TCPConnector(force_close=True, limit=0),
+            timeout=aiohttp.ClientTimeout(total=self.settings.provider_timeout),
+        )
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def deliver(self, event_id: str, replica: Replica, phase: str) -> checker.Delivery:
+        assert self._session is not None
+        delivery_id = f"d{next(self._ids)}"
+        status: int | None = None
+        duplicate = False
+        error: str | None = None
+        async with self._slots:
+            start = time.monotonic()
+            try:
+                async with self._session.post(
+                    replica.url + HOOK,
+                    data=event_body(event_id),
+                    headers={
+                        "Content-Type": "application/json",
+                        "X-Camp-Delivery": delivery_id,
+                        "X-Camp-Replica": replica.name,
+                    },
+                ) as response:
+                    await response.read()
+                    status = response.status
+                    duplicate = response.headers.get("Dedup-Status") == "duplicate"
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}"[:160]
+            end = time.monotonic()
+        delivery = checker.Delivery(
+            delivery_id=delivery_id,
+            event_id=event_id,
+            replica=replica.name,
+            phase=phase,
+            start=start,
+            end=end,
+            status=status,
+            duplicate=duplicate,
+            error=error,
+        )
+        self.deliveries.append(delivery)
+        if delivery.outcome == "ok":
+            self.acked.add(event_id)
+        return delivery
+
+    def backoff(self, attempt: int) -> float:
+        return min(3.0, 0.25 * 2.0**attempt) * self.rng.uniform(0.5, 1.5)
+
+    async def copy(self, event_id: str, delay: float) -> None:
+        """One copy of an event, retried on failure to a random replica."""
+        await asyncio.sleep(delay)
+        for attempt in range(self.settings.attempts):
+            delivery = await self.deliver(event_id, self.rng.choice(self.replicas), "nemesis")
+            if delivery.outcome == "ok" or not self.retrying:
+                return
+            await asyncio.sleep(self.backoff(attempt))
+            if not self.retrying:
+                return
+
+    async def send(self, event_id: str) -> None:
+        """An event, sent 1-5 times: either in a burst or spread over a second or two."""
+        copies = self.rng.randint(1, 5)
+        spread = 0.05 if self.rng.random() < 0.5 else 2.0
+        await asyncio.gather(
+            *(self.copy(event_id, self.rng.uniform(0, spread)) for _ in range(copies))
+        )
+
+    async def settle(self, events: Sequence[str], within: float) -> float:
+        """Redeliver every event not yet acknowledged until it is (bounded); return the time."""
+        started = time.monotonic()
+        for attempt in range(100):
+            pending = [e for e in events if e not in self.acked]
+            if not pending or time.monotonic() - started > within:
+                break
+            await asyncio.gather(
+                *(self.deliver(e, self.rng.choice(self.replicas), "settle") for e in pending)
+            )
+            if any(e not in self.acked for e in pending):
+                await asyncio.sleep(min(2.0, 0.2 * 2.0**attempt))
+        return time.monotonic() - started
+
+
+# --- the nemesis --------------------------------------------------------------------------
+
+
+class Nemesis:
+    """Random faults, each recorded from its first effect until it is healed."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        replicas: Sequence[Replica],
+        relays: Sequence[Relay],
+        pg: embedded.EmbeddedPostgres,
+        app: App,
+        say: Callable[[str], None],
+        origin: float,
+    ) -> None:
+        self.rng = rng
+        self.replicas = replicas
+        self.relays = relays
+        self.pg = pg
+        self.app = app
+        self.say = say
+        self.origin = origin
+        self.actions: list[checker.Action] = []
+        self.restart_failures: list[str] = []
+        self._busy: set[str] = set()
+
+    async def run(self, until: float, *, concurrency: int = 2, pause: float = 2.0) -> None:
+        """Act until ``until`` (monotonic): every kind once first (in random order), then at
+        random; at most ``concurrency`` actions at a time, never two on one resource."""
+        first_round = list(KINDS)
+        self.rng.shuffle(first_round)
+        kinds = list(_WEIGHTS)
+        weights = list(_WEIGHTS.values())
+        slots = asyncio.Semaphore(concurrency)
+        running: set[asyncio.Task[None]] = set()
+        failures: list[BaseException] = []
+        for _ in range(10_000):
+            await asyncio.sleep(self.rng.uniform(0.2, pause))
+            await slots.acquire()
+            if time.monotonic() >= until or failures:
+                slots.release()
+                break
+            kind = first_round[0] if first_round else self.rng.choices(kinds, weights)[0]
+            target = self._target(kind)
+            if target is None:
+                slots.release()
+                continue
+            if first_round:
+                first_round.pop(0)
+            self._busy.add(target)
+            task = asyncio.create_task(self._act(kind, target))
+            running.add(task)
+
+            def done(task: asyncio.Task[None], target: str = target) -> None:
+                running.discard(task)
+                self._busy.discard(target)
+                slots.release()
+                if not task.cancelled() and task.exception() is not None:
+                    failures.append(task.exception())  # type: ignore[arg-type]
+
+            task.add_done_callback(done)
+        await asyncio.gather(*running, return_exceptions=True)
+        if failures:
+            raise failures[0]
+
+    def _target(self, kind: str) -> str | None:
+        if kind == "pg_restart":
+            candidates = ["postgres"]
+        elif kind == "latency":
+            candidates = ["app"]
+        elif kind == "kill":
+            candidates = [f"proc:{r.name}" for r in self.replicas if r.running]
+        else:
+            candidates = [f"link:{r.name}" for r in self.replicas]
+        free = [c for c in candidates if c not in self._busy]
+        return self.rng.choice(free) if free else None
+
+    async def _act(self, kind: str, resource: str) -> None:
+        target = resource.partition(":")[2] or resource
+        index = next((n for n, r in enumerate(self.replicas) if r.name == target), -1)
+        start = time.monotonic()
+        detail = ""
+        if kind == "kill":
+            replica = self.replicas[index]
+            pid = await replica.kill()
+            down = self.rng.uniform(0, 1.5)
+            await asyncio.sleep(down)
+            try:
+                took = await replica.start(within=RESTART_WITHIN)
+                detail = f"pid {pid}, down {down:.1f}s + {took:.1f}s to listen again"
+            except CampaignError as exc:
+                # Left down; the settle phase starts it again. A finding, not a harness error.
+                self.restart_failures.append(str(exc))
+                detail = f"pid {pid}, NOT listening again within {RESTART_WITHIN:g}s"
+        elif kind == "pg_restart":
+            await asyncio.to_thread(self.pg.stop)
+            await asyncio.sleep(self.rng.uniform(0, 1.0))
+            await asyncio.to_thread(self.pg.start)
+        elif kind == "latency":
+            length = self.rng.uniform(1.0, 4.0)
+            self.app.spike_until = start + length
+            await asyncio.sleep(length)
+        else:
+            relay = self.relays[index]
+            mode: Mode = _LINK_FAULTS[kind]
+            hold = self.rng.uniform(*_LINK_HOLD[kind])
+            await relay.set_mode(mode)
+            await asyncio.sleep(hold)
+            await relay.set_mode("pass")
+        end = time.monotonic()
+        self.actions.append(checker.Action(kind, target, start, end, detail))
+        self.say(
+            f"{start - self.origin:7.2f}s  {kind:<10} {target:<8} {end - start:5.2f}s  {detail}"
+        )
+
+
+# --- the whole campaign -------------------------------------------------------------------
+
+
+@dataclass
+class Cluster:
+    settings: Settings
+    dsn: str  # direct, for the checks (not through a relay)
+    app: App
+    replicas: list[Replica]
+    relays: list[Relay] = field(default_factory=list)
+    pg: embedded.EmbeddedPostgres | None = None
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    workdir: Path,
+    settings: Settings,
+    replicas: int,
+    rng: random.Random,
+    *,
+    dsn: str | None = None,
+) -> AsyncIterator[Cluster]:
+    """PostgreSQL (the campaign's own behind one relay per replica, or ``dsn`` directly), the
+    fake app and the replicas, all listening; everything stopped on exit."""
+    async with contextlib.AsyncExitStack() as stack:
+        pg: embedded.EmbeddedPostgres | None = None
+        if dsn is None:
+            pg = embedded.EmbeddedPostgres(workdir / "pg")
+            dsn = await asyncio.to_thread(pg.start)
+            stack.push_async_callback(asyncio.to_thread, pg.stop)
+        app = App(rng, settings)
+        await app.start()
+        stack.push_async_callback(app.close)
+        relays: list[Relay] = []
+        made: list[Replica] = []
+        for n in range(replicas):
+            replica_dsn = dsn
+            if pg is not None:
+                relay = Relay(unix_socket_of(dsn))
+                await relay.start()
+                stack.push_async_callback(relay.close)
+                relays.append(relay)
+                replica_dsn = f"postgresql://postgres@127.0.0.1:{relay.port}/postgres"
+            port = free_port()
+            document = settings.replica_config(port=port, upstream=app.url, dsn=replica_dsn)
+            replica = Replica(f"r{n + 1}", workdir, document, port)
+            stack.push_async_callback(replica.stop)
+            made.append(replica)
+        await asyncio.gather(*(r.start() for r in made))
+        yield Cluster(settings, dsn, app, made, relays, pg)
+
+
+async def fetch(dsn: str, query: str, *args: Any) -> list[asyncpg.Record]:
+    connection = await asyncpg.connect(dsn, timeout=10)
+    try:
+        return await connection.fetch(query, *args, timeout=10)
+    finally:
+        await connection.close()
+
+
+async def claimed_events(dsn: str, table: str) -> frozenset[str]:
+    rows = await fetch(dsn, f'SELECT event_id FROM "{table}" WHERE scope = $1', ROUTE)
+    return frozenset(row["event_id"] for row in rows)
+
+
+async def idle_in_transaction(dsn: str) -> list[str]:
+    rows = await fetch(
+        dsn,
+        "SELECT pid, application_name, state, now() - xact_start AS age, left(query, 80) AS q "
+        "FROM pg_stat_activity WHERE state LIKE 'idle in transaction%'",
+    )
+    return [
+        f"pid {r['pid']} {r['application_name']} {r['state']} for {r['age']}: {r['q']}"
+        for r in rows
+    ]
+
+
+def check_restarts(nemesis: Nemesis, replicas: Sequence[Replica]) -> checker.PostCheck:
+    """Every killed replica listened again within RESTART_WITHIN."""
+    evidence = tuple(
+        json.dumps(line, sort_keys=True, default=str)
+        for r in replicas
+        for line in r.logs
+        if str(line.get("msg", "")).startswith("cannot start")
+    )
+    return checker.PostCheck(
+        f"killed replicas listen again within {RESTART_WITHIN:g}s",
+        not nemesis.restart_failures,
+        "; ".join(nemesis.restart_failures),
+        evidence[:20],
+    )
+
+
+async def check_no_idle_transactions(dsn: str, within: float = 2.0) -> checker.PostCheck:
+    """No session is left holding a transaction once nothing is in flight."""
+    name = "no idle-in-transaction sessions"
+    left: list[str] = []
+
+    async def none_left() -> bool:
+        left[:] = await idle_in_transaction(dsn)
+        return not left
+
+    with contextlib.suppress(CampaignError):
+        await poll(none_left, name, within)
+    return checker.PostCheck(name, not left, "; ".join(left))
+
+
+async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
+    """Each replica serves ``pool_size`` concurrent events with a slow app without a 503: a
+    pool slot leaked by a fault would make one of them wait past ``pool_timeout``."""
+    settings = c.settings
+    slow = settings.pool_timeout + 0.5
+    if slow >= settings.upstream_timeout:
+        raise CampaignError("the pool check needs upstream.timeout > pool_timeout + 0.5s")
+    c.app.fixed["health-"] = slow
+    results = await asyncio.gather(
+        *(
+            provider.deliver(f"health-{r.name}-{k}", r, "check")
+            for r in c.replicas
+            for k in range(settings.pool_size)
+        )
+    )
+    bad = [d for d in results if d.status != 200 or d.duplicate]
+    detail = "; ".join(
+        f"{d.event_id} on {d.replica} -> {d.status or d.error} after {d.end - d.start:.2f}s"
+        for d in bad
+    )
+    wanted = {d.event_id for d in bad}
+    evidence = tuple(
+        json.dumps(line, sort_keys=True, default=str)
+        for r in c.replicas
+        for line in r.logs
+        if line.get("event_id") in wanted
+    )
+    return checker.PostCheck(
+        f"{settings.pool_size} concurrent slow events per replica", not bad, detail, evidence
+    )
+
+
+async def _traffic(provider: Provider, events: Sequence[str], span: float) -> None:
+    """Start the events evenly over ``span`` seconds."""
+    started = time.monotonic()
+    sending: list[asyncio.Task[None]] = []
+    for n, event_id in enumerate(events):
+        delay = started + span * n / len(events) - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sending.append(asyncio.create_task(provider.send(event_id)))
+    await asyncio.gather(*sending)
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+async def run_campaign(
+    *,
+    minutes: float = 1.0,
+    replicas: int = 3,
+    seed: int | None = None,
+    events: int | None = None,
+    workdir: Path | None = None,
+    settings: Settings | None = None,
+    say: Callable[[str], None] = _quiet,
+) -> checker.Report:
+    """Run one campaign (``minutes`` of nemesis, then settling and checks); return the report,
+    whose ``violations`` are empty when the invariant held."""
+    settings = settings or Settings()
+    seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
+    duration = minutes * 60
+    count = events or max(100, round(900 * minutes))
+    event_ids = [f"evt-{seed:08x}-{n:05d}" for n in range(count)]
+    own_dir = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="dedup-campaign-")) if workdir is None else workdir
+    say(f"campaign seed={seed} replicas={replicas} events={count} nemesis={duration:g}s in {work}")
+    keep = True  # the replicas' logs are the evidence when something went wrong
+    try:
+        report = await _campaign(work, settings, replicas, seed, event_ids, duration, say)
+        keep = bool(report.violations) or bool(os.environ.get("DEDUP_CAMPAIGN_KEEP"))
+        return report
+    finally:
+        if own_dir and not keep:
+            shutil.rmtree(work, ignore_errors=True)
+        elif own_dir:
+            say(f"replica logs and configuration kept in {work}")
+
+
+async def _campaign(
+    work: Path,
+    settings: Settings,
+    replicas: int,
+    seed: int,
+    event_ids: list[str],
+    duration: float,
+    say: Callable[[str], None],
+) -> checker.Report:
+    rng = random.Random(seed)
+    async with cluster(work, settings, replicas, rng) as c:
+        assert c.pg is not None
+        origin = time.monotonic()
+        nemesis = Nemesis(rng, c.replicas, c.relays, c.pg, c.app, say, origin)
+        c.app.chaos = True
+        async with Provider(c.replicas, rng, settings) as provider:
+            traffic = asyncio.create_task(_traffic(provider, event_ids, duration * 0.9))
+            try:
+                await nemesis.run(origin + duration)
+                provider.retrying = False
+                c.app.spikes = False
+                await asyncio.wait_for(asyncio.shield(traffic), 2 * settings.provider_timeout + 10)
+            finally:
+                if not traffic.done():
+                    traffic.cancel()
+                    await asyncio.gather(traffic, return_exceptions=True)
+            say(f"{time.monotonic() - origin:7.2f}s  nemesis over; settling")
+            for replica in c.replicas:
+                if not replica.running:
+                    await replica.start(within=RESTART_WITHIN)
+            settle = await provider.settle(event_ids, settings.settle_timeout)
+            await poll(lambda: c.app.in_flight == 0, "the app's last answers", 30)
+            say(f"{time.monotonic() - origin:7.2f}s  settled in {settle:.1f}s; checking")
+            post = [check_restarts(nemesis, c.replicas)]
+            post.append(await check_no_idle_transactions(c.dsn))
+            post.append(await check_pools_free(c, provider))
+            claimed = await claimed_events(c.dsn, settings.table)
+        for replica in c.replicas:
+            await replica.stop()
+        records = checker.Records(
+            events=event_ids,
+            deliveries=provider.deliveries,
+            calls=c.app.calls,
+            actions=nemesis.actions,
+            logs=[line for r in c.replicas for line in r.logs],
+            claimed=claimed,
+            upstream_timeout=settings.upstream_timeout,
+            commit_margin=settings.commit_margin,
+            request_bound=settings.request_bound,
+            origin=origin,
+            post_checks=post,
+            settings={
+                "seed": seed,
+                "replicas": replicas,
+                "nemesis": f"{duration:g}s",
+                "settle": f"{settle:.1f}s",
+                "upstream.timeout": f"{settings.upstream_timeout:g}s",
+                "claim_wait": f"{settings.claim_wait:g}s",
+                "pool": settings.pool_size,
+            },
+        )
+        report, _ = checker.check(records)
+        return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.faults.campaign", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--minutes", type=float, required=True, help="how long the nemesis runs")
+    parser.add_argument("--replicas", type=int, default=3, choices=(2, 3))
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--events", type=int, default=None, help="distinct events (900/minute)")
+    parser.add_argument("--evidence", type=int, default=2, help="violations shown with evidence")
+    args = parser.parse_args(argv)
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    # The embedded server's "for one machine only" warning, at every restart.
+    logging.getLogger(embedded.__name__).setLevel(logging.ERROR)
+
+    report = asyncio.run(
+        run_campaign(
+            minutes=args.minutes,
+            replicas=args.replicas,
+            seed=args.seed,
+            events=args.events,
+            say=say,
+        )
+    )
+    print(checker.format_report(report, evidence=args.evidence))
+    return 1 if report.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

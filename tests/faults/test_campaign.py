@@ -1,0 +1,236 @@
+"""The fault campaign, short enough for CI, and proof that its tools can tell good from bad.
+
+The campaign's seed is random and printed first (``campaign seed=…``); rerun a failure with
+``DEDUP_CAMPAIGN_SEED=<seed>``, or run longer with ``python -m tests.faults.campaign``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tests.faults import campaign, checker
+from tests.faults.relay import Relay
+
+
+@pytest.mark.timeout(170)
+async def test_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
+    tmp_path: Path,
+) -> None:
+    seed = os.environ.get("DEDUP_CAMPAIGN_SEED")
+    report = await campaign.run_campaign(
+        minutes=0.6,
+        replicas=3,
+        seed=int(seed) if seed else None,
+        events=500,
+        workdir=tmp_path,
+        say=print,
+    )
+    table = checker.format_report(report)
+    print(table)
+
+    # The campaign proves something only if the nemesis really hurt.
+    assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.KINDS), table
+    assert report.deliveries["failed"] > 0, table
+    assert report.deliveries["indeterminate"] > 0, table
+    assert not report.violations, table
+
+
+# --- the relay ----------------------------------------------------------------------------
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+async def relay() -> AsyncIterator[Relay]:
+    server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Relay(("127.0.0.1", port)) as fault:
+            yield fault
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _silent(reader: asyncio.StreamReader, within: float = 0.3) -> bool:
+    try:
+        await asyncio.wait_for(reader.read(1), within)
+    except TimeoutError:
+        return True
+    return False
+
+
+async def test_relay_blackhole_holds_bytes_and_connections_until_healed(relay: Relay) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    try:
+        writer.write(b"ping")
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+
+        await relay.set_mode("blackhole")
+        writer.write(b"lost?")
+        late_reader, late_writer = await asyncio.open_connection("127.0.0.1", relay.port)
+        late_writer.write(b"new")
+        assert await _silent(reader)
+        assert await _silent(late_reader)  # a new connection is held, not refused
+        assert relay.connections == 2
+
+        await relay.set_mode("pass")
+        assert await asyncio.wait_for(reader.readexactly(5), 5) == b"lost?"
+        assert await asyncio.wait_for(late_reader.readexactly(3), 5) == b"new"
+        # Bounded buffers still carry a large transfer through.
+        payload = os.urandom(3 * 1024 * 1024)
+        writer.write(payload)
+        assert await asyncio.wait_for(reader.readexactly(len(payload)), 10) == payload
+        late_writer.close()
+    finally:
+        writer.close()
+
+
+async def test_relay_reset_and_refuse(relay: Relay) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    try:
+        await relay.set_mode("reset")
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(reader.read(1), 5)
+    finally:
+        writer.close()
+
+    await relay.set_mode("pass")
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    try:
+        await relay.set_mode("refuse")
+        assert await asyncio.wait_for(reader.read(1), 5) == b""  # closed, in order
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", relay.port)
+    finally:
+        writer.close()
+
+    await relay.set_mode("pass")  # listening again, on the same port
+    reader, writer = await asyncio.open_connection("127.0.0.1", relay.port)
+    try:
+        writer.write(b"back")
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"back"
+    finally:
+        writer.close()
+
+
+# --- the checker --------------------------------------------------------------------------
+
+TIMEOUT = 2.0
+
+
+def _records(
+    calls: list[checker.UpstreamCall],
+    deliveries: list[checker.Delivery],
+    *,
+    actions: tuple[checker.Action, ...] = (),
+    logs: tuple[dict[str, object], ...] = (),
+    claimed: frozenset[str] = frozenset({"e"}),
+) -> checker.Records:
+    return checker.Records(
+        events=["e"],
+        deliveries=deliveries,
+        calls=calls,
+        actions=actions,
+        logs=logs,
+        claimed=claimed,
+        upstream_timeout=TIMEOUT,
+        commit_margin=1.5,
+        request_bound=9.0,
+    )
+
+
+def _call(delivery: str, replica: str, start: float, took: float = 0.01) -> checker.UpstreamCall:
+    return checker.UpstreamCall("e", delivery, replica, start, start + took, 200)
+
+
+def _delivery(delivery: str, replica: str, start: float, status: int | None) -> checker.Delivery:
+    return checker.Delivery(delivery, "e", replica, "nemesis", start, start + 0.02, status)
+
+
+def test_checker_accepts_one_processing_and_duplicates() -> None:
+    report, violations = checker.check(
+        _records(
+            [_call("d1", "r1", 1.0)],
+            [
+                _delivery("d1", "r1", 1.0, 200),
+                checker.Delivery("d2", "e", "r2", "nemesis", 1.1, 1.2, 200, duplicate=True),
+                _delivery("d3", "r3", 1.1, 503),
+            ],
+        )
+    )
+    assert violations == []
+    assert report.double_processed == ()
+    assert report.deliveries == {"ok": 2, "failed": 1, "indeterminate": 0}
+
+
+def test_checker_flags_double_processing_outside_every_window() -> None:
+    calls = [_call("d1", "r1", 1.0), _call("d2", "r2", 5.0)]
+    deliveries = [_delivery("d1", "r1", 1.0, None), _delivery("d2", "r2", 5.0, 200)]
+    kill_elsewhere = checker.Action("kill", "r2", 1.0, 2.0)
+    _, violations = checker.check(_records(calls, deliveries, actions=(kill_elsewhere,)))
+    assert [v.kind for v in violations] == ["double_unexplained"]
+
+
+def test_checker_flags_a_500_for_an_app_2xx_and_the_double_processing_it_caused() -> None:
+    calls = [_call("d1", "r1", 1.0), _call("d2", "r2", 5.0)]
+    deliveries = [_delivery("d1", "r1", 1.0, 500), _delivery("d2", "r2", 5.0, 200)]
+    report, violations = checker.check(_records(calls, deliveries))
+    assert [v.kind for v in violations] == ["unexpected_answer", "double_unexplained"]
+    assert "the app had acted on it" in violations[0].message
+    assert report.unexplained == 1
+
+
+@pytest.mark.parametrize(
+    ("first_took", "action", "log_outcome", "cause"),
+    [
+        (TIMEOUT + 0.5, None, None, "late"),
+        (0.01, checker.Action("kill", "r1", 1.5, 3.0), None, "kill"),
+        (0.01, checker.Action("pg_restart", "postgres", 0.9, 1.2), None, "pg_restart"),
+        (0.01, checker.Action("blackhole", "r1", 0.5, 4.0), None, "blackhole"),
+        (0.01, None, "ambiguous_commit", "ambiguous"),
+    ],
+)
+def test_checker_explains_double_processing_in_the_documented_windows(
+    first_took: float, action: checker.Action | None, log_outcome: str | None, cause: str
+) -> None:
+    calls = [_call("d1", "r1", 1.0, first_took), _call("d2", "r2", 5.0)]
+    deliveries = [_delivery("d1", "r1", 1.0, None), _delivery("d2", "r2", 5.0, 200)]
+    logs = ({"event_id": "e", "outcome": log_outcome, "replica": "r1"},) if log_outcome else ()
+    report, violations = checker.check(
+        _records(calls, deliveries, actions=(action,) if action else (), logs=logs)
+    )
+    assert violations == []
+    (double,) = report.double_processed
+    assert double.explained
+    assert cause in double.causes
+
+
+def test_checker_flags_lost_events_and_undocumented_answers() -> None:
+    # The provider got a 2xx, the app never acted and no claim row exists.
+    _, violations = checker.check(
+        _records([], [_delivery("d1", "r1", 1.0, 200)], claimed=frozenset())
+    )
+    assert {v.kind for v in violations} == {"lost", "unclaimed", "ack_without_app"}
+
+    # A committed claim the app never acted on; a 500 the app did not send.
+    _, violations = checker.check(_records([], [_delivery("d1", "r1", 1.0, 500)]))
+    assert {v.kind for v in violations} == {
+        "claimed_not_processed",
+        "unacknowledged",
+        "unexpected_answer",
+    }

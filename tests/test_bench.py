@@ -1,0 +1,99 @@
+"""The benchmark harness (bench/run.py --quick): it runs end to end, prints its table, and the
+upstream got exactly one call per unique event. No timing is asserted: the numbers of a
+shared CI machine mean nothing; bench/RESULTS.md is where figures live."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 1024 * 1024
+
+
+@dataclass
+class QuickRun:
+    stdout: str
+    figures: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun | str:
+    """One ``--quick`` run, or why there is none (each test then fails with that reason)."""
+    if shutil.which("wrk") is None:
+        return "the benchmark needs wrk, which is not installed: apt-get install wrk"
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick",
+         "--out", str(out / "RESULTS.md"), "--json", str(out / "figures.json")],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=100, check=False,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )  # fmt: skip
+    if done.returncode != 0:
+        return f"bench/run.py --quick failed:\n{done.stdout}\n{done.stderr}"
+    assert (out / "RESULTS.md").read_text(encoding="utf-8").startswith("# dedup-proxy benchmark")
+    return QuickRun(done.stdout, json.loads((out / "figures.json").read_text(encoding="utf-8")))
+
+
+def _ran(quick_run: QuickRun | str) -> QuickRun:
+    if isinstance(quick_run, str):
+        pytest.fail(quick_run)
+    return quick_run
+
+
+def test_prints_one_table_with_pgbench_the_upstream_and_the_proxy(
+    quick_run: QuickRun | str,
+) -> None:
+    stdout = _ran(quick_run).stdout
+    assert "| | measurement | result | target |" in stdout
+    for row in (
+        "pgbench claim transaction, -M prepared, c32",
+        "upstream alone, c32",
+        "proxy, unique IDs, c32",
+        "added latency at c1",
+        "CPU per request",
+        "50 % duplicates",
+        "duplicate storm",
+        "50 ms upstream, c32, pool 4",
+        "claim latency, pgbench prepared c1: empty",
+        "1 KiB → 1 MiB body",
+        "peak RSS (VmHWM)",
+    ):
+        assert row in stdout
+    # Every target is judged, one way or the other.
+    assert stdout.count(": met |") + stdout.count(": **NOT met** |") >= 7
+
+
+def test_the_upstream_gets_one_call_per_unique_event(quick_run: QuickRun | str) -> None:
+    figures = _ran(quick_run).figures
+    runs = {
+        key: run for key, run in figures["runs"].items()
+        if run["through_proxy"] and run["body_bytes"] < MIB
+    }  # fmt: skip
+    assert {"proxy_c1", "proxy_c32", "proxy_dup50", "proxy_c1_full"} <= set(runs)
+    for key, run in runs.items():
+        upstream = run["upstream"]
+        assert run["uniques"] > 0, key
+        assert run["errors"] == 0, key
+        assert upstream["calls"] == run["uniques"], key
+        assert upstream["distinct"] == upstream["calls"], key
+        assert upstream["repeated"] == upstream["seeded"] == 0, key
+    # The mix did send duplicates of committed events, and none of them reached the upstream.
+    assert runs["proxy_dup50"]["sent"] > runs["proxy_dup50"]["uniques"]
+
+
+def test_a_duplicate_storm_reaches_the_upstream_once(quick_run: QuickRun | str) -> None:
+    figures = _ran(quick_run).figures
+    assert figures["storms"]
+    for storm in figures["storms"].values():
+        assert storm["upstream_calls"] == 1
+        assert storm["statuses"]["processed"] == 1
+        assert sum(storm["statuses"].values()) == storm["copies"]
