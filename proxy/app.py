@@ -110,10 +110,12 @@ def create_app(cfg: config.Config) -> web.Application:
     app = web.Application(middlewares=[_close_after_chunked])
     app[CONFIG] = cfg
     app[pipeline.FLIGHTS] = flights.Flights()
-    app[pipeline.METRICS] = metrics.Metrics()
+    meters = app[pipeline.METRICS] = metrics.Metrics()
     app[pipeline.DRAINING] = asyncio.Event()
     app.cleanup_ctx.extend([_database, _claim_store, _forwarder, _sweeper])
     for route in cfg.routes:
-        app.router.add_post(route.path, pipeline.Webhook(route, cfg).handle, name=route.name)
-    app.router.add_route("*", "/{tail:.*}", pipeline.make_passthrough(cfg.upstream.url))
+        app.router.add_post(
+            route.path, pipeline.Webhook(route, cfg, meters).handle, name=route.name
+        )
+    app.router.add_route("*", "/{tail:.*}", pipeline.make_passthrough(cfg.upstream.url, meters))
     return app

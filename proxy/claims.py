@@ -97,6 +97,16 @@ async def apply_schema(connection: Any, table: str) -> None:
         await connection.execute(schema_sql(table))
 
 
+async def _keep_session(connection: Any) -> None:
+    """Nothing to reset when a connection goes back to the pool.
+
+    asyncpg's default runs ``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL`` on every
+    release: a round trip per request for state this proxy never leaves behind (settings come in
+    the startup packet, every transaction is ended explicitly, the sweeper unlocks its advisory
+    lock or discards the connection). asyncpg still rolls back an open transaction first.
+    """
+
+
 def discard(connection: PoolConnection) -> None:
     """Close a connection in doubt so the pool never lends it again.
 
@@ -105,6 +115,13 @@ def discard(connection: PoolConnection) -> None:
     """
     with contextlib.suppress(asyncpg.InterfaceError):
         connection.terminate()
+
+
+def _literal(value: str | None) -> str:
+    """A SQL string literal. Safe because every session runs with standard_conforming_strings
+    on (backslashes are plain characters) and keys.py refuses control characters, NUL included,
+    in IDs and types; scopes are configuration names."""
+    return "NULL" if value is None else "'" + value.replace("'", "''") + "'"
 
 
 def _ms(seconds: float) -> str:
@@ -123,14 +140,14 @@ class Key:
 
 class Claim:
     """This request's hold on one event; ``acquired`` is False for a duplicate, and then
-    ``stored_sha256`` is the digest of the body the event was first claimed with."""
+    ``mismatch`` says whether the event was first claimed with a different body."""
 
     def __init__(self, store: ClaimStore, connection: PoolConnection, key: Key) -> None:
         self._store = store
         self._connection = connection
         self.key = key
         self.acquired = False
-        self.stored_sha256: bytes | None = None
+        self.mismatch = False
         self.reconciled = False
         self._open = True
 
@@ -183,9 +200,7 @@ class ClaimStore:
             f"INSERT INTO {table} (scope, event_id, event_type, body_sha256) "
             "VALUES ($1, $2, $3, $4) ON CONFLICT (scope, event_id) DO NOTHING RETURNING true"
         )
-        # Only after a conflict, and in a new statement: under READ COMMITTED it sees the row
-        # that a concurrent owner committed while our INSERT waited.
-        self._stored = f"SELECT body_sha256 FROM {table} WHERE scope = $1 AND event_id = $2"
+        self._table = table
 
     @classmethod
     async def open(
@@ -199,6 +214,8 @@ class ClaimStore:
         """Connect the pool; raise StoreUnavailable if PostgreSQL cannot be reached."""
         server_settings = {
             "application_name": "dedup-proxy",
+            # The claim is sent with literals (_claim_sql): backslashes must stay plain.
+            "standard_conforming_strings": "on",
             # A copy waits on an in-flight claim at most this long (55P03 past it).
             "lock_timeout": _ms(claim_wait),
             # The claim stays open while the upstream works; past this the server itself
@@ -213,6 +230,7 @@ class ClaimStore:
                 timeout=settings.connect_timeout,
                 command_timeout=claim_wait + settings.connect_timeout,
                 server_settings=server_settings,
+                reset=_keep_session,
             )
         except DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
@@ -259,29 +277,43 @@ class ClaimStore:
         claim = Claim(self, connection, key)
         try:
             try:
-                # Pinned: under REPEATABLE READ a copy waiting on our row would fail with a
-                # serialization error after our COMMIT instead of seeing the duplicate.
-                await connection.execute(
-                    "BEGIN ISOLATION LEVEL READ COMMITTED", timeout=self.op_timeout
-                )
-                inserted = await connection.fetchval(
-                    self._insert, key.scope, key.event_id, key.event_type, key.body_sha256,
-                    timeout=self._claim_timeout,
-                )  # fmt: skip
-                if inserted is None:
-                    claim.stored_sha256 = await connection.fetchval(
-                        self._stored, key.scope, key.event_id, timeout=self.op_timeout
-                    )
+                status = await connection.execute(self._claim_sql(key), timeout=self._claim_timeout)
             except asyncpg.LockNotAvailableError as exc:
                 raise errors.ClaimWaitExceeded() from exc
             except DB_ERRORS as exc:
                 claim.abandon()
                 raise errors.StoreUnavailable(f"claim failed: {exc!r}") from exc
-            claim.acquired = inserted is not None
+            rows = int(status.rpartition(" ")[2])
+            claim.acquired = rows == 1
+            claim.mismatch = rows == 2
             yield claim
         finally:
             await claim.release()
             await self._release(connection)
+
+    def _claim_sql(self, key: Key) -> str:
+        """BEGIN and the claim in one round trip (a simple-protocol query cannot take
+        parameters, hence literals), answering in its row count: 1 claimed; 0 a duplicate;
+        2 a duplicate whose stored body digest differs from this one.
+
+        Pinned to READ COMMITTED: under REPEATABLE READ a copy waiting on our row would fail
+        with a serialization error after our COMMIT instead of seeing the duplicate. The digest
+        comparison reads the statement's snapshot, so a copy that waited for a concurrent owner
+        does not see its row and skips the comparison (it still is a duplicate).
+        """
+        scope, event_id = _literal(key.scope), _literal(key.event_id)
+        digest = f"'\\x{key.body_sha256.hex()}'::bytea"
+        table = self._table
+        return (
+            "BEGIN ISOLATION LEVEL READ COMMITTED; "
+            f"WITH claim AS (INSERT INTO {table} (scope, event_id, event_type, body_sha256) "
+            f"VALUES ({scope}, {event_id}, {_literal(key.event_type)}, {digest}) "
+            "ON CONFLICT (scope, event_id) DO NOTHING RETURNING 1) "
+            "SELECT FROM claim UNION ALL "
+            f"SELECT FROM {table}, (VALUES (1), (2)) AS twice (n) WHERE NOT EXISTS "
+            f"(SELECT FROM claim) AND scope = {scope} AND event_id = {event_id} "
+            f"AND body_sha256 IS NOT NULL AND body_sha256 <> {digest}"
+        )
 
     async def reconcile(self, key: Key) -> bool:
         """After a COMMIT in doubt: is the claim stored now? Re-claims it if it is absent.

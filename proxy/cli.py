@@ -11,6 +11,8 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from proxy import __version__, claims, config, demo, errors, logs, operations, server, values
 
@@ -161,10 +163,20 @@ async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
     return await operations.forget(cfg, args.route, args.event_ids)
 
 
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop when it is installed (the ``fast`` extra), else on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
 def _serve(cfg: config.Config) -> int:
     logs.setup(cfg.log)
     try:
-        asyncio.run(server.serve(cfg))
+        _run(server.serve(cfg))
     except errors.EmbeddedDatabaseError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG

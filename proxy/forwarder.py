@@ -32,15 +32,15 @@ _CHUNK = 64 * 1024
 
 
 def _end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
-    named = {
-        token.strip().lower()
-        for value in headers.getall(hdrs.CONNECTION, [])
-        for token in value.split(",")
-    }
+    dropped = HOP_BY_HOP
+    if hdrs.CONNECTION in headers:
+        dropped = dropped.union(
+            token.strip().lower()
+            for value in headers.getall(hdrs.CONNECTION)
+            for token in value.split(",")
+        )
     return CIMultiDict(
-        (name, value)
-        for name, value in headers.items()
-        if name.lower() not in HOP_BY_HOP and name.lower() not in named
+        (name, value) for name, value in headers.items() if name.lower() not in dropped
     )
 
 
@@ -104,6 +104,10 @@ class Forwarder:
         self, timeout: float, *, preserve_host: bool, connections: int, keepalive: float
     ) -> None:
         self._timeout = timeout
+        self._total_timeout = aiohttp.ClientTimeout(total=timeout)
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=timeout, sock_read=timeout
+        )
         self._preserve_host = preserve_host
         self._session = aiohttp.ClientSession(
             # An idle connection is dropped before the app's own keep-alive timer (5 s in
@@ -142,7 +146,7 @@ class Forwarder:
                 headers=self._headers(request, request_id, keep_length=False),
                 data=body,
                 allow_redirects=False,
-                timeout=aiohttp.ClientTimeout(total=self._timeout),
+                timeout=self._total_timeout,
             ) as upstream:
                 payload = await upstream.read()
                 return UpstreamResponse(
@@ -162,9 +166,6 @@ class Forwarder:
         self, request: web.Request, base_url: str, request_id: str
     ) -> web.StreamResponse:
         """Pass a request through unchanged, streaming both ways (no claim, no size cap)."""
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self._timeout, sock_read=self._timeout
-        )
         try:
             upstream = await self._session.request(
                 request.method,
@@ -172,7 +173,7 @@ class Forwarder:
                 headers=self._headers(request, request_id, keep_length=True),
                 data=request.content if request.body_exists else None,
                 allow_redirects=False,
-                timeout=timeout,
+                timeout=self._stream_timeout,
             )
         except TimeoutError as exc:
             raise errors.UpstreamTimeout(

@@ -7,6 +7,8 @@ collide); the admin listener serves it at ``/metrics``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -16,6 +18,18 @@ OUTCOMES = (
 )  # fmt: skip
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteMeters:
+    """One route's metric children, bound once: ``labels()`` costs a lock and a lookup."""
+
+    requests: dict[str, Any]  # outcome -> counter
+    mismatches: Any
+    ambiguous_commits: Any
+    upstream_latency: Any
+    claim_wait: Any
+    in_flight: Any
 
 
 class Metrics:
@@ -82,6 +96,17 @@ class Metrics:
         )
         self.draining = Gauge(
             "dedup_draining", "1 while shutting down after SIGTERM.", registry=self.registry
+        )
+
+    def route(self, name: str) -> RouteMeters:
+        """The metric children of one route (``""``: pass-through)."""
+        return RouteMeters(
+            requests={outcome: self.requests.labels(name, outcome) for outcome in OUTCOMES},
+            mismatches=self.mismatches.labels(name),
+            ambiguous_commits=self.ambiguous_commits.labels(name),
+            upstream_latency=self.upstream_latency.labels(name),
+            claim_wait=self.claim_wait.labels(name),
+            in_flight=self.in_flight.labels(name),
         )
 
     def watch_pool(self, stats: Callable[[], tuple[int, int]]) -> None:

@@ -101,8 +101,11 @@ def _log_line(fields: dict[str, Any]) -> None:
 class Webhook:
     """The handler of one configured webhook route."""
 
-    def __init__(self, route: routes.RouteConfig, cfg: config.Config) -> None:
+    def __init__(
+        self, route: routes.RouteConfig, cfg: config.Config, meters: metrics.Metrics
+    ) -> None:
         self.route = route
+        self.meters = meters.route(route.name)
         self.client_timeout = cfg.client_timeout
         self.claim_wait = cfg.claim_wait
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
@@ -110,7 +113,7 @@ class Webhook:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         fields = _fields(request, self.route)
-        in_flight = request.app[METRICS].in_flight.labels(self.route.name)
+        in_flight = self.meters.in_flight
         in_flight.inc()
         try:
             response = await self._handle(request, fields)
@@ -119,7 +122,7 @@ class Webhook:
             response = error_response(exc)
         finally:
             in_flight.dec()
-        _finish(request, fields, started, response)
+        _finish(self.meters, fields, started, response)
         return response
 
     async def _handle(self, request: web.Request, fields: dict[str, Any]) -> web.StreamResponse:
@@ -148,11 +151,11 @@ class Webhook:
             if flight.committed_sha256 is not None:
                 # A copy in this process just committed this event: no database round trip.
                 self._claimed(request, fields, claim_started)
-                return self._duplicate(key, flight.committed_sha256, fields)
+                return self._duplicate(key, flight.committed_sha256 != key.body_sha256, fields)
             async with request.app[STORE].claim(key) as claim:
                 self._claimed(request, fields, claim_started)
                 if not claim.acquired:
-                    return self._duplicate(key, claim.stored_sha256, fields)
+                    return self._duplicate(key, claim.mismatch, fields)
                 response = await self._forward(request, body, claim, fields)
                 if fields["outcome"] == "processed":
                     flight.committed_sha256 = key.body_sha256
@@ -161,7 +164,7 @@ class Webhook:
     def _claimed(self, request: web.Request, fields: dict[str, Any], started: float) -> None:
         waited = time.perf_counter() - started
         fields["claim_ms"] = round(waited * 1000, 2)
-        request.app[METRICS].claim_wait.labels(self.route.name).observe(waited)
+        self.meters.claim_wait.observe(waited)
 
     async def _forward(
         self, request: web.Request, body: bytes, claim: claims.Claim, fields: dict[str, Any]
@@ -170,9 +173,7 @@ class Webhook:
         upstream = await request.app[FORWARDER].forward(
             request, self.route.upstream, body, fields["request_id"]
         )
-        request.app[METRICS].upstream_latency.labels(self.route.name).observe(
-            time.perf_counter() - started
-        )
+        self.meters.upstream_latency.observe(time.perf_counter() - started)
         fields["upstream_status"] = upstream.status
         if upstream.status == 410:
             # Standard Webhooks senders disable an endpoint that answers 410: never relay it.
@@ -193,11 +194,9 @@ class Webhook:
         return upstream.to_web()
 
     @staticmethod
-    def _duplicate(
-        key: claims.Key, stored_sha256: bytes | None, fields: dict[str, Any]
-    ) -> web.Response:
+    def _duplicate(key: claims.Key, mismatch: bool, fields: dict[str, Any]) -> web.Response:
         fields["outcome"] = "duplicate"
-        if stored_sha256 is not None and stored_sha256 != key.body_sha256:
+        if mismatch:
             # Same ID, other bytes: the ID is not a per-event key here, or a replay.
             fields["mismatch"] = True
         return _json(200, {"status": "duplicate", "event_id": key.event_id}, "duplicate")
@@ -206,8 +205,9 @@ class Webhook:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def make_passthrough(upstream: str) -> Handler:
+def make_passthrough(upstream: str, meters: metrics.Metrics) -> Handler:
     """The handler for paths that match no route: forwarded unchanged, nothing claimed."""
+    route_meters = meters.route("")
 
     async def passthrough(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -218,7 +218,7 @@ def make_passthrough(upstream: str) -> Handler:
         except errors.RequestError as exc:
             fields.update(outcome=_outcome(exc), error=exc.message)
             response = error_response(exc)
-        _finish(request, fields, started, response)
+        _finish(route_meters, fields, started, response)
         return response
 
     return passthrough
@@ -237,15 +237,16 @@ def _fields(request: web.Request, route: routes.RouteConfig | None) -> dict[str,
 
 
 def _finish(
-    request: web.Request, fields: dict[str, Any], started: float, response: web.StreamResponse
+    meters: metrics.RouteMeters,
+    fields: dict[str, Any],
+    started: float,
+    response: web.StreamResponse,
 ) -> None:
     """Count the request and write its canonical log line."""
     fields.update(status=response.status, total_ms=_ms_since(started))
-    meters = request.app[METRICS]
-    route = fields["route"] or ""
-    meters.requests.labels(route, fields["outcome"]).inc()
+    meters.requests[fields["outcome"]].inc()
     if fields.get("mismatch"):
-        meters.mismatches.labels(route).inc()
+        meters.mismatches.inc()
     if fields["outcome"] == "ambiguous_commit":
-        meters.ambiguous_commits.labels(route).inc()
+        meters.ambiguous_commits.inc()
     _log_line(fields)

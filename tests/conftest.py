@@ -192,7 +192,7 @@ async def wait_for_lock_waiters(dsn: str, table: str, count: int) -> None:
             "SELECT count(*) AS n FROM pg_stat_activity "
             "WHERE wait_event_type = 'Lock' AND application_name = 'dedup-proxy' "
             "AND query LIKE $1",
-            f'INSERT INTO "{table}"%',
+            f'%INSERT INTO "{table}"%',
         )
         return int(rows[0]["n"]) >= count
 

@@ -355,3 +355,21 @@ async def test_route_upstream_override(
 
     assert [r.path_qs for r in upstream.requests] == ["/hooks/a", "/unrouted"]
     assert [r.path_qs for r in other.requests] == ["/hooks/b"]
+
+
+@pytest.mark.parametrize(
+    "event_id",
+    ["it's", "back\\slash\\x41", "'; DROP TABLE x; --", "$$dollar$$", "ünïcødé 🎉", "a" * 256],
+)
+async def test_ids_with_sql_metacharacters_are_stored_exactly(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, event_id: str
+) -> None:
+    client = await make_proxy()
+
+    first = await client.post("/webhooks/corvel", data=event(event_id, event_type="t'x\\"))
+    again = await client.post("/webhooks/corvel", data=event(event_id, event_type="t'x\\"))
+
+    assert first.status == 200
+    assert again.headers["Dedup-Status"] == "duplicate"
+    assert await claimed(pg_dsn, table) == [("corvel", event_id, "t'x\\")]
+    assert len(upstream.requests) == 1
