@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -189,9 +190,14 @@ class ClaimStore:
     """A pool of connections, each set up so that a stuck claim cannot outlive its bounds."""
 
     def __init__(
-        self, pool: asyncpg.Pool, settings: config.DatabaseConfig, claim_wait: float
+        self,
+        pool: asyncpg.Pool,
+        settings: config.DatabaseConfig,
+        claim_wait: float,
+        connect: Callable[[], Awaitable[Any]],
     ) -> None:
         self._pool = pool
+        self._connect = connect
         self._settings = settings
         self.op_timeout = settings.connect_timeout
         self._claim_timeout = claim_wait + settings.connect_timeout
@@ -234,7 +240,17 @@ class ClaimStore:
             )
         except DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
-        return cls(pool, settings, claim_wait)
+        return cls(
+            pool,
+            settings,
+            claim_wait,
+            functools.partial(
+                asyncpg.connect,
+                dsn,
+                timeout=settings.connect_timeout,
+                server_settings=server_settings,
+            ),
+        )
 
     async def close(self) -> None:
         try:
@@ -318,14 +334,16 @@ class ClaimStore:
     async def reconcile(self, key: Key) -> bool:
         """After a COMMIT in doubt: is the claim stored now? Re-claims it if it is absent.
 
-        On a fresh connection, without a transaction: a conflict means the row is there (our
-        COMMIT went through, or the event was processed elsewhere); an insert means our COMMIT
-        was lost and the claim is now stored. Anything else (the database still unreachable, our
-        old transaction still holding the row past claim_wait) leaves it unknown: False.
+        On a fresh connection outside the pool (the pooled ones may sit behind the same broken
+        link) and without a transaction: a conflict means the row is there (our COMMIT went
+        through, or the event was processed elsewhere); an insert means our COMMIT was lost and
+        the claim is now stored. Anything else (the database still unreachable, our old
+        transaction still holding the row past claim_wait) leaves it unknown: False.
         """
         try:
-            connection = await self._acquire()
-        except errors.StoreUnavailable:
+            connection = await self._connect()
+        except DB_ERRORS as exc:
+            log.warning("reconciling a COMMIT in doubt: cannot connect: %r", exc)
             return False
         try:
             await connection.fetchval(
@@ -334,10 +352,9 @@ class ClaimStore:
             )  # fmt: skip
         except DB_ERRORS as exc:
             log.warning("reconciling a COMMIT in doubt failed: %r", exc)
-            discard(connection)
             return False
         finally:
-            await self._release(connection)
+            connection.terminate()
         return True
 
     async def _acquire(self) -> PoolConnection:

@@ -1,0 +1,118 @@
+"""A COMMIT whose answer never comes back: the claim is reconciled on a fresh connection.
+
+A one-way relay between the proxy and PostgreSQL loses, on the connections open at that moment,
+either PostgreSQL's answers (the COMMIT took effect) or the proxy's requests (it never arrived).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from tests.conftest import FakeUpstream, MakeProxy, claimed
+
+
+class OneWayRelay:
+    """Forwards TCP connections to PostgreSQL; ``cut()`` silences one direction on the
+    connections open at that moment (new ones flow normally)."""
+
+    def __init__(self, dsn: str) -> None:
+        parts = urlsplit(dsn)
+        host = parse_qs(parts.query).get("host", [parts.hostname or ""])[0]
+        self._unix = f"{host}/.s.PGSQL.{parts.port or 5432}" if host.startswith("/") else None
+        self._tcp = (host, parts.port or 5432)
+        self._dsn = parts
+        self._links: list[dict[str, bool]] = []
+        self._writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    @property
+    def dsn(self) -> str:
+        assert self.server is not None
+        port = self.server.sockets[0].getsockname()[1]
+        user = self._dsn.username or "postgres"
+        password = f":{self._dsn.password}" if self._dsn.password else ""
+        return f"postgresql://{user}{password}@127.0.0.1:{port}{self._dsn.path}"
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+
+    def cut(self, *, answers: bool) -> None:
+        """Lose PostgreSQL's answers (``answers``) or the proxy's requests from now on."""
+        for link in self._links:
+            link["answers" if answers else "requests"] = False
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self._writers:
+            writer.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._unix:
+            up_reader, up_writer = await asyncio.open_unix_connection(self._unix)
+        else:
+            up_reader, up_writer = await asyncio.open_connection(*self._tcp)
+        link = {"answers": True, "requests": True}
+        self._links.append(link)
+        self._writers += [writer, up_writer]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, key: str) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await src.read(65536):
+                    if link[key]:
+                        dst.write(data)
+            # One side closed: close the other, as the kernel would for a dead peer.
+            dst.close()
+
+        await asyncio.gather(
+            pump(reader, up_writer, "requests"), pump(up_reader, writer, "answers")
+        )
+
+
+@pytest.fixture
+async def relay(pg_dsn: str) -> AsyncIterator[OneWayRelay]:
+    relay = OneWayRelay(pg_dsn)
+    await relay.start()
+    yield relay
+    await relay.close()
+
+
+@pytest.mark.parametrize("lost", ["answers", "requests"])
+async def test_commit_in_doubt_is_reconciled(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    relay: OneWayRelay,
+    pg_dsn: str,
+    table: str,
+    lost: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstream.gate = asyncio.Event()
+    client = await make_proxy(
+        database={"dsn": relay.dsn, "pool_size": 2, "connect_timeout": "1s"}, claim_wait="2s"
+    )
+    request = asyncio.create_task(client.post("/webhooks/corvel", data=b'{"id": "evt_doubt"}'))
+    await upstream.arrived.wait()
+    # answers: the COMMIT takes effect but its answer is lost;
+    # requests: the COMMIT never arrives, and the claim dies with its connection.
+    relay.cut(answers=lost == "answers")
+
+    with caplog.at_level(logging.INFO, logger="proxy.pipeline"):
+        upstream.gate.set()
+        response = await request
+
+    assert response.status == 200
+    assert await response.read() == b"processed\x00bytes"
+    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    assert (line["outcome"], line.get("reconciled")) == ("processed", True)
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_doubt"]
+    again = await client.post("/webhooks/corvel", data=b'{"id": "evt_doubt"}')
+    assert again.headers["Dedup-Status"] == "duplicate"
+    assert len(upstream.requests) == 1
