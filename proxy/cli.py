@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
+    # The embedded server's "one machine only" warning is for `serve`, not for every command.
+    logging.getLogger("proxy.embedded").setLevel(logging.ERROR)
     if args.command == "stats":
         return await operations.stats(cfg)
     if args.command == "migrate":
