@@ -139,10 +139,8 @@ class Webhook:
         except errors.EventIdMissing:
             if not route.forward_missing_id:
                 raise
-            upstream = await request.app[FORWARDER].forward(
-                request, route.upstream, body, fields["request_id"]
-            )
-            fields.update(outcome="unclaimed", upstream_status=upstream.status)
+            upstream = await self._call(request, body, fields)
+            fields["outcome"] = "unclaimed"
             return upstream.to_web()
         fields.update(event_id=event_id, event_type=event_type)
         key = claims.Key(route.scope, event_id, event_type, hashlib.sha256(body).digest())
@@ -150,10 +148,10 @@ class Webhook:
         async with request.app[FLIGHTS].turn((key.scope, key.event_id), self.claim_wait) as flight:
             if flight.committed_sha256 is not None:
                 # A copy in this process just committed this event: no database round trip.
-                self._claimed(request, fields, claim_started)
+                self._claimed(fields, claim_started)
                 return self._duplicate(key, flight.committed_sha256 != key.body_sha256, fields)
             async with request.app[STORE].claim(key) as claim:
-                self._claimed(request, fields, claim_started)
+                self._claimed(fields, claim_started)
                 if not claim.acquired:
                     return self._duplicate(key, claim.mismatch, fields)
                 response = await self._forward(request, body, claim, fields)
@@ -161,14 +159,14 @@ class Webhook:
                     flight.committed_sha256 = key.body_sha256
                 return response
 
-    def _claimed(self, request: web.Request, fields: dict[str, Any], started: float) -> None:
+    def _claimed(self, fields: dict[str, Any], started: float) -> None:
         waited = time.perf_counter() - started
         fields["claim_ms"] = round(waited * 1000, 2)
         self.meters.claim_wait.observe(waited)
 
-    async def _forward(
-        self, request: web.Request, body: bytes, claim: claims.Claim, fields: dict[str, Any]
-    ) -> web.StreamResponse:
+    async def _call(
+        self, request: web.Request, body: bytes, fields: dict[str, Any]
+    ) -> forwarder.UpstreamResponse:
         started = time.perf_counter()
         upstream = await request.app[FORWARDER].forward(
             request, self.route.upstream, body, fields["request_id"]
@@ -178,6 +176,12 @@ class Webhook:
         if upstream.status == 410:
             # Standard Webhooks senders disable an endpoint that answers 410: never relay it.
             raise errors.UpstreamUnavailable("upstream answered 410 Gone; relayed as 502")
+        return upstream
+
+    async def _forward(
+        self, request: web.Request, body: bytes, claim: claims.Claim, fields: dict[str, Any]
+    ) -> web.StreamResponse:
+        upstream = await self._call(request, body, fields)
         if not upstream.ok:
             fields["outcome"] = "upstream_error"
             return upstream.to_web()
