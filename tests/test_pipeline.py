@@ -6,7 +6,6 @@ import asyncio
 import gzip
 import json
 import logging
-import socket
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ from tests.conftest import (
     execute,
     wait_until,
 )
+from tests.ports import free_port
 
 
 def event(event_id: object, event_type: str = "charge.succeeded", **extra: Any) -> bytes:
@@ -105,17 +105,10 @@ async def test_upstream_failure_releases_the_claim_and_the_retry_goes_through(
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_retry"]
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
 async def test_unreachable_upstream_gives_502_and_no_claim(
     make_proxy: MakeProxy, pg_dsn: str, table: str
 ) -> None:
-    client = await make_proxy(upstream={"url": f"http://127.0.0.1:{_closed_port()}"})
+    client = await make_proxy(upstream={"url": f"http://127.0.0.1:{free_port()}"})
 
     response = await client.post("/webhooks/corvel", data=event("evt_502"))
 

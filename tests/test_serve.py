@@ -16,23 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import FakeUpstream, claimed, wait_until
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-async def accepts(port: int) -> bool:
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return False
-    writer.close()
-    await writer.wait_closed()
-    return True
+from tests.ports import accepts, free_port
 
 
 class Proxy:

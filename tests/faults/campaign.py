@@ -25,7 +25,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ from aiohttp import web
 from proxy import config, embedded, errors
 from tests.faults import checker
 from tests.faults.relay import Mode, Relay
+from tests.ports import accepts, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTE = "camp"
@@ -123,24 +123,6 @@ def _known_keys(raw: dict[str, Any]) -> dict[str, Any]:
         unknown = {p.split(":")[0] for p in exc.problems if ": unknown key" in p}
         return {key: value for key, value in raw.items() if key not in unknown}
     return raw
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
-
-
-async def accepts(port: int) -> bool:
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
 
 
 async def poll(check: Callable[[], Awaitable[bool] | bool], what: str, within: float) -> float:
