@@ -27,10 +27,9 @@ from proxy import errors
 if TYPE_CHECKING:
     from proxy import config
 
-log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:
     PoolConnection = asyncpg.pool.PoolConnectionProxy[Any]
+
+log = logging.getLogger(__name__)
 
 # Errors meaning "the database is not usable right now"; anything else is a bug and propagates.
 # InternalClientError: asyncpg's protocol is in a state it cannot leave (an error still being

@@ -7,7 +7,9 @@ way. aiohttp's client errors and timeouts are translated into ``errors`` here an
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -135,11 +137,23 @@ class Forwarder:
         headers.setdefault(hdrs.X_REQUEST_ID, request_id)
         return headers
 
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        """aiohttp's client errors and timeouts, as the proxy's own."""
+        try:
+            yield
+        except TimeoutError as exc:
+            raise errors.UpstreamTimeout(
+                f"upstream did not answer within {self._timeout:g}s"
+            ) from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
+
     async def forward(
         self, request: web.Request, base_url: str, body: bytes, request_id: str
     ) -> UpstreamResponse:
         """Send the webhook with its already-read body; read the whole answer."""
-        try:
+        with self._translated():
             async with self._session.request(
                 request.method,
                 base_url + request.raw_path,
@@ -155,18 +169,12 @@ class Forwarder:
                     headers=response_headers(upstream.headers, keep_length=False),
                     body=payload,
                 )
-        except TimeoutError as exc:
-            raise errors.UpstreamTimeout(
-                f"upstream did not answer within {self._timeout:g}s"
-            ) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
 
     async def relay(
         self, request: web.Request, base_url: str, request_id: str
     ) -> web.StreamResponse:
         """Pass a request through unchanged, streaming both ways (no claim, no size cap)."""
-        try:
+        with self._translated():
             upstream = await self._session.request(
                 request.method,
                 base_url + request.raw_path,
@@ -175,12 +183,6 @@ class Forwarder:
                 allow_redirects=False,
                 timeout=self._stream_timeout,
             )
-        except TimeoutError as exc:
-            raise errors.UpstreamTimeout(
-                f"upstream did not answer within {self._timeout:g}s"
-            ) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
         async with upstream:
             response = web.StreamResponse(
                 status=upstream.status,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 import uuid
@@ -31,12 +30,13 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 _READ_CHUNK = 64 * 1024
 
 
-def _json(status: int, payload: dict[str, Any], outcome: str, retry_after: int | None = None
-          ) -> web.Response:  # fmt: skip
+def _json(
+    status: int, payload: dict[str, Any], outcome: str, retry_after: int | None = None
+) -> web.Response:
     headers = {"Dedup-Status": outcome}
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
-    return web.json_response(payload, status=status, headers=headers, dumps=json.dumps)
+    return web.json_response(payload, status=status, headers=headers)
 
 
 def _outcome(exc: errors.RequestError) -> str:
