@@ -81,7 +81,9 @@ class Bench:
         argv += ["--delay", str(delay)] + ([] if uvloop else ["--no-uvloop"])
         return self._start(name, argv, port)
 
-    def start_proxy(self, name: str, upstream: procs.Service, pool: int) -> procs.Service:
+    def start_proxy(
+        self, name: str, upstream: procs.Service, pool: int, workers: int = 1
+    ) -> procs.Service:
         port = procs.free_port()
         config_file = self.workdir / f"{name}.yaml"
         config: dict[str, Any] = {
@@ -92,6 +94,7 @@ class Bench:
             "shutdown_timeout": "5s",
             "log": {"level": "warning"},
             "routes": [{"name": SCOPE, "path": "/hook", "event_id": "body:/id"}],
+            "workers": workers,
         }
         if "admin" in {f.name for f in dataclasses.fields(proxy_config.Config)}:
             # Each proxy's admin listener (metrics, health) on a port of its own.
@@ -99,6 +102,14 @@ class Bench:
         proxy_config.parse(config, source=str(config_file))  # a clear error before starting
         config_file.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config_file)]
+        return self._start(name, argv, port)
+
+    def start_naive(self, name: str, upstream: procs.Service, pool: int) -> procs.Service:
+        """bench/naive.py: the smallest correct dedup proxy, the floor dedup-proxy is held to."""
+        port = procs.free_port()
+        argv = [sys.executable, str(ROOT / "bench" / "naive.py"), "--port", str(port),
+                "--upstream", f"http://127.0.0.1:{upstream.port}", "--dsn", self.dsn,
+                "--table", TABLE, "--pool", str(pool)]  # fmt: skip
         return self._start(name, argv, port)
 
     def _start(self, name: str, argv: list[str], port: int) -> procs.Service:

@@ -37,7 +37,9 @@ async def readyz(request: web.Request) -> web.Response:
 def create_admin_app(proxy: web.Application) -> web.Application:
     admin = web.Application()
     admin[PROXY] = proxy
-    admin.router.add_get("/metrics", make_aiohttp_handler(proxy[pipeline.METRICS].registry))
+    admin.router.add_get(
+        "/metrics", make_aiohttp_handler(proxy[pipeline.METRICS].exposition_registry())
+    )
     admin.router.add_get("/healthz", healthz)
     admin.router.add_get("/readyz", readyz)
     return admin

@@ -64,6 +64,25 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
         await store.close()
 
 
+async def _pool_gauges(app: web.Application) -> AsyncIterator[None]:
+    """With workers, each writes its pool's gauges every second (a scrape cannot ask them)."""
+    meters = app[pipeline.METRICS]
+    if not meters.multiprocess:
+        yield
+        return
+
+    async def refresh() -> None:
+        while True:
+            meters.refresh()
+            await asyncio.sleep(1)
+
+    task = asyncio.create_task(refresh(), name="pool-gauges")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     sweeper = retention.Sweeper(
@@ -112,7 +131,7 @@ def create_app(cfg: config.Config) -> web.Application:
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()
     app[pipeline.DRAINING] = asyncio.Event()
-    app.cleanup_ctx.extend([_database, _claim_store, _forwarder, _sweeper])
+    app.cleanup_ctx.extend([_database, _claim_store, _pool_gauges, _forwarder, _sweeper])
     for route in cfg.routes:
         app.router.add_post(
             route.path, pipeline.Webhook(route, cfg, meters).handle, name=route.name

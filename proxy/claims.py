@@ -124,6 +124,10 @@ def _literal(value: str | None) -> str:
     return "NULL" if value is None else "'" + value.replace("'", "''") + "'"
 
 
+def _digest(value: bytes) -> str:
+    return f"'\\x{value.hex()}'::bytea"
+
+
 def _ms(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
@@ -149,6 +153,8 @@ class Claim:
         self.acquired = False
         self.mismatch = False
         self.reconciled = False
+        # A duplicate's ROLLBACK, with the payload comparison after it (see _mismatch_sql).
+        self.compare_on_release: str | None = None
         self._open = True
 
     async def commit(self) -> None:
@@ -174,7 +180,10 @@ class Claim:
         if self._open:
             self._open = False
             try:
-                await self._connection.execute("ROLLBACK", timeout=self._store.op_timeout)
+                status = await self._connection.execute(
+                    self.compare_on_release or "ROLLBACK", timeout=self._store.op_timeout
+                )
+                self.mismatch = status == "SELECT 1"
             except DB_ERRORS as exc:
                 log.warning("rollback failed, closing the connection: %r", exc)
                 discard(self._connection)
@@ -286,7 +295,8 @@ class ClaimStore:
         """Claim (scope, event_id); waits while another transaction holds it uncommitted.
 
         Raises StoreUnavailable (no connection or the database failed) or ClaimWaitExceeded.
-        On exit the transaction is rolled back unless ``Claim.commit()`` was called.
+        On exit the transaction is rolled back unless ``Claim.commit()`` was called; for a
+        duplicate, ``mismatch`` is only known then.
         """
         connection = await self._acquire()
         claim = Claim(self, connection, key)
@@ -298,36 +308,38 @@ class ClaimStore:
             except DB_ERRORS as exc:
                 claim.abandon()
                 raise errors.StoreUnavailable(f"claim failed: {exc!r}") from exc
-            rows = int(status.rpartition(" ")[2])
-            claim.acquired = rows == 1
-            claim.mismatch = rows == 2
+            claim.acquired = status.rpartition(" ")[2] == "1"
+            if not claim.acquired:
+                claim.compare_on_release = self._mismatch_sql(key)
             yield claim
         finally:
             await claim.release()
             await self._release(connection)
 
     def _claim_sql(self, key: Key) -> str:
-        """BEGIN and the claim in one round trip (a simple-protocol query cannot take
-        parameters, hence literals), answering in its row count: 1 claimed; 0 a duplicate;
-        2 a duplicate whose stored body digest differs from this one.
+        """BEGIN and the claim in one round trip: "INSERT 0 1" claimed, "INSERT 0 0" a duplicate.
 
-        Pinned to READ COMMITTED: under REPEATABLE READ a copy waiting on our row would fail
-        with a serialization error after our COMMIT instead of seeing the duplicate. The digest
-        comparison reads the statement's snapshot, so a copy that waited for a concurrent owner
-        does not see its row and skips the comparison (it still is a duplicate).
+        A simple-protocol query (the only way to send two statements at once) takes no
+        parameters, hence literals. Pinned to READ COMMITTED: under REPEATABLE READ a copy
+        waiting on our row would fail with a serialization error after our COMMIT instead of
+        seeing the duplicate.
         """
-        scope, event_id = _literal(key.scope), _literal(key.event_id)
-        digest = f"'\\x{key.body_sha256.hex()}'::bytea"
-        table = self._table
         return (
             "BEGIN ISOLATION LEVEL READ COMMITTED; "
-            f"WITH claim AS (INSERT INTO {table} (scope, event_id, event_type, body_sha256) "
-            f"VALUES ({scope}, {event_id}, {_literal(key.event_type)}, {digest}) "
-            "ON CONFLICT (scope, event_id) DO NOTHING RETURNING 1) "
-            "SELECT FROM claim UNION ALL "
-            f"SELECT FROM {table}, (VALUES (1), (2)) AS twice (n) WHERE NOT EXISTS "
-            f"(SELECT FROM claim) AND scope = {scope} AND event_id = {event_id} "
-            f"AND body_sha256 IS NOT NULL AND body_sha256 <> {digest}"
+            f"INSERT INTO {self._table} (scope, event_id, event_type, body_sha256) "
+            f"VALUES ({_literal(key.scope)}, {_literal(key.event_id)}, "
+            f"{_literal(key.event_type)}, {_digest(key.body_sha256)}) "
+            "ON CONFLICT (scope, event_id) DO NOTHING"
+        )
+
+    def _mismatch_sql(self, key: Key) -> str:
+        """For a duplicate: ROLLBACK, then whether the stored body digest differs from this one
+        ("SELECT 1"), in one round trip. Outside the transaction, so it also sees the row of a
+        concurrent owner this copy waited for."""
+        return (
+            f"ROLLBACK; SELECT FROM {self._table} WHERE scope = {_literal(key.scope)} "
+            f"AND event_id = {_literal(key.event_id)} "
+            f"AND body_sha256 <> {_digest(key.body_sha256)}"
         )
 
     async def reconcile(self, key: Key) -> bool:

@@ -12,11 +12,23 @@ import logging
 import os
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
-from proxy import __version__, claims, config, demo, errors, logs, operations, server, values
+from proxy import (
+    __version__,
+    claims,
+    config,
+    demo,
+    errors,
+    logs,
+    operations,
+    server,
+    supervisor,
+    values,
+)
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
@@ -96,6 +108,10 @@ def _describe(cfg: config.Config, source: str) -> str:
         f"upstream:    {cfg.upstream.url} (timeout {cfg.upstream.timeout:g}s)",
         f"database:    {dsn}, table {db.table}, pool {db.pool_size}",
         f"claim_wait:  {cfg.claim_wait:g}s   shutdown_timeout: {cfg.shutdown_timeout:g}s",
+        f"workers:     {cfg.workers}"
+        + (
+            f" (up to {cfg.workers * db.pool_size} database connections)" if cfg.workers > 1 else ""
+        ),
         "routes:",
     ]
     for route in cfg.routes:
@@ -142,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         print(claims.schema_sql(cfg.database.table), end="")
         return 0
     if args.command == "serve":
-        return _serve(cfg)
+        return _serve(cfg, args.config)
     try:
         return asyncio.run(_operate(cfg, args))
     except errors.ConfigError as exc:
@@ -165,20 +181,24 @@ async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
     return await operations.forget(cfg, args.route, args.event_ids)
 
 
-def _run(main: Coroutine[Any, Any, None]) -> None:
+def _run(main: Coroutine[Any, Any, T]) -> T:
     """Run on uvloop when it is installed (the ``fast`` extra), else on asyncio's own loop."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
-def _serve(cfg: config.Config) -> int:
-    logs.setup(cfg.log)
+def _serve(cfg: config.Config, config_path: str) -> int:
+    worker = supervisor.worker_number()
+    logs.setup(cfg.log, worker=worker)
     try:
-        _run(server.serve(cfg))
+        if worker is None and cfg.workers > 1:
+            return _run(supervisor.supervise(cfg, config_path))
+        if worker is not None:
+            cfg = supervisor.worker_config(cfg)
+        _run(server.serve(cfg, worker=worker, on_listening=supervisor.report_listening))
     except errors.EmbeddedDatabaseError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG

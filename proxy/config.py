@@ -32,10 +32,12 @@ DEFAULT_POOL_TIMEOUT = 5.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
 DEFAULT_TABLE = "processed_events"
 DEFAULT_DATA_DIR = ".dedup-proxy/pgdata"
+MAX_WORKERS = 64
 
 _LEVELS = ("debug", "info", "warning", "error")
 TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
-             "shutdown_timeout", "client_timeout", "log", "admin", "sweeper")  # fmt: skip
+             "shutdown_timeout", "client_timeout", "log", "admin", "sweeper",
+             "workers")  # fmt: skip
 DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
@@ -140,6 +142,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     sweeper: SweeperConfig = field(default_factory=SweeperConfig)
+    workers: int = 1  # processes sharing the listeners (SO_REUSEPORT), each with its own pool
 
 
 def _listen(value: object) -> Listen:
@@ -227,6 +230,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
             ),
             batch=r.value(sw, "batch", "sweeper", values.parse_positive_int, DEFAULT_SWEEP_BATCH),
         ),
+        workers=r.value(top, "workers", "", values.parse_positive_int, 1),
         log=LogConfig(
             level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
             format=r.value(
@@ -234,6 +238,8 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
             ),
         ),
     )
+    if config.workers > MAX_WORKERS:
+        r.problem("workers", f"must be at most {MAX_WORKERS}, got {config.workers}")
     if config.admin.listen.port == config.listen.port:
         r.problem("admin.listen", f"must not share the public port {config.listen.port}")
     if r.problems:

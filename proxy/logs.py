@@ -44,11 +44,25 @@ class TextFormatter(logging.Formatter):
         return line
 
 
-def setup(settings: config.LogConfig, stream: Any = None) -> None:
+class _WorkerField(logging.Filter):
+    """Tags every line of a worker (``workers: N``) with its number."""
+
+    def __init__(self, worker: int) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.fields = {**getattr(record, "fields", {}), "worker": self.worker}
+        return True
+
+
+def setup(settings: config.LogConfig, stream: Any = None, worker: int | None = None) -> None:
     stream = stream or sys.stdout
     use_json = settings.format == "json" or (settings.format == "auto" and not stream.isatty())
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if use_json else TextFormatter())
+    if worker is not None:
+        handler.addFilter(_WorkerField(worker))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(_LEVELS[settings.level])

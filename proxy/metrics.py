@@ -1,16 +1,22 @@
 """Prometheus metrics: what an operator graphs and alerts on.
 
 Each application gets its own registry (so several apps in one process, as in the tests, do not
-collide); the admin listener serves it at ``/metrics``.
+collide); the admin listener serves it at ``/metrics``. With ``workers: N`` every worker writes
+its values to files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode, set
+up by the supervisor) and ``/metrics``, answered by any worker, adds them all up.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 OUTCOMES = (
     "processed", "duplicate", "upstream_error", "rejected", "unavailable", "passthrough",
@@ -36,7 +42,10 @@ class Metrics:
     """The proxy's metrics in a registry of their own."""
 
     def __init__(self) -> None:
+        # prometheus-client picks file-backed values at import when this is set (workers: N).
+        self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         self.registry = CollectorRegistry()
+        self._pool_stats: Callable[[], tuple[int, int]] | None = None
         self.requests = Counter(
             "dedup_requests",
             "Requests by route and outcome (route is empty for pass-through).",
@@ -74,14 +83,19 @@ class Metrics:
             "Webhook requests being processed.",
             ["route"],
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.pool_size = Gauge(
-            "dedup_db_pool_connections", "Database connections open.", registry=self.registry
+            "dedup_db_pool_connections",
+            "Database connections open.",
+            registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.pool_in_use = Gauge(
             "dedup_db_pool_connections_in_use",
             "Database connections lent out (claims held, copies waiting in PostgreSQL).",
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.retention_deleted = Counter(
             "dedup_retention_deleted_rows",
@@ -93,9 +107,13 @@ class Metrics:
             "dedup_retention_last_run_timestamp_seconds",
             "When this replica last completed a retention sweep.",
             registry=self.registry,
+            multiprocess_mode="max",
         )
         self.draining = Gauge(
-            "dedup_draining", "1 while shutting down after SIGTERM.", registry=self.registry
+            "dedup_draining",
+            "1 while shutting down after SIGTERM.",
+            registry=self.registry,
+            multiprocess_mode="livemax",
         )
 
     def route(self, name: str) -> RouteMeters:
@@ -110,6 +128,24 @@ class Metrics:
         )
 
     def watch_pool(self, stats: Callable[[], tuple[int, int]]) -> None:
-        """Read the pool's (open, idle) connection counts at every scrape."""
-        self.pool_size.set_function(lambda: stats()[0])
-        self.pool_in_use.set_function(lambda: stats()[0] - stats()[1])
+        """Read the pool's (open, idle) connection counts at every scrape (with workers, at
+        every ``refresh``: a scrape reads the files, not the other workers' pools)."""
+        self._pool_stats = stats
+        if not self.multiprocess:
+            self.pool_size.set_function(lambda: stats()[0])
+            self.pool_in_use.set_function(lambda: stats()[0] - stats()[1])
+
+    def refresh(self) -> None:
+        """Write this worker's pool gauges (multiprocess mode only)."""
+        if self.multiprocess and self._pool_stats is not None:
+            size, idle = self._pool_stats()
+            self.pool_size.set(size)
+            self.pool_in_use.set(size - idle)
+
+    def exposition_registry(self) -> CollectorRegistry:
+        """What ``/metrics`` serves: this registry, or every worker's values added up."""
+        if not self.multiprocess:
+            return self.registry
+        combined = CollectorRegistry()
+        MultiProcessCollector(combined)  # type: ignore[no-untyped-call]
+        return combined

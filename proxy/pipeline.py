@@ -152,12 +152,13 @@ class Webhook:
                 return self._duplicate(key, flight.committed_sha256 != key.body_sha256, fields)
             async with request.app[STORE].claim(key) as claim:
                 self._claimed(fields, claim_started)
-                if not claim.acquired:
-                    return self._duplicate(key, claim.mismatch, fields)
-                response = await self._forward(request, body, claim, fields)
-                if fields["outcome"] == "processed":
-                    flight.committed_sha256 = key.body_sha256
-                return response
+                if claim.acquired:
+                    response = await self._forward(request, body, claim, fields)
+                    if fields["outcome"] == "processed":
+                        flight.committed_sha256 = key.body_sha256
+                    return response
+            # A duplicate: its ROLLBACK, on the way out of the claim, also compared the bodies.
+            return self._duplicate(key, claim.mismatch, fields)
 
     def _claimed(self, fields: dict[str, Any], started: float) -> None:
         waited = time.perf_counter() - started

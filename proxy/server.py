@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 from aiohttp import http_parser, web
 
@@ -20,10 +21,19 @@ async def _listen(site: web.TCPSite) -> None:
         raise errors.ListenFailed(f"cannot listen on {site.name}: {exc.strerror or exc}") from exc
 
 
-async def serve(cfg: config.Config) -> None:
+async def serve(
+    cfg: config.Config,
+    *,
+    worker: int | None = None,
+    on_listening: Callable[[], None] | None = None,
+) -> None:
     """Serve until SIGTERM or SIGINT, then drain: ``/readyz`` turns 503, the public listener
     closes (new connections are refused), in-flight requests finish and commit (bounded by
-    ``shutdown_timeout``), the pool closes, and the admin listener goes last."""
+    ``shutdown_timeout``), the pool closes, and the admin listener goes last.
+
+    A ``worker`` (one of ``workers: N``) binds both listeners with SO_REUSEPORT, beside its
+    siblings: the kernel spreads new connections across them."""
+    shared = worker is not None
     if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
         raise errors.UnsafeRuntime()
     proxy = app.create_app(cfg)
@@ -41,18 +51,29 @@ async def serve(cfg: config.Config) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         await admin_runner.setup()
-        await _listen(web.TCPSite(admin_runner, cfg.admin.listen.host, cfg.admin.listen.port))
+        await _listen(
+            web.TCPSite(
+                admin_runner, cfg.admin.listen.host, cfg.admin.listen.port, reuse_port=shared
+            )
+        )
         await runner.setup()
-        await _listen(web.TCPSite(runner, cfg.listen.host, cfg.listen.port, reuse_address=True))
+        await _listen(
+            web.TCPSite(
+                runner, cfg.listen.host, cfg.listen.port, reuse_address=True, reuse_port=shared
+            )
+        )
         log.info(
-            "listening on %s (admin on %s), %d route(s), upstream %s",
+            "listening on %s (admin on %s), %d route(s), upstream %s%s",
             cfg.listen,
             cfg.admin.listen,
             len(cfg.routes),
             cfg.upstream.url,
+            "" if worker is None else f", worker {worker} of {cfg.workers}",
             extra={"fields": {"listen": str(cfg.listen), "routes": [r.name for r in cfg.routes]}},
         )
-        for route in cfg.routes:
+        if on_listening is not None:
+            on_listening()
+        for route in cfg.routes if worker in (None, 1) else ():
             if route.verify is None:
                 log.warning(
                     "route %s checks no signature: anyone who can reach the proxy and knows an "

@@ -62,6 +62,29 @@ async def test_copies_on_two_replicas_meet_at_the_row_lock(
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_storm"]
 
 
+async def test_a_copy_that_waited_on_another_replica_still_compares_bodies(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    replica_a, replica_b = await make_proxy(), await make_proxy()
+    first = asyncio.create_task(
+        replica_a.post("/webhooks/corvel", data=b'{"id": "evt_w", "amount": 1}')
+    )
+    await upstream.arrived.wait()
+    other = asyncio.create_task(
+        replica_b.post("/webhooks/corvel", data=b'{"id": "evt_w", "amount": 999}')
+    )
+    await wait_for_lock_waiters(pg_dsn, table, 1)
+    upstream.gate.set()
+    responses = await asyncio.gather(first, other)
+
+    assert [r.headers.get("Dedup-Status") for r in responses] == [None, "duplicate"]
+    # The comparison runs after the waiting copy's ROLLBACK, so it sees the owner's row.
+    registry = replica_b.app[pipeline.METRICS].registry
+    assert registry.get_sample_value("dedup_payload_mismatches_total", {"route": "corvel"}) == 1
+    assert len(upstream.requests) == 1
+
+
 async def test_a_storm_of_copies_in_one_process_uses_one_connection(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:

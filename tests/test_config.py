@@ -85,6 +85,7 @@ def test_minimal_config_gets_the_documented_defaults() -> None:
     assert cfg.database.pool_timeout == 5.0
     assert cfg.database.connect_timeout == 5.0
     assert cfg.log == config.LogConfig(level="info", format="auto")
+    assert cfg.workers == 1
     assert cfg.routes == (
         routes.RouteConfig(
             name="stripe",
@@ -165,6 +166,23 @@ def test_every_setting_can_be_given() -> None:
     assert (cfg.claim_wait, cfg.shutdown_timeout) == (60.0, 5.0)
     assert cfg.routes[0].max_body == 1024
     assert cfg.log == config.LogConfig(level="debug", format="json")
+
+
+@pytest.mark.parametrize(("value", "workers"), [(2, 2), ("4", 4), (64, 64)])
+def test_workers(value: object, workers: int) -> None:
+    assert config.parse(raw_config(workers=value)).workers == workers
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        (0, "workers: must be a positive integer, got 0"),
+        ("two", "workers: must be a positive integer, got 'two'"),
+        (65, "workers: must be at most 64, got 65"),
+    ],
+)
+def test_bad_workers_is_rejected(value: object, problem: str) -> None:
+    assert problem in problems_of(raw_config(workers=value))
 
 
 def test_load_reads_a_yaml_file(tmp_path: Path) -> None:

@@ -1,0 +1,194 @@
+"""``workers: N``: N proxy processes sharing the listeners, started, watched and drained here.
+
+Each worker is a whole proxy (``dedup-proxy serve`` in a child process, with its own event loop
+and database pool) bound to the public and admin ports with SO_REUSEPORT, so the kernel spreads
+new connections across them. Nothing about claims changes: copies of an event that reach two
+workers meet at PostgreSQL's row lock, exactly as copies on two replicas do.
+
+The supervisor itself serves nothing. It starts the embedded PostgreSQL when there is one (the
+workers connect to it), gives the workers a shared directory for their metrics, forwards
+SIGTERM/SIGINT so they drain, and restarts a worker that dies while serving. A worker that exits
+before it is listening (bad DSN, port taken) is a start-up failure: every worker is stopped and
+the supervisor exits with that worker's code instead of restarting it in a loop. A worker says
+it is listening by writing one byte to a pipe the supervisor gave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from prometheus_client import multiprocess
+
+from proxy import config, embedded, metrics
+
+log = logging.getLogger(__name__)
+
+WORKER_ENV = "DEDUP_PROXY_WORKER"  # set in a worker: its number, from 1
+DSN_ENV = "DEDUP_PROXY_WORKER_DSN"  # set in a worker when the supervisor runs the embedded server
+READY_ENV = "DEDUP_PROXY_WORKER_READY_FD"  # the pipe a worker writes to once it listens
+_RESTART_PAUSE = 1.0  # a worker that dies this soon after it listened is restarted after a pause
+_KILL_MARGIN = 10.0  # past shutdown_timeout, a worker that has not exited is killed
+
+
+@dataclass(slots=True)
+class Worker:
+    number: int
+    process: asyncio.subprocess.Process
+    started: float
+    ready_pipe: int  # read end
+
+    def was_listening(self) -> bool:
+        """Whether it wrote its byte before exiting (read once, after it exited)."""
+        try:
+            return os.read(self.ready_pipe, 1) == b"r"
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(self.ready_pipe)
+
+
+class Supervisor:
+    """The workers of one ``serve``."""
+
+    def __init__(self, cfg: config.Config, config_path: str, dsn: str | None) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.dsn = dsn
+        self.metrics_dir = tempfile.mkdtemp(prefix="dedup-proxy-metrics-")
+        self.workers: dict[int, Worker] = {}
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.stopping.set)
+        try:
+            for number in range(1, self.cfg.workers + 1):
+                await self._start(number)
+            log.info("supervising %d workers", self.cfg.workers)
+            return await self._watch()
+        finally:
+            await self._stop_all()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+
+    async def _start(self, number: int) -> None:
+        env = dict(os.environ)
+        env[WORKER_ENV] = str(number)
+        env[metrics.MULTIPROC_ENV] = self.metrics_dir
+        if self.dsn is not None:
+            env[DSN_ENV] = self.dsn
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        env[READY_ENV] = str(write_end)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proxy", "serve", "--config", self.config_path,
+                env=env, pass_fds=(write_end,),
+            )  # fmt: skip
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        self.workers[number] = Worker(number, process, time.monotonic(), read_end)
+
+    async def _watch(self) -> int:
+        """Until SIGTERM (0) or a worker failing at start-up (its exit code)."""
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            while True:
+                waits = {asyncio.ensure_future(w.process.wait()): w for w in self.workers.values()}
+                done, _ = await asyncio.wait([stop, *waits], return_when=asyncio.FIRST_COMPLETED)
+                for future in waits:
+                    if future not in done:
+                        future.cancel()
+                if stop in done:
+                    return 0
+                for future in done:
+                    worker = waits[future]
+                    code = worker.process.returncode
+                    pid = worker.process.pid
+                    multiprocess.mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+                    if not worker.was_listening():
+                        log.error(
+                            "worker %d (pid %d) exited with code %s while starting; stopping",
+                            worker.number, pid, code,
+                        )  # fmt: skip
+                        return code if code and code > 0 else 1
+                    log.error(
+                        "worker %d (pid %d) exited with code %s; starting a new one",
+                        worker.number, pid, code,
+                    )  # fmt: skip
+                    if time.monotonic() - worker.started < _RESTART_PAUSE:
+                        await asyncio.sleep(_RESTART_PAUSE)  # no busy loop of crashes
+                    await self._start(worker.number)
+        finally:
+            stop.cancel()
+
+    async def _stop_all(self) -> None:
+        """SIGTERM every worker (they drain), SIGKILL the ones still there past the drain."""
+        running = [w.process for w in self.workers.values() if w.process.returncode is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        if not running:
+            return
+        waiting = asyncio.gather(*(p.wait() for p in running))
+        try:
+            await asyncio.wait_for(waiting, self.cfg.shutdown_timeout + _KILL_MARGIN)
+        except TimeoutError:
+            for process in running:
+                if process.returncode is None:
+                    log.error("worker pid %d did not stop; killing it", process.pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+            await asyncio.gather(*(p.wait() for p in running))
+
+
+async def supervise(cfg: config.Config, config_path: str) -> int:
+    """Run ``cfg.workers`` workers until SIGTERM; the embedded database, if any, outlives them."""
+    server = embedded.EmbeddedPostgres(cfg.database.data_dir) if cfg.database.embedded else None
+    dsn = None
+    if server is not None:
+        dsn = await asyncio.to_thread(server.start)
+    try:
+        return await Supervisor(cfg, config_path, dsn).run()
+    finally:
+        if server is not None:
+            await asyncio.to_thread(server.stop)
+
+
+def worker_number() -> int | None:
+    """This process's number if the supervisor started it, else None."""
+    value = os.environ.get(WORKER_ENV)
+    return int(value) if value and value.isdigit() else None
+
+
+def report_listening() -> None:
+    """In a worker: tell the supervisor that the listeners are up (no-op elsewhere)."""
+    fd = os.environ.pop(READY_ENV, None)
+    if fd is not None and fd.isdigit():
+        with contextlib.suppress(OSError):
+            os.write(int(fd), b"r")
+            os.close(int(fd))
+
+
+def worker_config(cfg: config.Config) -> config.Config:
+    """A worker's configuration: the supervisor's embedded database instead of its own."""
+    dsn = os.environ.get(DSN_ENV)
+    if dsn is None or not cfg.database.embedded:
+        return cfg
+    database = dataclasses.replace(cfg.database, dsn=config.Secret(dsn))
+    return dataclasses.replace(cfg, database=database)
