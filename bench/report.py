@@ -183,6 +183,14 @@ def _throughput(t: _Rows, f: Figures, pool: int) -> None:
         t.add(f"proxy, unique IDs, c32, pool {pool}",
               f"{_rate(r['proxy_c32'])}; {t.goals['throughput at c32'].measured}; "
               f"{simple:.2f} x pgbench simple", "throughput at c32")  # fmt: skip
+    if t.has("proxy_w2_c32", "pg_c32"):
+        run = r["proxy_w2_c32"]
+        t.add(f"proxy, unique IDs, c32, 2 workers (pool {max(1, pool // 2)} each)",
+              f"{_rate(run)}; {run.rate / r['pg_c32'].rate:.2f} x pgbench prepared")  # fmt: skip
+    if t.has("naive_c32", "pg_c32"):
+        run = r["naive_c32"]
+        t.add("naive proxy (bench/naive.py: aiohttp + asyncpg, nothing else), c32",
+              f"{_rate(run)}; {run.rate / r['pg_c32'].rate:.2f} x pgbench prepared")  # fmt: skip
     if t.has("up_c32"):
         loop = "uvloop" if f.facts.get("uvloop") else "asyncio loop"
         t.add(f"upstream alone, c32 ({loop})", _rate(r["up_c32"]))
@@ -193,6 +201,13 @@ def _throughput(t: _Rows, f: Figures, pool: int) -> None:
         t.add("CPU per request in the c32 proxy run (/proc utime+stime)",
               t.goals["CPU per request"].measured + "; upstream alone "
               f"{r['up_c32'].cpu_us('upstream'):.0f} µs", "CPU per request")  # fmt: skip
+    for key in ("proxy_w2_c32", "naive_c32"):
+        if t.has(key):
+            run = r[key]
+            up = run.cpu_us("upstream", per=run.upstream.get("calls", 0))
+            t.add(f"CPU per request, {run.label}",
+                  f"proxy {run.cpu_us('proxy'):.0f} µs vs upstream {up:.0f} µs "
+                  f"= {run.cpu_us('proxy') / max(up, 1e-9):.2f} x")  # fmt: skip
     if t.has("proxy_c32", "pg_c32", "pg_c32_simple"):
         t.add("PostgreSQL CPU per claim",
               f"via the proxy {r['proxy_c32'].cpu_us('postgres'):.0f} µs; pgbench prepared "
@@ -204,6 +219,11 @@ def _latency(t: _Rows) -> None:
     r = t.runs
     t.section = "**latency**"
     for c, up, px in (("1", "up_c1", "proxy_c1"), ("32", "up_c32", "proxy_c32")):
+        if t.has(up, px, f"naive_c{c}"):
+            naive = r[f"naive_c{c}"]
+            t.add(f"naive proxy at c{c}, for comparison",
+                  f"p50 {naive.p50_ms:.2f} ms (+{naive.p50_ms - r[up].p50_ms:.2f}); "
+                  f"p99 {naive.p99_ms:.2f} ms (+{naive.p99_ms - r[up].p99_ms:.2f})")  # fmt: skip
         if t.has(up, px):
             p50 = r[px].p50_ms - r[up].p50_ms
             p99 = r[px].p99_ms - r[up].p99_ms

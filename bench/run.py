@@ -82,7 +82,7 @@ class Bench:
         return self._start(name, argv, port)
 
     def start_proxy(
-        self, name: str, upstream: procs.Service, pool: int, workers: int = 1
+        self, name: str, upstream: procs.Service, pool: int, workers: int = 1, log: str = "info"
     ) -> procs.Service:
         port = procs.free_port()
         config_file = self.workdir / f"{name}.yaml"
@@ -92,7 +92,8 @@ class Bench:
             "database": {"dsn": self.dsn, "table": TABLE, "pool_size": pool},
             "max_body": "2MiB",  # the 1 MiB body runs
             "shutdown_timeout": "5s",
-            "log": {"level": "warning"},
+            # The default level: one JSON line per webhook, as in production.
+            "log": {"level": log, "format": "json"},
             "routes": [{"name": SCOPE, "path": "/hook", "event_id": "body:/id"}],
             "workers": workers,
         }
@@ -259,6 +260,7 @@ def measure(bench: Bench) -> None:
         bench.wrk("up_c32_asyncio", "upstream alone c32 (asyncio loop)", plain, plain, 32)
         bench.stop(plain)
     bench.wrk("proxy_c32", "proxy c32", proxy, fast, 32)
+    workers = alternatives(bench, fast)
     bench.wrk("proxy_dup50", "proxy c32, 50% duplicates", proxy, fast, 32, mode="dup50",
               seeds=SEEDS)  # fmt: skip
 
@@ -271,6 +273,12 @@ def measure(bench: Bench) -> None:
         f"http://127.0.0.1:{proxy.port}/hook", bench.dsn, loads.Upstream(fast.port),
         copies=s.copies, event_id=f"storm-{bench.run_id()}",
     )  # fmt: skip
+    figures.storms["fast, 2 workers"] = loads.storm(
+        f"http://127.0.0.1:{workers.port}/hook", bench.dsn, loads.Upstream(fast.port),
+        copies=s.copies, event_id=f"storm-{bench.run_id()}",
+    )  # fmt: skip
+    figures.rss["proxy, 2 workers"] = workers.peak_rss()
+    bench.stop(workers)
 
     # A slow upstream: the pool bounds throughput at pool_size / latency.
     for pool in s.slow_pools:
@@ -293,6 +301,22 @@ def measure(bench: Bench) -> None:
 
     if s.profile is not None:
         figures.profile = profile(bench, proxy, fast, s.profile)
+
+
+def alternatives(bench: Bench, fast: procs.Service) -> procs.Service:
+    """The naive proxy (the floor) at c1 and c32, and the proxy with 2 workers at c32; returns
+    the 2-worker proxy, still running, for its storm."""
+    s = bench.settings
+    naive = bench.start_naive("naive", fast, s.pool)
+    bench.wrk("naive_c1", "naive proxy c1", naive, fast, 1)
+    bench.wrk("naive_c32", "naive proxy c32", naive, fast, 32)
+    bench.stop(naive)
+    # Two worker processes sharing the port, each with half the pool.
+    workers = bench.start_proxy("proxy-2-workers", fast, max(1, s.pool // 2), workers=2)
+    if s.warmup:
+        bench.wrk("", "warm-up proxy, 2 workers", workers, fast, 32, seconds=s.warmup)
+    bench.wrk("proxy_w2_c32", "proxy c32, 2 workers", workers, fast, 32)
+    return workers
 
 
 def fill(bench: Bench, rows: int) -> None:

@@ -370,9 +370,10 @@ class ClaimStore:
 
     async def _acquire(self) -> PoolConnection:
         try:
-            connection: PoolConnection = await self._pool.acquire(
-                timeout=self._settings.pool_timeout
-            )
+            # asyncio.timeout, not acquire(timeout=): on Python 3.11 asyncpg's wait_for makes
+            # a task per call.
+            async with asyncio.timeout(self._settings.pool_timeout):
+                connection: PoolConnection = await self._pool.acquire()
         except TimeoutError as exc:
             raise errors.StoreUnavailable(
                 f"no free database connection within {self._settings.pool_timeout:g}s "

@@ -26,7 +26,9 @@ class Flight:
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     users: int = 0
-    # Set by the owner once its claim is committed: the body's digest, for the mismatch check.
+    # Set once the event is known to be committed (this process's owner committed it, or a copy
+    # found it committed in the database): a body digest equal to the stored one, for the
+    # mismatch check of the copies still queued here.
     committed_sha256: bytes | None = None
 
 
@@ -47,11 +49,14 @@ class Flights:
         flight = self._flights.setdefault(key, Flight())
         flight.users += 1
         try:
-            try:
-                async with asyncio.timeout(within):
-                    await flight.lock.acquire()
-            except TimeoutError as exc:
-                raise errors.ClaimWaitExceeded() from exc
+            if flight.lock.locked():
+                try:
+                    async with asyncio.timeout(within):
+                        await flight.lock.acquire()
+                except TimeoutError as exc:
+                    raise errors.ClaimWaitExceeded() from exc
+            else:
+                await flight.lock.acquire()  # free: returns at once, no timer needed
             try:
                 yield flight
             finally:

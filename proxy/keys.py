@@ -115,10 +115,14 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return document
 
 
+# What json.loads(body, object_pairs_hook=...) does, without building a decoder per call.
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicate_keys)
+
+
 def parse_json(body: bytes) -> object:
     """The body as JSON; ValueError for anything a strict reader would refuse."""
     try:
-        return json.loads(body, object_pairs_hook=_no_duplicate_keys)
+        return _DECODER.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
     except RecursionError as exc:
         raise ValueError("JSON nested too deeply") from exc
 

@@ -64,18 +64,26 @@ async def read_body(request: web.Request, limit: int, within: float) -> bytes:
         raise errors.BodyTooLarge(
             f"body of {request.content_length} bytes is over max_body {limit}"
         )
-    body = bytearray()
+    content = request.content
     try:
-        async with asyncio.timeout(within):
-            async for chunk in request.content.iter_chunked(_READ_CHUNK):
-                body += chunk
-                if len(body) > limit:
-                    raise errors.BodyTooLarge(f"body is over max_body {limit} bytes")
+        if content.is_eof():
+            # All of it arrived with the headers (a typical webhook): no wait, no timer.
+            body = content.read_nowait()
+        else:
+            chunks = bytearray()
+            async with asyncio.timeout(within):
+                async for chunk in content.iter_chunked(_READ_CHUNK):
+                    chunks += chunk
+                    if len(chunks) > limit:
+                        break
+            body = bytes(chunks)
     except TimeoutError as exc:
         raise errors.RequestTimeout(f"body not received within {within:g}s") from exc
     except (aiohttp.ClientPayloadError, OSError) as exc:
         raise errors.RequestIncomplete(f"request body ended early: {exc!r}") from exc
-    return bytes(body)
+    if len(body) > limit:
+        raise errors.BodyTooLarge(f"body is over max_body {limit} bytes")
+    return body
 
 
 def _ms_since(started: float) -> float:
@@ -158,6 +166,10 @@ class Webhook:
                         flight.committed_sha256 = key.body_sha256
                     return response
             # A duplicate: its ROLLBACK, on the way out of the claim, also compared the bodies.
+            if not claim.mismatch:
+                # Committed elsewhere (another worker or replica) with this body: the copies
+                # queued behind this one in this process need no database round trip either.
+                flight.committed_sha256 = key.body_sha256
             return self._duplicate(key, claim.mismatch, fields)
 
     def _claimed(self, fields: dict[str, Any], started: float) -> None:

@@ -39,11 +39,27 @@ async def wait_for_local_copies(client: TestClient[Any, Any], event_id: str, cou
     await wait_until(arrived, f"{count} copies of {event_id} in the proxy")
 
 
+class CountingClaims:
+    """Counts the claims a proxy's (real) claim store makes."""
+
+    def __init__(self, client: TestClient[Any, Any]) -> None:
+        self.claims = 0
+        store = client.app[pipeline.STORE]
+        claim = store.claim
+
+        def counted(key: Any) -> Any:
+            self.claims += 1
+            return claim(key)
+
+        store.claim = counted  # type: ignore[method-assign]
+
+
 async def test_copies_on_two_replicas_meet_at_the_row_lock(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     upstream.gate = asyncio.Event()
     replica_a, replica_b = await make_proxy(), await make_proxy()
+    store_b = CountingClaims(replica_b)
     first = post(replica_a, "evt_storm")
     await upstream.arrived.wait()
     copies = [post(replica_b, "evt_storm") for _ in range(5)]
@@ -58,6 +74,9 @@ async def test_copies_on_two_replicas_meet_at_the_row_lock(
 
     assert [r.status for r in responses] == [200] * 6
     assert [r.headers.get("Dedup-Status") for r in responses[1:]] == ["duplicate"] * 5
+    # Once B's copy found the event committed in PostgreSQL, the four queued behind it were
+    # answered without a round trip of their own.
+    assert store_b.claims == 1
     assert len(upstream.requests) == 1
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_storm"]
 
