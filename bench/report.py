@@ -394,6 +394,14 @@ generator) shares the same {machine["nproc"]} CPUs.
   connections polls `pg_stat_activity` (application_name `dedup-proxy`, state not idle) as fast
   as it can from a thread of its own. "First commit" is when the one processed copy's answer
   arrived.
+- Naive proxy: `bench/naive.py`, the smallest correct aiohttp + asyncpg dedup proxy (BEGIN,
+  INSERT … ON CONFLICT DO NOTHING RETURNING, forward, COMMIT on 2xx; no header filtering,
+  verification, coalescing, metrics, logs or timeouts), on uvloop with the same pool size: the
+  floor any proxy built on these two libraries starts from.
+- 2 workers: the same proxy with `workers: 2` and half the pool each; its storm runs against it
+  (copies spread over both processes meet at PostgreSQL's row lock). Its CPU is the supervisor's
+  and both workers'.
+- The proxy logs at its default level (`info`, JSON): one line per webhook, as in production.
 - Slow upstream: the upstream sleeps 50 ms per call; each webhook holds a pool connection for
   that long, so pool_size / 50 ms is the ceiling.
 - CPU per request is the process's utime + stime from `/proc/PID/stat` over the run (PostgreSQL:
