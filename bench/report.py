@@ -33,6 +33,7 @@ class Figures:
     rss: dict[str, dict[int, int]] = field(default_factory=dict)  # label → {pid: VmHWM bytes}
     facts: dict[str, Any] = field(default_factory=dict)
     profile: list[str] = field(default_factory=list)
+    storm_floor: loads.StormResult | None = None  # the storm sent to the upstream alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +254,12 @@ def _duplicates(t: _Rows, f: Figures) -> None:
               f"all answered at {storm.all_answered_ms:.0f} ms ({storm.after_commit_ms:.0f} ms "
               f"after); {answers}; {storm.listen_overflows} SYNs dropped by a full listen queue "
               "while the connections opened", f"duplicate storm ({name} upstream)")  # fmt: skip
+    floor = f.storm_floor
+    if floor is not None:
+        t.add(f"the same storm straight at the upstream alone ({floor.copies} copies, no proxy)",
+              f"first answer at {floor.owner_ms:.0f} ms, all answered at "
+              f"{floor.all_answered_ms:.0f} ms ({floor.after_commit_ms:.0f} ms after the first): "
+              "what this client and an aiohttp server take to answer that many at all")  # fmt: skip
     t.section = "**slow upstream**"
     for key, run in r.items():
         if key.startswith("slow_pool"):
@@ -427,6 +434,7 @@ def as_json(f: Figures) -> dict[str, Any]:
     return {
         "runs": runs,
         "storms": {name: dataclasses.asdict(storm) for name, storm in f.storms.items()},
+        "storm_floor": dataclasses.asdict(f.storm_floor) if f.storm_floor else None,
         "rss": f.rss,
         "targets": [dataclasses.asdict(t) for t in targets(f)],
         "facts": f.facts,

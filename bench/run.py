@@ -269,6 +269,12 @@ def measure(bench: Bench) -> None:
     bench.wrk("up_c1_1mib", "upstream alone c1, 1 MiB", fast, fast, 1, body_bytes=mib)
     bench.wrk("proxy_c1_1mib", "proxy c1, 1 MiB", proxy, fast, 1, body_bytes=mib)
 
+    # The same storm straight at the upstream: how fast this client and an aiohttp server
+    # can answer 1,000 concurrent requests at all, the floor under the proxy's figure.
+    figures.storm_floor = loads.storm(
+        f"http://127.0.0.1:{fast.port}/hook", bench.dsn, loads.Upstream(fast.port),
+        copies=s.copies, event_id=f"storm-{bench.run_id()}",
+    )  # fmt: skip
     figures.storms["fast"] = loads.storm(
         f"http://127.0.0.1:{proxy.port}/hook", bench.dsn, loads.Upstream(fast.port),
         copies=s.copies, event_id=f"storm-{bench.run_id()}",
