@@ -23,11 +23,10 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from proxy import errors
+from proxy.pool import Connection, Pool
 
 if TYPE_CHECKING:
     from proxy import config
-
-    PoolConnection = asyncpg.pool.PoolConnectionProxy[Any]
 
 log = logging.getLogger(__name__)
 
@@ -97,24 +96,9 @@ async def apply_schema(connection: Any, table: str) -> None:
         await connection.execute(schema_sql(table))
 
 
-async def _keep_session(connection: Any) -> None:
-    """Nothing to reset when a connection goes back to the pool.
-
-    asyncpg's default runs ``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL`` on every
-    release: a round trip per request for state this proxy never leaves behind (settings come in
-    the startup packet, every transaction is ended explicitly, the sweeper unlocks its advisory
-    lock or discards the connection). asyncpg still rolls back an open transaction first.
-    """
-
-
-def discard(connection: PoolConnection) -> None:
-    """Close a connection in doubt so the pool never lends it again.
-
-    When the server drops a connection, asyncpg detaches it from its pool proxy, and the proxy's
-    ``terminate()`` then raises: the connection is already gone, which is all we wanted.
-    """
-    with contextlib.suppress(asyncpg.InterfaceError):
-        connection.terminate()
+def discard(connection: Connection) -> None:
+    """Close a connection in doubt so the pool never lends it again."""
+    connection.terminate()
 
 
 def _literal(value: str | None) -> str:
@@ -146,7 +130,7 @@ class Claim:
     """This request's hold on one event; ``acquired`` is False for a duplicate, and then
     ``mismatch`` says whether the event was first claimed with a different body."""
 
-    def __init__(self, store: ClaimStore, connection: PoolConnection, key: Key) -> None:
+    def __init__(self, store: ClaimStore, connection: Connection, key: Key) -> None:
         self._store = store
         self._connection = connection
         self.key = key
@@ -199,10 +183,10 @@ class ClaimStore:
 
     def __init__(
         self,
-        pool: asyncpg.Pool,
+        pool: Pool,
         settings: config.DatabaseConfig,
         claim_wait: float,
-        connect: Callable[[], Awaitable[Any]],
+        connect: Callable[[], Awaitable[Connection]],
     ) -> None:
         self._pool = pool
         self._connect = connect
@@ -225,7 +209,11 @@ class ClaimStore:
         claim_wait: float,
         upstream_timeout: float,
     ) -> ClaimStore:
-        """Connect the pool; raise StoreUnavailable if PostgreSQL cannot be reached."""
+        """Connect the pool; raise StoreUnavailable if PostgreSQL cannot be reached.
+
+        Every setting travels in the startup packet and nothing changes a session afterwards,
+        so a connection needs no reset between requests (see pool.py).
+        """
         server_settings = {
             "application_name": "dedup-proxy",
             # The claim is sent with literals (_claim_sql): backslashes must stay plain.
@@ -236,37 +224,20 @@ class ClaimStore:
             # rolls back a claim whose proxy vanished without closing its socket.
             "idle_in_transaction_session_timeout": _ms(upstream_timeout + settings.connect_timeout),
         }
+        connect = functools.partial(
+            asyncpg.connect, dsn, timeout=settings.connect_timeout, server_settings=server_settings
+        )
         try:
-            pool = await asyncpg.create_pool(
-                dsn,
-                min_size=settings.pool_size,
-                max_size=settings.pool_size,
-                timeout=settings.connect_timeout,
-                command_timeout=claim_wait + settings.connect_timeout,
-                server_settings=server_settings,
-                reset=_keep_session,
+            pool = await Pool.open(
+                functools.partial(connect, command_timeout=claim_wait + settings.connect_timeout),
+                settings.pool_size,
             )
         except DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
-        return cls(
-            pool,
-            settings,
-            claim_wait,
-            functools.partial(
-                asyncpg.connect,
-                dsn,
-                timeout=settings.connect_timeout,
-                server_settings=server_settings,
-            ),
-        )
+        return cls(pool, settings, claim_wait, connect)
 
     async def close(self) -> None:
-        try:
-            # Bounded: asyncpg's close() can hang on a server that no longer answers.
-            await asyncio.wait_for(self._pool.close(), self.op_timeout)
-        except DB_ERRORS as exc:
-            log.warning("closing the database pool failed: %r", exc)
-            self._pool.terminate()
+        await self._pool.close(self.op_timeout)
 
     async def ensure_schema(self) -> None:
         """Check the claim table; create or upgrade it only if something is missing.
@@ -276,14 +247,17 @@ class ClaimStore:
         flight and block every new one, so a replica restarting under traffic would stall all.
         """
         table = self._settings.table
+        connection = await self._acquire()
         try:
-            async with self._pool.acquire(timeout=self.op_timeout) as connection:
-                missing = await missing_schema(connection, table)
-                if missing and self._settings.create_schema:
-                    await apply_schema(connection, table)
-                    return
+            missing = await missing_schema(connection, table)
+            if missing and self._settings.create_schema:
+                await apply_schema(connection, table)
+                return
         except DB_ERRORS as exc:
+            discard(connection)
             raise errors.StoreUnavailable(f"cannot prepare table {table}: {exc}") from exc
+        finally:
+            self._release(connection)
         if missing:
             raise errors.StoreUnavailable(
                 f"table {table}: {missing}, and database.create_schema is false; run "
@@ -314,7 +288,7 @@ class ClaimStore:
             yield claim
         finally:
             await claim.release()
-            await self._release(connection)
+            self._release(connection)
 
     def _claim_sql(self, key: Key) -> str:
         """BEGIN and the claim in one round trip: "INSERT 0 1" claimed, "INSERT 0 0" a duplicate.
@@ -368,12 +342,12 @@ class ClaimStore:
             connection.terminate()
         return True
 
-    async def _acquire(self) -> PoolConnection:
+    async def _acquire(self) -> Connection:
         try:
             # asyncio.timeout, not acquire(timeout=): on Python 3.11 asyncpg's wait_for makes
             # a task per call.
             async with asyncio.timeout(self._settings.pool_timeout):
-                connection: PoolConnection = await self._pool.acquire()
+                connection: Connection = await self._pool.acquire()
         except TimeoutError as exc:
             raise errors.StoreUnavailable(
                 f"no free database connection within {self._settings.pool_timeout:g}s "
@@ -383,11 +357,8 @@ class ClaimStore:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc!r}") from exc
         return connection
 
-    async def _release(self, connection: PoolConnection) -> None:
-        try:
-            await self._pool.release(connection, timeout=self.op_timeout)
-        except DB_ERRORS as exc:
-            log.warning("returning a connection to the pool failed: %r", exc)
+    def _release(self, connection: Connection) -> None:
+        self._pool.release(connection)
 
     async def check(self) -> None:
         """Raise StoreUnavailable unless the database answers and the claim table exists."""
@@ -401,12 +372,12 @@ class ClaimStore:
             discard(connection)
             raise errors.StoreUnavailable(f"database check failed: {exc!r}") from exc
         finally:
-            await self._release(connection)
+            self._release(connection)
         if not exists:
             raise errors.StoreUnavailable(f"table {table} does not exist")
 
     @contextlib.asynccontextmanager
-    async def sweeping(self) -> AsyncIterator[PoolConnection | None]:
+    async def sweeping(self) -> AsyncIterator[Connection | None]:
         """A connection holding the sweeper's advisory lock, or None if another replica has it."""
         connection = await self._acquire()
         try:
@@ -430,8 +401,8 @@ class ClaimStore:
                 except DB_ERRORS:
                     discard(connection)  # the lock goes with the session
         finally:
-            await self._release(connection)
+            self._release(connection)
 
     def pool_stats(self) -> tuple[int, int]:
         """(connections open, connections idle)."""
-        return self._pool.get_size(), self._pool.get_idle_size()
+        return self._pool.stats()

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-from proxy import claims, config, errors, metrics, routes
+from proxy import claims, config, errors, metrics, pool, routes
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 class Sweep:
     """Deletes expired claims, one short transaction per batch."""
 
-    def __init__(self, connection: claims.PoolConnection, table: str, timeout: float) -> None:
+    def __init__(self, connection: pool.Connection, table: str, timeout: float) -> None:
         self._connection = connection
         self._timeout = timeout
         table = claims.quote(table)

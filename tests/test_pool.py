@@ -1,0 +1,134 @@
+"""The connection pool, against the real PostgreSQL: bounds, replacement and refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from proxy import pool
+
+
+@pytest.fixture
+async def opened(pg_dsn: str) -> AsyncIterator[pool.Pool]:
+    connections = pool.Pool.open(functools.partial(asyncpg.connect, pg_dsn), 2)
+    opened = await connections
+    yield opened
+    await opened.close(5)
+
+
+async def backend(connection: pool.Connection) -> int:
+    pid: int = await connection.fetchval("SELECT pg_backend_pid()")
+    return pid
+
+
+async def test_opens_every_connection_at_once(opened: pool.Pool) -> None:
+    assert opened.stats() == (2, 2)
+    first = await opened.acquire()
+    assert opened.stats() == (2, 1)
+    opened.release(first)
+    assert opened.stats() == (2, 2)
+
+
+async def test_lends_at_most_its_size_and_the_next_waits_for_a_release(
+    opened: pool.Pool,
+) -> None:
+    a, b = await opened.acquire(), await opened.acquire()
+    third = asyncio.create_task(opened.acquire())
+    await asyncio.sleep(0.05)
+    assert not third.done()
+    opened.release(a)
+    assert await asyncio.wait_for(third, 5) is a
+    opened.release(b)
+    opened.release(a)
+
+
+async def test_a_connection_given_back_in_a_transaction_is_never_lent_again(
+    opened: pool.Pool,
+) -> None:
+    connection = await opened.acquire()
+    await connection.execute("BEGIN")
+    opened.release(connection)
+    assert connection.is_closed()
+    again = await opened.acquire()
+    assert again is not connection
+    assert not again.is_in_transaction()
+    opened.release(again)
+    assert opened.stats()[0] == 2
+
+
+async def test_after_a_closed_connection_the_next_request_opens_a_fresh_one(
+    opened: pool.Pool,
+) -> None:
+    older, newer = await opened.acquire(), await opened.acquire()
+    older_pid = await backend(older)
+    opened.release(older)
+    newer.terminate()  # e.g. discarded after a failed COMMIT
+    opened.release(newer)
+    fresh = await opened.acquire()
+    # Not the older idle one, which may sit behind the same broken link.
+    assert fresh is not older
+    assert fresh is not newer
+    assert await backend(fresh) != older_pid
+    opened.release(fresh)
+
+
+async def test_a_connection_idle_too_long_is_replaced(
+    opened: pool.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connection = await opened.acquire()
+    opened.release(connection)
+    monkeypatch.setattr(pool, "MAX_IDLE", 0.0)
+    replaced = await opened.acquire()
+    assert replaced is not connection
+    assert connection.is_closed()
+    opened.release(replaced)
+
+
+async def test_a_failed_connect_frees_the_slot(pg_dsn: str) -> None:
+    attempts = 0
+
+    async def connect() -> pool.Connection:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 2:
+            raise OSError("refused")
+        return await asyncpg.connect(pg_dsn)
+
+    lender = pool.Pool(connect, 1)  # not opened: the first acquire connects
+    first = await lender.acquire()
+    first.terminate()
+    lender.release(first)
+    with pytest.raises(OSError, match="refused"):
+        await lender.acquire()
+    third = await asyncio.wait_for(lender.acquire(), 5)  # the slot came back
+    assert await third.fetchval("SELECT 1") == 1
+    lender.release(third)
+    await lender.close(5)
+
+
+async def test_a_failed_connection_fails_the_open_and_leaves_nothing_open(pg_dsn: str) -> None:
+    made: list[pool.Connection] = []
+    calls = 0
+
+    async def connect() -> pool.Connection:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise OSError("refused")
+        made.append(await asyncpg.connect(pg_dsn))
+        return made[-1]
+
+    with pytest.raises(OSError, match="refused"):
+        await pool.Pool.open(connect, 3)
+    assert len(made) == 2
+    assert all(c.is_closed() for c in made)
+
+
+async def test_a_closed_pool_refuses_to_lend(opened: pool.Pool) -> None:
+    await opened.close(5)
+    with pytest.raises(asyncpg.InterfaceError, match="closed"):
+        await opened.acquire()
