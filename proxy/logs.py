@@ -17,6 +17,10 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}  # fmt: skip
 
 
+# One encoder for every line: json.dumps(..., default=str) would build one per call.
+_ENCODER = json.JSONEncoder(default=str)
+
+
 class JsonFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +45,7 @@ class JsonFormatter(logging.Formatter):
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        return _ENCODER.encode(entry)
 
 
 class TextFormatter(logging.Formatter):
