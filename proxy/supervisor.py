@@ -164,7 +164,9 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
     if server is not None:
         dsn = await asyncio.to_thread(server.start)
     try:
-        return await Supervisor(cfg, config_path, dsn).run()
+        code = await Supervisor(cfg, config_path, dsn).run()
+        log.info("all workers stopped")
+        return code
     finally:
         if server is not None:
             await asyncio.to_thread(server.stop)
