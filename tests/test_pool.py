@@ -88,17 +88,24 @@ async def test_a_connection_idle_too_long_is_replaced(
     opened.release(replaced)
 
 
-async def test_a_failed_connect_frees_the_slot(pg_dsn: str) -> None:
-    attempts = 0
+class SecondConnectFails:
+    """A connect function whose second call is refused; it keeps what it opened."""
 
-    async def connect() -> pool.Connection:
-        nonlocal attempts
-        attempts += 1
-        if attempts == 2:
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        self.calls = 0
+        self.made: list[pool.Connection] = []
+
+    async def __call__(self) -> pool.Connection:
+        self.calls += 1
+        if self.calls == 2:
             raise OSError("refused")
-        return await asyncpg.connect(pg_dsn)
+        self.made.append(await asyncpg.connect(self.dsn))
+        return self.made[-1]
 
-    lender = pool.Pool(connect, 1)  # not opened: the first acquire connects
+
+async def test_a_failed_connect_frees_the_slot(pg_dsn: str) -> None:
+    lender = pool.Pool(SecondConnectFails(pg_dsn), 1)  # not opened: the first acquire connects
     first = await lender.acquire()
     first.terminate()
     lender.release(first)
@@ -111,21 +118,11 @@ async def test_a_failed_connect_frees_the_slot(pg_dsn: str) -> None:
 
 
 async def test_a_failed_connection_fails_the_open_and_leaves_nothing_open(pg_dsn: str) -> None:
-    made: list[pool.Connection] = []
-    calls = 0
-
-    async def connect() -> pool.Connection:
-        nonlocal calls
-        calls += 1
-        if calls == 2:
-            raise OSError("refused")
-        made.append(await asyncpg.connect(pg_dsn))
-        return made[-1]
-
+    connect = SecondConnectFails(pg_dsn)
     with pytest.raises(OSError, match="refused"):
         await pool.Pool.open(connect, 3)
-    assert len(made) == 2
-    assert all(c.is_closed() for c in made)
+    assert len(connect.made) == 2
+    assert all(c.is_closed() for c in connect.made)
 
 
 async def test_a_closed_pool_refuses_to_lend(opened: pool.Pool) -> None:
