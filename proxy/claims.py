@@ -287,8 +287,15 @@ class ClaimStore:
                 claim.compare_on_release = self._mismatch_sql(key)
             yield claim
         finally:
-            await claim.release()
-            self._release(connection)
+            try:
+                await claim.release()
+            except BaseException:
+                # Cancelled mid-ROLLBACK (a shutdown past its timeout): the session's state is
+                # unknown, and asyncpg's in-transaction flag may be stale.
+                discard(connection)
+                raise
+            finally:
+                self._release(connection)
 
     def _claim_sql(self, key: Key) -> str:
         """BEGIN and the claim in one round trip: "INSERT 0 1" claimed, "INSERT 0 0" a duplicate.
@@ -380,27 +387,31 @@ class ClaimStore:
     async def sweeping(self) -> AsyncIterator[Connection | None]:
         """A connection holding the sweeper's advisory lock, or None if another replica has it."""
         connection = await self._acquire()
+        unlocked = False  # only then may the connection be lent again
         try:
             try:
                 locked = await connection.fetchval(
                     "SELECT pg_try_advisory_lock($1)", _SWEEP_LOCK_KEY, timeout=self.op_timeout
                 )
             except DB_ERRORS as exc:
-                discard(connection)
                 raise errors.StoreUnavailable(f"sweep failed: {exc!r}") from exc
             if not locked:
+                unlocked = True
                 yield None
                 return
             try:
                 yield connection
             finally:
-                try:
+                with contextlib.suppress(*DB_ERRORS):
                     await connection.execute(
                         "SELECT pg_advisory_unlock($1)", _SWEEP_LOCK_KEY, timeout=self.op_timeout
                     )
-                except DB_ERRORS:
-                    discard(connection)  # the lock goes with the session
+                    unlocked = True
         finally:
+            if not unlocked:
+                # A failure or a cancellation left the session-level lock (or the session) in
+                # doubt: closing the connection releases the lock for the other replicas.
+                discard(connection)
             self._release(connection)
 
     def pool_stats(self) -> tuple[int, int]:

@@ -198,7 +198,14 @@ def _serve(cfg: config.Config, config_path: str) -> int:
             return _run(supervisor.supervise(cfg, config_path))
         if worker is not None:
             cfg = supervisor.worker_config(cfg)
-        _run(server.serve(cfg, worker=worker, on_listening=supervisor.report_listening))
+        _run(
+            server.serve(
+                cfg,
+                worker=worker,
+                on_listening=supervisor.report_listening,
+                lifeline=supervisor.lifeline(),
+            )
+        )
     except errors.EmbeddedDatabaseError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG

@@ -30,6 +30,7 @@ from proxy import errors
 MAX_HEAD = 64 * 1024  # status line and headers (aiohttp's client allows 8 KiB per line)
 MAX_CHUNK_LINE = 4096
 MAX_TRAILERS = 100
+MAX_INTERIM = 10
 
 _STATUS = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\x00-\x08\x0a-\x1f\x7f]*))?")
 _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*(.*?)[ \t]*")
@@ -165,22 +166,25 @@ def _head(block: bytes) -> tuple[int, int, str, list[tuple[str, str]]]:
     return int(status[1]), int(status[2]), reason, fields
 
 
-def _tokens(fields: list[tuple[str, str]], name: str) -> list[str]:
-    return [
-        token.strip().lower()
-        for key, value in fields
-        if key.lower() == name
-        for token in value.split(",")
-        if token.strip()
-    ]
+def _values(fields: list[tuple[str, str]], name: str) -> list[str] | None:
+    """The comma-separated items of every ``name`` field, stripped; None if there is none.
+
+    Presence decides framing, not content: an empty or blank item is kept (and refused by the
+    caller where it matters), never read as "no such header".
+    """
+    found = [value for key, value in fields if key.lower() == name]
+    if not found:
+        return None
+    return [item.strip().lower() for value in found for item in value.split(",")]
 
 
 async def _chunked(connection: _Connection) -> bytes:
     parts = []
     while True:
         line = await connection.line(b"\r\n", MAX_CHUNK_LINE)
-        size = line.split(b";", 1)[0].strip(b" \t")
-        if not _CHUNK_SIZE.fullmatch(size):
+        size, _, extensions = line.partition(b";")
+        size = size.strip(b" \t")
+        if not _CHUNK_SIZE.fullmatch(size) or _BAD_VALUE.search(extensions):
             raise _Malformed(f"bad chunk size line {line[:100]!r}")
         if int(size, 16) == 0:
             break
@@ -188,36 +192,44 @@ async def _chunked(connection: _Connection) -> bytes:
         if await connection.exactly(2) != b"\r\n":
             raise _Malformed("chunk not followed by CRLF")
     for _ in range(MAX_TRAILERS):
-        if not await connection.line(b"\r\n", MAX_HEAD):
+        trailer = await connection.line(b"\r\n", MAX_HEAD)
+        if not trailer:
             return b"".join(parts)
+        field = _FIELD.fullmatch(trailer)
+        if field is None or _BAD_VALUE.search(field[2]):
+            raise _Malformed(f"bad trailer line {trailer[:100]!r}")
     raise _Malformed(f"over {MAX_TRAILERS} trailer fields")
 
 
 async def _answer(connection: _Connection, method: str) -> tuple[Answer, bool]:
     """The final answer (interim 1xx ones skipped) and whether the connection may be reused."""
-    while True:
+    for _ in range(MAX_INTERIM + 1):
         minor, status, reason, fields = _head(await connection.line(b"\r\n\r\n", MAX_HEAD))
         if status == 101:
             raise _Malformed("the app switched protocols")
         if status >= 200:
             break
         # 100 Continue, 103 Early Hints: the final answer follows on the same connection.
-    keep = minor == 1 and "close" not in _tokens(fields, "connection")
-    codings = _tokens(fields, "transfer-encoding")
-    lengths = set(_tokens(fields, "content-length"))
+    else:
+        raise _Malformed(f"over {MAX_INTERIM} interim (1xx) answers")
+    keep = minor == 1 and "close" not in (_values(fields, "connection") or [])
+    codings = _values(fields, "transfer-encoding")
+    lengths = _values(fields, "content-length")
+    if codings is not None and lengths is not None:
+        raise _Malformed("both Transfer-Encoding and Content-Length")
+    if codings is not None and (minor == 0 or codings != ["chunked"]):
+        # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing.
+        raise _Malformed(f"unsupported transfer coding {', '.join(codings)!r}")
+    if lengths is not None and (
+        len(set(lengths)) != 1 or not lengths[0].isascii() or not lengths[0].isdigit()
+    ):
+        raise _Malformed("bad or conflicting Content-Length")
     if status in (204, 304) or method == "HEAD":
         body = b""
-    elif codings:
-        if lengths:
-            raise _Malformed("both Transfer-Encoding and Content-Length")
-        if codings != ["chunked"]:
-            raise _Malformed(f"unsupported transfer coding {', '.join(codings)}")
+    elif codings is not None:
         body = await _chunked(connection)
-    elif lengths:
-        length = lengths.pop()
-        if lengths or not length.isascii() or not length.isdigit():
-            raise _Malformed("bad or conflicting Content-Length")
-        body = await connection.exactly(int(length))
+    elif lengths is not None:
+        body = await connection.exactly(int(lengths[0]))
     else:
         body = await connection.rest()  # delimited by the app closing the connection
         keep = False
@@ -225,12 +237,16 @@ async def _answer(connection: _Connection, method: str) -> tuple[Answer, bool]:
 
 
 class Client:
-    """Keep-alive connections to the app, per origin, reused most recently used first."""
+    """Keep-alive connections to the app, per origin, reused most recently used first, at most
+    ``connections`` of them in use at once."""
 
-    def __init__(self, *, timeout: float, keepalive: float) -> None:
+    def __init__(self, *, timeout: float, keepalive: float, connections: int) -> None:
         self._timeout = timeout
         self._keepalive = keepalive
-        self._idle: dict[Origin, list[_Connection]] = {}
+        self._slots = asyncio.Semaphore(connections)
+        self._idle: dict[Origin, list[_Connection]] = {}  # oldest first
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._closed = False
 
     async def request(
         self,
@@ -249,7 +265,7 @@ class Client:
         connection: _Connection | None = None
         keep = False
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self._timeout), self._slots:
                 connection = self._take(origin) or await self._open(origin)
                 assert connection.transport is not None
                 connection.transport.write(message)
@@ -268,9 +284,8 @@ class Client:
             raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
         finally:
             if connection is not None:
-                if keep and connection.reusable:
-                    connection.idle_since = asyncio.get_running_loop().time()
-                    self._idle.setdefault(origin, []).append(connection)
+                if keep and connection.reusable and not self._closed:
+                    self._keep(origin, connection)
                 else:
                     connection.close()
         return answer
@@ -285,6 +300,26 @@ class Client:
             connection.close()
         return None
 
+    def _keep(self, origin: Origin, connection: _Connection) -> None:
+        loop = asyncio.get_running_loop()
+        connection.idle_since = loop.time()
+        self._idle.setdefault(origin, []).append(connection)
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(self._keepalive, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close the connections idle past ``keepalive`` (the oldest are first in each list)."""
+        self._sweeper = None
+        now = asyncio.get_running_loop().time()
+        for idle in self._idle.values():
+            while idle and (not idle[0].reusable or now - idle[0].idle_since >= self._keepalive):
+                idle.pop(0).close()
+        if any(self._idle.values()):
+            oldest = min(idle[0].idle_since for idle in self._idle.values() if idle)
+            self._sweeper = asyncio.get_running_loop().call_at(
+                oldest + self._keepalive, self._sweep
+            )
+
     async def _open(self, origin: Origin) -> _Connection:
         loop = asyncio.get_running_loop()
         _, connection = await loop.create_connection(
@@ -293,6 +328,11 @@ class Client:
         return connection
 
     def close(self) -> None:
+        """Close the idle connections; the ones in use close when their request ends."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for idle in self._idle.values():
             for connection in idle:
                 connection.close()

@@ -120,7 +120,7 @@ class Forwarder:
         self, timeout: float, *, preserve_host: bool, connections: int, keepalive: float
     ) -> None:
         self._timeout = timeout
-        self._client = client.Client(timeout=timeout, keepalive=keepalive)
+        self._client = client.Client(timeout=timeout, keepalive=keepalive, connections=connections)
         self._origins: dict[str, tuple[client.Origin | None, str]] = {}
         self._total_timeout = aiohttp.ClientTimeout(total=timeout)
         self._stream_timeout = aiohttp.ClientTimeout(
@@ -176,11 +176,11 @@ class Forwarder:
         origin, prefix = found
         if origin is not None:
             headers = self._headers(request, request_id, keep_length=False)
-            if hdrs.HOST not in headers:
-                headers[hdrs.HOST] = origin.authority
+            # Host first (RFC 9112 3.2), the provider's when preserve_host kept it.
+            host = headers.popall(hdrs.HOST, [origin.authority])[0]
             answer = await self._client.request(
                 origin, request.method, prefix + request.raw_path,
-                headers=list(headers.items()), body=body,
+                headers=[(hdrs.HOST, host), *headers.items()], body=body,
             )  # fmt: skip
             return UpstreamResponse(
                 status=answer.status,

@@ -45,6 +45,7 @@ class Pool:
         self._slots = asyncio.Semaphore(size)
         self._free: list[tuple[Connection | None, float]] = [(None, 0.0)] * size
         self._open: set[Connection] = set()
+        self._lent: set[Connection] = set()
         self._closed = False
 
     @classmethod
@@ -68,9 +69,13 @@ class Pool:
         if self._closed:
             raise asyncpg.InterfaceError("the pool is closed")
         await self._slots.acquire()
+        if self._closed:  # closed while this request waited for a slot
+            self._slots.release()
+            raise asyncpg.InterfaceError("the pool is closed")
         connection, since = self._free.pop()
         if connection is not None:
             if not connection.is_closed() and time.monotonic() - since < MAX_IDLE:
+                self._lent.add(connection)
                 return connection
             self._forget(connection)
         try:
@@ -80,10 +85,14 @@ class Pool:
             self._slots.release()
             raise
         self._open.add(connection)
+        self._lent.add(connection)
         return connection
 
     def release(self, connection: Connection) -> None:
         """Take a connection back; it must be outside any transaction to be lent again."""
+        if connection not in self._lent:
+            raise RuntimeError("released a connection this pool did not lend (twice?)")
+        self._lent.discard(connection)
         if self._closed or connection.is_closed() or connection.is_in_transaction():
             self._forget(connection)
             self._free.append((None, 0.0))

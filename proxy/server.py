@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ async def serve(
     *,
     worker: int | None = None,
     on_listening: Callable[[], None] | None = None,
+    lifeline: int | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain: ``/readyz`` turns 503, the public listener
     closes (new connections are refused), in-flight requests finish and commit (bounded by
@@ -49,6 +51,8 @@ async def serve(
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if lifeline is not None:
+        _watch_lifeline(loop, lifeline, stop)
     try:
         await admin_runner.setup()
         await _listen(
@@ -91,4 +95,25 @@ async def serve(
             await admin_runner.cleanup()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(signum)
+            if lifeline is not None:
+                loop.remove_reader(lifeline)
+                os.close(lifeline)
     log.info("stopped")
+
+
+def _watch_lifeline(loop: asyncio.AbstractEventLoop, fd: int, stop: asyncio.Event) -> None:
+    """A worker drains when its supervisor is gone (killed, out of memory): otherwise it would
+    go on serving beside the workers of a restarted supervisor, on the old configuration."""
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 1)
+        except OSError:
+            data = b""
+        if not data:
+            loop.remove_reader(fd)
+            if not stop.is_set():
+                log.warning("the supervisor is gone: draining")
+                stop.set()
+
+    loop.add_reader(fd, readable)

@@ -7,10 +7,12 @@ workers meet at PostgreSQL's row lock, exactly as copies on two replicas do.
 
 The supervisor itself serves nothing. It starts the embedded PostgreSQL when there is one (the
 workers connect to it), gives the workers a shared directory for their metrics, forwards
-SIGTERM/SIGINT so they drain, and restarts a worker that dies while serving. A worker that exits
-before it is listening (bad DSN, port taken) is a start-up failure: every worker is stopped and
-the supervisor exits with that worker's code instead of restarting it in a loop. A worker says
-it is listening by writing one byte to a pipe the supervisor gave it.
+SIGTERM/SIGINT so they drain, and restarts a worker that dies while serving. A worker says it is
+listening by writing one byte to a pipe: one of the first workers that exits before that (bad
+DSN, port taken) is a start-up failure, and every worker is stopped with that worker's exit
+code; a replacement that does is retried with a growing pause. Each worker also holds the read
+end of a pipe only the supervisor writes to: end-of-file means the supervisor died, and the
+worker drains rather than serve on unsupervised.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ log = logging.getLogger(__name__)
 WORKER_ENV = "DEDUP_PROXY_WORKER"  # set in a worker: its number, from 1
 DSN_ENV = "DEDUP_PROXY_WORKER_DSN"  # set in a worker when the supervisor runs the embedded server
 READY_ENV = "DEDUP_PROXY_WORKER_READY_FD"  # the pipe a worker writes to once it listens
+LIFELINE_ENV = "DEDUP_PROXY_WORKER_LIFELINE_FD"  # end-of-file on it: the supervisor is gone
 _RESTART_PAUSE = 1.0  # a worker that dies this soon after it listened is restarted after a pause
+_MAX_RESTART_PAUSE = 30.0
 _KILL_MARGIN = 10.0  # past shutdown_timeout, a worker that has not exited is killed
 
 
@@ -45,64 +49,77 @@ class Worker:
     number: int
     process: asyncio.subprocess.Process
     started: float
-    ready_pipe: int  # read end
+    replacement: bool  # started in place of one that died
+    ready_pipe: int  # read end: the worker writes one byte once it listens
+    lifeline: int  # write end: the worker drains when it reads end-of-file (we died)
 
     def was_listening(self) -> bool:
-        """Whether it wrote its byte before exiting (read once, after it exited)."""
+        """Whether it wrote its byte before exiting (asked once, after it exited)."""
         try:
             return os.read(self.ready_pipe, 1) == b"r"
         except BlockingIOError:
             return False
         finally:
-            os.close(self.ready_pipe)
+            self.close_pipes()
+
+    def close_pipes(self) -> None:
+        for fd in (self.ready_pipe, self.lifeline):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class Supervisor:
     """The workers of one ``serve``."""
 
-    def __init__(self, cfg: config.Config, config_path: str, dsn: str | None) -> None:
+    def __init__(
+        self, cfg: config.Config, config_path: str, dsn: str | None, stopping: asyncio.Event
+    ) -> None:
         self.cfg = cfg
         self.config_path = config_path
         self.dsn = dsn
+        self.stopping = stopping
         self.metrics_dir = tempfile.mkdtemp(prefix="dedup-proxy-metrics-")
         self.workers: dict[int, Worker] = {}
-        self.stopping = asyncio.Event()
+        self.failures: dict[int, int] = {}  # replacements in a row that did not start
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self.stopping.set)
         try:
             for number in range(1, self.cfg.workers + 1):
-                await self._start(number)
+                await self._start(number, replacement=False)
             log.info("supervising %d workers", self.cfg.workers)
             return await self._watch()
         finally:
             await self._stop_all()
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(signum)
+            for worker in self.workers.values():
+                worker.close_pipes()
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
-    async def _start(self, number: int) -> None:
+    async def _start(self, number: int, *, replacement: bool) -> None:
         env = dict(os.environ)
         env[WORKER_ENV] = str(number)
         env[metrics.MULTIPROC_ENV] = self.metrics_dir
         if self.dsn is not None:
             env[DSN_ENV] = self.dsn
-        read_end, write_end = os.pipe()
-        os.set_blocking(read_end, False)
-        env[READY_ENV] = str(write_end)
+        ready_read, ready_write = os.pipe()
+        life_read, life_write = os.pipe()
+        os.set_blocking(ready_read, False)
+        env[READY_ENV] = str(ready_write)
+        env[LIFELINE_ENV] = str(life_read)
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy", "serve", "--config", self.config_path,
-                env=env, pass_fds=(write_end,),
+                env=env, pass_fds=(ready_write, life_read),
             )  # fmt: skip
         except BaseException:
-            os.close(read_end)
+            os.close(ready_read)
+            os.close(life_write)
             raise
         finally:
-            os.close(write_end)
-        self.workers[number] = Worker(number, process, time.monotonic(), read_end)
+            os.close(ready_write)
+            os.close(life_read)
+        self.workers[number] = Worker(
+            number, process, time.monotonic(), replacement, ready_read, life_write
+        )
 
     async def _watch(self) -> int:
         """Until SIGTERM (0) or a worker failing at start-up (its exit code)."""
@@ -117,25 +134,50 @@ class Supervisor:
                 if stop in done:
                     return 0
                 for future in done:
-                    worker = waits[future]
-                    code = worker.process.returncode
-                    pid = worker.process.pid
-                    multiprocess.mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
-                    if not worker.was_listening():
-                        log.error(
-                            "worker %d (pid %d) exited with code %s while starting; stopping",
-                            worker.number, pid, code,
-                        )  # fmt: skip
-                        return code if code and code > 0 else 1
-                    log.error(
-                        "worker %d (pid %d) exited with code %s; starting a new one",
-                        worker.number, pid, code,
-                    )  # fmt: skip
-                    if time.monotonic() - worker.started < _RESTART_PAUSE:
-                        await asyncio.sleep(_RESTART_PAUSE)  # no busy loop of crashes
-                    await self._start(worker.number)
+                    code = await self._replace(waits[future])
+                    if code is not None:
+                        return code
         finally:
             stop.cancel()
+
+    async def _replace(self, worker: Worker) -> int | None:
+        """Start a worker in place of one that exited; an exit code if the supervisor must stop.
+
+        A first worker that exits before it listens is a start-up failure (bad DSN, port
+        taken): everything stops. A replacement that does is retried with a growing pause
+        (the database may be failing over), while the other workers keep serving.
+        """
+        code = worker.process.returncode
+        pid = worker.process.pid
+        multiprocess.mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
+        if worker.was_listening():
+            self.failures[worker.number] = 0
+            log.error(
+                "worker %d (pid %d) exited with code %s; starting a new one",
+                worker.number, pid, code,
+            )  # fmt: skip
+            lived = time.monotonic() - worker.started
+            pause = _RESTART_PAUSE if lived < _RESTART_PAUSE else 0.0
+        elif not worker.replacement:
+            log.error(
+                "worker %d (pid %d) exited with code %s while starting; stopping",
+                worker.number, pid, code,
+            )  # fmt: skip
+            return code if code and code > 0 else 1
+        else:
+            failures = self.failures[worker.number] = self.failures.get(worker.number, 0) + 1
+            pause = min(_MAX_RESTART_PAUSE, _RESTART_PAUSE * 2**failures)
+            log.error(
+                "worker %d (pid %d) exited with code %s before listening; retrying in %gs",
+                worker.number, pid, code, pause,
+            )  # fmt: skip
+        if pause:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), pause)
+        if self.stopping.is_set():
+            return 0
+        await self._start(worker.number, replacement=True)
+        return None
 
     async def _stop_all(self) -> None:
         """SIGTERM every worker (they drain), SIGKILL the ones still there past the drain."""
@@ -159,17 +201,26 @@ class Supervisor:
 
 async def supervise(cfg: config.Config, config_path: str) -> int:
     """Run ``cfg.workers`` workers until SIGTERM; the embedded database, if any, outlives them."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Before anything starts: a SIGTERM while the embedded server starts must still stop it.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
     server = embedded.EmbeddedPostgres(cfg.database.data_dir) if cfg.database.embedded else None
-    dsn = None
-    if server is not None:
-        dsn = await asyncio.to_thread(server.start)
     try:
-        code = await Supervisor(cfg, config_path, dsn).run()
+        dsn = None
+        if server is not None:
+            dsn = await asyncio.to_thread(server.start)
+        if stopping.is_set():
+            return 0
+        code = await Supervisor(cfg, config_path, dsn, stopping).run()
         log.info("all workers stopped")
         return code
     finally:
         if server is not None:
             await asyncio.to_thread(server.stop)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
 
 
 def worker_number() -> int | None:
@@ -182,9 +233,19 @@ def report_listening() -> None:
     """In a worker: tell the supervisor that the listeners are up (no-op elsewhere)."""
     fd = os.environ.pop(READY_ENV, None)
     if fd is not None and fd.isdigit():
-        with contextlib.suppress(OSError):
+        try:
             os.write(int(fd), b"r")
-            os.close(int(fd))
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(int(fd))
+
+
+def lifeline() -> int | None:
+    """In a worker: the pipe that reaches end-of-file when the supervisor dies."""
+    fd = os.environ.pop(LIFELINE_ENV, None)
+    return int(fd) if fd is not None and fd.isdigit() else None
 
 
 def worker_config(cfg: config.Config) -> config.Config:

@@ -183,3 +183,35 @@ async def test_a_replica_starting_under_traffic_takes_no_table_lock(
     response = await second.post("/webhooks/corvel", data=event("other"))
     assert response.status == 200
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["in-flight", "other"]
+
+
+async def test_a_claim_cancelled_during_its_rollback_gives_its_connection_back(
+    pg_dsn: str, table: str, proxy_config: Callable[..., config.Config]
+) -> None:
+    cfg = proxy_config(database={"pool_size": 1, "pool_timeout": "2s"})
+    store = await claims.ClaimStore.open(
+        pg_dsn, cfg.database, claim_wait=cfg.claim_wait, upstream_timeout=cfg.upstream.timeout
+    )
+    try:
+        await store.ensure_schema()
+        key = claims.Key("corvel", "evt_cancel", None, b"\0" * 32)
+        holding = asyncio.Event()
+
+        async def claim_then_wait() -> None:
+            async with store.claim(key):
+                holding.set()
+                await asyncio.Event().wait()  # an upstream call that never ends
+
+        task = asyncio.create_task(claim_then_wait())
+        await holding.wait()
+        task.cancel()  # leaves the claim: ROLLBACK is sent...
+        await asyncio.sleep(0)
+        task.cancel()  # ...and cancelled too, as a shutdown past its timeout does
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+        # The only connection is free again, and the claim it held is gone with it.
+        async with asyncio.timeout(5), store.claim(key) as again:
+            assert again.acquired
+    finally:
+        await store.close()

@@ -24,6 +24,8 @@ class ScriptedApp:
     requests: list[bytes] = field(default_factory=list)
     connections: int = 0
     server: asyncio.Server | None = None
+    delay: float = 0.0  # before each answer
+    on_close: Callable[[], None] | None = None  # when the client closes a connection
 
     @property
     def origin(self) -> client.Origin:
@@ -45,6 +47,7 @@ class ScriptedApp:
                 answer = self.answers.pop(0)
                 if answer is None:
                     return
+                await asyncio.sleep(self.delay)
                 writer.write(answer)
                 await writer.drain()
                 if self.answers and self.answers[0] is None:
@@ -55,6 +58,8 @@ class ScriptedApp:
             pass
         finally:
             writer.close()
+            if self.on_close is not None:
+                self.on_close()
 
 
 @pytest.fixture
@@ -78,7 +83,7 @@ def ok(body: bytes = b"ok", extra: bytes = b"") -> bytes:
 
 
 async def call(app: ScriptedApp, within: float = 5.0) -> client.Answer:
-    upstream = client.Client(timeout=within, keepalive=5.0)
+    upstream = client.Client(timeout=within, keepalive=5.0, connections=10)
     try:
         return await upstream.request(
             app.origin, "POST", "/hook?x=1", headers=[("Host", "app")], body=b'{"id": 1}'
@@ -125,7 +130,7 @@ async def test_keeps_headers_repeated_and_in_order(scripted: Any) -> None:
 
 async def test_reuses_a_kept_alive_connection_and_not_a_closed_one(scripted: Any) -> None:
     app = await scripted([ok(), ok(extra=b"Connection: close\r\n"), ok()])
-    upstream = client.Client(timeout=5, keepalive=5)
+    upstream = client.Client(timeout=5, keepalive=5, connections=10)
     try:
         for _ in range(3):
             answer = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
@@ -137,7 +142,7 @@ async def test_reuses_a_kept_alive_connection_and_not_a_closed_one(scripted: Any
 
 async def test_an_idle_connection_past_keepalive_is_not_reused(scripted: Any) -> None:
     app = await scripted([ok(), ok()])
-    upstream = client.Client(timeout=5, keepalive=0.05)
+    upstream = client.Client(timeout=5, keepalive=0.05, connections=10)
     try:
         await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
         await asyncio.sleep(0.1)
@@ -165,6 +170,18 @@ async def test_an_idle_connection_past_keepalive_is_not_reused(scripted: Any) ->
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY", "not followed by CRLF"),
         (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "switched protocols"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length:\r\n\r\nabc", "bad or conflicting Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: ,\r\n\r\nabc", "bad or conflicting Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding:\r\nContent-Length: 3\r\n\r\nabc",
+         "both Transfer-Encoding and Content-Length"),
+        (b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+         "unsupported transfer coding"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nBad Trailer\r\n\r\n",
+         "bad trailer line"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1;x\x01\r\na\r\n0\r\n\r\n",
+         "bad chunk size line"),
+        (b"HTTP/1.1 103 Early Hints\r\n\r\n" * 11 + b"HTTP/1.1 200 OK\r\n\r\n",
+         "over 10 interim"),
         (b"HTTP/1.1 200 OK\r\nA: " + b"x" * (client.MAX_HEAD + 10), "over 65536 bytes"),
     ],
 )  # fmt: skip
@@ -200,7 +217,7 @@ async def test_nothing_listening_is_an_upstream_failure() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    upstream = client.Client(timeout=5, keepalive=5)
+    upstream = client.Client(timeout=5, keepalive=5, connections=10)
     with pytest.raises(errors.UpstreamUnavailable, match="upstream failed"):
         await upstream.request(
             client.Origin("127.0.0.1", port, "x"), "POST", "/", headers=[], body=b""
@@ -225,7 +242,8 @@ async def test_a_chunked_answer_is_relayed_through_the_proxy_with_its_headers(
     assert response.headers["X-App"] == "yes"
     assert response.headers["Content-Length"] == "7"  # re-framed by the proxy's server
     request = app.requests[0]
-    assert request.startswith(b"POST /webhooks/corvel HTTP/1.1\r\n")
+    # Host first, as RFC 9112 3.2 asks; the provider's, since preserve_host is on by default.
+    assert request.startswith(b"POST /webhooks/corvel HTTP/1.1\r\nHost: 127.0.0.1:")
     assert b"\r\nX-Forwarded-For: 127.0.0.1\r\n" in request
 
 
@@ -247,3 +265,46 @@ async def test_a_malformed_answer_is_a_502_and_the_retry_goes_through(
     retry = await proxy.post("/webhooks/corvel", data=event)
     assert (retry.status, await retry.read()) == (200, b"done")
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_malformed"]
+
+
+async def test_at_most_connections_are_in_use_at_once(scripted: Any) -> None:
+    app = await scripted([ok()] * 12)
+    upstream = client.Client(timeout=5, keepalive=5, connections=2)
+    try:
+        answers = await asyncio.gather(
+            *(upstream.request(app.origin, "POST", "/", headers=[], body=b"") for _ in range(6))
+        )
+    finally:
+        upstream.close()
+    assert [a.status for a in answers] == [200] * 6
+    assert app.connections == 2
+
+
+async def test_idle_connections_are_closed_after_keepalive_without_traffic(
+    scripted: Any,
+) -> None:
+    app = await scripted([ok(), ok()])
+    upstream = client.Client(timeout=5, keepalive=0.1, connections=10)
+    closed = asyncio.Event()
+    app.on_close = closed.set
+    try:
+        await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+        # No further request: the sweeper alone must close the idle connection.
+        await asyncio.wait_for(closed.wait(), 5)
+    finally:
+        upstream.close()
+
+
+async def test_a_request_ending_after_close_does_not_keep_its_connection(
+    scripted: Any,
+) -> None:
+    app = await scripted([ok(), ok()])
+    upstream = client.Client(timeout=5, keepalive=5, connections=10)
+    closed = asyncio.Event()
+    app.on_close = closed.set
+    app.delay = 0.2
+    request = asyncio.create_task(upstream.request(app.origin, "POST", "/", headers=[], body=b""))
+    await asyncio.sleep(0.05)
+    upstream.close()
+    assert (await request).status == 200
+    await asyncio.wait_for(closed.wait(), 5)

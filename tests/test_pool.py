@@ -129,3 +129,22 @@ async def test_a_closed_pool_refuses_to_lend(opened: pool.Pool) -> None:
     await opened.close(5)
     with pytest.raises(asyncpg.InterfaceError, match="closed"):
         await opened.acquire()
+
+
+async def test_a_request_waiting_when_the_pool_closes_opens_nothing(opened: pool.Pool) -> None:
+    a, b = await opened.acquire(), await opened.acquire()
+    waiting = asyncio.create_task(opened.acquire())
+    await asyncio.sleep(0.05)
+    await opened.close(5)
+    opened.release(a)  # a request finishing during shutdown
+    with pytest.raises(asyncpg.InterfaceError, match="closed"):
+        await asyncio.wait_for(waiting, 5)
+    opened.release(b)
+    assert opened.stats() == (0, 0)
+
+
+async def test_releasing_twice_is_refused(opened: pool.Pool) -> None:
+    connection = await opened.acquire()
+    opened.release(connection)
+    with pytest.raises(RuntimeError, match="did not lend"):
+        opened.release(connection)

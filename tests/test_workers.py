@@ -103,11 +103,12 @@ async def supervised(
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its new parent to reap it counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 async def _post(url: str, event_id: str) -> aiohttp.ClientResponse:
@@ -186,3 +187,17 @@ async def test_a_worker_that_cannot_start_stops_the_supervisor(
     assert f"cannot listen on http://127.0.0.1:{port}" in text
     assert "while starting; stopping" in text
     assert "Traceback" not in text
+
+
+async def test_workers_drain_and_exit_when_the_supervisor_is_killed(
+    supervised: Supervised,
+) -> None:
+    workers = supervised.workers()
+    supervised.process.kill()  # no SIGTERM to pass on: the workers must notice by themselves
+    await supervised.process.wait()
+
+    async def gone() -> bool:
+        return not any(_alive(pid) for pid in workers)
+
+    await wait_until(gone, "the orphaned workers to drain and exit", within=30)
+    assert sum(1 for x in supervised.lines() if x["msg"] == "the supervisor is gone: draining") == 2
