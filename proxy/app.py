@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -64,6 +64,18 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
         await store.close()
 
 
+@contextlib.asynccontextmanager
+async def _running(work: Coroutine[Any, Any, None], name: str) -> AsyncIterator[None]:
+    """``work`` as a background task for the life of the block, cancelled at its end."""
+    task = asyncio.create_task(work, name=name)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def _pool_gauges(app: web.Application) -> AsyncIterator[None]:
     """With workers, each writes its pool's gauges every second (a scrape cannot ask them)."""
     meters = app[pipeline.METRICS]
@@ -76,11 +88,8 @@ async def _pool_gauges(app: web.Application) -> AsyncIterator[None]:
             meters.refresh()
             await asyncio.sleep(1)
 
-    task = asyncio.create_task(refresh(), name="pool-gauges")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    async with _running(refresh(), "pool-gauges"):
+        yield
 
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
@@ -88,11 +97,8 @@ async def _sweeper(app: web.Application) -> AsyncIterator[None]:
     sweeper = retention.Sweeper(
         app[pipeline.STORE], cfg.database.table, cfg.routes, cfg.sweeper, app[pipeline.METRICS]
     )
-    task = asyncio.create_task(sweeper.run(), name="retention-sweeper")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    async with _running(sweeper.run(), "retention-sweeper"):
+        yield
 
 
 async def _forwarder(app: web.Application) -> AsyncIterator[None]:

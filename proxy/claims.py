@@ -137,8 +137,6 @@ class Claim:
         self.acquired = False
         self.mismatch = False
         self.reconciled = False
-        # A duplicate's ROLLBACK, with the payload comparison after it (see _mismatch_sql).
-        self.compare_on_release: str | None = None
         self._open = True
 
     async def commit(self) -> None:
@@ -159,14 +157,13 @@ class Claim:
                 f"COMMIT failed and could not be reconciled: {exc!r}"
             ) from exc
 
-    async def release(self) -> None:
-        """Roll back unless committed; a connection in doubt is closed, never reused."""
+    async def release(self, rollback: str = "ROLLBACK") -> None:
+        """Roll back unless committed, with ``rollback`` (a duplicate's also compares the
+        bodies, see _mismatch_sql); a connection in doubt is closed, never reused."""
         if self._open:
             self._open = False
             try:
-                status = await self._connection.execute(
-                    self.compare_on_release or "ROLLBACK", timeout=self._store.op_timeout
-                )
+                status = await self._connection.execute(rollback, timeout=self._store.op_timeout)
                 self.mismatch = status == "SELECT 1"
             except DB_ERRORS as exc:
                 log.warning("rollback failed, closing the connection: %r", exc)
@@ -274,6 +271,7 @@ class ClaimStore:
         """
         connection = await self._acquire()
         claim = Claim(self, connection, key)
+        rollback = "ROLLBACK"
         try:
             try:
                 status = await connection.execute(self._claim_sql(key), timeout=self._claim_timeout)
@@ -284,11 +282,11 @@ class ClaimStore:
                 raise errors.StoreUnavailable(f"claim failed: {exc!r}") from exc
             claim.acquired = status.rpartition(" ")[2] == "1"
             if not claim.acquired:
-                claim.compare_on_release = self._mismatch_sql(key)
+                rollback = self._mismatch_sql(key)
             yield claim
         finally:
             try:
-                await claim.release()
+                await claim.release(rollback)
             except BaseException:
                 # Cancelled mid-ROLLBACK (a shutdown past its timeout): the session's state is
                 # unknown, and asyncpg's in-transaction flag may be stale.

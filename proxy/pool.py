@@ -66,25 +66,21 @@ class Pool:
 
     async def acquire(self) -> Connection:
         """A connection, waiting for a free slot (bound the wait with a timeout)."""
-        if self._closed:
-            raise asyncpg.InterfaceError("the pool is closed")
         await self._slots.acquire()
-        if self._closed:  # closed while this request waited for a slot
+        if self._closed:
             self._slots.release()
             raise asyncpg.InterfaceError("the pool is closed")
         connection, since = self._free.pop()
-        if connection is not None:
-            if not connection.is_closed() and time.monotonic() - since < MAX_IDLE:
-                self._lent.add(connection)
-                return connection
-            self._forget(connection)
-        try:
-            connection = await self._connect()
-        except BaseException:
-            self._free.append((None, 0.0))
-            self._slots.release()
-            raise
-        self._open.add(connection)
+        if connection is None or connection.is_closed() or time.monotonic() - since >= MAX_IDLE:
+            if connection is not None:
+                self._forget(connection)
+            try:
+                connection = await self._connect()
+            except BaseException:
+                self._free.append((None, 0.0))
+                self._slots.release()
+                raise
+            self._open.add(connection)
         self._lent.add(connection)
         return connection
 
