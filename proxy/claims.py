@@ -42,7 +42,7 @@ DB_ERRORS = (
 )
 # Any constant will do: it only serialises concurrent schema creation by several replicas.
 _SCHEMA_LOCK_KEY = 0x64656475
-_SWEEP_LOCK_KEY = 0x64656476
+SWEEP_LOCK_KEY = 0x64656476
 
 
 def quote(table: str) -> str:
@@ -102,18 +102,41 @@ def discard(connection: Connection) -> None:
 
 
 def _literal(value: str | None) -> str:
-    """A SQL string literal. Safe because every session runs with standard_conforming_strings
-    on (backslashes are plain characters) and keys.py refuses control characters, NUL included,
-    in IDs and types; scopes are configuration names."""
-    return "NULL" if value is None else "'" + value.replace("'", "''") + "'"
+    """A SQL string literal that reads the same whatever the session's
+    standard_conforming_strings (an escape string: ``E'…'``, backslashes doubled), so the claim
+    depends on no session setting. keys.py refuses control characters, NUL included, in IDs and
+    types; scopes are configuration names."""
+    if value is None:
+        return "NULL"
+    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
 
 
 def _digest(value: bytes) -> str:
-    return f"'\\x{value.hex()}'::bytea"
+    return f"decode('{value.hex()}', 'hex')"
 
 
-def _ms(seconds: float) -> str:
+def millis(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
+
+
+def open_connection(
+    dsn: str, *, application_name: str, timeout: float, command_timeout: float | None = None
+) -> Awaitable[Connection]:
+    """A connection that works through PgBouncer in transaction pooling mode.
+
+    Nothing but ``application_name`` (which PgBouncer tracks) goes into the startup packet; the
+    settings a claim relies on travel inside its transaction (``SET LOCAL``). No prepared
+    statement outlives its round trip: asyncpg's statement cache would name statements on one
+    server connection and use them on another.
+    """
+    connection: Awaitable[Connection] = asyncpg.connect(
+        dsn,
+        timeout=timeout,
+        command_timeout=command_timeout,
+        statement_cache_size=0,
+        server_settings={"application_name": application_name},
+    )
+    return connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +205,9 @@ class ClaimStore:
         self,
         pool: Pool,
         settings: config.DatabaseConfig,
+        *,
         claim_wait: float,
+        upstream_timeout: float,
         connect: Callable[[], Awaitable[Connection]],
     ) -> None:
         self._pool = pool
@@ -190,12 +215,18 @@ class ClaimStore:
         self._settings = settings
         self.op_timeout = settings.connect_timeout
         self._claim_timeout = claim_wait + settings.connect_timeout
-        table = quote(settings.table)
-        self._insert = (
-            f"INSERT INTO {table} (scope, event_id, event_type, body_sha256) "
-            "VALUES ($1, $2, $3, $4) ON CONFLICT (scope, event_id) DO NOTHING RETURNING true"
+        self._table = quote(settings.table)
+        # The claim's own bounds, set inside its transaction (never in the startup packet,
+        # which PgBouncer refuses; never per session, which PgBouncer would hand to others):
+        # a copy waits on an in-flight claim at most claim_wait (55P03 past it); and the claim
+        # stays open while the upstream works, so past the upstream's timeout the server itself
+        # rolls back a claim whose proxy vanished without closing its socket.
+        self._begin = (
+            "BEGIN ISOLATION LEVEL READ COMMITTED; "
+            f"SET LOCAL lock_timeout = '{millis(claim_wait)}'; "
+            "SET LOCAL idle_in_transaction_session_timeout = "
+            f"'{millis(upstream_timeout + settings.connect_timeout)}'; "
         )
-        self._table = table
 
     @classmethod
     async def open(
@@ -208,21 +239,11 @@ class ClaimStore:
     ) -> ClaimStore:
         """Connect the pool; raise StoreUnavailable if PostgreSQL cannot be reached.
 
-        Every setting travels in the startup packet and nothing changes a session afterwards,
-        so a connection needs no reset between requests (see pool.py).
+        Nothing changes a session after connecting, so a connection needs no reset between
+        requests (see pool.py), and any server connection PgBouncer hands over will do.
         """
-        server_settings = {
-            "application_name": "dedup-proxy",
-            # The claim is sent with literals (_claim_sql): backslashes must stay plain.
-            "standard_conforming_strings": "on",
-            # A copy waits on an in-flight claim at most this long (55P03 past it).
-            "lock_timeout": _ms(claim_wait),
-            # The claim stays open while the upstream works; past this the server itself
-            # rolls back a claim whose proxy vanished without closing its socket.
-            "idle_in_transaction_session_timeout": _ms(upstream_timeout + settings.connect_timeout),
-        }
         connect = functools.partial(
-            asyncpg.connect, dsn, timeout=settings.connect_timeout, server_settings=server_settings
+            open_connection, dsn, application_name="dedup-proxy", timeout=settings.connect_timeout
         )
         try:
             pool = await Pool.open(
@@ -231,7 +252,10 @@ class ClaimStore:
             )
         except DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
-        return cls(pool, settings, claim_wait, connect)
+        return cls(
+            pool, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
+            connect=connect,
+        )  # fmt: skip
 
     async def close(self) -> None:
         await self._pool.close(self.op_timeout)
@@ -304,8 +328,7 @@ class ClaimStore:
         seeing the duplicate.
         """
         return (
-            "BEGIN ISOLATION LEVEL READ COMMITTED; "
-            f"INSERT INTO {self._table} (scope, event_id, event_type, body_sha256) "
+            f"{self._begin}INSERT INTO {self._table} (scope, event_id, event_type, body_sha256) "
             f"VALUES ({_literal(key.scope)}, {_literal(key.event_id)}, "
             f"{_literal(key.event_type)}, {_digest(key.body_sha256)}) "
             "ON CONFLICT (scope, event_id) DO NOTHING"
@@ -325,9 +348,9 @@ class ClaimStore:
         """After a COMMIT in doubt: is the claim stored now? Re-claims it if it is absent.
 
         On a fresh connection outside the pool (the pooled ones may sit behind the same broken
-        link) and without a transaction: a conflict means the row is there (our COMMIT went
-        through, or the event was processed elsewhere); an insert means our COMMIT was lost and
-        the claim is now stored. Anything else (the database still unreachable, our old
+        link), the claim again, committed at once: a conflict means the row is there (our COMMIT
+        went through, or the event was processed elsewhere); an insert means our COMMIT was lost
+        and the claim is now stored. Anything else (the database still unreachable, our old
         transaction still holding the row past claim_wait) leaves it unknown: False.
         """
         try:
@@ -336,10 +359,7 @@ class ClaimStore:
             log.warning("reconciling a COMMIT in doubt: cannot connect: %r", exc)
             return False
         try:
-            await connection.fetchval(
-                self._insert, key.scope, key.event_id, key.event_type, key.body_sha256,
-                timeout=self._claim_timeout,
-            )  # fmt: skip
+            await connection.execute(f"{self._claim_sql(key)}; COMMIT", timeout=self._claim_timeout)
         except DB_ERRORS as exc:
             log.warning("reconciling a COMMIT in doubt failed: %r", exc)
             return False
@@ -382,34 +402,16 @@ class ClaimStore:
             raise errors.StoreUnavailable(f"table {table} does not exist")
 
     @contextlib.asynccontextmanager
-    async def sweeping(self) -> AsyncIterator[Connection | None]:
-        """A connection holding the sweeper's advisory lock, or None if another replica has it."""
+    async def connection(self) -> AsyncIterator[Connection]:
+        """A pooled connection for work besides claims (the retention sweep); one that fails
+        or is cancelled mid-statement is closed, never lent again."""
         connection = await self._acquire()
-        unlocked = False  # only then may the connection be lent again
         try:
-            try:
-                locked = await connection.fetchval(
-                    "SELECT pg_try_advisory_lock($1)", _SWEEP_LOCK_KEY, timeout=self.op_timeout
-                )
-            except DB_ERRORS as exc:
-                raise errors.StoreUnavailable(f"sweep failed: {exc!r}") from exc
-            if not locked:
-                unlocked = True
-                yield None
-                return
-            try:
-                yield connection
-            finally:
-                with contextlib.suppress(*DB_ERRORS):
-                    await connection.execute(
-                        "SELECT pg_advisory_unlock($1)", _SWEEP_LOCK_KEY, timeout=self.op_timeout
-                    )
-                    unlocked = True
+            yield connection
+        except BaseException:
+            discard(connection)
+            raise
         finally:
-            if not unlocked:
-                # A failure or a cancellation left the session-level lock (or the session) in
-                # doubt: closing the connection releases the lock for the other replicas.
-                discard(connection)
             self._release(connection)
 
     def pool_stats(self) -> tuple[int, int]:

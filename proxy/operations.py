@@ -29,14 +29,8 @@ async def connect(cfg: config.Config) -> AsyncIterator[asyncpg.Connection[Any]]:
         dsn = cfg.database.dsn.reveal()
     try:
         try:
-            connection = await asyncpg.connect(
-                dsn,
-                timeout=cfg.database.connect_timeout,
-                server_settings={
-                    "application_name": "dedup-proxy-cli",
-                    # A forget must not queue for long behind a transaction holding the row.
-                    "lock_timeout": f"{round(cfg.claim_wait * 1000)}ms",
-                },
+            connection = await claims.open_connection(
+                dsn, application_name="dedup-proxy-cli", timeout=cfg.database.connect_timeout
             )
         except claims.DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
@@ -103,12 +97,16 @@ async def forget(
     scope = route_scope(cfg, route)
     async with connect(cfg) as connection:
         try:
-            rows = await connection.fetch(
-                f"DELETE FROM {claims.quote(cfg.database.table)} "
-                "WHERE scope = $1 AND event_id = ANY($2::text[]) RETURNING event_id",
-                scope,
-                list(event_ids),
-            )
+            async with connection.transaction():
+                # A forget must not queue for long behind a transaction holding the row.
+                wait = claims.millis(cfg.claim_wait)
+                await connection.execute(f"SET LOCAL lock_timeout = '{wait}'")
+                rows = await connection.fetch(
+                    f"DELETE FROM {claims.quote(cfg.database.table)} "
+                    "WHERE scope = $1 AND event_id = ANY($2::text[]) RETURNING event_id",
+                    scope,
+                    list(event_ids),
+                )
         except asyncpg.LockNotAvailableError as exc:
             raise errors.StoreUnavailable(
                 "one of these claims is locked by another transaction (the retention sweeper or "

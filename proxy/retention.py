@@ -1,8 +1,9 @@
 """The retention sweeper: removes claims older than their route's ``retention``.
 
-One replica sweeps at a time (a session advisory lock on the sweeping connection; the others
-skip that round), in small batches, each its own short transaction, with ``SKIP LOCKED`` so it
-never waits on, or holds up, a claim in flight.
+One replica sweeps at a time, in small batches, each its own short transaction holding a
+transaction-level advisory lock (a replica that finds it taken skips the round; a session-level
+lock would be lost, or leaked to another client, behind PgBouncer in transaction mode), with
+``SKIP LOCKED`` so it never waits on, or holds up, a claim in flight.
 """
 
 from __future__ import annotations
@@ -32,11 +33,20 @@ class Sweep:
             ") AS expired WHERE t.scope = expired.scope AND t.event_id = expired.event_id"
         )
 
-    async def delete_expired(self, scope: str, retention: float, batch: int) -> int:
+    async def delete_expired(self, scope: str, retention: float, batch: int) -> int | None:
+        """Delete one batch; None when another replica holds the sweeper's lock."""
         try:
-            status = await self._connection.execute(
-                self._delete, scope, retention, batch, timeout=self._timeout
-            )
+            async with self._connection.transaction():
+                locked = await self._connection.fetchval(
+                    "SELECT pg_try_advisory_xact_lock($1)",
+                    claims.SWEEP_LOCK_KEY,
+                    timeout=self._timeout,
+                )
+                if not locked:
+                    return None
+                status = await self._connection.execute(
+                    self._delete, scope, retention, batch, timeout=self._timeout
+                )
         except claims.DB_ERRORS as exc:
             raise errors.StoreUnavailable(f"retention delete failed: {exc!r}") from exc
         return int(status.split()[-1])
@@ -77,15 +87,15 @@ class Sweeper:
     async def sweep(self) -> dict[str, int] | None:
         """One round; the rows removed per scope, or None if another replica is sweeping."""
         started = time.perf_counter()
-        async with self._store.sweeping() as connection:
-            if connection is None:
-                return None
+        async with self._store.connection() as connection:
             sweep = Sweep(connection, self._table, self._store.op_timeout)
             removed: dict[str, int] = {}
             for scope, retention in self._retention.items():
                 total = 0
                 while True:
                     count = await sweep.delete_expired(scope, retention, self._settings.batch)
+                    if count is None:
+                        return None
                     total += count
                     self._metrics.retention_deleted.labels(scope).inc(count)
                     if count < self._settings.batch:

@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 
 from proxy import app as app_module
-from proxy import pipeline, retention
+from proxy import claims, pipeline, retention
 from tests.conftest import FakeUpstream, MakeProxy, claimed, execute, fetch
 
 
@@ -64,13 +64,16 @@ async def test_sweep_removes_only_expired_claims_of_each_scope(
     assert len(upstream.requests) == 11
 
 
-async def test_one_replica_sweeps_at_a_time(make_proxy: MakeProxy) -> None:
-    a, b = await make_proxy(routes=ROUTES), await make_proxy(routes=ROUTES)
-    store = a.app[pipeline.STORE]
-    async with store.sweeping() as holding:
-        assert holding is not None
-        assert await sweeper_of(b).sweep() is None
-    assert await sweeper_of(b).sweep() == {"short": 0, "long": 0}
+async def test_one_replica_sweeps_at_a_time(make_proxy: MakeProxy, pg_dsn: str) -> None:
+    proxy = await make_proxy(routes=ROUTES)
+    sweeping = await asyncpg.connect(pg_dsn)  # another replica, in the middle of a batch
+    try:
+        async with sweeping.transaction():
+            await sweeping.execute("SELECT pg_advisory_xact_lock($1)", claims.SWEEP_LOCK_KEY)
+            assert await sweeper_of(proxy).sweep() is None
+    finally:
+        await sweeping.close()
+    assert await sweeper_of(proxy).sweep() == {"short": 0, "long": 0}
 
 
 async def test_sweep_skips_rows_another_transaction_holds(

@@ -1,0 +1,250 @@
+"""Behind a real PgBouncer in transaction pooling mode, with its default settings: the proxy
+starts, and every guarantee holds, including the bounds a claim sets inside its transaction."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp import web
+
+from proxy import claims, config, embedded
+from tests import pgbouncer
+from tests.conftest import FakeUpstream, MakeProxy, claimed, wait_for_lock_waiters, wait_until
+from tests.ports import accepts, free_port
+from tests.test_operations import run_cli
+from tests.test_retention import sweeper_of
+
+
+def event(event_id: str) -> bytes:
+    return json.dumps({"id": event_id, "type": "t"}).encode()
+
+
+@pytest.fixture(scope="module")
+def bouncer(pg_dsn: str) -> Iterator[str]:
+    """The DSN of a PgBouncer in front of the session's PostgreSQL."""
+    with pgbouncer.pgbouncer(pg_dsn) as dsn:
+        yield dsn
+
+
+async def test_duplicates_failures_and_the_sweeper_work_through_pgbouncer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, bouncer: str, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: web.Response(status=500 if n == 1 else 200)
+    proxy = await make_proxy(database={"dsn": bouncer})
+
+    first = await proxy.post("/webhooks/corvel", data=event("a"))
+    again = await proxy.post("/webhooks/corvel", data=event("a"))
+    failed = await proxy.post("/webhooks/corvel", data=event("b"))
+    retried = await proxy.post("/webhooks/corvel", data=event("b"))
+    # A backslash and a quote in the ID: the claim's literals must not depend on session state.
+    odd = await proxy.post("/webhooks/corvel", data=event("c\\'\\\\x"))
+
+    assert [first.status, again.status, failed.status, retried.status, odd.status] == [
+        200, 200, 500, 200, 200,
+    ]  # fmt: skip
+    assert again.headers["Dedup-Status"] == "duplicate"
+    assert "Dedup-Status" not in retried.headers
+    assert len(upstream.requests) == 4
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["a", "b", "c\\'\\\\x"]
+    # The sweeper's lock is transaction-scoped: nothing of it outlives a batch behind PgBouncer.
+    for _ in range(3):
+        assert await sweeper_of(proxy).sweep() == {"corvel": 0, "github": 0}
+
+
+async def test_a_copy_on_another_proxy_waits_on_the_row_lock_through_pgbouncer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, bouncer: str, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    a = await make_proxy(database={"dsn": bouncer})
+    b = await make_proxy(database={"dsn": bouncer})
+    owner = asyncio.create_task(a.post("/webhooks/corvel", data=event("shared")))
+    await upstream.arrived.wait()
+    copy = asyncio.create_task(b.post("/webhooks/corvel", data=event("shared")))
+    await wait_for_lock_waiters(pg_dsn, table, 1)
+
+    upstream.gate.set()
+
+    assert (await owner).status == 200
+    duplicate = await copy
+    assert (duplicate.status, duplicate.headers["Dedup-Status"]) == (200, "duplicate")
+    assert len(upstream.requests) == 1
+
+
+async def test_claim_wait_bounds_a_copy_on_another_proxy_through_pgbouncer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, bouncer: str, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    a = await make_proxy(database={"dsn": bouncer})
+    b = await make_proxy(database={"dsn": bouncer}, claim_wait="1s")
+    owner = asyncio.create_task(a.post("/webhooks/corvel", data=event("slow")))
+    await upstream.arrived.wait()
+    try:
+        # Without the lock wait bound (lost if it were a session setting), this copy would
+        # wait until the owner finishes, which it does not until the copy is answered.
+        copy = await asyncio.wait_for(b.post("/webhooks/corvel", data=event("slow")), 20)
+        assert copy.status == 503
+        assert copy.headers["Retry-After"] == "5"
+        assert (await copy.json())["error"] == "claim_wait_exceeded"
+    finally:
+        upstream.gate.set()
+    assert (await owner).status == 200
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["slow"]
+
+
+async def test_the_server_rolls_back_a_stalled_claim_through_pgbouncer(
+    bouncer: str, table: str
+) -> None:
+    # A proxy that vanished without closing its socket leaves its claim idle in transaction;
+    # the server ends it past upstream_timeout + connect_timeout (here 1 s).
+    settings = config.DatabaseConfig(dsn=None, table=table, pool_size=1, connect_timeout=0.5)
+    stalled = await claims.ClaimStore.open(bouncer, settings, claim_wait=30, upstream_timeout=0.5)
+    other = await claims.ClaimStore.open(bouncer, settings, claim_wait=30, upstream_timeout=30)
+    key = claims.Key("s", "stalled", None, b"\0" * 32)
+    try:
+        await stalled.ensure_schema()
+        async with stalled.claim(key) as held:
+            assert held.acquired
+            async with asyncio.timeout(20), other.claim(key) as taken:
+                assert taken.acquired  # the stalled claim was rolled back, not waited out
+    finally:
+        await asyncio.gather(stalled.close(), other.close())
+
+
+class Serve:
+    """A ``dedup-proxy serve`` process."""
+
+    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
+        self.process = process
+        self.url = f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def serve(
+    tmp_path: Path, bouncer: str, table: str, upstream: FakeUpstream
+) -> AsyncIterator[Serve]:
+    port = free_port()
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "listen": f"127.0.0.1:{port}",
+                "admin": {"listen": f"127.0.0.1:{free_port()}"},
+                "upstream": {"url": upstream.url, "timeout": "10s"},
+                "database": {"dsn": bouncer, "table": table, "pool_size": 2},
+                "routes": [{"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"}],
+            }
+        )
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
+        stdout=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await wait_until(lambda: accepts(port), "the proxy to listen", within=30)
+        yield Serve(process, port)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_a_proxy_killed_mid_flight_releases_its_claim_through_pgbouncer(
+    serve: Serve, make_proxy: MakeProxy, upstream: FakeUpstream, bouncer: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        in_flight = asyncio.create_task(
+            session.post(f"{serve.url}/webhooks/corvel", data=event("orphan"))
+        )
+        await upstream.arrived.wait()
+        serve.process.send_signal(signal.SIGKILL)
+        await serve.process.wait()
+        with pytest.raises(aiohttp.ClientError):
+            await in_flight
+    upstream.gate.set()
+    survivor = await make_proxy(database={"dsn": bouncer}, claim_wait="10s")
+
+    retry = await survivor.post("/webhooks/corvel", data=event("orphan"))
+
+    assert retry.status == 200
+    assert "Dedup-Status" not in retry.headers  # processed: the dead proxy's claim is gone
+    assert len(upstream.requests) == 2
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[embedded.EmbeddedPostgres]:
+    server = embedded.EmbeddedPostgres(tmp_path / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_a_database_restart_behind_pgbouncer_fails_closed_then_recovers(
+    make_proxy: MakeProxy, upstream: FakeUpstream, own_server: embedded.EmbeddedPostgres
+) -> None:
+    dsn = own_server.start()  # already running: returns its DSN
+    with pgbouncer.pgbouncer(dsn) as through:
+        proxy = await make_proxy(database={"dsn": through, "pool_size": 2})
+        assert (await proxy.post("/webhooks/corvel", data=event("before"))).status == 200
+
+        await asyncio.to_thread(own_server.stop)
+        during = await proxy.post("/webhooks/corvel", data=event("during"))
+        assert during.status == 503
+        assert len(upstream.requests) == 1
+
+        await asyncio.to_thread(own_server.start)
+
+        async def recovered() -> bool:
+            response = await proxy.post("/webhooks/corvel", data=event("during"))
+            return response.status == 200
+
+        await wait_until(recovered, "the proxy to claim again after the restart", within=30)
+        assert len(upstream.requests) == 2
+
+
+async def test_operator_commands_work_through_pgbouncer(
+    make_proxy: MakeProxy, tmp_path: Path, bouncer: str, table: str, upstream: FakeUpstream
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": upstream.url},
+                "database": {"dsn": bouncer, "table": table, "create_schema": False},
+                "routes": [{"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"}],
+            }
+        )
+    )
+    results: dict[str, Any] = {}
+    for name, args in {
+        "check": ["check"],
+        "migrate": ["migrate"],
+        "migrate again": ["migrate"],
+    }.items():
+        results[name] = await run_cli(*args, "--config", str(path))
+    proxy = await make_proxy(database={"dsn": bouncer, "create_schema": False})
+    for n in range(3):
+        assert (await proxy.post("/webhooks/corvel", data=event(f"e{n}"))).status == 200
+    for name, args in {
+        "list": ["events", "list", "--route", "corvel"],
+        "forget": ["events", "forget", "--route", "corvel", "e1"],
+        "stats": ["stats"],
+    }.items():
+        results[name] = await run_cli(*args, "--config", str(path))
+
+    assert {name: code for name, (code, _, _) in results.items()} == dict.fromkeys(results, 0)
+    assert f"schema applied: table {table}" in results["migrate"][1]
+    assert "3 claim(s) in scope corvel" in results["list"][1]
+    assert "forgotten: corvel e1" in results["forget"][1]
+    assert results["stats"][1].splitlines()[1].split()[:3] == ["corvel", "corvel", "2"]
