@@ -1,21 +1,36 @@
-# Build: docker build -t dedup-proxy .
-# Run:   docker run -v $PWD/config.yaml:/etc/dedup-proxy/config.yaml:ro \
-#          -e DATABASE_URL=postgresql://... -p 8080:8080 dedup-proxy
-# No embedded database in the image: point database.dsn at your PostgreSQL.
+# webhook-dedup-proxy: the proxy, its dependencies and uvloop (extra "fast"), nothing else.
+#
+# Build: docker build -t dedup-proxy .       (or: buildah bud -t dedup-proxy .)
+# Run:   docker run --read-only -e DATABASE_URL=postgresql://user:secret@db:5432/app \
+#          -e UPSTREAM_URL=http://app:3000 -p 8080:8080 -p 127.0.0.1:9901:9901 dedup-proxy
+#
+# - Configuration: deploy/config.yaml is the default at /etc/dedup-proxy/config.yaml; mount your
+#   own file there (-v "$PWD/config.yaml:/etc/dedup-proxy/config.yaml:ro", a ConfigMap).
+# - No embedded PostgreSQL: DATABASE_URL must name a real server (it is required).
+# - Runs as uid/gid 10001 and writes nothing to its filesystem, so the root filesystem can be
+#   read-only. Only `workers` > 1 needs a writable /tmp (the workers' shared metrics files):
+#   then mount a tmpfs there (--tmpfs /tmp, or an emptyDir with medium: Memory).
+# - Port 8080: webhooks. Port 9901: admin (/healthz, /readyz, /metrics), not for the internet.
 
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[fast]"
+# Installed under /install in /usr/local's layout (the dedup-proxy script runs /usr/local/bin's
+# python), then copied to /usr/local below: no wheels, sources or pip cache in the runtime stage.
+RUN pip install --no-cache-dir --disable-pip-version-check --no-warn-script-location \
+        --prefix=/install "/src[fast]"
 
 FROM python:3.11-slim-bookworm
-ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin dedup
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index /wheels/*.whl \
-    && rm -rf /wheels
-USER 10001
-EXPOSE 8080
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+RUN groupadd --system --gid 10001 dedup \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin dedup
+COPY --from=build /install /usr/local
+COPY --chmod=0644 deploy/config.yaml /etc/dedup-proxy/config.yaml
+USER 10001:10001
+EXPOSE 8080 9901
+# No HEALTHCHECK: probing is the orchestrator's (kubelet: /readyz and /healthz on port 9901).
 ENTRYPOINT ["dedup-proxy"]
 CMD ["serve", "--config", "/etc/dedup-proxy/config.yaml"]

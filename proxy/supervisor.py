@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from prometheus_client import multiprocess
 
-from proxy import config, embedded, metrics
+from proxy import config, embedded, errors, metrics
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,13 @@ class Supervisor:
         self.config_path = config_path
         self.dsn = dsn
         self.stopping = stopping
-        self.metrics_dir = tempfile.mkdtemp(prefix="dedup-proxy-metrics-")
+        try:
+            self.metrics_dir = tempfile.mkdtemp(prefix="dedup-proxy-metrics-")
+        except OSError as exc:  # a read-only root filesystem with no /tmp mounted
+            raise errors.ProxyError(
+                "workers > 1 needs a writable temporary directory for the workers' metrics: "
+                f"mount a tmpfs (an emptyDir) on /tmp, or set TMPDIR ({exc})"
+            ) from exc
         self.workers: dict[int, Worker] = {}
         self.failures: dict[int, int] = {}  # replacements in a row that did not start
 
