@@ -1,7 +1,6 @@
-"""The aiohttp application: one cleanup context per long-lived resource, one route per webhook.
-
-aiohttp's router is the route table: configured webhook paths take POST through the pipeline,
-and a catch-all passes everything else through to the upstream unchanged.
+"""The aiohttp application: one cleanup context per long-lived resource, one handler for every
+request (it normalizes the path, then takes a configured webhook path through the pipeline and
+passes anything else through to the upstream, when allowed).
 """
 
 from __future__ import annotations
@@ -138,9 +137,7 @@ def create_app(cfg: config.Config) -> web.Application:
     meters = app[pipeline.METRICS] = metrics.Metrics()
     app[pipeline.DRAINING] = asyncio.Event()
     app.cleanup_ctx.extend([_database, _claim_store, _pool_gauges, _forwarder, _sweeper])
-    for route in cfg.routes:
-        app.router.add_post(
-            route.path, pipeline.Webhook(route, cfg, meters).handle, name=route.name
-        )
-    app.router.add_route("*", "/{tail:.*}", pipeline.make_passthrough(cfg.upstream.url, meters))
+    # Every request, whatever its path: routing happens on the normalized path (paths.py),
+    # not in aiohttp's router, which matches before any middleware could normalize it.
+    app.router.add_route("*", "/{tail:(?s:.*)}", pipeline.make_dispatcher(cfg, meters))
     return app

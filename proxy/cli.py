@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
         "delivery of each is forwarded to the app again.",
     )
     forgetting.add_argument("--route", required=True, help="route name from the configuration")
+    forgetting.add_argument(
+        "--scope", help="the claims' scope, for a route scoped by its path (events list shows it)"
+    )
     forgetting.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
     for sub in (listing, forgetting):
         _config_option(sub)
@@ -120,16 +123,24 @@ def _describe(cfg: config.Config, source: str) -> str:
         details = [
             f"id {' + '.join(map(str, ids))}",
             f"type {route.event_type}" if route.event_type else "",
-            f"scope {route.scope}",
+            f"scope {route.scope}"
+            + ("/{" + "}/{".join(route.pattern.params) + "}" if route.scoped_by_path else ""),
             verify,
             f"retention {route.retention / 86400:g}d",
             f"max_body {route.max_body}",
             f"preset {route.preset}" if route.preset else "",
             "no ID: forwarded unclaimed" if route.forward_missing_id else "",
         ]
-        lines.append(f"  POST {route.path} -> {route.upstream}  [{route.name}]")
+        lines.append(
+            f"  {','.join(route.methods)} {route.path} -> {route.upstream}  [{route.name}]"
+        )
         lines.append(f"       {', '.join(d for d in details if d)}")
-    lines.append(f"  *    (any other path) -> {cfg.upstream.url}  [pass-through, no claim]")
+    if cfg.passthrough is None:
+        lines.append(f"  *    (any other path) -> {cfg.upstream.url}  [pass-through, no claim]")
+    else:
+        for prefix in cfg.passthrough:
+            lines.append(f"  *    {prefix} (and below) -> {cfg.upstream.url}  [pass-through]")
+        lines.append("  *    (any other path) -> 404")
     return "\n".join(lines)
 
 
@@ -178,7 +189,7 @@ async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
         return await operations.migrate(cfg)
     if args.action == "list":
         return await operations.list_events(cfg, args.route, args.since, args.limit)
-    return await operations.forget(cfg, args.route, args.event_ids)
+    return await operations.forget(cfg, args.route, args.event_ids, scope=args.scope)
 
 
 def _run(main: Coroutine[Any, Any, T]) -> T:

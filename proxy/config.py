@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from proxy import errors, reader, values
+from proxy import errors, paths, reader, values
 from proxy import routes as routes_module
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
@@ -37,7 +37,7 @@ MAX_WORKERS = 64
 _LEVELS = ("debug", "info", "warning", "error")
 TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
              "shutdown_timeout", "client_timeout", "log", "admin", "sweeper",
-             "workers")  # fmt: skip
+             "workers", "passthrough")  # fmt: skip
 DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
@@ -116,7 +116,7 @@ class DatabaseConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LogConfig:
     level: str = "info"
-    format: str = "auto"  # auto: JSON unless stderr is a terminal
+    format: str = "auto"  # auto: JSON unless stdout is a terminal
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +143,8 @@ class Config:
     admin: AdminConfig = field(default_factory=AdminConfig)
     sweeper: SweeperConfig = field(default_factory=SweeperConfig)
     workers: int = 1  # processes sharing the listeners (SO_REUSEPORT), each with its own pool
+    # Paths that match no route: forwarded if under one of these prefixes; None: all of them.
+    passthrough: tuple[str, ...] | None = None
 
 
 def _listen(value: object) -> Listen:
@@ -153,6 +155,20 @@ def _listen(value: object) -> Listen:
 def _dsn(value: object) -> Secret | None:
     dsn = values.parse_dsn(value)
     return None if dsn is None else Secret(dsn)
+
+
+def _passthrough(value: object) -> tuple[str, ...] | None:
+    """``all`` (None), ``none`` (no prefix) or a list of normalized path prefixes."""
+    if value in ("all", "none"):
+        return None if value == "all" else ()
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"must be all, none or a list of path prefixes, got {value!r}")
+    prefixes = []
+    for item in value:
+        if not isinstance(item, str) or paths.normalize_prefix(item) != item:
+            raise ValueError(f"must be normalized path prefixes like /api, got {item!r}")
+        prefixes.append(item)
+    return tuple(prefixes)
 
 
 def load(path: str | os.PathLike[str]) -> Config:
@@ -231,6 +247,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
             batch=r.value(sw, "batch", "sweeper", values.parse_positive_int, DEFAULT_SWEEP_BATCH),
         ),
         workers=r.value(top, "workers", "", values.parse_positive_int, 1),
+        passthrough=r.value(top, "passthrough", "", _passthrough, None),
         log=LogConfig(
             level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
             format=r.value(

@@ -13,7 +13,10 @@ place.
       x UnsafeRuntime               aiohttp's C HTTP parser is not in use
       x ListenFailed                a listener's address is taken or not allowed
       x CommitFailed                COMMIT after an upstream 2xx did not go through
-      x RequestError                carries .status, .code and .retry_after
+      x RequestError                carries .status, .code, .retry_after and .headers
+        + PathRefused               400  an ambiguous variant of a webhook path, not origin-form
+        + NotRouted                 404  matches no route, and pass-through does not allow it
+        + MethodNotAllowed          405  a webhook path with a method its route does not take
         + EventIdInvalid            400  no usable event ID in the request
           + EventIdMissing          400  the event ID's source is absent
         + RequestIncomplete         400  the body ended before its declared end
@@ -78,6 +81,40 @@ class RequestError(ProxyError):
     status = 500
     code = "internal_error"
     retry_after: int | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Header fields the answer needs besides Retry-After."""
+        return {}
+
+
+class PathRefused(RequestError):
+    """The request path is refused."""
+
+    status = 400
+    code = "path_refused"
+
+
+class NotRouted(RequestError):
+    """No route for this path, and pass-through is not allowed for it."""
+
+    status = 404
+    code = "not_found"
+
+
+class MethodNotAllowed(RequestError):
+    """This webhook path does not take that method."""
+
+    status = 405
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, allow: Sequence[str]) -> None:
+        super().__init__(message)
+        self.allow = tuple(allow)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Allow": ", ".join(self.allow)}
 
 
 class EventIdInvalid(RequestError):

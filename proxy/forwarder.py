@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
+import yarl
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -102,6 +103,12 @@ class UpstreamResponse:
         )
 
 
+def _url(base_url: str, target: str) -> yarl.URL:
+    """The upstream URL, with ``target`` exactly as given: yarl would otherwise remove dot
+    segments, and the app would be sent a path the proxy did not route on."""
+    return yarl.URL(base_url + target, encoded=True)
+
+
 def origin_of(base_url: str) -> client.Origin | None:
     """Where the webhook path's own client connects for ``base_url``; None when aiohttp's client
     must (``https://``, or credentials in the URL)."""
@@ -167,9 +174,10 @@ class Forwarder:
             raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
 
     async def forward(
-        self, request: web.Request, base_url: str, body: bytes, request_id: str
+        self, request: web.Request, base_url: str, target: str, body: bytes, request_id: str
     ) -> UpstreamResponse:
-        """Send the webhook with its already-read body; read the whole answer."""
+        """Send the webhook to ``target`` (the path and query the proxy routed on) with its
+        already-read body; read the whole answer."""
         found = self._origins.get(base_url)
         if found is None:
             found = self._origins[base_url] = (origin_of(base_url), urlsplit(base_url).path)
@@ -179,7 +187,7 @@ class Forwarder:
             # Host first (RFC 9112 3.2), the provider's when preserve_host kept it.
             host = headers.popall(hdrs.HOST, [origin.authority])[0]
             answer = await self._client.request(
-                origin, request.method, prefix + request.raw_path,
+                origin, request.method, prefix + target,
                 headers=[(hdrs.HOST, host), *headers.items()], body=body,
             )  # fmt: skip
             return UpstreamResponse(
@@ -191,7 +199,7 @@ class Forwarder:
         with self._translated():
             async with self._session.request(
                 request.method,
-                base_url + request.raw_path,
+                _url(base_url, target),
                 headers=self._headers(request, request_id, keep_length=False),
                 data=body,
                 allow_redirects=False,
@@ -206,13 +214,14 @@ class Forwarder:
                 )
 
     async def relay(
-        self, request: web.Request, base_url: str, request_id: str
+        self, request: web.Request, base_url: str, target: str, request_id: str
     ) -> web.StreamResponse:
-        """Pass a request through unchanged, streaming both ways (no claim, no size cap)."""
+        """Pass a request through to ``target`` (the path and query the proxy routed on),
+        streaming both ways (no claim, no size cap)."""
         with self._translated():
             upstream = await self._session.request(
                 request.method,
-                base_url + request.raw_path,
+                _url(base_url, target),
                 headers=self._headers(request, request_id, keep_length=True),
                 data=request.content if request.body_exists else None,
                 allow_redirects=False,

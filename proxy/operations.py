@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import asyncpg
 
-from proxy import claims, config, embedded, errors
+from proxy import claims, config, embedded, errors, routes
 
 
 @contextlib.asynccontextmanager
@@ -43,12 +43,24 @@ async def connect(cfg: config.Config) -> AsyncIterator[asyncpg.Connection[Any]]:
             await asyncio.to_thread(server.stop)
 
 
-def route_scope(cfg: config.Config, name: str) -> str:
+def route_of(cfg: config.Config, name: str) -> routes.RouteConfig:
     for route in cfg.routes:
         if route.name == name:
-            return route.scope
+            return route
     known = ", ".join(route.name for route in cfg.routes)
     raise errors.ConfigError("--route", [f"no route named {name!r} (routes: {known})"])
+
+
+def route_scope(cfg: config.Config, name: str) -> str:
+    return route_of(cfg, name).scope
+
+
+# A route's scope and, for a templated path, its per-path scopes ("scope/acme").
+_IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
+
+
+def _in_scope(scope: str, base: str) -> bool:
+    return scope == base or scope.startswith(base + "/")
 
 
 def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
@@ -68,8 +80,9 @@ async def list_events(
     async with connect(cfg) as connection:
         rows = await _fetch(
             connection,
-            f"SELECT event_id, event_type, received_at FROM {claims.quote(cfg.database.table)} "
-            "WHERE scope = $1 AND ($2::timestamptz IS NULL OR received_at >= $2) "
+            "SELECT scope, event_id, event_type, received_at "
+            f"FROM {claims.quote(cfg.database.table)} WHERE {_IN_SCOPE} "
+            "AND ($2::timestamptz IS NULL OR received_at >= $2) "
             "ORDER BY received_at DESC LIMIT $3",
             scope,
             after,
@@ -77,24 +90,37 @@ async def list_events(
         )
     table(
         [
-            (r["received_at"].isoformat(timespec="seconds"), r["event_id"], r["event_type"])
+            (r["received_at"].isoformat(timespec="seconds"), r["scope"], r["event_id"],
+             r["event_type"])
             for r in rows
         ],
-        ("received_at", "event_id", "event_type"),
+        ("received_at", "scope", "event_id", "event_type"),
         out,
-    )
+    )  # fmt: skip
     out.write(f"{len(rows)} claim(s) in scope {scope}\n")
     return 0
 
 
 async def forget(
-    cfg: config.Config, route: str, event_ids: Sequence[str], out: TextIO = sys.stdout
+    cfg: config.Config,
+    route: str,
+    event_ids: Sequence[str],
+    out: TextIO = sys.stdout,
+    scope: str | None = None,
 ) -> int:
     """Delete claims so a manual redelivery goes through. Exit 1 if some were not there.
 
     A claim still in flight is an uncommitted row, invisible here: it is "not found" until its
     request has finished (and then it is either committed, so forgettable, or gone)."""
-    scope = route_scope(cfg, route)
+    found = route_of(cfg, route)
+    if scope is None and found.scoped_by_path:
+        raise errors.ConfigError(
+            "--scope",
+            [f"route {route!r} scopes claims by its path: give --scope (events list shows it)"],
+        )
+    if scope is not None and not _in_scope(scope, found.scope):
+        raise errors.ConfigError("--scope", [f"{scope!r} is not a scope of route {route!r}"])
+    scope = scope or found.scope
     async with connect(cfg) as connection:
         try:
             async with connection.transaction():
@@ -129,21 +155,20 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
             "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest "
             f"FROM {claims.quote(cfg.database.table)} GROUP BY scope",
         )
-    by_scope = {r["scope"]: r for r in rows}
 
     def when(value: datetime | None) -> str:
         return value.isoformat(timespec="seconds") if value else "-"
 
     lines = []
     for route in cfg.routes:
-        row = by_scope.get(route.scope)
+        mine = [r for r in rows if _in_scope(r["scope"], route.scope)]
         lines.append(
             (
                 route.name,
-                route.scope,
-                row["n"] if row else 0,
-                when(row["oldest"] if row else None),
-                when(row["newest"] if row else None),
+                route.scope + ("/…" if route.scoped_by_path else ""),
+                sum(r["n"] for r in mine),
+                when(min((r["oldest"] for r in mine), default=None)),
+                when(max((r["newest"] for r in mine), default=None)),
                 f"{route.retention / 86400:g}d",
             )
         )

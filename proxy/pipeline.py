@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from proxy import claims, config, errors, flights, forwarder, keys, metrics, routes
+from proxy import claims, config, errors, flights, forwarder, keys, metrics, paths, routes
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,13 @@ _READ_CHUNK = 64 * 1024
 
 
 def _json(
-    status: int, payload: dict[str, Any], outcome: str, retry_after: int | None = None
+    status: int,
+    payload: dict[str, Any],
+    outcome: str,
+    retry_after: int | None = None,
+    extra: dict[str, str] | None = None,
 ) -> web.Response:
-    headers = {"Dedup-Status": outcome}
+    headers = {"Dedup-Status": outcome, **(extra or {})}
     if retry_after is not None:
         headers["Retry-After"] = str(retry_after)
     return web.json_response(payload, status=status, headers=headers)
@@ -54,6 +58,7 @@ def error_response(exc: errors.RequestError) -> web.Response:
         {"status": "error", "error": exc.code, "message": exc.message},
         _outcome(exc),
         exc.retry_after,
+        exc.headers,
     )
 
 
@@ -118,13 +123,20 @@ class Webhook:
         self.claim_wait = cfg.claim_wait
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request, match: paths.Match[Webhook]) -> web.StreamResponse:
         started = time.perf_counter()
-        fields = _fields(request, self.route)
+        scope = self.route.scope_for(match.values)
+        fields = _fields(request, self.route, scope)
         in_flight = self.meters.in_flight
         in_flight.inc()
         try:
-            response = await self._handle(request, fields)
+            if request.method not in self.route.methods:
+                raise errors.MethodNotAllowed(
+                    f"route {self.route.name!r} takes {', '.join(self.route.methods)}",
+                    self.route.methods,
+                )
+            target = match.path + paths.query_of(request.raw_path)
+            response = await self._handle(request, target, scope, fields)
         except errors.RequestError as exc:
             fields.update(outcome=_outcome(exc), error=exc.message)
             response = error_response(exc)
@@ -133,7 +145,9 @@ class Webhook:
         _finish(self.meters, fields, started, response)
         return response
 
-    async def _handle(self, request: web.Request, fields: dict[str, Any]) -> web.StreamResponse:
+    async def _handle(
+        self, request: web.Request, target: str, scope: str, fields: dict[str, Any]
+    ) -> web.StreamResponse:
         route = self.route
         body = await read_body(request, route.max_body, self.client_timeout)
         if route.verify is not None:
@@ -147,11 +161,11 @@ class Webhook:
         except errors.EventIdMissing:
             if not route.forward_missing_id:
                 raise
-            upstream = await self._call(request, body, fields)
+            upstream = await self._call(request, target, body, fields)
             fields["outcome"] = "unclaimed"
             return upstream.to_web()
         fields.update(event_id=event_id, event_type=event_type)
-        key = claims.Key(route.scope, event_id, event_type, hashlib.sha256(body).digest())
+        key = claims.Key(scope, event_id, event_type, hashlib.sha256(body).digest())
         claim_started = time.perf_counter()
         async with request.app[FLIGHTS].turn((key.scope, key.event_id), self.claim_wait) as flight:
             if flight.committed_sha256 is not None:
@@ -161,7 +175,7 @@ class Webhook:
             async with request.app[STORE].claim(key) as claim:
                 self._claimed(fields, claim_started)
                 if claim.acquired:
-                    response = await self._forward(request, body, claim, fields)
+                    response = await self._forward(request, target, body, claim, fields)
                     if fields["outcome"] == "processed":
                         flight.committed_sha256 = key.body_sha256
                     return response
@@ -178,11 +192,11 @@ class Webhook:
         self.meters.claim_wait.observe(waited)
 
     async def _call(
-        self, request: web.Request, body: bytes, fields: dict[str, Any]
+        self, request: web.Request, target: str, body: bytes, fields: dict[str, Any]
     ) -> forwarder.UpstreamResponse:
         started = time.perf_counter()
         upstream = await request.app[FORWARDER].forward(
-            request, self.route.upstream, body, fields["request_id"]
+            request, self.route.upstream, target, body, fields["request_id"]
         )
         self.meters.upstream_latency.observe(time.perf_counter() - started)
         fields["upstream_status"] = upstream.status
@@ -192,9 +206,14 @@ class Webhook:
         return upstream
 
     async def _forward(
-        self, request: web.Request, body: bytes, claim: claims.Claim, fields: dict[str, Any]
+        self,
+        request: web.Request,
+        target: str,
+        body: bytes,
+        claim: claims.Claim,
+        fields: dict[str, Any],
     ) -> web.StreamResponse:
-        upstream = await self._call(request, body, fields)
+        upstream = await self._call(request, target, body, fields)
         if not upstream.ok:
             fields["outcome"] = "upstream_error"
             return upstream.to_web()
@@ -222,15 +241,33 @@ class Webhook:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def make_passthrough(upstream: str, meters: metrics.Metrics) -> Handler:
-    """The handler for paths that match no route: forwarded unchanged, nothing claimed."""
+def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
+    """The one handler: normalize the path, then the webhook route it is, or pass-through."""
+    table = paths.Table([(route.pattern, Webhook(route, cfg, meters)) for route in cfg.routes])
     route_meters = meters.route("")
+    upstream, passthrough = cfg.upstream.url, cfg.passthrough
 
-    async def passthrough(request: web.Request) -> web.StreamResponse:
+    async def dispatch(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
-        fields = _fields(request, None)
         try:
-            response = await request.app[FORWARDER].relay(request, upstream, fields["request_id"])
+            target = paths.normalize(request.raw_path)
+            match = table.match(target, request.raw_path)
+            if match is not None:
+                return await match.route.handle(request, match)
+            if not paths.passes(passthrough, target.path):
+                raise errors.NotRouted()
+        except errors.RequestError as exc:
+            fields = _fields(request, None, None)
+            fields.update(outcome=_outcome(exc), error=exc.message)
+            refusal = error_response(exc)
+            _finish(route_meters, fields, started, refusal)
+            return refusal
+        fields = _fields(request, None, None)
+        response: web.StreamResponse
+        try:
+            response = await request.app[FORWARDER].relay(
+                request, upstream, target.path + target.query, fields["request_id"]
+            )
             fields["outcome"] = "passthrough"
         except errors.RequestError as exc:
             fields.update(outcome=_outcome(exc), error=exc.message)
@@ -238,14 +275,16 @@ def make_passthrough(upstream: str, meters: metrics.Metrics) -> Handler:
         _finish(route_meters, fields, started, response)
         return response
 
-    return passthrough
+    return dispatch
 
 
-def _fields(request: web.Request, route: routes.RouteConfig | None) -> dict[str, Any]:
+def _fields(
+    request: web.Request, route: routes.RouteConfig | None, scope: str | None
+) -> dict[str, Any]:
     """The start of the request's canonical log line."""
     return {
         "route": route.name if route else None,
-        "scope": route.scope if route else None,
+        "scope": scope,
         "method": request.method,
         "path": request.path,
         # The provider's (or an ingress's) ID if it sent one, so the lines can be joined.

@@ -28,7 +28,9 @@ class Sweep:
         self._delete = (
             f"DELETE FROM {table} AS t USING ("
             f"  SELECT scope, event_id FROM {table}"
-            "   WHERE scope = $1 AND received_at < now() - make_interval(secs => $2)"
+            # A route's scope, and its per-path scopes ("scope/acme": a templated path).
+            "   WHERE (scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
+            "     AND received_at < now() - make_interval(secs => $2)"
             "   LIMIT $3 FOR UPDATE SKIP LOCKED"
             ") AS expired WHERE t.scope = expired.scope AND t.event_id = expired.event_id"
         )

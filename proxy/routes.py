@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy import keys, presets, reader, signatures, values
+from proxy import keys, paths, presets, reader, signatures, values
 
 DEFAULT_RETENTION = 30 * 86400.0
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
-              "max_body", "verify", "retention", "missing_id")  # fmt: skip
+              "max_body", "verify", "retention", "missing_id", "methods")  # fmt: skip
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
                "prefix")  # fmt: skip
 
@@ -18,6 +18,10 @@ class RouteConfig:
     name: str
     path: str
     scope: str
+    # Scope each claim by the path's {parameters} too (a templated path without an explicit
+    # scope): /hooks/acme and /hooks/globex are separate ID spaces.
+    scoped_by_path: bool = False
+    methods: tuple[str, ...] = ("POST",)
     event_id: keys.Source | tuple[keys.Source, ...]  # a tuple: a composite key
     event_type: keys.Source | None
     upstream: str
@@ -26,6 +30,17 @@ class RouteConfig:
     verify: signatures.Verifier | None = None
     retention: float = DEFAULT_RETENTION
     forward_missing_id: bool = False  # ``missing_id: forward``
+
+    @property
+    def pattern(self) -> paths.Pattern:
+        return paths.Pattern.parse(self.path)
+
+    def scope_for(self, values: tuple[str, ...]) -> str:
+        """The claim's scope for a request whose path parameters are ``values``; parameter
+        values are matched as sent but scoped case-insensitively, as the path's literals."""
+        if not self.scoped_by_path:
+            return self.scope
+        return "/".join((self.scope, *(value.lower() for value in values)))
 
 
 def parse_routes(
@@ -36,7 +51,7 @@ def parse_routes(
         return ()
     parsed: list[RouteConfig] = []
     seen_names: dict[str, str] = {}
-    seen_paths: dict[str, str] = {}
+    seen_paths: dict[tuple[str, ...], str] = {}
     for index, item in enumerate(raw):
         path = f"routes[{index}]"
         route = r.mapping(item, path, ROUTE_KEYS)
@@ -46,7 +61,8 @@ def parse_routes(
         preset_name = r.value(route, "preset", path, values.parse_choice(*presets.PRESETS), None)
         preset = presets.PRESETS.get(preset_name or "")
         name = r.required(route, "name", path, values.parse_name)
-        url_path = r.required(route, "path", path, values.parse_path)
+        pattern = r.required(route, "path", path, paths.Pattern.parse)
+        url_path = pattern.path if pattern else None
         if preset is None:
             event_id = r.required(route, "event_id", path, values.parse_sources)
         else:
@@ -55,11 +71,18 @@ def parse_routes(
                 route, "event_id", path, values.parse_sources,
                 values.parse_sources(ids if len(ids) > 1 else ids[0]),
             )  # fmt: skip
-        for value, seen, key in ((name, seen_names, "name"), (url_path, seen_paths, "path")):
-            if value is not None and value in seen:
-                r.problem(f"{path}.{key}", f"{value!r} is already used by {seen[value]}")
-            elif value is not None:
-                seen[value] = path
+        if name is not None and name in seen_names:
+            r.problem(f"{path}.name", f"{name!r} is already used by {seen_names[name]}")
+        elif name is not None:
+            seen_names[name] = path
+        if pattern is not None and pattern.key in seen_paths:
+            r.problem(
+                f"{path}.path",
+                f"{pattern.path!r} matches the same requests as {seen_paths[pattern.key]} "
+                "(paths match case-insensitively, ignoring a trailing slash)",
+            )
+        elif pattern is not None:
+            seen_paths[pattern.key] = path
         default_type = (
             values.parse_source(preset.event_type) if preset and preset.event_type else None
         )
@@ -68,6 +91,8 @@ def parse_routes(
             name=name or "",
             path=url_path or "",
             scope=r.value(route, "scope", path, values.parse_name, name or ""),
+            scoped_by_path="scope" not in route and bool(pattern and pattern.params),
+            methods=r.value(route, "methods", path, values.parse_methods, ("POST",)),
             event_id=event_id or (),
             event_type=r.value(route, "event_type", path, values.parse_source, default_type),
             upstream=r.value(route, "upstream", path, values.parse_http_url, default_upstream),

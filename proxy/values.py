@@ -22,6 +22,7 @@ _SIZE_UNITS = {None: 1, "B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2
                "GB": 10**9, "GiB": 2**30}  # fmt: skip
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+_METHOD = re.compile(r"[A-Z]{1,20}")
 
 
 def parse_duration(value: object) -> float:
@@ -112,10 +113,16 @@ def parse_name(value: object) -> str:
     return value
 
 
-def parse_path(value: object) -> str:
-    if not isinstance(value, str) or not value.startswith("/") or any(c.isspace() for c in value):
-        raise ValueError(f"must be a URL path starting with '/', got {value!r}")
-    return value
+def parse_methods(value: object) -> tuple[str, ...]:
+    """A list of HTTP methods (upper case, as sent)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"must be a non-empty list of HTTP methods, got {value!r}")
+    methods = []
+    for item in value:
+        if not isinstance(item, str) or not _METHOD.fullmatch(item):
+            raise ValueError(f"must be HTTP methods in upper case (POST, PUT), got {item!r}")
+        methods.append(item)
+    return tuple(dict.fromkeys(methods))
 
 
 def parse_source(value: object) -> keys.Source:

@@ -540,7 +540,8 @@ def test_duplicate_route_names_and_paths() -> None:
     )
 
     assert problems_of(raw) == (
-        "routes[1].path: '/a' is already used by routes[0]",
+        "routes[1].path: '/a' matches the same requests as routes[0] (paths match "
+        "case-insensitively, ignoring a trailing slash)",
         "routes[2].name: 'a' is already used by routes[0]",
     )
 
@@ -577,7 +578,27 @@ def test_bad_event_type_source() -> None:
         ("name", "-x", "must be letters, digits, '_', '.' or '-' (at most 63), got '-x'"),
         ("scope", "a/b", "must be letters, digits, '_', '.' or '-' (at most 63), got 'a/b'"),
         ("path", "webhooks", "must be a URL path starting with '/', got 'webhooks'"),
-        ("path", "/a b", "must be a URL path starting with '/', got '/a b'"),
+        (
+            "path",
+            "/a b",
+            "must be a normalized path of letters, digits, '-', '.', '_', '~' and "
+            "{name} segments, got '/a b' (segment 'a b')",
+        ),
+        (
+            "path",
+            "/a/../b",
+            "must be a normalized path of letters, digits, '-', '.', '_', '~' and "
+            "{name} segments, got '/a/../b' (segment '..')",
+        ),
+        (
+            "path",
+            "/a;x",
+            "must be a normalized path of letters, digits, '-', '.', '_', '~' and "
+            "{name} segments, got '/a;x' (segment 'a;x')",
+        ),
+        ("path", "/h/{t}/{t}", "repeats a parameter name: '/h/{t}/{t}'"),
+        ("methods", ["post"], "must be HTTP methods in upper case (POST, PUT), got 'post'"),
+        ("methods", [], "must be a non-empty list of HTTP methods, got []"),
         ("upstream", "app", "must be an http(s) URL, got 'app'"),
     ],
 )

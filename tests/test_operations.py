@@ -122,10 +122,10 @@ async def test_events_list_and_stats(
     await operations.stats(cfg, summary)
 
     lines = recent.getvalue().splitlines()
-    assert lines[0].split() == ["received_at", "event_id", "event_type"]
-    assert [line.split()[1] for line in lines[1:-1]] == ["e2", "e1"]  # newest first, e0 too old
+    assert lines[0].split() == ["received_at", "scope", "event_id", "event_type"]
+    assert [line.split()[2] for line in lines[1:-1]] == ["e2", "e1"]  # newest first, e0 too old
     assert lines[-1] == "2 claim(s) in scope corvel"
-    assert [line.split()[1] for line in everything.getvalue().splitlines()[1:-1]] == ["e2", "e1"]
+    assert [line.split()[2] for line in everything.getvalue().splitlines()[1:-1]] == ["e2", "e1"]
     rows = [line.split() for line in summary.getvalue().splitlines()]
     assert rows[0] == ["route", "scope", "rows", "oldest", "newest", "retention"]
     assert rows[1][:3] == ["corvel", "corvel", "3"]
@@ -203,3 +203,35 @@ def test_table_formatting() -> None:
         "a               1 ",
         "long value  x   22",
     ]
+
+
+async def test_events_of_a_route_scoped_by_its_path(
+    make_proxy: MakeProxy, tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
+) -> None:
+    routes = [{"name": "t", "path": "/hooks/{tenant}", "event_id": "body:/id"}]
+    proxy = await make_proxy(routes=routes)
+    for tenant in ("acme", "globex"):
+        assert (await proxy.post(f"/hooks/{tenant}", data=b'{"id": "e1"}')).status == 200
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {"upstream": {"url": upstream.url}, "database": {"dsn": pg_dsn, "table": table},
+             "routes": routes}
+        )
+    )  # fmt: skip
+
+    listed = await run_cli("events", "list", "--route", "t", "--config", str(path))
+    unscoped = await run_cli("events", "forget", "--route", "t", "e1", "--config", str(path))
+    forgotten = await run_cli(
+        "events", "forget", "--route", "t", "--scope", "t/acme", "e1", "--config", str(path)
+    )
+    stats = await run_cli("stats", "--config", str(path))
+
+    assert sorted(line.split()[1] for line in listed[1].splitlines()[1:-1]) == [
+        "t/acme", "t/globex",
+    ]  # fmt: skip
+    assert unscoped[0] == 2
+    assert "give --scope" in unscoped[2]
+    assert (forgotten[0], forgotten[1]) == (0, "forgotten: t/acme e1\n")
+    assert stats[1].splitlines()[1].split()[:3] == ["t", "t/…", "1"]
+    assert [row[:2] for row in await claimed(pg_dsn, table)] == [("t/globex", "e1")]

@@ -181,7 +181,7 @@ async def test_body_over_max_body_gives_413(
     assert await claimed(pg_dsn, table) == []
 
 
-async def test_unrouted_paths_and_methods_pass_through_without_a_claim(
+async def test_unrouted_paths_pass_through_without_a_claim(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy()
@@ -190,11 +190,13 @@ async def test_unrouted_paths_and_methods_pass_through_without_a_claim(
     put = await client.put("/api/items/7", data=b"payload")
     webhook_get = await client.get("/webhooks/corvel")
 
-    assert [r.status for r in (get, put, webhook_get)] == [200, 200, 200]
+    assert [r.status for r in (get, put, webhook_get)] == [200, 200, 405]
+    # A webhook path is the route's whatever the method: never passed through.
+    assert webhook_get.headers["Allow"] == "POST"
+    assert (await webhook_get.json())["error"] == "method_not_allowed"
     assert [(r.method, r.path_qs, r.body) for r in upstream.requests] == [
         ("GET", "/health?deep=1", b""),
         ("PUT", "/api/items/7", b"payload"),
-        ("GET", "/webhooks/corvel", b""),
     ]
     assert await claimed(pg_dsn, table) == []
 

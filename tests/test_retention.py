@@ -135,3 +135,23 @@ async def test_claims_keep_flowing_while_a_million_rows_are_swept(
         f"(batches of 1000) while {sent} claims went through: claim p50 "
         f"{latencies[len(latencies) // 2] * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms"
     )
+
+
+async def test_the_sweep_covers_the_per_path_scopes_of_a_templated_route(
+    make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    routes = [
+        {"name": "t", "path": "/hooks/{tenant}", "event_id": "body:/id", "retention": "1d"},
+        {"name": "tx", "path": "/tx", "event_id": "body:/id", "retention": "7d"},
+    ]
+    proxy = await make_proxy(routes=routes)
+    for path, event_id in (("/hooks/a", "old"), ("/hooks/b", "old2"), ("/hooks/a", "new"),
+                           ("/tx", "old3")):  # fmt: skip
+        assert (await proxy.post(path, data=f'{{"id": "{event_id}"}}'.encode())).status == 200
+    for event_id in ("old", "old2", "old3"):
+        await age(pg_dsn, table, event_id, 3)
+
+    removed = await sweeper_of(proxy).sweep()
+
+    assert removed == {"t": 2, "tx": 0}  # "tx" is another scope, not one of "t"'s
+    assert [row[:2] for row in await claimed(pg_dsn, table)] == [("t/a", "new"), ("tx", "old3")]
