@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from aiohttp import hdrs, web
@@ -116,22 +116,24 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
         await client.close()
 
 
-@web.middleware
-async def _close_after_chunked(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    response = await handler(request)
+async def _close_after_chunked(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Never let another request follow a chunked one on the same connection.
+
+    aiohttp 3.14's C parser carries a chunked request's last trailer field over into the next
+    request on the connection as a header (an event ID, a signature...); see
+    docs/upstream/aiohttp-trailer-carry-over.md. A response hook, not a middleware: it also
+    runs for the answers aiohttp makes itself (417 for an unknown Expect) before any handler.
+    """
     if hdrs.TRANSFER_ENCODING in request.headers:
-        # aiohttp 3.14's C parser carries a chunked request's last trailer field over into the
-        # next request on the connection as a header (an event ID, a signature...): never let
-        # another request follow a chunked one on the same connection.
         response.force_close()
-    return response
+        # The hook runs after aiohttp chose the Connection header, before it is written.
+        response.headers[hdrs.CONNECTION] = "close"
 
 
 def create_app(cfg: config.Config) -> web.Application:
     """Build the proxy application for ``cfg``; resources open when it starts."""
-    app = web.Application(middlewares=[_close_after_chunked])
+    app = web.Application()
+    app.on_response_prepare.append(_close_after_chunked)
     app[CONFIG] = cfg
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()

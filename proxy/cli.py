@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "check":
-        print(_describe(cfg, args.config))
+        print(logs.mask(_describe(cfg, args.config)))
         return 0
     if args.command == "schema":
         print(claims.schema_sql(cfg.database.table), end="")

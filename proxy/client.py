@@ -10,15 +10,22 @@ streamed both ways) and ``https://`` or credentialed upstreams keep aiohttp's cl
 Reading the answer is strict: anything not understood (a malformed status line or header, an
 obsolete folded header, both Content-Length and Transfer-Encoding, Content-Lengths that
 disagree, a transfer coding other than chunked, a head or chunk line over its limit) is an
-error, answered 502, never a guess. A connection goes back to the idle list only after a
-complete answer that allows it; idle ones are dropped after ``keepalive`` seconds, before the
-app's own keep-alive timer could close one under a request. Socket errors, timeouts and a
-connection closed before the answer is complete are translated into ``errors`` here.
+error, answered 502, never a guess. An answer that is not CRLF-delimited HTTP/1.x (HTTP/0.9,
+bare LF) is refused as soon as that shows, not after the timeout. Header values and the reason
+phrase must be UTF-8: the proxy's server writes them back as UTF-8, so that is the only obs-text
+it can relay byte for byte, and other bytes are refused rather than altered. A connection goes
+back to the idle list only after a complete answer that allows it; anything the app sends on an
+idle connection closes it (an answer nobody asked for must never become the next request's), and
+idle ones are dropped after ``keepalive`` seconds, before the app's own keep-alive timer could
+close one under a request. Socket errors, timeouts and a connection closed before the answer is
+complete are translated into ``errors`` here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import cast
@@ -26,6 +33,8 @@ from typing import cast
 from multidict import CIMultiDict
 
 from proxy import errors
+
+log = logging.getLogger(__name__)
 
 MAX_HEAD = 64 * 1024  # status line and headers (aiohttp's client allows 8 KiB per line)
 MAX_CHUNK_LINE = 4096
@@ -36,6 +45,9 @@ _STATUS = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\x00-\x08\x0a-\x1f\
 _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*(.*?)[ \t]*")
 _BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_LENGTH = re.compile(r"[0-9]{1,19}")  # fits in 63 bits, as llhttp's and Go's limits do
+_HTTP1 = b"HTTP/1."
+_BARE_EOL = re.compile(rb"\r(?=[^\n])|(?<!\r)\n")  # a CR still last may get its LF yet
 
 
 class _Malformed(Exception):
@@ -66,21 +78,57 @@ class Answer:
 class _Connection(asyncio.Protocol):
     """One TCP connection to the app and the bytes it has sent that are not read yet."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, peer: str) -> None:
         self._loop = loop
+        self._peer = peer
+        self._fd = -1
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.ended = False  # the app closed its side, or the connection was lost
+        self.idle = False  # in the client's idle list, with no request on it
         self.idle_since = 0.0
         self._waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)
+        self._fd = transport.get_extra_info("socket").fileno()
 
     def data_received(self, data: bytes) -> None:
+        if self.idle:
+            self.unsolicited(len(data))
+            return
         self.buffer += data
         self._wake()
+
+    def unsolicited(self, size: int) -> None:
+        """Close the connection over ``size`` bytes that answer no request, and say so once."""
+        if not self.ended:
+            log.warning(
+                "upstream %s sent %d bytes answering no request; closed the connection",
+                self._peer,
+                size,
+            )
+        self.ended = True
+        self.close()
+
+    def still_idle(self) -> bool:
+        """Whether this idle connection can carry a request: the app has sent nothing on it,
+        not even bytes the loop has yet to deliver, which are read here from the socket."""
+        if not self.reusable:
+            return False
+        try:
+            data = os.read(self._fd, 65536)
+        except BlockingIOError:
+            return True
+        except OSError:
+            self.ended = True
+            return False
+        if data:
+            self.unsolicited(len(data))
+        else:
+            self.ended = True  # the app closed it
+        return False
 
     def eof_received(self) -> bool:
         self.ended = True
@@ -105,11 +153,37 @@ class _Connection(asyncio.Protocol):
         finally:
             self._waiter = None
 
+    async def head(self, limit: int) -> bytes:
+        """The status line and header fields, up to the blank line that ends them (consumed,
+        not returned), at most ``limit`` bytes.
+
+        Refused as soon as it shows rather than when the timeout ends, since no blank line would
+        ever follow: a first line that is not an HTTP/1.x status line (an HTTP/0.9 answer has
+        none) and a bare CR or LF.
+        """
+        checked = 0
+        while (eol := self.buffer.find(b"\r\n", max(0, checked - 1))) < 0:
+            if not _HTTP1.startswith(self.buffer[: len(_HTTP1)]) or _BARE_EOL.search(
+                self.buffer, max(0, checked - 1)
+            ):
+                raise _Malformed("bad status line: not HTTP/1.x ended by CRLF")
+            if len(self.buffer) > limit:
+                raise _Malformed(f"a line of the answer is over {limit} bytes")
+            checked = len(self.buffer)
+            await self._more()
+        if not _STATUS.fullmatch(self.buffer, 0, eol):
+            raise _Malformed(f"bad status line {bytes(self.buffer[: min(eol, 100)])!r}")
+        return await self.line(b"\r\n\r\n", limit)
+
     async def line(self, separator: bytes, limit: int) -> bytes:
-        """Bytes up to ``separator`` (consumed, not returned), at most ``limit`` of them."""
-        start = 0
+        """Bytes up to ``separator`` (consumed, not returned), at most ``limit`` of them; a bare
+        CR or LF among them is refused as soon as it arrives."""
+        checked = 0
         while True:
-            end = self.buffer.find(separator, start)
+            end = self.buffer.find(separator, max(0, checked - len(separator) + 1))
+            lines_end = len(self.buffer) if end < 0 else end + len(separator) - 2
+            if _BARE_EOL.search(self.buffer, max(0, checked - 1), lines_end):
+                raise _Malformed("a line of the answer not ended by CRLF")
             if end >= 0:
                 if end > limit:
                     raise _Malformed(f"a line of the answer is over {limit} bytes")
@@ -118,7 +192,7 @@ class _Connection(asyncio.Protocol):
                 return data
             if len(self.buffer) > limit:
                 raise _Malformed(f"a line of the answer is over {limit} bytes")
-            start = max(0, len(self.buffer) - len(separator) + 1)
+            checked = len(self.buffer)
             await self._more()
 
     async def exactly(self, size: int) -> bytes:
@@ -161,9 +235,19 @@ def _head(block: bytes) -> tuple[int, int, str, list[tuple[str, str]]]:
         field = _FIELD.fullmatch(line)
         if field is None or _BAD_VALUE.search(field[2]):
             raise _Malformed(f"bad header line {line[:100]!r}")
-        fields.append((field[1].decode("ascii"), field[2].decode("utf-8", "surrogateescape")))
-    reason = (status[3] or b"").decode("utf-8", "surrogateescape")
+        name = field[1].decode("ascii")
+        fields.append((name, _relayable(field[2], f"bad header line: {name}'s value")))
+    reason = _relayable(status[3] or b"", "bad status line: the reason phrase")
     return int(status[1]), int(status[2]), reason, fields
+
+
+def _relayable(value: bytes, what: str) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        # aiohttp's server writes str as UTF-8: it would drop these bytes surrogate-escaped, and
+        # write each as two bytes decoded as latin-1.
+        raise _Malformed(f"{what} has obs-text that is not UTF-8, not relayable as sent") from None
 
 
 def _values(fields: list[tuple[str, str]], name: str) -> list[str] | None:
@@ -175,7 +259,9 @@ def _values(fields: list[tuple[str, str]], name: str) -> list[str] | None:
     found = [value for key, value in fields if key.lower() == name]
     if not found:
         return None
-    return [item.strip().lower() for value in found for item in value.split(",")]
+    # Only HTTP's whitespace and ASCII case: str.strip() takes U+00A0, "\u212a".lower() is "k".
+    items = [item.strip(" \t") for value in found for item in value.split(",")]
+    return [item.lower() if item.isascii() else item for item in items]
 
 
 async def _chunked(connection: _Connection) -> bytes:
@@ -183,7 +269,7 @@ async def _chunked(connection: _Connection) -> bytes:
     while True:
         line = await connection.line(b"\r\n", MAX_CHUNK_LINE)
         size, _, extensions = line.partition(b";")
-        size = size.strip(b" \t")
+        size = size.rstrip(b" \t")
         if not _CHUNK_SIZE.fullmatch(size) or _BAD_VALUE.search(extensions):
             raise _Malformed(f"bad chunk size line {line[:100]!r}")
         if int(size, 16) == 0:
@@ -204,7 +290,7 @@ async def _chunked(connection: _Connection) -> bytes:
 async def _answer(connection: _Connection, method: str) -> tuple[Answer, bool]:
     """The final answer (interim 1xx ones skipped) and whether the connection may be reused."""
     for _ in range(MAX_INTERIM + 1):
-        minor, status, reason, fields = _head(await connection.line(b"\r\n\r\n", MAX_HEAD))
+        minor, status, reason, fields = _head(await connection.head(MAX_HEAD))
         if status == 101:
             raise _Malformed("the app switched protocols")
         if status >= 200:
@@ -220,9 +306,7 @@ async def _answer(connection: _Connection, method: str) -> tuple[Answer, bool]:
     if codings is not None and (minor == 0 or codings != ["chunked"]):
         # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing.
         raise _Malformed(f"unsupported transfer coding {', '.join(codings)!r}")
-    if lengths is not None and (
-        len(set(lengths)) != 1 or not lengths[0].isascii() or not lengths[0].isdigit()
-    ):
+    if lengths is not None and (len(set(lengths)) != 1 or not _LENGTH.fullmatch(lengths[0])):
         raise _Malformed("bad or conflicting Content-Length")
     if status in (204, 304) or method == "HEAD":
         body = b""
@@ -284,6 +368,8 @@ class Client:
             raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
         finally:
             if connection is not None:
+                if keep and connection.buffer:
+                    connection.unsolicited(len(connection.buffer))
                 if keep and connection.reusable and not self._closed:
                     self._keep(origin, connection)
                 else:
@@ -295,13 +381,15 @@ class Client:
         now = asyncio.get_running_loop().time()
         while idle:
             connection = idle.pop()
-            if connection.reusable and now - connection.idle_since < self._keepalive:
+            if now - connection.idle_since < self._keepalive and connection.still_idle():
+                connection.idle = False
                 return connection
             connection.close()
         return None
 
     def _keep(self, origin: Origin, connection: _Connection) -> None:
         loop = asyncio.get_running_loop()
+        connection.idle = True
         connection.idle_since = loop.time()
         self._idle.setdefault(origin, []).append(connection)
         if self._sweeper is None:
@@ -323,7 +411,7 @@ class Client:
     async def _open(self, origin: Origin) -> _Connection:
         loop = asyncio.get_running_loop()
         _, connection = await loop.create_connection(
-            lambda: _Connection(loop), origin.host, origin.port
+            lambda: _Connection(loop, f"{origin.host}:{origin.port}"), origin.host, origin.port
         )
         return connection
 

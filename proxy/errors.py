@@ -13,7 +13,7 @@ place.
       x UnsafeRuntime               aiohttp's C HTTP parser is not in use
       x ListenFailed                a listener's address is taken or not allowed
       x CommitFailed                COMMIT after an upstream 2xx did not go through
-      x RequestError                carries .status, .code, .retry_after and .headers
+      x RequestError                carries .status, .code, .retry_after, .headers and .public
         + PathRefused               400  an ambiguous variant of a webhook path, not origin-form
         + NotRouted                 404  matches no route, and pass-through does not allow it
         + MethodNotAllowed          405  a webhook path with a method its route does not take
@@ -86,6 +86,12 @@ class RequestError(ProxyError):
     def headers(self) -> dict[str, str]:
         """Header fields the answer needs besides Retry-After."""
         return {}
+
+    @property
+    def public(self) -> str:
+        """The fixed message of this error's answer: its class docstring. The details (which
+        may quote a socket error, the app's bytes or a URL) are for the log line only."""
+        return " ".join((type(self).__doc__ or "").split())
 
 
 class PathRefused(RequestError):

@@ -56,8 +56,13 @@ def request_headers(
     preserve_host: bool,
     keep_length: bool,
 ) -> CIMultiDict[str]:
-    """Headers for the upstream request. Content-Length is kept only for a streamed body."""
+    """Headers for the upstream request. Content-Length is kept only for a streamed body; a
+    field name with ``_`` is dropped."""
     headers = _end_to_end(incoming)
+    for name in [name for name in headers if "_" in name]:
+        # CGI, WSGI and Rack read X_Event_Id and X-Event-Id as one HTTP_X_EVENT_ID: the app
+        # could get a value the proxy never keyed on or verified (nginx and Envoy drop these).
+        headers.popall(name, None)
     # The proxy has answered any "100-continue" itself; the upstream must not be asked again.
     headers.popall(hdrs.EXPECT, None)
     if not keep_length:

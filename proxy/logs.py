@@ -1,15 +1,22 @@
 """Logging set-up: JSON lines for machines, a compact text form for people at a terminal.
 
-Structured fields travel in ``extra={"fields": {...}}`` and become top-level JSON keys.
+Structured fields travel in ``extra={"fields": {...}}`` and become top-level JSON keys. Every
+line leaves through one of the two formatters here, which mask a URL's password wherever it
+appears; the text form quotes and escapes values (logfmt) so that a value cannot forge a field
+or carry terminal control sequences. Requests aiohttp's HTTP parser refuses are logged in one
+line without their bytes, at info level.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
+
+from aiohttp import http_exceptions
 
 from proxy import config
 
@@ -19,6 +26,21 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 # One encoder for every line: json.dumps(..., default=str) would build one per call.
 _ENCODER = json.JSONEncoder(default=str)
+# user:password@ in any URL (an upstream's, a DSN) that an exception or a message quotes.
+_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/@:\"']*:)[^\s/@\"']*@")
+# A text-form value needs quoting if it is empty or holds a space, '=', '"' or anything but
+# printable ASCII (control characters, bidirectional overrides such as U+202E...).
+_PLAIN = re.compile(r"[!#-<>-~]+")
+
+
+def mask(line: str) -> str:
+    """``line`` with the password of every URL in it replaced by ``***``."""
+    return _CREDENTIALS.sub(r"\1***@", line) if "://" in line else line
+
+
+def _logfmt(value: object) -> str:
+    text = str(value)
+    return text if _PLAIN.fullmatch(text) else _ENCODER.encode(text)
 
 
 class JsonFormatter(logging.Formatter):
@@ -45,7 +67,7 @@ class JsonFormatter(logging.Formatter):
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return _ENCODER.encode(entry)
+        return mask(_ENCODER.encode(entry))
 
 
 class TextFormatter(logging.Formatter):
@@ -54,10 +76,30 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
+        # The message may quote a request's path or a header value: escaped like a value.
+        line = line if line.isprintable() else _ENCODER.encode(line)[1:-1]
         fields = getattr(record, "fields", None)
         if fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-        return line
+            line += " " + " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items() if v is not None)
+        return mask(line)
+
+
+class _RefusedRequests(logging.Filter):
+    """aiohttp logs a request its parser refuses at error level, with a traceback that quotes
+    the raw bytes (signatures, bodies). One line without them, at info: anyone can send such
+    requests, and each must not page someone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "aiohttp.server" and record.exc_info:
+            exc = record.exc_info[1]
+            if isinstance(exc, http_exceptions.HttpProcessingError):
+                remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+                record.msg = "refused a malformed HTTP request from %s: %s (%d)"
+                record.args = (remote, type(exc).__name__, exc.code)
+                record.exc_info = record.exc_text = None
+                record.levelno, record.levelname = logging.INFO, "INFO"
+                return logging.getLogger().isEnabledFor(logging.INFO)
+        return True
 
 
 class _WorkerField(logging.Filter):
@@ -77,6 +119,7 @@ def setup(settings: config.LogConfig, stream: Any = None, worker: int | None = N
     use_json = settings.format == "json" or (settings.format == "auto" and not stream.isatty())
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if use_json else TextFormatter())
+    handler.addFilter(_RefusedRequests())
     if worker is not None:
         handler.addFilter(_WorkerField(worker))
     # Per-record facts no line here uses, gathered on every call unless turned off (the

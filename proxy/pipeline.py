@@ -55,7 +55,7 @@ def error_response(exc: errors.RequestError) -> web.Response:
     """The proxy's own answer for a request it could not carry through."""
     return _json(
         exc.status,
-        {"status": "error", "error": exc.code, "message": exc.message},
+        {"status": "error", "error": exc.code, "message": exc.public},
         _outcome(exc),
         exc.retry_after,
         exc.headers,
@@ -150,14 +150,8 @@ class Webhook:
     ) -> web.StreamResponse:
         route = self.route
         body = await read_body(request, route.max_body, self.client_timeout)
-        if route.verify is not None:
-            # Before the claim: an unauthenticated request must never squat an event ID.
-            try:
-                route.verify.verify(request.headers, body, time.time())
-            except errors.SignatureInvalid as exc:
-                raise errors.SignatureInvalid(f"route {route.name!r}: {exc.message}") from None
         try:
-            event_id, event_type = self.extractor.extract(request.headers, request.query, body)
+            event_id, event_type, digest = self._inspect(request, body)
         except errors.EventIdMissing:
             if not route.forward_missing_id:
                 raise
@@ -165,7 +159,7 @@ class Webhook:
             fields["outcome"] = "unclaimed"
             return upstream.to_web()
         fields.update(event_id=event_id, event_type=event_type)
-        key = claims.Key(scope, event_id, event_type, hashlib.sha256(body).digest())
+        key = claims.Key(scope, event_id, event_type, digest)
         claim_started = time.perf_counter()
         async with request.app[FLIGHTS].turn((key.scope, key.event_id), self.claim_wait) as flight:
             if flight.committed_sha256 is not None:
@@ -185,6 +179,22 @@ class Webhook:
                 # queued behind this one in this process need no database round trip either.
                 flight.committed_sha256 = key.body_sha256
             return self._duplicate(key, claim.mismatch, fields)
+
+    def _inspect(self, request: web.Request, body: bytes) -> tuple[str, str | None, bytes]:
+        """Verify the signature, then find the event ID and type and the body's digest."""
+        route = self.route
+        if route.verify is not None:
+            # A header listed in Connection would be removed before the app sees it.
+            keys.refuse_connection_naming(request.headers, route.verify.headers, route.name)
+            # Before the claim: an unauthenticated request must never squat an event ID.
+            try:
+                route.verify.verify(request.headers, body, time.time())
+            except errors.SignatureInvalid as exc:
+                raise errors.SignatureInvalid(f"route {route.name!r}: {exc.message}") from None
+        # The raw query: aiohttp's decoded one turns bytes that are not UTF-8 into U+FFFD.
+        query = request.raw_path.partition("?")[2]
+        event_id, event_type = self.extractor.extract(request.headers, query, body)
+        return event_id, event_type, hashlib.sha256(body).digest()
 
     def _claimed(self, fields: dict[str, Any], started: float) -> None:
         waited = time.perf_counter() - started
@@ -286,7 +296,7 @@ def _fields(
         "route": route.name if route else None,
         "scope": scope,
         "method": request.method,
-        "path": request.path,
+        "path": request.raw_path.partition("?")[0],
         # The provider's (or an ingress's) ID if it sent one, so the lines can be joined.
         "request_id": request.headers.get(hdrs.X_REQUEST_ID) or uuid.uuid4().hex,
     }

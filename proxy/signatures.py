@@ -48,6 +48,11 @@ class Verifier(Protocol):
     @property
     def scheme(self) -> str: ...
 
+    @property
+    def headers(self) -> tuple[str, ...]:
+        """The header fields the signature is read from."""
+        ...
+
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         """Return if the request is authentic; raise errors.SignatureInvalid(reason) otherwise."""
 
@@ -115,6 +120,10 @@ class BodySignature:
     prefix: str
     secrets: tuple[bytes, ...] = field(repr=False)
 
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return (self.header,)
+
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         value = _header(headers, self.header)
         if not value.startswith(self.prefix):
@@ -135,6 +144,10 @@ class ListedSignature:
     joiner: str
     tolerance: float
     secrets: tuple[bytes, ...] = field(repr=False)
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return (self.header,)
 
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         value = _header(headers, self.header)
@@ -168,6 +181,10 @@ class SlackSignature:
     tolerance: float
     secrets: tuple[bytes, ...] = field(repr=False)
 
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return ("X-Slack-Request-Timestamp", "X-Slack-Signature")
+
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         stamp_name, signature_name = "X-Slack-Request-Timestamp", "X-Slack-Signature"
         stamp_text = _header(headers, stamp_name)
@@ -188,7 +205,23 @@ class StandardWebhooksSignature:
     tolerance: float
     secrets: tuple[bytes, ...] = field(repr=False)
 
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return tuple(f"{prefix}-{name}" for prefix in ("webhook", "svix")
+                     for name in ("id", "timestamp", "signature"))  # fmt: skip
+
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+        # The ID, timestamp and signature come from one set, and the other set, where present,
+        # must say the same: the svix preset claims svix-id, the standard-webhooks preset
+        # webhook-id, and a signed message re-sent with the other set's ID changed must not be
+        # claimed (or squat an ID) under that forged ID.
+        for field_name in ("id", "timestamp", "signature"):
+            sent = {
+                name: headers.getall(name, [])
+                for name in (f"webhook-{field_name}", f"svix-{field_name}")
+            }
+            if all(sent.values()) and len({tuple(values) for values in sent.values()}) > 1:
+                _fail(f"webhook-{field_name} and svix-{field_name} differ")
         svix = headers.getall("svix-signature", []) and not headers.getall("webhook-signature", [])
         prefix = "svix" if svix else "webhook"
         msg_id = _header(headers, f"{prefix}-id")
@@ -276,8 +309,9 @@ def build(
         return SlackSignature(scheme, tolerance, material)
     if header is None:
         raise ValueError("header is required for scheme hmac")
-    if not _TOKEN.fullmatch(header):
-        raise ValueError(f"header must be a header name, got {header!r}")
+    if not _TOKEN.fullmatch(header) or "_" in header:
+        # Headers with "_" are dropped on the way to the app (forwarder.request_headers).
+        raise ValueError(f"header must be a header name without '_', got {header!r}")
     algorithm = _choice("algorithm", algorithm, "sha256", ALGORITHMS)
     encoding = _choice("encoding", encoding, "hex", ENCODINGS)
     return BodySignature(scheme, header, algorithm, encoding, prefix or "", material)

@@ -214,3 +214,8 @@ async def wait_for_lock_waiters(dsn: str, table: str, count: int) -> None:
         return int(rows[0]["n"]) >= count
 
     await wait_until(enough, f"{count} copies waiting on the claim lock")
+
+
+def logged_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The ``error`` of each canonical request line logged (the details an answer omits)."""
+    return [r.fields["error"] for r in caplog.records if "error" in getattr(r, "fields", {})]

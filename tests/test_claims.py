@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from proxy import app, claims, config, embedded, errors
-from tests.conftest import FakeUpstream, MakeProxy, claimed, fetch
+from tests.conftest import FakeUpstream, MakeProxy, claimed, fetch, logged_errors
 
 
 def event(event_id: str) -> bytes:
@@ -147,8 +147,9 @@ async def test_database_outage_fails_closed_then_recovers_without_restart(
 
 
 async def test_pool_exhaustion_gives_503_after_pool_timeout(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
-) -> None:
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     upstream.gate = asyncio.Event()
     client = await make_proxy(database={"pool_size": 1, "pool_timeout": "300ms"})
     first = asyncio.create_task(client.post("/webhooks/corvel", data=event("holds-the-pool")))
@@ -159,7 +160,8 @@ async def test_pool_exhaustion_gives_503_after_pool_timeout(
     assert second.status == 503
     body = await second.json()
     assert body["error"] == "store_unavailable"
-    assert "no free database connection within 0.3s (pool_size 1)" in body["message"]
+    assert body["message"] == "The claim store (PostgreSQL) is unavailable."
+    assert "no free database connection within 0.3s (pool_size 1)" in logged_errors(caplog)[0]
     upstream.gate.set()
     assert (await first).status == 200
     assert [r.body for r in upstream.requests] == [event("holds-the-pool")]

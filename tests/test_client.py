@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ class ScriptedApp:
     answers: list[bytes | None]
     requests: list[bytes] = field(default_factory=list)
     connections: int = 0
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)  # one per connection
     server: asyncio.Server | None = None
     delay: float = 0.0  # before each answer
     on_close: Callable[[], None] | None = None  # when the client closes a connection
@@ -35,6 +37,7 @@ class ScriptedApp:
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.writers.append(writer)
         try:
             while self.answers:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -183,6 +186,28 @@ async def test_an_idle_connection_past_keepalive_is_not_reused(scripted: Any) ->
         (b"HTTP/1.1 103 Early Hints\r\n\r\n" * 11 + b"HTTP/1.1 200 OK\r\n\r\n",
          "over 10 interim"),
         (b"HTTP/1.1 200 OK\r\nA: " + b"x" * (client.MAX_HEAD + 10), "over 65536 bytes"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\nok",
+         "bad or conflicting Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1" + b"0" * 19 + b"\r\n\r\nok",
+         "bad or conflicting Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nok", "bad or conflicting Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 1_0\r\n\r\n0123456789",
+         "bad or conflicting Content-Length"),
+        # U+00A0 and U+2003 are whitespace to str.strip(), not to HTTP.
+        (b"HTTP/1.1 200 OK\r\nContent-Length: \xc2\xa02\r\n\r\nok",
+         "bad or conflicting Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\xe2\x80\x83\r\n\r\nok",
+         "bad or conflicting Content-Length"),
+        # The Kelvin sign lower-cases to an ASCII k: this is not "chunked".
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chun\xe2\x84\xaaed\r\n\r\n0\r\n\r\n",
+         "unsupported transfer coding"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n 2\r\nok\r\n0\r\n\r\n",
+         "bad chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n+2\r\nok\r\n0\r\n\r\n",
+         "bad chunk size"),
+        # obs-text the proxy's server cannot write back byte for byte (it encodes str as UTF-8)
+        (ok(extra=b"X-Name: caf\xe9\r\n"), "bad header line"),
+        (b"HTTP/1.1 200 Caf\xe9\r\nContent-Length: 2\r\n\r\nok", "bad status line"),
     ],
 )  # fmt: skip
 async def test_a_malformed_answer_is_refused(scripted: Any, raw: bytes, problem: str) -> None:
@@ -259,7 +284,7 @@ async def test_a_malformed_answer_is_a_502_and_the_retry_goes_through(
 
     first = await proxy.post("/webhooks/corvel", data=event)
     assert first.status == 502
-    assert (await first.json())["message"].startswith("upstream sent a malformed answer")
+    assert (await first.json())["error"] == "upstream_unavailable"
     assert await claimed(pg_dsn, table) == []
 
     retry = await proxy.post("/webhooks/corvel", data=event)
@@ -308,3 +333,181 @@ async def test_a_request_ending_after_close_does_not_keep_its_connection(
     upstream.close()
     assert (await request).status == 200
     await asyncio.wait_for(closed.wait(), 5)
+
+
+def read_byte_by_byte(raw: bytes) -> client.Answer:
+    """The answer read as if each byte came in a packet of its own: the coroutine is stepped by
+    hand, one byte fed per step, so every split point is exercised, whatever TCP would do."""
+    connection = client._Connection(asyncio.get_running_loop(), "app")
+    reading = client._answer(connection, "POST")
+    try:
+        reading.send(None)
+        for byte in raw:
+            connection.data_received(bytes([byte]))
+            reading.send(None)
+    except StopIteration as done:
+        answer: client.Answer = done.value[0]
+        return answer
+    finally:
+        reading.close()
+    raise AssertionError("the answer was not complete after its last byte")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        ok(b"hello", extra=b"X-A: 1\r\nX-Name: caf\xc3\xa9\r\n"),
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 D\xc3\xa9j\xc3\xa0 vu\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n5 ;a=b\r\nhello\r\n0\r\nT: 1\r\n\r\n",
+    ],
+)
+async def test_an_answer_split_anywhere_is_read_as_if_whole(raw: bytes) -> None:
+    answer = read_byte_by_byte(raw)
+    assert (answer.status, answer.body) == (200, b"hello")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\n\n",
+        b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\n\r\nok",
+        b"HTTP/1.1 200 OK\rContent-Length: 2\r\n",
+        b'{"ok": true}',  # HTTP/0.9: a body and no status line
+        b"<html>ok</html>\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\nok\n",
+        b"HTTP/1.1 2000 OK\r\n",  # the status line is whole and wrong: no need to wait for more
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nA: 1\n",
+    ],
+)
+async def test_an_answer_that_is_not_crlf_http_1_is_refused_at_once(
+    scripted: Any, raw: bytes
+) -> None:
+    app = await scripted([raw])  # and the connection held open
+    upstream = client.Client(timeout=30, keepalive=5, connections=10)
+    try:
+        # Well inside the client's timeout: refused on sight, not when the timeout ends.
+        async with asyncio.timeout(5):
+            with pytest.raises(errors.UpstreamUnavailable, match="malformed answer"):
+                await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+    finally:
+        upstream.close()
+
+
+async def test_an_unsolicited_answer_is_never_taken_as_the_next_one(scripted: Any) -> None:
+    app = await scripted([ok(), b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"])
+    upstream = client.Client(timeout=5, keepalive=5, connections=10)
+    try:
+        first = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+        # Written while the connection is idle, and the next request follows before the loop
+        # has read it: only the check made when the connection is taken can see it.
+        app.writers[0].write(ok(b"unsolicited"))
+        second = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+    finally:
+        upstream.close()
+    assert (first.status, second.status, second.body) == (200, 500, b"")
+    assert app.connections == 2
+
+
+async def test_bytes_on_an_idle_connection_close_it_with_a_warning(
+    scripted: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = await scripted([ok(), ok()])
+    closed = asyncio.Event()
+    app.on_close = closed.set
+    upstream = client.Client(timeout=5, keepalive=30, connections=10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.client"):
+            await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+            app.writers[0].write(ok(b"secret-unsolicited"))
+            # No further request: the bytes alone must close it, long before keepalive.
+            async with asyncio.timeout(5):
+                await closed.wait()
+    finally:
+        upstream.close()
+    (record,) = [r for r in caplog.records if r.name == "proxy.client"]
+    assert record.levelno == logging.WARNING
+    assert "answering no request" in record.getMessage()
+    assert "secret-unsolicited" not in record.getMessage()
+    assert "HTTP/1.1" not in record.getMessage()
+
+
+async def test_bytes_right_after_an_answer_close_the_connection_with_a_warning(
+    scripted: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = await scripted([ok(b"first") + ok(b"second"), ok(b"third")])
+    upstream = client.Client(timeout=5, keepalive=30, connections=10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.client"):
+            bodies = [
+                (await upstream.request(app.origin, "POST", "/", headers=[], body=b"")).body
+                for _ in range(2)
+            ]
+    finally:
+        upstream.close()
+    assert bodies == [b"first", b"third"]
+    assert app.connections == 2
+    (record,) = [r for r in caplog.records if r.name == "proxy.client"]
+    assert "second" not in record.getMessage()
+
+
+async def test_an_app_closing_an_idle_connection_is_not_a_warning(
+    scripted: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = await scripted([ok(), None, ok()])
+    upstream = client.Client(timeout=5, keepalive=30, connections=10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="proxy.client"):
+            for _ in range(2):
+                answer = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
+                assert answer.status == 200
+    finally:
+        upstream.close()
+    assert app.connections == 2
+    assert [r for r in caplog.records if r.name == "proxy.client"] == []
+
+
+async def send_webhook(proxy: Any, event: str) -> bytes:
+    """The proxy's answer as the bytes on the wire, which aiohttp's client would decode."""
+    body = json.dumps({"id": event}).encode()
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    try:
+        writer.write(
+            b"POST /webhooks/corvel HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_utf8_beyond_ascii_in_header_values_and_reason_is_relayed_byte_exact(
+    scripted: Any, make_proxy: MakeProxy
+) -> None:
+    app = await scripted([
+        b"HTTP/1.1 200 D\xc3\xa9j\xc3\xa0 vu\r\nX-Name: caf\xc3\xa9 \xe2\x82\xac\xc2\x85\r\n"
+        b"Content-Length: 2\r\n\r\nok",
+    ])  # fmt: skip
+    proxy = await make_proxy(upstream={"url": f"http://127.0.0.1:{app.origin.port}"})
+    raw = await send_webhook(proxy, "evt_utf8")
+    assert raw.startswith(b"HTTP/1.1 200 D\xc3\xa9j\xc3\xa0 vu\r\n")
+    assert b"\r\nX-Name: caf\xc3\xa9 \xe2\x82\xac\xc2\x85\r\n" in raw
+    assert raw.endswith(b"\r\n\r\nok")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        ok(extra=b"X-Name: caf\xe9\r\n"),
+        b"HTTP/1.1 200 D\xe9j\xe0 vu\r\nContent-Length: 2\r\n\r\nok",
+    ],
+)
+async def test_obs_text_that_cannot_be_relayed_exactly_is_a_502_and_not_committed(
+    scripted: Any, make_proxy: MakeProxy, pg_dsn: str, table: str, raw: bytes
+) -> None:
+    app = await scripted([raw])
+    proxy = await make_proxy(upstream={"url": f"http://127.0.0.1:{app.origin.port}"})
+    answer = await send_webhook(proxy, "evt_latin1")
+    assert answer.startswith(b"HTTP/1.1 502 ")
+    assert await claimed(pg_dsn, table) == []

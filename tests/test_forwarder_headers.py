@@ -80,6 +80,30 @@ def test_headers_named_by_connection_are_dropped() -> None:
         assert headers.getall("X-Bar") == ["end-to-end"]
 
 
+def test_request_headers_with_underscores_are_not_forwarded() -> None:
+    # CGI, WSGI and Rack name a header HTTP_X_EVENT_ID whether it came as X-Event-Id or
+    # X_Event_Id: the app could read a value the proxy never keyed on (nginx's
+    # underscores_in_headers off, Envoy's headers_with_underscores_action: DROP_HEADER).
+    incoming = [
+        ("X-Event-Id", "evt_proxy"),
+        ("X_Event_Id", "evt_app"),
+        ("x_event-id", "evt_app"),
+        ("Stripe-Signature", "t=1"),
+        ("_", "x"),
+    ]
+
+    sent = outgoing(incoming)
+
+    assert [name for name in sent if "_" in name] == []
+    assert sent.getall("X-Event-Id") == ["evt_proxy"]
+    assert sent.getall("Stripe-Signature") == ["t=1"]
+
+
+def test_response_headers_with_underscores_are_relayed() -> None:
+    # Only the request is read by a CGI-style app; the provider gets the app's answer whole.
+    assert returned([("X_App_Trace", "1")]).getall("X_App_Trace") == ["1"]
+
+
 def test_repeated_end_to_end_headers_are_kept_in_order() -> None:
     upstream = [
         ("Set-Cookie", "a=1; Path=/"),

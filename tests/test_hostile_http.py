@@ -368,6 +368,38 @@ async def test_trailer_field_does_not_leak_into_the_next_request_on_the_connecti
     assert await claimed(pg_dsn, table) == [("corvel", "evt_x", None)]
 
 
+@pytest.mark.parametrize(
+    "first_headers",
+    [
+        # aiohttp answers these itself, before any handler runs.
+        (b"Expect: something-else",),
+        (b"Expect: 100-continue, x",),
+    ],
+)
+async def test_a_trailer_does_not_leak_when_aiohttp_answers_the_chunked_request_itself(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
+    first_headers: tuple[bytes, ...],
+) -> None:  # fmt: skip
+    client = await make_proxy()
+    first = webhook(
+        *first_headers,
+        b"Transfer-Encoding: chunked",
+        body=chunked(EVENT)[:-2] + b"X-GitHub-Delivery: leaked-1\r\n\r\n",
+    )
+    second = webhook(b"Content-Length: 2", body=b"{}", path=b"/webhooks/github")
+    async with connection(client) as (reader, writer):
+        writer.write(first)
+        first_answer = await read_answer(reader)
+        writer.write(second)
+        second_answer = await read_answer(reader)
+
+    assert first_answer is not None
+    assert first_answer.status == 417
+    assert second_answer is None  # the connection was closed after the chunked request
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []
+
+
 async def test_malformed_chunk_after_the_handler_started_is_not_forwarded(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import unicodedata
+from urllib.parse import urlencode
 
 import pytest
+import yarl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, MultiDict
@@ -20,15 +24,18 @@ def extract(
     body: bytes = b"",
     *,
     headers: list[tuple[str, str]] | None = None,
-    query: list[tuple[str, str]] | None = None,
+    query: list[tuple[str, str]] | str | None = None,
     type_source: str | None = None,
 ) -> tuple[str, str | None]:
+    """Extract from a request; a query given as a string is the raw query (after the "?"), a
+    list is one already decoded (what aiohttp's ``request.query`` gives)."""
     extractor = keys.Extractor(
         ROUTE,
         keys.parse_source(id_source),
         keys.parse_source(type_source) if type_source else None,
     )
-    return extractor.extract(CIMultiDict(headers or []), MultiDict(query or []), body)
+    decoded = query if isinstance(query, str) else MultiDict(query or [])
+    return extractor.extract(CIMultiDict(headers or []), decoded, body)
 
 
 def body_id(value: object) -> bytes:
@@ -40,11 +47,12 @@ def rejected(
     body: bytes = b"",
     *,
     headers: list[tuple[str, str]] | None = None,
-    query: list[tuple[str, str]] | None = None,
+    query: list[tuple[str, str]] | str | None = None,
+    type_source: str | None = None,
 ) -> str:
     """The message of the EventIdInvalid raised for this request."""
     with pytest.raises(errors.EventIdInvalid) as info:
-        extract(id_source, body, headers=headers, query=query)
+        extract(id_source, body, headers=headers, query=query, type_source=type_source)
     assert info.value.status == 400
     assert info.value.code == "event_id_invalid"
     return info.value.message
@@ -84,6 +92,10 @@ def test_parse_source(text: str, source: keys.Source) -> None:
         ("query:", "query name must be a non-empty token, got ''"),
         ("header:X Id", "header name must be a non-empty token, got 'X Id'"),
         ("header:X\tId", "header name must be a non-empty token, got 'X\\tId'"),
+        (
+            "header:X_Event_Id",
+            "header name must not contain '_' (such headers are not forwarded), got 'X_Event_Id'",
+        ),
     ],
 )
 def test_parse_source_rejects(text: str, message: str) -> None:
@@ -206,7 +218,7 @@ def test_body_that_is_not_json(body: bytes) -> None:
 def test_id_of_the_wrong_type_is_rejected(value: object, kind: str) -> None:
     assert rejected("body:/id", body_id(value)) == (
         "route 'stripe': event ID at body:/id must be a non-empty string (at most 256 bytes, "
-        f"no control characters) or an integer, got {kind}"
+        f"no control characters or Unicode format characters) or an integer, got {kind}"
     )
 
 
@@ -236,7 +248,7 @@ def test_integer_id_over_256_digits_is_rejected() -> None:
 )
 def test_control_characters_are_rejected(event_id: str) -> None:
     assert rejected("body:/id", body_id(event_id)).endswith(
-        "no control characters) or an integer, got str"
+        "no control characters or Unicode format characters) or an integer, got str"
     )
     if event_id != "\ud800":
         assert rejected("header:X-Id", headers=[("X-Id", event_id)]).endswith("got str")
@@ -266,13 +278,182 @@ def test_header_id_ignores_a_non_json_body() -> None:
         ("header:X-Id", [("X-Id", "a"), ("x-id", "b")], []),
         ("header:X-Id", [("X-Id", "a"), ("X-Id", "a")], []),
         ("query:id", [], [("id", "a"), ("id", "b")]),
+        ("query:id", [], "id=a&id=b"),
+        ("query:id", [], "id=a&x=1&%69d=a"),
     ],
 )
 def test_repeated_header_or_query_parameter_is_rejected(
-    source: str, headers: list[tuple[str, str]], query: list[tuple[str, str]]
+    source: str, headers: list[tuple[str, str]], query: list[tuple[str, str]] | str
 ) -> None:
     assert rejected(source, headers=headers, query=query) == (
         f"route 'stripe': {source} appears 2 times"
+    )
+
+
+# --- only the documented input: UTF-8 JSON, UTF-8 queries, visible IDs --------------------------
+
+EVENT = '{"id": "evt_1", "type": "invoice.paid"}'
+NOT_JSON = "route 'stripe': body is not valid JSON (needed for body:/id)"
+# U+1F600 in CESU-8: each half of its UTF-16 surrogate pair encoded alone, in three bytes.
+CESU8_EMOJI = b"\xed\xa0\xbd\xed\xb8\x80"
+
+
+@pytest.mark.parametrize(
+    "encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"]
+)
+def test_json_in_utf16_or_utf32_is_refused(encoding: str) -> None:
+    assert rejected("body:/id", EVENT.encode(encoding)) == NOT_JSON
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"id": "evt_1", "note": "' + CESU8_EMOJI + b'"}',
+        b'{"id": "evt_1", "note": "\xed\xa0\x80"}',
+        b'{"id": "evt_' + CESU8_EMOJI + b'"}',
+    ],
+    ids=["cesu8-beside-the-id", "lone-surrogate-beside-the-id", "cesu8-in-the-id"],
+)
+def test_surrogates_encoded_as_three_bytes_are_refused(body: bytes) -> None:
+    assert rejected("body:/id", body) == NOT_JSON
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_refused(constant: str) -> None:
+    body = f'{{"id": "evt_1", "amount": {constant}}}'.encode()
+
+    assert rejected("body:/id", body) == NOT_JSON
+
+
+def test_one_utf8_byte_order_mark_is_ignored_and_a_second_is_refused() -> None:
+    # RFC 8259 section 8.1: senders must not add one, parsers may ignore it. Ignoring it cannot
+    # change the ID, so the proxy and an app that refuses it never disagree about an event.
+    bom = b"\xef\xbb\xbf"
+
+    assert extract("body:/id", bom + EVENT.encode(), type_source="body:/type") == (
+        "evt_1",
+        "invoice.paid",
+    )
+    assert rejected("body:/id", bom + bom + EVENT.encode()) == NOT_JSON
+
+
+@pytest.mark.parametrize(
+    ("raw", "event_id"),
+    [
+        ("id=evt_1", "evt_1"),
+        ("id=%EF%BF%BD", "\ufffd"),
+        ("id=caf%C3%A9", "caf\u00e9"),
+        ("id=caf%c3%a9", "caf\u00e9"),
+        ("id=a+b", "a b"),
+        ("id=a%2Bb", "a+b"),
+        ("id=a=b", "a=b"),
+        ("%69d=evt_2", "evt_2"),
+        ("other=%FF&id=evt_3", "evt_3"),
+        ("&x&id=evt_4&", "evt_4"),
+    ],
+)
+def test_raw_query_id_is_percent_decoded_as_utf8(raw: str, event_id: str) -> None:
+    assert extract("query:id", query=raw) == (event_id, None)
+
+
+@pytest.mark.parametrize(
+    "escape", ["%E9", "%FF", "%C0", "%C0%AF", "%ED%A0%80", "%F4%90%80%80", "evt%E9", "%zz", "%4"]
+)
+def test_query_id_that_is_not_percent_encoded_utf8_is_refused(escape: str) -> None:
+    # aiohttp's request.query decodes with errors="replace": the first three would be one
+    # claim with a real U+FFFD (%EF%BF%BD), and all but the first event lost as duplicates.
+    assert rejected("query:id", query=f"id={escape}") == (
+        "route 'stripe': query:id is not percent-encoded UTF-8"
+    )
+
+
+@pytest.mark.parametrize("escape", ["%E9", "%FF", "%C0", "%EF%BF%BD"])
+def test_replacement_character_in_an_already_decoded_query_is_refused(escape: str) -> None:
+    decoded = list(yarl.URL(f"/hook?id={escape}").query.items())
+
+    assert decoded == [("id", "\ufffd")]
+    assert rejected("query:id", query=decoded) == (
+        "route 'stripe': query:id holds U+FFFD, which stands for any byte that was not UTF-8"
+    )
+
+
+@pytest.mark.parametrize("raw", ["id=evt_1#frag", "x=1#&id=evt_1", "id=evt_1;x=1", "x=1;id=evt_1"])
+def test_query_with_a_fragment_or_semicolon_is_refused(raw: str) -> None:
+    # Go's net/http keeps "#..." in the query, other parsers drop it; Rack 2 splits on ";".
+    assert rejected("query:id", query=raw) == (
+        "route 'stripe': the query has '#' or ';', which parsers split differently"
+    )
+
+
+FORMAT_CHARACTERS = [
+    *"\u202a\u202b\u202c\u202d\u202e",  # bidi embeddings and overrides
+    *"\u2066\u2067\u2068\u2069",  # bidi isolates
+    *"\u200e\u200f\u061c",  # bidi marks
+    *"\u200b\u200c\u200d\u2060\ufeff\u00ad",  # zero width, soft hyphen
+]
+
+
+@pytest.mark.parametrize("char", FORMAT_CHARACTERS, ids=lambda char: f"U+{ord(char):04X}")
+def test_bidi_and_zero_width_characters_are_refused_from_every_source(char: str) -> None:
+    event_id = f"evt_{char}1"
+    reason = "no control characters or Unicode format characters) or an integer, got str"
+
+    assert rejected("body:/id", body_id(event_id)).endswith(reason)
+    assert rejected("header:X-Id", headers=[("X-Id", event_id)]).endswith(reason)
+    assert rejected("query:id", query=urlencode({"id": event_id})).endswith(reason)
+
+
+@settings(max_examples=200, deadline=None)
+@given(char=st.characters(categories=["Cf"]))
+def test_any_format_character_is_refused(char: str) -> None:
+    assert unicodedata.category(char) == "Cf"
+    assert "got str" in rejected("body:/id", body_id(f"evt{char}"))
+
+
+@pytest.mark.parametrize(
+    "connection",
+    [
+        [("Connection", "X-Id")],
+        [("Connection", "keep-alive, x-ID")],
+        [("Connection", "close"), ("Connection", " x-id ")],
+    ],
+)
+def test_connection_naming_the_id_header_is_refused(connection: list[tuple[str, str]]) -> None:
+    # The forwarder removes what Connection names: the app would never see the ID.
+    assert rejected("header:X-Id", headers=[*connection, ("X-Id", "h-1")]) == (
+        "route 'stripe': Connection names X-Id, which would not reach the app"
+    )
+
+
+def test_connection_naming_the_type_header_is_refused() -> None:
+    headers = [("Connection", "x-type"), ("X-Id", "h-1"), ("X-Type", "push")]
+
+    assert rejected("header:X-Id", headers=headers, type_source="header:X-Type") == (
+        "route 'stripe': Connection names X-Type, which would not reach the app"
+    )
+
+
+def test_connection_naming_other_headers_is_accepted() -> None:
+    headers = [("Connection", "keep-alive, X-Trace"), ("X-Id", "h-1"), ("X-Trace", "t")]
+
+    assert extract("header:X-Id", headers=headers) == ("h-1", None)
+    assert extract("body:/id", EVENT.encode(), headers=[("Connection", "id")]) == ("evt_1", None)
+
+
+def test_refuse_connection_naming_for_the_signature_headers() -> None:
+    names = ("Stripe-Signature", "X-Hub-Signature-256")
+    keys.refuse_connection_naming(CIMultiDict([("Connection", "close, Upgrade")]), names, ROUTE)
+
+    with pytest.raises(errors.EventIdInvalid) as info:
+        keys.refuse_connection_naming(
+            CIMultiDict([("Connection", "keep-alive"), ("connection", "x-hub-signature-256")]),
+            names,
+            ROUTE,
+        )
+
+    assert info.value.status == 400
+    assert info.value.message == (
+        "route 'stripe': Connection names X-Hub-Signature-256, which would not reach the app"
     )
 
 
@@ -325,6 +506,14 @@ def test_repeated_type_header_is_none_not_an_error() -> None:
     assert extract("header:X-Id", headers=headers, type_source="header:X-Type") == ("h", None)
 
 
+@pytest.mark.parametrize("raw", ["type=%FF", "type=push;x", "type=push&type=pull"])
+def test_unreadable_type_in_the_query_is_none_not_an_error(raw: str) -> None:
+    assert extract("header:X-Id", headers=[("X-Id", "h")], query=raw, type_source="query:type") == (
+        "h",
+        None,
+    )
+
+
 def test_type_in_body_does_not_make_a_non_json_body_fatal() -> None:
     # The ID is in a header; only the informational type needs the body to be JSON.
     assert extract(
@@ -362,27 +551,69 @@ _bodies = st.one_of(
     _json.map(lambda value: json.dumps(value).encode()),
     _webhook.map(lambda value: json.dumps(value).encode()),
 )
-_pairs = st.lists(st.tuples(st.sampled_from(["X-Id", "x-id", "X-Type", "id"]), _text), max_size=3)
+_pairs = st.lists(
+    st.tuples(st.sampled_from(["X-Id", "x-id", "X-Type", "id", "Connection"]), _text), max_size=3
+)
+# The raw query as sent (arbitrary, or form-encoded pairs), or as aiohttp has decoded it.
+_queries = st.one_of(
+    st.text(st.sampled_from("id=&%+#;aE9Fc0 "), max_size=30),
+    _pairs.map(urlencode),
+    _pairs.map(MultiDict),
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(extractor=st.sampled_from(EXTRACTORS), body=_bodies, headers=_pairs, query=_pairs)
+@given(extractor=st.sampled_from(EXTRACTORS), body=_bodies, headers=_pairs, query=_queries)
 def test_any_request_gives_an_id_or_event_id_invalid(
     extractor: keys.Extractor,
     body: bytes,
     headers: list[tuple[str, str]],
-    query: list[tuple[str, str]],
+    query: str | MultiDict[str],
 ) -> None:
     try:
-        result = extractor.extract(CIMultiDict(headers), MultiDict(query), body)
+        result = extractor.extract(CIMultiDict(headers), query, body)
     except errors.EventIdInvalid as exc:
         message = exc.message
         result = None
     if result is None:
         assert message.startswith(f"route {extractor.route!r}: ")
         return
-    assert isinstance(result, tuple)
     event_id, event_type = result
     assert isinstance(event_id, str)
     assert event_id
     assert event_type is None or (isinstance(event_type, str) and event_type)
+    for value in (event_id, event_type or ""):
+        assert not {unicodedata.category(char) for char in value} & {"Cc", "Cf", "Cs"}
+
+
+def test_a_duplicate_key_on_the_way_to_the_id_is_refused_elsewhere_it_is_not_ours() -> None:
+    extractor = keys.Extractor(
+        "r", keys.parse_source("body:/data/id"), keys.parse_source("body:/type")
+    )
+    on_the_way = b'{"data": {"id": "a", "id": "b"}, "type": "t"}'
+    above = b'{"data": {"id": "a"}, "data": {"id": "b"}}'
+    elsewhere = b'{"data": {"id": "a", "x": 1, "x": 2}, "meta": {"k": 1, "k": 2}, "type": "t"}'
+
+    for body in (on_the_way, above):
+        with pytest.raises(errors.EventIdInvalid, match="duplicate JSON key"):
+            extractor.extract(CIMultiDict(), "", body)
+    # Keys the proxy does not read cannot make it and the app read different IDs.
+    assert extractor.extract(CIMultiDict(), "", elsewhere) == ("a", "t")
+
+
+def test_parsing_makes_no_python_call_per_json_object() -> None:
+    """A body of many small objects must not cost a Python function call each: one client
+    sending megabytes of them would otherwise hold the event loop for seconds."""
+    body = b'{"id": "x", "items": [' + b'{"a": {}},' * 10_000 + b"{}]}"
+    calls = 0
+
+    def count(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        keys.parse_json(body)
+    finally:
+        sys.setprofile(None)
+    assert calls < 100

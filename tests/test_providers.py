@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import hmac
 import json
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 
 from proxy import cli, config, errors
-from tests.conftest import FakeUpstream, MakeProxy, claimed
+from tests.conftest import FakeUpstream, MakeProxy, claimed, logged_errors
 
 STRIPE_SECRET = "whsec_test_secret_for_the_proxy"
 SLACK_SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
@@ -200,12 +201,12 @@ async def test_duplicate_with_another_body_is_answered_200_and_logged_as_mismatc
 
 
 async def test_duplicate_json_keys_are_refused(
-    make_proxy: MakeProxy, upstream: FakeUpstream
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
     client = await make_proxy()
     response = await client.post("/webhooks/corvel", data=b'{"id": "evt_a", "id": "evt_b"}')
     assert response.status == 400
-    assert "duplicate JSON key" in (await response.json())["message"]
+    assert "duplicate JSON key" in logged_errors(caplog)[0]
     assert upstream.requests == []
 
 
@@ -302,3 +303,53 @@ async def test_refuses_to_start_without_the_c_http_parser(tmp_path: Path) -> Non
     assert process.returncode == 1
     assert b"C HTTP parser is not in use" in stdout
     assert b"Traceback" not in stdout + stderr
+
+
+@pytest.mark.parametrize(("preset", "signed_set", "claimed_set"), [
+    ("standard-webhooks", "svix", "webhook"),
+    ("svix", "webhook", "svix"),
+])  # fmt: skip
+async def test_a_signed_message_resent_under_a_forged_id_is_refused(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
+    preset: str, signed_set: str, claimed_set: str,
+) -> None:  # fmt: skip
+    secret = "whsec_" + base64.b64encode(b"standard-webhooks-test-key").decode()
+    client = await make_proxy(
+        routes=[{"name": "sw", "path": "/sw", "preset": preset, "verify": {"secret": secret}}]
+    )
+    body = b'{"type": "invoice.paid"}'
+    stamp = str(int(time.time()))
+    mac = hmac.new(b"standard-webhooks-test-key", f"msg_1.{stamp}.".encode() + body, "sha256")
+    headers = {
+        f"{signed_set}-id": "msg_1",
+        f"{signed_set}-timestamp": stamp,
+        f"{signed_set}-signature": "v1," + base64.b64encode(mac.digest()).decode(),
+    }
+
+    genuine = await client.post("/sw", data=body, headers={**headers, f"{claimed_set}-id": "msg_1"})
+    forged = [
+        await client.post("/sw", data=body, headers={**headers, f"{claimed_set}-id": f"forged-{n}"})
+        for n in (1, 2)
+    ]
+
+    assert genuine.status == 200
+    assert [response.status for response in forged] == [401, 401]
+    assert len(upstream.requests) == 1
+    assert [row[1] for row in await claimed(pg_dsn, table)] == ["msg_1"]
+
+
+async def test_a_signature_header_named_in_connection_is_refused(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[stripe_route()])
+    body = stripe_event("evt_conn")
+
+    response = await client.post(
+        "/webhooks/stripe",
+        data=body,
+        headers={**stripe_headers(body), "Connection": "x, stripe-signature"},
+    )
+
+    assert response.status == 400
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []

@@ -378,13 +378,19 @@ def test_standard_webhooks_accepts_svix_header_names() -> None:
     assert reason == "svix-timestamp outside tolerance of 300s"
 
 
-def test_standard_webhooks_prefers_webhook_headers_over_svix() -> None:
+def test_standard_webhooks_refuses_two_header_sets_that_differ() -> None:
     svix = [(name.replace("webhook-", "svix-"), value) for name, value in signed(SW)]
+    check(SW, signed(SW) + svix)  # both sets, the same values: fine
     forged = signed(SW, UNKNOWN)
-    check(SW, signed(SW) + svix)
     forged_svix = [(name.replace("webhook-", "svix-"), value) for name, value in forged]
-    check(SW, signed(SW) + forged_svix)
-    assert refused(SW, forged + svix) == "no signature matches"
+    assert refused(SW, signed(SW) + forged_svix) == "webhook-signature and svix-signature differ"
+    assert refused(SW, forged + svix) == "webhook-signature and svix-signature differ"
+    # A signed svix-* message with a webhook-id added (or the mirror case): the preset that
+    # claims the other set's ID would claim an ID nobody signed.
+    for extra in (("webhook-id", "forged-1"), ("svix-id", "forged-1")):
+        base = svix if extra[0] == "webhook-id" else signed(SW)
+        field_name = extra[0].split("-")[1]
+        assert refused(SW, [*base, extra]) == f"webhook-{field_name} and svix-{field_name} differ"
 
 
 def test_standard_webhooks_ignores_asymmetric_signatures() -> None:
@@ -485,9 +491,25 @@ def test_hmac_prefix_is_required_when_configured() -> None:
         ),
         ("shopify", [SECRET], {"prefix": ""}, "prefix: only for scheme hmac, not shopify"),
         ("hmac", [SECRET], {}, "header is required for scheme hmac"),
-        ("hmac", [SECRET], {"header": "X Sig"}, "header must be a header name, got 'X Sig'"),
-        ("hmac", [SECRET], {"header": "X-Sig:"}, "header must be a header name, got 'X-Sig:'"),
-        ("hmac", [SECRET], {"header": ""}, "header must be a header name, got ''"),
+        (
+            "hmac",
+            [SECRET],
+            {"header": "X Sig"},
+            "header must be a header name without '_', got 'X Sig'",
+        ),
+        (
+            "hmac",
+            [SECRET],
+            {"header": "X-Sig:"},
+            "header must be a header name without '_', got 'X-Sig:'",
+        ),
+        ("hmac", [SECRET], {"header": ""}, "header must be a header name without '_', got ''"),
+        (
+            "hmac",
+            [SECRET],
+            {"header": "X_Sig"},
+            "header must be a header name without '_', got 'X_Sig'",
+        ),
         (
             "hmac",
             [SECRET],

@@ -1,0 +1,112 @@
+"""What leaves in logs and answers: no credentials, no request bytes, no forged fields."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from proxy import config, logs
+from tests.conftest import FakeUpstream, MakeProxy
+from tests.ports import free_port
+from tests.test_hostile_http import connection
+from tests.test_operations import run_cli
+
+PASSWORD = "S3cr3t-pw"
+
+
+@pytest.fixture
+def log_lines(request: pytest.FixtureRequest) -> Iterator[io.StringIO]:
+    """The proxy's own log set-up (JSON, or text when the test is parametrized so), writing to a
+    buffer; the root logger's handlers are put back afterwards."""
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    out = io.StringIO()
+    log_format = getattr(request, "param", "json")
+    logs.setup(config.LogConfig(level="info", format=log_format), stream=out)
+    try:
+        yield out
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
+
+
+async def test_a_credentialed_upstream_url_is_never_echoed_or_logged(
+    make_proxy: MakeProxy, log_lines: io.StringIO
+) -> None:
+    dead = f"http://svc:{PASSWORD}@127.0.0.1:{free_port()}"
+    client = await make_proxy(upstream={"url": dead, "timeout": "2s"})
+
+    passthrough = await client.get("/anything")
+    webhook = await client.post("/webhooks/corvel", data=b'{"id": "e1"}')
+    logging.getLogger("proxy.test").error("quoting %s/x", dead)
+
+    for response in (passthrough, webhook):
+        assert response.status == 502
+        assert await response.json() == {
+            "status": "error",
+            "error": "upstream_unavailable",
+            "message": "The upstream could not be reached or dropped the connection.",
+        }
+    written = log_lines.getvalue()
+    assert PASSWORD not in written
+    assert "http://svc:***@127.0.0.1" in written
+
+
+async def test_check_masks_the_upstream_password(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        f"upstream: {{url: 'http://svc:{PASSWORD}@app:3000'}}\n"
+        f"database: {{dsn: 'postgresql://dedup:{PASSWORD}@db/app'}}\n"
+        "routes: [{name: a, path: /a, upstream: 'http://u:" + PASSWORD + "@other:1', "
+        "event_id: 'body:/id'}]\n"
+    )
+    code, out, err = await run_cli("check", "--config", str(path))
+
+    assert code == 0, err
+    assert PASSWORD not in out
+    assert "http://svc:***@app:3000" in out
+    assert "http://u:***@other:1" in out
+
+
+async def test_a_request_the_parser_refuses_is_one_info_line_without_its_bytes(
+    make_proxy: MakeProxy, upstream: FakeUpstream, log_lines: io.StringIO
+) -> None:
+    client = await make_proxy()
+    card = b"4111111111111111"
+    async with connection(client) as (reader, writer):
+        writer.write(
+            b"POST /webhooks/corvel HTTP/1.1\r\nHost: x\r\nStripe-Signature: t=1,v1=" + card
+            + b"\r\nBad Header: \x01" + card + b"\r\nContent-Length: 2\r\n\r\n{}"
+        )  # fmt: skip
+        answer = await asyncio.wait_for(reader.read(), 5)
+
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request")
+    lines = [line for line in log_lines.getvalue().splitlines() if "aiohttp.server" in line]
+    assert len(lines) == 1
+    assert '"level": "info"' in lines[0]
+    assert "refused a malformed HTTP request" in lines[0]
+    assert card.decode() not in log_lines.getvalue()
+    assert "Traceback" not in log_lines.getvalue()
+    assert upstream.requests == []
+
+
+@pytest.mark.parametrize("log_lines", ["text"], indirect=True)
+def test_text_lines_quote_values_so_none_can_forge_a_field(log_lines: io.StringIO) -> None:
+    logging.getLogger("proxy.pipeline").info(
+        "POST /x \x1b[31m\u202e -> processed",
+        extra={"fields": {"request_id": "r1 outcome=duplicate event_id=evt_fake",
+                          "event_id": "evt\x1b[2J\u202e", "status": 200}},
+    )  # fmt: skip
+
+    (line,) = log_lines.getvalue().splitlines()
+    assert 'request_id="r1 outcome=duplicate event_id=evt_fake"' in line
+    assert 'event_id="evt\\u001b[2J\\u202e"' in line
+    assert "status=200" in line
+    assert " outcome=" not in line.replace('"r1 outcome=', "")
+    assert "\x1b" not in line
+    assert "\u202e" not in line
