@@ -234,7 +234,8 @@ def _head(block: bytes) -> tuple[int, int, str, list[tuple[str, str]]]:
     for line in lines[1:]:
         field = _FIELD.fullmatch(line)
         if field is None or _BAD_VALUE.search(field[2]):
-            raise _Malformed(f"bad header line {line[:100]!r}")
+            # The name only: a value may be a cookie or a token, and this goes to the log.
+            raise _Malformed(f"bad header line {line.partition(b':')[0][:40]!r}:…")
         name = field[1].decode("ascii")
         fields.append((name, _relayable(field[2], f"bad header line: {name}'s value")))
     reason = _relayable(status[3] or b"", "bad status line: the reason phrase")
@@ -271,7 +272,7 @@ async def _chunked(connection: _Connection) -> bytes:
         size, _, extensions = line.partition(b";")
         size = size.rstrip(b" \t")
         if not _CHUNK_SIZE.fullmatch(size) or _BAD_VALUE.search(extensions):
-            raise _Malformed(f"bad chunk size line {line[:100]!r}")
+            raise _Malformed(f"bad chunk size line {line[:20]!r}")
         if int(size, 16) == 0:
             break
         parts.append(await connection.exactly(int(size, 16)))
@@ -283,7 +284,7 @@ async def _chunked(connection: _Connection) -> bytes:
             return b"".join(parts)
         field = _FIELD.fullmatch(trailer)
         if field is None or _BAD_VALUE.search(field[2]):
-            raise _Malformed(f"bad trailer line {trailer[:100]!r}")
+            raise _Malformed(f"bad trailer line {trailer.partition(b':')[0][:40]!r}:…")
     raise _Malformed(f"over {MAX_TRAILERS} trailer fields")
 
 

@@ -80,6 +80,23 @@ def request_headers(
     return headers
 
 
+def _relayable(reason: str | None, headers: CIMultiDictProxy[str]) -> None:
+    """Refuse an answer aiohttp's client read but its server could not write back exactly.
+
+    aiohttp's client decodes obs-text bytes that are not UTF-8 as surrogate escapes, and its
+    server's writer drops those: such a reason or header value would be relayed altered.
+    """
+    for text in (reason or "", *headers.values()):
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise errors.UpstreamUnavailable(
+                    "upstream sent a malformed answer: a reason or header value is obs-text "
+                    "that is not UTF-8"
+                ) from None
+
+
 def response_headers(
     upstream: CIMultiDictProxy[str] | CIMultiDict[str], *, keep_length: bool
 ) -> CIMultiDict[str]:
@@ -210,6 +227,7 @@ class Forwarder:
                 allow_redirects=False,
                 timeout=self._total_timeout,
             ) as upstream:
+                _relayable(upstream.reason, upstream.headers)
                 payload = await upstream.read()
                 return UpstreamResponse(
                     status=upstream.status,
@@ -233,6 +251,7 @@ class Forwarder:
                 timeout=self._stream_timeout,
             )
         async with upstream:
+            _relayable(upstream.reason, upstream.headers)
             response = web.StreamResponse(
                 status=upstream.status,
                 reason=upstream.reason,

@@ -511,3 +511,26 @@ async def test_obs_text_that_cannot_be_relayed_exactly_is_a_502_and_not_committe
     answer = await send_webhook(proxy, "evt_latin1")
     assert answer.startswith(b"HTTP/1.1 502 ")
     assert await claimed(pg_dsn, table) == []
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        ok(extra=b"X-Name: caf\xe9\r\n"),
+        b"HTTP/1.1 200 D\xe9j\xe0 vu\r\nContent-Length: 2\r\n\r\nok",
+    ],
+)
+async def test_obs_text_is_refused_on_the_aiohttp_client_paths_too(
+    scripted: Any, make_proxy: MakeProxy, pg_dsn: str, table: str, raw: bytes
+) -> None:
+    """Pass-through, and webhooks to an upstream with credentials (aiohttp's client)."""
+    app = await scripted([raw, raw])
+    port = app.origin.port
+    proxy = await make_proxy(upstream={"url": f"http://user:pw@127.0.0.1:{port}"})
+
+    passthrough = await proxy.get("/not-a-webhook")
+    webhook = await send_webhook(proxy, "evt_latin1")
+
+    assert passthrough.status == 502
+    assert webhook.startswith(b"HTTP/1.1 502 ")
+    assert await claimed(pg_dsn, table) == []
