@@ -12,7 +12,17 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
-from proxy import claims, config, embedded, flights, forwarder, metrics, pipeline, retention
+from proxy import (
+    budget,
+    claims,
+    config,
+    embedded,
+    flights,
+    forwarder,
+    metrics,
+    pipeline,
+    retention,
+)
 
 CONFIG = web.AppKey("config", config.Config)
 DSN = web.AppKey("dsn", str)
@@ -138,6 +148,7 @@ def create_app(cfg: config.Config) -> web.Application:
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()
     app[pipeline.DRAINING] = asyncio.Event()
+    app[pipeline.BUDGET] = budget.Budget(cfg.max_buffered, meters.buffered)
     app.cleanup_ctx.extend([_database, _claim_store, _pool_gauges, _forwarder, _sweeper])
     # Every request, whatever its path: routing happens on the normalized path (paths.py),
     # not in aiohttp's router, which matches before any middleware could normalize it.

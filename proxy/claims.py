@@ -374,7 +374,7 @@ class ClaimStore:
             async with asyncio.timeout(self._settings.pool_timeout):
                 connection: Connection = await self._pool.acquire()
         except TimeoutError as exc:
-            raise errors.StoreUnavailable(
+            raise errors.PoolExhausted(
                 f"no free database connection within {self._settings.pool_timeout:g}s "
                 f"(pool_size {self._settings.pool_size})"
             ) from exc

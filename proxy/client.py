@@ -27,6 +27,7 @@ import asyncio
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -35,6 +36,14 @@ from multidict import CIMultiDict
 from proxy import errors
 
 log = logging.getLogger(__name__)
+
+# Told the size of each part of an answer's body before it is held; raises to refuse it.
+Reserve = Callable[[int], None]
+
+
+def unlimited(size: int) -> None:
+    """A Reserve that refuses nothing."""
+
 
 MAX_HEAD = 64 * 1024  # status line and headers (aiohttp's client allows 8 KiB per line)
 MAX_CHUNK_LINE = 4096
@@ -202,10 +211,13 @@ class _Connection(asyncio.Protocol):
         del self.buffer[:size]
         return data
 
-    async def rest(self) -> bytes:
-        """Everything until the app closes the connection."""
+    async def rest(self, reserve: Reserve) -> bytes:
+        """Everything until the app closes the connection, reserved as it arrives."""
+        reserve(len(self.buffer))
         while not self.ended:
+            held = len(self.buffer)
             await self._more()
+            reserve(len(self.buffer) - held)
         data = bytes(self.buffer)
         self.buffer.clear()
         return data
@@ -265,7 +277,7 @@ def _values(fields: list[tuple[str, str]], name: str) -> list[str] | None:
     return [item.lower() if item.isascii() else item for item in items]
 
 
-async def _chunked(connection: _Connection) -> bytes:
+async def _chunked(connection: _Connection, reserve: Reserve) -> bytes:
     parts = []
     while True:
         line = await connection.line(b"\r\n", MAX_CHUNK_LINE)
@@ -275,6 +287,7 @@ async def _chunked(connection: _Connection) -> bytes:
             raise _Malformed(f"bad chunk size line {line[:20]!r}")
         if int(size, 16) == 0:
             break
+        reserve(int(size, 16))
         parts.append(await connection.exactly(int(size, 16)))
         if await connection.exactly(2) != b"\r\n":
             raise _Malformed("chunk not followed by CRLF")
@@ -288,7 +301,9 @@ async def _chunked(connection: _Connection) -> bytes:
     raise _Malformed(f"over {MAX_TRAILERS} trailer fields")
 
 
-async def _answer(connection: _Connection, method: str) -> tuple[Answer, bool]:
+async def _answer(
+    connection: _Connection, method: str, reserve: Reserve = unlimited
+) -> tuple[Answer, bool]:
     """The final answer (interim 1xx ones skipped) and whether the connection may be reused."""
     for _ in range(MAX_INTERIM + 1):
         minor, status, reason, fields = _head(await connection.head(MAX_HEAD))
@@ -312,11 +327,12 @@ async def _answer(connection: _Connection, method: str) -> tuple[Answer, bool]:
     if status in (204, 304) or method == "HEAD":
         body = b""
     elif codings is not None:
-        body = await _chunked(connection)
+        body = await _chunked(connection, reserve)
     elif lengths is not None:
+        reserve(int(lengths[0]))
         body = await connection.exactly(int(lengths[0]))
     else:
-        body = await connection.rest()  # delimited by the app closing the connection
+        body = await connection.rest(reserve)  # delimited by the app closing the connection
         keep = False
     return Answer(status, reason, CIMultiDict(fields), body), keep
 
@@ -341,8 +357,10 @@ class Client:
         *,
         headers: list[tuple[str, str]],
         body: bytes,
+        reserve: Reserve = unlimited,
     ) -> Answer:
-        """Send one request and read the whole answer, all within the timeout."""
+        """Send one request and read the whole answer, all within the timeout; ``reserve`` is
+        told the answer body's size before it is held (and may raise to refuse it)."""
         head = [f"{method} {target} HTTP/1.1\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in headers]
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
@@ -354,7 +372,7 @@ class Client:
                 connection = self._take(origin) or await self._open(origin)
                 assert connection.transport is not None
                 connection.transport.write(message)
-                answer, keep = await _answer(connection, method)
+                answer, keep = await _answer(connection, method, reserve)
         except TimeoutError as exc:
             raise errors.UpstreamTimeout(
                 f"upstream did not answer within {self._timeout:g}s"

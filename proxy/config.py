@@ -22,6 +22,10 @@ DEFAULT_UPSTREAM_TIMEOUT = 30.0
 DEFAULT_UPSTREAM_KEEPALIVE = 4.0
 DEFAULT_CLAIM_WAIT = 10.0
 DEFAULT_MAX_BODY = 10 * 1024 * 1024
+DEFAULT_MAX_BUFFERED = 64 * 1024 * 1024
+# Idle keep-alive connections cost a file descriptor and some 10-20 KB each; 1,000 per worker
+# serves any provider fan-in we know of and stays far below memory limits.
+DEFAULT_MAX_CONNECTIONS = 1000
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_CLIENT_TIMEOUT = 60.0
 DEFAULT_ADMIN_LISTEN = "127.0.0.1:9901"
@@ -37,7 +41,7 @@ MAX_WORKERS = 64
 _LEVELS = ("debug", "info", "warning", "error")
 TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
              "shutdown_timeout", "client_timeout", "log", "admin", "sweeper",
-             "workers", "passthrough")  # fmt: skip
+             "workers", "passthrough", "max_buffered", "max_connections")  # fmt: skip
 DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
@@ -145,6 +149,9 @@ class Config:
     workers: int = 1  # processes sharing the listeners (SO_REUSEPORT), each with its own pool
     # Paths that match no route: forwarded if under one of these prefixes; None: all of them.
     passthrough: tuple[str, ...] | None = None
+    # Per worker: bytes of request bodies and app answers held at once; client connections.
+    max_buffered: int = DEFAULT_MAX_BUFFERED
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 def _listen(value: object) -> Listen:
@@ -248,6 +255,10 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         ),
         workers=r.value(top, "workers", "", values.parse_positive_int, 1),
         passthrough=r.value(top, "passthrough", "", _passthrough, None),
+        max_buffered=r.value(top, "max_buffered", "", values.parse_size, DEFAULT_MAX_BUFFERED),
+        max_connections=r.value(
+            top, "max_connections", "", values.parse_positive_int, DEFAULT_MAX_CONNECTIONS
+        ),
         log=LogConfig(
             level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
             format=r.value(

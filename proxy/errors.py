@@ -24,8 +24,11 @@ place.
         + RequestTimeout            408  the client sent its body too slowly
         + BodyTooLarge              413  body over max_body
         + StoreUnavailable          503  database down, pool exhausted, schema missing
+          + PoolExhausted           503  no free database connection within pool_timeout
           + ClaimWaitExceeded       503  a copy waited longer than claim_wait
+        + Overloaded                503  the request does not fit max_buffered (shed)
         + UpstreamUnavailable       502  refused, reset or unreachable upstream
+          + AnswerOverBudget        502  the app's answer does not fit max_buffered
         + UpstreamTimeout           504  upstream did not answer in time
 
 A subclass's docstring is its default message.
@@ -170,6 +173,10 @@ class StoreUnavailable(RequestError):
     retry_after = 5
 
 
+class PoolExhausted(StoreUnavailable):
+    """No database connection is free; try again later."""
+
+
 class ClaimWaitExceeded(StoreUnavailable):
     """Another copy of this event is still in flight; try again later."""
 
@@ -181,6 +188,20 @@ class UpstreamUnavailable(RequestError):
 
     status = 502
     code = "upstream_unavailable"
+
+
+class AnswerOverBudget(UpstreamUnavailable):
+    """The upstream's answer does not fit the proxy's memory budget."""
+
+    code = "answer_too_large"
+
+
+class Overloaded(RequestError):
+    """The proxy is at its memory limit; try again later."""
+
+    status = 503
+    code = "overloaded"
+    retry_after = 5
 
 
 class UpstreamTimeout(RequestError):

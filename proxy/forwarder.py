@@ -196,10 +196,17 @@ class Forwarder:
             raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
 
     async def forward(
-        self, request: web.Request, base_url: str, target: str, body: bytes, request_id: str
+        self,
+        request: web.Request,
+        base_url: str,
+        target: str,
+        body: bytes,
+        request_id: str,
+        *,
+        reserve: client.Reserve,
     ) -> UpstreamResponse:
         """Send the webhook to ``target`` (the path and query the proxy routed on) with its
-        already-read body; read the whole answer."""
+        already-read body; read the whole answer, its size told to ``reserve`` first."""
         found = self._origins.get(base_url)
         if found is None:
             found = self._origins[base_url] = (origin_of(base_url), urlsplit(base_url).path)
@@ -210,7 +217,7 @@ class Forwarder:
             host = headers.popall(hdrs.HOST, [origin.authority])[0]
             answer = await self._client.request(
                 origin, request.method, prefix + target,
-                headers=[(hdrs.HOST, host), *headers.items()], body=body,
+                headers=[(hdrs.HOST, host), *headers.items()], body=body, reserve=reserve,
             )  # fmt: skip
             return UpstreamResponse(
                 status=answer.status,
@@ -228,7 +235,15 @@ class Forwarder:
                 timeout=self._total_timeout,
             ) as upstream:
                 _relayable(upstream.reason, upstream.headers)
-                payload = await upstream.read()
+                if upstream.content_length is not None:
+                    reserve(upstream.content_length)
+                    payload = await upstream.read()
+                else:
+                    parts = []
+                    async for part in upstream.content.iter_chunked(_CHUNK):
+                        reserve(len(part))
+                        parts.append(part)
+                    payload = b"".join(parts)
                 return UpstreamResponse(
                     status=upstream.status,
                     reason=upstream.reason,

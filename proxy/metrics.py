@@ -109,6 +109,20 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="max",
         )
+        self.shed = Counter(
+            "dedup_shed_requests",
+            "Requests answered 503 (or connections refused) to shed load, by reason: memory "
+            "(max_buffered), connections (max_connections), pool (no database connection).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.buffered = Gauge(
+            "dedup_buffered_bytes",
+            "Bytes of request bodies and app answers held in memory (reserved against "
+            "max_buffered).",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         self.draining = Gauge(
             "dedup_draining",
             "1 while shutting down after SIGTERM.",

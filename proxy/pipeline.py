@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from proxy import claims, config, errors, flights, forwarder, keys, metrics, paths, routes
+from proxy import budget, claims, config, errors, flights, forwarder, keys, metrics, paths, routes
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +26,7 @@ FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
 FLIGHTS = web.AppKey("flights", flights.Flights)
 METRICS = web.AppKey("metrics", metrics.Metrics)
 DRAINING = web.AppKey("draining", asyncio.Event)
+BUDGET = web.AppKey("budget", budget.Budget)
 
 _READ_CHUNK = 64 * 1024
 
@@ -44,7 +45,7 @@ def _json(
 
 
 def _outcome(exc: errors.RequestError) -> str:
-    if isinstance(exc, errors.StoreUnavailable):
+    if isinstance(exc, errors.StoreUnavailable | errors.Overloaded):
         return "unavailable"
     if isinstance(exc, errors.UpstreamUnavailable | errors.UpstreamTimeout):
         return "upstream_error"
@@ -62,13 +63,17 @@ def error_response(exc: errors.RequestError) -> web.Response:
     )
 
 
-async def read_body(request: web.Request, limit: int, within: float) -> bytes:
+async def read_body(
+    request: web.Request, limit: int, within: float, reservation: budget.Reservation
+) -> bytes:
     """The whole body within ``within`` seconds, refusing more than ``limit`` bytes (before
-    reading, when the length is declared)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise errors.BodyTooLarge(
-            f"body of {request.content_length} bytes is over max_body {limit}"
-        )
+    reading, when the length is declared), reserved against the memory budget before it is
+    held (a declared length at once, a chunked body as it arrives)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise errors.BodyTooLarge(f"body of {declared} bytes is over max_body {limit}")
+    if declared is not None:
+        reservation.body(declared)
     content = request.content
     try:
         if content.is_eof():
@@ -78,6 +83,8 @@ async def read_body(request: web.Request, limit: int, within: float) -> bytes:
             chunks = bytearray()
             async with asyncio.timeout(within):
                 async for chunk in content.iter_chunked(_READ_CHUNK):
+                    if declared is None:
+                        reservation.body(len(chunk))
                     chunks += chunk
                     if len(chunks) > limit:
                         break
@@ -122,6 +129,7 @@ class Webhook:
         self.client_timeout = cfg.client_timeout
         self.claim_wait = cfg.claim_wait
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
+        self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
 
     async def handle(self, request: web.Request, match: paths.Match[Webhook]) -> web.StreamResponse:
         started = time.perf_counter()
@@ -136,9 +144,14 @@ class Webhook:
                     self.route.methods,
                 )
             target = match.path + paths.query_of(request.raw_path)
-            response = await self._handle(request, target, scope, fields)
+            with request.app[BUDGET].reservation() as reservation:
+                response = await self._handle(request, target, scope, reservation, fields)
         except errors.RequestError as exc:
             fields.update(outcome=_outcome(exc), error=exc.message)
+            shed = _shed_reason(exc)
+            if shed is not None:
+                fields["shed"] = shed
+                self.shed[shed].inc()
             response = error_response(exc)
         finally:
             in_flight.dec()
@@ -146,16 +159,21 @@ class Webhook:
         return response
 
     async def _handle(
-        self, request: web.Request, target: str, scope: str, fields: dict[str, Any]
+        self,
+        request: web.Request,
+        target: str,
+        scope: str,
+        reservation: budget.Reservation,
+        fields: dict[str, Any],
     ) -> web.StreamResponse:
         route = self.route
-        body = await read_body(request, route.max_body, self.client_timeout)
+        body = await read_body(request, route.max_body, self.client_timeout, reservation)
         try:
             event_id, event_type, digest = self._inspect(request, body)
         except errors.EventIdMissing:
             if not route.forward_missing_id:
                 raise
-            upstream = await self._call(request, target, body, fields)
+            upstream = await self._call(request, target, body, reservation, fields)
             fields["outcome"] = "unclaimed"
             return upstream.to_web()
         fields.update(event_id=event_id, event_type=event_type)
@@ -169,7 +187,9 @@ class Webhook:
             async with request.app[STORE].claim(key) as claim:
                 self._claimed(fields, claim_started)
                 if claim.acquired:
-                    response = await self._forward(request, target, body, claim, fields)
+                    response = await self._forward(
+                        request, target, body, claim, fields, reservation=reservation
+                    )
                     if fields["outcome"] == "processed":
                         flight.committed_sha256 = key.body_sha256
                     return response
@@ -202,12 +222,18 @@ class Webhook:
         self.meters.claim_wait.observe(waited)
 
     async def _call(
-        self, request: web.Request, target: str, body: bytes, fields: dict[str, Any]
+        self,
+        request: web.Request,
+        target: str,
+        body: bytes,
+        reservation: budget.Reservation,
+        fields: dict[str, Any],
     ) -> forwarder.UpstreamResponse:
         started = time.perf_counter()
         upstream = await request.app[FORWARDER].forward(
-            request, self.route.upstream, target, body, fields["request_id"]
-        )
+            request, self.route.upstream, target, body, fields["request_id"],
+            reserve=reservation.answer,
+        )  # fmt: skip
         self.meters.upstream_latency.observe(time.perf_counter() - started)
         fields["upstream_status"] = upstream.status
         if upstream.status == 410:
@@ -222,8 +248,10 @@ class Webhook:
         body: bytes,
         claim: claims.Claim,
         fields: dict[str, Any],
+        *,
+        reservation: budget.Reservation,
     ) -> web.StreamResponse:
-        upstream = await self._call(request, target, body, fields)
+        upstream = await self._call(request, target, body, reservation, fields)
         if not upstream.ok:
             fields["outcome"] = "upstream_error"
             return upstream.to_web()
@@ -286,6 +314,15 @@ def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
         return response
 
     return dispatch
+
+
+def _shed_reason(exc: errors.RequestError) -> str | None:
+    """Why a request was shed to protect the worker, if it was."""
+    if isinstance(exc, errors.Overloaded | errors.AnswerOverBudget):
+        return "memory"
+    if isinstance(exc, errors.PoolExhausted):
+        return "pool"
+    return None
 
 
 def _fields(

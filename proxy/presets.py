@@ -1,8 +1,8 @@
 """Provider presets: where each provider puts its event ID, how it signs, how long it retries.
 
 A route's ``preset`` fills in these defaults; anything set explicitly on the route wins. Sources:
-the providers' public documentation, summarised in PROVIDERS.md; the README's preset table says
-which facts are unverified.
+the providers' public documentation, linked per fact in docs/providers.md, which also says which
+facts are unverified.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 DAY = 86400.0
 HOUR = 3600.0
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,6 +25,10 @@ class Preset:
     forward_missing_id: bool = False
     # Signature timestamp tolerance, when the scheme's default (5 minutes) is unsafe.
     tolerance: float | None = None
+    # The route's default max_body: at least the provider's documented payload cap, so the proxy
+    # never refuses (413) a body the provider may send. None: no documented cap, the global
+    # max_body applies.
+    max_body: int | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -32,12 +37,14 @@ PRESETS: dict[str, Preset] = {
         event_id=("body:/id",), event_type="body:/type", scheme="stripe", retention=4 * DAY
     ),
     # No automatic retries; manual redelivery reuses the GUID for 3 days. The GUID is shared by
-    # every hook subscribed to the event, so the hook's ID is part of the key.
+    # every hook subscribed to the event, so the hook's ID is part of the key. Payloads are capped
+    # at "25 MB": read as MiB, the larger reading, since a 413 is never retried.
     "github": Preset(
         event_id=("header:X-GitHub-Hook-ID", "header:X-GitHub-Delivery"),
         event_type="header:X-GitHub-Event",
         scheme="github",
         retention=4 * DAY,
+        max_body=25 * MIB,
     ),
     # 8 retries over 4 hours; X-Shopify-Event-Id is Shopify's documented deduplication key.
     "shopify": Preset(

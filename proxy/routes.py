@@ -96,7 +96,13 @@ def parse_routes(
             event_id=event_id or (),
             event_type=r.value(route, "event_type", path, values.parse_source, default_type),
             upstream=r.value(route, "upstream", path, values.parse_http_url, default_upstream),
-            max_body=r.value(route, "max_body", path, values.parse_size, default_max_body),
+            max_body=r.value(
+                route,
+                "max_body",
+                path,
+                values.parse_size,
+                preset.max_body if preset and preset.max_body else default_max_body,
+            ),
             preset=preset_name,
             verify=_parse_verify(r, route.get("verify"), f"{path}.verify", preset_name, preset),
             retention=r.value(

@@ -160,7 +160,7 @@ async def test_pool_exhaustion_gives_503_after_pool_timeout(
     assert second.status == 503
     body = await second.json()
     assert body["error"] == "store_unavailable"
-    assert body["message"] == "The claim store (PostgreSQL) is unavailable."
+    assert body["message"] == "No database connection is free; try again later."
     assert "no free database connection within 0.3s (pool_size 1)" in logged_errors(caplog)[0]
     upstream.gate.set()
     assert (await first).status == 200

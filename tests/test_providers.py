@@ -6,6 +6,7 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import io
 import json
 import logging
 import sys
@@ -351,5 +352,86 @@ async def test_a_signature_header_named_in_connection_is_refused(
     )
 
     assert response.status == 400
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []
+
+
+GITHUB_SECRET = "It's a Secret to Everybody"
+
+
+def github_route(**extra: Any) -> dict[str, Any]:
+    return {
+        "name": "github",
+        "path": "/webhooks/github",
+        "preset": "github",
+        "verify": {"secret": GITHUB_SECRET},
+        **extra,
+    }
+
+
+def github_headers(body: bytes, delivery: str) -> dict[str, str]:
+    signature = hmac.new(GITHUB_SECRET.encode(), body, hashlib.sha256).hexdigest()
+    return {
+        "X-GitHub-Delivery": delivery,
+        "X-GitHub-Hook-ID": "111",
+        "X-GitHub-Event": "push",
+        "X-Hub-Signature-256": f"sha256={signature}",
+        "Content-Type": "application/json",
+    }
+
+
+def github_payload(size: int) -> bytes:
+    """A JSON body of exactly ``size`` bytes."""
+    head, tail = b'{"zen": "', b'"}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+def test_a_preset_with_a_documented_cap_sets_the_default_max_body() -> None:
+    cfg = config.parse(
+        {
+            "upstream": {"url": "http://127.0.0.1:3000"},
+            "database": {"dsn": "embedded"},
+            "max_body": "2MiB",
+            "routes": [
+                {"name": "gh", "path": "/gh", "preset": "github"},
+                {"name": "small", "path": "/small", "preset": "github", "max_body": "1MiB"},
+                {"name": "s", "path": "/s", "preset": "stripe"},
+            ],
+        }
+    )
+    github, explicit, stripe = cfg.routes
+    # GitHub caps payloads at "25 MB"; read as MiB, the larger reading.
+    assert github.max_body == 25 * 1024 * 1024
+    assert explicit.max_body == 1024 * 1024
+    assert stripe.max_body == 2 * 1024 * 1024  # no documented cap: the global max_body
+
+
+async def test_a_github_payload_over_the_global_max_body_is_accepted(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[github_route()])
+    body = github_payload(20_000_000)  # under GitHub's cap, over the global 10 MiB default
+
+    response = await client.post(
+        "/webhooks/github", data=io.BytesIO(body), headers=github_headers(body, "d-large")
+    )
+
+    assert response.status == 200
+    assert len(upstream.requests) == 1
+    assert upstream.requests[0].body == body
+    assert await claimed(pg_dsn, table) == [("github", "111:d-large", "push")]
+
+
+async def test_an_explicit_route_max_body_wins_over_the_preset_cap(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[github_route(max_body="1MiB")])
+    body = github_payload(2 * 1024 * 1024)
+
+    response = await client.post(
+        "/webhooks/github", data=io.BytesIO(body), headers=github_headers(body, "d-over")
+    )
+
+    assert response.status == 413
     assert upstream.requests == []
     assert await claimed(pg_dsn, table) == []

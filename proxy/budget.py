@@ -1,0 +1,77 @@
+"""The memory budget of one worker: bytes of request bodies and app answers held at once.
+
+A webhook is held whole (to find its ID, check its signature and forward it byte-exact), and
+so is the app's answer to it, so nothing else bounds the memory a worker needs: a burst of
+large webhooks would get it killed for its memory limit, with every request in flight. Each
+request reserves what it will hold before holding it: a body's declared length before reading
+it (a chunked body as it arrives), an answer's length before reading it. What does not fit is
+refused at once, and a request's reservation is released when it ends, however it ends.
+A request always fits when nothing but its own bytes is held, so max_body alone decides the
+size of a lone request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from prometheus_client import Gauge
+
+from proxy import errors
+
+
+class Budget:
+    """``limit`` bytes shared by the requests of one worker (one event loop: no lock)."""
+
+    def __init__(self, limit: int, gauge: Gauge) -> None:
+        self.limit = limit
+        self.held = 0
+        self._gauge = gauge
+
+    @contextlib.contextmanager
+    def reservation(self) -> Iterator[Reservation]:
+        """A request's share, given back on exit (returned, raised or cancelled)."""
+        reservation = Reservation(self)
+        try:
+            yield reservation
+        finally:
+            self._give_back(reservation.size)
+
+    def _take(self, size: int, own: int) -> bool:
+        """Take ``size`` bytes for a request already holding ``own``: they fit under the limit,
+        or nothing but that request's own bytes is held."""
+        if self.held > own and self.held + size > self.limit:
+            return False
+        self.held += size
+        self._gauge.set(self.held)
+        return True
+
+    def _give_back(self, size: int) -> None:
+        self.held -= size
+        self._gauge.set(self.held)
+
+
+class Reservation:
+    """What one request holds of the budget."""
+
+    def __init__(self, budget: Budget) -> None:
+        self._budget = budget
+        self.size = 0
+
+    def body(self, size: int) -> None:
+        """Reserve ``size`` more bytes of request body; Overloaded (503) if they do not fit."""
+        if not self._budget._take(size, self.size):
+            raise errors.Overloaded(
+                f"{size} bytes of body do not fit max_buffered {self._budget.limit} "
+                f"({self._budget.held} held)"
+            )
+        self.size += size
+
+    def answer(self, size: int) -> None:
+        """Reserve ``size`` more bytes of the app's answer; AnswerOverBudget (502) if not."""
+        if not self._budget._take(size, self.size):
+            raise errors.AnswerOverBudget(
+                f"{size} bytes of the app's answer do not fit max_buffered "
+                f"{self._budget.limit} ({self._budget.held} held)"
+            )
+        self.size += size
