@@ -19,6 +19,11 @@ from prometheus_client import Gauge
 
 from proxy import errors
 
+# An answer's first bytes are not counted: a typical answer ("ok", a small JSON) must never
+# be refused after the app did the work because bodies fill the budget. At most one such
+# allowance per request in flight, so pool_size of them per worker.
+ANSWER_ALLOWANCE = 64 * 1024
+
 
 class Budget:
     """``limit`` bytes shared by the requests of one worker (one event loop: no lock)."""
@@ -57,6 +62,7 @@ class Reservation:
     def __init__(self, budget: Budget) -> None:
         self._budget = budget
         self.size = 0
+        self._answered = 0
 
     def body(self, size: int) -> None:
         """Reserve ``size`` more bytes of request body; Overloaded (503) if they do not fit."""
@@ -68,10 +74,15 @@ class Reservation:
         self.size += size
 
     def answer(self, size: int) -> None:
-        """Reserve ``size`` more bytes of the app's answer; AnswerOverBudget (502) if not."""
-        if not self._budget._take(size, self.size):
+        """Reserve ``size`` more bytes of the app's answer beyond the first ANSWER_ALLOWANCE;
+        AnswerOverBudget (502) if they do not fit."""
+        counted = max(0, self._answered + size - ANSWER_ALLOWANCE) - max(
+            0, self._answered - ANSWER_ALLOWANCE
+        )
+        self._answered += size
+        if counted and not self._budget._take(counted, self.size):
             raise errors.AnswerOverBudget(
-                f"{size} bytes of the app's answer do not fit max_buffered "
+                f"{self._answered} bytes of the app's answer do not fit max_buffered "
                 f"{self._budget.limit} ({self._budget.held} held)"
             )
-        self.size += size
+        self.size += counted

@@ -324,15 +324,19 @@ async def _answer(
         raise _Malformed(f"unsupported transfer coding {', '.join(codings)!r}")
     if lengths is not None and (len(set(lengths)) != 1 or not _LENGTH.fullmatch(lengths[0])):
         raise _Malformed("bad or conflicting Content-Length")
-    if status in (204, 304) or method == "HEAD":
-        body = b""
-    elif codings is not None:
-        body = await _chunked(connection, reserve)
-    elif lengths is not None:
-        reserve(int(lengths[0]))
-        body = await connection.exactly(int(lengths[0]))
-    else:
-        body = await connection.rest(reserve)  # delimited by the app closing the connection
+    try:
+        if status in (204, 304) or method == "HEAD":
+            body = b""
+        elif codings is not None:
+            body = await _chunked(connection, reserve)
+        elif lengths is not None:
+            reserve(int(lengths[0]))
+            body = await connection.exactly(int(lengths[0]))
+        else:
+            body = await connection.rest(reserve)  # delimited by the app closing the connection
+    except errors.AnswerOverBudget as exc:
+        exc.upstream_status = status
+        raise
         keep = False
     return Answer(status, reason, CIMultiDict(fields), body), keep
 
@@ -364,14 +368,15 @@ class Client:
         head = [f"{method} {target} HTTP/1.1\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in headers]
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
-        message = "".join(head).encode("utf-8", "surrogateescape") + body
+        message = "".join(head).encode("utf-8", "surrogateescape")
         connection: _Connection | None = None
         keep = False
         try:
             async with asyncio.timeout(self._timeout), self._slots:
                 connection = self._take(origin) or await self._open(origin)
                 assert connection.transport is not None
-                connection.transport.write(message)
+                # Two writes rather than one concatenation: no second copy of a large body.
+                connection.transport.writelines((message, body))
                 answer, keep = await _answer(connection, method, reserve)
         except TimeoutError as exc:
             raise errors.UpstreamTimeout(

@@ -194,6 +194,8 @@ class AnswerOverBudget(UpstreamUnavailable):
     """The upstream's answer does not fit the proxy's memory budget."""
 
     code = "answer_too_large"
+    # The status the app answered with: a 2xx means the app did the work.
+    upstream_status: int | None = None
 
 
 class Overloaded(RequestError):

@@ -235,15 +235,19 @@ class Forwarder:
                 timeout=self._total_timeout,
             ) as upstream:
                 _relayable(upstream.reason, upstream.headers)
-                if upstream.content_length is not None:
-                    reserve(upstream.content_length)
-                    payload = await upstream.read()
-                else:
-                    parts = []
-                    async for part in upstream.content.iter_chunked(_CHUNK):
-                        reserve(len(part))
-                        parts.append(part)
-                    payload = b"".join(parts)
+                try:
+                    if upstream.content_length is not None:
+                        reserve(upstream.content_length)
+                        payload = await upstream.read()
+                    else:
+                        parts = []
+                        async for part in upstream.content.iter_chunked(_CHUNK):
+                            reserve(len(part))
+                            parts.append(part)
+                        payload = b"".join(parts)
+                except errors.AnswerOverBudget as exc:
+                    exc.upstream_status = upstream.status
+                    raise
                 return UpstreamResponse(
                     status=upstream.status,
                     reason=upstream.reason,

@@ -251,7 +251,18 @@ class Webhook:
         *,
         reservation: budget.Reservation,
     ) -> web.StreamResponse:
-        upstream = await self._call(request, target, body, reservation, fields)
+        try:
+            upstream = await self._call(request, target, body, reservation, fields)
+        except errors.AnswerOverBudget as exc:
+            if exc.upstream_status is not None and 200 <= exc.upstream_status < 300:
+                # The app did the work; only its answer cannot be held. Keep the claim: the
+                # provider's retry of this 502 is then a duplicate, not a second delivery.
+                fields["upstream_status"] = exc.upstream_status
+                try:
+                    await claim.commit()
+                except errors.CommitFailed as failed:
+                    fields["commit_error"] = failed.message
+            raise
         if not upstream.ok:
             fields["outcome"] = "upstream_error"
             return upstream.to_web()

@@ -88,11 +88,11 @@ async def test_a_chunked_body_is_reserved_as_it_arrives(
     assert held(client) == 0
 
 
-async def test_an_answer_that_does_not_fit_is_a_502_and_releases_the_claim(
+async def test_an_answer_that_does_not_fit_is_a_502_and_a_2xx_keeps_the_claim(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     gate = asyncio.Event()
-    answers = {"holder": b"ok", "answer": b"y" * (600 * KIB)}
+    answers = {"holder": b"ok", "answer": b"y" * (600 * KIB)}  # over the 64 KiB allowance
 
     async def respond(request: web.Request) -> web.Response:
         event_id = json.loads(await request.read())["id"]
@@ -122,7 +122,11 @@ async def test_an_answer_that_does_not_fit_is_a_502_and_releases_the_claim(
         assert (await response.json())["error"] == "answer_too_large"
         gate.set()
         assert (await holder).status == 200
-        assert [row[1] for row in await claimed(pg_dsn, table)] == ["holder"]
+        # The app answered 2xx, so it did the work: the claim is kept, and the provider's
+        # retry of the 502 is a duplicate rather than a second delivery.
+        assert [row[1] for row in await claimed(pg_dsn, table)] == ["answer", "holder"]
+        retry = await client.post("/webhooks/corvel", data=event("answer", 100))
+        assert retry.headers["Dedup-Status"] == "duplicate"
         assert shed(client, "memory") == 1
         assert held(client) == 0
     finally:
