@@ -116,7 +116,7 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
         cfg.upstream.timeout,
         preserve_host=cfg.upstream.preserve_host,
         # Webhook requests are bounded by the database pool; pass-through traffic gets headroom.
-        connections=cfg.database.pool_size + 100,
+        connections=cfg.database.pool_size + forwarder.PASSTHROUGH_HEADROOM,
         keepalive=cfg.upstream.keepalive,
     )
     app[pipeline.FORWARDER] = client

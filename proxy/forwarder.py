@@ -22,6 +22,9 @@ from proxy import client, errors
 
 log = logging.getLogger(__name__)
 
+# Upstream connections beyond the pool's (whose size bounds webhooks in flight): pass-through.
+PASSTHROUGH_HEADROOM = 100
+
 # RFC 9110 §7.6.1 (and §11.7 for the Proxy-* pair): they describe one connection, not the message.
 HOP_BY_HOP = frozenset(
     h.lower()

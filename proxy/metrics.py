@@ -112,7 +112,8 @@ class Metrics:
         self.shed = Counter(
             "dedup_shed_requests",
             "Requests answered 503 (or connections refused) to shed load, by reason: memory "
-            "(max_buffered), connections (max_connections), pool (no database connection).",
+            "(max_buffered), connections (max_connections: idle connections closed to make "
+            "room, and new ones refused), pool (no database connection).",
             ["reason"],
             registry=self.registry,
         )

@@ -1,4 +1,8 @@
-"""Running the proxy: the listeners, signal handling and the graceful drain on SIGTERM."""
+"""Running the proxy: the listeners, signal handling and the graceful drain on SIGTERM.
+
+The public listener admits connections through ``limits`` (the per-worker connection bound);
+the admin listener is aiohttp's plain ``TCPSite``.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,12 @@ from collections.abc import Callable
 
 from aiohttp import http_parser, web
 
-from proxy import admin, app, config, errors, pipeline
+from proxy import admin, app, config, errors, limits, pipeline
 
 log = logging.getLogger(__name__)
 
 
-async def _listen(site: web.TCPSite) -> None:
+async def _listen(site: web.BaseSite) -> None:
     try:
         await site.start()
     except OSError as exc:
@@ -34,10 +38,12 @@ async def serve(
     ``shutdown_timeout``), the pool closes, and the admin listener goes last.
 
     A ``worker`` (one of ``workers: N``) binds both listeners with SO_REUSEPORT, beside its
-    siblings: the kernel spreads new connections across them."""
+    siblings: the kernel spreads new connections across them. Each worker keeps at most
+    ``max_connections`` client connections open (see ``limits``)."""
     shared = worker is not None
     if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
         raise errors.UnsafeRuntime()
+    bound = limits.connection_bound(cfg, limits.raise_open_files())
     proxy = app.create_app(cfg)
     runner = web.AppRunner(
         proxy,
@@ -62,8 +68,12 @@ async def serve(
         )
         await runner.setup()
         await _listen(
-            web.TCPSite(
-                runner, cfg.listen.host, cfg.listen.port, reuse_address=True, reuse_port=shared
+            limits.BoundedSite(
+                runner,
+                cfg.listen,
+                bound=bound,
+                shed=proxy[pipeline.METRICS].shed.labels("connections").inc,
+                reuse_port=shared,
             )
         )
         log.info(

@@ -1,0 +1,240 @@
+"""The per-worker bound on client connections, and the open-file limit it has to fit under.
+
+Every client connection holds a file descriptor until it closes, also while it idles between
+requests or while its headers are still arriving. Without a bound, enough such connections use
+up the open-file limit and the kernel's accept() fails: a real webhook then cannot connect until
+aiohttp's keep-alive timer (``client_timeout``) closes some.
+
+At start-up the soft RLIMIT_NOFILE is raised to the hard limit, as Go's runtime does, and the
+bound is ``max_connections`` or, when that does not fit, what the limit leaves once the
+descriptors the proxy needs for itself are set aside. At the bound, a new connection makes room
+by closing the one that has waited longest for a request (an idle keep-alive connection, or one
+whose headers never finished: the one aiohttp's keep-alive timer would close first). A
+connection whose request is being read or handled is never closed. When none can be closed, the
+new connection is answered with a fixed 503 and Retry-After before aiohttp ever sees it.
+
+aiohttp has no hook for this. What is relied on: ``runner.server`` is the protocol factory
+``TCPSite`` passes to ``loop.create_server``; ``Server.connections`` lists the open connections
+in the order they were made; ``BaseSite`` subclasses register with their runner, which stops
+them before draining; ``RequestHandler.force_close()`` is what aiohttp's keep-alive timer calls.
+Private, three attributes of ``RequestHandler``: ``_request_count`` (request heads parsed so
+far), ``_waiter`` (a future not yet done exactly while it waits for the next request, the test
+aiohttp's keep-alive timer makes) and ``_next_keepalive_close_time`` (when that timer would close
+the connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections.abc import Callable
+from typing import cast
+
+from aiohttp import web
+
+from proxy import config, forwarder
+
+log = logging.getLogger(__name__)
+
+# Listeners, standard streams and log files, the event loop's own descriptors, admin scrapes and
+# refused connections still being answered.
+MARGIN = 64
+REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Retry-After: 5\r\n"
+    b"Content-Length: 0\r\n"
+    b"Connection: close\r\n\r\n"
+)
+# A refused client gets this long to read the 503 and hang up. Closing a socket with its request
+# still unread would send a reset, which may destroy the 503 before the client reads it.
+_LINGER = 2.0
+_MAX_LINGERING = 32  # past this many, refused connections are closed at once
+_REPORT_EVERY = 10.0
+
+
+def raise_open_files() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+        else:
+            log.info("open-file limit raised from %d to %d (the hard limit)", soft, hard)
+            return hard
+    log.info("open-file limit: %s", "unlimited" if soft == resource.RLIM_INFINITY else soft)
+    return soft
+
+
+def connection_bound(cfg: config.Config, open_files: int) -> int:
+    """``max_connections``, lowered if the open-file limit cannot hold that many."""
+    reserve = 2 * cfg.database.pool_size + forwarder.PASSTHROUGH_HEADROOM + MARGIN
+    if open_files == resource.RLIM_INFINITY or cfg.max_connections <= open_files - reserve:
+        log.info("at most %d open client connections (max_connections)", cfg.max_connections)
+        return cfg.max_connections
+    bound = max(1, open_files - reserve)
+    log.warning(
+        "max_connections lowered from %d to %d: the open-file limit is %d, and %d descriptors "
+        "are kept for the database pool, the upstream connections and the proxy's own files; "
+        "raise the hard limit (ulimit -Hn, systemd's LimitNOFILE, the container's nofile) to "
+        "allow more",
+        cfg.max_connections,
+        bound,
+        open_files,
+        reserve,
+    )
+    return bound
+
+
+class ConnectionLimit:
+    """A protocol factory in front of aiohttp's ``Server``: at most ``bound`` open connections.
+
+    ``shed`` is called for each connection shed, closed to make room or refused; one warning
+    line reports them, at most every ``_REPORT_EVERY`` seconds while shedding goes on.
+    """
+
+    def __init__(self, server: web.Server, bound: int, shed: Callable[[], None]) -> None:
+        self._server = server
+        self._bound = bound
+        self._shed = shed
+        self._loop = asyncio.get_running_loop()
+        self._closed = 0
+        self._refused = 0
+        self._report: asyncio.TimerHandle | None = None
+        self.lingering = 0
+
+    def __call__(self) -> asyncio.Protocol:
+        return _Admission(self)
+
+    def admit(self) -> web.RequestHandler | None:
+        """aiohttp's handler for a new connection, once there is room for it; None: refuse it."""
+        if len(self._server.connections) >= self._bound:
+            # Handlers still finishing a request whose client hung up hold no descriptor.
+            open_ = [h for h in self._server.connections if h.connected]
+            if len(open_) >= self._bound:
+                idle = [h for h in open_ if _waiting(h)]
+                if not idle:
+                    self._count(refused=True)
+                    return None
+                min(idle, key=lambda h: h._next_keepalive_close_time).force_close()
+                self._count(refused=False)
+        return self._server()
+
+    def _count(self, *, refused: bool) -> None:
+        self._shed()
+        if refused:
+            self._refused += 1
+        else:
+            self._closed += 1
+        if self._report is None:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._closed and not self._refused:
+            self._report = None
+            return
+        log.warning(
+            "max_connections (%d) reached: closed %d idle connection(s) and refused %d new "
+            "one(s) since the previous such line",
+            self._bound,
+            self._closed,
+            self._refused,
+            extra={"fields": {"closed": self._closed, "refused": self._refused}},
+        )
+        self._closed = self._refused = 0
+        self._report = self._loop.call_later(_REPORT_EVERY, self._flush)
+
+    def close(self) -> None:
+        if self._report is not None:
+            self._report.cancel()
+            self._report = None
+
+
+def _waiting(handler: web.RequestHandler) -> bool:
+    """Whether the connection waits for a request: it has not sent a whole request head yet
+    (its handler may not have started), or it idles between requests."""
+    waiter = handler._waiter
+    return handler._request_count == 0 or (waiter is not None and not waiter.done())
+
+
+class _Admission(asyncio.Protocol):
+    """A new connection's protocol until it is made: then aiohttp's handler takes the transport
+    over, or the connection is refused here."""
+
+    def __init__(self, limit: ConnectionLimit) -> None:
+        self._limit = limit
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        handler = self._limit.admit()
+        if handler is not None:
+            transport.set_protocol(handler)
+            handler.connection_made(transport)
+            return
+        # uvloop's transports are not asyncio.Transport subclasses, hence no isinstance().
+        stream = cast(asyncio.Transport, transport)
+        stream.write(REFUSAL)
+        if self._limit.lingering >= _MAX_LINGERING:
+            stream.close()
+            return
+        self._limit.lingering += 1
+        stream.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(_LINGER, stream.abort)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the refused request, discarded
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._limit.lingering -= 1
+
+
+class BoundedSite(web.BaseSite):
+    """A TCP listener like ``web.TCPSite``, its connections admitted by a ``ConnectionLimit``."""
+
+    __slots__ = ("_app_runner", "_bound", "_limit", "_listen", "_listener", "_reuse_port", "_shed")
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        listen: config.Listen,
+        *,
+        bound: int,
+        shed: Callable[[], None],
+        reuse_port: bool,
+    ) -> None:
+        super().__init__(runner)
+        self._app_runner = runner  # BaseSite keeps its own reference private
+        self._listen = listen
+        self._bound = bound
+        self._shed = shed
+        self._reuse_port = reuse_port
+        self._limit: ConnectionLimit | None = None
+        self._listener: asyncio.AbstractServer | None = None
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._listen}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._app_runner.server
+        assert server is not None  # BaseSite refuses a runner that is not set up
+        self._limit = ConnectionLimit(server, self._bound, self._shed)
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._limit,
+            self._listen.host,
+            self._listen.port,
+            reuse_address=True,
+            reuse_port=self._reuse_port,
+        )
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+        if self._limit is not None:
+            self._limit.close()
+        await super().stop()
