@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -59,6 +60,17 @@ def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     dsn = server.start()
     try:
         yield dsn
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[embedded.EmbeddedPostgres]:
+    """A PostgreSQL of this test's own, which it may stop and start."""
+    server = embedded.EmbeddedPostgres(tmp_path / "data")
+    server.start()
+    try:
+        yield server
     finally:
         server.stop()
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from aiohttp import web
@@ -16,17 +15,6 @@ from tests.conftest import FakeUpstream, MakeProxy, claimed, fetch, logged_error
 
 def event(event_id: str) -> bytes:
     return json.dumps({"id": event_id, "type": "t"}).encode()
-
-
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[embedded.EmbeddedPostgres]:
-    """A PostgreSQL of this test's own, which it may stop and start."""
-    server = embedded.EmbeddedPostgres(tmp_path / "data")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 async def test_connections_bound_lock_waits_and_abandoned_transactions(

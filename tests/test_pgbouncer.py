@@ -180,16 +180,6 @@ async def test_a_proxy_killed_mid_flight_releases_its_claim_through_pgbouncer(
     assert len(upstream.requests) == 2
 
 
-@pytest.fixture
-def own_server(tmp_path: Path) -> Iterator[embedded.EmbeddedPostgres]:
-    server = embedded.EmbeddedPostgres(tmp_path / "data")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 async def test_a_database_restart_behind_pgbouncer_fails_closed_then_recovers(
     make_proxy: MakeProxy, upstream: FakeUpstream, own_server: embedded.EmbeddedPostgres
 ) -> None:
