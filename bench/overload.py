@@ -29,6 +29,10 @@ import asyncpg
 import yaml
 from aiohttp import web
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import procs
 from proxy import values
 
 MIB = 1024 * 1024
@@ -86,7 +90,7 @@ async def run(  # noqa: PLR0915 (one scenario, read top to bottom)
     await site.start()
     app_port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     folder = Path(tempfile.mkdtemp(prefix="overload-"))
-    port, admin = _free_port(), _free_port()
+    port, admin = procs.free_port(), procs.free_port()
     settings: dict[str, object] = {
         "listen": f"127.0.0.1:{port}",
         "admin": {"listen": f"127.0.0.1:{admin}"},
@@ -144,15 +148,6 @@ async def run(  # noqa: PLR0915 (one scenario, read top to bottom)
         await runner.cleanup()
         await connection.close()
     return result
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 async def _accepts(port: int) -> bool:

@@ -162,11 +162,12 @@ class Pattern:
 
 @dataclass(frozen=True, slots=True)
 class Match(Generic[T]):
-    """A request that is a route's: the route, its parameter values and the path to forward."""
+    """A request that is a route's: the route, its parameter values, and the target to forward
+    (the route's path with its parameters filled in, and the query as sent)."""
 
     route: T
     values: tuple[str, ...]
-    path: str
+    target: str
 
 
 class Table(Generic[T]):
@@ -186,7 +187,7 @@ class Table(Generic[T]):
             if values is None:
                 continue
             if all(_PARAM_VALUE.fullmatch(v) for v in values):
-                return Match(route, values, pattern.fill(values))
+                return Match(route, values, pattern.fill(values) + target.query)
             # A parameter the app might read otherwise (Express decodes %2F in one).
             raise _refused(raw_target, pattern)
         loose = _loose_segments(raw_target)

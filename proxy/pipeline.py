@@ -143,9 +143,8 @@ class Webhook:
                     f"route {self.route.name!r} takes {', '.join(self.route.methods)}",
                     self.route.methods,
                 )
-            target = match.path + paths.query_of(request.raw_path)
             with request.app[BUDGET].reservation() as reservation:
-                response = await self._handle(request, target, scope, reservation, fields)
+                response = await self._handle(request, match.target, scope, reservation, fields)
         except errors.RequestError as exc:
             fields.update(outcome=_outcome(exc), error=exc.message)
             shed = _shed_reason(exc)
