@@ -97,7 +97,9 @@ async def run(  # noqa: PLR0915 (one scenario, read top to bottom)
         "upstream": {"url": f"http://127.0.0.1:{app_port}"},
         "database": {"dsn": dsn, "table": table},
         "log": {"level": "error"},
-        "routes": [{"name": "load", "path": "/load", "event_id": "header:X-Event-Id"}],
+        "routes": [
+            {"name": "load", "path": "/load", "event_id": "header:X-Event-Id", "max_body": size}
+        ],
     }
     if max_buffered is not None:
         settings["max_buffered"] = max_buffered

@@ -32,6 +32,7 @@ class RouteMeters:
 
     requests: dict[str, Any]  # outcome -> counter
     mismatches: Any
+    oversized: Any
     ambiguous_commits: Any
     upstream_latency: Any
     claim_wait: Any
@@ -55,6 +56,12 @@ class Metrics:
         self.mismatches = Counter(
             "dedup_payload_mismatches",
             "Duplicates whose body differs from the body first claimed with that event ID.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.oversized = Counter(
+            "dedup_oversized_bodies",
+            "Webhooks refused with 413 because the body is over the route's max_body.",
             ["route"],
             registry=self.registry,
         )
@@ -136,6 +143,7 @@ class Metrics:
         return RouteMeters(
             requests={outcome: self.requests.labels(name, outcome) for outcome in OUTCOMES},
             mismatches=self.mismatches.labels(name),
+            oversized=self.oversized.labels(name),
             ambiguous_commits=self.ambiguous_commits.labels(name),
             upstream_latency=self.upstream_latency.labels(name),
             claim_wait=self.claim_wait.labels(name),

@@ -360,6 +360,8 @@ def _finish(
     meters.requests[fields["outcome"]].inc()
     if fields.get("mismatch"):
         meters.mismatches.inc()
+    if response.status == 413:  # errors.BodyTooLarge, the one 413: max_body is too small
+        meters.oversized.inc()
     if fields["outcome"] == "ambiguous_commit":
         meters.ambiguous_commits.inc()
     _log_line(fields)

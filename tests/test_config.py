@@ -94,7 +94,7 @@ def test_minimal_config_gets_the_documented_defaults() -> None:
             event_id=keys.Source("body", "/id", ("id",)),
             event_type=None,
             upstream=UPSTREAM,
-            max_body=10 * 1024 * 1024,
+            max_body=1024 * 1024,
         ),
     )
 
@@ -726,12 +726,12 @@ def test_check_prints_routes_without_the_password(
     assert (
         "  POST /webhooks/stripe -> http://127.0.0.1:3000  [stripe]\n"
         "       id body:/id, type body:/type, scope stripe, NOT VERIFIED, retention 30d,"
-        " max_body 10485760\n"
+        " max_body 1048576\n"
     ) in out
     assert (
         "  POST /webhooks/github -> http://127.0.0.1:4000  [github]\n"
         "       id header:X-GitHub-Delivery, scope github, NOT VERIFIED, retention 30d,"
-        " max_body 10485760\n"
+        " max_body 1048576\n"
     ) in out
     assert PASSWORD not in out + err
     assert err == ""

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from proxy import pipeline
 from tests.conftest import (
     FakeUpstream,
     MakeProxy,
@@ -187,6 +188,9 @@ async def test_body_over_max_body_gives_413(
     assert (await streamed.json())["error"] == "body_too_large"
     assert upstream.requests == []
     assert await claimed(pg_dsn, table) == []
+    # Counted on their own: unlike other refusals, a 413 is the operator's to fix.
+    registry = client.app[pipeline.METRICS].registry
+    assert registry.get_sample_value("dedup_oversized_bodies_total", {"route": "corvel"}) == 2
 
 
 async def test_unrouted_paths_pass_through_without_a_claim(

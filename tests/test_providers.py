@@ -410,7 +410,7 @@ async def test_a_github_payload_over_the_global_max_body_is_accepted(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=[github_route()])
-    body = github_payload(20_000_000)  # under GitHub's cap, over the global 10 MiB default
+    body = github_payload(20_000_000)  # under GitHub's cap, over the global 1 MiB default
 
     response = await client.post(
         "/webhooks/github", data=io.BytesIO(body), headers=github_headers(body, "d-large")
