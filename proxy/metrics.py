@@ -33,6 +33,7 @@ class RouteMeters:
     requests: dict[str, Any]  # outcome -> counter
     mismatches: Any
     oversized: Any
+    reused_bodies: Any
     ambiguous_commits: Any
     upstream_latency: Any
     claim_wait: Any
@@ -56,6 +57,13 @@ class Metrics:
         self.mismatches = Counter(
             "dedup_payload_mismatches",
             "Duplicates whose body differs from the body first claimed with that event ID.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.reused_bodies = Counter(
+            "dedup_reused_bodies",
+            "New events whose body this worker recently claimed under another event ID, on "
+            "routes whose signature does not cover the ID (GitHub, Shopify): a replay?",
             ["route"],
             registry=self.registry,
         )
@@ -144,6 +152,7 @@ class Metrics:
             requests={outcome: self.requests.labels(name, outcome) for outcome in OUTCOMES},
             mismatches=self.mismatches.labels(name),
             oversized=self.oversized.labels(name),
+            reused_bodies=self.reused_bodies.labels(name),
             ambiguous_commits=self.ambiguous_commits.labels(name),
             upstream_latency=self.upstream_latency.labels(name),
             claim_wait=self.claim_wait.labels(name),

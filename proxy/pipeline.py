@@ -17,7 +17,19 @@ from typing import Any
 import aiohttp
 from aiohttp import hdrs, web
 
-from proxy import budget, claims, config, errors, flights, forwarder, keys, metrics, paths, routes
+from proxy import (
+    budget,
+    claims,
+    config,
+    errors,
+    flights,
+    forwarder,
+    keys,
+    metrics,
+    paths,
+    reuse,
+    routes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +116,7 @@ def _ms_since(started: float) -> float:
 
 def _log_line(fields: dict[str, Any]) -> None:
     outcome = fields["outcome"]
-    if fields.get("mismatch"):
+    if fields.get("mismatch") or fields.get("body_claimed_as"):
         outcome = "mismatch"
     level = {
         "duplicate": logging.DEBUG,
@@ -130,6 +142,10 @@ class Webhook:
         self.claim_wait = cfg.claim_wait
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
         self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
+        # Only where a valid signature says nothing of the ID (GitHub, Shopify): see reuse.
+        self.recent_bodies = (
+            reuse.RecentBodies() if route.verify is not None and not route.id_signed else None
+        )
 
     async def handle(self, request: web.Request, match: paths.Match[Webhook]) -> web.StreamResponse:
         started = time.perf_counter()
@@ -186,6 +202,10 @@ class Webhook:
             async with request.app[STORE].claim(key) as claim:
                 self._claimed(fields, claim_started)
                 if claim.acquired:
+                    if self.recent_bodies is not None:
+                        other = self.recent_bodies.claimed(scope, digest, event_id)
+                        if other is not None:
+                            fields["body_claimed_as"] = other
                     response = await self._forward(
                         request, target, body, claim, fields, reservation=reservation
                     )
@@ -360,6 +380,8 @@ def _finish(
     meters.requests[fields["outcome"]].inc()
     if fields.get("mismatch"):
         meters.mismatches.inc()
+    if fields.get("body_claimed_as"):
+        meters.reused_bodies.inc()
     if response.status == 413:  # errors.BodyTooLarge, the one 413: max_body is too small
         meters.oversized.inc()
     if fields["outcome"] == "ambiguous_commit":

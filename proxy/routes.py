@@ -32,6 +32,18 @@ class RouteConfig:
     forward_missing_id: bool = False  # ``missing_id: forward``
 
     @property
+    def id_signed(self) -> bool:
+        """Whether the signature covers every part of the event ID (False when unverified)."""
+        if self.verify is None:
+            return False
+        sources = self.event_id if isinstance(self.event_id, tuple) else (self.event_id,)
+        signed = self.verify.signed_headers
+        return all(
+            source.kind == "body" or (source.kind == "header" and source.name.lower() in signed)
+            for source in sources
+        )
+
+    @property
     def pattern(self) -> paths.Pattern:
         return paths.Pattern.parse(self.path)
 

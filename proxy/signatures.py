@@ -53,6 +53,12 @@ class Verifier(Protocol):
         """The header fields the signature is read from."""
         ...
 
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        """The header fields (lower-cased) whose values the signature covers, besides the body:
+        an event ID read from any other header is not signed."""
+        ...
+
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         """Return if the request is authentic; raise errors.SignatureInvalid(reason) otherwise."""
 
@@ -124,6 +130,10 @@ class BodySignature:
     def headers(self) -> tuple[str, ...]:
         return (self.header,)
 
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset()
+
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         value = _header(headers, self.header)
         if not value.startswith(self.prefix):
@@ -148,6 +158,10 @@ class ListedSignature:
     @property
     def headers(self) -> tuple[str, ...]:
         return (self.header,)
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset()
 
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         value = _header(headers, self.header)
@@ -185,6 +199,10 @@ class SlackSignature:
     def headers(self) -> tuple[str, ...]:
         return ("X-Slack-Request-Timestamp", "X-Slack-Signature")
 
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset({"x-slack-request-timestamp"})
+
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         stamp_name, signature_name = "X-Slack-Request-Timestamp", "X-Slack-Signature"
         stamp_text = _header(headers, stamp_name)
@@ -209,6 +227,11 @@ class StandardWebhooksSignature:
     def headers(self) -> tuple[str, ...]:
         return tuple(f"{prefix}-{name}" for prefix in ("webhook", "svix")
                      for name in ("id", "timestamp", "signature"))  # fmt: skip
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        # Both sets: verify() refuses a request whose two sets differ.
+        return frozenset({"webhook-id", "webhook-timestamp", "svix-id", "svix-timestamp"})
 
     def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
         # The ID, timestamp and signature come from one set, and the other set, where present,

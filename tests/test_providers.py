@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from proxy import cli, config, errors
+from proxy import cli, config, errors, pipeline, reuse
 from tests.conftest import FakeUpstream, MakeProxy, claimed, logged_errors
 
 STRIPE_SECRET = "whsec_test_secret_for_the_proxy"
@@ -435,3 +435,91 @@ async def test_an_explicit_route_max_body_wins_over_the_preset_cap(
     assert response.status == 413
     assert upstream.requests == []
     assert await claimed(pg_dsn, table) == []
+
+
+SHOPIFY_SECRET = "shpss_test_secret"
+
+
+@pytest.mark.parametrize(
+    ("preset", "signed"),
+    [
+        ("stripe", True), ("paddle", True), ("slack", True), ("standard-webhooks", True),
+        ("svix", True), ("github", False), ("shopify", False),
+    ],
+)  # fmt: skip
+def test_which_presets_sign_the_event_id(preset: str, signed: bool) -> None:
+    secret = "whsec_" + base64.b64encode(b"k" * 24).decode()
+    cfg = config.parse(
+        {
+            "upstream": {"url": "http://127.0.0.1:3000"},
+            "database": {"dsn": "embedded"},
+            "routes": [
+                {"name": "r", "path": "/r", "preset": preset, "verify": {"secret": secret}},
+                {"name": "u", "path": "/u", "preset": preset},
+            ],
+        }
+    )
+    verified, unverified = cfg.routes
+    assert verified.id_signed is signed
+    assert unverified.id_signed is False  # nothing is signed without verify
+
+
+async def test_a_signed_body_resent_under_another_id_is_logged(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await make_proxy(
+        routes=[
+            {
+                "name": "shopify",
+                "path": "/webhooks/shopify",
+                "preset": "shopify",
+                "verify": {"secret": SHOPIFY_SECRET},
+            }
+        ]
+    )
+
+    async def deliver(body: bytes, event_id: str) -> int:
+        digest = hmac.new(SHOPIFY_SECRET.encode(), body, hashlib.sha256).digest()
+        response = await client.post(
+            "/webhooks/shopify",
+            data=body,
+            headers={
+                "X-Shopify-Event-Id": event_id,
+                "X-Shopify-Topic": "orders/paid",
+                "X-Shopify-Hmac-SHA256": base64.b64encode(digest).decode(),
+            },
+        )
+        return response.status
+
+    captured, other = b'{"order": 1, "total": "100.00"}', b'{"order": 2}'
+    with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
+        statuses = [
+            await deliver(captured, "e1"),
+            await deliver(captured, "e1"),  # the provider's retry: a duplicate, no warning
+            await deliver(captured, "forged-2"),  # the captured body under a new ID
+            await deliver(other, "e3"),
+        ]
+
+    # The signature is valid, so the proxy cannot tell a replay from a redelivery under a new
+    # ID: it forwards it, and says so.
+    assert statuses == [200] * 4
+    assert len(upstream.requests) == 3
+    lines = [(r.levelno, r.fields) for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    assert [(level, f["event_id"], f.get("body_claimed_as")) for level, f in lines] == [
+        (logging.INFO, "e1", None),
+        (logging.DEBUG, "e1", None),
+        (logging.WARNING, "forged-2", "e1"),
+        (logging.INFO, "e3", None),
+    ]
+    registry = client.app[pipeline.METRICS].registry
+    assert registry.get_sample_value("dedup_reused_bodies_total", {"route": "shopify"}) == 1
+
+
+def test_recent_bodies_remember_the_last_ids_only() -> None:
+    recent = reuse.RecentBodies(capacity=2)
+    assert recent.claimed("s", b"a", "1") is None
+    assert recent.claimed("s", b"b", "2") is None
+    assert recent.claimed("t", b"a", "9") is None  # another scope is another ID space
+    assert recent.claimed("s", b"a", "3") is None  # forgotten: capacity 2
+    assert recent.claimed("t", b"a", "4") == "9"
+    assert recent.claimed("t", b"a", "4") is None  # the same ID again: a redelivery
