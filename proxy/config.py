@@ -14,15 +14,17 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from proxy import errors, paths, reader, values
+from proxy import errors, forwarded, paths, reader, values
 from proxy import routes as routes_module
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_UPSTREAM_TIMEOUT = 30.0
-DEFAULT_UPSTREAM_KEEPALIVE = 4.0
+# Below the shortest keep-alive timeout of the common app servers (gunicorn 2 s; uvicorn and
+# Node.js 5 s): an idle connection is dropped before the app could close it under a request.
+DEFAULT_UPSTREAM_KEEPALIVE = 1.5
 DEFAULT_CLAIM_WAIT = 10.0
 # nginx's client_max_body_size: webhooks are kilobytes, and a body's parse holds the event loop
-# (about 75 ms per MiB of the worst JSON). Presets raise it to a provider's documented cap.
+# (about 0.1 s per MiB of the worst JSON). Presets raise it to a provider's documented cap.
 DEFAULT_MAX_BODY = 1024 * 1024
 DEFAULT_MAX_BUFFERED = 64 * 1024 * 1024
 # Idle keep-alive connections cost a file descriptor and some 10-20 KB each; 1,000 per worker
@@ -43,7 +45,8 @@ MAX_WORKERS = 64
 _LEVELS = ("debug", "info", "warning", "error")
 TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
              "shutdown_timeout", "client_timeout", "log", "admin", "sweeper",
-             "workers", "passthrough", "max_buffered", "max_connections")  # fmt: skip
+             "workers", "passthrough", "max_buffered", "max_connections",
+             "trusted_proxies")  # fmt: skip
 DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
@@ -154,6 +157,8 @@ class Config:
     # Per worker: bytes of request bodies and app answers held at once; client connections.
     max_buffered: int = DEFAULT_MAX_BUFFERED
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    # Peers (an ingress, a load balancer) whose X-Forwarded-* headers the app is passed as sent.
+    trusted_proxies: tuple[forwarded.Network, ...] = ()
 
 
 def _listen(value: object) -> Listen:
@@ -261,6 +266,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         max_connections=r.value(
             top, "max_connections", "", values.parse_positive_int, DEFAULT_MAX_CONNECTIONS
         ),
+        trusted_proxies=r.value(top, "trusted_proxies", "", forwarded.parse_networks, ()),
         log=LogConfig(
             level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
             format=r.value(

@@ -289,7 +289,7 @@ class Webhook:
             await claim.commit()
         except errors.CommitFailed as exc:
             # The upstream did the work: answering anything but its 2xx would make the provider
-            # retry, and the retry would be forwarded again (see README, limits).
+            # retry, and the retry would be forwarded again (see docs/guarantees.md).
             fields.update(outcome="ambiguous_commit", error=exc.message)
             return upstream.to_web()
         fields["outcome"] = "processed"

@@ -1,6 +1,6 @@
 """The campaign's checker: pure functions from what was recorded to a report and its violations.
 
-The invariant, per event ID (README, "Guarantees and limits"):
+The invariant, per event ID (docs/guarantees.md):
 
 - **Nothing lost.** If the provider ever got a 2xx for the event, the app answered 2xx for it at
   least once, and the event's claim row is in the table (the row is excused when a replica

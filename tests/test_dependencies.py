@@ -1,0 +1,57 @@
+"""The aiohttp internals the proxy relies on are still there.
+
+pyproject.toml pins aiohttp to the tested range (>=3.14.4,<3.15). Widening that range means
+running this file first: each check names the module that relies on the internal, so a failure
+says what to rework rather than surfacing as a subtle misbehaviour under load.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+from aiohttp import http_exceptions, http_parser, web, web_protocol
+from aiohttp.test_utils import TestServer
+
+
+def test_aiohttp_is_in_the_tested_range() -> None:
+    major, minor, patch = (int(part) for part in version("aiohttp").split(".")[:3])
+    assert (3, 14, 4) <= (major, minor, patch) < (3, 15, 0), (
+        "aiohttp outside the range pyproject.toml pins: run this file and tests/ before widening it"
+    )
+
+
+def test_the_c_request_parser_can_be_told_apart() -> None:
+    # server.serve refuses to start on the pure-Python parser (request smuggling fixes).
+    assert http_parser.HttpRequestParser is http_parser.HttpRequestParserC
+
+
+def test_parser_refusals_are_logged_the_way_logs_filters_them() -> None:
+    # logs._RefusedRequests rewrites aiohttp's error line for a malformed request: it matches
+    # the logger's name and the exception's type and code.
+    assert web_protocol.server_logger.name == "aiohttp.server"
+    assert http_exceptions.BadHttpMessage("x").code == 400
+    assert issubclass(http_exceptions.BadHttpMessage, http_exceptions.HttpProcessingError)
+
+
+async def test_request_handler_internals_the_connection_bound_reads() -> None:
+    # limits.ConnectionLimit: runner.server is the protocol factory, Server.connections the
+    # open connections in order, and three private attributes of RequestHandler.
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    try:
+        server = runner.server
+        assert server is not None
+        handler = server()
+        assert isinstance(handler, web.RequestHandler)
+        for name in ("_request_count", "_waiter", "_next_keepalive_close_time"):
+            assert name in web.RequestHandler.__slots__, f"RequestHandler.{name} is gone"
+        assert handler._request_count == 0
+        assert isinstance(server.connections, list)
+        assert callable(handler.force_close)
+    finally:
+        await runner.cleanup()
+
+
+def test_the_test_server_hook_conftest_overrides() -> None:
+    # tests/conftest.ProxyTestServer passes the proxy's runner options through _make_runner.
+    assert callable(getattr(TestServer, "_make_runner", None))
