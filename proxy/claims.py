@@ -7,7 +7,9 @@ until it commits or rolls back), returns nothing because a committed row exists 
 transaction ends. No SELECT-before-INSERT, no advisory locks: the index is the lock, and it is
 released exactly when the owner's transaction ends (commit, rollback, or its connection dying).
 
-asyncpg and socket errors are translated into ``errors`` here and nowhere else.
+asyncpg and socket errors are translated into ``errors`` here and nowhere else: by
+``translated``, which the operator commands and the sweeper use too. ``open_connection`` is the one
+way to connect, and holds what PgBouncer asks of a connection; the statements are in ``sql``.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 import asyncpg
 
-from proxy import errors
+from proxy import errors, sql
 from proxy.pool import Connection, Pool
 
 if TYPE_CHECKING:
@@ -40,103 +43,88 @@ DB_ERRORS = (
     OSError,
     TimeoutError,
 )
-# Any constant will do: it only serialises concurrent schema creation by several replicas.
-_SCHEMA_LOCK_KEY = 0x64656475
-SWEEP_LOCK_KEY = 0x64656476
+APPLICATION_NAME = "dedup-proxy"
 
 
-def quote(table: str) -> str:
-    return ".".join(f'"{part}"' for part in table.split("."))
+def translated(what: str, on_error: Callable[[], object] | None = None) -> Translation:
+    """A block whose database errors raise StoreUnavailable("<what>: <the error>"), after
+    ``on_error`` (closing a connection left in doubt). Errors a caller means to tell apart (a
+    lock wait exceeded, a missing table) it catches inside the block."""
+    return Translation(what, on_error)
+
+
+class Translation:
+    """``translated``'s context manager; a class, not a generator, which would cost several
+    times as much on every claim."""
+
+    __slots__ = ("_on_error", "_what")
+
+    def __init__(self, what: str, on_error: Callable[[], object] | None) -> None:
+        self._what = what
+        self._on_error = on_error
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, DB_ERRORS):
+            if self._on_error is not None:
+                self._on_error()
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise errors.StoreUnavailable(f"{self._what}: {detail}") from exc
+
+
+def open_connection(
+    dsn: str,
+    settings: config.DatabaseConfig,
+    *,
+    application_name: str = APPLICATION_NAME,
+    command_timeout: float | None = None,
+) -> Awaitable[Connection]:
+    """A connection that works through PgBouncer in transaction pooling mode.
+
+    Nothing but ``application_name`` (which PgBouncer tracks) goes into the startup packet; the
+    settings a claim relies on travel inside its transaction (``sql.begin``). No prepared
+    statement outlives its round trip: asyncpg's statement cache would name statements on one
+    server connection and use them on another.
+    """
+    connection: Awaitable[Connection] = asyncpg.connect(
+        dsn,
+        timeout=settings.connect_timeout,
+        command_timeout=command_timeout,
+        statement_cache_size=0,
+        server_settings={"application_name": application_name},
+    )
+    return connection
 
 
 def schema_sql(table: str) -> str:
     """The DDL for the claim table (idempotent)."""
-    index = _index_name(table).rpartition(".")[2]
-    return (
-        f"CREATE TABLE IF NOT EXISTS {quote(table)} (\n"
-        "    scope       text        NOT NULL,\n"
-        "    event_id    text        NOT NULL,\n"
-        "    event_type  text,\n"
-        "    received_at timestamptz NOT NULL DEFAULT now(),\n"
-        "    body_sha256 bytea,\n"
-        "    PRIMARY KEY (scope, event_id)\n"
-        ");\n"
-        f'CREATE INDEX IF NOT EXISTS "{index}" ON {quote(table)} (received_at);\n'
-        f"ALTER TABLE {quote(table)} ADD COLUMN IF NOT EXISTS body_sha256 bytea;\n"
-    )
+    return sql.for_table(table).schema
 
 
-def _index_name(table: str) -> str:
-    schema, dot, name = table.rpartition(".")
-    return f"{schema}{dot}{name}_received_at_idx"
-
-
-async def missing_schema(connection: Any, table: str) -> str:
+async def missing_schema(connection: Connection, queries: sql.Queries) -> str:
     """What the claim table lacks ("" when nothing), read from the catalog without locks."""
-    row = await connection.fetchrow(
-        "SELECT to_regclass($1) IS NOT NULL AS table,"
-        " EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1)"
-        "         AND attname = 'body_sha256' AND NOT attisdropped) AS digest,"
-        " to_regclass($2) IS NOT NULL AS index",
-        table,
-        _index_name(table),
-    )
-    if not row["table"]:
+    row = await connection.fetchrow(queries.schema_missing)
+    if row is None or not row["table"]:
         return "does not exist"
     lacking = [name for name in ("digest", "index") if not row[name]]
     names = {"digest": "column body_sha256", "index": "index on received_at"}
     return "lacks " + " and ".join(names[n] for n in lacking) if lacking else ""
 
 
-async def apply_schema(connection: Any, table: str) -> None:
+async def apply_schema(connection: Connection, queries: sql.Queries) -> None:
     """Create or upgrade the claim table; safe when several replicas start at once."""
     async with connection.transaction():
-        # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
-        await connection.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK_KEY)
-        await connection.execute(schema_sql(table))
+        await connection.execute(queries.schema_lock)
+        await connection.execute(queries.schema)
 
 
 def discard(connection: Connection) -> None:
     """Close a connection in doubt so the pool never lends it again."""
     connection.terminate()
-
-
-def _literal(value: str | None) -> str:
-    """A SQL string literal that reads the same whatever the session's
-    standard_conforming_strings (an escape string: ``E'…'``, backslashes doubled), so the claim
-    depends on no session setting. keys.py refuses control characters, NUL included, in IDs and
-    types; scopes are configuration names."""
-    if value is None:
-        return "NULL"
-    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
-
-
-def _digest(value: bytes) -> str:
-    return f"decode('{value.hex()}', 'hex')"
-
-
-def millis(seconds: float) -> str:
-    return f"{max(1, round(seconds * 1000))}ms"
-
-
-def open_connection(
-    dsn: str, *, application_name: str, timeout: float, command_timeout: float | None = None
-) -> Awaitable[Connection]:
-    """A connection that works through PgBouncer in transaction pooling mode.
-
-    Nothing but ``application_name`` (which PgBouncer tracks) goes into the startup packet; the
-    settings a claim relies on travel inside its transaction (``SET LOCAL``). No prepared
-    statement outlives its round trip: asyncpg's statement cache would name statements on one
-    server connection and use them on another.
-    """
-    connection: Awaitable[Connection] = asyncpg.connect(
-        dsn,
-        timeout=timeout,
-        command_timeout=command_timeout,
-        statement_cache_size=0,
-        server_settings={"application_name": application_name},
-    )
-    return connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +170,7 @@ class Claim:
 
     async def release(self, rollback: str = "ROLLBACK") -> None:
         """Roll back unless committed, with ``rollback`` (a duplicate's also compares the
-        bodies, see _mismatch_sql); a connection in doubt is closed, never reused."""
+        bodies, see sql.Queries.duplicate); a connection in doubt is closed, never reused."""
         if self._open:
             self._open = False
             try:
@@ -213,20 +201,13 @@ class ClaimStore:
         self._pool = pool
         self._connect = connect
         self._settings = settings
+        self._queries = sql.for_table(settings.table)
         self.op_timeout = settings.connect_timeout
         self._claim_timeout = claim_wait + settings.connect_timeout
-        self._table = quote(settings.table)
-        # The claim's own bounds, set inside its transaction (never in the startup packet,
-        # which PgBouncer refuses; never per session, which PgBouncer would hand to others):
-        # a copy waits on an in-flight claim at most claim_wait (55P03 past it); and the claim
-        # stays open while the upstream works, so past the upstream's timeout the server itself
-        # rolls back a claim whose proxy vanished without closing its socket.
-        self._begin = (
-            "BEGIN ISOLATION LEVEL READ COMMITTED; "
-            f"SET LOCAL lock_timeout = '{millis(claim_wait)}'; "
-            "SET LOCAL idle_in_transaction_session_timeout = "
-            f"'{millis(upstream_timeout + settings.connect_timeout)}'; "
-        )
+        # A copy waits on an in-flight claim at most claim_wait; and the claim stays open while
+        # the upstream works, so past the upstream's timeout the server itself rolls back a
+        # claim whose proxy vanished without closing its socket.
+        self._begin = sql.begin(claim_wait, upstream_timeout + settings.connect_timeout)
 
     @classmethod
     async def open(
@@ -242,16 +223,12 @@ class ClaimStore:
         Nothing changes a session after connecting, so a connection needs no reset between
         requests (see pool.py), and any server connection PgBouncer hands over will do.
         """
-        connect = functools.partial(
-            open_connection, dsn, application_name="dedup-proxy", timeout=settings.connect_timeout
-        )
-        try:
+        connect = functools.partial(open_connection, dsn, settings)
+        with translated("cannot connect to PostgreSQL"):
             pool = await Pool.open(
                 functools.partial(connect, command_timeout=claim_wait + settings.connect_timeout),
                 settings.pool_size,
             )
-        except DB_ERRORS as exc:
-            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
         return cls(
             pool, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
             connect=connect,
@@ -268,17 +245,12 @@ class ClaimStore:
         flight and block every new one, so a replica restarting under traffic would stall all.
         """
         table = self._settings.table
-        connection = await self._acquire()
-        try:
-            missing = await missing_schema(connection, table)
-            if missing and self._settings.create_schema:
-                await apply_schema(connection, table)
-                return
-        except DB_ERRORS as exc:
-            discard(connection)
-            raise errors.StoreUnavailable(f"cannot prepare table {table}: {exc}") from exc
-        finally:
-            self._release(connection)
+        async with self.connection() as connection:
+            with translated(f"cannot prepare table {table}"):
+                missing = await missing_schema(connection, self._queries)
+                if missing and self._settings.create_schema:
+                    await apply_schema(connection, self._queries)
+                    return
         if missing:
             raise errors.StoreUnavailable(
                 f"table {table}: {missing}, and database.create_schema is false; run "
@@ -297,16 +269,16 @@ class ClaimStore:
         claim = Claim(self, connection, key)
         rollback = "ROLLBACK"
         try:
-            try:
-                status = await connection.execute(self._claim_sql(key), timeout=self._claim_timeout)
-            except asyncpg.LockNotAvailableError as exc:
-                raise errors.ClaimWaitExceeded() from exc
-            except DB_ERRORS as exc:
-                claim.abandon()
-                raise errors.StoreUnavailable(f"claim failed: {exc!r}") from exc
+            with translated("claim failed", claim.abandon):
+                try:
+                    status = await connection.execute(
+                        self._claim_sql(key), timeout=self._claim_timeout
+                    )
+                except asyncpg.LockNotAvailableError as exc:
+                    raise errors.ClaimWaitExceeded() from exc
             claim.acquired = status.rpartition(" ")[2] == "1"
             if not claim.acquired:
-                rollback = self._mismatch_sql(key)
+                rollback = self._queries.duplicate(key.scope, key.event_id, key.body_sha256)
             yield claim
         finally:
             try:
@@ -319,29 +291,9 @@ class ClaimStore:
             finally:
                 self._release(connection)
 
-    def _claim_sql(self, key: Key) -> str:
-        """BEGIN and the claim in one round trip: "INSERT 0 1" claimed, "INSERT 0 0" a duplicate.
-
-        A simple-protocol query (the only way to send two statements at once) takes no
-        parameters, hence literals. Pinned to READ COMMITTED: under REPEATABLE READ a copy
-        waiting on our row would fail with a serialization error after our COMMIT instead of
-        seeing the duplicate.
-        """
-        return (
-            f"{self._begin}INSERT INTO {self._table} (scope, event_id, event_type, body_sha256) "
-            f"VALUES ({_literal(key.scope)}, {_literal(key.event_id)}, "
-            f"{_literal(key.event_type)}, {_digest(key.body_sha256)}) "
-            "ON CONFLICT (scope, event_id) DO NOTHING"
-        )
-
-    def _mismatch_sql(self, key: Key) -> str:
-        """For a duplicate: ROLLBACK, then whether the stored body digest differs from this one
-        ("SELECT 1"), in one round trip. Outside the transaction, so it also sees the row of a
-        concurrent owner this copy waited for."""
-        return (
-            f"ROLLBACK; SELECT FROM {self._table} WHERE scope = {_literal(key.scope)} "
-            f"AND event_id = {_literal(key.event_id)} "
-            f"AND body_sha256 <> {_digest(key.body_sha256)}"
+    def _claim_sql(self, key: Key, *, commit: bool = False) -> str:
+        return self._queries.claim(
+            self._begin, key.scope, key.event_id, key.event_type, key.body_sha256, commit=commit
         )
 
     async def reconcile(self, key: Key) -> bool:
@@ -355,31 +307,29 @@ class ClaimStore:
         """
         try:
             connection = await self._connect()
-        except DB_ERRORS as exc:
-            log.warning("reconciling a COMMIT in doubt: cannot connect: %r", exc)
-            return False
-        try:
-            await connection.execute(f"{self._claim_sql(key)}; COMMIT", timeout=self._claim_timeout)
+            try:
+                await connection.execute(
+                    self._claim_sql(key, commit=True), timeout=self._claim_timeout
+                )
+            finally:
+                connection.terminate()
         except DB_ERRORS as exc:
             log.warning("reconciling a COMMIT in doubt failed: %r", exc)
             return False
-        finally:
-            connection.terminate()
         return True
 
     async def _acquire(self) -> Connection:
-        try:
-            # asyncio.timeout, not acquire(timeout=): on Python 3.11 asyncpg's wait_for makes
-            # a task per call.
-            async with asyncio.timeout(self._settings.pool_timeout):
-                connection: Connection = await self._pool.acquire()
-        except TimeoutError as exc:
-            raise errors.PoolExhausted(
-                f"no free database connection within {self._settings.pool_timeout:g}s "
-                f"(pool_size {self._settings.pool_size})"
-            ) from exc
-        except DB_ERRORS as exc:
-            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc!r}") from exc
+        with translated("cannot connect to PostgreSQL"):
+            try:
+                # asyncio.timeout, not acquire(timeout=): on Python 3.11 asyncpg's wait_for
+                # makes a task per call.
+                async with asyncio.timeout(self._settings.pool_timeout):
+                    connection: Connection = await self._pool.acquire()
+            except TimeoutError as exc:
+                raise errors.PoolExhausted(
+                    f"no free database connection within {self._settings.pool_timeout:g}s "
+                    f"(pool_size {self._settings.pool_size})"
+                ) from exc
         return connection
 
     def _release(self, connection: Connection) -> None:
@@ -387,19 +337,13 @@ class ClaimStore:
 
     async def check(self) -> None:
         """Raise StoreUnavailable unless the database answers and the claim table exists."""
-        table = self._settings.table
-        connection = await self._acquire()
-        try:
-            exists = await connection.fetchval(
-                "SELECT to_regclass($1) IS NOT NULL", table, timeout=self.op_timeout
-            )
-        except DB_ERRORS as exc:
-            discard(connection)
-            raise errors.StoreUnavailable(f"database check failed: {exc!r}") from exc
-        finally:
-            self._release(connection)
+        async with self.connection() as connection:
+            with translated("database check failed"):
+                exists = await connection.fetchval(
+                    self._queries.table_exists, timeout=self.op_timeout
+                )
         if not exists:
-            raise errors.StoreUnavailable(f"table {table} does not exist")
+            raise errors.StoreUnavailable(f"table {self._settings.table} does not exist")
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[Connection]:

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import asyncpg
 
-from proxy import claims, config, embedded, errors, routes
+from proxy import claims, config, embedded, errors, routes, sql
 
 
 @contextlib.asynccontextmanager
@@ -28,12 +28,10 @@ async def connect(cfg: config.Config) -> AsyncIterator[asyncpg.Connection[Any]]:
     else:
         dsn = cfg.database.dsn.reveal()
     try:
-        try:
+        with claims.translated("cannot connect to PostgreSQL"):
             connection = await claims.open_connection(
-                dsn, application_name="dedup-proxy-cli", timeout=cfg.database.connect_timeout
+                dsn, cfg.database, application_name="dedup-proxy-cli"
             )
-        except claims.DB_ERRORS as exc:
-            raise errors.StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
         try:
             yield connection
         finally:
@@ -53,10 +51,6 @@ def route_of(cfg: config.Config, name: str) -> routes.RouteConfig:
 
 def route_scope(cfg: config.Config, name: str) -> str:
     return route_of(cfg, name).scope
-
-
-# A route's scope and, for a templated path, its per-path scopes ("scope/acme").
-_IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
 
 
 def _in_scope(scope: str, base: str) -> bool:
@@ -79,14 +73,7 @@ async def list_events(
     after = datetime.now(UTC) - timedelta(seconds=since) if since else None
     async with connect(cfg) as connection:
         rows = await _fetch(
-            connection,
-            "SELECT scope, event_id, event_type, received_at "
-            f"FROM {claims.quote(cfg.database.table)} WHERE {_IN_SCOPE} "
-            "AND ($2::timestamptz IS NULL OR received_at >= $2) "
-            "ORDER BY received_at DESC LIMIT $3",
-            scope,
-            after,
-            limit,
+            connection, sql.for_table(cfg.database.table).events, scope, after, limit
         )
     table(
         [
@@ -122,24 +109,19 @@ async def forget(
         raise errors.ConfigError("--scope", [f"{scope!r} is not a scope of route {route!r}"])
     scope = scope or found.scope
     async with connect(cfg) as connection:
-        try:
-            async with connection.transaction():
-                # A forget must not queue for long behind a transaction holding the row.
-                wait = claims.millis(cfg.claim_wait)
-                await connection.execute(f"SET LOCAL lock_timeout = '{wait}'")
-                rows = await connection.fetch(
-                    f"DELETE FROM {claims.quote(cfg.database.table)} "
-                    "WHERE scope = $1 AND event_id = ANY($2::text[]) RETURNING event_id",
-                    scope,
-                    list(event_ids),
-                )
-        except asyncpg.LockNotAvailableError as exc:
-            raise errors.StoreUnavailable(
-                "one of these claims is locked by another transaction (the retention sweeper or "
-                "another forget); try again in a moment"
-            ) from exc
-        except claims.DB_ERRORS as exc:
-            raise errors.StoreUnavailable(f"forget failed: {exc}") from exc
+        with claims.translated("forget failed"):
+            try:
+                async with connection.transaction():
+                    # A forget must not queue for long behind a transaction holding the row.
+                    await connection.execute(sql.lock_timeout(cfg.claim_wait))
+                    rows = await connection.fetch(
+                        sql.for_table(cfg.database.table).forget, scope, list(event_ids)
+                    )
+            except asyncpg.LockNotAvailableError as exc:
+                raise errors.StoreUnavailable(
+                    "one of these claims is locked by another transaction (the retention "
+                    "sweeper or another forget); try again in a moment"
+                ) from exc
     forgotten = {r["event_id"] for r in rows}
     for event_id in event_ids:
         state = "forgotten" if event_id in forgotten else "not found"
@@ -150,11 +132,7 @@ async def forget(
 async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
     """Per route: rows, oldest and newest claim."""
     async with connect(cfg) as connection:
-        rows = await _fetch(
-            connection,
-            "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest "
-            f"FROM {claims.quote(cfg.database.table)} GROUP BY scope",
-        )
+        rows = await _fetch(connection, sql.for_table(cfg.database.table).stats)
 
     def when(value: datetime | None) -> str:
         return value.isoformat(timespec="seconds") if value else "-"
@@ -178,10 +156,8 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
 
 async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:
     async with connect(cfg) as connection:
-        try:
-            await claims.apply_schema(connection, cfg.database.table)
-        except claims.DB_ERRORS as exc:
-            raise errors.StoreUnavailable(f"migrate failed: {exc}") from exc
+        with claims.translated("migrate failed"):
+            await claims.apply_schema(connection, sql.for_table(cfg.database.table))
     out.write(f"schema applied: table {cfg.database.table}\n")
     return 0
 
@@ -189,11 +165,11 @@ async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:
 async def _fetch(
     connection: asyncpg.Connection[Any], query: str, *args: object
 ) -> list[asyncpg.Record]:
-    try:
-        return await connection.fetch(query, *args)
-    except asyncpg.UndefinedTableError as exc:
-        raise errors.StoreUnavailable(
-            "the claim table does not exist yet: start the proxy once or run 'dedup-proxy migrate'"
-        ) from exc
-    except claims.DB_ERRORS as exc:
-        raise errors.StoreUnavailable(f"query failed: {exc}") from exc
+    with claims.translated("query failed"):
+        try:
+            return await connection.fetch(query, *args)
+        except asyncpg.UndefinedTableError as exc:
+            raise errors.StoreUnavailable(
+                "the claim table does not exist yet: start the proxy once or run "
+                "'dedup-proxy migrate'"
+            ) from exc

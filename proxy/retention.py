@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 
-from proxy import claims, config, errors, metrics, pool, routes
+from proxy import claims, config, errors, metrics, pool, routes, sql
 
 log = logging.getLogger(__name__)
 
@@ -20,37 +20,23 @@ log = logging.getLogger(__name__)
 class Sweep:
     """Deletes expired claims, one short transaction per batch."""
 
-    def __init__(self, connection: pool.Connection, table: str, timeout: float) -> None:
+    def __init__(self, connection: pool.Connection, queries: sql.Queries, timeout: float) -> None:
         self._connection = connection
+        self._queries = queries
         self._timeout = timeout
-        table = claims.quote(table)
-        # SKIP LOCKED: a row another transaction holds (an operator's forget) is left for later.
-        self._delete = (
-            f"DELETE FROM {table} AS t USING ("
-            f"  SELECT scope, event_id FROM {table}"
-            # A route's scope, and its per-path scopes ("scope/acme": a templated path).
-            "   WHERE (scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
-            "     AND received_at < now() - make_interval(secs => $2)"
-            "   LIMIT $3 FOR UPDATE SKIP LOCKED"
-            ") AS expired WHERE t.scope = expired.scope AND t.event_id = expired.event_id"
-        )
 
     async def delete_expired(self, scope: str, retention: float, batch: int) -> int | None:
         """Delete one batch; None when another replica holds the sweeper's lock."""
-        try:
+        with claims.translated("retention delete failed"):
             async with self._connection.transaction():
                 locked = await self._connection.fetchval(
-                    "SELECT pg_try_advisory_xact_lock($1)",
-                    claims.SWEEP_LOCK_KEY,
-                    timeout=self._timeout,
+                    self._queries.sweep_lock, timeout=self._timeout
                 )
                 if not locked:
                     return None
                 status = await self._connection.execute(
-                    self._delete, scope, retention, batch, timeout=self._timeout
+                    self._queries.sweep, scope, retention, batch, timeout=self._timeout
                 )
-        except claims.DB_ERRORS as exc:
-            raise errors.StoreUnavailable(f"retention delete failed: {exc!r}") from exc
         return int(status.split()[-1])
 
 
@@ -72,7 +58,7 @@ class Sweeper:
         meters: metrics.Metrics,
     ) -> None:
         self._store = store
-        self._table = table
+        self._queries = sql.for_table(table)
         self._retention = scope_retention(routes)
         self._settings = settings
         self._metrics = meters
@@ -90,7 +76,7 @@ class Sweeper:
         """One round; the rows removed per scope, or None if another replica is sweeping."""
         started = time.perf_counter()
         async with self._store.connection() as connection:
-            sweep = Sweep(connection, self._table, self._store.op_timeout)
+            sweep = Sweep(connection, self._queries, self._store.op_timeout)
             removed: dict[str, int] = {}
             for scope, retention in self._retention.items():
                 total = 0

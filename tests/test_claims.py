@@ -1,4 +1,5 @@
-"""The claim store against a real PostgreSQL: connection settings, schema, outages, exhaustion."""
+"""The claim store against a real PostgreSQL: connection settings, schema, outages, exhaustion;
+the one translation of database errors."""
 
 from __future__ import annotations
 
@@ -205,3 +206,30 @@ async def test_a_claim_cancelled_during_its_rollback_gives_its_connection_back(
             assert again.acquired
     finally:
         await store.close()
+
+
+def test_a_database_error_becomes_store_unavailable_after_the_clean_up() -> None:
+    cleaned: list[str] = []
+    with (
+        pytest.raises(errors.StoreUnavailable) as raised,
+        claims.translated("claim failed", lambda: cleaned.append("closed")),
+    ):
+        raise TimeoutError
+    assert raised.value.message == "claim failed: TimeoutError"
+    assert isinstance(raised.value.__cause__, TimeoutError)
+    assert cleaned == ["closed"]
+
+    with (
+        pytest.raises(errors.StoreUnavailable, match=r"^query failed: ConnectionRefusedError: "),
+        claims.translated("query failed"),
+    ):
+        raise ConnectionRefusedError(111, "Connect call failed")
+
+
+@pytest.mark.parametrize("error", [errors.ClaimWaitExceeded(), ValueError("a bug")])
+def test_errors_already_translated_or_not_the_databases_pass_through(error: Exception) -> None:
+    cleaned: list[str] = []
+    with pytest.raises(type(error)) as raised, claims.translated("x", lambda: cleaned.append("!")):
+        raise error
+    assert raised.value is error
+    assert cleaned == []

@@ -9,7 +9,7 @@ from typing import Any
 import asyncpg
 
 from proxy import app as app_module
-from proxy import claims, pipeline, retention
+from proxy import pipeline, retention, sql
 from tests.conftest import FakeUpstream, MakeProxy, claimed, execute, fetch
 
 
@@ -69,7 +69,7 @@ async def test_one_replica_sweeps_at_a_time(make_proxy: MakeProxy, pg_dsn: str) 
     sweeping = await asyncpg.connect(pg_dsn)  # another replica, in the middle of a batch
     try:
         async with sweeping.transaction():
-            await sweeping.execute("SELECT pg_advisory_xact_lock($1)", claims.SWEEP_LOCK_KEY)
+            await sweeping.execute("SELECT pg_advisory_xact_lock($1)", sql.SWEEP_LOCK_KEY)
             assert await sweeper_of(proxy).sweep() is None
     finally:
         await sweeping.close()

@@ -1,0 +1,167 @@
+"""Every SQL statement the proxy sends, built once per configured claim table.
+
+``for_table`` quotes the table name once and returns the statements as a frozen ``Queries``:
+the DDL and its catalog check, the sweep, the operator commands. The claim itself cannot be
+built ahead: it names the event, and goes as one simple-protocol query (several statements in
+one round trip take no parameters), so ``Queries.claim`` and ``Queries.duplicate`` inline their
+values as literals that read the same whatever the session's settings, which PgBouncer in
+transaction mode may hand over from another client.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+# Any constants will do: they only serialise schema creation, and sweeps, across replicas.
+SCHEMA_LOCK_KEY = 0x64656475
+SWEEP_LOCK_KEY = 0x64656476
+
+# A route's scope ($1) and, for a templated path, its per-path scopes ("scope/acme").
+_IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
+
+
+def _quote(table: str) -> str:
+    return ".".join(f'"{part}"' for part in table.split("."))
+
+
+def _literal(value: str | None) -> str:
+    """A SQL string literal that reads the same whatever the session's
+    standard_conforming_strings (an escape string: ``E'…'``, backslashes doubled), so the claim
+    depends on no session setting. keys.py refuses control characters, NUL included, in IDs and
+    types; scopes are configuration names."""
+    if value is None:
+        return "NULL"
+    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def _digest(value: bytes) -> str:
+    return f"decode('{value.hex()}', 'hex')"
+
+
+def _millis(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+def lock_timeout(seconds: float) -> str:
+    """Bound this transaction's waits on row locks (55P03 past it)."""
+    return f"SET LOCAL lock_timeout = '{_millis(seconds)}'"
+
+
+def begin(lock_wait: float, idle_limit: float) -> str:
+    """BEGIN with a claim's own bounds, to go in front of the claim in its round trip.
+
+    Set inside the transaction: never in the startup packet, which PgBouncer refuses; never per
+    session, which PgBouncer would hand to other clients. Pinned to READ COMMITTED: under
+    REPEATABLE READ a copy waiting on a row would fail with a serialization error after the
+    owner's COMMIT instead of seeing the duplicate.
+    """
+    return (
+        f"BEGIN ISOLATION LEVEL READ COMMITTED; {lock_timeout(lock_wait)}; "
+        f"SET LOCAL idle_in_transaction_session_timeout = '{_millis(idle_limit)}'; "
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Queries:
+    """The statements over one claim table; build with ``for_table``."""
+
+    table: str
+    schema: str
+    schema_lock: str
+    schema_missing: str
+    table_exists: str
+    insert: str
+    duplicate_of: str
+    sweep_lock: str
+    sweep: str
+    events: str
+    forget: str
+    stats: str
+
+    def claim(
+        self,
+        begin: str,
+        scope: str,
+        event_id: str,
+        event_type: str | None,
+        body_sha256: bytes,
+        *,
+        commit: bool = False,
+    ) -> str:
+        """``begin`` and the claim in one round trip: "INSERT 0 1" claimed, "INSERT 0 0" a
+        duplicate; with ``commit``, committed in the same round trip."""
+        return (
+            f"{begin}{self.insert}({_literal(scope)}, {_literal(event_id)}, "
+            f"{_literal(event_type)}, {_digest(body_sha256)}) "
+            f"ON CONFLICT (scope, event_id) DO NOTHING{'; COMMIT' if commit else ''}"
+        )
+
+    def duplicate(self, scope: str, event_id: str, body_sha256: bytes) -> str:
+        """For a duplicate: ROLLBACK, then whether the stored body digest differs from this one
+        ("SELECT 1"), in one round trip. Outside the transaction, so it also sees the row of a
+        concurrent owner the copy waited for."""
+        return (
+            f"{self.duplicate_of}scope = {_literal(scope)} AND event_id = {_literal(event_id)} "
+            f"AND body_sha256 <> {_digest(body_sha256)}"
+        )
+
+
+@functools.cache
+def for_table(table: str) -> Queries:
+    """The statements over ``table`` (a validated ``[schema.]name``)."""
+    quoted = _quote(table)
+    schema, dot, name = table.rpartition(".")
+    index = f"{name}_received_at_idx"
+    return Queries(
+        table=table,
+        schema=(
+            f"CREATE TABLE IF NOT EXISTS {quoted} (\n"
+            "    scope       text        NOT NULL,\n"
+            "    event_id    text        NOT NULL,\n"
+            "    event_type  text,\n"
+            "    received_at timestamptz NOT NULL DEFAULT now(),\n"
+            "    body_sha256 bytea,\n"
+            "    PRIMARY KEY (scope, event_id)\n"
+            ");\n"
+            f'CREATE INDEX IF NOT EXISTS "{index}" ON {quoted} (received_at);\n'
+            f"ALTER TABLE {quoted} ADD COLUMN IF NOT EXISTS body_sha256 bytea;\n"
+        ),
+        # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
+        schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})",
+        # Reads the catalog only: no lock that would queue behind the claims in flight.
+        schema_missing=(
+            f"SELECT to_regclass({_literal(table)}) IS NOT NULL AS table,"
+            f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
+            "         AND attname = 'body_sha256' AND NOT attisdropped) AS digest,"
+            f" to_regclass({_literal(schema + dot + index)}) IS NOT NULL AS index"
+        ),
+        table_exists=f"SELECT to_regclass({_literal(table)}) IS NOT NULL",
+        insert=f"INSERT INTO {quoted} (scope, event_id, event_type, body_sha256) VALUES ",
+        duplicate_of=f"ROLLBACK; SELECT FROM {quoted} WHERE ",
+        sweep_lock=f"SELECT pg_try_advisory_xact_lock({SWEEP_LOCK_KEY})",
+        # $1 scope, $2 retention in seconds, $3 batch size. SKIP LOCKED: a row another
+        # transaction holds (an operator's forget) is left for later.
+        sweep=(
+            f"DELETE FROM {quoted} AS t USING ("
+            f"  SELECT scope, event_id FROM {quoted}"
+            f"   WHERE {_IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
+            "   LIMIT $3 FOR UPDATE SKIP LOCKED"
+            ") AS expired WHERE t.scope = expired.scope AND t.event_id = expired.event_id"
+        ),
+        # $1 scope, $2 oldest received_at or NULL, $3 limit.
+        events=(
+            f"SELECT scope, event_id, event_type, received_at FROM {quoted} WHERE {_IN_SCOPE} "
+            "AND ($2::timestamptz IS NULL OR received_at >= $2) "
+            "ORDER BY received_at DESC LIMIT $3"
+        ),
+        # $1 scope, $2 event IDs.
+        forget=(
+            f"DELETE FROM {quoted} WHERE scope = $1 AND event_id = ANY($2::text[]) "
+            "RETURNING event_id"
+        ),
+        stats=(
+            "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest "
+            f"FROM {quoted} GROUP BY scope"
+        ),
+    )
