@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -110,8 +111,12 @@ async def missing_schema(connection: Connection, queries: sql.Queries) -> str:
     row = await connection.fetchrow(queries.schema_missing)
     if row is None or not row["table"]:
         return "does not exist"
-    lacking = [name for name in ("digest", "index") if not row[name]]
-    names = {"digest": "column body_sha256", "index": "index on received_at"}
+    lacking = [name for name in ("digest", "answer", "index") if not row[name]]
+    names = {
+        "digest": "column body_sha256",
+        "answer": "the answer columns (on_duplicate: replay)",
+        "index": "index on received_at",
+    }
     return "lacks " + " and ".join(names[n] for n in lacking) if lacking else ""
 
 
@@ -125,6 +130,16 @@ async def apply_schema(connection: Connection, queries: sql.Queries) -> None:
 def discard(connection: Connection) -> None:
     """Close a connection in doubt so the pool never lends it again."""
     connection.terminate()
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The app's 2xx answer as stored for replay: its status, end-to-end headers in order
+    (repeated ones kept) and body."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,16 +164,25 @@ class Claim:
         self.mismatch = False
         self.reconciled = False
         self._open = True
+        self._plain_rollback = False  # the mismatch is known already (stored_answer)
 
-    async def commit(self) -> None:
-        """Make the claim permanent; raise CommitFailed if that cannot be made certain.
+    async def commit(self, answer: Answer | None = None) -> None:
+        """Make the claim permanent, with ``answer`` stored for replay in the same round trip;
+        raise CommitFailed if that cannot be made certain.
 
         When COMMIT fails (the connection was lost, the server went away) the claim may or may
-        not have been stored. ``reconcile`` then settles it on a fresh connection.
+        not have been stored. ``reconcile`` then settles it on a fresh connection (re-claimed
+        there without an answer: its duplicates then get the proxy's own acknowledgement).
         """
         self._open = False
+        statement = "COMMIT"
+        if answer is not None:
+            key = self.key
+            statement = self._store.queries.commit_answer(
+                key.scope, key.event_id, answer.status, list(answer.headers), answer.body
+            )
         try:
-            await self._connection.execute("COMMIT", timeout=self._store.op_timeout)
+            await self._connection.execute(statement, timeout=self._store.op_timeout)
         except DB_ERRORS as exc:
             discard(self._connection)
             if await self._store.reconcile(self.key):
@@ -168,14 +192,34 @@ class Claim:
                 f"COMMIT failed and could not be reconciled: {exc!r}"
             ) from exc
 
+    async def stored_answer(self) -> Answer | None:
+        """For a duplicate, inside its transaction (READ COMMITTED: this statement sees the row
+        a concurrent owner committed while this copy waited): the answer stored with the claim,
+        None if it has none. Also settles ``mismatch``, so the ROLLBACK that follows is plain."""
+        key = self.key
+        with translated("reading the stored answer failed", self.abandon):
+            row = await self._connection.fetchrow(
+                self._store.queries.answer, key.scope, key.event_id, key.body_sha256,
+                timeout=self._store.op_timeout,
+            )  # fmt: skip
+        self.mismatch = bool(row and row["mismatch"])
+        self._plain_rollback = True
+        if row is None or row["answer_status"] is None:
+            return None
+        headers = tuple((name, value) for name, value in json.loads(row["answer_headers"]))
+        return Answer(row["answer_status"], headers, row["answer_body"])
+
     async def release(self, rollback: str = "ROLLBACK") -> None:
         """Roll back unless committed, with ``rollback`` (a duplicate's also compares the
         bodies, see sql.Queries.duplicate); a connection in doubt is closed, never reused."""
         if self._open:
             self._open = False
+            if self._plain_rollback:
+                rollback = "ROLLBACK"
             try:
                 status = await self._connection.execute(rollback, timeout=self._store.op_timeout)
-                self.mismatch = status == "SELECT 1"
+                if rollback != "ROLLBACK":
+                    self.mismatch = status == "SELECT 1"
             except DB_ERRORS as exc:
                 log.warning("rollback failed, closing the connection: %r", exc)
                 discard(self._connection)
@@ -201,7 +245,7 @@ class ClaimStore:
         self._pool = pool
         self._connect = connect
         self._settings = settings
-        self._queries = sql.for_table(settings.table)
+        self.queries = sql.for_table(settings.table)
         self.op_timeout = settings.connect_timeout
         self._claim_timeout = claim_wait + settings.connect_timeout
         # A copy waits on an in-flight claim at most claim_wait; and the claim stays open while
@@ -247,9 +291,9 @@ class ClaimStore:
         table = self._settings.table
         async with self.connection() as connection:
             with translated(f"cannot prepare table {table}"):
-                missing = await missing_schema(connection, self._queries)
+                missing = await missing_schema(connection, self.queries)
                 if missing and self._settings.create_schema:
-                    await apply_schema(connection, self._queries)
+                    await apply_schema(connection, self.queries)
                     return
         if missing:
             raise errors.StoreUnavailable(
@@ -278,7 +322,7 @@ class ClaimStore:
                     raise errors.ClaimWaitExceeded() from exc
             claim.acquired = status.rpartition(" ")[2] == "1"
             if not claim.acquired:
-                rollback = self._queries.duplicate(key.scope, key.event_id, key.body_sha256)
+                rollback = self.queries.duplicate(key.scope, key.event_id, key.body_sha256)
             yield claim
         finally:
             try:
@@ -292,7 +336,7 @@ class ClaimStore:
                 self._release(connection)
 
     def _claim_sql(self, key: Key, *, commit: bool = False) -> str:
-        return self._queries.claim(
+        return self.queries.claim(
             self._begin, key.scope, key.event_id, key.event_type, key.body_sha256, commit=commit
         )
 
@@ -340,7 +384,7 @@ class ClaimStore:
         async with self.connection() as connection:
             with translated("database check failed"):
                 exists = await connection.fetchval(
-                    self._queries.table_exists, timeout=self.op_timeout
+                    self.queries.table_exists, timeout=self.op_timeout
                 )
         if not exists:
             raise errors.StoreUnavailable(f"table {self._settings.table} does not exist")

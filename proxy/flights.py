@@ -14,8 +14,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from proxy import errors
+
+if TYPE_CHECKING:
+    from proxy import claims
 
 Key = tuple[str, str]
 
@@ -30,6 +34,8 @@ class Flight:
     # found it committed in the database): a body digest equal to the stored one, for the
     # mismatch check of the copies still queued here.
     committed_sha256: bytes | None = None
+    # And, on a route that replays, the answer stored with the claim (None: the acknowledgement).
+    answer: claims.Answer | None = None
 
 
 class Flights:

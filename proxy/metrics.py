@@ -33,6 +33,8 @@ class RouteMeters:
     requests: dict[str, Any]  # outcome -> counter
     mismatches: Any
     oversized: Any
+    replays: Any
+    replay_skipped: Any
     reused_bodies: Any
     ambiguous_commits: Any
     upstream_latency: Any
@@ -64,6 +66,19 @@ class Metrics:
             "dedup_reused_bodies",
             "New events whose body this worker recently claimed under another event ID, on "
             "routes whose signature does not cover the ID (GitHub, Shopify): a replay?",
+            ["route"],
+            registry=self.registry,
+        )
+        self.replays = Counter(
+            "dedup_replays",
+            "Duplicates answered with the app's stored first answer (on_duplicate: replay).",
+            ["route"],
+            registry=self.registry,
+        )
+        self.replay_skipped = Counter(
+            "dedup_replay_skipped",
+            "2xx answers not stored for replay (over replay_max_body): their duplicates get "
+            "the proxy's acknowledgement.",
             ["route"],
             registry=self.registry,
         )
@@ -152,6 +167,8 @@ class Metrics:
             requests={outcome: self.requests.labels(name, outcome) for outcome in OUTCOMES},
             mismatches=self.mismatches.labels(name),
             oversized=self.oversized.labels(name),
+            replays=self.replays.labels(name),
+            replay_skipped=self.replay_skipped.labels(name),
             reused_bodies=self.reused_bodies.labels(name),
             ambiguous_commits=self.ambiguous_commits.labels(name),
             upstream_latency=self.upstream_latency.labels(name),

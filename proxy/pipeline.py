@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web
+from multidict import CIMultiDict
 
 from proxy import (
     budget,
@@ -41,6 +42,10 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", budget.Budget)
 
 _READ_CHUNK = 64 * 1024
+# Never part of a replayed answer: it is a new response (Date), its length is recomputed, and a
+# cookie set for the first request is not for whoever sends a copy (unless the route says so).
+_NOT_REPLAYED = frozenset({"date", "content-length", "dedup-status", "idempotent-replayed"})
+_NOT_REPLAYED_COOKIE = _NOT_REPLAYED | {"set-cookie"}
 
 
 def _json(
@@ -116,7 +121,7 @@ def _ms_since(started: float) -> float:
 
 def _log_line(fields: dict[str, Any]) -> None:
     outcome = fields["outcome"]
-    if fields.get("mismatch") or fields.get("body_claimed_as"):
+    if fields.get("mismatch") or fields.get("body_claimed_as") or fields.get("replay_skipped"):
         outcome = "mismatch"
     level = {
         "duplicate": logging.DEBUG,
@@ -198,7 +203,9 @@ class Webhook:
             if flight.committed_sha256 is not None:
                 # A copy in this process just committed this event: no database round trip.
                 self._claimed(fields, claim_started)
-                return self._duplicate(key, flight.committed_sha256 != key.body_sha256, fields)
+                mismatch = flight.committed_sha256 != key.body_sha256
+                return self._duplicate(key, mismatch, fields, flight.answer)
+            stored: claims.Answer | None = None
             async with request.app[STORE].claim(key) as claim:
                 self._claimed(fields, claim_started)
                 if claim.acquired:
@@ -206,18 +213,23 @@ class Webhook:
                         other = self.recent_bodies.claimed(scope, digest, event_id)
                         if other is not None:
                             fields["body_claimed_as"] = other
-                    response = await self._forward(
+                    response, answer = await self._forward(
                         request, target, body, claim, fields, reservation=reservation
                     )
                     if fields["outcome"] == "processed":
                         flight.committed_sha256 = key.body_sha256
+                        flight.answer = answer
                     return response
-            # A duplicate: its ROLLBACK, on the way out of the claim, also compared the bodies.
+                if self.route.replay:
+                    stored = await claim.stored_answer()
+            # A duplicate: its ROLLBACK, on the way out of the claim, also compared the bodies
+            # (or stored_answer did).
             if not claim.mismatch:
                 # Committed elsewhere (another worker or replica) with this body: the copies
                 # queued behind this one in this process need no database round trip either.
                 flight.committed_sha256 = key.body_sha256
-            return self._duplicate(key, claim.mismatch, fields)
+                flight.answer = stored
+            return self._duplicate(key, claim.mismatch, fields, stored)
 
     def _inspect(self, request: web.Request, body: bytes) -> tuple[str, str | None, bytes]:
         """Verify the signature, then find the event ID and type and the body's digest."""
@@ -269,7 +281,9 @@ class Webhook:
         fields: dict[str, Any],
         *,
         reservation: budget.Reservation,
-    ) -> web.StreamResponse:
+    ) -> tuple[web.StreamResponse, claims.Answer | None]:
+        """Forward, then commit on a 2xx (with the answer to replay, where the route does):
+        the response, and the answer stored with the claim."""
         try:
             upstream = await self._call(request, target, body, reservation, fields)
         except errors.AnswerOverBudget as exc:
@@ -284,25 +298,59 @@ class Webhook:
             raise
         if not upstream.ok:
             fields["outcome"] = "upstream_error"
-            return upstream.to_web()
+            return upstream.to_web(), None
+        answer = self._answer_to_store(upstream, fields)
         try:
-            await claim.commit()
+            await claim.commit(answer)
         except errors.CommitFailed as exc:
             # The upstream did the work: answering anything but its 2xx would make the provider
             # retry, and the retry would be forwarded again (see docs/guarantees.md).
             fields.update(outcome="ambiguous_commit", error=exc.message)
-            return upstream.to_web()
+            return upstream.to_web(), None
         fields["outcome"] = "processed"
         if claim.reconciled:
             fields["reconciled"] = True
-        return upstream.to_web()
+            answer = None  # re-claimed on another connection, without it
+        return upstream.to_web(), answer
 
-    @staticmethod
-    def _duplicate(key: claims.Key, mismatch: bool, fields: dict[str, Any]) -> web.Response:
+    def _answer_to_store(
+        self, upstream: forwarder.UpstreamResponse, fields: dict[str, Any]
+    ) -> claims.Answer | None:
+        """The app's 2xx answer as a duplicate will get it, on a route that replays."""
+        route = self.route
+        if not route.replay:
+            return None
+        if len(upstream.body) > route.replay_max_body:
+            # Relayed and committed all the same; its duplicates get the acknowledgement.
+            fields["replay_skipped"] = f"answer of {len(upstream.body)} bytes over replay_max_body"
+            self.meters.replay_skipped.inc()
+            return None
+        dropped = _NOT_REPLAYED if route.replay_set_cookie else _NOT_REPLAYED_COOKIE
+        headers = tuple(
+            (name, value) for name, value in upstream.headers.items()
+            if name.lower() not in dropped
+        )  # fmt: skip
+        return claims.Answer(upstream.status, headers, upstream.body)
+
+    def _duplicate(
+        self,
+        key: claims.Key,
+        mismatch: bool,
+        fields: dict[str, Any],
+        stored: claims.Answer | None = None,
+    ) -> web.Response:
         fields["outcome"] = "duplicate"
         if mismatch:
             # Same ID, other bytes: the ID is not a per-event key here, or a replay.
             fields["mismatch"] = True
+        if stored is not None:
+            # The app's first answer, byte for byte; Content-Length is aiohttp's to set.
+            fields["replayed"] = True
+            self.meters.replays.inc()
+            headers = CIMultiDict(stored.headers)
+            headers["Dedup-Status"] = "duplicate"
+            headers["Idempotent-Replayed"] = "true"
+            return web.Response(status=stored.status, headers=headers, body=stored.body)
         return _json(200, {"status": "duplicate", "event_id": key.event_id}, "duplicate")
 
 

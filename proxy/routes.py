@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from proxy import keys, paths, presets, reader, signatures, values
 
 DEFAULT_RETENTION = 30 * 86400.0
+# The largest app answer stored for replay: TwiML and chat answers are a few KiB.
+DEFAULT_REPLAY_MAX_BODY = 64 * 1024
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
-              "max_body", "verify", "retention", "missing_id", "methods")  # fmt: skip
+              "max_body", "verify", "retention", "missing_id", "methods", "on_duplicate",
+              "replay_max_body", "replay_set_cookie")  # fmt: skip
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
                "prefix")  # fmt: skip
 
@@ -30,6 +33,10 @@ class RouteConfig:
     verify: signatures.Verifier | None = None
     retention: float = DEFAULT_RETENTION
     forward_missing_id: bool = False  # ``missing_id: forward``
+    # ``on_duplicate: replay``: a duplicate gets the app's first 2xx answer, stored with the claim.
+    replay: bool = False
+    replay_max_body: int = DEFAULT_REPLAY_MAX_BODY
+    replay_set_cookie: bool = False
 
     @property
     def id_signed(self) -> bool:
@@ -128,6 +135,12 @@ def parse_routes(
                 route, "missing_id", path, values.parse_choice("reject", "forward"), missing_id
             )
             == "forward",
+            replay=r.value(route, "on_duplicate", path, values.parse_choice("ack", "replay"), "ack")
+            == "replay",
+            replay_max_body=r.value(
+                route, "replay_max_body", path, values.parse_size, DEFAULT_REPLAY_MAX_BODY
+            ),
+            replay_set_cookie=r.value(route, "replay_set_cookie", path, values.parse_bool, False),
         )
         if name is not None and url_path is not None and event_id is not None:
             parsed.append(route_config)

@@ -11,6 +11,7 @@ transaction mode may hand over from another client.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 
 # Any constants will do: they only serialise schema creation, and sweeps, across replicas.
@@ -67,12 +68,14 @@ class Queries:
     """The statements over one claim table; build with ``for_table``."""
 
     table: str
+    quoted: str
     schema: str
     schema_lock: str
     schema_missing: str
     table_exists: str
     insert: str
     duplicate_of: str
+    answer: str
     sweep_lock: str
     sweep: str
     events: str
@@ -97,6 +100,18 @@ class Queries:
             f"ON CONFLICT (scope, event_id) DO NOTHING{'; COMMIT' if commit else ''}"
         )
 
+    def commit_answer(
+        self, scope: str, event_id: str, status: int, headers: list[tuple[str, str]], body: bytes
+    ) -> str:
+        """Store the app's answer in the claim row and COMMIT, in one round trip: a committed
+        claim has its answer, a failed one has none."""
+        encoded = json.dumps(headers, ensure_ascii=False, separators=(",", ":"))
+        return (
+            f"UPDATE {self.quoted} SET answer_status = {int(status)}, "
+            f"answer_headers = {_literal(encoded)}::jsonb, answer_body = {_digest(body)} "
+            f"WHERE scope = {_literal(scope)} AND event_id = {_literal(event_id)}; COMMIT"
+        )
+
     def duplicate(self, scope: str, event_id: str, body_sha256: bytes) -> str:
         """For a duplicate: ROLLBACK, then whether the stored body digest differs from this one
         ("SELECT 1"), in one round trip. Outside the transaction, so it also sees the row of a
@@ -115,6 +130,7 @@ def for_table(table: str) -> Queries:
     index = f"{name}_received_at_idx"
     return Queries(
         table=table,
+        quoted=quoted,
         schema=(
             f"CREATE TABLE IF NOT EXISTS {quoted} (\n"
             "    scope       text        NOT NULL,\n"
@@ -122,10 +138,17 @@ def for_table(table: str) -> Queries:
             "    event_type  text,\n"
             "    received_at timestamptz NOT NULL DEFAULT now(),\n"
             "    body_sha256 bytea,\n"
+            # on_duplicate: replay — the app's 2xx answer, stored before COMMIT.
+            "    answer_status  smallint,\n"
+            "    answer_headers jsonb,\n"
+            "    answer_body    bytea,\n"
             "    PRIMARY KEY (scope, event_id)\n"
             ");\n"
             f'CREATE INDEX IF NOT EXISTS "{index}" ON {quoted} (received_at);\n'
-            f"ALTER TABLE {quoted} ADD COLUMN IF NOT EXISTS body_sha256 bytea;\n"
+            f"ALTER TABLE {quoted} ADD COLUMN IF NOT EXISTS body_sha256 bytea,\n"
+            "    ADD COLUMN IF NOT EXISTS answer_status smallint,\n"
+            "    ADD COLUMN IF NOT EXISTS answer_headers jsonb,\n"
+            "    ADD COLUMN IF NOT EXISTS answer_body bytea;\n"
         ),
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
         schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})",
@@ -134,11 +157,18 @@ def for_table(table: str) -> Queries:
             f"SELECT to_regclass({_literal(table)}) IS NOT NULL AS table,"
             f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
             "         AND attname = 'body_sha256' AND NOT attisdropped) AS digest,"
+            f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
+            "         AND attname = 'answer_body' AND NOT attisdropped) AS answer,"
             f" to_regclass({_literal(schema + dot + index)}) IS NOT NULL AS index"
         ),
         table_exists=f"SELECT to_regclass({_literal(table)}) IS NOT NULL",
         insert=f"INSERT INTO {quoted} (scope, event_id, event_type, body_sha256) VALUES ",
         duplicate_of=f"ROLLBACK; SELECT FROM {quoted} WHERE ",
+        # $1 scope, $2 event ID, $3 this copy's body digest: a duplicate's stored answer.
+        answer=(
+            "SELECT coalesce(body_sha256 <> $3, false) AS mismatch, answer_status, answer_headers, "
+            f"answer_body FROM {quoted} WHERE scope = $1 AND event_id = $2"
+        ),
         sweep_lock=f"SELECT pg_try_advisory_xact_lock({SWEEP_LOCK_KEY})",
         # $1 scope, $2 retention in seconds, $3 batch size. SKIP LOCKED: a row another
         # transaction holds (an operator's forget) is left for later.

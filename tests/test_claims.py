@@ -75,6 +75,9 @@ async def test_schema_creation_is_idempotent_and_safe_for_concurrent_replicas(
         ("event_type", "text", "YES"),
         ("received_at", "timestamp with time zone", "NO"),
         ("body_sha256", "bytea", "YES"),
+        ("answer_status", "smallint", "YES"),
+        ("answer_headers", "jsonb", "YES"),
+        ("answer_body", "bytea", "YES"),
     ]
     indexes = await fetch(pg_dsn, "SELECT indexdef FROM pg_indexes WHERE tablename = $1", table)
     definitions = sorted(row["indexdef"] for row in indexes)

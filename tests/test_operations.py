@@ -147,7 +147,8 @@ async def test_schema_and_migrate_for_create_schema_false(
         pg_dsn, "SELECT column_name FROM information_schema.columns WHERE table_name = $1", table
     )
     assert {c["column_name"] for c in columns} == {
-        "scope", "event_id", "event_type", "received_at", "body_sha256",
+        "scope", "event_id", "event_type", "received_at", "body_sha256", "answer_status",
+        "answer_headers", "answer_body",
     }  # fmt: skip
     code, _, _ = await run_cli("migrate", "--config", str(config_file))
     assert code == 0  # idempotent

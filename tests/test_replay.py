@@ -1,0 +1,217 @@
+"""on_duplicate: replay — a duplicate gets the app's first 2xx answer, stored with the claim
+before COMMIT, against the real database."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import asyncpg
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy import claims, pipeline, sql
+from tests.conftest import FakeUpstream, MakeProxy, execute, fetch, wait_for_lock_waiters
+
+BINARY = bytes(range(256)) * 4
+
+
+def replay_route(**extra: Any) -> dict[str, Any]:
+    return {
+        "name": "corvel",
+        "path": "/webhooks/corvel",
+        "event_id": "body:/id",
+        "on_duplicate": "replay",
+        **extra,
+    }
+
+
+def twiml(n: int) -> web.Response:
+    headers = CIMultiDict(
+        [
+            ("Content-Type", "text/xml; charset=utf-8"),
+            ("X-Multi", "first"),
+            ("Set-Cookie", "session=abc; HttpOnly"),
+            ("X-Multi", "second"),
+            ("X-Answer", f"answer-{n}"),
+        ]
+    )
+    return web.Response(status=201, body=BINARY + str(n).encode(), headers=headers)
+
+
+def end_to_end(response: Any) -> list[tuple[str, str]]:
+    """The answer's headers the app chose, in order (not those aiohttp's server adds)."""
+    added = {"date", "server", "content-length", "dedup-status", "idempotent-replayed"}
+    return [(k, v) for k, v in response.headers.items() if k.lower() not in added]
+
+
+async def test_a_duplicate_gets_the_first_answer_byte_exact(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.respond = twiml
+    client = await make_proxy(routes=[replay_route()])
+
+    first = await client.post("/webhooks/corvel", data=b'{"id": "evt_r1"}')
+    first_body = await first.read()
+    again = await client.post("/webhooks/corvel", data=b'{"id": "evt_r1"}')
+    again_body = await again.read()
+
+    assert len(upstream.requests) == 1
+    assert (first.status, again.status) == (201, 201)
+    assert again_body == first_body == BINARY + b"0"
+    # Set-Cookie is not replayed (the route does not allow it); everything else in order.
+    assert end_to_end(again) == [(k, v) for k, v in end_to_end(first) if k.lower() != "set-cookie"]
+    assert again.headers.getall("X-Multi") == ["first", "second"]
+    assert again.headers["Content-Type"] == "text/xml; charset=utf-8"
+    assert again.headers["Content-Length"] == str(len(BINARY) + 1)
+    assert (again.headers["Dedup-Status"], again.headers["Idempotent-Replayed"]) == (
+        "duplicate",
+        "true",
+    )
+    assert "Idempotent-Replayed" not in first.headers
+
+
+async def test_set_cookie_is_replayed_only_where_the_route_allows_it(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.respond = twiml
+    client = await make_proxy(routes=[replay_route(replay_set_cookie=True)])
+    await client.post("/webhooks/corvel", data=b'{"id": "evt_c"}')
+    again = await client.post("/webhooks/corvel", data=b'{"id": "evt_c"}')
+    assert again.headers.getall("Set-Cookie") == ["session=abc; HttpOnly"]
+
+
+async def test_a_copy_waiting_on_the_row_lock_gets_the_replay(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    # Two proxies (as two replicas): the copy meets the first at PostgreSQL's row lock, not
+    # in one process's single-flight.
+    upstream.respond = twiml
+    upstream.gate = asyncio.Event()
+    one = await make_proxy(routes=[replay_route()])
+    two = await make_proxy(routes=[replay_route()])
+
+    first = asyncio.create_task(one.post("/webhooks/corvel", data=b'{"id": "evt_w"}'))
+    await upstream.arrived.wait()
+    copy = asyncio.create_task(two.post("/webhooks/corvel", data=b'{"id": "evt_w"}'))
+    await wait_for_lock_waiters(pg_dsn, table, 1)
+    upstream.gate.set()
+    first_response, copy_response = await first, await copy
+
+    assert len(upstream.requests) == 1
+    assert copy_response.headers["Idempotent-Replayed"] == "true"
+    assert await copy_response.read() == await first_response.read() == BINARY + b"0"
+    assert copy_response.status == 201
+
+
+async def test_copies_in_one_process_get_the_replay_without_the_database(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.respond = twiml
+    upstream.gate = asyncio.Event()
+    client = await make_proxy(routes=[replay_route()])
+    sends = [
+        asyncio.create_task(client.post("/webhooks/corvel", data=b'{"id": "evt_local"}'))
+        for _ in range(5)
+    ]
+    await upstream.arrived.wait()
+    upstream.gate.set()
+    responses = await asyncio.gather(*sends)
+    bodies = [await response.read() for response in responses]
+    assert len(upstream.requests) == 1
+    assert bodies == [BINARY + b"0"] * 5
+    assert sorted(r.headers.get("Idempotent-Replayed", "-") for r in responses) == [
+        "-",
+        *["true"] * 4,
+    ]
+
+
+async def test_a_failure_stores_nothing_and_the_retry_answer_is_replayed(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: (
+        web.Response(status=500, text="boom") if n == 0 else web.Response(text=f"ok-{n}")
+    )
+    client = await make_proxy(routes=[replay_route()])
+
+    failed = await client.post("/webhooks/corvel", data=b'{"id": "evt_f"}')
+    assert failed.status == 500
+    assert await fetch(pg_dsn, f'SELECT 1 FROM "{table}"') == []
+    retried = await client.post("/webhooks/corvel", data=b'{"id": "evt_f"}')
+    duplicate = await client.post("/webhooks/corvel", data=b'{"id": "evt_f"}')
+
+    assert [retried.status, duplicate.status] == [200, 200]
+    assert await duplicate.text() == await retried.text() == "ok-1"
+    (row,) = await fetch(pg_dsn, f'SELECT answer_status, answer_body FROM "{table}"')
+    assert (row["answer_status"], row["answer_body"]) == (200, b"ok-1")
+
+
+async def test_an_answer_over_replay_max_body_is_relayed_and_its_duplicates_acknowledged(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    upstream.respond = lambda n: web.Response(body=b"x" * 100)
+    client = await make_proxy(routes=[replay_route(replay_max_body="64")])
+
+    with caplog.at_level(logging.INFO, logger="proxy.pipeline"):
+        first = await client.post("/webhooks/corvel", data=b'{"id": "evt_big"}')
+    again = await client.post("/webhooks/corvel", data=b'{"id": "evt_big"}')
+
+    assert (first.status, await first.read()) == (200, b"x" * 100)
+    assert await again.json() == {"status": "duplicate", "event_id": "evt_big"}
+    assert "Idempotent-Replayed" not in again.headers
+    (line,) = [r for r in caplog.records if hasattr(r, "fields")]
+    assert line.levelno == logging.WARNING
+    assert line.fields["replay_skipped"] == "answer of 100 bytes over replay_max_body"  # type: ignore[attr-defined]
+    registry = client.app[pipeline.METRICS].registry
+    assert registry.get_sample_value("dedup_replay_skipped_total", {"route": "corvel"}) == 1
+    assert registry.get_sample_value("dedup_replays_total", {"route": "corvel"}) == 0
+
+
+async def test_a_claim_from_before_replay_was_turned_on_is_acknowledged(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    before = await make_proxy(routes=[replay_route(on_duplicate="ack")])
+    await before.post("/webhooks/corvel", data=b'{"id": "evt_old"}')
+    after = await make_proxy(routes=[replay_route()])
+    again = await after.post("/webhooks/corvel", data=b'{"id": "evt_old"}')
+    assert await again.json() == {"status": "duplicate", "event_id": "evt_old"}
+    assert len(upstream.requests) == 1
+
+
+async def test_replays_are_counted_and_logged(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await make_proxy(routes=[replay_route()])
+    await client.post("/webhooks/corvel", data=b'{"id": "evt_n"}')
+    with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
+        await client.post("/webhooks/corvel", data=b'{"id": "evt_n"}')
+    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    assert (line["outcome"], line["replayed"]) == ("duplicate", True)
+    registry = client.app[pipeline.METRICS].registry
+    assert registry.get_sample_value("dedup_replays_total", {"route": "corvel"}) == 1
+
+
+async def test_a_table_without_the_answer_columns_is_upgraded(
+    pg_dsn: str, table: str, make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    # The claim table as the previous release created it.
+    await execute(
+        pg_dsn,
+        f'CREATE TABLE "{table}" (scope text NOT NULL, event_id text NOT NULL, '
+        "event_type text, received_at timestamptz NOT NULL DEFAULT now(), body_sha256 bytea, "
+        "PRIMARY KEY (scope, event_id)); "
+        f'CREATE INDEX "{table}_received_at_idx" ON "{table}" (received_at)',
+    )
+    connection = await asyncpg.connect(pg_dsn)
+    try:
+        lacking = await claims.missing_schema(connection, sql.for_table(table))
+    finally:
+        await connection.close()
+    assert lacking == "lacks the answer columns (on_duplicate: replay)"
+
+    client = await make_proxy(routes=[replay_route()])  # create_schema: true upgrades it
+    await client.post("/webhooks/corvel", data=b'{"id": "evt_up"}')
+    again = await client.post("/webhooks/corvel", data=b'{"id": "evt_up"}')
+    assert again.headers["Idempotent-Replayed"] == "true"
