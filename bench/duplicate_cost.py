@@ -1,0 +1,89 @@
+"""What a duplicate costs at the claim store: round trips and time, ack against replay.
+
+    python bench/duplicate_cost.py --dsn postgresql://... [--count 2000]
+
+Claims and commits ``--count`` events (with a 1 KiB answer stored, as ``on_duplicate:
+replay`` does), then claims each again as a duplicate, alternating the two ways a route answers
+one: ``ack`` (the claim, then ROLLBACK with the body comparison) and ``replay`` (the claim, the
+stored answer read in the transaction, then ROLLBACK). Reports the median and p99 time of each
+and the round trips each makes, counted as the messages written to the database's socket.
+Uses its own table, dropped first. Talks to the given DSN only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import statistics
+import time
+
+from proxy import claims, config
+
+TABLE = "bench_duplicate_cost"
+
+
+class _Counting:
+    """Counts the round trips on one asyncpg connection: the writes asyncpg then waits on, a
+    simple Query ('Q'), or extended-protocol messages ending in a Sync ('S') or, when it
+    prepares a statement to learn its types, a Flush ('H')."""
+
+    def __init__(self, connection: object) -> None:
+        transport = connection._transport  # type: ignore[attr-defined]
+        self.writes = 0
+        original = transport.write
+
+        def write(data: bytes) -> None:
+            data = bytes(data)
+            self.writes += data[:1] == b"Q" or data.endswith((b"S\0\0\0\x04", b"H\0\0\0\x04"))
+            original(data)
+
+        transport.write = write
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dsn", required=True)
+    parser.add_argument("--count", type=int, default=2000)
+    args = parser.parse_args()
+    settings = config.DatabaseConfig(dsn=config.Secret(args.dsn), table=TABLE, pool_size=1)
+    store = await claims.ClaimStore.open(args.dsn, settings, claim_wait=5.0, upstream_timeout=30.0)
+    try:
+        async with store.connection() as connection:
+            await connection.execute(f'DROP TABLE IF EXISTS "{TABLE}"')
+        await store.ensure_schema()
+        answer = claims.Answer(200, (("Content-Type", "text/xml"),), b"x" * 1024)
+        keys = [
+            claims.Key("bench", f"evt-{n}", None, hashlib.sha256(str(n).encode()).digest())
+            for n in range(args.count)
+        ]
+        for key in keys:
+            async with store.claim(key) as claim:
+                await claim.commit(answer)
+        timings: dict[str, list[float]] = {"ack": [], "replay": []}
+        writes = dict.fromkeys(timings, 0)
+        async with store.connection() as connection:
+            counter = _Counting(connection)  # pool_size 1: every claim below uses it
+        for n, key in enumerate(keys):
+            mode = "ack" if n % 2 == 0 else "replay"
+            before = counter.writes
+            started = time.perf_counter()
+            async with store.claim(key) as claim:
+                assert not claim.acquired
+                if mode == "replay":
+                    assert await claim.stored_answer() == answer
+            timings[mode].append((time.perf_counter() - started) * 1e6)
+            writes[mode] += counter.writes - before
+    finally:
+        await store.close()
+    for mode, values in timings.items():
+        values.sort()
+        print(
+            f"{mode:6}  n={len(values)}  median {statistics.median(values):7.0f} µs  "
+            f"p99 {values[int(len(values) * 0.99)]:7.0f} µs  "
+            f"round trips: {writes[mode] / len(values):.2f}"
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
