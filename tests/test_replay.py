@@ -4,7 +4,10 @@ before COMMIT, against the real database."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
+import time
 from typing import Any
 
 import asyncpg
@@ -14,6 +17,7 @@ from multidict import CIMultiDict
 
 from proxy import claims, pipeline, sql
 from tests.conftest import FakeUpstream, MakeProxy, execute, fetch, wait_for_lock_waiters
+from tests.test_providers import stripe_event, stripe_headers, stripe_route
 
 BINARY = bytes(range(256)) * 4
 
@@ -215,3 +219,54 @@ async def test_a_table_without_the_answer_columns_is_upgraded(
     await client.post("/webhooks/corvel", data=b'{"id": "evt_up"}')
     again = await client.post("/webhooks/corvel", data=b'{"id": "evt_up"}')
     assert again.headers["Idempotent-Replayed"] == "true"
+
+
+REPLAY_SECRET = "operator-replay-secret"
+
+
+async def test_a_dead_letter_replay_goes_through_the_same_claim(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    # The operator's replay job posts to a route of its own that shares the provider route's
+    # scope, signed with the operator's secret (hmac: no timestamp to go stale).
+    replay = {
+        "name": "stripe-replay",
+        "path": "/replay/stripe",
+        "preset": "stripe",
+        "scope": "stripe",
+        "verify": {"scheme": "hmac", "header": "X-Replay-Signature", "secret": REPLAY_SECRET},
+    }
+    upstream.respond = lambda n: web.Response(status=500 if n == 1 else 200, text=f"r{n}")
+    client = await make_proxy(routes=[stripe_route(), replay])
+    processed, failed = stripe_event("evt_done"), stripe_event("evt_lost")
+    assert (
+        await client.post("/webhooks/stripe", data=processed, headers=stripe_headers(processed))
+    ).status == 200
+    assert (
+        await client.post("/webhooks/stripe", data=failed, headers=stripe_headers(failed))
+    ).status == 500
+
+    # Hours later the provider's signature is stale: the provider route refuses it.
+    stale = stripe_headers(failed, at=int(time.time()) - 3 * 3600)
+    assert (await client.post("/webhooks/stripe", data=failed, headers=stale)).status == 401
+
+    def signed(body: bytes, secret: str = REPLAY_SECRET) -> dict[str, str]:
+        digest = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+        return {"X-Replay-Signature": digest, "Content-Type": "application/json"}
+
+    forged = await client.post("/replay/stripe", data=failed, headers=signed(failed, "guess"))
+    answers = [
+        await client.post("/replay/stripe", data=body, headers=signed(body))
+        for body in (processed, failed, failed)
+    ]
+
+    assert forged.status == 401
+    assert [a.status for a in answers] == [200, 200, 200]
+    # The app's own answer for the one processed; the proxy's acknowledgement for duplicates.
+    assert [a.headers.get("Dedup-Status") for a in answers] == ["duplicate", None, "duplicate"]
+    assert await answers[1].text() == "r2"
+    # The app: evt_done once, evt_lost twice (its failed delivery, then the replay) and done.
+    seen = [r.body for r in upstream.requests]
+    assert seen == [processed, failed, failed]
+    rows = await fetch(pg_dsn, f'SELECT scope, event_id FROM "{table}" ORDER BY event_id')
+    assert [tuple(row) for row in rows] == [("stripe", "evt_done"), ("stripe", "evt_lost")]
