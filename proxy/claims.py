@@ -251,7 +251,9 @@ class ClaimStore:
         # A copy waits on an in-flight claim at most claim_wait; and the claim stays open while
         # the upstream works, so past the upstream's timeout the server itself rolls back a
         # claim whose proxy vanished without closing its socket.
-        self._begin = sql.begin(claim_wait, upstream_timeout + settings.connect_timeout)
+        self._claim_wait = claim_wait
+        self._idle_limit = upstream_timeout + settings.connect_timeout
+        self._begin = sql.begin(claim_wait, self._idle_limit)
 
     @classmethod
     async def open(
@@ -302,8 +304,9 @@ class ClaimStore:
             )
 
     @contextlib.asynccontextmanager
-    async def claim(self, key: Key) -> AsyncIterator[Claim]:
-        """Claim (scope, event_id); waits while another transaction holds it uncommitted.
+    async def claim(self, key: Key, wait: float | None = None) -> AsyncIterator[Claim]:
+        """Claim (scope, event_id); waits while another transaction holds it uncommitted, at
+        most ``wait`` seconds (a route's own claim_wait; default the store's).
 
         Raises StoreUnavailable (no connection or the database failed) or ClaimWaitExceeded.
         On exit the transaction is rolled back unless ``Claim.commit()`` was called; for a
@@ -312,11 +315,18 @@ class ClaimStore:
         connection = await self._acquire()
         claim = Claim(self, connection, key)
         rollback = "ROLLBACK"
+        begin, timeout = self._begin, self._claim_timeout
+        if wait is not None and wait != self._claim_wait:
+            begin = sql.begin(wait, self._idle_limit)
+            timeout = wait + self.op_timeout
         try:
             with translated("claim failed", claim.abandon):
                 try:
                     status = await connection.execute(
-                        self._claim_sql(key), timeout=self._claim_timeout
+                        self.queries.claim(
+                            begin, key.scope, key.event_id, key.event_type, key.body_sha256
+                        ),
+                        timeout=timeout,
                     )
                 except asyncpg.LockNotAvailableError as exc:
                     raise errors.ClaimWaitExceeded() from exc

@@ -144,7 +144,11 @@ class Webhook:
         self.route = route
         self.meters = meters.route(route.name)
         self.client_timeout = cfg.client_timeout
-        self.claim_wait = cfg.claim_wait
+        # A route's claim_wait (a provider's short deadline) only ever shortens the global one:
+        # the pool's command timeout is sized by the global one.
+        self.claim_wait = (
+            cfg.claim_wait if route.claim_wait is None else min(route.claim_wait, cfg.claim_wait)
+        )
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
         self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
         # Only where a valid signature says nothing of the ID (GitHub, Shopify): see reuse.
@@ -206,7 +210,7 @@ class Webhook:
                 mismatch = flight.committed_sha256 != key.body_sha256
                 return self._duplicate(key, mismatch, fields, flight.answer)
             stored: claims.Answer | None = None
-            async with request.app[STORE].claim(key) as claim:
+            async with request.app[STORE].claim(key, self.claim_wait) as claim:
                 self._claimed(fields, claim_started)
                 if claim.acquired:
                     if self.recent_bodies is not None:
@@ -234,16 +238,16 @@ class Webhook:
     def _inspect(self, request: web.Request, body: bytes) -> tuple[str, str | None, bytes]:
         """Verify the signature, then find the event ID and type and the body's digest."""
         route = self.route
+        # The raw query: aiohttp's decoded one turns bytes that are not UTF-8 into U+FFFD.
+        query = request.raw_path.partition("?")[2]
         if route.verify is not None:
             # A header listed in Connection would be removed before the app sees it.
             keys.refuse_connection_naming(request.headers, route.verify.headers, route.name)
             # Before the claim: an unauthenticated request must never squat an event ID.
             try:
-                route.verify.verify(request.headers, body, time.time())
+                route.verify.verify(request.headers, body, time.time(), query=query)
             except errors.SignatureInvalid as exc:
                 raise errors.SignatureInvalid(f"route {route.name!r}: {exc.message}") from None
-        # The raw query: aiohttp's decoded one turns bytes that are not UTF-8 into U+FFFD.
-        query = request.raw_path.partition("?")[2]
         event_id, event_type = self.extractor.extract(request.headers, query, body)
         return event_id, event_type, hashlib.sha256(body).digest()
 

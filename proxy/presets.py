@@ -29,6 +29,12 @@ class Preset:
     # never refuses (413) a body the provider may send. None: no documented cap, the global
     # max_body applies.
     max_body: int | None = None
+    # The route's default claim_wait, below the provider's response deadline: a copy that waits
+    # longer is answered after the provider has given up on it. None: the global claim_wait.
+    claim_wait: float | None = None
+    # The route's default on_duplicate: "replay" where the provider acts on the answer's body
+    # (Twilio's TwiML), so a duplicate needs the first answer, not an acknowledgement.
+    on_duplicate: str | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -66,13 +72,15 @@ PRESETS: dict[str, Preset] = {
         scheme="standard-webhooks",
         retention=2 * DAY,
     ),
-    # 3 retries within minutes; the url_verification handshake carries no event_id.
+    # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
+    # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
     "slack": Preset(
         event_id=("body:/event_id",),
         event_type="body:/event/type",
         scheme="slack",
         retention=DAY,
         forward_missing_id=True,
+        claim_wait=2.0,
     ),
     # Whether a retry is re-signed with a fresh ts is unverified; if it is not, a 5-minute
     # window would refuse every retry and lose the event. A replay inside the retention window
@@ -83,6 +91,17 @@ PRESETS: dict[str, Preset] = {
         scheme="paddle",
         retention=4 * DAY,
         tolerance=4 * DAY,
+    ),
+    # Twilio retries only within one callback's own time budget (the URL fragment's rc/tt
+    # overrides; how long at most is unverified): a day is a wide margin. The idempotency token
+    # is not signed (docs/security.md); the answer is TwiML that Twilio acts on, so a duplicate
+    # replays it. Its 15 s timeout is above the default claim_wait. verify needs public_url.
+    "twilio": Preset(
+        event_id=("header:I-Twilio-Idempotency-Token",),
+        event_type=None,
+        scheme="twilio",
+        retention=DAY,
+        on_duplicate="replay",
     ),
     # Square signs the notification URL + body and PayPal uses RSA certificates: neither is
     # verified by the proxy (yet), so those presets set only the key.

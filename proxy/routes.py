@@ -11,9 +11,9 @@ DEFAULT_RETENTION = 30 * 86400.0
 DEFAULT_REPLAY_MAX_BODY = 64 * 1024
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
               "max_body", "verify", "retention", "missing_id", "methods", "on_duplicate",
-              "replay_max_body", "replay_set_cookie")  # fmt: skip
+              "replay_max_body", "replay_set_cookie", "claim_wait")  # fmt: skip
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
-               "prefix")  # fmt: skip
+               "prefix", "public_url")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +37,9 @@ class RouteConfig:
     replay: bool = False
     replay_max_body: int = DEFAULT_REPLAY_MAX_BODY
     replay_set_cookie: bool = False
+    # How long a copy waits on this event in flight; None: the global claim_wait. Never longer
+    # than the global one (the pipeline takes the smaller).
+    claim_wait: float | None = None
 
     @property
     def id_signed(self) -> bool:
@@ -135,8 +138,21 @@ def parse_routes(
                 route, "missing_id", path, values.parse_choice("reject", "forward"), missing_id
             )
             == "forward",
-            replay=r.value(route, "on_duplicate", path, values.parse_choice("ack", "replay"), "ack")
+            replay=r.value(
+                route,
+                "on_duplicate",
+                path,
+                values.parse_choice("ack", "replay"),
+                (preset and preset.on_duplicate) or "ack",
+            )
             == "replay",
+            claim_wait=r.value(
+                route,
+                "claim_wait",
+                path,
+                values.parse_duration_upto(3600),
+                preset.claim_wait if preset else None,
+            ),
             replay_max_body=r.value(
                 route, "replay_max_body", path, values.parse_size, DEFAULT_REPLAY_MAX_BODY
             ),
@@ -168,7 +184,7 @@ def _parse_verify(
     secrets = r.strings(section, "secrets" if "secrets" in section else "secret", path)
     options = {
         key: r.value(section, key, path, str, None)
-        for key in ("header", "algorithm", "encoding", "prefix")
+        for key in ("header", "algorithm", "encoding", "prefix", "public_url")
     }
     default_tolerance = (preset and preset.tolerance) or signatures.DEFAULT_TOLERANCE
     tolerance = r.value(section, "tolerance", path, values.parse_duration, default_tolerance)

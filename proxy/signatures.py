@@ -1,18 +1,20 @@
 """Webhook signature verification: each provider's signing scheme as a small immutable verifier.
 
 ``build`` turns a route's ``verify`` settings into a ``Verifier`` once, at start-up; ``verify`` is
-then a pure function of the request's headers, raw body and the current time, so this module knows
-nothing of aiohttp. Every configured secret is tried against every signature a request carries,
-which is how rotation works. A refusal's reason names the header at fault and never contains a
-secret or a received signature.
+then a pure function of the request's headers, raw body, raw query string and the current time, so
+this module knows nothing of aiohttp. Every configured secret is tried against every signature a
+request carries, which is how rotation works. A refusal's reason names the header at fault and
+never contains a secret or a received signature.
 """
 
 from __future__ import annotations
 
 import binascii
+import hashlib
 import hmac
 import math
 import re
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
@@ -20,13 +22,16 @@ from typing import NoReturn, Protocol
 from proxy import errors, keys
 
 SCHEMES: tuple[str, ...] = (
-    "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "hmac",
+    "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "hmac",
 )  # fmt: skip
 DEFAULT_TOLERANCE = 300.0  # seconds
 ALGORITHMS = ("sha1", "sha256", "sha512")
 ENCODINGS = ("hex", "base64")
 
 _STANDARD_PREFIX = "whsec_"
+_FORM = "application/x-www-form-urlencoded"
+_TWILIO_SETTINGS = "X-Twilio-Webhooks-Signature-Settings"
+_TWILIO_ALGORITHMS = {"HMAC_SHA1": "sha1", "HMAC_SHA256": "sha256"}
 _MAX_TIMESTAMP_DIGITS = 15
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name
 
@@ -59,8 +64,14 @@ class Verifier(Protocol):
         an event ID read from any other header is not signed."""
         ...
 
-    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
-        """Return if the request is authentic; raise errors.SignatureInvalid(reason) otherwise."""
+    def verify(
+        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        """Return if the request is authentic; raise errors.SignatureInvalid(reason) otherwise.
+
+        ``query`` is the request's raw query string (without ``?``), as received: only schemes
+        that sign the URL (Twilio) read it.
+        """
 
 
 def _fail(reason: str) -> NoReturn:
@@ -134,7 +145,9 @@ class BodySignature:
     def signed_headers(self) -> frozenset[str]:
         return frozenset()
 
-    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+    def verify(
+        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
         value = _header(headers, self.header)
         if not value.startswith(self.prefix):
             _fail(f"{self.header} malformed")
@@ -163,7 +176,9 @@ class ListedSignature:
     def signed_headers(self) -> frozenset[str]:
         return frozenset()
 
-    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+    def verify(
+        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
         value = _header(headers, self.header)
         stamps: list[str] = []
         signatures: list[bytes] = []
@@ -203,7 +218,9 @@ class SlackSignature:
     def signed_headers(self) -> frozenset[str]:
         return frozenset({"x-slack-request-timestamp"})
 
-    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+    def verify(
+        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
         stamp_name, signature_name = "X-Slack-Request-Timestamp", "X-Slack-Signature"
         stamp_text = _header(headers, stamp_name)
         version, sep, text = _header(headers, signature_name).partition("=")
@@ -233,7 +250,9 @@ class StandardWebhooksSignature:
         # Both sets: verify() refuses a request whose two sets differ.
         return frozenset({"webhook-id", "webhook-timestamp", "svix-id", "svix-timestamp"})
 
-    def verify(self, headers: keys.MultiMapping, body: bytes, now: float) -> None:
+    def verify(
+        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
         # The ID, timestamp and signature come from one set, and the other set, where present,
         # must say the same: the svix preset claims svix-id, the standard-webhooks preset
         # webhook-id, and a signed message re-sent with the other set's ID changed must not be
@@ -267,6 +286,130 @@ class StandardWebhooksSignature:
         _check_age(stamp, now, self.tolerance, f"{prefix}-timestamp")
 
 
+@dataclass(frozen=True, slots=True)
+class TwilioSignature:
+    """``X-Twilio-Signature``: base64 HMAC over the URL Twilio called and the form parameters.
+
+    Computed as the reference library (``twilio.request_validator.RequestValidator``) does: the
+    public URL with the query string as sent, then, for a form-encoded body, each parameter name
+    and value, sorted by name and, for a repeated name, by value, identical pairs once. Any other
+    body is bound by the URL's ``bodySHA256`` parameter (hex SHA-256 of the body). The URL is
+    tried without its port and with it (the default port added), as the library does. The hash
+    is SHA-1 unless ``X-Twilio-Webhooks-Signature-Settings`` names ``HMAC_SHA256`` (a Webhooks
+    Rule's SharedKey, which goes in ``secrets`` beside the auth token). No timestamp is signed,
+    and no header: ``I-Twilio-Idempotency-Token`` is not covered.
+    """
+
+    scheme: str
+    public_url: str
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        # Content-Type too: it decides how the body is signed.
+        return ("X-Twilio-Signature", _TWILIO_SETTINGS, "Content-Type")
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset()
+
+    def verify(
+        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        name = "X-Twilio-Signature"
+        received = _header(headers, name)
+        _signature(received, "base64", name)
+        algorithm = _twilio_algorithm(headers)
+        url = urllib.parse.urlsplit(f"{self.public_url}?{query}" if query else self.public_url)
+        if _media_type(headers) == _FORM:
+            message = "".join(key + value for key, value in _form(body))
+        elif (stamp := urllib.parse.parse_qs(url.query).get("bodySHA256")) is not None:
+            # Reported as a mismatch: the body is not the one the signed URL names.
+            if not hmac.compare_digest(
+                hashlib.sha256(body).hexdigest().encode(), stamp[0].encode()
+            ):
+                _fail("no signature matches")
+            message = ""
+        elif body:
+            _fail(f"body is neither {_FORM} nor named by a bodySHA256 query parameter")
+        else:
+            message = ""
+        wanted = received.encode("utf-8", "surrogateescape")
+        for secret in self.secrets:
+            for candidate in _twilio_urls(url):
+                signed = (candidate + message).encode("utf-8", "surrogateescape")
+                expected = binascii.b2a_base64(
+                    hmac.digest(secret, signed, algorithm), newline=False
+                )
+                # The text compared, as the library does: no other base64 spelling of the MAC.
+                if hmac.compare_digest(expected, wanted):
+                    return
+        _fail("no signature matches")
+
+
+def _media_type(headers: keys.MultiMapping) -> str:
+    values = headers.getall("Content-Type", [])
+    return values[0].partition(";")[0].strip().lower() if len(values) == 1 else ""
+
+
+def _form(body: bytes) -> list[tuple[str, str]]:
+    """The body's parameters in Twilio's signing order; refuses a body that is not UTF-8."""
+    try:
+        pairs = urllib.parse.parse_qsl(
+            body.decode(), keep_blank_values=True, encoding="utf-8", errors="strict"
+        )
+    except UnicodeDecodeError:
+        _fail(f"{_FORM} body is not UTF-8")
+    return sorted(set(pairs))
+
+
+def _twilio_algorithm(headers: keys.MultiMapping) -> str:
+    if not headers.getall(_TWILIO_SETTINGS, []):
+        return "sha1"
+    for part in _header(headers, _TWILIO_SETTINGS).split(","):
+        key, sep, value = part.partition("=")
+        if sep and key.strip() == "algorithm" and value.strip():
+            algorithm = _TWILIO_ALGORITHMS.get(value.strip().upper())
+            if algorithm is None:
+                _fail(f"{_TWILIO_SETTINGS} names an unsupported algorithm")
+            return algorithm
+    return "sha1"
+
+
+def _twilio_urls(url: urllib.parse.SplitResult) -> tuple[str, str]:
+    """The URL without its port and with it (the scheme's default when none is given)."""
+    host, _, port = url.netloc.partition(":")
+    default = "443" if url.scheme == "https" else "80"
+    return (
+        url._replace(netloc=host).geturl(),
+        url._replace(netloc=f"{host}:{port or default}").geturl(),
+    )
+
+
+def _public_url(value: str) -> str:
+    """``scheme://host[:port]/path`` as Twilio was told it; ValueError otherwise."""
+    parts = urllib.parse.urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if (
+        parts.scheme not in ("http", "https")
+        or not value.startswith(f"{parts.scheme}://")
+        or not parts.hostname
+        or port == 0
+        or parts.netloc.endswith(":")
+        or not value.isascii()
+        or any(char in value for char in " \t\r\n@[]?#")
+        or not value.isprintable()
+    ):
+        raise ValueError(
+            "public_url must be the http(s) URL Twilio calls, scheme://host[:port]/path, "
+            f"ASCII, without credentials, query or fragment; got {value!r}"
+        )
+    return value
+
+
 def _standard_key(secret: str, index: int) -> bytes:
     """The HMAC key of a Standard Webhooks secret: ``whsec_`` (optional) and base64."""
     text = secret.removeprefix(_STANDARD_PREFIX)
@@ -296,12 +439,15 @@ def build(
     algorithm: str | None = None,
     encoding: str | None = None,
     prefix: str | None = None,
+    public_url: str | None = None,
 ) -> Verifier:
     """The verifier for a route; ValueError messages complete "routes[0].verify: …".
 
     ``header``, ``algorithm`` (sha1, sha256, sha512; default sha256), ``encoding`` (hex, base64;
     default hex) and ``prefix`` (default none) apply to scheme ``hmac`` only, where ``header`` is
-    required. ``tolerance`` bounds the age of timestamped schemes' timestamps, in both directions.
+    required. ``public_url`` (``scheme://host[:port]/path``, the URL the provider was given, without
+    its query) applies to and is required by scheme ``twilio``. ``tolerance`` bounds the age of
+    timestamped schemes' timestamps, in both directions.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
@@ -309,6 +455,8 @@ def build(
     given = [name for name, value in options.items() if value is not None]
     if scheme != "hmac" and given:
         raise ValueError(f"{', '.join(given)}: only for scheme hmac, not {scheme}")
+    if scheme != "twilio" and public_url is not None:
+        raise ValueError(f"public_url: only for scheme twilio, not {scheme}")
     if isinstance(secrets, str) or not secrets:
         raise ValueError("secrets must be a non-empty list")
     for index, secret in enumerate(secrets):
@@ -330,6 +478,10 @@ def build(
         return BodySignature(scheme, *_BODY_SCHEMES[scheme], material)
     if scheme == "slack":
         return SlackSignature(scheme, tolerance, material)
+    if scheme == "twilio":
+        if public_url is None:
+            raise ValueError("public_url is required for scheme twilio")
+        return TwilioSignature(scheme, _public_url(public_url), material)
     if header is None:
         raise ValueError("header is required for scheme hmac")
     if not _TOKEN.fullmatch(header) or "_" in header:

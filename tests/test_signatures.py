@@ -1,8 +1,8 @@
 """Webhook signature schemes: provider formats, rotation, replay bounds and configuration errors.
 
 Expected signatures are computed here with hmac/hashlib/base64, independently of the module. The
-providers' own libraries (stripe, standardwebhooks) cross-check both directions: what they sign we
-accept, and what we accept they accept.
+providers' own libraries (stripe, standardwebhooks; twilio in test_twilio.py) cross-check both
+directions: what they sign we accept, and what we accept they accept.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ OLD = "whsec_" + base64.b64encode(b"previous signing key 24b").decode()
 UNKNOWN = "whsec_" + base64.b64encode(b"an attacker's own key 24").decode()
 MSG_ID = "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"
 HMAC_HEADER = "X-Signature"
+TWILIO_URL = "https://hooks.example.com/twilio/voice"
 SW = "standard-webhooks"
 HEX = "ab" * 32  # well-formed, but nobody's signature
 B64 = base64.b64encode(b"\xab" * 32).decode()
@@ -60,6 +61,11 @@ def standard_key(secret: str) -> bytes:
     return base64.b64decode(secret.removeprefix("whsec_"))
 
 
+def query_for(scheme: str, body: bytes) -> str:
+    """The raw query string the request arrives with: Twilio names a JSON body's SHA-256."""
+    return f"bodySHA256={hashlib.sha256(body).hexdigest()}" if scheme == "twilio" else ""
+
+
 def signed(scheme: str, *secrets: str, body: bytes = BODY, stamp: int = NOW) -> Headers:
     """The headers a provider sends, with one signature per secret (several during rotation)."""
     secrets = secrets or (SECRET,)
@@ -85,6 +91,9 @@ def signed(scheme: str, *secrets: str, body: bytes = BODY, stamp: int = NOW) -> 
         return [("X-Hub-Signature-256", f"sha256={hex_mac(secret, body)}")]
     if scheme == "shopify":
         return [("X-Shopify-Hmac-Sha256", b64_mac(secret.encode(), body))]
+    if scheme == "twilio":
+        url = f"{TWILIO_URL}?{query_for(scheme, body)}"
+        return [("X-Twilio-Signature", b64_mac(secret.encode(), url.encode(), "sha1"))]
     assert scheme == "hmac"
     return [(HMAC_HEADER, hex_mac(secret, body))]
 
@@ -92,6 +101,8 @@ def signed(scheme: str, *secrets: str, body: bytes = BODY, stamp: int = NOW) -> 
 def build(scheme: str, *secrets: str, **options: object) -> signatures.Verifier:
     if scheme == "hmac":
         options.setdefault("header", HMAC_HEADER)
+    if scheme == "twilio":
+        options.setdefault("public_url", TWILIO_URL)
     return signatures.build(scheme, list(secrets or (SECRET,)), **options)  # type: ignore[arg-type]
 
 
@@ -104,7 +115,9 @@ def check(
     secrets: tuple[str, ...] = (SECRET,),
     **options: object,
 ) -> None:
-    build(scheme, *secrets, **options).verify(CIMultiDict(headers), body, now)
+    # A tampered body comes with its own bodySHA256: the signed URL is what catches it.
+    verifier = build(scheme, *secrets, **options)
+    verifier.verify(CIMultiDict(headers), body, now, query=query_for(scheme, body))
 
 
 def refused(
@@ -171,6 +184,11 @@ def test_tampered_body_is_refused(scheme: str) -> None:
     assert len(TAMPERED) == len(BODY)
     assert sum(a != b for a, b in zip(TAMPERED, BODY, strict=True)) == 1
     assert refused(scheme, signed(scheme), TAMPERED) == "no signature matches"
+
+
+@pytest.mark.parametrize("scheme", [scheme for scheme in ALL if scheme != "twilio"])
+def test_query_is_ignored_where_the_url_is_not_signed(scheme: str) -> None:
+    build(scheme).verify(CIMultiDict(signed(scheme)), BODY, NOW, query="page=2&x=%FF")
 
 
 REQUIRED = [(scheme, name) for scheme in ALL for name, _ in signed(scheme)]
@@ -280,6 +298,9 @@ def test_repeated_header_is_refused_even_when_identical(scheme: str, name: str) 
             f"{NOW}.5",
             "webhook-timestamp is not an integer",
         ),
+        ("twilio", "X-Twilio-Signature", "not base64!", "X-Twilio-Signature malformed"),
+        ("twilio", "X-Twilio-Signature", "", "X-Twilio-Signature malformed"),
+        ("twilio", "X-Twilio-Signature", B64.rstrip("="), "X-Twilio-Signature malformed"),
         ("hmac", HMAC_HEADER, "zz", f"{HMAC_HEADER} malformed"),
     ],
 )
@@ -459,12 +480,53 @@ def test_hmac_prefix_is_required_when_configured() -> None:
     ("scheme", "secrets", "options", "message"),
     [
         (
-            "twilio",
+            "square",
             [SECRET],
             {},
             "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
-            "hmac; got 'twilio'",
+            "twilio, hmac; got 'square'",
         ),
+        ("twilio", [SECRET], {}, "public_url is required for scheme twilio"),
+        (
+            "slack",
+            [SECRET],
+            {"public_url": TWILIO_URL},
+            "public_url: only for scheme twilio, not slack",
+        ),
+        (
+            "twilio",
+            [SECRET],
+            {"public_url": TWILIO_URL, "header": "X-Sig"},
+            ("header: only for scheme hmac, not twilio"),
+        ),
+        *[
+            (
+                "twilio",
+                [SECRET],
+                {"public_url": url},
+                "public_url must be the http(s) URL Twilio calls, scheme://host[:port]/path, "
+                f"ASCII, without credentials, query or fragment; got {url!r}",
+            )
+            for url in (
+                "hooks.example.com/twilio",
+                "ftp://hooks.example.com/twilio",
+                "HTTPS://hooks.example.com/twilio",
+                "https:/hooks.example.com/twilio",
+                "https:///twilio",
+                f"{TWILIO_URL}?a=1",
+                f"{TWILIO_URL}?",
+                f"{TWILIO_URL}#rc=2",
+                "https://user:token@hooks.example.com/twilio",
+                "https://[::1]:8443/twilio",
+                "https://hooks.example.com:0/twilio",
+                "https://hooks.example.com:65536/twilio",
+                "https://hooks.example.com:https/twilio",
+                "https://hooks.example.com:/twilio",
+                "https://hooks.example.com/tw ilio",
+                "https://hooks.example.com/twilio\n",
+                "https://hooks.example.com/twílio",
+            )
+        ],
         ("stripe", [], {}, "secrets must be a non-empty list"),
         ("stripe", SECRET, {}, "secrets must be a non-empty list"),
         ("stripe", [SECRET, ""], {}, "secrets[1] must be a non-empty string"),
