@@ -21,6 +21,8 @@ place.
           + EventIdMissing          400  the event ID's source is absent
         + RequestIncomplete         400  the body ended before its declared end
         + SignatureInvalid          401  the route's signature check failed
+        + KeyInProgress             409  an Idempotency-Key whose first request is in flight
+        + KeyReused                 422  an Idempotency-Key sent again with another request
         + RequestTimeout            408  the client sent its body too slowly
         + BodyTooLarge              413  body over max_body
         + StoreUnavailable          503  database down, pool exhausted, schema missing
@@ -149,6 +151,20 @@ class SignatureInvalid(RequestError):
 
     status = 401
     code = "signature_invalid"
+
+
+class KeyInProgress(RequestError):
+    """A request with this Idempotency-Key is still being processed; retry later."""
+
+    status = 409
+    code = "idempotency_key_in_progress"
+
+
+class KeyReused(RequestError):
+    """This Idempotency-Key was already used with a different request."""
+
+    status = 422
+    code = "idempotency_key_reused"
 
 
 class RequestTimeout(RequestError):

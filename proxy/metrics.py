@@ -20,7 +20,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 OUTCOMES = (
     "processed", "duplicate", "upstream_error", "rejected", "unavailable", "passthrough",
-    "unclaimed", "ambiguous_commit",
+    "unclaimed", "ambiguous_commit", "in_progress", "key_reused",
 )  # fmt: skip
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

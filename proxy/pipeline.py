@@ -7,11 +7,13 @@ canonical log line is written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 import aiohttp
@@ -62,6 +64,10 @@ def _json(
 
 
 def _outcome(exc: errors.RequestError) -> str:
+    if isinstance(exc, errors.KeyInProgress):
+        return "in_progress"
+    if isinstance(exc, errors.KeyReused):
+        return "key_reused"
     if isinstance(exc, errors.StoreUnavailable | errors.Overloaded):
         return "unavailable"
     if isinstance(exc, errors.UpstreamUnavailable | errors.UpstreamTimeout):
@@ -69,8 +75,20 @@ def _outcome(exc: errors.RequestError) -> str:
     return "rejected"
 
 
-def error_response(exc: errors.RequestError) -> web.Response:
-    """The proxy's own answer for a request it could not carry through."""
+def error_response(exc: errors.RequestError, *, problem: bool = False) -> web.Response:
+    """The proxy's own answer for a request it could not carry through; with ``problem``, as
+    RFC 9457 problem details (idempotency-key routes: API clients parse those)."""
+    if problem:
+        response = _json(
+            exc.status,
+            {"type": "about:blank", "title": HTTPStatus(exc.status).phrase,
+             "status": exc.status, "detail": exc.public, "code": exc.code},
+            _outcome(exc),
+            exc.retry_after,
+            exc.headers,
+        )  # fmt: skip
+        response.content_type = "application/problem+json"
+        return response
     return _json(
         exc.status,
         {"status": "error", "error": exc.code, "message": exc.public},
@@ -150,11 +168,22 @@ class Webhook:
             cfg.claim_wait if route.claim_wait is None else min(route.claim_wait, cfg.claim_wait)
         )
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
+        sources = route.scope_from
+        self.client = (
+            keys.Extractor(route.name, sources if len(sources) > 1 else sources[0])
+            if sources
+            else None
+        )
         self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
         # Only where a valid signature says nothing of the ID (GitHub, Shopify): see reuse.
         self.recent_bodies = (
             reuse.RecentBodies() if route.verify is not None and not route.id_signed else None
         )
+
+    def handles(self, method: str) -> bool:
+        """Whether a request with ``method`` is this route's (a webhook route answers any
+        other method 405); on an idempotency-key route, the other methods pass through."""
+        return not self.route.idempotency or method in self.route.methods
 
     async def handle(self, request: web.Request, match: paths.Match[Webhook]) -> web.StreamResponse:
         started = time.perf_counter()
@@ -176,7 +205,7 @@ class Webhook:
             if shed is not None:
                 fields["shed"] = shed
                 self.shed[shed].inc()
-            response = error_response(exc)
+            response = error_response(exc, problem=self.route.idempotency)
         finally:
             in_flight.dec()
         _finish(self.meters, fields, started, response)
@@ -200,6 +229,16 @@ class Webhook:
             upstream = await self._call(request, target, body, reservation, fields)
             fields["outcome"] = "unclaimed"
             return upstream.to_web()
+        wait = self.claim_wait
+        if route.idempotency:
+            event_id = keys.idempotency_key(event_id, route.name)
+            scope = self._client_scope(request, body, scope)
+            digest = _fingerprint(request.method, target, digest)
+            fields["scope"] = scope
+            # A key in flight is answered at once, here and at the row lock.
+            wait = 0.0
+            if request.app[FLIGHTS].waiting((scope, event_id)):
+                raise errors.KeyInProgress(f"route {route.name!r}: key in flight here")
         fields.update(event_id=event_id, event_type=event_type)
         key = claims.Key(scope, event_id, event_type, digest)
         claim_started = time.perf_counter()
@@ -210,7 +249,7 @@ class Webhook:
                 mismatch = flight.committed_sha256 != key.body_sha256
                 return self._duplicate(key, mismatch, fields, flight.answer)
             stored: claims.Answer | None = None
-            async with request.app[STORE].claim(key, self.claim_wait) as claim:
+            async with self._claim(request, key, wait) as claim:
                 self._claimed(fields, claim_started)
                 if claim.acquired:
                     if self.recent_bodies is not None:
@@ -234,6 +273,34 @@ class Webhook:
                 flight.committed_sha256 = key.body_sha256
                 flight.answer = stored
             return self._duplicate(key, claim.mismatch, fields, stored)
+
+    @contextlib.asynccontextmanager
+    async def _claim(
+        self, request: web.Request, key: claims.Key, wait: float
+    ) -> AsyncIterator[claims.Claim]:
+        try:
+            async with request.app[STORE].claim(key, wait) as claim:
+                yield claim
+        except errors.ClaimWaitExceeded:
+            if not self.route.idempotency:
+                raise
+            raise errors.KeyInProgress(
+                f"route {self.route.name!r}: key in flight at another proxy"
+            ) from None
+
+    def _client_scope(self, request: web.Request, body: bytes, scope: str) -> str:
+        """The scope of one client's keys: ``scope_from``'s values, hashed (never stored or
+        logged in clear), so no client can replay or block another's keys."""
+        if self.client is None:
+            return scope
+        query = request.raw_path.partition("?")[2]
+        try:
+            identity, _ = self.client.extract(request.headers, query, body)
+        except errors.EventIdMissing:
+            raise errors.EventIdMissing(
+                f"route {self.route.name!r}: no {' + '.join(map(str, self.route.scope_from))}"
+            ) from None
+        return f"{scope}/~{hashlib.sha256(identity.encode()).hexdigest()[:32]}"
 
     def _inspect(self, request: web.Request, body: bytes) -> tuple[str, str | None, bytes]:
         """Verify the signature, then find the event ID and type and the body's digest."""
@@ -343,6 +410,9 @@ class Webhook:
         fields: dict[str, Any],
         stored: claims.Answer | None = None,
     ) -> web.Response:
+        if mismatch and self.route.idempotency:
+            # The key names another request (method, target or body): never its answer.
+            raise errors.KeyReused(f"route {self.route.name!r}: key {key.event_id!r} reused")
         fields["outcome"] = "duplicate"
         if mismatch:
             # Same ID, other bytes: the ID is not a per-event key here, or a replay.
@@ -361,6 +431,11 @@ class Webhook:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _fingerprint(method: str, target: str, body_sha256: bytes) -> bytes:
+    """What an Idempotency-Key stands for: the method, the path and query, and the body."""
+    return hashlib.sha256(b"%s %s\n%s" % (method.encode(), target.encode(), body_sha256)).digest()
+
+
 def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
     """The one handler: normalize the path, then the webhook route it is, or pass-through."""
     table = paths.Table([(route.pattern, Webhook(route, cfg, meters)) for route in cfg.routes])
@@ -373,8 +448,9 @@ def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
             target = paths.normalize(request.raw_path)
             match = table.match(target, request.raw_path)
             if match is not None:
-                return await match.route.handle(request, match)
-            if not paths.passes(passthrough, target.path):
+                if match.route.handles(request.method):
+                    return await match.route.handle(request, match)
+            elif not paths.passes(passthrough, target.path):
                 raise errors.NotRouted()
         except errors.RequestError as exc:
             fields = _fields(request, None, None)
@@ -386,7 +462,10 @@ def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
         response: web.StreamResponse
         try:
             response = await request.app[FORWARDER].relay(
-                request, upstream, target.path + target.query, fields["request_id"]
+                request,
+                upstream if match is None else match.route.route.upstream,
+                target.path + target.query,
+                fields["request_id"],
             )
             fields["outcome"] = "passthrough"
         except errors.RequestError as exc:

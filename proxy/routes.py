@@ -9,9 +9,14 @@ from proxy import keys, paths, presets, reader, signatures, values
 DEFAULT_RETENTION = 30 * 86400.0
 # The largest app answer stored for replay: TwiML and chat answers are a few KiB.
 DEFAULT_REPLAY_MAX_BODY = 64 * 1024
+# semantics: idempotency-key — the IETF httpapi draft's header, its methods, a day of keys.
+IDEMPOTENCY_KEY = "header:Idempotency-Key"
+IDEMPOTENCY_METHODS = ("POST", "PATCH")
+IDEMPOTENCY_RETENTION = 86400.0
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
               "max_body", "verify", "retention", "missing_id", "methods", "on_duplicate",
-              "replay_max_body", "replay_set_cookie", "claim_wait")  # fmt: skip
+              "replay_max_body", "replay_set_cookie", "claim_wait", "semantics",
+              "scope_from")  # fmt: skip
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
                "prefix", "public_url")  # fmt: skip
 
@@ -40,6 +45,9 @@ class RouteConfig:
     # How long a copy waits on this event in flight; None: the global claim_wait. Never longer
     # than the global one (the pipeline takes the smaller).
     claim_wait: float | None = None
+    # ``semantics: idempotency-key``: an API route keyed by the client's Idempotency-Key.
+    idempotency: bool = False
+    scope_from: tuple[keys.Source, ...] = ()  # hashed into the scope: one key space per client
 
     @property
     def id_signed(self) -> bool:
@@ -85,7 +93,15 @@ def parse_routes(
         name = r.required(route, "name", path, values.parse_name)
         pattern = r.required(route, "path", path, paths.Pattern.parse)
         url_path = pattern.path if pattern else None
-        if preset is None:
+        semantics = r.value(
+            route, "semantics", path, values.parse_choice("webhook", "idempotency-key"), "webhook"
+        )
+        idempotency = semantics == "idempotency-key"
+        event_id: keys.Source | tuple[keys.Source, ...] | None
+        if idempotency and preset is None:
+            default_id = values.parse_sources(IDEMPOTENCY_KEY)
+            event_id = r.value(route, "event_id", path, values.parse_sources, default_id)
+        elif preset is None:
             event_id = r.required(route, "event_id", path, values.parse_sources)
         else:
             ids = preset.event_id
@@ -115,6 +131,8 @@ def parse_routes(
             scope=r.value(route, "scope", path, values.parse_name, name or ""),
             scoped_by_path="scope" not in route and bool(pattern and pattern.params),
             methods=r.value(route, "methods", path, values.parse_methods, ("POST",)),
+            idempotency=idempotency,
+            scope_from=r.value(route, "scope_from", path, _parse_scope_from, ()),
             event_id=event_id or (),
             event_type=r.value(route, "event_type", path, values.parse_source, default_type),
             upstream=r.value(route, "upstream", path, values.parse_http_url, default_upstream),
@@ -132,7 +150,11 @@ def parse_routes(
                 "retention",
                 path,
                 values.parse_duration,
-                preset.retention if preset else DEFAULT_RETENTION,
+                preset.retention
+                if preset
+                else IDEMPOTENCY_RETENTION
+                if idempotency
+                else DEFAULT_RETENTION,
             ),
             forward_missing_id=r.value(
                 route, "missing_id", path, values.parse_choice("reject", "forward"), missing_id
@@ -143,7 +165,7 @@ def parse_routes(
                 "on_duplicate",
                 path,
                 values.parse_choice("ack", "replay"),
-                (preset and preset.on_duplicate) or "ack",
+                (preset and preset.on_duplicate) or ("replay" if idempotency else "ack"),
             )
             == "replay",
             claim_wait=r.value(
@@ -158,9 +180,31 @@ def parse_routes(
             ),
             replay_set_cookie=r.value(route, "replay_set_cookie", path, values.parse_bool, False),
         )
+        if idempotency:
+            _check_idempotency(r, path, route_config)
+        elif "scope_from" in route:
+            r.problem(f"{path}.scope_from", "only for semantics: idempotency-key")
         if name is not None and url_path is not None and event_id is not None:
             parsed.append(route_config)
     return tuple(parsed)
+
+
+def _parse_scope_from(value: object) -> tuple[keys.Source, ...]:
+    """One source or a list of them (``header:Authorization``)."""
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise ValueError("must be a source or a non-empty list of sources")
+    return tuple(values.parse_source(item) for item in items)
+
+
+def _check_idempotency(r: reader.Reader, path: str, route: RouteConfig) -> None:
+    """What ``semantics: idempotency-key`` allows: POST and PATCH (the draft's methods; the
+    others are idempotent already), and the first answer replayed."""
+    others = [method for method in route.methods if method not in IDEMPOTENCY_METHODS]
+    if others:
+        r.problem(f"{path}.methods", f"idempotency-key routes claim POST or PATCH, not {others}")
+    if not route.replay:
+        r.problem(f"{path}.on_duplicate", "idempotency-key routes always replay the first answer")
 
 
 def _parse_verify(

@@ -47,9 +47,9 @@ class CountingClaims:
         store = client.app[pipeline.STORE]
         claim = store.claim
 
-        def counted(key: Any) -> Any:
+        def counted(key: Any, wait: float | None = None) -> Any:
             self.claims += 1
-            return claim(key)
+            return claim(key, wait)
 
         store.claim = counted  # type: ignore[method-assign]
 
