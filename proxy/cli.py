@@ -130,6 +130,10 @@ def _describe(cfg: config.Config, source: str) -> str:
             f"max_body {route.max_body}",
             f"preset {route.preset}" if route.preset else "",
             "no ID: forwarded unclaimed" if route.forward_missing_id else "",
+            "idempotency-key" if route.idempotency else "",
+            f"per client ({' + '.join(map(str, route.scope_from))}, hashed)"
+            if route.scope_from
+            else "",
             f"duplicates replayed (up to {route.replay_max_body} bytes)" if route.replay else "",
         ]
         lines.append(

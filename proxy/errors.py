@@ -19,6 +19,8 @@ place.
         + MethodNotAllowed          405  a webhook path with a method its route does not take
         + EventIdInvalid            400  no usable event ID in the request
           + EventIdMissing          400  the event ID's source is absent
+            + KeyMissing            400  an idempotency-key route's request has no key
+          + KeyInvalid              400  an Idempotency-Key that is no RFC 8941 string
         + RequestIncomplete         400  the body ended before its declared end
         + SignatureInvalid          401  the route's signature check failed
         + KeyInProgress             409  an Idempotency-Key whose first request is in flight
@@ -137,6 +139,18 @@ class EventIdInvalid(RequestError):
 
 class EventIdMissing(EventIdInvalid):
     """The request carries no event ID."""
+
+
+class KeyMissing(EventIdMissing):
+    """The request carries no Idempotency-Key."""
+
+    code = "idempotency_key_missing"
+
+
+class KeyInvalid(EventIdInvalid):
+    """The Idempotency-Key must be an RFC 8941 string of 1 to 256 printable ASCII characters."""
+
+    code = "idempotency_key_invalid"
 
 
 class RequestIncomplete(RequestError):

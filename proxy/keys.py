@@ -327,11 +327,11 @@ def idempotency_key(value: str, route: str) -> str:
     elif _BARE_KEY.fullmatch(value):
         key = value
     else:
-        raise errors.EventIdInvalid(
+        raise errors.KeyInvalid(
             f"route {route!r}: Idempotency-Key must be an RFC 8941 string of printable ASCII"
         )
     if not key or len(key) > MAX_ID_BYTES:
-        raise errors.EventIdInvalid(
+        raise errors.KeyInvalid(
             f"route {route!r}: Idempotency-Key must be 1 to {MAX_ID_BYTES} characters"
         )
     return key

@@ -223,12 +223,18 @@ class Webhook:
         body = await read_body(request, route.max_body, self.client_timeout, reservation)
         try:
             event_id, event_type, digest = self._inspect(request, body)
-        except errors.EventIdMissing:
+        except errors.EventIdMissing as exc:
+            if route.idempotency and not route.forward_missing_id:
+                raise errors.KeyMissing(exc.message) from None
             if not route.forward_missing_id:
                 raise
             upstream = await self._call(request, target, body, reservation, fields)
             fields["outcome"] = "unclaimed"
             return upstream.to_web()
+        except errors.EventIdInvalid as exc:
+            if route.idempotency and type(exc) is errors.EventIdInvalid:
+                raise errors.KeyInvalid(exc.message) from None  # the answer names the key
+            raise
         wait = self.claim_wait
         if route.idempotency:
             event_id = keys.idempotency_key(event_id, route.name)

@@ -69,7 +69,7 @@ async def test_the_same_key_with_another_request_is_422_and_not_forwarded(
     assert len(upstream.requests) == 1
 
 
-@pytest.mark.parametrize("key", [None, "", 'a"b', "caf\u00e9", "x" * 257, '"open'])
+@pytest.mark.parametrize("key", [None, "", 'a"b', "caf\u00e9", "x" * 257, '"open', '"a\\z"'])
 async def test_a_missing_or_malformed_key_is_400(
     make_proxy: MakeProxy, upstream: FakeUpstream, key: str | None
 ) -> None:
@@ -77,7 +77,8 @@ async def test_a_missing_or_malformed_key_is_400(
     response = await pay(client, key)
     assert response.status == 400
     assert response.content_type == "application/problem+json"
-    assert (await response.json())["code"] == "event_id_invalid"
+    code = "idempotency_key_missing" if key is None else "idempotency_key_invalid"
+    assert (await response.json())["code"] == code
     assert upstream.requests == []
 
 
