@@ -151,7 +151,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     sweeper: SweeperConfig = field(default_factory=SweeperConfig)
-    workers: int = 1  # processes sharing the listeners (SO_REUSEPORT), each with its own pool
+    workers: int = 1  # processes on the listeners the supervisor binds once, each with its own pool
     # Paths that match no route: forwarded if under one of these prefixes; None: all of them.
     passthrough: tuple[str, ...] | None = None
     # Per worker: bytes of request bodies and app answers held at once; client connections.

@@ -14,7 +14,7 @@ connection whose request is being read or handled is never closed. When none can
 new connection is answered with a fixed 503 and Retry-After before aiohttp ever sees it.
 
 aiohttp has no hook for this. What is relied on: ``runner.server`` is the protocol factory
-``TCPSite`` passes to ``loop.create_server``; ``Server.connections`` lists the open connections
+``SockSite`` passes to ``loop.create_server``; ``Server.connections`` lists the open connections
 in the order they were made; ``BaseSite`` subclasses register with their runner, which stops
 them before draining; ``RequestHandler.force_close()`` is what aiohttp's keep-alive timer calls.
 Private, three attributes of ``RequestHandler``: ``_request_count`` (request heads parsed so
@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from collections.abc import Callable
 from typing import cast
 
@@ -193,31 +194,33 @@ class _Admission(asyncio.Protocol):
 
 
 class BoundedSite(web.BaseSite):
-    """A TCP listener like ``web.TCPSite``, its connections admitted by a ``ConnectionLimit``."""
+    """A listener like ``web.SockSite`` on a bound socket, its connections admitted by a
+    ``ConnectionLimit``."""
 
-    __slots__ = ("_app_runner", "_bound", "_limit", "_listen", "_listener", "_reuse_port", "_shed")
+    __slots__ = ("_app_runner", "_bound", "_limit", "_listener", "_name", "_shed", "_sock")
 
     def __init__(
         self,
         runner: web.AppRunner,
-        listen: config.Listen,
+        sock: socket.socket,
         *,
         bound: int,
         shed: Callable[[], None],
-        reuse_port: bool,
+        backlog: int,
     ) -> None:
-        super().__init__(runner)
+        super().__init__(runner, backlog=backlog)
         self._app_runner = runner  # BaseSite keeps its own reference private
-        self._listen = listen
+        self._sock = sock
+        host, port = sock.getsockname()[:2]
+        self._name = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self._bound = bound
         self._shed = shed
-        self._reuse_port = reuse_port
         self._limit: ConnectionLimit | None = None
         self._listener: asyncio.AbstractServer | None = None
 
     @property
     def name(self) -> str:
-        return f"http://{self._listen}"
+        return self._name
 
     async def start(self) -> None:
         await super().start()
@@ -225,11 +228,7 @@ class BoundedSite(web.BaseSite):
         assert server is not None  # BaseSite refuses a runner that is not set up
         self._limit = ConnectionLimit(server, self._bound, self._shed)
         self._listener = await asyncio.get_running_loop().create_server(
-            self._limit,
-            self._listen.host,
-            self._listen.port,
-            reuse_address=True,
-            reuse_port=self._reuse_port,
+            self._limit, sock=self._sock, backlog=self._backlog
         )
 
     async def stop(self) -> None:

@@ -1,7 +1,11 @@
 """Running the proxy: the listeners, signal handling and the graceful drain on SIGTERM.
 
-The public listener admits connections through ``limits`` (the per-worker connection bound);
-the admin listener is aiohttp's plain ``TCPSite``.
+A single process binds its listeners itself. A worker of ``workers: N`` is handed them: the
+supervisor binds each address once and passes the listening sockets down as inherited file
+descriptors, named in ``LISTEN_FDS_ENV`` (as systemd's socket activation does with
+``LISTEN_FDS``), so every worker accepts from one queue that outlives any of them. The public
+listener admits connections through ``limits`` (the per-worker connection bound); the admin
+listener is aiohttp's plain ``SockSite``.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiohttp import http_parser, web
 
@@ -18,12 +24,83 @@ from proxy import admin, app, config, errors, limits, pipeline
 
 log = logging.getLogger(__name__)
 
+LISTEN_FDS_ENV = "DEDUP_PROXY_LISTEN_FDS"  # in a worker: "public:5,admin:6", inherited sockets
+BACKLOG = 128  # aiohttp's default; with workers, the one accept queue they all take from
 
-async def _listen(site: web.BaseSite) -> None:
+
+@dataclass(frozen=True, slots=True)
+class Listeners:
+    """The listening sockets of one proxy: one per address its host resolves to."""
+
+    public: tuple[socket.socket, ...]
+    admin: tuple[socket.socket, ...]
+
+    def filenos(self) -> tuple[int, ...]:
+        return tuple(sock.fileno() for sock in self.public + self.admin)
+
+    def environ(self) -> str:
+        """The ``LISTEN_FDS_ENV`` value naming these sockets (inherited under the same numbers)."""
+        named = [("public", s) for s in self.public] + [("admin", s) for s in self.admin]
+        return ",".join(f"{role}:{sock.fileno()}" for role, sock in named)
+
+    def close(self) -> None:
+        for sock in self.public + self.admin:
+            sock.close()
+
+
+def bind(listen: config.Listen, *, reuse_port: bool = False) -> tuple[socket.socket, ...]:
+    """Listening sockets for ``listen``, bound as ``loop.create_server(host, port)`` binds them:
+    every address the host resolves to, SO_REUSEADDR, IPv6 sockets IPv6-only."""
+    sockets: list[socket.socket] = []
     try:
-        await site.start()
+        infos = socket.getaddrinfo(
+            listen.host, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(BACKLOG)
     except OSError as exc:
-        raise errors.ListenFailed(f"cannot listen on {site.name}: {exc.strerror or exc}") from exc
+        for sock in sockets:
+            sock.close()
+        raise errors.ListenFailed(
+            f"cannot listen on http://{listen}: {exc.strerror or exc}"
+        ) from exc
+    return tuple(sockets)
+
+
+def bind_all(cfg: config.Config) -> Listeners:
+    """Both listeners of ``cfg``: the supervisor's, handed down to every worker.
+
+    With SO_REUSEPORT, only so that a supervisor restarted after it was killed can bind beside
+    the old one's workers while they drain: they close the public listener at once, but serve
+    ``/readyz`` (503) until their requests have finished."""
+    admin_sockets = bind(cfg.admin.listen, reuse_port=True)
+    try:
+        return Listeners(public=bind(cfg.listen, reuse_port=True), admin=admin_sockets)
+    except errors.ListenFailed:
+        for sock in admin_sockets:
+            sock.close()
+        raise
+
+
+def inherited() -> Listeners | None:
+    """In a worker: the sockets its supervisor bound, taken from the environment."""
+    value = os.environ.pop(LISTEN_FDS_ENV, None)
+    if not value:
+        return None
+    named = [item.partition(":") for item in value.split(",")]
+    sockets = [(role, socket.socket(fileno=int(fd))) for role, _, fd in named]
+    return Listeners(
+        public=tuple(s for role, s in sockets if role == "public"),
+        admin=tuple(s for role, s in sockets if role == "admin"),
+    )
 
 
 async def serve(
@@ -37,10 +114,11 @@ async def serve(
     closes (new connections are refused), in-flight requests finish and commit (bounded by
     ``shutdown_timeout``), the pool closes, and the admin listener goes last.
 
-    A ``worker`` (one of ``workers: N``) binds both listeners with SO_REUSEPORT, beside its
-    siblings: the kernel spreads new connections across them. Each worker keeps at most
-    ``max_connections`` client connections open (see ``limits``)."""
-    shared = worker is not None
+    A ``worker`` (one of ``workers: N``) serves the sockets its supervisor bound (see
+    ``inherited``); a single process binds its own, the admin listener before the database pool
+    starts and the public one once it has. Each worker keeps at most ``max_connections``
+    client connections open (see ``limits``)."""
+    handed = inherited() if worker is not None else None
     if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
         raise errors.UnsafeRuntime()
     bound = limits.connection_bound(cfg, limits.raise_open_files())
@@ -59,23 +137,21 @@ async def serve(
         loop.add_signal_handler(signum, stop.set)
     if lifeline is not None:
         _watch_lifeline(loop, lifeline, stop)
+    sockets: list[socket.socket] = []  # closed by their sites, or in the end if never served
     try:
         await admin_runner.setup()
-        await _listen(
-            web.TCPSite(
-                admin_runner, cfg.admin.listen.host, cfg.admin.listen.port, reuse_port=shared
-            )
-        )
+        admin_sockets = handed.admin if handed else bind(cfg.admin.listen)
+        sockets += admin_sockets
+        for sock in admin_sockets:
+            await web.SockSite(admin_runner, sock, backlog=BACKLOG).start()
         await runner.setup()
-        await _listen(
-            limits.BoundedSite(
-                runner,
-                cfg.listen,
-                bound=bound,
-                shed=proxy[pipeline.METRICS].shed.labels("connections").inc,
-                reuse_port=shared,
-            )
-        )
+        shed = proxy[pipeline.METRICS].shed.labels("connections").inc
+        public = handed.public if handed else bind(cfg.listen)
+        sockets += public
+        for sock in public:
+            await limits.BoundedSite(runner, sock, bound=bound, shed=shed, backlog=BACKLOG).start()
+        if on_listening is not None:
+            on_listening()  # first: once the line below is out, the supervisor has been told
         log.info(
             "listening on %s (admin on %s), %d route(s), upstream %s%s",
             cfg.listen,
@@ -85,13 +161,11 @@ async def serve(
             "" if worker is None else f", worker {worker} of {cfg.workers}",
             extra={"fields": {"listen": str(cfg.listen), "routes": [r.name for r in cfg.routes]}},
         )
-        if on_listening is not None:
-            on_listening()
         for route in cfg.routes if worker in (None, 1) else ():
-            if route.verify is None:
+            if route.verify is None and not route.scope_from:
                 log.warning(
                     "route %s checks no signature: anyone who can reach the proxy and knows an "
-                    "event ID can claim it first (see README, Security)",
+                    "event ID can claim it first (see docs/security.md)",
                     route.name,
                 )
         await stop.wait()
@@ -108,6 +182,10 @@ async def serve(
             if lifeline is not None:
                 loop.remove_reader(lifeline)
                 os.close(lifeline)
+            for sock in sockets:
+                sock.close()
+            if handed is not None:
+                handed.close()
     log.info("stopped")
 
 

@@ -1,18 +1,25 @@
-"""``workers: N``: N proxy processes sharing the listeners, started, watched and drained here.
+"""``workers: N``: N proxy processes behind one pair of listeners, started, watched and drained.
 
 Each worker is a whole proxy (``dedup-proxy serve`` in a child process, with its own event loop
-and database pool) bound to the public and admin ports with SO_REUSEPORT, so the kernel spreads
-new connections across them. Nothing about claims changes: copies of an event that reach two
-workers meet at PostgreSQL's row lock, exactly as copies on two replicas do.
+and database pool). Nothing about claims changes: copies of an event that reach two workers
+meet at PostgreSQL's row lock, exactly as copies on two replicas do.
 
-The supervisor itself serves nothing. It starts the embedded PostgreSQL when there is one (the
-workers connect to it), gives the workers a shared directory for their metrics, forwards
-SIGTERM/SIGINT so they drain, and restarts a worker that dies while serving. A worker says it is
-listening by writing one byte to a pipe: one of the first workers that exits before that (bad
-DSN, port taken) is a start-up failure, and every worker is stopped with that worker's exit
-code; a replacement that does is retried with a growing pause. Each worker also holds the read
-end of a pipe only the supervisor writes to: end-of-file means the supervisor died, and the
-worker drains rather than serve on unsupervised.
+The supervisor serves nothing itself. It binds the public and admin listeners once and hands
+the sockets to every worker (``server.LISTEN_FDS_ENV``): the workers accept from one queue
+that belongs to no worker, so a worker that dies takes only the connections it had accepted,
+never ones still waiting in the queue. It copies the configuration file into a private
+directory and validates the copy; every worker, a replacement started hours later too, loads
+that copy, so an edit on disk reaches none of them before the proxy restarts. It starts the
+embedded PostgreSQL when there is one, gives the workers a shared directory for their metrics,
+forwards SIGTERM/SIGINT so they drain, and restarts a worker that dies while serving.
+
+Each worker writes to a pipe: one byte once it listens, then one a second from its event loop.
+One of the first workers that exits before its first byte (bad DSN) is a start-up failure, and
+every worker is stopped with that worker's exit code; a replacement that does is retried with a
+growing pause. A worker whose bytes stop for ``timeout`` seconds (its loop is stuck, or it was
+stopped) is killed with SIGKILL and replaced, as gunicorn's arbiter does. Each worker also holds
+the read end of a pipe only the supervisor writes to: end-of-file means the supervisor died,
+and the worker drains rather than serve on unsupervised.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import signal
@@ -28,17 +36,25 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from prometheus_client import multiprocess
 
-from proxy import config, embedded, errors, metrics
+from proxy import config, embedded, errors, metrics, server
 
 log = logging.getLogger(__name__)
 
 WORKER_ENV = "DEDUP_PROXY_WORKER"  # set in a worker: its number, from 1
 DSN_ENV = "DEDUP_PROXY_WORKER_DSN"  # set in a worker when the supervisor runs the embedded server
-READY_ENV = "DEDUP_PROXY_WORKER_READY_FD"  # the pipe a worker writes to once it listens
+BEAT_ENV = "DEDUP_PROXY_WORKER_BEAT_FD"  # the pipe a worker writes its heartbeat to
 LIFELINE_ENV = "DEDUP_PROXY_WORKER_LIFELINE_FD"  # end-of-file on it: the supervisor is gone
+TIMEOUT_ENV = "DEDUP_PROXY_WORKER_TIMEOUT"  # seconds without a heartbeat before a worker is killed
+BEAT_INTERVAL = 1.0
+# gunicorn's default, well above a healthy worker's longest stall: the parses of the worst-case
+# JSON bodies max_buffered lets it hold at once, run back to back (bench/RESULTS.md, Loop stall:
+# 3.3 s per 25 MiB). A worker killed while only slow loses its requests; a hung one meanwhile
+# holds only the connections it had accepted, since the accept queue is not its own.
+DEFAULT_TIMEOUT = 30.0
 _RESTART_PAUSE = 1.0  # a worker that dies this soon after it listened is restarted after a pause
 _MAX_RESTART_PAUSE = 30.0
 _KILL_MARGIN = 10.0  # past shutdown_timeout, a worker that has not exited is killed
@@ -48,84 +64,106 @@ _KILL_MARGIN = 10.0  # past shutdown_timeout, a worker that has not exited is ki
 class Worker:
     number: int
     process: asyncio.subprocess.Process
-    started: float
     replacement: bool  # started in place of one that died
-    ready_pipe: int  # read end: the worker writes one byte once it listens
+    beats: int  # read end: a byte once the worker listens, then one a second
     lifeline: int  # write end: the worker drains when it reads end-of-file (we died)
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    listening: bool = False
+    last_beat: float = 0.0
+    killed: bool = False
 
-    def was_listening(self) -> bool:
-        """Whether it wrote its byte before exiting (asked once, after it exited)."""
+    def take_beats(self) -> None:
+        """Read what the worker wrote since the last call (the pipe never blocks)."""
+        if self.beats < 0:
+            return
         try:
-            return os.read(self.ready_pipe, 1) == b"r"
-        except BlockingIOError:
+            data = os.read(self.beats, 4096)
+        except BlockingIOError:  # nothing new
+            return
+        if data:
+            self.listening = True
+            self.last_beat = time.monotonic()
+
+    def hung(self, timeout: float) -> bool:
+        """Whether it listens but has not beaten for ``timeout`` seconds (read beats first)."""
+        if not self.listening or self.killed or self.process.returncode is not None:
             return False
-        finally:
-            self.close_pipes()
+        return time.monotonic() - self.last_beat > timeout
 
     def close_pipes(self) -> None:
-        for fd in (self.ready_pipe, self.lifeline):
-            with contextlib.suppress(OSError):
+        """Close both pipes, once: their numbers may be reused by then."""
+        for fd in (self.beats, self.lifeline):
+            if fd >= 0:
                 os.close(fd)
+        self.beats = self.lifeline = -1
 
 
 class Supervisor:
-    """The workers of one ``serve``."""
+    """The workers of one ``serve``, on the listeners and the configuration copy it hands them."""
 
     def __init__(
-        self, cfg: config.Config, config_path: str, dsn: str | None, stopping: asyncio.Event
+        self,
+        cfg: config.Config,
+        home: Path,
+        *,
+        listeners: server.Listeners,
+        dsn: str | None,
+        stopping: asyncio.Event,
+        timeout: float,
     ) -> None:
         self.cfg = cfg
-        self.config_path = config_path
+        self.snapshot = home / "config.yaml"
+        self.metrics_dir = home / "metrics"
+        self.listeners = listeners
         self.dsn = dsn
         self.stopping = stopping
-        try:
-            self.metrics_dir = tempfile.mkdtemp(prefix="dedup-proxy-metrics-")
-        except OSError as exc:  # a read-only root filesystem with no /tmp mounted
-            raise errors.ProxyError(
-                "workers > 1 needs a writable temporary directory for the workers' metrics: "
-                f"mount a tmpfs (an emptyDir) on /tmp, or set TMPDIR ({exc})"
-            ) from exc
+        self.timeout = timeout
         self.workers: dict[int, Worker] = {}
         self.failures: dict[int, int] = {}  # replacements in a row that did not start
 
     async def run(self) -> int:
+        watchdog = asyncio.ensure_future(self._watchdog())
         try:
             for number in range(1, self.cfg.workers + 1):
                 await self._start(number, replacement=False)
-            log.info("supervising %d workers", self.cfg.workers)
+            log.info(
+                "supervising %d workers (replaced after %gs without a heartbeat)",
+                self.cfg.workers, self.timeout,
+            )  # fmt: skip
             return await self._watch()
         finally:
+            watchdog.cancel()
+            # Once the draining workers close theirs too, new connections are refused.
+            self.listeners.close()
             await self._stop_all()
             for worker in self.workers.values():
                 worker.close_pipes()
-            shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     async def _start(self, number: int, *, replacement: bool) -> None:
         env = dict(os.environ)
         env[WORKER_ENV] = str(number)
-        env[metrics.MULTIPROC_ENV] = self.metrics_dir
+        env[metrics.MULTIPROC_ENV] = str(self.metrics_dir)
+        env[server.LISTEN_FDS_ENV] = self.listeners.environ()
         if self.dsn is not None:
             env[DSN_ENV] = self.dsn
-        ready_read, ready_write = os.pipe()
+        beat_read, beat_write = os.pipe()
         life_read, life_write = os.pipe()
-        os.set_blocking(ready_read, False)
-        env[READY_ENV] = str(ready_write)
+        os.set_blocking(beat_read, False)
+        env[BEAT_ENV] = str(beat_write)
         env[LIFELINE_ENV] = str(life_read)
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proxy", "serve", "--config", self.config_path,
-                env=env, pass_fds=(ready_write, life_read),
+                sys.executable, "-m", "proxy", "serve", "--config", str(self.snapshot),
+                env=env, pass_fds=(beat_write, life_read, *self.listeners.filenos()),
             )  # fmt: skip
         except BaseException:
-            os.close(ready_read)
+            os.close(beat_read)
             os.close(life_write)
             raise
         finally:
-            os.close(ready_write)
+            os.close(beat_write)
             os.close(life_read)
-        self.workers[number] = Worker(
-            number, process, time.monotonic(), replacement, ready_read, life_write
-        )
+        self.workers[number] = Worker(number, process, replacement, beat_read, life_write)
 
     async def _watch(self) -> int:
         """Until SIGTERM (0) or a worker failing at start-up (its exit code)."""
@@ -146,17 +184,35 @@ class Supervisor:
         finally:
             stop.cancel()
 
+    async def _watchdog(self) -> None:
+        """Kill a worker whose event loop has not beaten for ``timeout`` seconds: ``_watch``
+        then replaces it as any worker that died. Only connections it had accepted are lost."""
+        while True:
+            await asyncio.sleep(BEAT_INTERVAL)
+            for worker in list(self.workers.values()):
+                worker.take_beats()
+                if worker.hung(self.timeout):
+                    log.error(
+                        "worker %d (pid %d) sent no heartbeat for %gs: killing it",
+                        worker.number, worker.process.pid, self.timeout,
+                    )  # fmt: skip
+                    worker.killed = True
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.kill()
+
     async def _replace(self, worker: Worker) -> int | None:
         """Start a worker in place of one that exited; an exit code if the supervisor must stop.
 
-        A first worker that exits before it listens is a start-up failure (bad DSN, port
-        taken): everything stops. A replacement that does is retried with a growing pause
-        (the database may be failing over), while the other workers keep serving.
+        A first worker that exits before it listens is a start-up failure (bad DSN): everything
+        stops. A replacement that does is retried with a growing pause (the database may be
+        failing over), while the other workers keep serving.
         """
         code = worker.process.returncode
         pid = worker.process.pid
-        multiprocess.mark_process_dead(pid, self.metrics_dir)  # type: ignore[no-untyped-call]
-        if worker.was_listening():
+        multiprocess.mark_process_dead(pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
+        worker.take_beats()
+        worker.close_pipes()
+        if worker.listening:
             self.failures[worker.number] = 0
             log.error(
                 "worker %d (pid %d) exited with code %s; starting a new one",
@@ -206,27 +262,81 @@ class Supervisor:
 
 
 async def supervise(cfg: config.Config, config_path: str) -> int:
-    """Run ``cfg.workers`` workers until SIGTERM; the embedded database, if any, outlives them."""
+    """Run ``cfg.workers`` workers until SIGTERM; the embedded database, if any, outlives them.
+
+    ``cfg`` was read from ``config_path``; what runs is the copy of the file taken here, which
+    is validated again (it would differ only if the file changed in between).
+    """
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
-    # Before anything starts: a SIGTERM while the embedded server starts must still stop it.
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stopping.set)
-    server = embedded.EmbeddedPostgres(cfg.database.data_dir) if cfg.database.embedded else None
-    try:
-        dsn = None
-        if server is not None:
-            dsn = await asyncio.to_thread(server.start)
-        if stopping.is_set():
-            return 0
-        code = await Supervisor(cfg, config_path, dsn, stopping).run()
-        log.info("all workers stopped")
-        return code
-    finally:
-        if server is not None:
-            await asyncio.to_thread(server.stop)
+    with contextlib.ExitStack() as cleanup:
+        # Before anything starts: a SIGTERM while the embedded server starts must still stop it.
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
+            loop.add_signal_handler(signum, stopping.set)
+            cleanup.callback(loop.remove_signal_handler, signum)
+        timeout = _timeout()
+        home = _private_directory()
+        cleanup.callback(shutil.rmtree, home, ignore_errors=True)
+        cfg = _snapshot(config_path, home / "config.yaml")
+        (home / "metrics").mkdir()
+        db = embedded.EmbeddedPostgres(cfg.database.data_dir) if cfg.database.embedded else None
+        try:
+            dsn = None
+            if db is not None:
+                dsn = await asyncio.to_thread(db.start)
+            if stopping.is_set():
+                return 0
+            listeners = server.bind_all(cfg)
+            code = await Supervisor(
+                cfg, home, listeners=listeners, dsn=dsn, stopping=stopping, timeout=timeout
+            ).run()
+            log.info("all workers stopped")
+            return code
+        finally:
+            if db is not None:
+                await asyncio.to_thread(db.stop)
+
+
+def _private_directory() -> Path:
+    """A directory only this user can read (mkdtemp's 0700): the configuration copy may hold
+    secrets written into the file, and the workers' metrics files live beside it."""
+    try:
+        return Path(tempfile.mkdtemp(prefix="dedup-proxy-"))
+    except OSError as exc:  # a read-only root filesystem with no /tmp mounted
+        raise errors.ProxyError(
+            "workers > 1 needs a writable temporary directory for the workers' configuration "
+            f"and metrics: mount a tmpfs (an emptyDir) on /tmp, or set TMPDIR ({exc})"
+        ) from exc
+
+
+def _snapshot(config_path: str, copy: Path) -> config.Config:
+    """Copy the configuration file to ``copy`` and load the copy. ``${VAR}`` is expanded the
+    same way in every worker: each inherits the supervisor's environment, which never changes."""
+    try:
+        text = Path(config_path).read_bytes()
+    except OSError as exc:
+        raise errors.ConfigError(config_path, [f"cannot read file: {exc}"]) from exc
+    try:
+        copy.write_bytes(text)
+    except OSError as exc:
+        raise errors.ProxyError(f"cannot copy the configuration to {copy}: {exc}") from exc
+    return config.load(copy)
+
+
+def _timeout() -> float:
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT
+    try:
+        timeout = float(value)
+    except ValueError:
+        timeout = math.nan
+    if not (math.isfinite(timeout) and timeout >= 2 * BEAT_INTERVAL):
+        raise errors.ProxyError(
+            f"{TIMEOUT_ENV} must be a number of seconds, at least {2 * BEAT_INTERVAL:g}; "
+            f"got {value!r}"
+        )
+    return timeout
 
 
 def worker_number() -> int | None:
@@ -236,16 +346,23 @@ def worker_number() -> int | None:
 
 
 def report_listening() -> None:
-    """In a worker: tell the supervisor that the listeners are up (no-op elsewhere)."""
-    fd = os.environ.pop(READY_ENV, None)
+    """In a worker: tell the supervisor that the listeners are up, then, once a second from the
+    event loop, that the loop still turns (no-op elsewhere)."""
+    fd = os.environ.pop(BEAT_ENV, None)
     if fd is not None and fd.isdigit():
-        try:
-            os.write(int(fd), b"r")
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(int(fd))
+        os.set_blocking(int(fd), False)
+        _beat(asyncio.get_running_loop(), int(fd))
+
+
+def _beat(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    try:
+        os.write(fd, b".")
+    except BlockingIOError:
+        pass  # a full pipe: the supervisor has beats enough to read
+    except OSError:  # the supervisor is gone, and the lifeline drains this worker
+        os.close(fd)
+        return
+    loop.call_later(BEAT_INTERVAL, _beat, loop, fd)
 
 
 def lifeline() -> int | None:

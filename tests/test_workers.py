@@ -1,14 +1,16 @@
-"""``workers: N``: processes sharing the port, their metrics added up, restart and drain."""
+"""``workers: N``: processes on the supervisor's listeners and configuration, their metrics added
+up; a dead or hung worker replaced without losing queued connections; drain."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +18,30 @@ import aiohttp
 import pytest
 import yaml
 
+from proxy import config, supervisor
 from tests.conftest import FakeUpstream, claimed, wait_until
 from tests.ports import accepts, free_port
+
+WITHIN = 20.0  # bound on every wait for an answer (a retry may wait claim_wait on a lock)
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 class Supervised:
     """A ``dedup-proxy serve`` with ``workers: 2``, its JSON log in a file."""
 
-    def __init__(self, process: asyncio.subprocess.Process, log: Path, port: int, admin: int):
+    def __init__(
+        self,
+        process: asyncio.subprocess.Process,
+        log: Path,
+        config_file: Path,
+        port: int,
+        admin: int,
+    ) -> None:
         self.process = process
+        self.config_file = config_file
         self.log = log
+        self.port = port
+        self.admin_port = admin
         self.url = f"http://127.0.0.1:{port}"
         self.admin_url = f"http://127.0.0.1:{admin}"
 
@@ -58,48 +74,71 @@ class Supervised:
         return samples
 
 
-def _config(tmp_path: Path, port: int, admin: int, upstream: str, dsn: str, table: str) -> Path:
+def _config(
+    tmp_path: Path, port: int, admin: int, app: str, dsn: str, table: str, **overrides: Any
+) -> Path:
+    raw: dict[str, Any] = {
+        "listen": f"127.0.0.1:{port}",
+        "admin": {"listen": f"127.0.0.1:{admin}"},
+        "workers": 2,
+        "upstream": {"url": app, "timeout": "10s"},
+        "database": {"dsn": dsn, "table": table, "pool_size": 3},
+        "shutdown_timeout": "10s",
+        "log": {"format": "json"},
+        "routes": [{"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"}],
+    }
+    for key, value in overrides.items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
     config_file = tmp_path / "config.yaml"
-    config_file.write_text(
-        yaml.safe_dump(
-            {
-                "listen": f"127.0.0.1:{port}",
-                "admin": {"listen": f"127.0.0.1:{admin}"},
-                "workers": 2,
-                "upstream": {"url": upstream, "timeout": "10s"},
-                "database": {"dsn": dsn, "table": table, "pool_size": 3},
-                "shutdown_timeout": "10s",
-                "log": {"format": "json"},
-                "routes": [{"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"}],
-            }
-        )
-    )
+    config_file.write_text(yaml.safe_dump(raw))
     return config_file
 
 
+Start = Callable[..., Awaitable[Supervised]]
+
+
 @pytest.fixture
-async def supervised(
+async def start(
     tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
-) -> AsyncIterator[Supervised]:
-    port, admin = free_port(), free_port()
-    config_file = _config(tmp_path, port, admin, upstream.url, pg_dsn, table)
-    log = tmp_path / "proxy.log"
-    with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
-            stdout=out, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-    proxy = Supervised(process, log, port, admin)
-    try:
+) -> AsyncIterator[Start]:
+    """Start ``serve`` with ``workers: 2``; ``env`` is added to its environment, keyword
+    arguments override top-level configuration keys, ``again`` reuses one's file and ports."""
+    started: list[Supervised] = []
+
+    async def run(
+        env: dict[str, str] | None = None, again: Supervised | None = None, **overrides: Any
+    ) -> Supervised:
+        if again is None:
+            port, admin = free_port(), free_port()
+            config_file = _config(tmp_path, port, admin, upstream.url, pg_dsn, table, **overrides)
+        else:  # the same file and ports as an earlier one
+            port, admin, config_file = again.port, again.admin_port, again.config_file
+        log = tmp_path / f"proxy{len(started)}.log"
+        with log.open("wb") as out:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
+                stdout=out, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **(env or {})},
+            )  # fmt: skip
+        proxy = Supervised(process, log, config_file, port, admin)
+        started.append(proxy)
         await wait_until(lambda: accepts(port), "the workers to listen", within=60)
         await proxy.listening(2)
-        yield proxy
+        return proxy
+
+    try:
+        yield run
     finally:
-        if process.returncode is None:
-            for pid in proxy.workers():
-                os.kill(pid, signal.SIGKILL)
-            process.kill()
-            await process.wait()
+        for proxy in started:
+            if proxy.process.returncode is None:
+                for pid in proxy.workers():
+                    os.kill(pid, signal.SIGKILL)
+                proxy.process.kill()
+                await proxy.process.wait()
+
+
+@pytest.fixture
+async def supervised(start: Start) -> Supervised:
+    return await start()
 
 
 def _alive(pid: int) -> bool:
@@ -112,7 +151,7 @@ def _alive(pid: int) -> bool:
 
 
 async def _post(url: str, event_id: str) -> aiohttp.ClientResponse:
-    # A connection per request, so that the kernel can hand each to either worker.
+    # A connection per request, so that either worker may accept each.
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         response = await s.post(f"{url}/webhooks/corvel", data=json.dumps({"id": event_id}))
         await response.read()
@@ -123,7 +162,15 @@ async def test_workers_share_the_port_and_add_up_their_metrics(
     supervised: Supervised, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     ids = [f"evt_{n}" for n in range(30)]
-    first = await asyncio.gather(*(_post(supervised.url, i) for i in ids))
+    # Whichever worker is idle first accepts a connection from the shared queue: each half is
+    # sent while the other worker is stopped, so that both certainly serve.
+    first: list[aiohttp.ClientResponse] = []
+    for paused, half in zip(supervised.workers(), (ids[:15], ids[15:]), strict=True):
+        os.kill(paused, signal.SIGSTOP)
+        try:
+            first += await asyncio.gather(*(_post(supervised.url, i) for i in half))
+        finally:
+            os.kill(paused, signal.SIGCONT)
     again = await asyncio.gather(*(_post(supervised.url, i) for i in ids))
 
     assert [r.status for r in first + again] == [200] * 60
@@ -168,7 +215,19 @@ async def test_a_killed_worker_is_replaced_and_sigterm_stops_every_worker(
     assert sum(1 for x in supervised.lines() if x["msg"] == "stopped") == 2
 
 
-async def test_a_worker_that_cannot_start_stops_the_supervisor(
+async def _run_to_exit(
+    config_file: Path, env: dict[str, str] | None = None
+) -> tuple[int | None, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+    return process.returncode, output.decode()
+
+
+async def test_a_taken_port_stops_the_supervisor_before_any_worker_starts(
     tmp_path: Path, pg_dsn: str, table: str
 ) -> None:
     with socket.socket() as taken:
@@ -176,17 +235,62 @@ async def test_a_worker_that_cannot_start_stops_the_supervisor(
         taken.listen()
         port = taken.getsockname()[1]
         config_file = _config(tmp_path, port, free_port(), "http://127.0.0.1:9", pg_dsn, table)
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        )  # fmt: skip
-        output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+        code, text = await _run_to_exit(config_file)
 
-    assert process.returncode == 1
-    text = output.decode()
+    assert code == 1
     assert f"cannot listen on http://127.0.0.1:{port}" in text
+    assert '"worker":' not in text  # the supervisor binds first: no worker ever logged
+    assert "Traceback" not in text
+
+
+async def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path, table: str) -> None:
+    unreachable = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    config_file = _config(
+        tmp_path, free_port(), free_port(), "http://127.0.0.1:9", unreachable, table,
+        database={"connect_timeout": "1s"},
+    )  # fmt: skip
+    code, text = await _run_to_exit(config_file)
+
+    assert code == 1
     assert "while starting; stopping" in text
     assert "Traceback" not in text
+
+
+async def test_a_heartbeat_timeout_below_two_beats_is_a_start_up_error(
+    tmp_path: Path, pg_dsn: str, table: str
+) -> None:
+    config_file = _config(tmp_path, free_port(), free_port(), "http://127.0.0.1:9", pg_dsn, table)
+    code, text = await _run_to_exit(config_file, env={supervisor.TIMEOUT_ENV: "1"})
+
+    assert code == 1
+    assert f"{supervisor.TIMEOUT_ENV} must be a number of seconds, at least 2; got '1'" in text
+    assert "Traceback" not in text
+
+
+async def test_a_supervisor_restarted_after_a_kill_binds_beside_the_draining_workers(
+    start: Start, upstream: FakeUpstream
+) -> None:
+    old = await start(shutdown_timeout="60s", upstream={"timeout": "60s"})  # a long drain
+    upstream.gate = asyncio.Event()
+    in_flight = asyncio.ensure_future(_post(old.url, "evt_draining"))
+    await upstream.arrived.wait()
+    orphans = old.workers()
+    try:
+        old.process.kill()
+        await old.process.wait()
+        # The orphan holding the request drains, its admin listener still open, while the new
+        # supervisor binds both ports and starts its workers.
+        new = await start(again=old)
+        assert any(_alive(pid) for pid in orphans)
+        upstream.gate.set()
+        assert (await asyncio.wait_for(in_flight, WITHIN)).status == 200
+        responses = await asyncio.gather(*(_post(new.url, f"evt_new{n}") for n in range(5)))
+        assert [r.status for r in responses] == [200] * 5
+    finally:
+        upstream.gate.set()
+        for pid in orphans:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 async def test_workers_drain_and_exit_when_the_supervisor_is_killed(
@@ -201,3 +305,142 @@ async def test_workers_drain_and_exit_when_the_supervisor_is_killed(
 
     await wait_until(gone, "the orphaned workers to drain and exit", within=30)
     assert sum(1 for x in supervised.lines() if x["msg"] == "the supervisor is gone: draining") == 2
+
+
+async def _send(port: int, event_id: str) -> tuple[Stream, int]:
+    """A new connection carrying one webhook, and the client's port (unanswered yet)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), WITHIN)
+    body = json.dumps({"id": event_id}).encode()
+    writer.write(
+        b"POST /webhooks/corvel HTTP/1.1\r\nHost: proxy.test\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await writer.drain()
+    return (reader, writer), writer.get_extra_info("sockname")[1]
+
+
+async def _outcome(stream: Stream) -> str | None:
+    """The answer's status, with its Dedup-Status if any (``200 duplicate``; the app's own
+    answer has none), or None when the connection closed without an answer."""
+    reader, writer = stream
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WITHIN)
+    except (asyncio.IncompleteReadError, ConnectionResetError):
+        return None
+    finally:
+        writer.close()
+    status = head.split(b" ", 2)[1].decode()
+    lines = head.decode("latin-1").lower().split("\r\n")[1:]
+    fields = dict(line.split(": ", 1) for line in lines if line)
+    return " ".join(filter(None, (status, fields.get("dedup-status"))))
+
+
+def _accepted(pid: int, port: int) -> set[int]:
+    """The client ports of the connections to ``port`` that process ``pid`` holds open."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    ports = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        _, local, remote, state, *_, inode = line.split()[:10]
+        ours = f"socket:[{inode}]" in held
+        if ours and state == "01" and int(local.rpartition(":")[2], 16) == port:
+            ports.add(int(remote.rpartition(":")[2], 16))
+    return ports
+
+
+def _queued(port: int) -> int:
+    """Connections waiting in the accept queues of the listeners on ``port``, taken by no one."""
+    waiting = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
+            waiting += int(fields[4].partition(":")[2], 16)
+    return waiting
+
+
+async def test_a_worker_killed_under_load_loses_only_the_connections_it_had_accepted(
+    start: Start, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    proxy = await start(database={"pool_size": 8})
+    upstream.gate = asyncio.Event()  # the app holds every request until the kill
+    held = {f"evt_held_{n}": await _send(proxy.port, f"evt_held_{n}") for n in range(8)}
+
+    async def at_the_app() -> bool:
+        return len(upstream.requests) == len(held)
+
+    await wait_until(at_the_app, "every held request claimed and forwarded")
+    workers = proxy.workers()
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)  # from here on no worker accepts a connection
+    accepted = {pid: _accepted(pid, proxy.port) for pid in workers}
+    assert sorted(p for ports in accepted.values() for p in ports) == sorted(
+        port for _, port in held.values()
+    )
+    victim, survivor = sorted(workers, key=lambda pid: len(accepted[pid]), reverse=True)
+    queued = {f"evt_queued_{n}": await _send(proxy.port, f"evt_queued_{n}") for n in range(20)}
+
+    async def in_the_queue() -> bool:
+        return _queued(proxy.port) == len(queued)
+
+    await wait_until(in_the_queue, "the new connections waiting in the listen queue")
+    os.kill(victim, signal.SIGKILL)
+    os.kill(survivor, signal.SIGCONT)
+    upstream.gate.set()
+    after = {f"evt_after_{n}": await _send(proxy.port, f"evt_after_{n}") for n in range(10)}
+    streams = {**held, **queued, **after}
+    outcomes = dict(
+        zip(streams, await asyncio.gather(*(_outcome(s) for s, _ in streams.values())), strict=True)
+    )
+
+    taken = {i for i, (_, port) in held.items() if port in accepted[victim]}
+    assert taken  # the killed worker had requests in flight (8 held, 2 workers)
+    assert {i for i, outcome in outcomes.items() if outcome is None} == taken
+    assert {outcomes[i] for i in streams if i not in taken} == {"200"}
+    # What failed was claimed but never committed; the app saw every event once.
+    assert {row[1] for row in await claimed(pg_dsn, table)} == set(streams) - taken
+    assert sorted(json.loads(b)["id"] for b in upstream.bodies()) == sorted(streams)
+    # The provider's retry of a failed one goes through: its claim was rolled back.
+    retries = [await _send(proxy.port, i) for i in sorted(taken)]
+    assert [await _outcome(s) for s, _ in retries] == ["200"] * len(taken)
+
+
+async def test_a_hung_worker_is_killed_and_replaced(start: Start) -> None:
+    proxy = await start(env={supervisor.TIMEOUT_ENV: "5"})
+    workers = proxy.workers()
+    os.kill(workers[0], signal.SIGSTOP)  # its event loop no longer turns
+    # Meanwhile the other worker takes every new connection from the shared queue.
+    responses = await asyncio.gather(*(_post(proxy.url, f"evt_h{n}") for n in range(10)))
+    assert [r.status for r in responses] == [200] * 10
+
+    async def replaced() -> bool:
+        current = proxy.workers()
+        return len(current) == 2 and workers[0] not in current
+
+    await wait_until(replaced, "the hung worker killed and replaced", within=30)
+    await proxy.listening(3)
+    assert workers[1] in proxy.workers()
+    assert any("sent no heartbeat for 5s: killing it" in x["msg"] for x in proxy.lines())
+
+
+async def test_a_restarted_worker_runs_the_configuration_the_supervisor_started_with(
+    start: Start,
+) -> None:
+    proxy = await start()
+    edited = yaml.safe_load(proxy.config_file.read_text())
+    edited["routes"][0]["event_id"] = "header:X-Event-Id"  # would refuse these webhooks: 400
+    proxy.config_file.write_text(yaml.safe_dump(edited))
+    config.load(proxy.config_file)  # a valid configuration: a worker could have started on it
+    workers = proxy.workers()
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+
+    async def replaced() -> bool:
+        current = proxy.workers()
+        return len(current) == 2 and not set(workers) & set(current)
+
+    await wait_until(replaced, "both workers replaced", within=30)
+    await proxy.listening(4)
+    responses = await asyncio.gather(*(_post(proxy.url, f"evt_c{n}") for n in range(10)))
+    assert [r.status for r in responses] == [200] * 10
