@@ -65,7 +65,9 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
         upstream_timeout=cfg.upstream.timeout,
     )
     try:
-        await store.ensure_schema()
+        # The answer columns are added only when a route replays: the ALTER TABLE that adds
+        # them waits on every claim in flight (docs/deployment.md, "Upgrades").
+        await store.ensure_schema(answers=any(route.replay for route in cfg.routes))
         app[pipeline.STORE] = store
         app[pipeline.METRICS].watch_pool(store.pool_stats)
         yield

@@ -106,12 +106,21 @@ def schema_sql(table: str) -> str:
     return sql.for_table(table).schema
 
 
-async def missing_schema(connection: Connection, queries: sql.Queries) -> str:
-    """What the claim table lacks ("" when nothing), read from the catalog without locks."""
+# How long the DDL may wait for the claim table's lock. ALTER TABLE queues behind every claim in
+# flight, and every new claim queues behind it: a short wait that fails bounds that stall.
+DDL_LOCK_WAIT = 5.0
+
+
+async def missing_schema(
+    connection: Connection, queries: sql.Queries, *, answers: bool = True
+) -> str:
+    """What the claim table lacks ("" when nothing), read from the catalog without locks;
+    the answer columns only with ``answers`` (some route replays)."""
     row = await connection.fetchrow(queries.schema_missing)
     if row is None or not row["table"]:
         return "does not exist"
-    lacking = [name for name in ("digest", "answer", "index") if not row[name]]
+    needed = ("digest", "answer", "index") if answers else ("digest", "index")
+    lacking = [name for name in needed if not row[name]]
     names = {
         "digest": "column body_sha256",
         "answer": "the answer columns (on_duplicate: replay)",
@@ -121,10 +130,19 @@ async def missing_schema(connection: Connection, queries: sql.Queries) -> str:
 
 
 async def apply_schema(connection: Connection, queries: sql.Queries) -> None:
-    """Create or upgrade the claim table; safe when several replicas start at once."""
-    async with connection.transaction():
-        await connection.execute(queries.schema_lock)
-        await connection.execute(queries.schema)
+    """Create or upgrade the claim table; safe when several replicas start at once. Gives up
+    (StoreUnavailable) rather than wait more than DDL_LOCK_WAIT for the table's lock."""
+    try:
+        async with connection.transaction():
+            await connection.execute(queries.schema_lock)
+            await connection.execute(sql.lock_timeout(DDL_LOCK_WAIT))
+            await connection.execute(queries.schema)
+    except asyncpg.LockNotAvailableError:
+        raise errors.StoreUnavailable(
+            f"table {queries.table}: the schema change could not lock the table within "
+            f"{DDL_LOCK_WAIT:g}s (claims in flight hold it); run 'dedup-proxy migrate' at a "
+            "quieter moment"
+        ) from None
 
 
 def discard(connection: Connection) -> None:
@@ -283,7 +301,7 @@ class ClaimStore:
     async def close(self) -> None:
         await self._pool.close(self.op_timeout)
 
-    async def ensure_schema(self) -> None:
+    async def ensure_schema(self, *, answers: bool = True) -> None:
         """Check the claim table; create or upgrade it only if something is missing.
 
         The check reads the catalog only. The DDL is never run needlessly: even with IF NOT
@@ -293,7 +311,7 @@ class ClaimStore:
         table = self._settings.table
         async with self.connection() as connection:
             with translated(f"cannot prepare table {table}"):
-                missing = await missing_schema(connection, self.queries)
+                missing = await missing_schema(connection, self.queries, answers=answers)
                 if missing and self._settings.create_schema:
                     await apply_schema(connection, self.queries)
                     return

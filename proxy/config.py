@@ -239,12 +239,13 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
     adm = r.mapping(top.get("admin"), "admin", ("listen",))
     sw = r.mapping(top.get("sweeper"), "sweeper", ("interval", "batch"))
     max_body = r.value(top, "max_body", "", values.parse_size, DEFAULT_MAX_BODY)
+    claim_wait = r.value(top, "claim_wait", "", _SHORT_DURATION, DEFAULT_CLAIM_WAIT)
     config = Config(
         listen=listen,
         upstream=upstream,
         database=database,
-        routes=routes_module.parse_routes(r, top.get("routes"), upstream.url, max_body),
-        claim_wait=r.value(top, "claim_wait", "", _SHORT_DURATION, DEFAULT_CLAIM_WAIT),
+        routes=routes_module.parse_routes(r, top.get("routes"), upstream.url, max_body, claim_wait),
+        claim_wait=claim_wait,
         shutdown_timeout=r.value(
             top, "shutdown_timeout", "", values.parse_duration, DEFAULT_SHUTDOWN_TIMEOUT
         ),

@@ -21,6 +21,7 @@ place.
           + EventIdMissing          400  the event ID's source is absent
             + KeyMissing            400  an idempotency-key route's request has no key
           + KeyInvalid              400  an Idempotency-Key that is no RFC 8941 string
+        + ClientUnidentified        400  a scope_from header absent or repeated
         + RequestIncomplete         400  the body ended before its declared end
         + SignatureInvalid          401  the route's signature check failed
         + KeyInProgress             409  an Idempotency-Key whose first request is in flight
@@ -151,6 +152,13 @@ class KeyInvalid(EventIdInvalid):
     """The Idempotency-Key must be an RFC 8941 string of 1 to 256 printable ASCII characters."""
 
     code = "idempotency_key_invalid"
+
+
+class ClientUnidentified(RequestError):
+    """The request does not carry, once, the header this route tells clients apart by."""
+
+    status = 400
+    code = "client_unidentified"
 
 
 class RequestIncomplete(RequestError):

@@ -168,12 +168,6 @@ class Webhook:
             cfg.claim_wait if route.claim_wait is None else min(route.claim_wait, cfg.claim_wait)
         )
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
-        sources = route.scope_from
-        self.client = (
-            keys.Extractor(route.name, sources if len(sources) > 1 else sources[0])
-            if sources
-            else None
-        )
         self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
         # Only where a valid signature says nothing of the ID (GitHub, Shopify): see reuse.
         self.recent_bodies = (
@@ -201,6 +195,8 @@ class Webhook:
                 response = await self._handle(request, match.target, scope, reservation, fields)
         except errors.RequestError as exc:
             fields.update(outcome=_outcome(exc), error=exc.message)
+            if isinstance(exc, errors.BodyTooLarge):
+                self.meters.oversized.inc()  # the operator's to fix: max_body is too small
             shed = _shed_reason(exc)
             if shed is not None:
                 fields["shed"] = shed
@@ -222,31 +218,30 @@ class Webhook:
         route = self.route
         body = await read_body(request, route.max_body, self.client_timeout, reservation)
         try:
-            event_id, event_type, digest = self._inspect(request, body)
-        except errors.EventIdMissing as exc:
-            if route.idempotency and not route.forward_missing_id:
-                raise errors.KeyMissing(exc.message) from None
+            key = self._key(request, body, target, scope)
+        except errors.EventIdMissing:
             if not route.forward_missing_id:
                 raise
             upstream = await self._call(request, target, body, reservation, fields)
             fields["outcome"] = "unclaimed"
             return upstream.to_web()
-        except errors.EventIdInvalid as exc:
-            if route.idempotency and type(exc) is errors.EventIdInvalid:
-                raise errors.KeyInvalid(exc.message) from None  # the answer names the key
-            raise
-        wait = self.claim_wait
-        if route.idempotency:
-            event_id = keys.idempotency_key(event_id, route.name)
-            scope = self._client_scope(request, body, scope)
-            digest = _fingerprint(request.method, target, digest)
-            fields["scope"] = scope
-            # A key in flight is answered at once, here and at the row lock.
-            wait = 0.0
-            if request.app[FLIGHTS].waiting((scope, event_id)):
-                raise errors.KeyInProgress(f"route {route.name!r}: key in flight here")
-        fields.update(event_id=event_id, event_type=event_type)
-        key = claims.Key(scope, event_id, event_type, digest)
+        fields.update(event_id=key.event_id, event_type=key.event_type)
+        if route.idempotency and request.app[FLIGHTS].waiting((key.scope, key.event_id)):
+            # A key in flight is answered at once, here and (claim wait 0) at the row lock.
+            raise errors.KeyInProgress(f"route {route.name!r}: key in flight here")
+        return await self._once(request, target, body, key, fields, reservation=reservation)
+
+    async def _once(
+        self,
+        request: web.Request,
+        target: str,
+        body: bytes,
+        key: claims.Key,
+        fields: dict[str, Any],
+        *,
+        reservation: budget.Reservation,
+    ) -> web.StreamResponse:
+        """Claim ``key``, then forward (a new event) or answer as a duplicate."""
         claim_started = time.perf_counter()
         async with request.app[FLIGHTS].turn((key.scope, key.event_id), self.claim_wait) as flight:
             if flight.committed_sha256 is not None:
@@ -254,12 +249,16 @@ class Webhook:
                 self._claimed(fields, claim_started)
                 mismatch = flight.committed_sha256 != key.body_sha256
                 return self._duplicate(key, mismatch, fields, flight.answer)
+            # The local wait and the row lock's share one claim_wait.
+            wait = 0.0
+            if not self.route.idempotency:
+                wait = max(0.001, self.claim_wait - (time.perf_counter() - claim_started))
             stored: claims.Answer | None = None
             async with self._claim(request, key, wait) as claim:
                 self._claimed(fields, claim_started)
                 if claim.acquired:
                     if self.recent_bodies is not None:
-                        other = self.recent_bodies.claimed(scope, digest, event_id)
+                        other = self.recent_bodies.claimed(key.scope, key.body_sha256, key.event_id)
                         if other is not None:
                             fields["body_claimed_as"] = other
                     response, answer = await self._forward(
@@ -280,6 +279,26 @@ class Webhook:
                 flight.answer = stored
             return self._duplicate(key, claim.mismatch, fields, stored)
 
+    def _key(self, request: web.Request, body: bytes, target: str, scope: str) -> claims.Key:
+        """What this request claims. On an idempotency-key route: the key (its errors named
+        as such), in the client's own scope, with the request's fingerprint as its digest."""
+        route = self.route
+        try:
+            event_id, event_type, digest = self._inspect(request, body)
+        except errors.EventIdMissing as exc:
+            if route.idempotency:
+                raise errors.KeyMissing(exc.message) from None
+            raise
+        except errors.EventIdInvalid as exc:
+            if route.idempotency and type(exc) is errors.EventIdInvalid:
+                raise errors.KeyInvalid(exc.message) from None
+            raise
+        if route.idempotency:
+            event_id = keys.idempotency_key(event_id, route.name)
+            scope = self._client_scope(request, scope)
+            digest = _fingerprint(request.method, target, digest)
+        return claims.Key(scope, event_id, event_type, digest)
+
     @contextlib.asynccontextmanager
     async def _claim(
         self, request: web.Request, key: claims.Key, wait: float
@@ -294,19 +313,19 @@ class Webhook:
                 f"route {self.route.name!r}: key in flight at another proxy"
             ) from None
 
-    def _client_scope(self, request: web.Request, body: bytes, scope: str) -> str:
-        """The scope of one client's keys: ``scope_from``'s values, hashed (never stored or
-        logged in clear), so no client can replay or block another's keys."""
-        if self.client is None:
-            return scope
-        query = request.raw_path.partition("?")[2]
-        try:
-            identity, _ = self.client.extract(request.headers, query, body)
-        except errors.EventIdMissing:
-            raise errors.EventIdMissing(
-                f"route {self.route.name!r}: no {' + '.join(map(str, self.route.scope_from))}"
-            ) from None
-        return f"{scope}/~{hashlib.sha256(identity.encode()).hexdigest()[:32]}"
+    def _client_scope(self, request: web.Request, scope: str) -> str:
+        """The scope of one client's keys: its ``scope_from`` headers as sent (any length: a
+        JWT runs to kilobytes), hashed, so no client can replay or block another's keys. The
+        claim's scope holds the hash; logs show the route's scope only."""
+        values = []
+        for source in self.route.scope_from:
+            sent = request.headers.getall(source.name, [])
+            if len(sent) != 1:
+                problem = "absent" if not sent else "repeated"
+                raise errors.ClientUnidentified(f"route {self.route.name!r}: {source} {problem}")
+            values.append(sent[0])
+        identity = "\n".join(values).encode("utf-8", "surrogateescape")
+        return f"{scope}/~{hashlib.sha256(identity).hexdigest()[:32]}"
 
     def _inspect(self, request: web.Request, body: bytes) -> tuple[str, str | None, bytes]:
         """Verify the signature, then find the event ID and type and the body's digest."""
@@ -407,6 +426,12 @@ class Webhook:
             (name, value) for name, value in upstream.headers.items()
             if name.lower() not in dropped
         )  # fmt: skip
+        if not all(_storable(value) for _, value in headers):
+            # Stored as jsonb text: a value that is not UTF-8 (or holds NUL) would fail the
+            # COMMIT's round trip after the app did the work.
+            fields["replay_skipped"] = "an answer header that is not UTF-8 text"
+            self.meters.replay_skipped.inc()
+            return None
         return claims.Answer(upstream.status, headers, upstream.body)
 
     def _duplicate(
@@ -435,6 +460,14 @@ class Webhook:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _storable(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # surrogate escapes of bytes that were not UTF-8
+        return False
+    return "\x00" not in value
 
 
 def _fingerprint(method: str, target: str, body_sha256: bytes) -> bytes:
@@ -519,8 +552,6 @@ def _finish(
         meters.mismatches.inc()
     if fields.get("body_claimed_as"):
         meters.reused_bodies.inc()
-    if response.status == 413:  # errors.BodyTooLarge, the one 413: max_body is too small
-        meters.oversized.inc()
     if fields["outcome"] == "ambiguous_commit":
         meters.ambiguous_commits.inc()
     _log_line(fields)

@@ -9,6 +9,8 @@ from proxy import keys, paths, presets, reader, signatures, values
 DEFAULT_RETENTION = 30 * 86400.0
 # The largest app answer stored for replay: TwiML and chat answers are a few KiB.
 DEFAULT_REPLAY_MAX_BODY = 64 * 1024
+# Stored through the COMMIT's statement, hex-encoded: a megabyte is already a large statement.
+MAX_REPLAY_MAX_BODY = 1024 * 1024
 # semantics: idempotency-key — the IETF httpapi draft's header, its methods, a day of keys.
 IDEMPOTENCY_KEY = "header:Idempotency-Key"
 IDEMPOTENCY_METHODS = ("POST", "PATCH")
@@ -74,8 +76,13 @@ class RouteConfig:
 
 
 def parse_routes(
-    r: reader.Reader, raw: object, default_upstream: str, default_max_body: int
+    r: reader.Reader,
+    raw: object,
+    default_upstream: str,
+    default_max_body: int,
+    claim_wait: float = float("inf"),
 ) -> tuple[RouteConfig, ...]:
+    """The routes; ``claim_wait`` is the global one, which a route's may only shorten."""
     if not isinstance(raw, list) or not raw:
         r.problem("routes", "must be a non-empty list of routes")
         return ()
@@ -172,8 +179,8 @@ def parse_routes(
                 route,
                 "claim_wait",
                 path,
-                values.parse_duration_upto(3600),
-                preset.claim_wait if preset else None,
+                values.parse_duration_upto(claim_wait),
+                min(preset.claim_wait, claim_wait) if preset and preset.claim_wait else None,
             ),
             replay_max_body=r.value(
                 route, "replay_max_body", path, values.parse_size, DEFAULT_REPLAY_MAX_BODY
@@ -184,17 +191,25 @@ def parse_routes(
             _check_idempotency(r, path, route_config)
         elif "scope_from" in route:
             r.problem(f"{path}.scope_from", "only for semantics: idempotency-key")
+        for option in ("replay_max_body", "replay_set_cookie"):
+            if option in route and not route_config.replay:
+                r.problem(f"{path}.{option}", "only with on_duplicate: replay")
+        if route_config.replay_max_body > MAX_REPLAY_MAX_BODY:
+            r.problem(f"{path}.replay_max_body", f"must be at most {MAX_REPLAY_MAX_BODY} (1MiB)")
         if name is not None and url_path is not None and event_id is not None:
             parsed.append(route_config)
     return tuple(parsed)
 
 
 def _parse_scope_from(value: object) -> tuple[keys.Source, ...]:
-    """One source or a list of them (``header:Authorization``)."""
+    """One header source or a list of them (``header:Authorization``)."""
     items = value if isinstance(value, list) else [value]
     if not items:
-        raise ValueError("must be a source or a non-empty list of sources")
-    return tuple(values.parse_source(item) for item in items)
+        raise ValueError("must be a header source or a non-empty list of them")
+    sources = tuple(values.parse_source(item) for item in items)
+    if any(source.kind != "header" for source in sources):
+        raise ValueError(f"must be header sources (header:Authorization), got {value!r}")
+    return sources
 
 
 def _check_idempotency(r: reader.Reader, path: str, route: RouteConfig) -> None:
@@ -205,6 +220,8 @@ def _check_idempotency(r: reader.Reader, path: str, route: RouteConfig) -> None:
         r.problem(f"{path}.methods", f"idempotency-key routes claim POST or PATCH, not {others}")
     if not route.replay:
         r.problem(f"{path}.on_duplicate", "idempotency-key routes always replay the first answer")
+    if route.claim_wait is not None:
+        r.problem(f"{path}.claim_wait", "idempotency-key routes never wait: a key in flight is 409")
 
 
 def _parse_verify(

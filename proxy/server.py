@@ -162,7 +162,13 @@ async def serve(
             extra={"fields": {"listen": str(cfg.listen), "routes": [r.name for r in cfg.routes]}},
         )
         for route in cfg.routes if worker in (None, 1) else ():
-            if route.verify is None and not route.scope_from:
+            if route.idempotency and not route.scope_from:
+                log.warning(
+                    "route %s has no scope_from: all clients share one key space, and one "
+                    "client's key can replay or block another's (see docs/how-it-works.md)",
+                    route.name,
+                )
+            elif route.verify is None and not route.scope_from:
                 log.warning(
                     "route %s checks no signature: anyone who can reach the proxy and knows an "
                     "event ID can claim it first (see docs/security.md)",

@@ -179,3 +179,35 @@ def test_idempotency_key_route_defaults_and_problems() -> None:
         "routes[0].on_duplicate: idempotency-key routes always replay the first answer",
         "routes[1].scope_from: only for semantics: idempotency-key",
     )
+
+
+async def test_clients_are_told_apart_by_their_whole_credential(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.respond = created
+    client = await make_proxy(routes=[api_route()])
+    jwt = "eyJ" + "x" * 1200  # bearer tokens run to kilobytes
+    first = await pay(client, "k-jwt", token=jwt)
+    other = await pay(client, "k-jwt", token=jwt[:-1] + "y")  # differs in its last byte
+    anonymous = await client.post("/payments", data=PAYMENT, headers={"Idempotency-Key": "k"})
+    assert [first.status, other.status, anonymous.status] == [201, 201, 400]
+    assert (await anonymous.json())["code"] == "client_unidentified"
+    assert len(upstream.requests) == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        ({"claim_wait": "2s"}, "routes[0].claim_wait: idempotency-key routes never wait"),
+        ({"scope_from": "query:user"}, "routes[0].scope_from: must be header sources"),
+    ],
+)
+def test_idempotency_key_route_option_problems(extra: dict[str, Any], problem: str) -> None:
+    raw = {
+        "upstream": {"url": "http://127.0.0.1:3000"},
+        "database": {"dsn": "embedded"},
+        "routes": [api_route(**extra)],
+    }
+    with pytest.raises(errors.ConfigError) as info:
+        config.parse(raw)
+    assert info.value.problems[0].startswith(problem)

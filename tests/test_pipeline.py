@@ -193,6 +193,17 @@ async def test_body_over_max_body_gives_413(
     assert registry.get_sample_value("dedup_oversized_bodies_total", {"route": "corvel"}) == 2
 
 
+async def test_the_apps_own_413_is_relayed_but_not_counted_as_over_max_body(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.respond = lambda n: web.Response(status=413, text="too big for the app")
+    client = await make_proxy()
+    response = await client.post("/webhooks/corvel", data=event("evt_413"))
+    assert (response.status, await response.text()) == (413, "too big for the app")
+    registry = client.app[pipeline.METRICS].registry
+    assert registry.get_sample_value("dedup_oversized_bodies_total", {"route": "corvel"}) == 0
+
+
 async def test_unrouted_paths_pass_through_without_a_claim(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import claims, pipeline, sql
+from proxy import claims, config, errors, pipeline, sql
 from tests.conftest import FakeUpstream, MakeProxy, execute, fetch, wait_for_lock_waiters
 from tests.test_providers import stripe_event, stripe_headers, stripe_route
 
@@ -270,3 +270,57 @@ async def test_a_dead_letter_replay_goes_through_the_same_claim(
     assert seen == [processed, failed, failed]
     rows = await fetch(pg_dsn, f'SELECT scope, event_id FROM "{table}" ORDER BY event_id')
     assert [tuple(row) for row in rows] == [("stripe", "evt_done"), ("stripe", "evt_lost")]
+
+
+def test_replay_options_need_replay_and_a_bounded_size() -> None:
+    raw: dict[str, Any] = {
+        "upstream": {"url": "http://127.0.0.1:3000"},
+        "database": {"dsn": "embedded"},
+        "routes": [
+            replay_route(on_duplicate="ack", replay_set_cookie=True),
+            {**replay_route(replay_max_body="2MiB"), "name": "b", "path": "/b"},
+        ],
+    }
+    with pytest.raises(errors.ConfigError) as info:
+        config.parse(raw)
+    assert info.value.problems == (
+        "routes[0].replay_set_cookie: only with on_duplicate: replay",
+        "routes[1].replay_max_body: must be at most 1048576 (1MiB)",
+    )
+
+
+def test_answers_that_cannot_be_stored_as_text_are_not() -> None:
+    assert pipeline._storable("text/xml; charset=utf-8")
+    assert pipeline._storable("caf\u00e9")
+    assert not pipeline._storable("a\udcff")  # a byte that was not UTF-8, surrogate-escaped
+    assert not pipeline._storable("a\x00b")
+
+
+async def test_the_answer_columns_are_added_only_for_replay_and_never_stall_claims(
+    pg_dsn: str, table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await execute(
+        pg_dsn,
+        f'CREATE TABLE "{table}" (scope text NOT NULL, event_id text NOT NULL, '
+        "event_type text, received_at timestamptz NOT NULL DEFAULT now(), body_sha256 bytea, "
+        "PRIMARY KEY (scope, event_id)); "
+        f'CREATE INDEX "{table}_received_at_idx" ON "{table}" (received_at)',
+    )
+    queries = sql.for_table(table)
+    holder = await asyncpg.connect(pg_dsn)
+    connection = await asyncpg.connect(pg_dsn)
+    try:
+        # Without replay the old table is complete: no DDL, no lock.
+        assert await claims.missing_schema(connection, queries, answers=False) == ""
+        # A claim in flight holds the table; the upgrade gives up instead of queueing every
+        # new claim behind it.
+        await holder.execute(f"BEGIN; INSERT INTO \"{table}\" (scope, event_id) VALUES ('s', 'e')")
+        monkeypatch.setattr(claims, "DDL_LOCK_WAIT", 0.2)
+        with pytest.raises(errors.StoreUnavailable, match=r"could not lock the table within 0\.2s"):
+            await claims.apply_schema(connection, queries)
+        await holder.execute("ROLLBACK")
+        await claims.apply_schema(connection, queries)
+        assert await claims.missing_schema(connection, queries) == ""
+    finally:
+        await holder.close()
+        await connection.close()
