@@ -311,27 +311,3 @@ class Extractor:
 
     def _fail(self, reason: str) -> NoReturn:
         raise errors.EventIdInvalid(f"route {self.route!r}: {reason}")
-
-
-# RFC 8941 sf-string characters (printable ASCII; '"' and '\\' only escaped).
-_SF_STRING = re.compile(r'"((?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\])*)"')
-_BARE_KEY = re.compile(r"[\x20\x21\x23-\x5b\x5d-\x7e]+")
-
-
-def idempotency_key(value: str, route: str) -> str:
-    """An ``Idempotency-Key`` as the key it names: an RFC 8941 string (``"abc"``) or the same
-    characters bare (``abc``), one key either way; EventIdInvalid for anything else."""
-    quoted = _SF_STRING.fullmatch(value)
-    if quoted is not None:
-        key = re.sub(r"\\(.)", r"\1", quoted.group(1))
-    elif _BARE_KEY.fullmatch(value):
-        key = value
-    else:
-        raise errors.KeyInvalid(
-            f"route {route!r}: Idempotency-Key must be an RFC 8941 string of printable ASCII"
-        )
-    if not key or len(key) > MAX_ID_BYTES:
-        raise errors.KeyInvalid(
-            f"route {route!r}: Idempotency-Key must be 1 to {MAX_ID_BYTES} characters"
-        )
-    return key

@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web
-from multidict import CIMultiDict
 
 from proxy import (
     budget,
@@ -27,9 +26,11 @@ from proxy import (
     errors,
     flights,
     forwarder,
+    idempotency,
     keys,
     metrics,
     paths,
+    replay,
     reuse,
     routes,
 )
@@ -44,10 +45,6 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", budget.Budget)
 
 _READ_CHUNK = 64 * 1024
-# Never part of a replayed answer: it is a new response (Date), its length is recomputed, and a
-# cookie set for the first request is not for whoever sends a copy (unless the route says so).
-_NOT_REPLAYED = frozenset({"date", "content-length", "dedup-status", "idempotent-replayed"})
-_NOT_REPLAYED_COOKIE = _NOT_REPLAYED | {"set-cookie"}
 
 
 def _json(
@@ -294,9 +291,9 @@ class Webhook:
                 raise errors.KeyInvalid(exc.message) from None
             raise
         if route.idempotency:
-            event_id = keys.idempotency_key(event_id, route.name)
-            scope = self._client_scope(request, scope)
-            digest = _fingerprint(request.method, target, digest)
+            event_id = idempotency.key(event_id, route.name)
+            scope = idempotency.client_scope(scope, route.scope_from, request.headers, route.name)
+            digest = idempotency.fingerprint(request.method, target, digest)
         return claims.Key(scope, event_id, event_type, digest)
 
     @contextlib.asynccontextmanager
@@ -312,20 +309,6 @@ class Webhook:
             raise errors.KeyInProgress(
                 f"route {self.route.name!r}: key in flight at another proxy"
             ) from None
-
-    def _client_scope(self, request: web.Request, scope: str) -> str:
-        """The scope of one client's keys: its ``scope_from`` headers as sent (any length: a
-        JWT runs to kilobytes), hashed, so no client can replay or block another's keys. The
-        claim's scope holds the hash; logs show the route's scope only."""
-        values = []
-        for source in self.route.scope_from:
-            sent = request.headers.getall(source.name, [])
-            if len(sent) != 1:
-                problem = "absent" if not sent else "repeated"
-                raise errors.ClientUnidentified(f"route {self.route.name!r}: {source} {problem}")
-            values.append(sent[0])
-        identity = "\n".join(values).encode("utf-8", "surrogateescape")
-        return f"{scope}/~{hashlib.sha256(identity).hexdigest()[:32]}"
 
     def _inspect(self, request: web.Request, body: bytes) -> tuple[str, str | None, bytes]:
         """Verify the signature, then find the event ID and type and the body's digest."""
@@ -412,27 +395,11 @@ class Webhook:
     def _answer_to_store(
         self, upstream: forwarder.UpstreamResponse, fields: dict[str, Any]
     ) -> claims.Answer | None:
-        """The app's 2xx answer as a duplicate will get it, on a route that replays."""
-        route = self.route
-        if not route.replay:
-            return None
-        if len(upstream.body) > route.replay_max_body:
-            # Relayed and committed all the same; its duplicates get the acknowledgement.
-            fields["replay_skipped"] = f"answer of {len(upstream.body)} bytes over replay_max_body"
+        answer, skipped = replay.answer_to_store(self.route, upstream)
+        if skipped is not None:
+            fields["replay_skipped"] = skipped
             self.meters.replay_skipped.inc()
-            return None
-        dropped = _NOT_REPLAYED if route.replay_set_cookie else _NOT_REPLAYED_COOKIE
-        headers = tuple(
-            (name, value) for name, value in upstream.headers.items()
-            if name.lower() not in dropped
-        )  # fmt: skip
-        if not all(_storable(value) for _, value in headers):
-            # Stored as jsonb text: a value that is not UTF-8 (or holds NUL) would fail the
-            # COMMIT's round trip after the app did the work.
-            fields["replay_skipped"] = "an answer header that is not UTF-8 text"
-            self.meters.replay_skipped.inc()
-            return None
-        return claims.Answer(upstream.status, headers, upstream.body)
+        return answer
 
     def _duplicate(
         self,
@@ -449,30 +416,13 @@ class Webhook:
             # Same ID, other bytes: the ID is not a per-event key here, or a replay.
             fields["mismatch"] = True
         if stored is not None:
-            # The app's first answer, byte for byte; Content-Length is aiohttp's to set.
             fields["replayed"] = True
             self.meters.replays.inc()
-            headers = CIMultiDict(stored.headers)
-            headers["Dedup-Status"] = "duplicate"
-            headers["Idempotent-Replayed"] = "true"
-            return web.Response(status=stored.status, headers=headers, body=stored.body)
+            return replay.response(stored)
         return _json(200, {"status": "duplicate", "event_id": key.event_id}, "duplicate")
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _storable(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:  # surrogate escapes of bytes that were not UTF-8
-        return False
-    return "\x00" not in value
-
-
-def _fingerprint(method: str, target: str, body_sha256: bytes) -> bytes:
-    """What an Idempotency-Key stands for: the method, the path and query, and the body."""
-    return hashlib.sha256(b"%s %s\n%s" % (method.encode(), target.encode(), body_sha256)).digest()
 
 
 def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:

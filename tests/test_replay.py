@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import claims, config, errors, pipeline, sql
+from proxy import claims, config, errors, pipeline, replay, sql
 from tests.conftest import FakeUpstream, MakeProxy, execute, fetch, wait_for_lock_waiters
 from tests.test_providers import stripe_event, stripe_headers, stripe_route
 
@@ -290,10 +290,10 @@ def test_replay_options_need_replay_and_a_bounded_size() -> None:
 
 
 def test_answers_that_cannot_be_stored_as_text_are_not() -> None:
-    assert pipeline._storable("text/xml; charset=utf-8")
-    assert pipeline._storable("caf\u00e9")
-    assert not pipeline._storable("a\udcff")  # a byte that was not UTF-8, surrogate-escaped
-    assert not pipeline._storable("a\x00b")
+    assert replay.storable("text/xml; charset=utf-8")
+    assert replay.storable("caf\u00e9")
+    assert not replay.storable("a\udcff")  # a byte that was not UTF-8, surrogate-escaped
+    assert not replay.storable("a\x00b")
 
 
 async def test_the_answer_columns_are_added_only_for_replay_and_never_stall_claims(
