@@ -18,6 +18,7 @@ from proxy import (
     config,
     embedded,
     flights,
+    forwarded,
     forwarder,
     metrics,
     pipeline,
@@ -120,6 +121,9 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
         # Webhook requests are bounded by the database pool; pass-through traffic gets headroom.
         connections=cfg.database.pool_size + forwarder.PASSTHROUGH_HEADROOM,
         keepalive=cfg.upstream.keepalive,
+        # Each route's transport is chosen once, at start-up.
+        upstreams={cfg.upstream.url, *(route.upstream for route in cfg.routes)},
+        trusted_proxies=forwarded.TrustedProxies(cfg.trusted_proxies),
     )
     app[pipeline.FORWARDER] = client
     try:

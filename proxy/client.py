@@ -1,24 +1,25 @@
-"""A small keep-alive HTTP/1.1 client for the webhook path: a body already in memory goes out
-in one write, and the app's whole answer comes back.
+"""A small keep-alive HTTP/1.1 client for the webhook path: a body already in memory goes out in
+one write, and the app's whole answer comes back, parsed by llhttp (through ``httptools``).
 
-Why not aiohttp's client here: on the benchmark machine it costs 170 to 200 µs of CPU per call
-against about 55 µs for a bare asyncio exchange, the largest single cost of a proxied webhook.
-The webhook path needs a small part of HTTP (plain ``http://`` to the app, a known body
-length, the answer read whole), so it gets a small client. Pass-through traffic (any method,
-streamed both ways) and ``https://`` or credentialed upstreams keep aiohttp's client.
+Why not aiohttp's client here: it costs markedly more CPU per call (bench/forward_cpu.py
+measures both), the largest single cost of a proxied webhook. The webhook path needs a small
+part of HTTP (plain ``http://`` to the app, a known body length, the answer read whole), so it
+gets a small client; ``transports`` puts it and aiohttp's client behind one interface.
 
-Reading the answer is strict: anything not understood (a malformed status line or header, an
-obsolete folded header, both Content-Length and Transfer-Encoding, Content-Lengths that
-disagree, a transfer coding other than chunked, a head or chunk line over its limit) is an
-error, answered 502, never a guess. An answer that is not CRLF-delimited HTTP/1.x (HTTP/0.9,
-bare LF) is refused as soon as that shows, not after the timeout. Header values and the reason
-phrase must be UTF-8: the proxy's server writes them back as UTF-8, so that is the only obs-text
-it can relay byte for byte, and other bytes are refused rather than altered. A connection goes
+Reading the answer is strict: llhttp in strict mode refuses a malformed status line or header,
+an obsolete folded header, both Content-Length and Transfer-Encoding, repeated Content-Lengths,
+a bad chunk and a bare CR or LF, each as soon as it arrives; this module adds what llhttp lets
+through (a transfer coding other than chunked, Transfer-Encoding on HTTP/1.0, a version other
+than 1.x, a switch of protocols, a head over ``MAX_HEAD``). Anything refused is answered 502,
+never guessed at. Header values and the reason phrase must be UTF-8: the proxy's server writes
+them back as UTF-8, so that is the only obs-text it can relay byte for byte. A connection goes
 back to the idle list only after a complete answer that allows it; anything the app sends on an
-idle connection closes it (an answer nobody asked for must never become the next request's), and
-idle ones are dropped after ``keepalive`` seconds, before the app's own keep-alive timer could
-close one under a request. Socket errors, timeouts and a connection closed before the answer is
-complete are translated into ``errors`` here.
+idle connection closes it (an answer nobody asked for must never become the next request's). An
+idle connection is reused for ``keepalive`` seconds, less when the app's ``Keep-Alive`` header
+says it closes sooner (``idle_limit``); a request on a reused connection that the app closes
+before a byte of the answer is sent once more (``Client.request`` says why). Socket errors,
+timeouts and a connection closed before the answer is complete are translated into ``errors``
+here.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
 
+import httptools
 from multidict import CIMultiDict
 
 from proxy import errors
@@ -46,17 +48,29 @@ def unlimited(size: int) -> None:
 
 
 MAX_HEAD = 64 * 1024  # status line and headers (aiohttp's client allows 8 KiB per line)
-MAX_CHUNK_LINE = 4096
+MAX_CHUNK_LINE = 4096  # framing bytes allowed per chunk, beside MAX_HEAD for the trailers
 MAX_TRAILERS = 100
 MAX_INTERIM = 10
+# An idle connection is reused only until this long before the app's advertised keep-alive
+# timeout ends: the app's timer starts when it has written the answer, a little before ours.
+KEEPALIVE_MARGIN = 0.5
 
-_STATUS = re.compile(rb"HTTP/1\.([01]) ([1-9][0-9]{2})(?: ([^\x00-\x08\x0a-\x1f\x7f]*))?")
-_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*(.*?)[ \t]*")
-_BAD_VALUE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
-_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
-_LENGTH = re.compile(r"[0-9]{1,19}")  # fits in 63 bits, as llhttp's and Go's limits do
-_HTTP1 = b"HTTP/1."
-_BARE_EOL = re.compile(rb"\r(?=[^\n])|(?<!\r)\n")  # a CR still last may get its LF yet
+_LENGTH = re.compile(rb"[0-9]{1,19}")  # fits in 63 bits, as Go's limit does
+_TIMEOUT = re.compile(r"[0-9]{1,9}")
+
+
+def idle_limit(configured: float, keep_alive: str | None) -> float:
+    """How long a connection may stay idle and still be reused: ``configured``, or less when
+    the app's ``Keep-Alive: timeout=N`` says it closes idle connections sooner; 0 for never.
+
+    N is whole seconds (RFC 2068 19.7.1.1); N <= 1 leaves no safe window at all.
+    """
+    for item in (keep_alive or "").split(","):
+        name, _, value = item.partition("=")
+        if name.strip(" \t").lower() == "timeout" and _TIMEOUT.fullmatch(value.strip(" \t")):
+            advertised = int(value.strip(" \t"))
+            return 0.0 if advertised <= 1 else min(configured, advertised - KEEPALIVE_MARGIN)
+    return configured
 
 
 class _Malformed(Exception):
@@ -64,7 +78,19 @@ class _Malformed(Exception):
 
 
 class _Closed(Exception):
-    """The connection ended before the answer was complete."""
+    """The connection ended before the answer was complete, after ``received`` bytes of it."""
+
+    def __init__(self, received: int) -> None:
+        super().__init__(received)
+        self.received = received
+
+
+class _Unsolicited(Exception):
+    """Bytes followed the final answer: they answer no request."""
+
+
+class _Stop(Exception):
+    """The answer is complete where llhttp cannot tell (a HEAD answer's end)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,18 +110,202 @@ class Answer:
     body: bytes
 
 
+def _text(value: bytes | bytearray, what: str) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        # aiohttp's server writes str as UTF-8: it would drop these bytes surrogate-escaped, and
+        # write each as two bytes decoded as latin-1.
+        raise _Malformed(f"{what} has obs-text that is not UTF-8, not relayable as sent") from None
+
+
+def _items(fields: Iterable[tuple[str, str]], name: str) -> list[str] | None:
+    """The comma-separated items of every ``name`` field, stripped; None if there is none.
+
+    Presence decides framing, not content: an empty item is kept (and refused by the caller
+    where it matters), never read as "no such header".
+    """
+    found = [value for key, value in fields if key.lower() == name]
+    if not found:
+        return None
+    # Only HTTP's whitespace and ASCII case: str.strip() takes U+00A0, "\u212a".lower() is "k".
+    items = [item.strip(" \t") for value in found for item in value.split(",")]
+    return [item.lower() if item.isascii() else item for item in items]
+
+
+class _Reader:
+    """llhttp's callbacks for one exchange: the final answer, interim (1xx) ones skipped.
+
+    ``feed`` raises ``_Malformed``, ``_Unsolicited`` once the answer is complete, or what
+    ``reserve`` raises; ``eof`` completes an answer delimited by the end of the connection.
+    """
+
+    def __init__(self, method: str, reserve: Reserve) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        # RFC 9112 7.1.1 allows whitespace before a chunk extension ("5 ;x=y"); strict llhttp
+        # refuses it, and this client accepted it before llhttp.
+        self._parser.set_dangerous_leniencies(lenient_spaces_after_chunk_size=True)
+        self._method = method
+        self._reserve = reserve
+        self._error: BaseException | None = None
+        self.received = 0  # bytes of the answer so far
+        self._head_bytes = 0  # before the final head ends: MAX_HEAD per head
+        self._body_bytes = 0
+        self._chunks = 0
+        self._trailers = 0
+        self._interim = 0
+        self._head_done = False
+        self._per_part = False  # each body part reserved as it comes (no Content-Length)
+        self._reason = bytearray()  # llhttp hands it over in pieces
+        self._reason_text = ""
+        self._fields: list[tuple[str, str]] = []
+        self._parts: list[bytes] = []
+        self.until_eof = False  # the body ends when the app closes the connection
+        self.keep = False  # the connection may carry another request after this answer
+        self.answer: Answer | None = None
+
+    def feed(self, data: bytes) -> None:
+        self.received += len(data)
+        if not self._head_done:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self._error is not None:
+                raise self._error from None
+            where = "body" if self._head_done else "head"
+            raise _Malformed(f"{exc} (in the {where})") from None
+        if not self._head_done and self._head_bytes > MAX_HEAD * (self._interim + 1):
+            raise _Malformed(f"the head of the answer is over {MAX_HEAD} bytes")
+        # Heads, chunk lines and trailers: llhttp holds none of them whole (httptools holds one
+        # header or trailer field), but an endless one would keep the exchange going.
+        framing = self.received - self._body_bytes
+        if framing > MAX_HEAD * (self._interim + 2) + self._chunks * MAX_CHUNK_LINE:
+            raise _Malformed("the chunk framing or trailers of the answer are over their limit")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop llhttp with ``exc``, re-raised by ``feed``."""
+        self._error = exc
+        raise exc
+
+    def on_message_begin(self) -> None:
+        if self.answer is not None:
+            self._fail(_Unsolicited())
+        self._reason.clear()
+        self._fields = []
+
+    def on_status(self, reason: bytes) -> None:
+        self._reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        try:
+            # llhttp strips the whitespace before a value, not after it.
+            text = _text(value.rstrip(b" \t"), f"bad header line: {name[:40]!r}'s value")
+        except _Malformed as exc:
+            self._fail(exc)
+        if self._head_done:
+            self._trailers += 1  # dropped: a trailer never becomes a header of the answer
+            if self._trailers > MAX_TRAILERS:
+                self._fail(_Malformed(f"over {MAX_TRAILERS} trailer fields"))
+            return
+        self._fields.append((name.decode("ascii"), text))
+
+    def on_headers_complete(self) -> None:
+        try:
+            self._check_head()
+        except (_Malformed, errors.AnswerOverBudget) as exc:
+            self._fail(exc)
+
+    def _check_head(self) -> None:
+        status = self._parser.get_status_code()
+        version = self._parser.get_http_version()
+        reason = _text(self._reason, "bad status line: the reason phrase")
+        if version not in ("1.0", "1.1"):
+            raise _Malformed(f"bad status line: HTTP/{version}")
+        if status == 101:
+            raise _Malformed("the app switched protocols")
+        if status < 200:
+            # 100 Continue, 103 Early Hints: the final answer follows on the same connection.
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                raise _Malformed(f"over {MAX_INTERIM} interim (1xx) answers")
+            return
+        fields = self._fields
+        codings = _items(fields, "transfer-encoding")
+        lengths = _items(fields, "content-length")
+        if codings is not None and lengths is not None:
+            raise _Malformed("both Transfer-Encoding and Content-Length")
+        if codings is not None and (version == "1.0" or codings != ["chunked"]):
+            # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing; llhttp
+            # would read another final coding as "until the connection closes".
+            raise _Malformed(f"unsupported transfer coding {', '.join(codings)!r}")
+        if lengths is not None and not _LENGTH.fullmatch(lengths[0].encode()):
+            raise _Malformed("Content-Length over 19 digits")
+        self._head_done = True
+        self._reason_text = reason
+        self.keep = version == "1.1" and "close" not in (_items(fields, "connection") or [])
+        if self._method == "HEAD":
+            # llhttp cannot be told that a HEAD answer has no body: stop here, and close.
+            self.keep = False
+            self._complete(status)
+            self._fail(_Stop())
+        if status in (204, 304):
+            return
+        if lengths is not None:
+            self._reserve(int(lengths[0]))
+            return
+        self._per_part = True
+        if codings is None:
+            self.until_eof = True
+            self.keep = False
+
+    def on_chunk_header(self) -> None:
+        self._chunks += 1
+
+    def on_body(self, part: bytes) -> None:
+        self._body_bytes += len(part)
+        if self._per_part:
+            try:
+                self._reserve(len(part))
+            except errors.AnswerOverBudget as exc:
+                self._fail(exc)
+        self._parts.append(part)
+
+    def on_message_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status >= 200:
+            self._complete(status)
+
+    def _complete(self, status: int) -> None:
+        body = b"".join(self._parts)
+        self.answer = Answer(status, self._reason_text, CIMultiDict(self._fields), body)
+
+    def eof(self) -> None:
+        """The app closed the connection: the end of the answer if its body runs to it."""
+        if self.answer is None and self.until_eof:
+            self._complete(self._parser.get_status_code())
+        if self.answer is None:
+            raise _Closed(self.received)
+
+    @property
+    def status(self) -> int | None:
+        """The final answer's status once its head is read."""
+        return self._parser.get_status_code() if self._head_done else None
+
+
 class _Connection(asyncio.Protocol):
-    """One TCP connection to the app and the bytes it has sent that are not read yet."""
+    """One TCP connection to the app; the answer is parsed as its bytes arrive."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, peer: str) -> None:
         self._loop = loop
         self._peer = peer
         self._fd = -1
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
+        self.reader: _Reader | None = None  # while a request is on it
+        self.failure: BaseException | None = None  # what the reader raised
         self.ended = False  # the app closed its side, or the connection was lost
         self.idle = False  # in the client's idle list, with no request on it
-        self.idle_since = 0.0
+        self.expires = 0.0  # loop time when an idle connection stops being reusable
         self._waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -104,19 +314,26 @@ class _Connection(asyncio.Protocol):
         self._fd = transport.get_extra_info("socket").fileno()
 
     def data_received(self, data: bytes) -> None:
-        if self.idle:
+        reader = self.reader
+        if self.failure is not None:
+            return  # the connection is closed when its request ends
+        if reader is None:
             self.unsolicited(len(data))
             return
-        self.buffer += data
-        self._wake()
+        try:
+            reader.feed(data)
+        except Exception as exc:  # handed to the request waiting on it
+            self.failure = exc
+        if reader.answer is not None or self.failure is not None:
+            self._wake()
 
-    def unsolicited(self, size: int) -> None:
-        """Close the connection over ``size`` bytes that answer no request, and say so once."""
+    def unsolicited(self, size: int | None) -> None:
+        """Close the connection over bytes that answer no request, and say so once."""
         if not self.ended:
             log.warning(
-                "upstream %s sent %d bytes answering no request; closed the connection",
+                "upstream %s sent %s answering no request; closed the connection",
                 self._peer,
-                size,
+                "bytes" if size is None else f"{size} bytes",
             )
         self.ended = True
         self.close()
@@ -153,80 +370,36 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _more(self) -> None:
-        if self.ended:
-            raise _Closed()
-        self._waiter = self._loop.create_future()
+    async def exchange(self, message: bytes, body: bytes, reader: _Reader) -> Answer:
+        """Send the request and wait for ``reader`` to have the whole answer."""
+        assert self.transport is not None
+        self.reader = reader
+        # Two writes rather than one concatenation: no second copy of a large body.
+        self.transport.writelines((message, body))
         try:
-            await self._waiter
+            while True:
+                if reader.answer is not None:
+                    if isinstance(self.failure, _Unsolicited):  # in the answer's last read
+                        self.unsolicited(None)
+                    return reader.answer
+                if self.failure is not None:
+                    raise self.failure
+                if self.ended:
+                    reader.eof()
+                    continue
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
         finally:
-            self._waiter = None
-
-    async def head(self, limit: int) -> bytes:
-        """The status line and header fields, up to the blank line that ends them (consumed,
-        not returned), at most ``limit`` bytes.
-
-        Refused as soon as it shows rather than when the timeout ends, since no blank line would
-        ever follow: a first line that is not an HTTP/1.x status line (an HTTP/0.9 answer has
-        none) and a bare CR or LF.
-        """
-        checked = 0
-        while (eol := self.buffer.find(b"\r\n", max(0, checked - 1))) < 0:
-            if not _HTTP1.startswith(self.buffer[: len(_HTTP1)]) or _BARE_EOL.search(
-                self.buffer, max(0, checked - 1)
-            ):
-                raise _Malformed("bad status line: not HTTP/1.x ended by CRLF")
-            if len(self.buffer) > limit:
-                raise _Malformed(f"a line of the answer is over {limit} bytes")
-            checked = len(self.buffer)
-            await self._more()
-        if not _STATUS.fullmatch(self.buffer, 0, eol):
-            raise _Malformed(f"bad status line {bytes(self.buffer[: min(eol, 100)])!r}")
-        return await self.line(b"\r\n\r\n", limit)
-
-    async def line(self, separator: bytes, limit: int) -> bytes:
-        """Bytes up to ``separator`` (consumed, not returned), at most ``limit`` of them; a bare
-        CR or LF among them is refused as soon as it arrives."""
-        checked = 0
-        while True:
-            end = self.buffer.find(separator, max(0, checked - len(separator) + 1))
-            lines_end = len(self.buffer) if end < 0 else end + len(separator) - 2
-            if _BARE_EOL.search(self.buffer, max(0, checked - 1), lines_end):
-                raise _Malformed("a line of the answer not ended by CRLF")
-            if end >= 0:
-                if end > limit:
-                    raise _Malformed(f"a line of the answer is over {limit} bytes")
-                data = bytes(self.buffer[:end])
-                del self.buffer[: end + len(separator)]
-                return data
-            if len(self.buffer) > limit:
-                raise _Malformed(f"a line of the answer is over {limit} bytes")
-            checked = len(self.buffer)
-            await self._more()
-
-    async def exactly(self, size: int) -> bytes:
-        while len(self.buffer) < size:
-            await self._more()
-        data = bytes(self.buffer[:size])
-        del self.buffer[:size]
-        return data
-
-    async def rest(self, reserve: Reserve) -> bytes:
-        """Everything until the app closes the connection, reserved as it arrives."""
-        reserve(len(self.buffer))
-        while not self.ended:
-            held = len(self.buffer)
-            await self._more()
-            reserve(len(self.buffer) - held)
-        data = bytes(self.buffer)
-        self.buffer.clear()
-        return data
+            self.reader = None
 
     @property
     def reusable(self) -> bool:
         return (
             not self.ended
-            and not self.buffer
+            and self.failure is None
             and self.transport is not None
             and not self.transport.is_closing()
         )
@@ -234,111 +407,6 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-
-
-def _head(block: bytes) -> tuple[int, int, str, list[tuple[str, str]]]:
-    """(minor version, status, reason, headers) from a status line and header block."""
-    lines = block.split(b"\r\n")
-    status = _STATUS.fullmatch(lines[0])
-    if status is None:
-        raise _Malformed(f"bad status line {lines[0][:100]!r}")
-    fields = []
-    for line in lines[1:]:
-        field = _FIELD.fullmatch(line)
-        if field is None or _BAD_VALUE.search(field[2]):
-            # The name only: a value may be a cookie or a token, and this goes to the log.
-            raise _Malformed(f"bad header line {line.partition(b':')[0][:40]!r}:…")
-        name = field[1].decode("ascii")
-        fields.append((name, _relayable(field[2], f"bad header line: {name}'s value")))
-    reason = _relayable(status[3] or b"", "bad status line: the reason phrase")
-    return int(status[1]), int(status[2]), reason, fields
-
-
-def _relayable(value: bytes, what: str) -> str:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        # aiohttp's server writes str as UTF-8: it would drop these bytes surrogate-escaped, and
-        # write each as two bytes decoded as latin-1.
-        raise _Malformed(f"{what} has obs-text that is not UTF-8, not relayable as sent") from None
-
-
-def _values(fields: list[tuple[str, str]], name: str) -> list[str] | None:
-    """The comma-separated items of every ``name`` field, stripped; None if there is none.
-
-    Presence decides framing, not content: an empty or blank item is kept (and refused by the
-    caller where it matters), never read as "no such header".
-    """
-    found = [value for key, value in fields if key.lower() == name]
-    if not found:
-        return None
-    # Only HTTP's whitespace and ASCII case: str.strip() takes U+00A0, "\u212a".lower() is "k".
-    items = [item.strip(" \t") for value in found for item in value.split(",")]
-    return [item.lower() if item.isascii() else item for item in items]
-
-
-async def _chunked(connection: _Connection, reserve: Reserve) -> bytes:
-    parts = []
-    while True:
-        line = await connection.line(b"\r\n", MAX_CHUNK_LINE)
-        size, _, extensions = line.partition(b";")
-        size = size.rstrip(b" \t")
-        if not _CHUNK_SIZE.fullmatch(size) or _BAD_VALUE.search(extensions):
-            raise _Malformed(f"bad chunk size line {line[:20]!r}")
-        if int(size, 16) == 0:
-            break
-        reserve(int(size, 16))
-        parts.append(await connection.exactly(int(size, 16)))
-        if await connection.exactly(2) != b"\r\n":
-            raise _Malformed("chunk not followed by CRLF")
-    for _ in range(MAX_TRAILERS):
-        trailer = await connection.line(b"\r\n", MAX_HEAD)
-        if not trailer:
-            return b"".join(parts)
-        field = _FIELD.fullmatch(trailer)
-        if field is None or _BAD_VALUE.search(field[2]):
-            raise _Malformed(f"bad trailer line {trailer.partition(b':')[0][:40]!r}:…")
-    raise _Malformed(f"over {MAX_TRAILERS} trailer fields")
-
-
-async def _answer(
-    connection: _Connection, method: str, reserve: Reserve = unlimited
-) -> tuple[Answer, bool]:
-    """The final answer (interim 1xx ones skipped) and whether the connection may be reused."""
-    for _ in range(MAX_INTERIM + 1):
-        minor, status, reason, fields = _head(await connection.head(MAX_HEAD))
-        if status == 101:
-            raise _Malformed("the app switched protocols")
-        if status >= 200:
-            break
-        # 100 Continue, 103 Early Hints: the final answer follows on the same connection.
-    else:
-        raise _Malformed(f"over {MAX_INTERIM} interim (1xx) answers")
-    keep = minor == 1 and "close" not in (_values(fields, "connection") or [])
-    codings = _values(fields, "transfer-encoding")
-    lengths = _values(fields, "content-length")
-    if codings is not None and lengths is not None:
-        raise _Malformed("both Transfer-Encoding and Content-Length")
-    if codings is not None and (minor == 0 or codings != ["chunked"]):
-        # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing.
-        raise _Malformed(f"unsupported transfer coding {', '.join(codings)!r}")
-    if lengths is not None and (len(set(lengths)) != 1 or not _LENGTH.fullmatch(lengths[0])):
-        raise _Malformed("bad or conflicting Content-Length")
-    try:
-        if status in (204, 304) or method == "HEAD":
-            body = b""
-        elif codings is not None:
-            body = await _chunked(connection, reserve)
-        elif lengths is not None:
-            reserve(int(lengths[0]))
-            body = await connection.exactly(int(lengths[0]))
-        else:
-            body = await connection.rest(reserve)  # delimited by the app closing the connection
-    except errors.AnswerOverBudget as exc:
-        exc.upstream_status = status
-        raise
-        keep = False
-    return Answer(status, reason, CIMultiDict(fields), body), keep
 
 
 class Client:
@@ -349,7 +417,7 @@ class Client:
         self._timeout = timeout
         self._keepalive = keepalive
         self._slots = asyncio.Semaphore(connections)
-        self._idle: dict[Origin, list[_Connection]] = {}  # oldest first
+        self._idle: dict[Origin, list[_Connection]] = {}  # least recently used first
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -364,20 +432,38 @@ class Client:
         reserve: Reserve = unlimited,
     ) -> Answer:
         """Send one request and read the whole answer, all within the timeout; ``reserve`` is
-        told the answer body's size before it is held (and may raise to refuse it)."""
+        told the answer body's size before it is held (and may raise to refuse it).
+
+        A request on a reused connection that the app closes before a byte of its answer is
+        sent once more, on a new connection. That is the race every keep-alive client meets: the
+        app's idle timer closed the connection as the request went out. The app could also have
+        acted and then closed without answering; but a webhook carries its event ID, which is an
+        idempotency key (the one case Go's Transport retries a POST for, with Idempotency-Key),
+        and answering 502 instead would have the provider send the same request again anyway.
+        """
         head = [f"{method} {target} HTTP/1.1\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in headers]
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
         message = "".join(head).encode("utf-8", "surrogateescape")
-        connection: _Connection | None = None
-        keep = False
         try:
             async with asyncio.timeout(self._timeout), self._slots:
-                connection = self._take(origin) or await self._open(origin)
-                assert connection.transport is not None
-                # Two writes rather than one concatenation: no second copy of a large body.
-                connection.transport.writelines((message, body))
-                answer, keep = await _answer(connection, method, reserve)
+                reused = self._take(origin)
+                if reused is not None:
+                    try:
+                        reader = _Reader(method, reserve)
+                        return await self._exchange(origin, reused, (message, body), reader)
+                    except _Closed as exc:
+                        if exc.received:
+                            raise
+                        log.info(
+                            "upstream %s:%d closed a reused connection before answering; "
+                            "sending the request again on a new one",
+                            origin.host,
+                            origin.port,
+                        )
+                connection = await self._open(origin)
+                reader = _Reader(method, reserve)
+                return await self._exchange(origin, connection, (message, body), reader)
         except TimeoutError as exc:
             raise errors.UpstreamTimeout(
                 f"upstream did not answer within {self._timeout:g}s"
@@ -390,14 +476,27 @@ class Client:
             ) from None
         except OSError as exc:
             raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
+
+    async def _exchange(
+        self,
+        origin: Origin,
+        connection: _Connection,
+        outgoing: tuple[bytes, bytes],
+        reader: _Reader,
+    ) -> Answer:
+        keep, limit = False, 0.0
+        try:
+            answer = await connection.exchange(*outgoing, reader)
+            limit = idle_limit(self._keepalive, answer.headers.get("Keep-Alive"))
+            keep = reader.keep and limit > 0
+        except errors.AnswerOverBudget as exc:
+            exc.upstream_status = reader.status
+            raise
         finally:
-            if connection is not None:
-                if keep and connection.buffer:
-                    connection.unsolicited(len(connection.buffer))
-                if keep and connection.reusable and not self._closed:
-                    self._keep(origin, connection)
-                else:
-                    connection.close()
+            if keep and connection.reusable and not self._closed:
+                self._keep(origin, connection, limit)
+            else:
+                connection.close()
         return answer
 
     def _take(self, origin: Origin) -> _Connection | None:
@@ -405,32 +504,35 @@ class Client:
         now = asyncio.get_running_loop().time()
         while idle:
             connection = idle.pop()
-            if now - connection.idle_since < self._keepalive and connection.still_idle():
+            if now < connection.expires and connection.still_idle():
                 connection.idle = False
                 return connection
             connection.close()
         return None
 
-    def _keep(self, origin: Origin, connection: _Connection) -> None:
+    def _keep(self, origin: Origin, connection: _Connection, limit: float) -> None:
         loop = asyncio.get_running_loop()
         connection.idle = True
-        connection.idle_since = loop.time()
+        connection.expires = loop.time() + limit
         self._idle.setdefault(origin, []).append(connection)
-        if self._sweeper is None:
-            self._sweeper = loop.call_later(self._keepalive, self._sweep)
+        if self._sweeper is None or self._sweeper.when() > connection.expires:
+            if self._sweeper is not None:
+                self._sweeper.cancel()
+            self._sweeper = loop.call_at(connection.expires, self._sweep)
 
     def _sweep(self) -> None:
-        """Close the connections idle past ``keepalive`` (the oldest are first in each list)."""
+        """Close the connections idle past their limit; come back for the next one due."""
         self._sweeper = None
         now = asyncio.get_running_loop().time()
-        for idle in self._idle.values():
-            while idle and (not idle[0].reusable or now - idle[0].idle_since >= self._keepalive):
-                idle.pop(0).close()
-        if any(self._idle.values()):
-            oldest = min(idle[0].idle_since for idle in self._idle.values() if idle)
-            self._sweeper = asyncio.get_running_loop().call_at(
-                oldest + self._keepalive, self._sweep
-            )
+        for origin, idle in self._idle.items():
+            kept = [c for c in idle if c.reusable and now < c.expires]
+            for connection in idle:
+                if connection not in kept:
+                    connection.close()
+            self._idle[origin] = kept
+        due = [c.expires for idle in self._idle.values() for c in idle]
+        if due:
+            self._sweeper = asyncio.get_running_loop().call_at(min(due), self._sweep)
 
     async def _open(self, origin: Origin) -> _Connection:
         loop = asyncio.get_running_loop()

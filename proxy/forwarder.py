@@ -2,23 +2,24 @@
 
 The request goes out as it came in (method, path, query, end-to-end headers and the raw body
 bytes) minus the hop-by-hop headers, with ``X-Forwarded-*`` added; the answer comes back the same
-way. aiohttp's client errors and timeouts are translated into ``errors`` here and nowhere else.
+way. Webhooks go through the transport chosen for their upstream URL (``transports``);
+pass-through requests stream both ways through aiohttp's client.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
+import ssl as ssl_module
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-import yarl
 from aiohttp import hdrs, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy import client, errors
+from proxy import client, forwarded, transports
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,14 @@ HOP_BY_HOP = frozenset(
 # aiohttp adds these to every request unless told not to; the upstream must see the provider's.
 _AUTO_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE)
 _CHUNK = 64 * 1024
+
+
+def _session_options() -> dict[str, Any]:
+    return {
+        "auto_decompress": False,
+        "cookie_jar": aiohttp.DummyCookieJar(),
+        "skip_auto_headers": _AUTO_HEADERS,
+    }
 
 
 def _end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
@@ -58,9 +67,11 @@ def request_headers(
     scheme: str,
     preserve_host: bool,
     keep_length: bool,
+    trusted: bool = False,
 ) -> CIMultiDict[str]:
     """Headers for the upstream request. Content-Length is kept only for a streamed body; a
-    field name with ``_`` is dropped."""
+    field name with ``_`` is dropped; X-Forwarded-* are kept only from a ``trusted`` peer (see
+    ``forwarded``)."""
     headers = _end_to_end(incoming)
     for name in [name for name in headers if "_" in name]:
         # CGI, WSGI and Rack read X_Event_Id and X-Event-Id as one HTTP_X_EVENT_ID: the app
@@ -73,31 +84,8 @@ def request_headers(
     host = incoming.get(hdrs.HOST)
     if not preserve_host:
         headers.popall(hdrs.HOST, None)
-    if peer:
-        prior = ", ".join(headers.popall(hdrs.X_FORWARDED_FOR, []))
-        headers[hdrs.X_FORWARDED_FOR] = f"{prior}, {peer}" if prior else peer
-    # An ingress in front of the sidecar may have set these already: its values are the truth.
-    headers.setdefault(hdrs.X_FORWARDED_PROTO, scheme)
-    if host:
-        headers.setdefault(hdrs.X_FORWARDED_HOST, host)
+    forwarded.set_forwarded(headers, peer=peer, scheme=scheme, host=host, trusted=trusted)
     return headers
-
-
-def _relayable(reason: str | None, headers: CIMultiDictProxy[str]) -> None:
-    """Refuse an answer aiohttp's client read but its server could not write back exactly.
-
-    aiohttp's client decodes obs-text bytes that are not UTF-8 as surrogate escapes, and its
-    server's writer drops those: such a reason or header value would be relayed altered.
-    """
-    for text in (reason or "", *headers.values()):
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise errors.UpstreamUnavailable(
-                    "upstream sent a malformed answer: a reason or header value is obs-text "
-                    "that is not UTF-8"
-                ) from None
 
 
 def response_headers(
@@ -128,50 +116,76 @@ class UpstreamResponse:
         )
 
 
-def _url(base_url: str, target: str) -> yarl.URL:
-    """The upstream URL, with ``target`` exactly as given: yarl would otherwise remove dot
-    segments, and the app would be sent a path the proxy did not route on."""
-    return yarl.URL(base_url + target, encoded=True)
-
-
-def origin_of(base_url: str) -> client.Origin | None:
-    """Where the webhook path's own client connects for ``base_url``; None when aiohttp's client
-    must (``https://``, or credentials in the URL)."""
-    parts = urlsplit(base_url)
-    if parts.scheme != "http" or parts.username is not None or parts.hostname is None:
-        return None
-    port = parts.port or 80
-    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return client.Origin(parts.hostname, port, host if port == 80 else f"{host}:{port}")
-
-
 class Forwarder:
-    """The clients to the upstream(s), shared by every request."""
+    """The transports to the upstream(s), one per base URL, shared by every request.
+
+    ``ssl`` is the context for ``https://`` upstreams (default: the system's trusted CAs);
+    ``upstreams`` are the base URLs whose transport is chosen at start-up (any other on first
+    use).
+    """
 
     def __init__(
-        self, timeout: float, *, preserve_host: bool, connections: int, keepalive: float
+        self,
+        timeout: float,
+        *,
+        preserve_host: bool,
+        connections: int,
+        keepalive: float,
+        ssl: ssl_module.SSLContext | None = None,
+        upstreams: Iterable[str] = (),
+        trusted_proxies: forwarded.TrustedProxies | None = None,
     ) -> None:
+        self._trusted = trusted_proxies or forwarded.TrustedProxies()
         self._timeout = timeout
+        self._keepalive = keepalive
         self._client = client.Client(timeout=timeout, keepalive=keepalive, connections=connections)
-        self._origins: dict[str, tuple[client.Origin | None, str]] = {}
-        self._total_timeout = aiohttp.ClientTimeout(total=timeout)
         self._stream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeout, sock_read=timeout
         )
         self._preserve_host = preserve_host
-        self._session = aiohttp.ClientSession(
-            # An idle connection is dropped before the app's own keep-alive timer (5 s in
-            # Node.js and uvicorn) can close it under a request: a POST on a connection the
-            # app is closing fails with 502, and aiohttp retries only idempotent methods.
-            connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=keepalive),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=_AUTO_HEADERS,
+        tls = True if ssl is None else ssl
+        # An idle connection is dropped before the app's own keep-alive timer can close it
+        # under a request (see client.idle_limit, which the transports apply on top).
+        connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=keepalive, ssl=tls)
+        self._session = aiohttp.ClientSession(connector=connector, **_session_options())
+        # Webhooks share that pool, traced to tell a reused connection from a new one (the
+        # tracing costs every request some CPU: pass-through does without it).
+        self._webhook_session = aiohttp.ClientSession(
+            connector=connector,
+            connector_owner=False,
+            trace_configs=[transports.reuse_tracing()],
+            **_session_options(),
         )
+        # For a webhook sent once more after a reused connection failed: never a pooled one.
+        self._fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=connections, force_close=True, ssl=tls),
+            **_session_options(),
+        )
+        self._transports: dict[str, transports.AsyncBaseTransport] = {}
+        for base_url in upstreams:
+            self.transport_for_url(base_url)
+
+    def transport_for_url(self, base_url: str) -> transports.AsyncBaseTransport:
+        """The transport for ``base_url``, chosen once (httpx's ``_transport_for_url``)."""
+        transport = self._transports.get(base_url)
+        if transport is None:
+            origin = transports.origin_of(base_url)
+            if origin is not None:
+                prefix = urlsplit(base_url).path
+                transport = transports.OwnTransport(self._client, origin, prefix)
+            else:
+                transport = transports.AiohttpTransport(
+                    (self._webhook_session, self._fresh_session), base_url,
+                    timeout=self._timeout, keepalive=self._keepalive,
+                )  # fmt: skip
+            self._transports[base_url] = transport
+        return transport
 
     async def close(self) -> None:
         self._client.close()
+        await self._webhook_session.close()
         await self._session.close()
+        await self._fresh_session.close()
 
     def _headers(
         self, request: web.Request, request_id: str, *, keep_length: bool
@@ -182,21 +196,10 @@ class Forwarder:
             scheme=request.scheme,
             preserve_host=self._preserve_host,
             keep_length=keep_length,
+            trusted=self._trusted.trusts(request.remote),
         )
         headers.setdefault(hdrs.X_REQUEST_ID, request_id)
         return headers
-
-    @contextlib.contextmanager
-    def _translated(self) -> Iterator[None]:
-        """aiohttp's client errors and timeouts, as the proxy's own."""
-        try:
-            yield
-        except TimeoutError as exc:
-            raise errors.UpstreamTimeout(
-                f"upstream did not answer within {self._timeout:g}s"
-            ) from exc
-        except (aiohttp.ClientError, OSError) as exc:
-            raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
 
     async def forward(
         self,
@@ -210,70 +213,34 @@ class Forwarder:
     ) -> UpstreamResponse:
         """Send the webhook to ``target`` (the path and query the proxy routed on) with its
         already-read body; read the whole answer, its size told to ``reserve`` first."""
-        found = self._origins.get(base_url)
-        if found is None:
-            found = self._origins[base_url] = (origin_of(base_url), urlsplit(base_url).path)
-        origin, prefix = found
-        if origin is not None:
-            headers = self._headers(request, request_id, keep_length=False)
-            # Host first (RFC 9112 3.2), the provider's when preserve_host kept it.
-            host = headers.popall(hdrs.HOST, [origin.authority])[0]
-            answer = await self._client.request(
-                origin, request.method, prefix + target,
-                headers=[(hdrs.HOST, host), *headers.items()], body=body, reserve=reserve,
-            )  # fmt: skip
-            return UpstreamResponse(
-                status=answer.status,
-                reason=answer.reason,
-                headers=response_headers(answer.headers, keep_length=False),
-                body=answer.body,
-            )
-        with self._translated():
-            async with self._session.request(
-                request.method,
-                _url(base_url, target),
-                headers=self._headers(request, request_id, keep_length=False),
-                data=body,
-                allow_redirects=False,
-                timeout=self._total_timeout,
-            ) as upstream:
-                _relayable(upstream.reason, upstream.headers)
-                try:
-                    if upstream.content_length is not None:
-                        reserve(upstream.content_length)
-                        payload = await upstream.read()
-                    else:
-                        parts = []
-                        async for part in upstream.content.iter_chunked(_CHUNK):
-                            reserve(len(part))
-                            parts.append(part)
-                        payload = b"".join(parts)
-                except errors.AnswerOverBudget as exc:
-                    exc.upstream_status = upstream.status
-                    raise
-                return UpstreamResponse(
-                    status=upstream.status,
-                    reason=upstream.reason,
-                    headers=response_headers(upstream.headers, keep_length=False),
-                    body=payload,
-                )
+        headers = self._headers(request, request_id, keep_length=False)
+        answer = await self.transport_for_url(base_url).handle_async_request(
+            transports.Request(request.method, target, headers, body), reserve
+        )
+        return UpstreamResponse(
+            status=answer.status,
+            reason=answer.reason,
+            headers=response_headers(answer.headers, keep_length=False),
+            body=answer.body,
+        )
 
     async def relay(
         self, request: web.Request, base_url: str, target: str, request_id: str
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
         streaming both ways (no claim, no size cap)."""
-        with self._translated():
+        with transports.translated(self._timeout):
             upstream = await self._session.request(
                 request.method,
-                _url(base_url, target),
+                transports.url_for(base_url, target),
                 headers=self._headers(request, request_id, keep_length=True),
                 data=request.content if request.body_exists else None,
                 allow_redirects=False,
                 timeout=self._stream_timeout,
             )
         async with upstream:
-            _relayable(upstream.reason, upstream.headers)
+            transports.relayable(upstream.reason, upstream.headers)
+            transports.honour_keep_alive(upstream, self._keepalive)
             response = web.StreamResponse(
                 status=upstream.status,
                 reason=upstream.reason,

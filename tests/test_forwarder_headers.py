@@ -28,6 +28,7 @@ def outgoing(
     scheme: str = "https",
     preserve_host: bool = True,
     keep_length: bool = False,
+    trusted: bool = False,
 ) -> CIMultiDict[str]:
     return forwarder.request_headers(
         CIMultiDict(headers),
@@ -35,6 +36,7 @@ def outgoing(
         scheme=scheme,
         preserve_host=preserve_host,
         keep_length=keep_length,
+        trusted=trusted,
     )
 
 
@@ -144,17 +146,21 @@ def test_forwarded_for_is_set_from_the_peer() -> None:
     assert outgoing([]).getall("X-Forwarded-For") == [PEER]
 
 
-def test_forwarded_for_is_appended_to() -> None:
-    sent = outgoing([("X-Forwarded-For", "198.51.100.1"), ("x-forwarded-for", "10.0.0.2")])
+def test_forwarded_for_from_a_trusted_proxy_is_appended_to() -> None:
+    chain = [("X-Forwarded-For", "198.51.100.1"), ("x-forwarded-for", "10.0.0.2")]
 
-    assert sent.getall("X-Forwarded-For") == [f"198.51.100.1, 10.0.0.2, {PEER}"]
+    trusted = outgoing(chain, trusted=True)
+    untrusted = outgoing(chain)
+
+    assert trusted.getall("X-Forwarded-For") == [f"198.51.100.1, 10.0.0.2, {PEER}"]
+    assert untrusted.getall("X-Forwarded-For") == [PEER]  # a client's claim is dropped
 
 
-def test_forwarded_for_is_left_alone_without_a_peer() -> None:
+def test_forwarded_for_without_a_peer() -> None:
+    sent = [("X-Forwarded-For", "198.51.100.1")]
     assert outgoing([], peer=None).getall("X-Forwarded-For", []) == []
-    assert outgoing([("X-Forwarded-For", "198.51.100.1")], peer=None).getall("X-Forwarded-For") == [
-        "198.51.100.1"
-    ]
+    assert outgoing(sent, peer=None, trusted=True).getall("X-Forwarded-For") == ["198.51.100.1"]
+    assert outgoing(sent, peer=None).getall("X-Forwarded-For", []) == []
 
 
 def test_forwarded_proto_and_host_are_set_when_absent() -> None:
@@ -164,18 +170,20 @@ def test_forwarded_proto_and_host_are_set_when_absent() -> None:
     assert sent.getall("X-Forwarded-Host") == ["hooks.example.com"]
 
 
-def test_forwarded_proto_and_host_from_an_ingress_win() -> None:
-    sent = outgoing(
-        [
-            ("Host", "proxy.internal:8080"),
-            ("X-Forwarded-Proto", "https"),
-            ("X-Forwarded-Host", "hooks.example.com"),
-        ],
-        scheme="http",
-    )
+def test_forwarded_proto_and_host_from_a_trusted_ingress_win() -> None:
+    incoming = [
+        ("Host", "proxy.internal:8080"),
+        ("X-Forwarded-Proto", "https"),
+        ("X-Forwarded-Host", "hooks.example.com"),
+    ]
 
-    assert sent.getall("X-Forwarded-Proto") == ["https"]
-    assert sent.getall("X-Forwarded-Host") == ["hooks.example.com"]
+    trusted = outgoing(incoming, scheme="http", trusted=True)
+    untrusted = outgoing(incoming, scheme="http")
+
+    assert trusted.getall("X-Forwarded-Proto") == ["https"]
+    assert trusted.getall("X-Forwarded-Host") == ["hooks.example.com"]
+    assert untrusted.getall("X-Forwarded-Proto") == ["http"]
+    assert untrusted.getall("X-Forwarded-Host") == ["proxy.internal:8080"]
 
 
 def test_no_forwarded_host_without_a_host() -> None:

@@ -101,9 +101,9 @@ async def start_closing_app() -> tuple[asyncio.Server, list[int]]:
     return await asyncio.start_server(serve, "127.0.0.1", 0), served
 
 
-@pytest.mark.parametrize(("keepalive", "second_status"), [("200ms", 200), ("15s", 502)])
+@pytest.mark.parametrize("keepalive", ["200ms", "15s"])
 async def test_idle_upstream_connections_are_dropped_before_the_app_drops_them(
-    make_proxy: MakeProxy, keepalive: str, second_status: int
+    make_proxy: MakeProxy, keepalive: str
 ) -> None:
     server, served = await start_closing_app()
     port = server.sockets[0].getsockname()[1]
@@ -120,7 +120,8 @@ async def test_idle_upstream_connections_are_dropped_before_the_app_drops_them(
         await server.wait_closed()
 
     assert first.status == 200
-    # With the default-like short keep-alive the proxy opened a fresh connection; with a
-    # long one it reused the connection the app closed, and the provider got a 502.
-    assert second.status == second_status
-    assert len(served) == (2 if second_status == 200 else 1)
+    # With the short keep-alive the proxy opened a fresh connection; with a long one it
+    # reused the connection the app closed under the request, and sent it once more on a
+    # fresh one (nothing of the answer had arrived): either way the webhook gets through.
+    assert second.status == 200
+    assert len(served) == 2
