@@ -94,3 +94,29 @@ async def test_slack_copy_waits_the_preset_claim_wait_not_the_global_one(
     assert (await copy.json())["error"] == "claim_wait_exceeded"
     upstream.gate.set()
     assert (await first).status == 200
+
+
+async def test_a_request_signed_by_twilios_library_is_claimed_and_a_tampered_one_is_not(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    from twilio.request_validator import RequestValidator
+
+    upstream.respond = lambda n: web.Response(body=TWIML, content_type="text/xml")
+    client = await make_proxy(routes=[twilio_route()])
+    params = {"MessageSid": "SM1", "Body": "hello", "From": "+14158675310"}
+    signature = RequestValidator(TOKEN).compute_signature(PUBLIC, params)
+    headers = {
+        "X-Twilio-Signature": signature,
+        "I-Twilio-Idempotency-Token": "idem-lib",
+        "Content-Type": "application/x-www-form-urlencoded",
+    }
+
+    tampered = await client.post(
+        "/twilio/voice", data=urlencode({**params, "Body": "hellO"}).encode(), headers=headers
+    )
+    signed = await client.post("/twilio/voice", data=urlencode(params).encode(), headers=headers)
+
+    assert tampered.status == 401
+    assert (signed.status, await signed.read()) == (200, TWIML)
+    assert await claimed(pg_dsn, table) == [("twilio", "idem-lib", None)]
+    assert len(upstream.requests) == 1
