@@ -39,6 +39,8 @@ class RouteMeters:
     ambiguous_commits: Any
     upstream_latency: Any
     claim_wait: Any
+    commit_latency: Any
+    duration: Any
     in_flight: Any
 
 
@@ -108,6 +110,22 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.commit_latency = Histogram(
+            "dedup_commit_latency_seconds",
+            "Time for PostgreSQL to COMMIT a claim after the upstream's 2xx (a disk flush, "
+            "unless synchronous_commit is off).",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "dedup_request_duration_seconds",
+            "Time from the request's headers to the proxy's answer, by route (empty: "
+            "pass-through); the body's arrival included.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.in_flight = Gauge(
             "dedup_in_flight_requests",
             "Webhook requests being processed.",
@@ -173,6 +191,8 @@ class Metrics:
             ambiguous_commits=self.ambiguous_commits.labels(name),
             upstream_latency=self.upstream_latency.labels(name),
             claim_wait=self.claim_wait.labels(name),
+            commit_latency=self.commit_latency.labels(name),
+            duration=self.duration.labels(name),
             in_flight=self.in_flight.labels(name),
         )
 

@@ -130,10 +130,6 @@ async def read_body(
     return body
 
 
-def _ms_since(started: float) -> float:
-    return round((time.perf_counter() - started) * 1000, 2)
-
-
 def _log_line(fields: dict[str, Any]) -> None:
     outcome = fields["outcome"]
     if fields.get("mismatch") or fields.get("body_claimed_as") or fields.get("replay_skipped"):
@@ -344,8 +340,9 @@ class Webhook:
             request, self.route.upstream, target, body, fields["request_id"],
             reserve=reservation.answer,
         )  # fmt: skip
-        self.meters.upstream_latency.observe(time.perf_counter() - started)
-        fields["upstream_status"] = upstream.status
+        took = time.perf_counter() - started
+        self.meters.upstream_latency.observe(took)
+        fields.update(upstream_status=upstream.status, upstream_ms=round(took * 1000, 2))
         if upstream.status == 410:
             # Standard Webhooks senders disable an endpoint that answers 410: never relay it.
             raise errors.UpstreamUnavailable("upstream answered 410 Gone; relayed as 502")
@@ -379,6 +376,7 @@ class Webhook:
             fields["outcome"] = "upstream_error"
             return upstream.to_web(), None
         answer = self._answer_to_store(upstream, fields)
+        started = time.perf_counter()
         try:
             await claim.commit(answer)
         except errors.CommitFailed as exc:
@@ -386,6 +384,10 @@ class Webhook:
             # retry, and the retry would be forwarded again (see docs/guarantees.md).
             fields.update(outcome="ambiguous_commit", error=exc.message)
             return upstream.to_web(), None
+        finally:
+            took = time.perf_counter() - started
+            self.meters.commit_latency.observe(took)
+            fields["commit_ms"] = round(took * 1000, 2)
         fields["outcome"] = "processed"
         if claim.reconciled:
             fields["reconciled"] = True
@@ -496,8 +498,10 @@ def _finish(
     response: web.StreamResponse,
 ) -> None:
     """Count the request and write its canonical log line."""
-    fields.update(status=response.status, total_ms=_ms_since(started))
+    took = time.perf_counter() - started
+    fields.update(status=response.status, total_ms=round(took * 1000, 2))
     meters.requests[fields["outcome"]].inc()
+    meters.duration.observe(took)
     if fields.get("mismatch"):
         meters.mismatches.inc()
     if fields.get("body_claimed_as"):

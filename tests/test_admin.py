@@ -58,6 +58,10 @@ async def test_metrics_count_requests_by_route_and_outcome(
     assert samples[("dedup_payload_mismatches_total", (("route", "corvel"),))] == 1
     assert samples[("dedup_upstream_latency_seconds_count", (("route", "corvel"),))] == 1
     assert samples[("dedup_claim_wait_seconds_count", (("route", "corvel"),))] == 3
+    assert samples[("dedup_commit_latency_seconds_count", (("route", "corvel"),))] == 1
+    # Every request, refused and passed-through ones included, under its route.
+    assert samples[("dedup_request_duration_seconds_count", (("route", "corvel"),))] == 4
+    assert samples[("dedup_request_duration_seconds_count", (("route", ""),))] == 1
     assert samples[("dedup_db_pool_connections", ())] == 4  # pool_size in the test config
     assert samples[("dedup_db_pool_connections_in_use", ())] == 0
     assert samples[("dedup_in_flight_requests", (("route", "corvel"),))] == 0
@@ -130,7 +134,11 @@ async def test_canonical_log_line(
     assert fields["upstream_status"] == 200
     assert fields["request_id"] == "req-123"
     assert fields["claim_ms"] >= 0
-    assert fields["total_ms"] >= fields["claim_ms"]
+    # The phases, in order, inside the whole.
+    assert fields["upstream_ms"] > 0
+    assert fields["commit_ms"] > 0
+    phases = fields["claim_ms"] + fields["upstream_ms"] + fields["commit_ms"]
+    assert fields["total_ms"] >= phases - 0.02  # each rounded to 0.01 ms
     # The request ID reaches the app too, so its logs can be joined with the proxy's.
     assert upstream.requests[0].headers["x-request-id"] == ["req-123"]
 
