@@ -55,6 +55,8 @@ class Settings:
     warmup: int
     profile: Path | None
     keep: bool
+    rounds: int = 2
+    headline_only: bool = False
 
 
 class Bench:
@@ -105,12 +107,14 @@ class Bench:
         argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config_file)]
         return self._start(name, argv, port)
 
-    def start_naive(self, name: str, upstream: procs.Service, pool: int) -> procs.Service:
-        """bench/naive.py: the smallest correct dedup proxy, the floor dedup-proxy is held to."""
+    def start_naive(
+        self, name: str, upstream: procs.Service, pool: int, workers: int = 1
+    ) -> procs.Service:
+        """bench/naive.py: the baseline a competent engineer writes in an afternoon."""
         port = procs.free_port()
         argv = [sys.executable, str(ROOT / "bench" / "naive.py"), "--port", str(port),
                 "--upstream", f"http://127.0.0.1:{upstream.port}", "--dsn", self.dsn,
-                "--table", TABLE, "--pool", str(pool)]  # fmt: skip
+                "--table", TABLE, "--pool", str(pool), "--workers", str(workers)]  # fmt: skip
         return self._start(name, argv, port)
 
     def _start(self, name: str, argv: list[str], port: int) -> procs.Service:
@@ -227,6 +231,11 @@ def measure(bench: Bench) -> None:
     s = bench.settings
     figures = bench.figures
     bench.dsn = bench.database.start()
+    # The headline keeps the proxy's and the naive proxy's pools open while pgbench's 32
+    # clients connect: more than the default 100 connections.
+    bench.sql("ALTER SYSTEM SET max_connections = 200")
+    bench.database.stop()
+    bench.dsn = bench.database.start()
     bench.sql(claims.schema_sql(TABLE))
     bench.sql(
         f"INSERT INTO {TABLE} (scope, event_id) "
@@ -240,6 +249,9 @@ def measure(bench: Bench) -> None:
     )
     fast = bench.start_upstream("upstream")
     figures.facts["uvloop"] = "uvloop" in fast.tail()
+    headline(bench, fast)
+    if s.headline_only:
+        return
     slow = bench.start_upstream("upstream-slow", delay=SLOW_DELAY)
     proxy = bench.start_proxy("proxy", fast, s.pool)
     figures.rss["proxy at start"] = proxy.peak_rss()
@@ -307,6 +319,36 @@ def measure(bench: Bench) -> None:
 
     if s.profile is not None:
         figures.profile = profile(bench, proxy, fast, s.profile)
+
+
+def headline(bench: Bench, fast: procs.Service) -> None:
+    """The performance issue's table: the proxy and the naive one, both with 2 workers and
+    the same pool, beside the app alone and pgbench, at c1 and c32; ``rounds`` times over, in
+    the same order each time, so that the spread shows how far one run can be trusted."""
+    s = bench.settings
+    workers = 2
+    proxy = bench.start_proxy("proxy-headline", fast, s.pool, workers=workers)
+    naive = bench.start_naive("naive-headline", fast, s.pool, workers=workers)
+    if s.warmup:
+        bench.wrk("", "warm-up proxy, 2 workers", proxy, fast, 32, seconds=s.warmup)
+        bench.wrk("", "warm-up naive, 2 workers", naive, fast, 32, seconds=s.warmup)
+    for n in range(1, s.rounds + 1):
+        tag = f" (round {n})"
+        bench.pgbench(f"h{n}_pg_c1", "pgbench prepared c1" + tag, 1, "prepared")
+        bench.wrk(f"h{n}_up_c1", "app alone c1" + tag, fast, fast, 1)
+        bench.wrk(f"h{n}_proxy_c1", "proxy c1, 2 workers" + tag, proxy, fast, 1)
+        bench.wrk(f"h{n}_naive_c1", "naive proxy c1, 2 workers" + tag, naive, fast, 1)
+        bench.pgbench(f"h{n}_pg_c32", "pgbench prepared c32" + tag, 32, "prepared")
+        bench.wrk(f"h{n}_up_c32", "app alone c32" + tag, fast, fast, 32)
+        bench.wrk(f"h{n}_proxy_c32", "proxy c32, 2 workers" + tag, proxy, fast, 32)
+        bench.wrk(f"h{n}_naive_c32", "naive proxy c32, 2 workers" + tag, naive, fast, 32)
+    bench.figures.facts["rounds"] = s.rounds
+    # Each worker's peak, not the supervisor's (which forks them and holds no requests).
+    bench.figures.worker_rss = {pid: rss for pid, rss in proxy.peak_rss().items()
+                                if pid != proxy.pid}  # fmt: skip
+    bench.figures.facts["supervisor_rss"] = procs.peak_rss_bytes(proxy.pid)
+    bench.stop(naive)
+    bench.stop(proxy)
 
 
 def alternatives(bench: Bench, fast: procs.Service) -> procs.Service:
@@ -386,6 +428,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--storm", type=int, default=1000, help="copies in the duplicate storm")
     parser.add_argument("--profile", type=Path, help="py-spy record the proxy into this file")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the headline table")
+    parser.add_argument("--headline-only", action="store_true",
+                        help="only the headline table (the A/B loop while optimising)")  # fmt: skip
     return parser
 
 
@@ -403,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         warmup=0 if args.quick else 2,
         profile=args.profile,
         keep=args.keep,
+        rounds=args.rounds,
+        headline_only=args.headline_only,
     )
     out = args.out or (None if args.quick else ROOT / "bench" / "RESULTS.md")
     command = shlex.join(["python", "bench/run.py", *(sys.argv[1:] if argv is None else argv)])
@@ -419,11 +466,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     machine["load_after"] = report.loadavg()
     table = report.table(bench.figures, settings.pool, settings.rows)
-    print(table)
+    print(report.headline_table(bench.figures) + "\n\n" + table)
     if bench.figures.profile:
         print("\npy-spy profile of the proxy (c32):\n" + "\n".join(bench.figures.profile))
     if out is not None:
-        document = report.document(table, bench.figures, machine, command, settings.seconds)
+        document = report.document(
+            table, bench.figures, machine, command, seconds=settings.seconds, pool=settings.pool
+        )
         out.write_text(document, encoding="utf-8")
         print(f"\nwritten to {out}", file=sys.stderr)
     if args.json is not None:

@@ -34,7 +34,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun | str:
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), "--quick",
          "--out", str(out / "RESULTS.md"), "--json", str(out / "figures.json")],
-        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=100, check=False,
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=200, check=False,
         env={**os.environ, "PYTHONIOENCODING": "utf-8"},
     )  # fmt: skip
     if done.returncode != 0:
@@ -53,6 +53,17 @@ def test_prints_one_table_with_pgbench_the_upstream_and_the_proxy(
     quick_run: QuickRun | str,
 ) -> None:
     stdout = _ran(quick_run).stdout
+    # The performance issue's table first: each figure from both rounds, then judged.
+    assert "| figure | mean | round 1 | round 2 | target |" in stdout
+    for row in (
+        "CPU per request, proxy ÷ the app's (c32)",
+        "throughput at c32 ÷ the naive proxy's",
+        "throughput at c32 ÷ pgbench's claim rate at c32",
+        "median latency at c1, above the app's, minus pgbench's claim at c1",
+        "peak RSS per worker",
+        "the naive proxy: median at c1",
+    ):
+        assert row in stdout
     assert "| | measurement | result | target |" in stdout
     for row in (
         "pgbench claim transaction, -M prepared, c32",
@@ -69,7 +80,7 @@ def test_prints_one_table_with_pgbench_the_upstream_and_the_proxy(
     ):
         assert row in stdout
     # Every target is judged, one way or the other.
-    assert stdout.count(": met |") + stdout.count(": **NOT met** |") >= 7
+    assert stdout.count(": met |") + stdout.count(": **NOT met** |") >= 5
 
 
 def test_the_upstream_gets_one_call_per_unique_event(quick_run: QuickRun | str) -> None:
