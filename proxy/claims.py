@@ -391,6 +391,9 @@ class ClaimStore:
         return True
 
     async def _acquire(self) -> Connection:
+        if self._pool.ready():
+            # The common case, without arming a timer: a free connection, lent at once.
+            return await self._pool.acquire()
         with translated("cannot connect to PostgreSQL"):
             try:
                 # asyncio.timeout, not acquire(timeout=): on Python 3.11 asyncpg's wait_for

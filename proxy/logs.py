@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+import orjson
 from aiohttp import http_exceptions
 
 from proxy import config
@@ -24,8 +25,9 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}  # fmt: skip
 
 
-# One encoder for every line: json.dumps(..., default=str) would build one per call.
-_ENCODER = json.JSONEncoder(default=str)
+# One encoder for every line: json.dumps(..., default=str) would build one per call. Compact
+# separators, as orjson writes; and ASCII only, so a line shows the same on any terminal.
+_ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
 # user:password@ in any URL (an upstream's, a DSN) that an exception or a message quotes.
 _CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/@:\"']*:)[^\s/@\"']*@")
 # A text-form value needs quoting if it is empty or holds a space, '=', '"' or anything but
@@ -67,7 +69,18 @@ class JsonFormatter(logging.Formatter):
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return mask(_ENCODER.encode(entry))
+        return mask(encode(entry))
+
+
+def encode(entry: dict[str, Any]) -> str:
+    """``entry`` as one line of JSON: by orjson (a sixth of the json module's CPU for a
+    request's line), unless the line would not be plain ASCII, or orjson refuses a value (a
+    lone surrogate, an integer over 64 bits): then by the json module, which escapes both."""
+    try:
+        line = orjson.dumps(entry, default=str)
+    except TypeError:  # orjson.JSONEncodeError
+        return _ENCODER.encode(entry)
+    return line.decode() if line.isascii() else _ENCODER.encode(entry)
 
 
 class TextFormatter(logging.Formatter):

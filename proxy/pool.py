@@ -64,6 +64,18 @@ class Pool:
         pool._open.update(opened)
         return pool
 
+    def ready(self) -> bool:
+        """Whether ``acquire`` would return at once: a free slot, and on top of the stack an
+        open connection that has not idled too long (so nothing to wait for or to open)."""
+        if self._slots.locked() or self._closed or not self._free:
+            return False
+        connection, since = self._free[-1]
+        return (
+            connection is not None
+            and not connection.is_closed()
+            and time.monotonic() - since < MAX_IDLE
+        )
+
     async def acquire(self) -> Connection:
         """A connection, waiting for a free slot (bound the wait with a timeout)."""
         await self._slots.acquire()

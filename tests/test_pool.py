@@ -148,3 +148,38 @@ async def test_releasing_twice_is_refused(opened: pool.Pool) -> None:
     opened.release(connection)
     with pytest.raises(RuntimeError, match="did not lend"):
         opened.release(connection)
+
+
+def lend_now(lender: pool.Pool) -> pool.Connection:
+    """``acquire`` run to its end without an event loop turn: fails if it would suspend."""
+    coroutine = lender.acquire()
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        connection: pool.Connection = done.value
+        return connection
+    coroutine.close()
+    raise AssertionError("acquire suspended although ready() said it would not")
+
+
+async def test_ready_says_exactly_when_acquire_lends_without_waiting_or_connecting(
+    opened: pool.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert opened.ready()
+    a = lend_now(opened)
+    assert opened.ready()
+    b = lend_now(opened)
+    assert not opened.ready()  # every slot lent: acquire would wait
+    opened.release(a)
+    assert opened.ready()
+    b.terminate()
+    opened.release(b)  # on top now: a slot whose connection must be opened again
+    assert not opened.ready()
+    fresh = await opened.acquire()
+    opened.release(fresh)
+    assert opened.ready()
+    monkeypatch.setattr(pool, "MAX_IDLE", 0.0)
+    assert not opened.ready()  # idle too long: acquire would replace it
+    monkeypatch.undo()
+    await opened.close(5)
+    assert not opened.ready()
