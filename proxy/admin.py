@@ -37,9 +37,14 @@ async def readyz(request: web.Request) -> web.Response:
 def create_admin_app(proxy: web.Application) -> web.Application:
     admin = web.Application()
     admin[PROXY] = proxy
-    admin.router.add_get(
-        "/metrics", make_aiohttp_handler(proxy[pipeline.METRICS].exposition_registry())
-    )
+    meters = proxy[pipeline.METRICS]
+    exposition = make_aiohttp_handler(meters.exposition_registry())
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        meters.flush()  # what the requests added up since the last scrape (metrics.py)
+        return await exposition(request)
+
+    admin.router.add_get("/metrics", metrics)
     admin.router.add_get("/healthz", healthz)
     admin.router.add_get("/readyz", readyz)
     return admin

@@ -88,20 +88,25 @@ async def _running(work: Coroutine[Any, Any, None], name: str) -> AsyncIterator[
             await task
 
 
-async def _pool_gauges(app: web.Application) -> AsyncIterator[None]:
-    """With workers, each writes its pool's gauges every second (a scrape cannot ask them)."""
+async def _metrics(app: web.Application) -> AsyncIterator[None]:
+    """With workers, each writes its metrics to its files every second (a scrape answered by
+    another worker cannot ask it), and once more when it stops; a scrape of this worker
+    writes them first (admin.py)."""
     meters = app[pipeline.METRICS]
     if not meters.multiprocess:
         yield
         return
 
-    async def refresh() -> None:
+    async def flush() -> None:
         while True:
-            meters.refresh()
+            meters.flush()
             await asyncio.sleep(1)
 
-    async with _running(refresh(), "pool-gauges"):
-        yield
+    try:
+        async with _running(flush(), "metrics-flush"):
+            yield
+    finally:
+        meters.flush()
 
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
@@ -154,8 +159,9 @@ def create_app(cfg: config.Config) -> web.Application:
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()
     app[pipeline.DRAINING] = asyncio.Event()
-    app[pipeline.BUDGET] = budget.Budget(cfg.max_buffered, meters.buffered)
-    app.cleanup_ctx.extend([_database, _claim_store, _pool_gauges, _forwarder, _sweeper])
+    shared = app[pipeline.BUDGET] = budget.Budget(cfg.max_buffered)
+    meters.watch_buffered(lambda: shared.held)
+    app.cleanup_ctx.extend([_database, _claim_store, _metrics, _forwarder, _sweeper])
     # Every request, whatever its path: routing happens on the normalized path (paths.py),
     # not in aiohttp's router, which matches before any middleware could normalize it.
     app.router.add_route("*", "/{tail:(?s:.*)}", pipeline.make_dispatcher(cfg, meters))

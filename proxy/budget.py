@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from prometheus_client import Gauge
-
 from proxy import errors
 
 # An answer's first bytes are not counted: a typical answer ("ok", a small JSON) must never
@@ -28,10 +26,9 @@ ANSWER_ALLOWANCE = 64 * 1024
 class Budget:
     """``limit`` bytes shared by the requests of one worker (one event loop: no lock)."""
 
-    def __init__(self, limit: int, gauge: Gauge) -> None:
+    def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.held = 0
-        self._gauge = gauge
+        self.held = 0  # read by the metrics (dedup_buffered_bytes) when they are written
 
     @contextlib.contextmanager
     def reservation(self) -> Iterator[Reservation]:
@@ -48,12 +45,10 @@ class Budget:
         if self.held > own and self.held + size > self.limit:
             return False
         self.held += size
-        self._gauge.set(self.held)
         return True
 
     def _give_back(self, size: int) -> None:
         self.held -= size
-        self._gauge.set(self.held)
 
 
 class Reservation:

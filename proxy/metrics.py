@@ -4,10 +4,20 @@ Each application gets its own registry (so several apps in one process, as in th
 collide); the admin listener serves it at ``/metrics``. With ``workers: N`` every worker writes
 its values to files in ``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's multiprocess mode, set
 up by the supervisor) and ``/metrics``, answered by any worker, adds them all up.
+
+What every request touches (its outcome's counter, its phase histograms, the in-flight gauge,
+the buffered bytes) is added up in plain Python first (``Tally``, ``Timings``, ``Level``) and
+written to prometheus-client's metrics by ``flush``: before every scrape, and every second with
+workers (each worker's own files). prometheus-client takes a lock per write and, in
+multiprocess mode, a ``getpid()`` and a write to a memory-mapped file: eleven of them per
+webhook cost about 5 % of a worker's CPU (bench/RESULTS.md). So a scrape answered by one worker
+sees the others' values as of their last second; a worker killed with SIGKILL loses at most its
+last second of them.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,22 +36,91 @@ OUTCOMES = (
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
+class Tally:
+    """A counter's increments, held until ``flush``."""
+
+    __slots__ = ("_child", "count")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self.count = 0
+
+    def inc(self) -> None:
+        self.count += 1
+
+    def flush(self) -> None:
+        if self.count:
+            count, self.count = self.count, 0
+            self._child.inc(count)
+
+
+class Timings:
+    """A histogram's observations, held until ``flush``: a count per bucket and the sum, as
+    prometheus-client's ``Histogram.observe`` keeps them (the first bucket whose upper bound is
+    not below the value), written into the same values in one go."""
+
+    __slots__ = ("_bounds", "_child", "_counts", "_sum")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self._bounds: list[float] = child._upper_bounds  # ends with +Inf
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        self._sum += seconds
+
+    def flush(self) -> None:
+        if not any(self._counts):
+            return
+        self._child._sum.inc(self._sum)
+        for bucket, count in zip(self._child._buckets, self._counts, strict=True):
+            if count:
+                bucket.inc(count)
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+
+
+class Level:
+    """A gauge's level, kept here, written by ``flush`` when it changed."""
+
+    __slots__ = ("_child", "_written", "value")
+
+    def __init__(self, child: Any) -> None:
+        self._child = child
+        self.value = 0
+        self._written: int | None = None
+
+    def inc(self) -> None:
+        self.value += 1
+
+    def dec(self) -> None:
+        self.value -= 1
+
+    def flush(self) -> None:
+        if self.value != self._written:
+            self._written = self.value
+            self._child.set(self.value)
+
+
 @dataclass(frozen=True, slots=True)
 class RouteMeters:
-    """One route's metric children, bound once: ``labels()`` costs a lock and a lookup."""
+    """One route's metric children, bound once: ``labels()`` costs a lock and a lookup. The
+    ones every request touches are held in plain Python until ``Metrics.flush``."""
 
-    requests: dict[str, Any]  # outcome -> counter
+    requests: dict[str, Tally]  # outcome -> counter
     mismatches: Any
     oversized: Any
     replays: Any
     replay_skipped: Any
     reused_bodies: Any
     ambiguous_commits: Any
-    upstream_latency: Any
-    claim_wait: Any
-    commit_latency: Any
-    duration: Any
-    in_flight: Any
+    upstream_latency: Timings
+    claim_wait: Timings
+    commit_latency: Timings
+    duration: Timings
+    in_flight: Level
 
 
 class Metrics:
@@ -52,6 +131,8 @@ class Metrics:
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         self.registry = CollectorRegistry()
         self._pool_stats: Callable[[], tuple[int, int]] | None = None
+        self._buffered: Callable[[], int] | None = None
+        self._held: list[Tally | Timings | Level] = []
         self.requests = Counter(
             "dedup_requests",
             "Requests by route and outcome (route is empty for pass-through).",
@@ -181,35 +262,43 @@ class Metrics:
 
     def route(self, name: str) -> RouteMeters:
         """The metric children of one route (``""``: pass-through)."""
-        return RouteMeters(
-            requests={outcome: self.requests.labels(name, outcome) for outcome in OUTCOMES},
+        meters = RouteMeters(
+            requests={outcome: Tally(self.requests.labels(name, outcome)) for outcome in OUTCOMES},
             mismatches=self.mismatches.labels(name),
             oversized=self.oversized.labels(name),
             replays=self.replays.labels(name),
             replay_skipped=self.replay_skipped.labels(name),
             reused_bodies=self.reused_bodies.labels(name),
             ambiguous_commits=self.ambiguous_commits.labels(name),
-            upstream_latency=self.upstream_latency.labels(name),
-            claim_wait=self.claim_wait.labels(name),
-            commit_latency=self.commit_latency.labels(name),
-            duration=self.duration.labels(name),
-            in_flight=self.in_flight.labels(name),
+            upstream_latency=Timings(self.upstream_latency.labels(name)),
+            claim_wait=Timings(self.claim_wait.labels(name)),
+            commit_latency=Timings(self.commit_latency.labels(name)),
+            duration=Timings(self.duration.labels(name)),
+            in_flight=Level(self.in_flight.labels(name)),
         )
+        self._held += [*meters.requests.values(), meters.upstream_latency, meters.claim_wait,
+                       meters.commit_latency, meters.duration, meters.in_flight]  # fmt: skip
+        return meters
 
     def watch_pool(self, stats: Callable[[], tuple[int, int]]) -> None:
-        """Read the pool's (open, idle) connection counts at every scrape (with workers, at
-        every ``refresh``: a scrape reads the files, not the other workers' pools)."""
+        """Read the pool's (open, idle) connection counts at every ``flush``."""
         self._pool_stats = stats
-        if not self.multiprocess:
-            self.pool_size.set_function(lambda: stats()[0])
-            self.pool_in_use.set_function(lambda: stats()[0] - stats()[1])
 
-    def refresh(self) -> None:
-        """Write this worker's pool gauges (multiprocess mode only)."""
-        if self.multiprocess and self._pool_stats is not None:
+    def watch_buffered(self, held: Callable[[], int]) -> None:
+        """Read the bytes held against max_buffered at every ``flush``."""
+        self._buffered = held
+
+    def flush(self) -> None:
+        """Write what was held in plain Python, and the pool's and the budget's levels, to
+        prometheus-client's metrics (with workers: this worker's files)."""
+        for held in self._held:
+            held.flush()
+        if self._pool_stats is not None:
             size, idle = self._pool_stats()
             self.pool_size.set(size)
             self.pool_in_use.set(size - idle)
+        if self._buffered is not None:
+            self.buffered.set(self._buffered())
 
     def exposition_registry(self) -> CollectorRegistry:
         """What ``/metrics`` serves: this registry, or every worker's values added up."""

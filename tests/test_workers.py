@@ -180,10 +180,15 @@ async def test_workers_share_the_port_and_add_up_their_metrics(
     served_by = {x["worker"] for x in supervised.lines() if x.get("outcome")}
     assert served_by == {1, 2}
 
-    samples = await supervised.metrics()
     processed = 'dedup_requests_total{outcome="processed",route="corvel"}'
     duplicate = 'dedup_requests_total{outcome="duplicate",route="corvel"}'
-    assert (samples[processed], samples[duplicate]) == (30, 30)
+
+    async def both_counted() -> bool:
+        # The worker not answering the scrape writes its counts every second.
+        samples = await supervised.metrics()
+        return (samples.get(processed), samples.get(duplicate)) == (30, 30)
+
+    await wait_until(both_counted, "both workers' requests in the counters")
 
     async def both_pools() -> bool:
         return (await supervised.metrics()).get("dedup_db_pool_connections") == 6

@@ -1,0 +1,82 @@
+"""The metrics held in plain Python until flushed read exactly as prometheus-client's own would."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from proxy import metrics
+
+BUCKETS = metrics._LATENCY_BUCKETS
+# Seconds, the bucket bounds themselves included (a value on a bound is in that bucket).
+SECONDS = st.one_of(
+    st.sampled_from(BUCKETS),
+    st.floats(min_value=0, max_value=100, allow_nan=False),
+)
+
+
+def samples(registry: CollectorRegistry, name: str) -> dict[tuple[str, str], float]:
+    found = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name.startswith(name) and not sample.name.endswith("_created"):
+                found[(sample.name, sample.labels.get("le", ""))] = sample.value
+    return found
+
+
+@given(batches=st.lists(st.lists(SECONDS, max_size=20), max_size=5))
+def test_timings_flushed_read_as_the_same_observations_made_one_by_one(
+    batches: list[list[float]],
+) -> None:
+    held, direct = CollectorRegistry(), CollectorRegistry()
+    timings = metrics.Timings(Histogram("t", "", ["route"], buckets=BUCKETS, registry=held)
+                              .labels("r"))  # fmt: skip
+    reference = Histogram("t", "", ["route"], buckets=BUCKETS, registry=direct).labels("r")
+    for batch in batches:
+        for value in batch:
+            timings.observe(value)
+            reference.observe(value)
+        timings.flush()
+        got, want = samples(held, "t"), samples(direct, "t")
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-9), key
+
+
+def test_nothing_is_written_before_a_flush_and_everything_after() -> None:
+    registry = CollectorRegistry()
+    tally = metrics.Tally(Counter("c", "", registry=registry))
+    level = metrics.Level(Gauge("g", "", registry=registry))
+    for _ in range(3):
+        tally.inc()
+    level.inc()
+    level.inc()
+    level.dec()
+    assert registry.get_sample_value("c_total") == 0
+    assert registry.get_sample_value("g") == 0
+    tally.flush()
+    level.flush()
+    assert registry.get_sample_value("c_total") == 3
+    assert registry.get_sample_value("g") == 1
+    tally.inc()
+    level.dec()
+    tally.flush()
+    level.flush()
+    assert registry.get_sample_value("c_total") == 4
+    assert registry.get_sample_value("g") == 0
+
+
+def test_a_flush_writes_the_pool_and_the_budget_levels() -> None:
+    meters = metrics.Metrics()
+    held = {"bytes": 0}
+    meters.watch_pool(lambda: (4, 1))
+    meters.watch_buffered(lambda: held["bytes"])
+    held["bytes"] = 1024
+    meters.flush()
+    registry = meters.registry
+    assert registry.get_sample_value("dedup_db_pool_connections") == 4
+    assert registry.get_sample_value("dedup_db_pool_connections_in_use") == 3
+    assert registry.get_sample_value("dedup_buffered_bytes") == 1024
