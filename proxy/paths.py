@@ -67,12 +67,23 @@ def normalize(raw_target: str) -> Target:
     if not raw_target.startswith("/"):
         raise errors.PathRefused("the request target must be a path (origin-form)")
     path = raw_target.partition("?")[0]
+    if not already_normal(path):
+        path = normalize_path(path)
+    return Target(path, query_of(raw_target))
+
+
+def already_normal(path: str) -> bool:
+    """Nothing to decode, no dot segment, no empty one: ``normalize_path`` would return
+    ``path`` as it is (most requests; checked without the work)."""
+    return "%" not in path and "/." not in path and "//" not in path
+
+
+def normalize_path(path: str) -> str:
     decoded = _ESCAPE.sub(_decode_unreserved, path)
     segments = _remove_dots(decoded.split("/"))
     last = decoded.rsplit("/", 1)[-1]
     trailing = bool(segments) and (decoded.endswith("/") or last in (".", ".."))
-    normalized = "/" + "/".join(segments) + ("/" if trailing else "")
-    return Target(normalized, query_of(raw_target))
+    return "/" + "/".join(segments) + ("/" if trailing else "")
 
 
 def query_of(raw_target: str) -> str:

@@ -16,12 +16,12 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import http_parser, web
 
-from proxy import admin, app, config, errors, limits, pipeline
+from proxy import admin, app, config, errors, limits, pipeline, routes
 
 log = logging.getLogger(__name__)
 
@@ -166,19 +166,8 @@ async def serve(
             "" if worker is None else f", worker {worker} of {cfg.workers}",
             extra={"fields": {"listen": str(cfg.listen), "routes": [r.name for r in cfg.routes]}},
         )
-        for route in cfg.routes if worker in (None, 1) else ():
-            if route.idempotency and not route.scope_from:
-                log.warning(
-                    "route %s has no scope_from: all clients share one key space, and one "
-                    "client's key can replay or block another's (see docs/how-it-works.md)",
-                    route.name,
-                )
-            elif route.verify is None and not route.scope_from:
-                log.warning(
-                    "route %s checks no signature: anyone who can reach the proxy and knows an "
-                    "event ID can claim it first (see docs/security.md)",
-                    route.name,
-                )
+        if worker in (None, 1):
+            _warn_unprotected(cfg.routes)
         await stop.wait()
         proxy[pipeline.DRAINING].set()
         proxy[pipeline.METRICS].draining.set(1)
@@ -198,6 +187,23 @@ async def serve(
             if handed is not None:
                 handed.close()
     log.info("stopped")
+
+
+def _warn_unprotected(configured: Sequence[routes.RouteConfig]) -> None:
+    """Once per proxy: the routes anyone who can reach it may claim events on."""
+    for route in configured:
+        if route.idempotency and not route.scope_from:
+            log.warning(
+                "route %s has no scope_from: all clients share one key space, and one "
+                "client's key can replay or block another's (see docs/how-it-works.md)",
+                route.name,
+            )
+        elif route.verify is None and not route.scope_from:
+            log.warning(
+                "route %s checks no signature: anyone who can reach the proxy and knows an "
+                "event ID can claim it first (see docs/security.md)",
+                route.name,
+            )
 
 
 def _watch_lifeline(loop: asyncio.AbstractEventLoop, fd: int, stop: asyncio.Event) -> None:

@@ -321,3 +321,10 @@ def test_normalization_is_idempotent(text: str) -> None:
     raw = "/" + text
     once = paths.normalize(raw)
     assert paths.normalize(once.path + once.query) == once
+
+
+@given(st.text(alphabet="aB0-_~/.%2eEfF;\\:@!", max_size=30))
+def test_a_path_taken_as_already_normal_is_what_normalizing_it_gives(text: str) -> None:
+    path = "/" + text
+    if paths.already_normal(path):
+        assert paths.normalize_path(path) == path
