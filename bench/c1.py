@@ -56,7 +56,12 @@ while data := connection.recv(64):
 # SCHED_IDLE, not nice 19: with EEVDF (Linux 6.6+) a woken task waits for a nice-19 task's
 # slice to end (measured here: a COMMIT's median went from 0.15 to 3.8 ms); a SCHED_IDLE task
 # gives way at once.
-_SPIN = "import os\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True:\n    pass\n"
+_SPIN = """
+import os
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+while True:
+    pass
+"""
 
 
 class Client:
@@ -129,6 +134,12 @@ async def claim_series(dsn: str, count: int, run: str) -> tuple[list[float], lis
     return claimed, committed
 
 
+def user_system(service: procs.Service) -> tuple[float, float]:
+    """The user and system CPU seconds of a service and its workers, summed."""
+    pairs = [procs.user_system_seconds(pid) for pid in service.pids()]
+    return sum(user for user, _ in pairs), sum(system for _, system in pairs)
+
+
 def profile(out: Path, pid: int) -> subprocess.Popen[bytes]:
     """py-spy recording ``pid`` (Python on a CPU only: ``--gil``) until interrupted."""
     spy = Path(sys.executable).parent / "py-spy"
@@ -192,6 +203,7 @@ def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[st
         since = proxy.log_path.stat().st_size
         recorder = profile(args.profile, proxy.pid) if args.profile and n == 0 else None
         before = {"proxy": proxy.cpu(), "app": app.cpu(), "postgres": bench.postgres_cpu()}
+        split = user_system(proxy)
         series.setdefault("through the proxy", []).extend(
             through_proxy.post(body(run + "p", i))[0] for i in range(args.requests)
         )
@@ -202,6 +214,9 @@ def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[st
         for name, probe in (("proxy", proxy.cpu), ("app", app.cpu),
                             ("postgres", bench.postgres_cpu)):  # fmt: skip
             cpu[name] += probe() - before[name]
+        user, system = user_system(proxy)
+        cpu["proxy: user"] = cpu.get("proxy: user", 0.0) + user - split[0]
+        cpu["proxy: system"] = cpu.get("proxy: system", 0.0) + system - split[1]
         for name, values in log_phases(proxy.log_path, since).items():
             phases.setdefault(name, []).extend(values)
         claimed, committed = asyncio.run(claim_series(bench.dsn, args.requests, run))

@@ -62,6 +62,14 @@ def cpu_seconds(pid: int, *, reaped: bool = False) -> float:
     return ticks / TICK
 
 
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    """utime and stime of ``pid``, apart: the interpreter's work, and the kernel's."""
+    fields = _stat(pid)
+    if fields is None:
+        return 0.0, 0.0
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU of ``pid``, its live descendants, and the descendants it has already reaped.
 

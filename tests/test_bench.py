@@ -108,3 +108,22 @@ def test_a_duplicate_storm_reaches_the_upstream_once(quick_run: QuickRun | str) 
         assert storm["upstream_calls"] == 1
         assert storm["statuses"]["processed"] == 1
         assert sum(storm["statuses"].values()) == storm["copies"]
+
+
+def test_the_c1_account_runs_and_names_every_phase(tmp_path: Path) -> None:
+    if shutil.which("wrk") is None:
+        pytest.fail("the benchmark needs wrk, which is not installed: apt-get install wrk")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "c1.py"), "--requests", "60", "--rounds", "1",
+         "--json", str(tmp_path / "c1.json")],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=120, check=False,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    for row in ("through the proxy", "claim_ms", "upstream_ms", "commit_ms", "total_ms",
+                "proxy: user", "proxy: system"):  # fmt: skip
+        assert f"| {row}" in done.stdout
+    found = json.loads((tmp_path / "c1.json").read_text(encoding="utf-8"))
+    assert found["requests"] == 60
+    # The proxy's log lines carried every phase (each line's own sum is checked in test_admin).
+    assert all(found["phases"][name] > 0 for name in ("claim_ms", "upstream_ms", "commit_ms"))
