@@ -1,6 +1,6 @@
 """Where one webhook's time goes at one connection: the proxy's phases beside what each costs alone.
 
-    python bench/c1.py [--requests N] [--workers W] [--awake]
+    python bench/c1.py [--requests N] [--rounds R] [--workers W] [--profile FILE]
 
 Starts an embedded PostgreSQL, the bench app (bench/upstream.py) and the proxy through its CLI
 (one JSON log line per webhook), then sends ``N`` webhooks one after the other on one
@@ -14,10 +14,9 @@ same way, what each hop costs on its own:
   (``claims.ClaimStore``), from this process;
 - the proxy's log lines: ``claim_ms``, ``upstream_ms``, ``commit_ms``, ``total_ms``.
 
-Each series is run in ``--rounds`` alternating rounds, and medians are reported. With
-``--awake``, one busy-looping process per CPU under ``SCHED_IDLE`` runs throughout, so that no
-CPU ever goes idle: what changes then is what waking an idle CPU costs (on a virtual machine, a halt
-and an interrupt through the hypervisor), not anything the proxy does.
+Each series is run in ``--rounds`` alternating rounds, and medians are reported, with the CPU
+each process spent per webhook (the proxy's user and system time apart): at one connection
+nothing overlaps, so the latency is close to the sum of the CPU every process spends in turn.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import socket
 import statistics
@@ -52,15 +50,6 @@ connection, _ = listener.accept()
 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 while data := connection.recv(64):
     connection.sendall(data)
-"""
-# SCHED_IDLE, not nice 19: with EEVDF (Linux 6.6+) a woken task waits for a nice-19 task's
-# slice to end (measured here: a COMMIT's median went from 0.15 to 3.8 ms); a SCHED_IDLE task
-# gives way at once.
-_SPIN = """
-import os
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-while True:
-    pass
 """
 
 
@@ -180,13 +169,6 @@ def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[st
     echo = subprocess.Popen([sys.executable, "-c", _ECHO, str(echo_port)])
     stack.callback(lambda: (echo.kill(), echo.wait()))
     time.sleep(0.5)
-    spinners: list[subprocess.Popen[bytes]] = []
-    if args.awake:
-        for _ in range(os.cpu_count() or 1):
-            spinner = subprocess.Popen([sys.executable, "-c", _SPIN])
-            spinners.append(spinner)
-            stack.callback(lambda s=spinner: (s.kill(), s.wait()))  # type: ignore[misc]
-
     series: dict[str, list[float]] = {}
     cpu: dict[str, float] = {"proxy": 0.0, "app": 0.0, "postgres": 0.0}
     phases: dict[str, list[float]] = {}
@@ -233,7 +215,6 @@ def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[st
         "phases": {name: median(values) for name, values in phases.items()},
         "cpu_us": {name: seconds * 1e6 / requests for name, seconds in cpu.items()},
         "pgbench_p50": pgbench.p50_ms,
-        "awake": args.awake,
         "workers": args.workers,
         "requests": requests,
     }
@@ -244,9 +225,8 @@ def report(found: dict[str, Any]) -> str:
     added = m["through the proxy"] - m["app alone"]
     own = p["total_ms"] - p["claim_ms"] - p["upstream_ms"] - p["commit_ms"]
     outside = m["through the proxy"] - p["total_ms"]
-    awake = "one SCHED_IDLE busy loop per CPU (no CPU idle)" if found["awake"] else "idle CPUs"
     lines = [
-        f"{found['requests']} sequential webhooks per series, medians, {awake}, "
+        f"{found['requests']} sequential webhooks per series, medians, "
         f"{found['workers']} worker(s):",
         "",
         "| measured | ms |",
@@ -279,7 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="per series and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--awake", action="store_true", help="keep every CPU busy meanwhile")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--profile", type=Path, help="py-spy record the proxy's first round")
     args = parser.parse_args(argv)
