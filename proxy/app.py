@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -24,6 +25,8 @@ from proxy import (
     pipeline,
     retention,
 )
+
+log = logging.getLogger(__name__)
 
 CONFIG = web.AppKey("config", config.Config)
 DSN = web.AppKey("dsn", str)
@@ -99,7 +102,10 @@ async def _metrics(app: web.Application) -> AsyncIterator[None]:
 
     async def flush() -> None:
         while True:
-            meters.flush()
+            try:
+                meters.flush()
+            except Exception:  # the next second tries again; the requests go on regardless
+                log.exception("writing this worker's metrics failed")
             await asyncio.sleep(1)
 
     try:

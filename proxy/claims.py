@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
@@ -391,9 +392,10 @@ class ClaimStore:
         return True
 
     async def _acquire(self) -> Connection:
-        if self._pool.ready():
+        now = time.monotonic()
+        if self._pool.ready(now):
             # The common case, without arming a timer: a free connection, lent at once.
-            return await self._pool.acquire()
+            return await self._pool.acquire(now)
         with translated("cannot connect to PostgreSQL"):
             try:
                 # asyncio.timeout, not acquire(timeout=): on Python 3.11 asyncpg's wait_for

@@ -10,9 +10,9 @@ the buffered bytes) is added up in plain Python first (``Tally``, ``Timings``, `
 written to prometheus-client's metrics by ``flush``: before every scrape, and every second with
 workers (each worker's own files). prometheus-client takes a lock per write and, in
 multiprocess mode, a ``getpid()`` and a write to a memory-mapped file: eleven of them per
-webhook cost about 5 % of a worker's CPU (bench/RESULTS.md). So a scrape answered by one worker
-sees the others' values as of their last second; a worker killed with SIGKILL loses at most its
-last second of them.
+webhook cost about 9 % of a worker's CPU (docs/benchmarks.md). So a scrape answered by one
+worker sees the others' values as of their last second; a worker killed with SIGKILL loses at
+most its last second of them.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class Tally:
         self.count += 1
 
     def flush(self) -> None:
+        # Taken before writing, in every class here: a write that fails loses its values
+        # rather than counting them twice at the next flush.
         if self.count:
             count, self.count = self.count, 0
             self._child.inc(count)
@@ -74,12 +76,12 @@ class Timings:
     def flush(self) -> None:
         if not any(self._counts):
             return
-        self._child._sum.inc(self._sum)
-        for bucket, count in zip(self._child._buckets, self._counts, strict=True):
+        counts, total = self._counts, self._sum
+        self._counts, self._sum = [0] * len(self._bounds), 0.0
+        self._child._sum.inc(total)
+        for bucket, count in zip(self._child._buckets, counts, strict=True):
             if count:
                 bucket.inc(count)
-        self._counts = [0] * len(self._bounds)
-        self._sum = 0.0
 
 
 class Level:
@@ -101,7 +103,7 @@ class Level:
     def flush(self) -> None:
         if self.value != self._written:
             self._written = self.value
-            self._child.set(self.value)
+            self._child.set(self.value)  # a level: writing it again later repairs a failure
 
 
 @dataclass(frozen=True, slots=True)

@@ -368,7 +368,7 @@ class Webhook:
                 # provider's retry of this 502 is then a duplicate, not a second delivery.
                 fields["upstream_status"] = exc.upstream_status
                 try:
-                    await claim.commit()
+                    await self._commit(claim, None, fields)
                 except errors.CommitFailed as failed:
                     fields["commit_error"] = failed.message
             raise
@@ -376,23 +376,30 @@ class Webhook:
             fields["outcome"] = "upstream_error"
             return upstream.to_web(), None
         answer = self._answer_to_store(upstream, fields)
-        started = time.perf_counter()
         try:
-            await claim.commit(answer)
+            await self._commit(claim, answer, fields)
         except errors.CommitFailed as exc:
             # The upstream did the work: answering anything but its 2xx would make the provider
             # retry, and the retry would be forwarded again (see docs/guarantees.md).
             fields.update(outcome="ambiguous_commit", error=exc.message)
             return upstream.to_web(), None
-        finally:
-            took = time.perf_counter() - started
-            self.meters.commit_latency.observe(took)
-            fields["commit_ms"] = round(took * 1000, 2)
         fields["outcome"] = "processed"
         if claim.reconciled:
             fields["reconciled"] = True
             answer = None  # re-claimed on another connection, without it
         return upstream.to_web(), answer
+
+    async def _commit(
+        self, claim: claims.Claim, answer: claims.Answer | None, fields: dict[str, Any]
+    ) -> None:
+        """COMMIT the claim (with ``answer``), timed on the log line and in the metrics."""
+        started = time.perf_counter()
+        try:
+            await claim.commit(answer)
+        finally:
+            took = time.perf_counter() - started
+            self.meters.commit_latency.observe(took)
+            fields["commit_ms"] = round(took * 1000, 2)
 
     def _answer_to_store(
         self, upstream: forwarder.UpstreamResponse, fields: dict[str, Any]

@@ -64,26 +64,26 @@ class Pool:
         pool._open.update(opened)
         return pool
 
-    def ready(self) -> bool:
-        """Whether ``acquire`` would return at once: a free slot, and on top of the stack an
-        open connection that has not idled too long (so nothing to wait for or to open)."""
+    def ready(self, now: float) -> bool:
+        """Whether ``acquire(now)`` would return at once: a free slot, and on top of the stack
+        an open connection not idle for ``MAX_IDLE`` at ``now`` (so nothing to wait for or to
+        open). Judge both by the same ``now``: a second clock reading could cross MAX_IDLE."""
         if self._slots.locked() or self._closed or not self._free:
             return False
         connection, since = self._free[-1]
-        return (
-            connection is not None
-            and not connection.is_closed()
-            and time.monotonic() - since < MAX_IDLE
-        )
+        return connection is not None and not connection.is_closed() and now - since < MAX_IDLE
 
-    async def acquire(self) -> Connection:
-        """A connection, waiting for a free slot (bound the wait with a timeout)."""
+    async def acquire(self, now: float | None = None) -> Connection:
+        """A connection, waiting for a free slot (bound the wait with a timeout); a connection
+        idle for ``MAX_IDLE`` at ``now`` (default: when the slot is free) is replaced."""
         await self._slots.acquire()
         if self._closed:
             self._slots.release()
             raise asyncpg.InterfaceError("the pool is closed")
         connection, since = self._free.pop()
-        if connection is None or connection.is_closed() or time.monotonic() - since >= MAX_IDLE:
+        if now is None:
+            now = time.monotonic()
+        if connection is None or connection.is_closed() or now - since >= MAX_IDLE:
             if connection is not None:
                 self._forget(connection)
             try:

@@ -153,7 +153,7 @@ async def serve(
             await limits.BoundedSite(runner, sock, bound=bound, shed=shed, backlog=BACKLOG).start()
         # What start-up built (modules, configuration, routes, pools) stays for the life of
         # the process: out of the cyclic collector's sight, each collection under load walks
-        # only what requests made (bench/RESULTS.md: the collector's share of the CPU).
+        # only what requests made (about 3 % of the CPU per request: docs/benchmarks.md).
         gc.freeze()
         if on_listening is not None:
             on_listening()  # first: once the line below is out, the supervisor has been told

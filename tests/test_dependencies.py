@@ -1,4 +1,4 @@
-"""The aiohttp internals the proxy relies on are still there.
+"""The aiohttp (and prometheus-client) internals the proxy relies on are still there.
 
 pyproject.toml pins aiohttp to the tested range (>=3.14.4,<3.15). Widening that range means
 running this file first: each check names the module that relies on the internal, so a failure
@@ -11,6 +11,7 @@ from importlib.metadata import version
 
 from aiohttp import http_exceptions, http_parser, web, web_protocol
 from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry, Histogram
 
 
 def test_aiohttp_is_in_the_tested_range() -> None:
@@ -55,3 +56,12 @@ async def test_request_handler_internals_the_connection_bound_reads() -> None:
 def test_the_test_server_hook_conftest_overrides() -> None:
     # tests/conftest.ProxyTestServer passes the proxy's runner options through _make_runner.
     assert callable(getattr(TestServer, "_make_runner", None))
+
+
+def test_the_histogram_internals_metrics_timings_writes_into() -> None:
+    # metrics.Timings adds a flush's counts into a Histogram child's per-bucket values and its
+    # sum, in the order of its upper bounds (tests/test_metrics.py checks the result).
+    child = Histogram("h", "", ["route"], buckets=(1, 2), registry=CollectorRegistry()).labels("r")
+    assert list(child._upper_bounds) == [1, 2, float("inf")]
+    assert len(child._buckets) == 3
+    assert all(callable(value.inc) for value in [child._sum, *child._buckets])

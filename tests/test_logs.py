@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import io
 import json
 import logging
@@ -123,6 +124,8 @@ def test_text_lines_quote_values_so_none_can_forge_a_field(log_lines: io.StringI
         {"event_id": "x\ud800"},  # a lone surrogate, which orjson refuses
         {"event_id": 2**70},  # over 64 bits, which orjson refuses
         {"path": Path("/odd"), "error": ValueError("no")},  # not JSON types: str()
+        {"at": datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)},  # str(), as before
+        {"event_id": "del\x7f"},  # DEL: escaped, as the json module does
     ],
 )
 def test_a_json_line_is_ascii_and_reads_back_as_its_fields(fields: dict[str, Any]) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -80,3 +82,40 @@ def test_a_flush_writes_the_pool_and_the_budget_levels() -> None:
     assert registry.get_sample_value("dedup_db_pool_connections") == 4
     assert registry.get_sample_value("dedup_db_pool_connections_in_use") == 3
     assert registry.get_sample_value("dedup_buffered_bytes") == 1024
+
+
+class FailingOnce:
+    """A prometheus-client value whose first write fails."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self.failed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.value, name)
+
+    def inc(self, amount: float) -> None:
+        if not self.failed:
+            self.failed = True
+            raise OSError("disk full")
+        self.value.inc(amount)
+
+
+def test_a_flush_that_fails_midway_never_counts_twice() -> None:
+    registry = CollectorRegistry()
+    child = Histogram("t", "", ["route"], buckets=BUCKETS, registry=registry).labels("r")
+    child._buckets[0] = FailingOnce(child._buckets[0])  # type: ignore[assignment]
+    timings = metrics.Timings(child)
+    timings.observe(0.0005)
+    timings.observe(0.5)
+    with pytest.raises(OSError, match="disk full"):
+        timings.flush()
+    timings.observe(0.5)
+    timings.flush()
+    # At most what was observed; the failed flush's values may be lost, never written twice.
+    count = registry.get_sample_value("t_count", {"route": "r"})
+    total = registry.get_sample_value("t_sum", {"route": "r"})
+    assert count is not None
+    assert total is not None
+    assert count <= 3
+    assert total <= 0.0005 + 0.5 + 0.5 + 1e-9

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -150,9 +151,9 @@ async def test_releasing_twice_is_refused(opened: pool.Pool) -> None:
         opened.release(connection)
 
 
-def lend_now(lender: pool.Pool) -> pool.Connection:
-    """``acquire`` run to its end without an event loop turn: fails if it would suspend."""
-    coroutine = lender.acquire()
+def lend_now(lender: pool.Pool, now: float) -> pool.Connection:
+    """``acquire(now)`` run to its end without an event loop turn: fails if it would suspend."""
+    coroutine = lender.acquire(now)
     try:
         coroutine.send(None)
     except StopIteration as done:
@@ -163,23 +164,26 @@ def lend_now(lender: pool.Pool) -> pool.Connection:
 
 
 async def test_ready_says_exactly_when_acquire_lends_without_waiting_or_connecting(
-    opened: pool.Pool, monkeypatch: pytest.MonkeyPatch
+    opened: pool.Pool,
 ) -> None:
-    assert opened.ready()
-    a = lend_now(opened)
-    assert opened.ready()
-    b = lend_now(opened)
-    assert not opened.ready()  # every slot lent: acquire would wait
+    now = time.monotonic()
+    assert opened.ready(now)
+    a = lend_now(opened, now)
+    assert opened.ready(now)
+    b = lend_now(opened, now)
+    assert not opened.ready(now)  # every slot lent: acquire would wait
     opened.release(a)
-    assert opened.ready()
+    assert opened.ready(time.monotonic())
     b.terminate()
     opened.release(b)  # on top now: a slot whose connection must be opened again
-    assert not opened.ready()
+    assert not opened.ready(time.monotonic())
     fresh = await opened.acquire()
     opened.release(fresh)
-    assert opened.ready()
-    monkeypatch.setattr(pool, "MAX_IDLE", 0.0)
-    assert not opened.ready()  # idle too long: acquire would replace it
-    monkeypatch.undo()
+    later = time.monotonic() + pool.MAX_IDLE
+    assert not opened.ready(later)  # idle too long by then: acquire(later) would replace it
+    replaced = await opened.acquire(later)
+    assert replaced is not fresh
+    assert fresh.is_closed()
+    opened.release(replaced)
     await opened.close(5)
-    assert not opened.ready()
+    assert not opened.ready(time.monotonic())
