@@ -12,6 +12,7 @@ same way, what each hop costs on its own:
 - ``app alone``: the same webhooks straight to the app;
 - ``claim SQL`` and ``COMMIT``: the proxy's own claim statement and COMMIT
   (``claims.ClaimStore``), from this process;
+- PostgreSQL's own time for the proxy's statements (``pg_stat_statements``, loaded at start);
 - the proxy's log lines: ``claim_ms``, ``upstream_ms``, ``commit_ms``, ``total_ms``.
 
 Each series is run in ``--rounds`` alternating rounds, and medians are reported, with the CPU
@@ -163,9 +164,41 @@ def log_phases(path: Path, since: int) -> dict[str, list[float]]:
     return phases
 
 
-def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[str, Any]:
+# PostgreSQL's own time per statement of the proxy's (planning included), by the start of its
+# text: pg_stat_statements keeps one entry per statement of a multi-statement query.
+# (COMMIT's entry is left out: the WAL flush happens after the statement's timing ends.)
+_STATEMENTS = (("BEGIN", "BEGIN%"), ("each SET LOCAL", "SET LOCAL%"),
+               ("the claim's INSERT", "INSERT%"))  # fmt: skip
+
+
+def start_database(bench: Bench) -> None:
+    """The embedded PostgreSQL with pg_stat_statements loaded, and the claim table."""
     bench.dsn = bench.database.start()
+    bench.sql("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+    bench.sql("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
+    bench.database.stop()
+    bench.dsn = bench.database.start()
+    bench.sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     bench.sql(claims.schema_sql(TABLE))
+
+
+def server_times(bench: Bench) -> dict[str, float]:
+    """Mean milliseconds PostgreSQL spent planning and running each of the proxy's statements
+    since the last reset (the proxy's sessions only: application_name is not kept, so the
+    reset comes right before the proxy's series and the reading right after)."""
+    found = {}
+    for name, pattern in _STATEMENTS:
+        mean = bench.value(
+            "SELECT sum(total_exec_time + total_plan_time) / nullif(sum(calls), 0) "
+            "FROM pg_stat_statements WHERE query LIKE $1",
+            pattern,
+        )
+        found[name] = float(mean or 0.0)
+    return found
+
+
+def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[str, Any]:
+    start_database(bench)
     app = bench.start_upstream("upstream")
     proxy = bench.start_proxy("proxy", app, 4, workers=args.workers)
     echo_port = procs.free_port()
@@ -189,9 +222,12 @@ def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[st
         recorder = profile(args.profile, proxy.pid) if args.profile and n == 0 else None
         before = {"proxy": proxy.cpu(), "app": app.cpu(), "postgres": bench.postgres_cpu()}
         split = user_system(proxy)
+        bench.sql("SELECT pg_stat_statements_reset()")
         series.setdefault("through the proxy", []).extend(
             through_proxy.post(body(run + "p", i))[0] for i in range(args.requests)
         )
+        for name, mean in server_times(bench).items():
+            series.setdefault(f"PostgreSQL: {name}", []).append(mean)
         time.sleep(0.3)  # the last log lines
         if recorder is not None:
             recorder.send_signal(signal.SIGINT)
@@ -246,6 +282,9 @@ def report(found: dict[str, Any]) -> str:
         f"| the issue's figure: added minus pgbench | {added - found['pgbench_p50']:+.3f} |",
         f"| the proxy's claim SQL alone (1 round trip) | {m['claim SQL']:.3f} |",
         f"| the proxy's COMMIT alone (1 round trip, WAL flush) | {m['COMMIT']:.3f} |",
+        "| **inside PostgreSQL (pg_stat_statements, the proxy's statements, planning "
+        "included)** | |",
+        *(f"| {name} | {m[f'PostgreSQL: {name}']:.3f} |" for name, _ in _STATEMENTS),
         "| **inside the proxy (its log line)** | |",
         f"| claim_ms | {p['claim_ms']:.3f} |",
         f"| upstream_ms (the app's answer; the app alone takes {m['app alone']:.3f}) | "
