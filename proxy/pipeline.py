@@ -239,7 +239,7 @@ class Webhook:
         async with request.app[FLIGHTS].turn((key.scope, key.event_id), self.claim_wait) as flight:
             if flight.committed_sha256 is not None:
                 # A copy in this process just committed this event: no database round trip.
-                self._claimed(fields, claim_started)
+                _phase(fields, "claim_ms", self.meters.claim_wait, claim_started)
                 mismatch = flight.committed_sha256 != key.body_sha256
                 return self._duplicate(key, mismatch, fields, flight.answer)
             # The local wait and the row lock's share one claim_wait.
@@ -248,7 +248,7 @@ class Webhook:
                 wait = max(0.001, self.claim_wait - (time.perf_counter() - claim_started))
             stored: claims.Answer | None = None
             async with self._claim(request, key, wait) as claim:
-                self._claimed(fields, claim_started)
+                _phase(fields, "claim_ms", self.meters.claim_wait, claim_started)
                 if claim.acquired:
                     if self.recent_bodies is not None:
                         other = self.recent_bodies.claimed(key.scope, key.body_sha256, key.event_id)
@@ -322,11 +322,6 @@ class Webhook:
         event_id, event_type = self.extractor.extract(request.headers, query, body)
         return event_id, event_type, hashlib.sha256(body).digest()
 
-    def _claimed(self, fields: dict[str, Any], started: float) -> None:
-        waited = time.perf_counter() - started
-        fields["claim_ms"] = round(waited * 1000, 2)
-        self.meters.claim_wait.observe(waited)
-
     async def _call(
         self,
         request: web.Request,
@@ -340,9 +335,8 @@ class Webhook:
             request, self.route.upstream, target, body, fields["request_id"],
             reserve=reservation.answer,
         )  # fmt: skip
-        took = time.perf_counter() - started
-        self.meters.upstream_latency.observe(took)
-        fields.update(upstream_status=upstream.status, upstream_ms=round(took * 1000, 2))
+        fields["upstream_status"] = upstream.status
+        _phase(fields, "upstream_ms", self.meters.upstream_latency, started)
         if upstream.status == 410:
             # Standard Webhooks senders disable an endpoint that answers 410: never relay it.
             raise errors.UpstreamUnavailable("upstream answered 410 Gone; relayed as 502")
@@ -397,9 +391,7 @@ class Webhook:
         try:
             await claim.commit(answer)
         finally:
-            took = time.perf_counter() - started
-            self.meters.commit_latency.observe(took)
-            fields["commit_ms"] = round(took * 1000, 2)
+            _phase(fields, "commit_ms", self.meters.commit_latency, started)
 
     def _answer_to_store(
         self, upstream: forwarder.UpstreamResponse, fields: dict[str, Any]
@@ -475,6 +467,14 @@ def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
     return dispatch
 
 
+def _phase(fields: dict[str, Any], name: str, timings: metrics.Timings, started: float) -> None:
+    """The time since ``started``: in milliseconds on the log line as ``name``, in seconds in
+    the phase's histogram."""
+    took = time.perf_counter() - started
+    fields[name] = round(took * 1000, 2)
+    timings.observe(took)
+
+
 def _shed_reason(exc: errors.RequestError) -> str | None:
     """Why a request was shed to protect the worker, if it was."""
     if isinstance(exc, errors.Overloaded | errors.AnswerOverBudget):
@@ -506,10 +506,9 @@ def _finish(
     response: web.StreamResponse,
 ) -> None:
     """Count the request and write its canonical log line."""
-    took = time.perf_counter() - started
-    fields.update(status=response.status, total_ms=round(took * 1000, 2))
+    fields["status"] = response.status
+    _phase(fields, "total_ms", meters.duration, started)
     meters.requests[fields["outcome"]].inc()
-    meters.duration.observe(took)
     if fields.get("mismatch"):
         meters.mismatches.inc()
     if fields.get("body_claimed_as"):

@@ -197,17 +197,21 @@ async def test_replays_are_counted_and_logged(
     assert registry.get_sample_value("dedup_replays_total", {"route": "corvel"}) == 1
 
 
-async def test_a_table_without_the_answer_columns_is_upgraded(
-    pg_dsn: str, table: str, make_proxy: MakeProxy, upstream: FakeUpstream
-) -> None:
-    # The claim table as the previous release created it.
+async def create_previous_release_table(dsn: str, table: str) -> None:
+    """The claim table as the release before the answer columns created it."""
     await execute(
-        pg_dsn,
+        dsn,
         f'CREATE TABLE "{table}" (scope text NOT NULL, event_id text NOT NULL, '
         "event_type text, received_at timestamptz NOT NULL DEFAULT now(), body_sha256 bytea, "
         "PRIMARY KEY (scope, event_id)); "
         f'CREATE INDEX "{table}_received_at_idx" ON "{table}" (received_at)',
     )
+
+
+async def test_a_table_without_the_answer_columns_is_upgraded(
+    pg_dsn: str, table: str, make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    await create_previous_release_table(pg_dsn, table)
     connection = await asyncpg.connect(pg_dsn)
     try:
         lacking = await claims.missing_schema(connection, sql.for_table(table))
@@ -299,13 +303,7 @@ def test_answers_that_cannot_be_stored_as_text_are_not() -> None:
 async def test_the_answer_columns_are_added_only_for_replay_and_never_stall_claims(
     pg_dsn: str, table: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await execute(
-        pg_dsn,
-        f'CREATE TABLE "{table}" (scope text NOT NULL, event_id text NOT NULL, '
-        "event_type text, received_at timestamptz NOT NULL DEFAULT now(), body_sha256 bytea, "
-        "PRIMARY KEY (scope, event_id)); "
-        f'CREATE INDEX "{table}_received_at_idx" ON "{table}" (received_at)',
-    )
+    await create_previous_release_table(pg_dsn, table)
     queries = sql.for_table(table)
     holder = await asyncpg.connect(pg_dsn)
     connection = await asyncpg.connect(pg_dsn)
