@@ -44,7 +44,12 @@ def client_scope(
 ) -> str:
     """The scope of one client's keys: its ``scope_from`` headers as sent (any length: a JWT
     runs to kilobytes), hashed, so no client can replay or block another's keys. The claim's
-    scope holds the hash; logs show the route's scope only."""
+    scope holds the hash; logs show the route's scope only. ClientUnidentified if one is
+    absent, repeated, or named by Connection (the app would not receive it)."""
+    try:
+        keys.refuse_connection_naming(headers, (source.name for source in sources), route)
+    except errors.EventIdInvalid as exc:
+        raise errors.ClientUnidentified(exc.message) from None
     values = []
     for source in sources:
         sent = headers.getall(source.name, [])

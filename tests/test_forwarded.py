@@ -1,5 +1,5 @@
-"""X-Forwarded-* from untrusted clients are replaced by what the proxy saw; from trusted_proxies
-they are kept."""
+"""X-Forwarded-* from untrusted clients are replaced by what the proxy saw and the rest of the
+forwarding family is removed; from trusted_proxies they are kept."""
 
 from __future__ import annotations
 
@@ -16,6 +16,42 @@ SPOOFED = {
     "X-Forwarded-Proto": "https",
     "X-Forwarded-Host": "bank.example",
     "Forwarded": "for=203.0.113.66;proto=https",
+}
+# Written out here, not read from forwarded.py: what a client that reaches the sidecar directly
+# sends to choose its address, scheme, port or target as the app reads them (chi's RealIP, Rack,
+# Rails, Symfony, forward-auth services). The third probe saw the first eleven reach the app.
+FAMILY = {
+    "X-Real-IP": "203.0.113.66",
+    "True-Client-IP": "203.0.113.66",
+    "CF-Connecting-IP": "203.0.113.66",
+    "Client-IP": "203.0.113.66",
+    "Fastly-Client-IP": "203.0.113.66",
+    "X-Forwarded-Ssl": "on",
+    "X-Forwarded-Scheme": "https",
+    "X-Forwarded-Port": "443",
+    "X-Forwarded-Prefix": "/admin",
+    "X-Client-IP": "203.0.113.66",
+    "X-Cluster-Client-IP": "203.0.113.66",
+    "CF-Connecting-IPv6": "2001:db8::66",
+    "CF-Pseudo-IPv4": "240.0.0.66",
+    "X-Original-Forwarded-For": "203.0.113.66",
+    "X-Forwarded": "for=203.0.113.66",
+    "Forwarded-For": "203.0.113.66",
+    "X-Scheme": "https",
+    "X-Url-Scheme": "https",
+    "Front-End-Https": "on",
+    "X-Forwarded-Protocol": "https",
+    "CF-Visitor": '{"scheme":"https"}',
+    "X-Forwarded-Server": "bank.example",
+    "X-Forwarded-Path": "/admin",
+    "X-Forwarded-Uri": "/admin/users",
+    "X-Forwarded-Method": "GET",
+    "X-Original-URI": "/admin/users",
+    "X-Original-URL": "/webhooks/corvel",
+    "X-Rewrite-URL": "/webhooks/corvel",
+    "X-Forwarded-Tls-Client-Cert": "MIIB",
+    "X-Forwarded-Tls-Client-Cert-Info": "Subject%3D%22CN%3Dadmin%22",
+    "X-Forwarded-Client-Cert": "By=spiffe://bank/admin;Hash=00",
 }
 
 
@@ -66,6 +102,23 @@ def test_set_forwarded(trusted: bool) -> None:
         assert "Forwarded" not in headers
 
 
+@pytest.mark.parametrize("trusted", [False, True])
+def test_the_rest_of_the_family_is_believed_only_from_a_trusted_peer(trusted: bool) -> None:
+    # Lower-cased too: header names are case-insensitive, a filter on spellings would not be.
+    sent = [*FAMILY.items(), *((name.lower(), value) for name, value in FAMILY.items())]
+    headers = CIMultiDict([*sent, ("X-Request-Id", "r-1"), ("Authorization", "Bearer t")])
+    forwarded.set_forwarded(
+        headers, peer="192.0.2.7", scheme="http", host="hooks.example", trusted=trusted
+    )
+    family = {name.lower() for name in FAMILY}
+    kept = [(name, value) for name, value in headers.items() if name.lower() in family]
+    assert kept == (sent if trusted else [])
+    assert (headers.getall("X-Request-Id"), headers.getall("Authorization")) == (
+        ["r-1"],
+        ["Bearer t"],
+    )
+
+
 @pytest.mark.parametrize(
     ("trusted_proxies", "believed"), [([], False), (["192.0.2.0/24", "127.0.0.1"], True)]
 )
@@ -93,3 +146,23 @@ async def test_the_app_sees_forwarded_values_it_can_rely_on(
         assert seen.headers["x-forwarded-proto"] == ["http"]
         assert seen.headers["x-forwarded-host"] == ["hooks.example"]
         assert "forwarded" not in seen.headers
+
+
+@pytest.mark.parametrize(
+    ("trusted_proxies", "believed"), [([], False), (["192.0.2.0/24", "127.0.0.1"], True)]
+)
+@pytest.mark.parametrize("path", ["/webhooks/corvel", "/api/other"])
+async def test_the_app_sees_no_client_address_scheme_or_target_it_cannot_rely_on(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    trusted_proxies: list[str],
+    believed: bool,
+    path: str,
+) -> None:
+    client = await make_proxy(trusted_proxies=trusted_proxies)
+    response = await client.post(path, data=b'{"id": "evt_family"}', headers=FAMILY)
+    assert response.status == 200
+    (seen,) = upstream.requests
+    assert seen.path_qs == path  # X-Original-URL did not move the request
+    received = {name: seen.headers[name.lower()] for name in FAMILY if name.lower() in seen.headers}
+    assert received == ({name: [value] for name, value in FAMILY.items()} if believed else {})

@@ -211,3 +211,31 @@ def test_idempotency_key_route_option_problems(extra: dict[str, Any], problem: s
     with pytest.raises(errors.ConfigError) as info:
         config.parse(raw)
     assert info.value.problems[0].startswith(problem)
+
+
+@pytest.mark.parametrize(
+    ("connection", "code"),
+    [
+        # The client's scope would be read from a header the app never receives.
+        ("keep-alive, authorization", "client_unidentified"),
+        # So would the key itself, on a route with no verify.
+        ("Idempotency-Key", "idempotency_key_invalid"),
+    ],
+)
+async def test_a_connection_header_naming_the_key_or_the_scope_header_is_400(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
+    connection: str, code: str,
+) -> None:  # fmt: skip
+    client = await make_proxy(routes=[api_route()])
+    response = await client.post(
+        "/payments",
+        data=PAYMENT,
+        headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-hop",
+                 "Connection": connection},
+    )  # fmt: skip
+    assert response.status == 400
+    assert response.content_type == "application/problem+json"
+    problem = await response.json()
+    assert problem["code"] == code
+    assert upstream.requests == []
+    assert await fetch(pg_dsn, f'SELECT 1 FROM "{table}"') == []
