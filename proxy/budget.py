@@ -3,8 +3,9 @@
 A webhook is held whole (to find its ID, check its signature and forward it byte-exact), and
 so is the app's answer to it, so nothing else bounds the memory a worker needs: a burst of
 large webhooks would get it killed for its memory limit, with every request in flight. Each
-request reserves what it will hold before holding it: a body's declared length before reading
-it (a chunked body as it arrives), an answer's length before reading it. What does not fit is
+request reserves what it will hold before holding it: a body part by part as its bytes arrive
+(never a declared length ahead of them, which a request head alone could claim), an answer's
+length before reading it. What does not fit is
 refused at once, and a request's reservation is released when it ends, however it ends.
 A request always fits when nothing but its own bytes is held, so max_body alone decides the
 size of a lone request.
@@ -67,6 +68,17 @@ class Reservation:
                 f"({self._budget.held} held)"
             )
         self.size += size
+
+    def replay(self, size: int) -> None:
+        """Reserve a stored answer about to be replayed, beyond the first ANSWER_ALLOWANCE;
+        Overloaded (503: the duplicate is answered on a retry) if it does not fit."""
+        counted = max(0, size - ANSWER_ALLOWANCE)
+        if counted and not self._budget._take(counted, self.size):
+            raise errors.Overloaded(
+                f"a stored answer of {size} bytes does not fit max_buffered "
+                f"{self._budget.limit} ({self._budget.held} held)"
+            )
+        self.size += counted
 
     def answer(self, size: int) -> None:
         """Reserve ``size`` more bytes of the app's answer beyond the first ANSWER_ALLOWANCE;

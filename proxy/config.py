@@ -32,6 +32,11 @@ DEFAULT_MAX_BUFFERED = 64 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 1000
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_CLIENT_TIMEOUT = 60.0
+# nginx's client_body_timeout and send_timeout, counted between two successive reads of a
+# request body and two successive writes of an answer (nginx's default is 60 s): a provider
+# sends a webhook in one burst and reads its answer at once, and its own deadline is 10-30 s.
+DEFAULT_CLIENT_BODY_TIMEOUT = 10.0
+DEFAULT_SEND_TIMEOUT = 10.0
 DEFAULT_ADMIN_LISTEN = "127.0.0.1:9901"
 DEFAULT_SWEEP_INTERVAL = 60.0
 DEFAULT_SWEEP_BATCH = 1000
@@ -44,8 +49,8 @@ MAX_WORKERS = 64
 
 _LEVELS = ("debug", "info", "warning", "error")
 TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
-             "shutdown_timeout", "client_timeout", "log", "admin", "sweeper",
-             "workers", "passthrough", "max_buffered", "max_connections",
+             "shutdown_timeout", "client_timeout", "client_body_timeout", "send_timeout",
+             "log", "admin", "sweeper", "workers", "passthrough", "max_buffered", "max_connections",
              "trusted_proxies")  # fmt: skip
 DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
                   "connect_timeout")  # fmt: skip
@@ -148,6 +153,10 @@ class Config:
     claim_wait: float = DEFAULT_CLAIM_WAIT
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT
+    # A request body's bytes may pause at most this long; a client may read none of its answer
+    # for at most send_timeout. Either ends the connection (and frees what it held).
+    client_body_timeout: float = DEFAULT_CLIENT_BODY_TIMEOUT
+    send_timeout: float = DEFAULT_SEND_TIMEOUT
     log: LogConfig = field(default_factory=LogConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     sweeper: SweeperConfig = field(default_factory=SweeperConfig)
@@ -252,6 +261,10 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         client_timeout=r.value(
             top, "client_timeout", "", values.parse_duration, DEFAULT_CLIENT_TIMEOUT
         ),
+        client_body_timeout=r.value(
+            top, "client_body_timeout", "", _SHORT_DURATION, DEFAULT_CLIENT_BODY_TIMEOUT
+        ),
+        send_timeout=r.value(top, "send_timeout", "", _SHORT_DURATION, DEFAULT_SEND_TIMEOUT),
         admin=AdminConfig(
             listen=r.value(adm, "listen", "admin", _listen, _listen(DEFAULT_ADMIN_LISTEN))
         ),

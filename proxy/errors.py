@@ -226,14 +226,15 @@ class UpstreamUnavailable(RequestError):
 
     status = 502
     code = "upstream_unavailable"
+    # The status line the app had sent when its answer failed (None: none arrived). A 2xx means
+    # the app did the work: the claim is kept although the answer cannot be relayed.
+    upstream_status: int | None = None
 
 
 class AnswerOverBudget(UpstreamUnavailable):
     """The upstream's answer does not fit the proxy's memory budget."""
 
     code = "answer_too_large"
-    # The status the app answered with: a 2xx means the app did the work.
-    upstream_status: int | None = None
 
 
 class Overloaded(RequestError):

@@ -96,31 +96,32 @@ def error_response(exc: errors.RequestError, *, problem: bool = False) -> web.Re
 
 
 async def read_body(
-    request: web.Request, limit: int, within: float, reservation: budget.Reservation
+    request: web.Request,
+    limit: int,
+    within: float,
+    reservation: budget.Reservation,
+    *,
+    pause: float = float("inf"),
 ) -> bytes:
-    """The whole body within ``within`` seconds, refusing more than ``limit`` bytes (before
-    reading, when the length is declared), reserved against the memory budget before it is
-    held (a declared length at once, a chunked body as it arrives)."""
+    """The whole body within ``within`` seconds, its bytes never pausing longer than ``pause``
+    (nginx's client_body_timeout, counted between two reads), refusing more than ``limit`` bytes
+    (before reading, when the length is declared).
+
+    Each part is reserved against the memory budget as it arrives, never a declared length
+    ahead of its bytes: a request head alone (``Content-Length: 26214400`` and no body) must
+    not hold any of the budget, or a few such heads would shed every genuine webhook.
+    """
     declared = request.content_length
     if declared is not None and declared > limit:
         raise errors.BodyTooLarge(f"body of {declared} bytes is over max_body {limit}")
-    if declared is not None:
-        reservation.body(declared)
     content = request.content
     try:
         if content.is_eof():
             # All of it arrived with the headers (a typical webhook): no wait, no timer.
             body = content.read_nowait()
+            reservation.body(len(body))
         else:
-            chunks = bytearray()
-            async with asyncio.timeout(within):
-                async for chunk in content.iter_chunked(_READ_CHUNK):
-                    if declared is None:
-                        reservation.body(len(chunk))
-                    chunks += chunk
-                    if len(chunks) > limit:
-                        break
-            body = bytes(chunks)
+            body = await _read_parts(content, limit, within, pause, reservation)
     except TimeoutError as exc:
         raise errors.RequestTimeout(f"body not received within {within:g}s") from exc
     except (aiohttp.ClientPayloadError, OSError) as exc:
@@ -128,6 +129,49 @@ async def read_body(
     if len(body) > limit:
         raise errors.BodyTooLarge(f"body is over max_body {limit} bytes")
     return body
+
+
+async def _read_parts(
+    content: aiohttp.StreamReader,
+    limit: int,
+    within: float,
+    pause: float,
+    reservation: budget.Reservation,
+) -> bytes:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    chunks = bytearray()
+    while len(chunks) <= limit:
+        left = end - loop.time()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(min(left, pause)):
+                chunk = await content.readany()
+        except TimeoutError:
+            if pause < left:
+                raise errors.RequestTimeout(
+                    f"body paused for over client_body_timeout {pause:g}s"
+                ) from None
+            raise
+        if not chunk:
+            break
+        reservation.body(len(chunk))
+        chunks += chunk
+    return bytes(chunks)
+
+
+async def _write(
+    request: web.Request, response: web.StreamResponse, fields: dict[str, Any]
+) -> None:
+    """Write the answer; a client gone (or cut off at send_timeout) is noted on the log line.
+    aiohttp's own finish, after the handler, then finds the answer written or its connection
+    closed."""
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        fields["client_gone"] = True
 
 
 def _log_line(fields: dict[str, Any]) -> None:
@@ -155,6 +199,7 @@ class Webhook:
         self.route = route
         self.meters = meters.route(route.name)
         self.client_timeout = cfg.client_timeout
+        self.client_body_timeout = cfg.client_body_timeout
         # A route's claim_wait (a provider's short deadline) only ever shortens the global one:
         # the pool's command timeout is sized by the global one.
         self.claim_wait = (
@@ -162,14 +207,18 @@ class Webhook:
         )
         self.extractor = keys.Extractor(route.name, route.event_id, route.event_type)
         self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
-        # Only where a valid signature says nothing of the ID (GitHub, Shopify): see reuse.
-        self.recent_bodies = (
-            reuse.RecentBodies() if route.verify is not None and not route.id_signed else None
+        # Where a valid signature says nothing of the ID (GitHub, Shopify, Twilio), the claim
+        # is bound to what is signed (see ``bound``), and a body seen under another ID is
+        # reported (see reuse).
+        self.bind_to_body = (
+            route.verify is not None and not route.id_signed and not route.idempotency
         )
+        self.recent_bodies = reuse.RecentBodies() if self.bind_to_body else None
 
     def handles(self, method: str) -> bool:
         """Whether a request with ``method`` is this route's (a webhook route answers any
-        other method 405); on an idempotency-key route, the other methods pass through."""
+        other method 405); on an idempotency-key route, the other methods are pass-through
+        traffic, which ``passthrough`` allows or not (405), unclaimed whatever they carry."""
         return not self.route.idempotency or method in self.route.methods
 
     async def handle(self, request: web.Request, match: paths.Match[Webhook]) -> web.StreamResponse:
@@ -186,6 +235,11 @@ class Webhook:
                 )
             with request.app[BUDGET].reservation() as reservation:
                 response = await self._handle(request, match.target, scope, reservation, fields)
+                if fields.get("replayed"):
+                    reservation.replay(len(response.body))
+                # Written while the reservation holds: an answer its client does not read
+                # stays counted in max_buffered until it is written (or send_timeout ends it).
+                await _write(request, response, fields)
         except errors.RequestError as exc:
             fields.update(outcome=_outcome(exc), error=exc.message)
             if isinstance(exc, errors.BodyTooLarge):
@@ -209,7 +263,10 @@ class Webhook:
         fields: dict[str, Any],
     ) -> web.StreamResponse:
         route = self.route
-        body = await read_body(request, route.max_body, self.client_timeout, reservation)
+        body = await read_body(
+            request, route.max_body, self.client_timeout, reservation,
+            pause=self.client_body_timeout,
+        )  # fmt: skip
         try:
             key = self._key(request, body, target, scope)
         except errors.EventIdMissing:
@@ -290,6 +347,8 @@ class Webhook:
             event_id = idempotency.key(event_id, route.name)
             scope = idempotency.client_scope(scope, route.scope_from, request.headers, route.name)
             digest = idempotency.fingerprint(request.method, target, digest)
+        elif self.bind_to_body:
+            event_id = bound(event_id, request.raw_path.partition("?")[2], digest)
         return claims.Key(scope, event_id, event_type, digest)
 
     @contextlib.asynccontextmanager
@@ -356,10 +415,11 @@ class Webhook:
         the response, and the answer stored with the claim."""
         try:
             upstream = await self._call(request, target, body, reservation, fields)
-        except errors.AnswerOverBudget as exc:
+        except errors.UpstreamUnavailable as exc:
             if exc.upstream_status is not None and 200 <= exc.upstream_status < 300:
-                # The app did the work; only its answer cannot be held. Keep the claim: the
-                # provider's retry of this 502 is then a duplicate, not a second delivery.
+                # The app did the work; only its answer cannot be held or relayed (over budget,
+                # cut off, malformed after a 2xx status line). Keep the claim: the provider's
+                # retry of this 502 is then a duplicate, not a second delivery.
                 fields["upstream_status"] = exc.upstream_status
                 try:
                     await self._commit(claim, None, fields)
@@ -414,13 +474,29 @@ class Webhook:
             raise errors.KeyReused(f"route {self.route.name!r}: key {key.event_id!r} reused")
         fields["outcome"] = "duplicate"
         if mismatch:
-            # Same ID, other bytes: the ID is not a per-event key here, or a replay.
+            # Same ID, other bytes: the ID is not a per-event key here, or a replay. Never the
+            # stored answer: it was the answer to another request (a one-time code in TwiML).
             fields["mismatch"] = True
-        if stored is not None:
+        elif stored is not None and self.route.replay:
+            # (Only on a replay route: an ack route sharing the scope finds the replay route's
+            # answer in the single-flight.)
             fields["replayed"] = True
             self.meters.replays.inc()
             return replay.response(stored)
         return _json(200, {"status": "duplicate", "event_id": key.event_id}, "duplicate")
+
+
+def bound(event_id: str, query: str, body_sha256: bytes) -> str:
+    """The claim's ID on a route whose signature does not cover the event ID: the ID bound to
+    a digest of what is signed (the body, and the query for Twilio, which signs the URL).
+
+    A captured, validly signed request re-sent under another ID is then another claim: it can
+    neither take a victim's stored answer nor, sent first under a future ID, swallow the
+    genuine delivery. A provider's own retry sends the same bytes under the same ID, so it is
+    still a duplicate. 128 bits of digest: an attacker holds only bodies the provider signed.
+    """
+    material = hashlib.sha256(b"%s\n%s" % (query.encode("utf-8", "surrogateescape"), body_sha256))
+    return f"{event_id}~{material.hexdigest()[:32]}"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -437,10 +513,18 @@ def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
         try:
             target = paths.normalize(request.raw_path)
             match = table.match(target, request.raw_path)
-            if match is not None:
-                if match.route.handles(request.method):
-                    return await match.route.handle(request, match)
-            elif not paths.passes(passthrough, target.path):
+            if match is not None and match.route.handles(request.method):
+                return await match.route.handle(request, match)
+            if not paths.passes(passthrough, target.path):
+                if match is not None:
+                    # A method an idempotency-key route does not claim is pass-through
+                    # traffic, and pass-through does not allow it here.
+                    methods = match.route.route.methods
+                    raise errors.MethodNotAllowed(
+                        f"route {match.route.route.name!r} claims {', '.join(methods)}, and "
+                        "passthrough does not allow other methods on its path",
+                        methods,
+                    )
                 raise errors.NotRouted()
         except errors.RequestError as exc:
             fields = _fields(request, None, None)

@@ -137,15 +137,27 @@ async def test_a_failed_answer_releases_the_key(
     assert len(upstream.requests) == 2
 
 
-async def test_other_methods_pass_through_unclaimed(
+async def test_other_methods_are_pass_through_traffic_and_follow_passthrough(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
-    client = await make_proxy(routes=[api_route()], passthrough="none")
-    listing = await client.get("/payments?limit=3")
-    replaced = await client.put("/payments", data=b"{}")
-    assert [listing.status, replaced.status] == [200, 200]
+    closed = await make_proxy(routes=[api_route()], passthrough="none")
+    listing = await closed.get("/payments?limit=3")
+    keyed = await closed.put("/payments", data=b"{}", headers={"Idempotency-Key": "k1"})
+    assert [listing.status, keyed.status] == [405, 405]
+    assert listing.headers["Allow"] == "POST"
+    assert upstream.requests == []
+
+    opened = await make_proxy(routes=[api_route()])  # passthrough: all
+    listing = await opened.get("/payments?limit=3")
+    # A key on a method the route does not claim is not honoured: both reach the app.
+    replaced = [
+        await opened.put("/payments", data=b"{}", headers={"Idempotency-Key": "k1"})
+        for _ in range(2)
+    ]
+    assert [listing.status, *(r.status for r in replaced)] == [200, 200, 200]
     assert [(r.method, r.path_qs) for r in upstream.requests] == [
         ("GET", "/payments?limit=3"),
+        ("PUT", "/payments"),
         ("PUT", "/payments"),
     ]
     assert await fetch(pg_dsn, f'SELECT 1 FROM "{table}"') == []

@@ -16,7 +16,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy import claims, config, errors, pipeline, replay, sql
-from tests.conftest import FakeUpstream, MakeProxy, execute, fetch, wait_for_lock_waiters
+from tests.conftest import (
+    FakeUpstream,
+    MakeProxy,
+    execute,
+    fetch,
+    wait_for_lock_waiters,
+    wait_until,
+)
 from tests.test_providers import stripe_event, stripe_headers, stripe_route
 
 BINARY = bytes(range(256)) * 4
@@ -322,3 +329,52 @@ async def test_the_answer_columns_are_added_only_for_replay_and_never_stall_clai
     finally:
         await holder.close()
         await connection.close()
+
+
+async def test_a_copy_with_another_body_never_gets_the_stored_answer(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.respond = twiml
+    client = await make_proxy(routes=[replay_route(replay_set_cookie=True)])
+    first = await client.post("/webhooks/corvel", data=b'{"id": "e1", "to": "alice"}')
+
+    other = await client.post("/webhooks/corvel", data=b'{"id": "e1", "to": "mallory"}')
+
+    assert first.status == 201
+    assert (other.status, other.headers["Dedup-Status"]) == (200, "duplicate")
+    assert "Set-Cookie" not in other.headers
+    assert "Idempotent-Replayed" not in other.headers
+    assert await other.json() == {"status": "duplicate", "event_id": "e1"}
+    assert len(upstream.requests) == 1
+
+
+async def test_an_ack_route_sharing_a_scope_never_gets_the_replay_routes_answer_in_flight(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.respond = twiml
+    upstream.gate = asyncio.Event()
+    client = await make_proxy(
+        routes=[
+            replay_route(scope="shared"),
+            {"name": "plain", "path": "/webhooks/plain", "event_id": "body:/id", "scope": "shared"},
+        ]
+    )
+    body = b'{"id": "e1"}'
+    first = asyncio.create_task(client.post("/webhooks/corvel", data=body))
+    await upstream.arrived.wait()
+    # The copy on the ack route queues behind the first in this process's single-flight.
+    copy = asyncio.create_task(client.post("/webhooks/plain", data=body))
+    await wait_until(lambda: asyncio.sleep(0, result=in_flight(client, 2)), "the copy to queue")
+    upstream.gate.set()
+
+    replayed, acknowledged = await first, await copy
+
+    assert replayed.status == 201
+    assert await acknowledged.json() == {"status": "duplicate", "event_id": "e1"}
+    assert "Idempotent-Replayed" not in acknowledged.headers
+    assert len(upstream.requests) == 1
+
+
+def in_flight(client: Any, count: int) -> bool:
+    """Whether ``count`` requests for one event are in this process's single-flight."""
+    return client.app[pipeline.FLIGHTS].waiting(("shared", "e1")) >= count

@@ -11,6 +11,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
+from proxy import pipeline
 from tests.conftest import FakeUpstream, MakeProxy, claimed
 
 TOKEN = "12345678901234567890123456789012"
@@ -28,8 +29,14 @@ def twilio_route(**extra: Any) -> dict[str, Any]:
     }
 
 
+def claim_id(token: str, query: str, body: bytes) -> str:
+    return pipeline.bound(token, query, hashlib.sha256(body).digest())
+
+
 def twilio_headers(query: str, params: dict[str, str], token: str = "idem-1") -> dict[str, str]:
-    signed = f"{PUBLIC}?{query}" + "".join(k + v for k, v in sorted(params.items()))
+    signed = (f"{PUBLIC}?{query}" if query else PUBLIC) + "".join(
+        k + v for k, v in sorted(params.items())
+    )
     mac = hmac.new(TOKEN.encode(), signed.encode(), hashlib.sha1).digest()
     return {
         "X-Twilio-Signature": base64.b64encode(mac).decode(),
@@ -63,7 +70,8 @@ async def test_twilio_call_is_verified_over_public_url_and_query_and_replayed(
     assert again.headers["Idempotent-Replayed"] == "true"
     assert moved.status == 401
     assert upstream.bodies() == [body]
-    assert await claimed(pg_dsn, table) == [("twilio", "idem-1", None)]
+    # Bound to what is signed: the token is not (see pipeline.bound).
+    assert await claimed(pg_dsn, table) == [("twilio", claim_id("idem-1", query, body), None)]
 
 
 async def test_slack_copy_waits_the_preset_claim_wait_not_the_global_one(
@@ -118,5 +126,63 @@ async def test_a_request_signed_by_twilios_library_is_claimed_and_a_tampered_one
 
     assert tampered.status == 401
     assert (signed.status, await signed.read()) == (200, TWIML)
-    assert await claimed(pg_dsn, table) == [("twilio", "idem-lib", None)]
+    assert await claimed(pg_dsn, table) == [
+        ("twilio", claim_id("idem-lib", "", urlencode(params).encode()), None)
+    ]
     assert len(upstream.requests) == 1
+
+
+def message(sid: str, text: str) -> tuple[bytes, dict[str, str]]:
+    params = {"MessageSid": sid, "Body": text, "From": "+14158675310"}
+    return urlencode(params).encode(), params
+
+
+async def test_a_captured_request_under_a_victims_token_never_reads_the_victims_answer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    # The app's TwiML names the message it answers (a one-time code, in real life).
+    upstream.respond = lambda n: web.Response(
+        body=b"<Response><Message>%s</Message></Response>" % upstream.requests[n].body[:16],
+        content_type="text/xml",
+    )
+    client = await make_proxy(routes=[twilio_route()])
+    captured, captured_params = message("SM-old", "hello")
+    victim, victim_params = message("SM-victim", "code please")
+    genuine = await client.post(
+        "/twilio/voice", data=victim, headers=twilio_headers("", victim_params, token="T1")
+    )
+
+    # The captured request is validly signed; the token beside it is not covered by any
+    # signature, so the attacker puts the victim's there.
+    forged = await client.post(
+        "/twilio/voice", data=captured, headers=twilio_headers("", captured_params, token="T1")
+    )
+
+    assert genuine.status == 200
+    assert await forged.read() != await genuine.read()
+    assert forged.headers.get("Idempotent-Replayed") is None
+    # And the provider's own retry of the victim's request is still a duplicate.
+    retry = await client.post(
+        "/twilio/voice", data=victim, headers=twilio_headers("", victim_params, token="T1")
+    )
+    assert (retry.status, retry.headers["Idempotent-Replayed"]) == (200, "true")
+    assert [r.body for r in upstream.requests] == [victim, captured]
+
+
+async def test_a_captured_request_sent_first_under_a_future_token_does_not_swallow_it(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[twilio_route()])
+    captured, captured_params = message("SM-old", "hello")
+    stop, stop_params = message("SM-stop", "STOP")
+    squat = await client.post(
+        "/twilio/voice", data=captured, headers=twilio_headers("", captured_params, token="T9")
+    )
+
+    delivered = await client.post(
+        "/twilio/voice", data=stop, headers=twilio_headers("", stop_params, token="T9")
+    )
+
+    assert (squat.status, delivered.status) == (200, 200)
+    assert "Dedup-Status" not in delivered.headers  # the app's own answer
+    assert upstream.bodies() == [captured, stop]
