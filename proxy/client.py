@@ -11,8 +11,10 @@ an obsolete folded header, both Content-Length and Transfer-Encoding, repeated C
 a bad chunk and a bare CR or LF, each as soon as it arrives; this module adds what llhttp lets
 through (a transfer coding other than chunked, Transfer-Encoding on HTTP/1.0, a version other
 than 1.x, a switch of protocols, a head over ``MAX_HEAD``). Anything refused is answered 502,
-never guessed at. Header values and the reason phrase must be UTF-8: the proxy's server writes
-them back as UTF-8, so that is the only obs-text it can relay byte for byte. A connection goes
+never guessed at. obs-text (RFC 9110 5.5: bytes over 0x7F, opaque to a recipient) in a header
+value or the reason phrase is kept: decoded as UTF-8 with surrogate escapes, as aiohttp's client
+and server decode it, it is written back as the bytes the app sent (``forwarder``). A failure
+after the final status line carries that status: a 2xx means the app did the work. A connection goes
 back to the idle list only after a complete answer that allows it; anything the app sends on an
 idle connection closes it (an answer nobody asked for must never become the next request's). An
 idle connection is reused for ``keepalive`` seconds, less when the app's ``Keep-Alive`` header
@@ -57,6 +59,9 @@ KEEPALIVE_MARGIN = 0.5
 
 _LENGTH = re.compile(rb"[0-9]{1,19}")  # fits in 63 bits, as Go's limit does
 _TIMEOUT = re.compile(r"[0-9]{1,9}")
+# What a reason phrase or field value must not hold (RFC 9110 5.5, RFC 9112 4): the control
+# characters but HTAB. aiohttp's server writer refuses the same; llhttp lets them into a reason.
+CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 def idle_limit(configured: float, keep_alive: str | None) -> float:
@@ -73,11 +78,17 @@ def idle_limit(configured: float, keep_alive: str | None) -> float:
     return configured
 
 
-class _Malformed(Exception):
+class _Failed(Exception):
+    """The answer failed; ``status`` is its final status line's, when that had arrived."""
+
+    status: int | None = None
+
+
+class _Malformed(_Failed):
     """The app's answer is not HTTP/1.1 this client accepts."""
 
 
-class _Closed(Exception):
+class _Closed(_Failed):
     """The connection ended before the answer was complete, after ``received`` bytes of it."""
 
     def __init__(self, received: int) -> None:
@@ -104,19 +115,18 @@ class Origin:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
+    """The app's answer; obs-text in ``reason`` and header values as surrogate escapes."""
+
     status: int
     reason: str
     headers: CIMultiDict[str]
     body: bytes
 
 
-def _text(value: bytes | bytearray, what: str) -> str:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
-        # aiohttp's server writes str as UTF-8: it would drop these bytes surrogate-escaped, and
-        # write each as two bytes decoded as latin-1.
-        raise _Malformed(f"{what} has obs-text that is not UTF-8, not relayable as sent") from None
+def _text(value: bytes | bytearray) -> str:
+    """``value`` as text that gives back its bytes: obs-text that is not UTF-8 (latin-1, as
+    Tomcat and Jetty write) as surrogate escapes."""
+    return value.decode("utf-8", "surrogateescape")
 
 
 def _items(fields: Iterable[tuple[str, str]], name: str) -> list[str] | None:
@@ -156,6 +166,7 @@ class _Reader:
         self._interim = 0
         self._head_done = False
         self._per_part = False  # each body part reserved as it comes (no Content-Length)
+        self._status_line = False  # the current message's status line has been parsed
         self._reason = bytearray()  # llhttp hands it over in pieces
         self._reason_text = ""
         self._fields: list[tuple[str, str]] = []
@@ -191,18 +202,19 @@ class _Reader:
     def on_message_begin(self) -> None:
         if self.answer is not None:
             self._fail(_Unsolicited())
+        self._status_line = False
         self._reason.clear()
         self._fields = []
 
     def on_status(self, reason: bytes) -> None:
+        # llhttp calls this (also for an empty reason) only after three digits and a space.
+        self._status_line = True
         self._reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        try:
-            # llhttp strips the whitespace before a value, not after it.
-            text = _text(value.rstrip(b" \t"), f"bad header line: {name[:40]!r}'s value")
-        except _Malformed as exc:
-            self._fail(exc)
+        self._status_line = True
+        # llhttp strips the whitespace before a value, not after it (and refuses controls in it).
+        text = _text(value.rstrip(b" \t"))
         if self._head_done:
             self._trailers += 1  # dropped: a trailer never becomes a header of the answer
             if self._trailers > MAX_TRAILERS:
@@ -211,6 +223,7 @@ class _Reader:
         self._fields.append((name.decode("ascii"), text))
 
     def on_headers_complete(self) -> None:
+        self._status_line = True
         try:
             self._check_head()
         except (_Malformed, errors.AnswerOverBudget) as exc:
@@ -219,7 +232,9 @@ class _Reader:
     def _check_head(self) -> None:
         status = self._parser.get_status_code()
         version = self._parser.get_http_version()
-        reason = _text(self._reason, "bad status line: the reason phrase")
+        reason = _text(self._reason)
+        if CONTROL.search(reason):
+            raise _Malformed("bad status line: a control character in the reason phrase")
         if version not in ("1.0", "1.1"):
             raise _Malformed(f"bad status line: HTTP/{version}")
         if status == 101:
@@ -239,7 +254,9 @@ class _Reader:
             # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing; llhttp
             # would read another final coding as "until the connection closes".
             raise _Malformed(f"unsupported transfer coding {', '.join(codings)!r}")
-        if lengths is not None and not _LENGTH.fullmatch(lengths[0].encode()):
+        if lengths is not None and not _LENGTH.fullmatch(
+            lengths[0].encode("utf-8", "surrogateescape")
+        ):
             raise _Malformed("Content-Length over 19 digits")
         self._head_done = True
         self._reason_text = reason
@@ -289,8 +306,11 @@ class _Reader:
 
     @property
     def status(self) -> int | None:
-        """The final answer's status once its head is read."""
-        return self._parser.get_status_code() if self._head_done else None
+        """The final answer's status once its status line is read (a 1xx is not final)."""
+        if not self._status_line:
+            return None
+        status = self._parser.get_status_code()
+        return status if status >= 200 else None
 
 
 class _Connection(asyncio.Protocol):
@@ -409,6 +429,12 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _unavailable(message: str, status: int | None) -> errors.UpstreamUnavailable:
+    failed = errors.UpstreamUnavailable(message)
+    failed.upstream_status = status
+    return failed
+
+
 class Client:
     """Keep-alive connections to the app, per origin, reused most recently used first, at most
     ``connections`` of them in use at once."""
@@ -445,6 +471,7 @@ class Client:
         head += [f"{name}: {value}\r\n" for name, value in headers]
         head.append(f"Content-Length: {len(body)}\r\n\r\n")
         message = "".join(head).encode("utf-8", "surrogateescape")
+        reader: _Reader | None = None
         try:
             async with asyncio.timeout(self._timeout), self._slots:
                 reused = self._take(origin)
@@ -465,14 +492,14 @@ class Client:
                 reader = _Reader(method, reserve)
                 return await self._exchange(origin, connection, (message, body), reader)
         except TimeoutError as exc:
-            raise errors.UpstreamTimeout(
-                f"upstream did not answer within {self._timeout:g}s"
-            ) from exc
+            late = errors.UpstreamTimeout(f"upstream did not answer within {self._timeout:g}s")
+            late.upstream_status = None if reader is None else reader.status
+            raise late from exc
         except _Malformed as exc:
-            raise errors.UpstreamUnavailable(f"upstream sent a malformed answer: {exc}") from None
-        except _Closed:
-            raise errors.UpstreamUnavailable(
-                "upstream closed the connection before answering completely"
+            raise _unavailable(f"upstream sent a malformed answer: {exc}", exc.status) from None
+        except _Closed as exc:
+            raise _unavailable(
+                "upstream closed the connection before answering completely", exc.status
             ) from None
         except OSError as exc:
             raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
@@ -491,6 +518,9 @@ class Client:
             keep = reader.keep and limit > 0
         except errors.AnswerOverBudget as exc:
             exc.upstream_status = reader.status
+            raise
+        except _Failed as exc:
+            exc.status = reader.status
             raise
         finally:
             if keep and connection.reusable and not self._closed:

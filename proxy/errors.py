@@ -250,3 +250,5 @@ class UpstreamTimeout(RequestError):
 
     status = 504
     code = "upstream_timeout"
+    # As for UpstreamUnavailable: a 2xx status line had arrived, the rest of the answer did not.
+    upstream_status: int | None = None

@@ -4,6 +4,14 @@ The request goes out as it came in (method, path, query, end-to-end headers and 
 bytes) minus the hop-by-hop headers, with ``X-Forwarded-*`` added; the answer comes back the same
 way. Webhooks go through the transport chosen for their upstream URL (``transports``);
 pass-through requests stream both ways through aiohttp's client.
+
+The answer's status line and headers reach the provider as the app sent them, obs-text too
+(RFC 9110 5.5: opaque; nginx, Envoy and Go's ReverseProxy pass it through). Both clients decode
+it as surrogate escapes, and aiohttp's server writer would drop those (its C serialiser; the
+Python one raises), so a response made from the app's answer writes its own head when it holds
+anything but ASCII. Relied on, private: ``StreamResponse._write_headers`` is where aiohttp
+writes the head, and ``StreamWriter._headers_buf``/``_headers_written`` hold it until the first
+body write, as ``StreamWriter.write_headers`` leaves them.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
-from aiohttp import hdrs, web
+from aiohttp import hdrs, http_writer, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy import client, forwarded, transports
@@ -97,6 +105,48 @@ def response_headers(
     return headers
 
 
+def _head(status_line: str, headers: CIMultiDict[str]) -> bytes:
+    """The head as aiohttp's writer makes it, but surrogate escapes written as the bytes they
+    stand for; a control character other than HTAB refused, as it refuses one (CR, LF and NUL
+    would let an app's value inject a header or end the head)."""
+    lines = [status_line, *[f"{name}: {value}" for name, value in headers.items()]]
+    if client.CONTROL.search("\t".join(lines)):
+        raise ValueError("Forbidden control character detected in headers")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+
+
+class _AsSent(web.StreamResponse):
+    """Writes its head itself when aiohttp's writer could not write it exactly."""
+
+    async def _write_headers(self) -> None:
+        request, writer, headers = self._req, self._payload_writer, self._headers
+        # aiohttp's own (C) serialiser where it is exact: a head all in ASCII, the usual one.
+        if (
+            request is None
+            or not isinstance(writer, http_writer.StreamWriter)
+            or (
+                self.reason.isascii()
+                and all(k.isascii() and v.isascii() for k, v in headers.items())
+            )
+        ):
+            await super()._write_headers()
+            return
+        version = request.version
+        status_line = f"HTTP/{version.major}.{version.minor} {self.status} {self.reason}"
+        writer._headers_buf = _head(status_line, headers)
+        writer._headers_written = False
+        if self._send_headers_immediately:
+            writer.send_headers()
+
+
+class RelayedResponse(_AsSent, web.Response):
+    """The app's answer, read whole, as the provider gets it."""
+
+
+class RelayedStreamResponse(_AsSent):
+    """The app's answer to a pass-through request, streamed."""
+
+
 @dataclass(frozen=True, slots=True)
 class UpstreamResponse:
     """The upstream's answer, read whole, headers already filtered for relaying."""
@@ -111,7 +161,7 @@ class UpstreamResponse:
         return 200 <= self.status < 300
 
     def to_web(self) -> web.Response:
-        return web.Response(
+        return RelayedResponse(
             status=self.status, reason=self.reason, headers=self.headers, body=self.body
         )
 
@@ -239,9 +289,9 @@ class Forwarder:
                 timeout=self._stream_timeout,
             )
         async with upstream:
-            transports.relayable(upstream.reason, upstream.headers)
+            transports.relayable(upstream)
             transports.honour_keep_alive(upstream, self._keepalive)
-            response = web.StreamResponse(
+            response = RelayedStreamResponse(
                 status=upstream.status,
                 reason=upstream.reason,
                 headers=response_headers(upstream.headers, keep_length=True),

@@ -236,7 +236,7 @@ class Webhook:
             with request.app[BUDGET].reservation() as reservation:
                 response = await self._handle(request, match.target, scope, reservation, fields)
                 if fields.get("replayed"):
-                    reservation.replay(len(response.body))
+                    reservation.replay(response.content_length or 0)
                 # Written while the reservation holds: an answer its client does not read
                 # stays counted in max_buffered until it is written (or send_timeout ends it).
                 await _write(request, response, fields)
@@ -415,7 +415,7 @@ class Webhook:
         the response, and the answer stored with the claim."""
         try:
             upstream = await self._call(request, target, body, reservation, fields)
-        except errors.UpstreamUnavailable as exc:
+        except (errors.UpstreamUnavailable, errors.UpstreamTimeout) as exc:
             if exc.upstream_status is not None and 200 <= exc.upstream_status < 300:
                 # The app did the work; only its answer cannot be held or relayed (over budget,
                 # cut off, malformed after a 2xx status line). Keep the claim: the provider's

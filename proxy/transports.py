@@ -7,7 +7,8 @@ takes the rest (``https://``, credentials in the URL) through aiohttp's. Both ke
 policy (``client.idle_limit``: the configured ``upstream.keepalive``, shortened by the app's
 ``Keep-Alive: timeout=N``) and both send a request once more when a reused connection is closed
 before a byte of the answer arrives. aiohttp's client errors and timeouts are translated into
-``errors`` here and nowhere else (the own client translates its own).
+``errors`` here and nowhere else (the own client translates its own); one after the app's status
+line carries that status, as the own client's do (a 2xx means the app did the work).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import yarl
 from aiohttp import hdrs
-from multidict import CIMultiDict, CIMultiDictProxy
+from aiohttp.http import RawResponseMessage
+from multidict import CIMultiDict
 
 from proxy import client, errors
 
@@ -89,31 +91,43 @@ class OwnTransport(AsyncBaseTransport):
 
 
 @contextlib.contextmanager
-def translated(timeout: float) -> Iterator[None]:
-    """aiohttp's client errors and timeouts, as the proxy's own."""
+def translated(timeout: float, status: int | None = None) -> Iterator[None]:
+    """aiohttp's client errors and timeouts, as the proxy's own; ``status`` is the app's status
+    line, once it has arrived."""
     try:
         yield
     except TimeoutError as exc:
-        raise errors.UpstreamTimeout(f"upstream did not answer within {timeout:g}s") from exc
+        late = errors.UpstreamTimeout(f"upstream did not answer within {timeout:g}s")
+        late.upstream_status = status
+        raise late from exc
     except (aiohttp.ClientError, OSError) as exc:
-        raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
+        failed = errors.UpstreamUnavailable(f"upstream failed: {exc!r}")
+        failed.upstream_status = status if status is not None else _broken_head_status(exc)
+        raise failed from exc
 
 
-def relayable(reason: str | None, headers: CIMultiDictProxy[str]) -> None:
-    """Refuse an answer aiohttp's client read but its server could not write back exactly.
+def _broken_head_status(exc: Exception) -> int | None:
+    """The status line of a head the app broke off: aiohttp's disconnection carries what its
+    parser had made of the head (a plain message when there was none)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError) and isinstance(
+        exc.message, RawResponseMessage
+    ):
+        return exc.message.code
+    return None
 
-    aiohttp's client decodes obs-text bytes that are not UTF-8 as surrogate escapes, and its
-    server's writer drops those: such a reason or header value would be relayed altered.
-    """
-    for text in (reason or "", *headers.values()):
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                raise errors.UpstreamUnavailable(
-                    "upstream sent a malformed answer: a reason or header value is obs-text "
-                    "that is not UTF-8"
-                ) from None
+
+def relayable(upstream: aiohttp.ClientResponse) -> None:
+    """Refuse an answer aiohttp's client read but the proxy must not write back: a control
+    character (but HTAB) in its reason or a header value, which aiohttp's lenient parser lets
+    through. obs-text is relayed: decoded as surrogate escapes, it is written back as sent."""
+    for text in (upstream.reason or "", *upstream.headers.values()):
+        if client.CONTROL.search(text):
+            failed = errors.UpstreamUnavailable(
+                "upstream sent a malformed answer: a control character in its reason phrase "
+                "or a header value"
+            )
+            failed.upstream_status = upstream.status
+            raise failed
 
 
 def url_for(base_url: str, target: str) -> yarl.URL:
@@ -223,21 +237,24 @@ class AiohttpTransport(AsyncBaseTransport):
             timeout=within or self._client_timeout,
             trace_request_ctx=attempt,
         ) as upstream:
-            relayable(upstream.reason, upstream.headers)
+            relayable(upstream)
             honour_keep_alive(upstream, self._keepalive)
-            try:
-                if upstream.content_length is not None:
-                    reserve(upstream.content_length)
-                    body = await upstream.read()
-                else:
-                    parts = []
-                    async for part in upstream.content.iter_chunked(_CHUNK):
-                        reserve(len(part))
-                        parts.append(part)
-                    body = b"".join(parts)
-            except errors.AnswerOverBudget as exc:
-                exc.upstream_status = upstream.status
-                raise
+            # Translated here, with the status: after the head, a failure is never a reason to
+            # send the request again, and a 2xx's keeps the claim.
+            with translated(self._timeout, upstream.status):
+                try:
+                    if upstream.content_length is not None:
+                        reserve(upstream.content_length)
+                        body = await upstream.read()
+                    else:
+                        parts = []
+                        async for part in upstream.content.iter_chunked(_CHUNK):
+                            reserve(len(part))
+                            parts.append(part)
+                        body = b"".join(parts)
+                except errors.AnswerOverBudget as exc:
+                    exc.upstream_status = upstream.status
+                    raise
             return client.Answer(
                 upstream.status, upstream.reason or "", CIMultiDict(upstream.headers), body
             )

@@ -372,6 +372,41 @@ async def test_a_reused_connection_closed_after_part_of_the_answer_is_not_retrie
     assert app.requests == [(0, 0), (0, 1)]
 
 
+@pytest.mark.parametrize(
+    ("answer", "status"),
+    [
+        (Cut(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789"), 200),
+        (Cut(b"HTTP/1.1 202 Accepted\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n01"), 202),
+        (Cut(b"HTTP/1.1 200 OK\r\nContent-Le"), 200),
+        (Cut(b"HTTP/1.1 200 OK\r\nX-A: a\x7fb\r\nContent-Length: 2\r\n\r\nok"), 200),
+        (Cut(b"HTTP/1.1 500 Oops\r\nContent-Length: 100\r\n\r\n0123456789"), 500),
+        (Cut(b"HTTP/1.1 100 Continue\r\n\r\n"), None),
+        (None, None),
+    ],
+    ids=["length", "chunked", "mid-head", "control", "failure", "interim", "no-byte"],
+)
+async def test_a_failure_after_the_status_line_carries_that_status(
+    raw_app: Any, make_forwarder: Any, answer: Cut | None, status: int | None
+) -> None:
+    """A 2xx means the app did the work: the pipeline keeps the claim although it answers 502,
+    and the request is never sent again."""
+    app = await raw_app(lambda c, n: answer)
+    with pytest.raises(errors.UpstreamUnavailable) as info:
+        await send(make_forwarder(), app)
+    assert info.value.upstream_status == status
+    assert app.requests == [(0, 0)]
+
+
+async def test_obs_text_is_read_as_surrogate_escapes_of_its_bytes(
+    raw_app: Any, make_forwarder: Any
+) -> None:
+    raw = b"HTTP/1.1 200 R\xe9ussi\r\nX-Name: caf\xe9\r\nContent-Length: 2\r\n\r\nok"
+    app = await raw_app(lambda c, n: raw)
+    answer = await send(make_forwarder(), app)
+    assert answer.reason.encode("utf-8", "surrogateescape") == b"R\xe9ussi"
+    assert answer.headers["X-Name"].encode("utf-8", "surrogateescape") == b"caf\xe9"
+
+
 async def test_keep_alive_timeout_1_from_the_app_means_no_reuse(
     raw_app: Any, make_forwarder: Any
 ) -> None:

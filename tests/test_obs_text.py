@@ -1,0 +1,254 @@
+"""A 2xx the app really gave: relayed as sent, obs-text and all, or, where it cannot be relayed,
+answered 502 with the claim kept (the provider's retry is a duplicate, not a second delivery).
+
+Against a scripted raw app that writes exact bytes, once per transport: the own client over
+plain HTTP and aiohttp's client over TLS (certificates from trustme); the proxy's answer is read
+as the bytes on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import trustme
+
+from proxy import forwarder
+from tests.conftest import MakeProxy, claimed
+
+# What Tomcat and Jetty write: ISO-8859-1 bytes (obs-text, RFC 9110 5.5), not UTF-8.
+DISPOSITION = b'Content-Disposition: attachment; filename="r\xe9sum\xe9.pdf"'
+LATIN1 = b"HTTP/1.1 200 R\xe9ussi\r\n" + DISPOSITION + b"\r\nContent-Length: 2\r\n\r\nok"
+
+
+@pytest.fixture(scope="session")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture(scope="session")
+def server_tls(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(context)
+    return context
+
+
+@pytest.fixture(autouse=True)
+def trust_the_test_ca(monkeypatch: pytest.MonkeyPatch, ca: trustme.CA) -> None:
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    monkeypatch.setattr(forwarder, "Forwarder", functools.partial(forwarder.Forwarder, ssl=context))
+
+
+@pytest.fixture(params=["own", "aiohttp-tls"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@dataclass
+class RawApp:
+    """Reads each request whole, writes ``answer`` and closes the connection."""
+
+    answer: bytes
+    requests: list[bytes] = field(default_factory=list)
+    url: str = ""
+    stall: bool = False  # after the answer, keep the connection open until the proxy closes it
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                (
+                    int(line.split(b":")[1])
+                    for line in head.lower().split(b"\r\n")
+                    if line.startswith(b"content-length:")
+                ),
+                0,
+            )
+            self.requests.append(head + await reader.readexactly(length))
+            writer.write(self.answer)
+            await writer.drain()
+            if self.stall:
+                await reader.read()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def raw_app(
+    kind: str, server_tls: ssl.SSLContext
+) -> AsyncIterator[Callable[[bytes], Awaitable[RawApp]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(answer: bytes, *, stall: bool = False) -> RawApp:
+        app = RawApp(answer, stall=stall)
+        tls = server_tls if kind == "aiohttp-tls" else None
+        server = await asyncio.start_server(app.serve, "127.0.0.1", 0, ssl=tls)
+        servers.append(server)
+        app.url = f"{'https' if tls else 'http'}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        return app
+
+    yield start
+    for server in servers:
+        server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), 5)
+
+
+async def exchange(proxy: Any, request: bytes) -> bytes:
+    """The proxy's answer to ``request`` as the bytes on the wire."""
+    reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+    try:
+        writer.write(request)
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def deliver(proxy: Any, event_id: str) -> bytes:
+    body = json.dumps({"id": event_id}).encode()
+    return await exchange(
+        proxy,
+        b"POST /webhooks/corvel HTTP/1.1\r\nHost: proxy\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
+
+
+def is_duplicate(answer: bytes) -> bool:
+    return (
+        answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nDedup-Status: duplicate\r\n" in answer
+    )
+
+
+async def test_obs_text_in_a_header_value_and_the_reason_reaches_the_provider_as_sent(
+    raw_app: Any, make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    app = await raw_app(LATIN1)
+    proxy = await make_proxy(upstream={"url": app.url})
+
+    first = await deliver(proxy, "evt_latin1")
+    retry = await deliver(proxy, "evt_latin1")
+
+    assert first.startswith(b"HTTP/1.1 200 R\xe9ussi\r\n")
+    assert b"\r\n" + DISPOSITION + b"\r\n" in first
+    assert first.endswith(b"\r\n\r\nok")
+    assert await claimed(pg_dsn, table) == [("corvel", "evt_latin1", None)]
+    assert is_duplicate(retry)
+    assert len(app.requests) == 1
+
+
+async def test_on_a_replay_route_it_is_relayed_and_its_duplicate_acknowledged(
+    raw_app: Any, make_proxy: MakeProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value that is not UTF-8 cannot be stored as text: relayed, committed, not replayed."""
+    app = await raw_app(LATIN1)
+    route = {"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"}
+    proxy = await make_proxy(
+        upstream={"url": app.url}, routes=[{**route, "on_duplicate": "replay"}]
+    )
+
+    with caplog.at_level(logging.INFO, logger="proxy.pipeline"):
+        first = await deliver(proxy, "evt_replay")
+    retry = await deliver(proxy, "evt_replay")
+
+    assert first.startswith(b"HTTP/1.1 200 R\xe9ussi\r\n")
+    assert b"\r\n" + DISPOSITION + b"\r\n" in first
+    (line,) = [r for r in caplog.records if hasattr(r, "fields")]
+    assert line.fields["replay_skipped"] == "an answer header that is not UTF-8 text"  # type: ignore[attr-defined]
+    assert is_duplicate(retry)
+    assert b"Idempotent-Replayed" not in retry
+    assert len(app.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789",
+        b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n0123456789",
+        b"HTTP/1.1 200 OK\r\nX-Bad: a\x01b\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 O\x7fK\r\nContent-Length: 2\r\n\r\nok",
+    ],
+    ids=["cut-off-length", "cut-off-chunked", "control-in-value", "control-in-reason"],
+)
+async def test_a_2xx_that_cannot_be_relayed_is_a_502_that_keeps_the_claim(
+    raw_app: Any, make_proxy: MakeProxy, pg_dsn: str, table: str, answer: bytes
+) -> None:
+    app = await raw_app(answer)
+    proxy = await make_proxy(upstream={"url": app.url})
+
+    first = await deliver(proxy, "evt_cut")
+    retry = await deliver(proxy, "evt_cut")
+
+    assert first.startswith(b"HTTP/1.1 502 ")
+    assert await claimed(pg_dsn, table) == [("corvel", "evt_cut", None)]
+    assert is_duplicate(retry)
+    assert len(app.requests) == 1
+
+
+async def test_a_2xx_whose_body_stalls_past_the_timeout_is_a_504_that_keeps_the_claim(
+    raw_app: Any, make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    app = await raw_app(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789", stall=True)
+    proxy = await make_proxy(upstream={"url": app.url, "timeout": "1s"})
+
+    first = await deliver(proxy, "evt_stalled")
+    retry = await deliver(proxy, "evt_stalled")
+
+    assert first.startswith(b"HTTP/1.1 504 ")
+    assert await claimed(pg_dsn, table) == [("corvel", "evt_stalled", None)]
+    assert is_duplicate(retry)
+    assert len(app.requests) == 1
+
+
+async def test_a_failure_cut_off_mid_body_still_releases_the_claim(
+    raw_app: Any, make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    app = await raw_app(b"HTTP/1.1 500 Oops\r\nContent-Length: 100\r\n\r\n0123456789")
+    proxy = await make_proxy(upstream={"url": app.url})
+
+    first = await deliver(proxy, "evt_failed")
+    retry = await deliver(proxy, "evt_failed")
+
+    assert first.startswith(b"HTTP/1.1 502 ")
+    assert retry.startswith(b"HTTP/1.1 502 ")
+    assert await claimed(pg_dsn, table) == []
+    assert len(app.requests) == 2
+
+
+async def test_pass_through_relays_obs_text_as_sent(raw_app: Any, make_proxy: MakeProxy) -> None:
+    app = await raw_app(LATIN1)
+    proxy = await make_proxy(upstream={"url": app.url})
+
+    answer = await exchange(
+        proxy, b"GET /not-a-webhook HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n"
+    )
+
+    assert answer.startswith(b"HTTP/1.1 200 R\xe9ussi\r\n")
+    assert b"\r\n" + DISPOSITION + b"\r\n" in answer
+    assert answer.endswith(b"\r\n\r\nok")
+    assert len(app.requests) == 1
+
+
+async def test_pass_through_refuses_a_control_character_with_a_502(
+    raw_app: Any, make_proxy: MakeProxy
+) -> None:
+    app = await raw_app(b"HTTP/1.1 200 OK\r\nX-Bad: a\x01b\r\nContent-Length: 2\r\n\r\nok")
+    proxy = await make_proxy(upstream={"url": app.url})
+
+    answer = await exchange(
+        proxy, b"GET /not-a-webhook HTTP/1.1\r\nHost: p\r\nConnection: close\r\n\r\n"
+    )
+
+    assert answer.startswith(b"HTTP/1.1 502 ")
+    assert b"a\x01b" not in answer
