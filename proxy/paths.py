@@ -5,7 +5,8 @@ read from the raw request line and normalized in one place (RFC 3986 section 6.2
 unreserved characters decoded, remaining escapes upper-cased, dot segments removed; plus
 repeated slashes merged). The table matches that path case-insensitively and ignores a trailing
 slash, as many app frameworks do. Whatever is forwarded carries the path the table decided on,
-so the proxy and the app's router never read one request two ways.
+case-folded, parameter values included (the tenant the claim is scoped by), so the proxy and the
+app's router never read one request two ways.
 
 A variant the proxy will not interpret safely (an encoded ``/`` or ``\\``, a ``\\``, ``;``
 parameters, an encoded control character or space, an unsafe path parameter) is refused when,
@@ -153,16 +154,32 @@ class Pattern:
         return tuple("{}" if s.startswith("{") else s for s in self.segments)
 
     def match(self, segments: Sequence[str]) -> tuple[str, ...] | None:
-        """The parameter values (as sent) if ``segments`` is this path, else None."""
+        """The parameter values if ``segments`` is this path, else None. Values are case-folded
+        as the literals are: the folded value is the one scoped, verified and forwarded, so the
+        app receives ``/hooks/ACME`` as ``/hooks/acme``, the tenant whose claims it shares."""
         if len(segments) != len(self.segments):
             return None
         values = []
         for want, got in zip(self.segments, segments, strict=True):
             if want.startswith("{"):
-                values.append(got)
+                values.append(got.lower())
             elif want != got.lower():
                 return None
         return tuple(values)
+
+    def parse_values(self, text: object) -> tuple[str, ...]:
+        """Parameter values as the configuration names them (``acme``; ``acme/eu`` for two
+        parameters), case-folded as ``match`` does; ValueError unless a path can carry them."""
+        parts = text.split("/") if isinstance(text, str) else []
+        if len(parts) != len(self.params) or not all(
+            _PARAM_VALUE.fullmatch(part) and part not in (".", "..") for part in parts
+        ):
+            names = "/".join(f"{{{name}}}" for name in self.params)
+            raise ValueError(
+                f"must be a value of {names} in {self.path} (letters, digits, '-', '.', '_', '~'"
+                f"{', the values joined by /' if len(self.params) > 1 else ''}), got {text!r}"
+            )
+        return tuple(part.lower() for part in parts)
 
     def fill(self, values: Sequence[str]) -> str:
         """This path with its parameters replaced by ``values``."""
@@ -173,8 +190,8 @@ class Pattern:
 
 @dataclass(frozen=True, slots=True)
 class Match(Generic[T]):
-    """A request that is a route's: the route, its parameter values, and the target to forward
-    (the route's path with its parameters filled in, and the query as sent)."""
+    """A request that is a route's: the route, its parameter values (case-folded), and the target
+    to forward (the route's path with those values filled in, and the query as sent)."""
 
     route: T
     values: tuple[str, ...]

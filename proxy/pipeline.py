@@ -33,6 +33,7 @@ from proxy import (
     replay,
     reuse,
     routes,
+    signatures,
 )
 
 log = logging.getLogger(__name__)
@@ -224,6 +225,7 @@ class Webhook:
     async def handle(self, request: web.Request, match: paths.Match[Webhook]) -> web.StreamResponse:
         started = time.perf_counter()
         scope = self.route.scope_for(match.values)
+        verifier = self.route.verifier_for(match.values)
         fields = _fields(request, self.route, scope)
         in_flight = self.meters.in_flight
         in_flight.inc()
@@ -234,7 +236,9 @@ class Webhook:
                     self.route.methods,
                 )
             with request.app[BUDGET].reservation() as reservation:
-                response = await self._handle(request, match.target, scope, reservation, fields)
+                response = await self._handle(
+                    request, match.target, scope, reservation, fields, verifier=verifier
+                )
                 if fields.get("replayed"):
                     reservation.replay(response.content_length or 0)
                 # Written while the reservation holds: an answer its client does not read
@@ -261,6 +265,8 @@ class Webhook:
         scope: str,
         reservation: budget.Reservation,
         fields: dict[str, Any],
+        *,
+        verifier: signatures.Verifier | None,
     ) -> web.StreamResponse:
         route = self.route
         body = await read_body(
@@ -268,14 +274,14 @@ class Webhook:
             pause=self.client_body_timeout,
         )  # fmt: skip
         try:
-            key = self._key(request, body, target, scope)
+            key = self._key(request, body, target, scope, verifier)
         except errors.EventIdMissing:
             if not route.forward_missing_id:
                 raise
             upstream = await self._call(request, target, body, reservation, fields)
             fields["outcome"] = "unclaimed"
             return upstream.to_web()
-        fields.update(event_id=key.event_id, event_type=key.event_type)
+        fields.update(event_id=self._sent_id(key), event_type=key.event_type)
         if route.idempotency and request.app[FLIGHTS].waiting((key.scope, key.event_id)):
             # A key in flight is answered at once, here and (claim wait 0) at the row lock.
             raise errors.KeyInProgress(f"route {route.name!r}: key in flight here")
@@ -308,7 +314,9 @@ class Webhook:
                 _phase(fields, "claim_ms", self.meters.claim_wait, claim_started)
                 if claim.acquired:
                     if self.recent_bodies is not None:
-                        other = self.recent_bodies.claimed(key.scope, key.body_sha256, key.event_id)
+                        other = self.recent_bodies.claimed(
+                            key.scope, key.body_sha256, self._sent_id(key)
+                        )
                         if other is not None:
                             fields["body_claimed_as"] = other
                     response, answer = await self._forward(
@@ -329,12 +337,19 @@ class Webhook:
                 flight.answer = stored
             return self._duplicate(key, claim.mismatch, fields, stored)
 
-    def _key(self, request: web.Request, body: bytes, target: str, scope: str) -> claims.Key:
+    def _key(
+        self,
+        request: web.Request,
+        body: bytes,
+        target: str,
+        scope: str,
+        verifier: signatures.Verifier | None,
+    ) -> claims.Key:
         """What this request claims. On an idempotency-key route: the key (its errors named
         as such), in the client's own scope, with the request's fingerprint as its digest."""
         route = self.route
         try:
-            event_id, event_type, digest = self._inspect(request, body)
+            event_id, event_type, digest = self._inspect(request, body, verifier)
         except errors.EventIdMissing as exc:
             if route.idempotency:
                 raise errors.KeyMissing(exc.message) from None
@@ -365,17 +380,19 @@ class Webhook:
                 f"route {self.route.name!r}: key in flight at another proxy"
             ) from None
 
-    def _inspect(self, request: web.Request, body: bytes) -> tuple[str, str | None, bytes]:
+    def _inspect(
+        self, request: web.Request, body: bytes, verifier: signatures.Verifier | None
+    ) -> tuple[str, str | None, bytes]:
         """Verify the signature, then find the event ID and type and the body's digest."""
         route = self.route
         # The raw query: aiohttp's decoded one turns bytes that are not UTF-8 into U+FFFD.
         query = request.raw_path.partition("?")[2]
-        if route.verify is not None:
+        if verifier is not None:
             # A header listed in Connection would be removed before the app sees it.
-            keys.refuse_connection_naming(request.headers, route.verify.headers, route.name)
+            keys.refuse_connection_naming(request.headers, verifier.headers, route.name)
             # Before the claim: an unauthenticated request must never squat an event ID.
             try:
-                route.verify.verify(request.headers, body, time.time(), query=query)
+                verifier.verify(request.headers, body, time.time(), query=query)
             except errors.SignatureInvalid as exc:
                 raise errors.SignatureInvalid(f"route {route.name!r}: {exc.message}") from None
         event_id, event_type = self.extractor.extract(request.headers, query, body)
@@ -483,7 +500,12 @@ class Webhook:
             fields["replayed"] = True
             self.meters.replays.inc()
             return replay.response(stored)
-        return _json(200, {"status": "duplicate", "event_id": key.event_id}, "duplicate")
+        return _json(200, {"status": "duplicate", "event_id": self._sent_id(key)}, "duplicate")
+
+    def _sent_id(self, key: claims.Key) -> str:
+        """The event ID as the request carried it (without what ``bound`` added), for the
+        log line and the acknowledgement."""
+        return key.event_id.rpartition("~")[0] if self.bind_to_body else key.event_id
 
 
 def bound(event_id: str, query: str, body_sha256: bytes) -> str:

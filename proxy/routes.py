@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from proxy import keys, paths, presets, reader, signatures, values
@@ -20,7 +21,12 @@ ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upst
               "replay_max_body", "replay_set_cookie", "claim_wait", "semantics",
               "scope_from")  # fmt: skip
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
-               "prefix", "public_url")  # fmt: skip
+               "prefix", "public_url", "tenant_secrets", "shared_secret")  # fmt: skip
+SHARED_SECRET = (
+    "on a path with {parameters} this would verify every tenant's path, so one tenant could sign "
+    "another's events: give each tenant its own under tenant_secrets, or set shared_secret: true "
+    "if one sender signs for every tenant"
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,6 +43,8 @@ class RouteConfig:
     upstream: str
     max_body: int
     preset: str | None = None
+    # With tenant_secrets a signatures.TenantSignatures, which refuses every request itself: the
+    # pipeline verifies with verifier_for.
     verify: signatures.Verifier | None = None
     retention: float = DEFAULT_RETENTION
     forward_missing_id: bool = False  # ``missing_id: forward``
@@ -69,10 +77,23 @@ class RouteConfig:
 
     def scope_for(self, values: tuple[str, ...]) -> str:
         """The claim's scope for a request whose path parameters are ``values``; parameter
-        values are matched as sent but scoped case-insensitively, as the path's literals."""
+        values are scoped case-insensitively, as the path's literals."""
         if not self.scoped_by_path:
             return self.scope
-        return "/".join((self.scope, *(value.lower() for value in values)))
+        return f"{self.scope}/{_tenant(values)}"
+
+    def verifier_for(self, values: tuple[str, ...]) -> signatures.Verifier | None:
+        """The verifier of a request whose path parameters are ``values`` (None: unverified): on
+        a route with ``tenant_secrets``, that tenant's, found as the scope is (case-folded), or
+        one that refuses every request for a tenant without secrets."""
+        if isinstance(self.verify, signatures.TenantSignatures):
+            return self.verify.for_tenant(_tenant(values))
+        return self.verify
+
+
+def _tenant(values: tuple[str, ...]) -> str:
+    """The tenant a path names: its parameter values, case-folded, joined by "/"."""
+    return "/".join(value.lower() for value in values)
 
 
 def parse_routes(
@@ -151,7 +172,15 @@ def parse_routes(
                 preset.max_body if preset and preset.max_body else default_max_body,
             ),
             preset=preset_name,
-            verify=_parse_verify(r, route.get("verify"), f"{path}.verify", preset_name, preset),
+            verify=_parse_verify(
+                r,
+                route.get("verify"),
+                f"{path}.verify",
+                preset_name,
+                preset,
+                pattern=pattern,
+                explicit_scope="scope" in route,
+            ),
             retention=r.value(
                 route,
                 "retention",
@@ -225,7 +254,14 @@ def _check_idempotency(r: reader.Reader, path: str, route: RouteConfig) -> None:
 
 
 def _parse_verify(
-    r: reader.Reader, raw: object, path: str, preset_name: str | None, preset: presets.Preset | None
+    r: reader.Reader,
+    raw: object,
+    path: str,
+    preset_name: str | None,
+    preset: presets.Preset | None,
+    *,
+    pattern: paths.Pattern | None,
+    explicit_scope: bool,
 ) -> signatures.Verifier | None:
     section = r.mapping(raw, path, VERIFY_KEYS)
     if raw is None:
@@ -240,19 +276,80 @@ def _parse_verify(
                 else "is required"
             )
             r.problem(f"{path}.scheme", reason)
-    if "secret" in section and "secrets" in section:
-        r.problem(path, "give either secret or secrets, not both")
-    secrets = r.strings(section, "secrets" if "secrets" in section else "secret", path)
     options = {
         key: r.value(section, key, path, str, None)
         for key in ("header", "algorithm", "encoding", "prefix", "public_url")
     }
     default_tolerance = (preset and preset.tolerance) or signatures.DEFAULT_TOLERANCE
     tolerance = r.value(section, "tolerance", path, values.parse_duration, default_tolerance)
-    if scheme is None or secrets is None:
+    checked = None
+    try:
+        if scheme is not None:
+            checked = signatures.settings(scheme, tolerance=tolerance, **options)
+    except ValueError as exc:
+        r.problem(path, str(exc))
+    templated = pattern is not None and bool(pattern.params)
+    if "tenant_secrets" in section:
+        for key in ("secret", "secrets", "shared_secret"):
+            if key in section:
+                r.problem(path, f"give either tenant_secrets or {key}, not both")
+        where = f"{path}.tenant_secrets"
+        if pattern is not None and not templated:
+            r.problem(where, "only on a path with {parameters}")
+        if explicit_scope:
+            r.problem(where, "not with an explicit scope (shared by every tenant, one tenant "
+                      "could claim another's event IDs first)")  # fmt: skip
+        tenants = pattern if templated else None
+        return _parse_tenants(r, section["tenant_secrets"], where, checked, tenants)
+    if "secret" in section and "secrets" in section:
+        r.problem(path, "give either secret or secrets, not both")
+    key = "secrets" if "secrets" in section else "secret"
+    secrets = r.strings(section, key, path)
+    shared = r.value(section, "shared_secret", path, values.parse_bool, False)
+    if "shared_secret" in section and pattern is not None and not templated:
+        r.problem(f"{path}.shared_secret", "only on a path with {parameters}")
+    elif templated and secrets is not None and not shared:
+        r.problem(f"{path}.{key}", SHARED_SECRET)
+    return _verifier(r, path, checked, secrets)
+
+
+def _parse_tenants(
+    r: reader.Reader,
+    raw: object,
+    path: str,
+    checked: signatures.Settings | None,
+    pattern: paths.Pattern | None,
+) -> signatures.Verifier | None:
+    """``tenant_secrets``: each tenant (its value in the path) and its secret or secrets."""
+    if not isinstance(raw, Mapping) or not raw:
+        r.problem(path, "must be a mapping of each tenant's value in the path to its secret(s)")
+        return None
+    verifiers: dict[str, signatures.Verifier] = {}
+    spelled: dict[str, str] = {}
+    for name in raw:
+        where = reader.join(path, str(name))
+        secrets = r.strings(raw, name, path)
+        try:
+            tenant = _tenant(pattern.parse_values(name)) if pattern else None
+        except ValueError as exc:
+            r.problem(where, str(exc))
+            continue
+        if tenant in spelled:
+            r.problem(where, f"is {spelled[tenant]!r} again (tenants match case-insensitively)")
+        elif tenant is not None:
+            spelled[tenant] = str(name)
+            if verifier := _verifier(r, where, checked, secrets):
+                verifiers[tenant] = verifier
+    return signatures.TenantSignatures.of(verifiers) if verifiers else None
+
+
+def _verifier(
+    r: reader.Reader, path: str, checked: signatures.Settings | None, secrets: list[str] | None
+) -> signatures.Verifier | None:
+    if checked is None or secrets is None:
         return None
     try:
-        return signatures.build(scheme, secrets, tolerance=tolerance, **options)
+        return checked.verifier(secrets)
     except ValueError as exc:
         r.problem(path, str(exc))
         return None

@@ -3,8 +3,10 @@
 ``build`` turns a route's ``verify`` settings into a ``Verifier`` once, at start-up; ``verify`` is
 then a pure function of the request's headers, raw body, raw query string and the current time, so
 this module knows nothing of aiohttp. Every configured secret is tried against every signature a
-request carries, which is how rotation works. A refusal's reason names the header at fault and
-never contains a secret or a received signature.
+request carries, which is how rotation works. On a templated route with ``tenant_secrets`` each
+tenant has a verifier of its own (``TenantSignatures``), so one tenant's secret never verifies
+another tenant's path. A refusal's reason names the header at fault and never contains a secret or
+a received signature.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import hmac
 import math
 import re
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NoReturn, Protocol
 
 from proxy import errors, keys
@@ -386,6 +389,36 @@ def _twilio_urls(url: urllib.parse.SplitResult) -> tuple[str, str]:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TenantSignatures:
+    """A templated route's verifiers, one per tenant, so that a tenant's secrets verify its own
+    path only: ``for_tenant`` picks one by the tenant its path names (``RouteConfig.verifier_for``).
+
+    As a verifier itself it describes the scheme (its headers) and refuses every request:
+    ``for_tenant`` returns it for a tenant without secrets, and code that verifies without picking
+    the tenant's verifier fails closed.
+    """
+
+    scheme: str
+    headers: tuple[str, ...]
+    signed_headers: frozenset[str]
+    tenants: Mapping[str, Verifier] = field(hash=False)
+
+    @classmethod
+    def of(cls, tenants: Mapping[str, Verifier]) -> TenantSignatures:
+        """From verifiers of one scheme with the same settings, keyed by tenant (non-empty)."""
+        some = next(iter(tenants.values()))
+        return cls(some.scheme, some.headers, some.signed_headers, MappingProxyType(dict(tenants)))
+
+    def for_tenant(self, tenant: str) -> Verifier:
+        return self.tenants.get(tenant, self)
+
+    def verify(
+        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        _fail("no secret is configured for this path's tenant")
+
+
 def _public_url(value: str) -> str:
     """``scheme://host[:port]/path`` as Twilio was told it; ValueError otherwise."""
     parts = urllib.parse.urlsplit(value)
@@ -449,6 +482,65 @@ def build(
     its query) applies to and is required by scheme ``twilio``. ``tolerance`` bounds the age of
     timestamped schemes' timestamps, in both directions.
     """
+    checked = settings(
+        scheme, tolerance=tolerance, header=header, algorithm=algorithm, encoding=encoding,
+        prefix=prefix, public_url=public_url,
+    )  # fmt: skip
+    return checked.verifier(secrets)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """A route's checked ``verify`` settings, secrets aside: one verifier per list of secrets
+    (one list per tenant on a route with ``tenant_secrets``)."""
+
+    scheme: str
+    tolerance: float
+    header: str = ""
+    algorithm: str = ""
+    encoding: str = ""
+    prefix: str = ""
+    public_url: str = ""
+
+    def verifier(self, secrets: Sequence[str]) -> Verifier:
+        """The verifier with ``secrets``; ValueError messages complete "routes[0].verify: …"."""
+        if isinstance(secrets, str) or not secrets:
+            raise ValueError("secrets must be a non-empty list")
+        for index, secret in enumerate(secrets):
+            if not isinstance(secret, str) or not secret.strip():
+                raise ValueError(f"secrets[{index}] must be a non-empty string")
+            if secret != secret.strip():
+                # A newline from a secrets file would otherwise fail every request, silently.
+                raise ValueError(f"secrets[{index}] has leading or trailing whitespace")
+        scheme, tolerance = self.scheme, self.tolerance
+        if scheme == "standard-webhooks":
+            decoded = tuple(_standard_key(secret, index) for index, secret in enumerate(secrets))
+            return StandardWebhooksSignature(scheme, tolerance, decoded)
+        material = tuple(secret.encode() for secret in secrets)
+        if scheme in _LISTED_SCHEMES:
+            return ListedSignature(scheme, *_LISTED_SCHEMES[scheme], tolerance, material)
+        if scheme in _BODY_SCHEMES:
+            return BodySignature(scheme, *_BODY_SCHEMES[scheme], material)
+        if scheme == "slack":
+            return SlackSignature(scheme, tolerance, material)
+        if scheme == "twilio":
+            return TwilioSignature(scheme, self.public_url, material)
+        return BodySignature(
+            scheme, self.header, self.algorithm, self.encoding, self.prefix, material
+        )
+
+
+def settings(
+    scheme: str,
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    header: str | None = None,
+    algorithm: str | None = None,
+    encoding: str | None = None,
+    prefix: str | None = None,
+    public_url: str | None = None,
+) -> Settings:
+    """``build``'s settings checked without the secrets (ValueError as ``build``)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
     options = {"header": header, "algorithm": algorithm, "encoding": encoding, "prefix": prefix}
@@ -457,36 +549,21 @@ def build(
         raise ValueError(f"{', '.join(given)}: only for scheme hmac, not {scheme}")
     if scheme != "twilio" and public_url is not None:
         raise ValueError(f"public_url: only for scheme twilio, not {scheme}")
-    if isinstance(secrets, str) or not secrets:
-        raise ValueError("secrets must be a non-empty list")
-    for index, secret in enumerate(secrets):
-        if not isinstance(secret, str) or not secret.strip():
-            raise ValueError(f"secrets[{index}] must be a non-empty string")
-        if secret != secret.strip():
-            # A newline from a secrets file would otherwise fail every request, silently.
-            raise ValueError(f"secrets[{index}] has leading or trailing whitespace")
     if not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"tolerance must be a positive number of seconds, got {tolerance!r}")
-
-    if scheme == "standard-webhooks":
-        decoded = tuple(_standard_key(secret, index) for index, secret in enumerate(secrets))
-        return StandardWebhooksSignature(scheme, tolerance, decoded)
-    material = tuple(secret.encode() for secret in secrets)
-    if scheme in _LISTED_SCHEMES:
-        return ListedSignature(scheme, *_LISTED_SCHEMES[scheme], tolerance, material)
-    if scheme in _BODY_SCHEMES:
-        return BodySignature(scheme, *_BODY_SCHEMES[scheme], material)
-    if scheme == "slack":
-        return SlackSignature(scheme, tolerance, material)
     if scheme == "twilio":
         if public_url is None:
             raise ValueError("public_url is required for scheme twilio")
-        return TwilioSignature(scheme, _public_url(public_url), material)
+        return Settings(scheme, tolerance, public_url=_public_url(public_url))
+    if scheme != "hmac":
+        return Settings(scheme, tolerance)
     if header is None:
         raise ValueError("header is required for scheme hmac")
     if not _TOKEN.fullmatch(header) or "_" in header:
         # Headers with "_" are dropped on the way to the app (forwarder.request_headers).
         raise ValueError(f"header must be a header name without '_', got {header!r}")
-    algorithm = _choice("algorithm", algorithm, "sha256", ALGORITHMS)
-    encoding = _choice("encoding", encoding, "hex", ENCODINGS)
-    return BodySignature(scheme, header, algorithm, encoding, prefix or "", material)
+    return Settings(
+        scheme, tolerance, header=header, prefix=prefix or "",
+        algorithm=_choice("algorithm", algorithm, "sha256", ALGORITHMS),
+        encoding=_choice("encoding", encoding, "hex", ENCODINGS),
+    )  # fmt: skip

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import hmac
 from pathlib import Path
 from typing import Any
 
 import pytest
+from multidict import CIMultiDict
 
 from proxy import cli, config, errors, keys, routes
 
@@ -604,6 +607,156 @@ def test_bad_event_type_source() -> None:
 )
 def test_bad_route_field(key: str, value: str, message: str) -> None:
     assert problems_of(with_route(**{key: value})) == (f"routes[0].{key}: {message}",)
+
+
+# --- templated routes: each tenant's own secrets, or one secret said to be shared ----------------
+
+TENANTS = {"path": "/hooks/{tenant}", "preset": "stripe"}
+ONE_VALUE = "(letters, digits, '-', '.', '_', '~'), got"
+
+
+def github_signature(secret: str, body: bytes) -> CIMultiDict[str]:
+    mac = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+    return CIMultiDict({"X-Hub-Signature-256": f"sha256={mac}"})
+
+
+def test_tenant_secrets_give_each_tenant_its_own_verifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACME_EU_SECRET", "acme-eu-secret")
+    tenants = {"Acme/EU": "${ACME_EU_SECRET}", "globex/us": ["globex-new", "globex-old"]}
+    verify = {"scheme": "github", "tenant_secrets": tenants}
+    route = config.parse(with_route(path="/hooks/{tenant}/{region}", verify=verify)).routes[0]
+    body = b'{"id": "1"}'
+
+    route.verifier_for(("ACME", "eu")).verify(github_signature("acme-eu-secret", body), body, 0)
+    route.verifier_for(("globex", "US")).verify(github_signature("globex-old", body), body, 0)
+    for values, secret in [(("globex", "eu"), "acme-eu-secret"), (("acme", "us"), "globex-new")]:
+        with pytest.raises(errors.SignatureInvalid):
+            route.verifier_for(values).verify(github_signature(secret, body), body, 0)
+    assert route.scope_for(("ACME", "eu")) == "stripe/acme/eu"
+    assert not [s for s in ("acme-eu-secret", "globex-new") if s in repr(route)]
+
+
+@pytest.mark.parametrize(("key", "value"), [("secret", "s3cret"), ("secrets", ["new", "old"])])
+def test_a_secret_shared_by_every_tenant_must_be_said_to_be_shared(key: str, value: object) -> None:
+    assert problems_of(with_route(**TENANTS, verify={key: value})) == (
+        f"routes[0].verify.{key}: {routes.SHARED_SECRET}",
+    )
+    shared = config.parse(with_route(**TENANTS, verify={key: value, "shared_secret": True}))
+    route = shared.routes[0]
+    assert route.verify is not None
+    assert route.verifier_for(("acme",)) is route.verifier_for(("globex",)) is route.verify
+
+
+@pytest.mark.parametrize(
+    ("route", "expected"),
+    [
+        (
+            {"preset": "stripe", "verify": {"tenant_secrets": {"acme": "s"}}},
+            ["routes[0].verify.tenant_secrets: only on a path with {parameters}"],
+        ),
+        (
+            {"preset": "stripe", "verify": {"secret": "s", "shared_secret": True}},
+            ["routes[0].verify.shared_secret: only on a path with {parameters}"],
+        ),
+        (
+            {**TENANTS, "verify": {"secret": "s", "shared_secret": "yes"}},
+            [
+                "routes[0].verify.shared_secret: must be true or false, got 'yes'",
+                f"routes[0].verify.secret: {routes.SHARED_SECRET}",
+            ],
+        ),
+        (
+            {**TENANTS, "verify": {"tenant_secrets": {"acme": "s"}, "secrets": ["t"]}},
+            ["routes[0].verify: give either tenant_secrets or secrets, not both"],
+        ),
+        (
+            {**TENANTS, "verify": {"tenant_secrets": {"acme": "s"}, "shared_secret": True}},
+            ["routes[0].verify: give either tenant_secrets or shared_secret, not both"],
+        ),
+        (
+            {**TENANTS, "scope": "all", "verify": {"tenant_secrets": {"acme": "s"}}},
+            [
+                "routes[0].verify.tenant_secrets: not with an explicit scope (shared by every "
+                "tenant, one tenant could claim another's event IDs first)"
+            ],
+        ),
+        *[
+            (
+                {**TENANTS, "verify": {"tenant_secrets": tenants}},
+                [
+                    "routes[0].verify.tenant_secrets: must be a mapping of each tenant's value in "
+                    "the path to its secret(s)"
+                ],
+            )
+            for tenants in ({}, ["acme"], "acme", None)
+        ],
+        *[
+            (
+                {**TENANTS, "verify": {"tenant_secrets": {name: "s"}}},
+                [
+                    f"routes[0].verify.tenant_secrets.{name}: must be a value of {{tenant}} in "
+                    f"/hooks/{{tenant}} {ONE_VALUE} {name!r}"
+                ],
+            )
+            for name in ("acme/eu", "ac me", "ac%6De", "..", "", 7)
+        ],
+        (
+            {
+                **TENANTS,
+                "path": "/h/{tenant}/{region}",
+                "verify": {"tenant_secrets": {"acme/eu": "s", "acme": "t"}},
+            },
+            [
+                "routes[0].verify.tenant_secrets.acme: must be a value of {tenant}/{region} in "
+                "/h/{tenant}/{region} (letters, digits, '-', '.', '_', '~', the values joined "
+                "by /), got 'acme'"
+            ],
+        ),
+        (
+            {**TENANTS, "verify": {"tenant_secrets": {"Acme": "s", "ACME": "t"}}},
+            [
+                "routes[0].verify.tenant_secrets.ACME: is 'Acme' again (tenants match "
+                "case-insensitively)"
+            ],
+        ),
+        (
+            {**TENANTS, "verify": {"tenant_secrets": {"acme": [], "globex": 3}}},
+            [
+                "routes[0].verify.tenant_secrets.acme: must be a string or a non-empty list of "
+                "strings",
+                "routes[0].verify.tenant_secrets.globex: must be a string or a non-empty list of "
+                "strings",
+            ],
+        ),
+        (
+            {**TENANTS, "verify": {"tenant_secrets": {"acme": ["s", "t\n"]}}},
+            ["routes[0].verify.tenant_secrets.acme: secrets[1] has leading or trailing whitespace"],
+        ),
+        (
+            {**TENANTS, "verify": {"tenant_secrets": {"acme": "${DEDUP_TEST_UNSET_SECRET}"}}},
+            [
+                "routes[0].verify.tenant_secrets.acme[0]: environment variable "
+                "DEDUP_TEST_UNSET_SECRET is not set"
+            ],
+        ),
+        (
+            {**TENANTS, "preset": "svix", "verify": {"tenant_secrets": {"acme": "whsec_no!"}}},
+            [
+                "routes[0].verify.tenant_secrets.acme: secrets[0] must be base64, optionally "
+                "after whsec_"
+            ],
+        ),
+        (
+            {**TENANTS, "verify": {"tenant_secret": {"acme": "s"}}},
+            [
+                "routes[0].verify.tenant_secret: unknown key (did you mean 'tenant_secrets'?)",
+                "routes[0].verify.secret: must be a string or a non-empty list of strings",
+            ],
+        ),
+    ],
+)
+def test_tenant_secrets_problems(route: dict[str, Any], expected: list[str]) -> None:
+    assert problems_of(with_route(**route)) == tuple(expected)
 
 
 @pytest.mark.parametrize(

@@ -328,3 +328,16 @@ def test_a_path_taken_as_already_normal_is_what_normalizing_it_gives(text: str) 
     path = "/" + text
     if paths.already_normal(path):
         assert paths.normalize_path(path) == path
+
+
+def test_a_parameter_is_matched_and_forwarded_case_folded_with_the_query_as_sent() -> None:
+    raw = "/V1/Hooks/AcMe/Events/?Region=EU"
+
+    match = TABLE.match(paths.normalize(raw), raw)
+
+    assert match is not None
+    assert (match.route, match.values, match.target) == (
+        "/v1/hooks/{tenant}/events",
+        ("acme",),
+        "/v1/hooks/acme/events?Region=EU",
+    )

@@ -138,11 +138,13 @@ async def test_github_preset_keys_by_hook_and_delivery(
 
     assert [await deliver("111"), await deliver("222"), await deliver("111")] == [200] * 3
 
-    # One delivery GUID, two hooks: two events; the third call is a duplicate.
+    # One delivery GUID, two hooks: two events; the third call is a duplicate. The claims are
+    # bound to the signed body (the GUID is not signed: see pipeline.bound).
+    sha = hashlib.sha256(body).digest()
     assert len(upstream.requests) == 2
     assert await claimed(pg_dsn, table) == [
-        ("github", "111:72d3162e-cc78-11e3-81ab-4c9367dc0958", "ping"),
-        ("github", "222:72d3162e-cc78-11e3-81ab-4c9367dc0958", "ping"),
+        ("github", pipeline.bound("111:72d3162e-cc78-11e3-81ab-4c9367dc0958", "", sha), "ping"),
+        ("github", pipeline.bound("222:72d3162e-cc78-11e3-81ab-4c9367dc0958", "", sha), "ping"),
     ]
 
 
@@ -419,7 +421,8 @@ async def test_a_github_payload_over_the_global_max_body_is_accepted(
     assert response.status == 200
     assert len(upstream.requests) == 1
     assert upstream.requests[0].body == body
-    assert await claimed(pg_dsn, table) == [("github", "111:d-large", "push")]
+    bound = pipeline.bound("111:d-large", "", hashlib.sha256(body).digest())
+    assert await claimed(pg_dsn, table) == [("github", bound, "push")]
 
 
 async def test_an_explicit_route_max_body_wins_over_the_preset_cap(

@@ -648,6 +648,30 @@ def test_verifier_is_immutable(scheme: str) -> None:
     assert build(scheme) == verifier
 
 
+@pytest.mark.parametrize("scheme", ALL)
+def test_a_tenants_secret_verifies_for_that_tenant_only(scheme: str) -> None:
+    tenants = signatures.TenantSignatures.of(
+        {"acme": build(scheme, SECRET), "globex": build(scheme, OLD)}
+    )
+    headers, query = CIMultiDict(signed(scheme, SECRET)), query_for(scheme, BODY)
+
+    tenants.for_tenant("acme").verify(headers, BODY, NOW, query=query)
+    reasons = []
+    for verifier in (tenants.for_tenant("globex"), tenants.for_tenant("initech"), tenants):
+        with pytest.raises(errors.SignatureInvalid) as info:
+            verifier.verify(headers, BODY, NOW, query=query)
+        reasons.append(info.value.message)
+
+    no_tenant = "no secret is configured for this path's tenant"
+    assert reasons == ["no signature matches", no_tenant, no_tenant]
+    alone = build(scheme)
+    assert (tenants.scheme, tenants.headers, tenants.signed_headers) == (
+        alone.scheme, alone.headers, alone.signed_headers,
+    )  # fmt: skip
+    shown = repr(tenants)
+    assert not [s for s in (SECRET, OLD, repr(standard_key(SECRET))) if s in shown]
+
+
 # --- the providers' own libraries ---------------------------------------------------------------
 
 
