@@ -38,8 +38,9 @@ from proxy import config, forwarder
 
 log = logging.getLogger(__name__)
 
-# Listeners, standard streams and log files, the event loop's own descriptors, admin scrapes and
-# refused connections still being answered.
+# Listeners, standard streams and log files, the event loop's own descriptors, the admin
+# listener's connections (admin.MAX_CONNECTIONS, and as many in its queue) and refused
+# connections still being answered.
 MARGIN = 64
 REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\n"
@@ -71,7 +72,12 @@ def raise_open_files() -> int:
 
 def connection_bound(cfg: config.Config, open_files: int) -> int:
     """``max_connections``, lowered if the open-file limit cannot hold that many."""
-    reserve = 2 * cfg.database.pool_size + forwarder.PASSTHROUGH_HEADROOM + MARGIN
+    reserve = (
+        2 * cfg.database.pool_size
+        + forwarder.UNCLAIMED_HEADROOM
+        + forwarder.PASSTHROUGH_CONNECTIONS
+        + MARGIN
+    )
     if open_files == resource.RLIM_INFINITY or cfg.max_connections <= open_files - reserve:
         log.info("at most %d open client connections (max_connections)", cfg.max_connections)
         return cfg.max_connections
@@ -93,13 +99,25 @@ class ConnectionLimit:
     """A protocol factory in front of aiohttp's ``Server``: at most ``bound`` open connections.
 
     ``shed`` is called for each connection shed, closed to make room or refused; one warning
-    line reports them, at most every ``_REPORT_EVERY`` seconds while shedding goes on.
+    line, naming the bound ``name``, reports them, at most every ``_REPORT_EVERY`` seconds while
+    shedding goes on. At most ``max_lingering`` refused connections wait for their client to
+    read the 503; past that, they are closed at once.
     """
 
-    def __init__(self, server: web.Server, bound: int, shed: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        server: web.Server,
+        bound: int,
+        shed: Callable[[], None],
+        *,
+        name: str = "max_connections",
+        max_lingering: int = _MAX_LINGERING,
+    ) -> None:
         self._server = server
         self._bound = bound
         self._shed = shed
+        self._name = name
+        self.max_lingering = max_lingering
         self._loop = asyncio.get_running_loop()
         self._closed = 0
         self._refused = 0
@@ -137,8 +155,9 @@ class ConnectionLimit:
             self._report = None
             return
         log.warning(
-            "max_connections (%d) reached: closed %d idle connection(s) and refused %d new "
-            "one(s) since the previous such line",
+            "%s (%d) reached: closed %d idle connection(s) and refused %d new one(s) since the "
+            "previous such line",
+            self._name,
             self._bound,
             self._closed,
             self._refused,
@@ -177,7 +196,7 @@ class _Admission(asyncio.Protocol):
         # uvloop's transports are not asyncio.Transport subclasses, hence no isinstance().
         stream = cast(asyncio.Transport, transport)
         stream.write(REFUSAL)
-        if self._limit.lingering >= _MAX_LINGERING:
+        if self._limit.lingering >= self._limit.max_lingering:
             stream.close()
             return
         self._limit.lingering += 1
@@ -195,9 +214,12 @@ class _Admission(asyncio.Protocol):
 
 class BoundedSite(web.BaseSite):
     """A listener like ``web.SockSite`` on a bound socket, its connections admitted by a
-    ``ConnectionLimit``."""
+    ``ConnectionLimit`` (``name`` and ``max_lingering`` are passed on to it)."""
 
-    __slots__ = ("_app_runner", "_bound", "_limit", "_listener", "_name", "_shed", "_sock")
+    __slots__ = (
+        "_app_runner", "_bound", "_limit", "_limit_name", "_listener", "_max_lingering", "_name",
+        "_shed", "_sock",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -207,6 +229,8 @@ class BoundedSite(web.BaseSite):
         bound: int,
         shed: Callable[[], None],
         backlog: int,
+        name: str = "max_connections",
+        max_lingering: int = _MAX_LINGERING,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._app_runner = runner  # BaseSite keeps its own reference private
@@ -215,6 +239,8 @@ class BoundedSite(web.BaseSite):
         self._name = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self._bound = bound
         self._shed = shed
+        self._limit_name = name
+        self._max_lingering = max_lingering
         self._limit: ConnectionLimit | None = None
         self._listener: asyncio.AbstractServer | None = None
 
@@ -226,7 +252,13 @@ class BoundedSite(web.BaseSite):
         await super().start()
         server = self._app_runner.server
         assert server is not None  # BaseSite refuses a runner that is not set up
-        self._limit = ConnectionLimit(server, self._bound, self._shed)
+        self._limit = ConnectionLimit(
+            server,
+            self._bound,
+            self._shed,
+            name=self._limit_name,
+            max_lingering=self._max_lingering,
+        )
         self._listener = await asyncio.get_running_loop().create_server(
             self._limit, sock=self._sock, backlog=self._backlog
         )

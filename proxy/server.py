@@ -4,8 +4,8 @@ A single process binds its listeners itself. A worker of ``workers: N`` is hande
 supervisor binds each address once and passes the listening sockets down as inherited file
 descriptors, named in ``LISTEN_FDS_ENV`` (as systemd's socket activation does with
 ``LISTEN_FDS``), so every worker accepts from one queue that outlives any of them. The public
-listener admits connections through ``limits`` (the per-worker connection bound); the admin
-listener is aiohttp's plain ``SockSite``.
+listener admits connections through ``limits`` (the per-worker connection bound), and so does
+the admin listener, under its own small bound and keep-alive (``admin``).
 """
 
 from __future__ import annotations
@@ -131,7 +131,9 @@ async def serve(
         shutdown_timeout=cfg.shutdown_timeout,
         **app.runner_options(cfg),
     )
-    admin_runner = web.AppRunner(admin.create_admin_app(proxy), access_log=None)
+    admin_runner = web.AppRunner(
+        admin.create_admin_app(proxy), access_log=None, keepalive_timeout=admin.KEEPALIVE
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -144,7 +146,13 @@ async def serve(
         admin_sockets = handed.admin if handed else bind(cfg.admin.listen)
         sockets += admin_sockets
         for sock in admin_sockets:
-            await web.SockSite(admin_runner, sock, backlog=BACKLOG).start()
+            # A backlog no longer than the bound: the loop accepts a whole queue before the
+            # bound sees any of it, so the queue is what the admin listener may briefly hold
+            # beyond its bound.
+            await limits.BoundedSite(
+                admin_runner, sock, bound=admin.MAX_CONNECTIONS, shed=_uncounted,
+                backlog=admin.MAX_CONNECTIONS, name="the admin listener's bound", max_lingering=0,
+            ).start()  # fmt: skip
         await runner.setup()
         shed = proxy[pipeline.METRICS].shed.labels("connections").inc
         public = handed.public if handed else bind(cfg.listen)
@@ -187,6 +195,10 @@ async def serve(
             if handed is not None:
                 handed.close()
     log.info("stopped")
+
+
+def _uncounted() -> None:
+    """Admin connections shed are not webhooks shed: only the warning line reports them."""
 
 
 def _warn_unprotected(configured: Sequence[routes.RouteConfig]) -> None:

@@ -20,6 +20,14 @@ growing pause. A worker whose bytes stop for ``timeout`` seconds (its loop is st
 stopped) is killed with SIGKILL and replaced, as gunicorn's arbiter does. Each worker also holds
 the read end of a pipe only the supervisor writes to: end-of-file means the supervisor died,
 and the worker drains rather than serve on unsupervised.
+
+The private directory outlives a supervisor killed with SIGKILL, so each start removes the
+ones left behind. It is named after the supervisor's PID, and the supervisor and every worker
+hold an exclusive lock on it (one open file, inherited): a directory is removed only once its
+supervisor is gone and the kernel has dropped the lock, which happens when the last process
+holding it dies, however it dies. The lock keeps the directory of workers still draining after
+their supervisor was killed; the PID keeps it in the moment between making and locking it. A
+PID taken over by another program only delays the removal.
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -58,6 +68,8 @@ DEFAULT_TIMEOUT = 30.0
 _RESTART_PAUSE = 1.0  # a worker that dies this soon after it listened is restarted after a pause
 _MAX_RESTART_PAUSE = 30.0
 _KILL_MARGIN = 10.0  # past shutdown_timeout, a worker that has not exited is killed
+_HOME_PREFIX = "dedup-proxy-"
+_HOME_NAME = re.compile(re.escape(_HOME_PREFIX) + r"([1-9][0-9]*)-[^-]+")  # mkdtemp's suffix
 
 
 @dataclass(slots=True)
@@ -107,6 +119,7 @@ class Supervisor:
         home: Path,
         *,
         listeners: server.Listeners,
+        lock: int,
         dsn: str | None,
         stopping: asyncio.Event,
         timeout: float,
@@ -115,6 +128,7 @@ class Supervisor:
         self.snapshot = home / "config.yaml"
         self.metrics_dir = home / "metrics"
         self.listeners = listeners
+        self.lock = lock  # on home; every worker inherits it
         self.dsn = dsn
         self.stopping = stopping
         self.timeout = timeout
@@ -154,7 +168,7 @@ class Supervisor:
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy", "serve", "--config", str(self.snapshot),
-                env=env, pass_fds=(beat_write, life_read, *self.listeners.filenos()),
+                env=env, pass_fds=(beat_write, life_read, self.lock, *self.listeners.filenos()),
             )  # fmt: skip
         except BaseException:
             os.close(beat_read)
@@ -275,8 +289,9 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
             loop.add_signal_handler(signum, stopping.set)
             cleanup.callback(loop.remove_signal_handler, signum)
         timeout = _timeout()
-        home = _private_directory()
+        home, lock = _private_directory()
         cleanup.callback(shutil.rmtree, home, ignore_errors=True)
+        cleanup.callback(os.close, lock)
         cfg = _snapshot(config_path, home / "config.yaml")
         (home / "metrics").mkdir()
         db = embedded.EmbeddedPostgres(cfg.database.data_dir) if cfg.database.embedded else None
@@ -288,8 +303,9 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
                 return 0
             listeners = server.bind_all(cfg)
             code = await Supervisor(
-                cfg, home, listeners=listeners, dsn=dsn, stopping=stopping, timeout=timeout
-            ).run()
+                cfg, home, listeners=listeners, lock=lock, dsn=dsn, stopping=stopping,
+                timeout=timeout,
+            ).run()  # fmt: skip
             log.info("all workers stopped")
             return code
         finally:
@@ -297,16 +313,57 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
                 await asyncio.to_thread(db.stop)
 
 
-def _private_directory() -> Path:
+def _private_directory() -> tuple[Path, int]:
     """A directory only this user can read (mkdtemp's 0700): the configuration copy may hold
-    secrets written into the file, and the workers' metrics files live beside it."""
+    secrets written into the file, and the workers' metrics files live beside it. With it, the
+    descriptor holding its lock; the directories earlier supervisors left are removed first."""
     try:
-        return Path(tempfile.mkdtemp(prefix="dedup-proxy-"))
+        parent = Path(tempfile.gettempdir())
+        _remove_leftovers(parent)
+        home = Path(tempfile.mkdtemp(prefix=f"{_HOME_PREFIX}{os.getpid()}-", dir=parent))
     except OSError as exc:  # a read-only root filesystem with no /tmp mounted
         raise errors.ProxyError(
             "workers > 1 needs a writable temporary directory for the workers' configuration "
             f"and metrics: mount a tmpfs (an emptyDir) on /tmp, or set TMPDIR ({exc})"
         ) from exc
+    lock = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new directory: no one else holds it
+    return home, lock
+
+
+def _remove_leftovers(parent: Path) -> None:
+    """Remove this user's private directories in ``parent`` whose supervisor and workers are
+    all gone (see the module docstring)."""
+    for path in parent.iterdir():
+        name = _HOME_NAME.fullmatch(path.name)
+        if name is None or _running(int(name[1])):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # locked: a worker of that supervisor is still draining
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s, left by a supervisor that was killed", path)
+        finally:
+            os.close(fd)
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's, or one not yet reaped, counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _snapshot(config_path: str, copy: Path) -> config.Config:

@@ -272,10 +272,18 @@ async def test_a_heartbeat_timeout_below_two_beats_is_a_start_up_error(
     assert "Traceback" not in text
 
 
+def _homes(tmp: Path) -> set[Path]:
+    """The supervisors' private directories in ``tmp``."""
+    return {path for path in tmp.iterdir() if path.name.startswith("dedup-proxy-")}
+
+
 async def test_a_supervisor_restarted_after_a_kill_binds_beside_the_draining_workers(
-    start: Start, upstream: FakeUpstream
+    start: Start, upstream: FakeUpstream, tmp_path: Path
 ) -> None:
-    old = await start(shutdown_timeout="60s", upstream={"timeout": "60s"})  # a long drain
+    (tmp := tmp_path / "tmp").mkdir()
+    env = {"TMPDIR": str(tmp)}
+    old = await start(env, shutdown_timeout="60s", upstream={"timeout": "60s"})  # a long drain
+    (old_home,) = _homes(tmp)
     upstream.gate = asyncio.Event()
     in_flight = asyncio.ensure_future(_post(old.url, "evt_draining"))
     await upstream.arrived.wait()
@@ -285,8 +293,10 @@ async def test_a_supervisor_restarted_after_a_kill_binds_beside_the_draining_wor
         await old.process.wait()
         # The orphan holding the request drains, its admin listener still open, while the new
         # supervisor binds both ports and starts its workers.
-        new = await start(again=old)
+        new = await start(env, again=old)
         assert any(_alive(pid) for pid in orphans)
+        # Its workers still use the old supervisor's directory (their metrics files): kept.
+        assert old_home in _homes(tmp)
         upstream.gate.set()
         assert (await asyncio.wait_for(in_flight, WITHIN)).status == 200
         responses = await asyncio.gather(*(_post(new.url, f"evt_new{n}") for n in range(5)))
@@ -296,6 +306,33 @@ async def test_a_supervisor_restarted_after_a_kill_binds_beside_the_draining_wor
         for pid in orphans:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_killed_supervisors_directory_is_removed_at_the_next_start(
+    start: Start, tmp_path: Path
+) -> None:
+    (tmp := tmp_path / "tmp").mkdir()
+    env = {"TMPDIR": str(tmp)}
+    live = await start(env)  # another supervisor on the same machine, still running
+    (live_home,) = _homes(tmp)
+    killed = await start(env)
+    (killed_home,) = _homes(tmp) - {live_home}
+    workers = killed.workers()
+    killed.process.kill()
+    await killed.process.wait()
+
+    async def gone() -> bool:
+        return not any(_alive(pid) for pid in workers)
+
+    await wait_until(gone, "the orphaned workers to drain and exit", within=30)
+    assert killed_home in _homes(tmp)  # the kill left it: nothing could remove it then
+
+    again = await start(env, again=killed)
+    assert _homes(tmp) - {live_home, killed_home}  # the new supervisor's own
+    assert killed_home not in _homes(tmp)
+    assert live_home in _homes(tmp)
+    assert (await _post(live.url, "evt_live")).status == 200
+    assert (await _post(again.url, "evt_again")).status == 200
 
 
 async def test_workers_drain_and_exit_when_the_supervisor_is_killed(
