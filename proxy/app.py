@@ -129,8 +129,9 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
     client = forwarder.Forwarder(
         cfg.upstream.timeout,
         preserve_host=cfg.upstream.preserve_host,
-        # Webhook requests are bounded by the database pool; pass-through traffic gets headroom.
-        connections=cfg.database.pool_size + forwarder.PASSTHROUGH_HEADROOM,
+        # Claimed webhooks are bounded by the database pool; unclaimed ones get headroom, and
+        # pass-through has connections of its own (forwarder.PASSTHROUGH_CONNECTIONS).
+        connections=cfg.database.pool_size + forwarder.UNCLAIMED_HEADROOM,
         keepalive=cfg.upstream.keepalive,
         # Each route's transport is chosen once, at start-up.
         upstreams={cfg.upstream.url, *(route.upstream for route in cfg.routes)},

@@ -16,6 +16,7 @@ body write, as ``StreamWriter.write_headers`` leaves them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl as ssl_module
 from collections.abc import Iterable
@@ -27,12 +28,17 @@ import aiohttp
 from aiohttp import hdrs, http_writer, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy import client, forwarded, transports
+from proxy import client, errors, forwarded, transports
 
 log = logging.getLogger(__name__)
 
-# Upstream connections beyond the pool's (whose size bounds webhooks in flight): pass-through.
-PASSTHROUGH_HEADROOM = 100
+# Upstream connections for webhooks beyond the pool's (whose size bounds the claimed ones in
+# flight): webhooks forwarded unclaimed (missing_id: forward).
+UNCLAIMED_HEADROOM = 100
+# Pass-through has connections of its own, so clients that never read a pass-through answer
+# cannot take the ones webhooks need; past them, a request waits at most PASSTHROUGH_WAIT.
+PASSTHROUGH_CONNECTIONS = 100
+PASSTHROUGH_WAIT = 5.0
 
 # RFC 9110 §7.6.1 (and §11.7 for the Proxy-* pair): they describe one connection, not the message.
 HOP_BY_HOP = frozenset(
@@ -196,13 +202,17 @@ class Forwarder:
         tls = True if ssl is None else ssl
         # An idle connection is dropped before the app's own keep-alive timer can close it
         # under a request (see client.idle_limit, which the transports apply on top).
-        connector = aiohttp.TCPConnector(limit=connections, keepalive_timeout=keepalive, ssl=tls)
-        self._session = aiohttp.ClientSession(connector=connector, **_session_options())
-        # Webhooks share that pool, traced to tell a reused connection from a new one (the
-        # tracing costs every request some CPU: pass-through does without it).
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(
+                limit=PASSTHROUGH_CONNECTIONS, keepalive_timeout=keepalive, ssl=tls
+            ),
+            **_session_options(),
+        )
+        self._passthrough = asyncio.Semaphore(PASSTHROUGH_CONNECTIONS)
+        # Webhooks over aiohttp's client have a pool of their own, traced to tell a reused
+        # connection from a new one (the tracing costs every request some CPU).
         self._webhook_session = aiohttp.ClientSession(
-            connector=connector,
-            connector_owner=False,
+            connector=aiohttp.TCPConnector(limit=connections, keepalive_timeout=keepalive, ssl=tls),
             trace_configs=[transports.reuse_tracing()],
             **_session_options(),
         )
@@ -278,7 +288,28 @@ class Forwarder:
         self, request: web.Request, base_url: str, target: str, request_id: str
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
-        streaming both ways (no claim, no size cap)."""
+        streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
+        (Overloaded, 503, when none is free within PASSTHROUGH_WAIT)."""
+        slots = self._passthrough
+        if slots.locked():
+            try:
+                async with asyncio.timeout(PASSTHROUGH_WAIT):
+                    await slots.acquire()
+            except TimeoutError:
+                raise errors.Overloaded(
+                    f"no pass-through connection free within {PASSTHROUGH_WAIT:g}s "
+                    f"({PASSTHROUGH_CONNECTIONS} in use)"
+                ) from None
+        else:
+            await slots.acquire()  # free: returns at once, no timer needed
+        try:
+            return await self._relay(request, base_url, target, request_id)
+        finally:
+            slots.release()
+
+    async def _relay(
+        self, request: web.Request, base_url: str, target: str, request_id: str
+    ) -> web.StreamResponse:
         with transports.translated(self._timeout):
             upstream = await self._session.request(
                 request.method,
