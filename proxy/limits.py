@@ -9,9 +9,11 @@ At start-up the soft RLIMIT_NOFILE is raised to the hard limit, as Go's runtime 
 bound is ``max_connections`` or, when that does not fit, what the limit leaves once the
 descriptors the proxy needs for itself are set aside. At the bound, a new connection makes room
 by closing the one that has waited longest for a request (an idle keep-alive connection, or one
-whose headers never finished: the one aiohttp's keep-alive timer would close first). A
-connection whose request is being read or handled is never closed. When none can be closed, the
-new connection is answered with a fixed 503 and Retry-After before aiohttp ever sees it.
+whose headers never finished: the one aiohttp's keep-alive timer would close first), or else
+the one stuck longest writing an answer its client does not read (``handler``: its claim is
+committed already). A connection whose request is being read or handled is never closed. When
+none can be closed, the new connection is answered with a fixed 503 and Retry-After before
+aiohttp ever sees it.
 
 aiohttp has no hook for this. What is relied on: ``runner.server`` is the protocol factory
 ``SockSite`` passes to ``loop.create_server``; ``Server.connections`` lists the open connections
@@ -34,7 +36,7 @@ from typing import cast
 
 from aiohttp import web
 
-from proxy import config, forwarder
+from proxy import config, forwarder, handler
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +114,10 @@ class ConnectionLimit:
         *,
         name: str = "max_connections",
         max_lingering: int = _MAX_LINGERING,
+        send_timeout: float | None = None,
     ) -> None:
         self._server = server
+        self._send_timeout = send_timeout
         self._bound = bound
         self._shed = shed
         self._name = name
@@ -134,12 +138,21 @@ class ConnectionLimit:
             open_ = [h for h in self._server.connections if h.connected]
             if len(open_) >= self._bound:
                 idle = [h for h in open_ if _waiting(h)]
-                if not idle:
+                stuck = [
+                    h for h in open_ if isinstance(h, handler.Handler) and h.stuck_since is not None
+                ]
+                if idle:
+                    min(idle, key=lambda h: h._next_keepalive_close_time).force_close()
+                elif stuck:
+                    # Its answer is not being read: the claim behind it is committed already.
+                    min(stuck, key=lambda h: h.stuck_since or 0.0).cut_off()
+                else:
                     self._count(refused=True)
                     return None
-                min(idle, key=lambda h: h._next_keepalive_close_time).force_close()
                 self._count(refused=False)
-        return self._server()
+        if self._send_timeout is None:
+            return self._server()
+        return handler.factory(self._server, self._send_timeout)
 
     def _count(self, *, refused: bool) -> None:
         self._shed()
@@ -214,10 +227,11 @@ class _Admission(asyncio.Protocol):
 
 class BoundedSite(web.BaseSite):
     """A listener like ``web.SockSite`` on a bound socket, its connections admitted by a
-    ``ConnectionLimit`` (``name`` and ``max_lingering`` are passed on to it)."""
+    ``ConnectionLimit`` (``name``, ``max_lingering`` and ``send_timeout`` are passed on to it)."""
 
     __slots__ = (
         "_app_runner", "_bound", "_limit", "_limit_name", "_listener", "_max_lingering", "_name",
+        "_send_timeout",
         "_shed", "_sock",
     )  # fmt: skip
 
@@ -231,6 +245,7 @@ class BoundedSite(web.BaseSite):
         backlog: int,
         name: str = "max_connections",
         max_lingering: int = _MAX_LINGERING,
+        send_timeout: float | None = None,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._app_runner = runner  # BaseSite keeps its own reference private
@@ -241,6 +256,7 @@ class BoundedSite(web.BaseSite):
         self._shed = shed
         self._limit_name = name
         self._max_lingering = max_lingering
+        self._send_timeout = send_timeout
         self._limit: ConnectionLimit | None = None
         self._listener: asyncio.AbstractServer | None = None
 
@@ -258,6 +274,7 @@ class BoundedSite(web.BaseSite):
             self._shed,
             name=self._limit_name,
             max_lingering=self._max_lingering,
+            send_timeout=self._send_timeout,
         )
         self._listener = await asyncio.get_running_loop().create_server(
             self._limit, sock=self._sock, backlog=self._backlog

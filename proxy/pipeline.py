@@ -173,6 +173,10 @@ async def _write(
         await response.write_eof()
     except ConnectionError:
         fields["client_gone"] = True
+    else:
+        # A connection aborted while its answer waited to drain ends the wait without an error.
+        if request.transport is None:
+            fields["client_gone"] = True
 
 
 def _log_line(fields: dict[str, Any]) -> None:

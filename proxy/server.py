@@ -152,13 +152,17 @@ async def serve(
             await limits.BoundedSite(
                 admin_runner, sock, bound=admin.MAX_CONNECTIONS, shed=_uncounted,
                 backlog=admin.MAX_CONNECTIONS, name="the admin listener's bound", max_lingering=0,
+                send_timeout=cfg.send_timeout,
             ).start()  # fmt: skip
         await runner.setup()
         shed = proxy[pipeline.METRICS].shed.labels("connections").inc
         public = handed.public if handed else bind(cfg.listen)
         sockets += public
         for sock in public:
-            await limits.BoundedSite(runner, sock, bound=bound, shed=shed, backlog=BACKLOG).start()
+            await limits.BoundedSite(
+                runner, sock, bound=bound, shed=shed, backlog=BACKLOG,
+                send_timeout=cfg.send_timeout,
+            ).start()  # fmt: skip
         # What start-up built (modules, configuration, routes, pools) stays for the life of
         # the process: out of the cyclic collector's sight, each collection under load walks
         # only what requests made (about 3 % of the CPU per request: docs/benchmarks.md).

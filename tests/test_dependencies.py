@@ -13,6 +13,8 @@ from aiohttp import http_exceptions, http_parser, web, web_protocol
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Histogram
 
+from proxy import handler as proxy_handler
+
 
 def test_aiohttp_is_in_the_tested_range() -> None:
     major, minor, patch = (int(part) for part in version("aiohttp").split(".")[:3])
@@ -37,7 +39,7 @@ def test_parser_refusals_are_logged_the_way_logs_filters_them() -> None:
 async def test_request_handler_internals_the_connection_bound_reads() -> None:
     # limits.ConnectionLimit: runner.server is the protocol factory, Server.connections the
     # open connections in order, and three private attributes of RequestHandler.
-    runner = web.AppRunner(web.Application())
+    runner = web.AppRunner(web.Application(), keepalive_timeout=7.0)
     await runner.setup()
     try:
         server = runner.server
@@ -49,6 +51,11 @@ async def test_request_handler_internals_the_connection_bound_reads() -> None:
         assert handler._request_count == 0
         assert isinstance(server.connections, list)
         assert callable(handler.force_close)
+        # proxy.handler: a handler made as Server.__call__ makes one, from Server._kwargs (the
+        # runner's settings, such as its keep-alive timeout).
+        assert server._kwargs["keepalive_timeout"] == 7.0
+        made = proxy_handler.factory(server, send_timeout=1.0)
+        assert (made._keepalive_timeout, handler._keepalive_timeout) == (7.0, 7.0)
     finally:
         await runner.cleanup()
 
