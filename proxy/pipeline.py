@@ -189,6 +189,9 @@ def _log_line(fields: dict[str, Any]) -> None:
         "ambiguous_commit": logging.ERROR,
         "rejected": logging.WARNING,
         "mismatch": logging.WARNING,
+        # The app failed (answered 5xx or 4xx, refused, reset, timed out): an alert on warning
+        # and above must see an app outage.
+        "upstream_error": logging.WARNING,
     }.get(outcome, logging.INFO)
     log.log(
         level, "%s %s -> %s", fields["method"], fields["path"], outcome, extra={"fields": fields}

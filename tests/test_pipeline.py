@@ -391,3 +391,20 @@ async def test_ids_with_sql_metacharacters_are_stored_exactly(
     assert again.headers["Dedup-Status"] == "duplicate"
     assert await claimed(pg_dsn, table) == [("corvel", event_id, "t'x\\")]
     assert len(upstream.requests) == 1
+
+
+async def test_the_apps_failures_are_logged_at_warning_level(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    upstream.respond = lambda n: web.Response(status=500)
+    client = await make_proxy()
+    down = await make_proxy(upstream={"url": f"http://127.0.0.1:{free_port()}"})
+
+    with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
+        failed = await client.post("/webhooks/corvel", data=b'{"id": "evt_500"}')
+        refused = await down.post("/webhooks/corvel", data=b'{"id": "evt_down"}')
+        passed = await down.get("/health")
+
+    assert [failed.status, refused.status, passed.status] == [500, 502, 502]
+    lines = [(r.levelname, r.fields["outcome"]) for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    assert lines == [("WARNING", "upstream_error")] * 3
