@@ -207,3 +207,25 @@ async def test_a_pass_through_answer_that_is_not_read_frees_its_upstream_connect
     await wait_until(lambda: asyncio.sleep(0, result=broke_off()), "pass-through cut off", WITHIN)
     (line,) = [x for x in served.lines() if x.get("outcome") == "passthrough"]
     assert line["path"] == "/big"
+
+
+async def test_a_replayed_answer_that_is_not_read_stays_counted_too(
+    make_proxy: MakeProxy, aiohttp_server: Any, non_readers: Any
+) -> None:
+    app = await large_answers(aiohttp_server, FakeUpstream())
+    app.respond = lambda n: web.Response(body=LARGE[:MIB])
+    route = {"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id",
+             "on_duplicate": "replay", "replay_max_body": "1MiB"}  # fmt: skip
+    client = await make_proxy(upstream={"url": app.url}, max_buffered="1536KiB", routes=[route])
+    first = await client.post("/webhooks/corvel", data=b'{"id": "evt_r"}')
+    assert (first.status, len(await first.read())) == (200, MIB)
+
+    await non_readers(client.server.port, webhook("evt_r") * 4)
+
+    async def counted() -> bool:
+        return held(client) >= MIB // 2
+
+    await wait_until(counted, "the unread replay to be held and counted", WITHIN)
+    copy = await client.post("/webhooks/corvel", data=b'{"id": "evt_r"}')
+    assert (copy.status, copy.headers["Retry-After"]) == (503, "5")
+    assert len(app.requests) == 1
