@@ -7,10 +7,13 @@ collected with its path and reported at once in one ``ConfigError``.
 
 from __future__ import annotations
 
+import io
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import Any
+from urllib.parse import quote
 
 import yaml
 
@@ -52,8 +55,8 @@ TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body"
              "shutdown_timeout", "client_timeout", "client_body_timeout", "send_timeout",
              "log", "admin", "sweeper", "workers", "passthrough", "max_buffered", "max_connections",
              "trusted_proxies")  # fmt: skip
-DATABASE_KEYS = ("dsn", "data_dir", "table", "create_schema", "pool_size", "pool_timeout",
-                  "connect_timeout")  # fmt: skip
+DATABASE_KEYS = ("dsn", "password_file", "data_dir", "table", "create_schema", "pool_size",
+                  "pool_timeout", "connect_timeout")  # fmt: skip
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
 # far beyond any provider's patience.
 _SHORT_DURATION = values.parse_duration_upto(3600)
@@ -82,17 +85,25 @@ class Secret:
         return hash(self._value)
 
 
+_QUERY_PASSWORD = re.compile(r"(?i)([?&]password=)[^&]*")
+
+
 def redact_dsn(dsn: str) -> str:
     """The DSN with its password (in the authority or as ``?password=``) replaced."""
-    parts = urlsplit(dsn)
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = netloc.replace(f":{parts.password}@", ":***@", 1)
-    query = "&".join(
-        "password=***" if pair.split("=", 1)[0].lower() == "password" else pair
-        for pair in parts.query.split("&")
-    )
-    return parts._replace(netloc=netloc, query=query if parts.query else "").geturl()
+    scheme, sep, rest = dsn.partition("://")
+    authority, tail = values.split_authority(rest)
+    userinfo, _, host = authority.rpartition("@")
+    if ":" in userinfo:
+        authority = f"{userinfo.partition(':')[0]}:***@{host}"
+    return scheme + sep + authority + _QUERY_PASSWORD.sub(r"\1***", tail)
+
+
+def with_password(dsn: str, password: str) -> str:
+    """``dsn`` (which has none) with ``password`` in it, percent-encoded as asyncpg reads it."""
+    scheme, _, rest = dsn.partition("://")
+    authority, tail = values.split_authority(rest)
+    user, _, host = authority.rpartition("@")
+    return f"{scheme}://{user}:{quote(password, safe='')}@{host}{tail}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,7 +125,8 @@ class UpstreamConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DatabaseConfig:
-    dsn: Secret | None  # None: the embedded server
+    # None: the embedded server. Holds the password_file's password too, for every connection.
+    dsn: Secret | None
     data_dir: Path = Path(DEFAULT_DATA_DIR)
     table: str = DEFAULT_TABLE
     create_schema: bool = True
@@ -180,6 +192,26 @@ def _dsn(value: object) -> Secret | None:
     return None if dsn is None else Secret(dsn)
 
 
+def _with_password_file(r: reader.Reader, db: dict[str, Any], dsn: Secret | None) -> Secret | None:
+    """The DSN with ``database.password_file``'s password in it, when there is one."""
+    if db.get("password_file") is None:
+        return dsn
+    password = r.value(db, "password_file", "database", values.read_password_file, None)
+    if dsn is None:
+        if not any(problem.startswith("database.dsn:") for problem in r.problems):
+            r.problem("database.password_file", "only with a postgresql:// dsn, not embedded")
+        return dsn
+    if _has_password(dsn.reveal()):
+        r.problem("database.password_file", "not with a password in database.dsn too")
+        return dsn
+    return dsn if password is None else Secret(with_password(dsn.reveal(), password))
+
+
+def _has_password(dsn: str) -> bool:
+    authority, tail = values.split_authority(dsn.partition("://")[2])
+    return ":" in authority.rpartition("@")[0] or bool(_QUERY_PASSWORD.search(tail))
+
+
 def _passthrough(value: object) -> tuple[str, ...] | None:
     """``all`` (None), ``none`` (no prefix) or a list of normalized path prefixes."""
     if value in ("all", "none"):
@@ -202,7 +234,9 @@ def load(path: str | os.PathLike[str]) -> Config:
     except (OSError, UnicodeDecodeError) as exc:
         raise errors.ConfigError(source, [f"cannot read file: {exc}"]) from exc
     try:
-        raw = yaml.safe_load(text)
+        stream = io.StringIO(text)
+        stream.name = source  # PyYAML names it in its errors; "<unicode string>" otherwise
+        raw = yaml.safe_load(stream)
     except yaml.YAMLError as exc:
         raise errors.ConfigError(source, [f"not valid YAML: {exc}"]) from exc
     except (ValueError, TypeError, AttributeError, RecursionError) as exc:
@@ -231,8 +265,9 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
     db = r.mapping(top.get("database"), "database", DATABASE_KEYS)
     if top.get("database") is None:
         r.problem("database", "is required (dsn: embedded, or a postgresql:// URL)")
+    dsn = r.required(db, "dsn", "database", _dsn) if top.get("database") is not None else None
     database = DatabaseConfig(
-        dsn=r.required(db, "dsn", "database", _dsn) if top.get("database") is not None else None,
+        dsn=_with_password_file(r, db, dsn),
         data_dir=Path(r.value(db, "data_dir", "database", str, DEFAULT_DATA_DIR)),
         table=r.value(db, "table", "database", values.parse_table, DEFAULT_TABLE),
         create_schema=r.value(db, "create_schema", "database", values.parse_bool, True),

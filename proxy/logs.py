@@ -1,10 +1,10 @@
 """Logging set-up: JSON lines for machines, a compact text form for people at a terminal.
 
 Structured fields travel in ``extra={"fields": {...}}`` and become top-level JSON keys. Every
-line leaves through one of the two formatters here, which mask a URL's password wherever it
-appears; the text form quotes and escapes values (logfmt) so that a value cannot forge a field
-or carry terminal control sequences. Requests aiohttp's HTTP parser refuses are logged in one
-line without their bytes, at info level.
+line leaves through one of the two formatters here, which mask a password (a URL's, or libpq's
+``password=``) wherever it appears; the text form quotes and escapes values (logfmt) so that a
+value cannot forge a field or carry terminal control sequences. Requests aiohttp's HTTP parser
+refuses are logged in one line without their bytes, at info level.
 """
 
 from __future__ import annotations
@@ -28,16 +28,28 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 # One encoder for every line: json.dumps(..., default=str) would build one per call. Compact
 # separators, as orjson writes; and ASCII only, so a line shows the same on any terminal.
 _ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
-# user:password@ in any URL (an upstream's, a DSN) that an exception or a message quotes.
-_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^\s/@:\"']*:)[^\s/@\"']*@")
+# user:password@ in any URL (an upstream's, a DSN) that an exception or a message quotes, up to
+# the last "@" of the host part: a password may hold a raw "@" or "#". In a DSN, whose path
+# never holds an "@", up to the last "@" at all: a raw "/" or "?" in the password, too.
+_CREDENTIALS = re.compile(
+    r"(?i)\b(postgres(?:ql)?://[^\s/@:\"']*:)[^\s\"']*@"
+    r"|\b([a-z][a-z0-9+.-]*://[^\s/@:\"']*:)[^\s/\"']*@"
+)
+# libpq's key=value form (password=secret or password='a b') and a URL's ?password=secret.
+_PASSWORD_PAIR = re.compile(r"(?i)\b(password\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s&'\"]+)")
 # A text-form value needs quoting if it is empty or holds a space, '=', '"' or anything but
 # printable ASCII (control characters, bidirectional overrides such as U+202E...).
 _PLAIN = re.compile(r"[!#-<>-~]+")
 
 
 def mask(line: str) -> str:
-    """``line`` with the password of every URL in it replaced by ``***``."""
-    return _CREDENTIALS.sub(r"\1***@", line) if "://" in line else line
+    """``line`` with every password in it replaced by ``***``: a URL's, or libpq's
+    ``password=…``."""
+    if "://" in line:
+        line = _CREDENTIALS.sub(lambda match: f"{match[1] or match[2]}***@", line)
+    if "assword" in line or "ASSWORD" in line:
+        line = _PASSWORD_PAIR.sub(r"\1***", line)
+    return line
 
 
 def _logfmt(value: object) -> str:

@@ -74,8 +74,12 @@ class Reader:
         if not isinstance(items, list) or not items or not all(isinstance(i, str) for i in items):
             self.problem(where, "must be a string or a non-empty list of strings")
             return None
-        resolved = [self.interpolate(item, f"{where}[{n}]") for n, item in enumerate(items)]
-        return None if None in resolved else [str(item) for item in resolved]
+        spelled = [f"{where}[{n}]" for n in range(len(items))] if isinstance(raw, list) else [where]
+        resolved = [self.interpolate(item, at) for item, at in zip(items, spelled, strict=True)]
+        for item, at in zip(resolved, spelled, strict=True):
+            if item == "":
+                self.problem(at, "must not be empty")
+        return None if None in resolved or "" in resolved else [str(item) for item in resolved]
 
     def interpolate(self, raw: object, path: str) -> object:
         if isinstance(raw, list):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from proxy import keys, paths, presets, reader, signatures, values
 
@@ -22,6 +25,8 @@ ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upst
               "scope_from")  # fmt: skip
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
                "prefix", "public_url", "tenant_secrets", "shared_secret")  # fmt: skip
+# How signatures names a bad secret ("secrets[1] has leading or trailing whitespace").
+_NUMBERED = re.compile(r"secrets\[(\d+)\] ")
 SHARED_SECRET = (
     "on a path with {parameters} this would verify every tenant's path, so one tenant could sign "
     "another's events: give each tenant its own under tenant_secrets, or set shared_secret: true "
@@ -118,6 +123,7 @@ def parse_routes(
             continue
         preset_name = r.value(route, "preset", path, values.parse_choice(*presets.PRESETS), None)
         preset = presets.PRESETS.get(preset_name or "")
+        bad_preset = preset is None and route.get("preset") is not None
         name = r.required(route, "name", path, values.parse_name)
         pattern = r.required(route, "path", path, paths.Pattern.parse)
         url_path = pattern.path if pattern else None
@@ -125,18 +131,7 @@ def parse_routes(
             route, "semantics", path, values.parse_choice("webhook", "idempotency-key"), "webhook"
         )
         idempotency = semantics == "idempotency-key"
-        event_id: keys.Source | tuple[keys.Source, ...] | None
-        if idempotency and preset is None:
-            default_id = values.parse_sources(IDEMPOTENCY_KEY)
-            event_id = r.value(route, "event_id", path, values.parse_sources, default_id)
-        elif preset is None:
-            event_id = r.required(route, "event_id", path, values.parse_sources)
-        else:
-            ids = preset.event_id
-            event_id = r.value(
-                route, "event_id", path, values.parse_sources,
-                values.parse_sources(ids if len(ids) > 1 else ids[0]),
-            )  # fmt: skip
+        event_id = _event_id(r, route, path, preset, idempotency=idempotency)
         if name is not None and name in seen_names:
             r.problem(f"{path}.name", f"{name!r} is already used by {seen_names[name]}")
         elif name is not None:
@@ -180,6 +175,7 @@ def parse_routes(
                 preset,
                 pattern=pattern,
                 explicit_scope="scope" in route,
+                bad_preset=bad_preset,
             ),
             retention=r.value(
                 route,
@@ -230,6 +226,30 @@ def parse_routes(
     return tuple(parsed)
 
 
+def _event_id(
+    r: reader.Reader,
+    route: dict[str, Any],
+    path: str,
+    preset: presets.Preset | None,
+    *,
+    idempotency: bool,
+) -> keys.Source | tuple[keys.Source, ...] | None:
+    """The route's event_id, or its preset's or semantics' default; None, reported, if none."""
+    if idempotency and preset is None:
+        default_id = values.parse_sources(IDEMPOTENCY_KEY)
+        return r.value(route, "event_id", path, values.parse_sources, default_id)
+    if preset is None and route.get("preset") is not None:
+        # A misspelt preset is reported once, not again as the event_id it would have set.
+        return r.value(route, "event_id", path, values.parse_sources, None)
+    if preset is None:
+        return r.required(route, "event_id", path, values.parse_sources)
+    ids = preset.event_id
+    return r.value(
+        route, "event_id", path, values.parse_sources,
+        values.parse_sources(ids if len(ids) > 1 else ids[0]),
+    )  # fmt: skip
+
+
 def _parse_scope_from(value: object) -> tuple[keys.Source, ...]:
     """One header source or a list of them (``header:Authorization``)."""
     items = value if isinstance(value, list) else [value]
@@ -262,6 +282,7 @@ def _parse_verify(
     *,
     pattern: paths.Pattern | None,
     explicit_scope: bool,
+    bad_preset: bool = False,
 ) -> signatures.Verifier | None:
     section = r.mapping(raw, path, VERIFY_KEYS)
     if raw is None:
@@ -269,7 +290,7 @@ def _parse_verify(
     scheme = r.value(section, "scheme", path, values.parse_choice(*signatures.SCHEMES), None)
     if scheme is None and "scheme" not in section:
         scheme = preset.scheme if preset else None
-        if scheme is None:
+        if scheme is None and not bad_preset:
             reason = (
                 f"preset {preset_name} has no signature scheme the proxy can check"
                 if preset_name
@@ -304,13 +325,20 @@ def _parse_verify(
     if "secret" in section and "secrets" in section:
         r.problem(path, "give either secret or secrets, not both")
     key = "secrets" if "secrets" in section else "secret"
+    if key not in section:
+        # A misspelt secret (secert) is reported as an unknown key already, with its did-you-mean.
+        secret_keys = ("secret", "secrets", "tenant_secrets")
+        if not any(difflib.get_close_matches(str(name), secret_keys, n=1) for name in section):
+            r.problem(f"{path}.secret", "is required (or secrets: a list, or tenant_secrets)")
+        return None
     secrets = r.strings(section, key, path)
     shared = r.value(section, "shared_secret", path, values.parse_bool, False)
     if "shared_secret" in section and pattern is not None and not templated:
         r.problem(f"{path}.shared_secret", "only on a path with {parameters}")
     elif templated and secrets is not None and not shared:
         r.problem(f"{path}.{key}", SHARED_SECRET)
-    return _verifier(r, path, checked, secrets)
+    listed = isinstance(section[key], list)
+    return _verifier(r, f"{path}.{key}", checked, secrets, listed=listed)
 
 
 def _parse_tenants(
@@ -338,18 +366,32 @@ def _parse_tenants(
             r.problem(where, f"is {spelled[tenant]!r} again (tenants match case-insensitively)")
         elif tenant is not None:
             spelled[tenant] = str(name)
-            if verifier := _verifier(r, where, checked, secrets):
+            listed = isinstance(raw[name], list)
+            if verifier := _verifier(r, where, checked, secrets, listed=listed):
                 verifiers[tenant] = verifier
     return signatures.TenantSignatures.of(verifiers) if verifiers else None
 
 
 def _verifier(
-    r: reader.Reader, path: str, checked: signatures.Settings | None, secrets: list[str] | None
+    r: reader.Reader,
+    path: str,
+    checked: signatures.Settings | None,
+    secrets: list[str] | None,
+    *,
+    listed: bool,
 ) -> signatures.Verifier | None:
+    """The verifier of ``secrets``; a bad one reported at the key it was written under (``secret``,
+    ``secrets[1]``; ``path`` itself under tenant_secrets), not as signatures numbers it."""
     if checked is None or secrets is None:
         return None
     try:
         return checked.verifier(secrets)
     except ValueError as exc:
-        r.problem(path, str(exc))
+        message = str(exc)
+        if match := _NUMBERED.match(message):
+            where = f"[{match[1]}]" if listed else ""
+            message = message[match.end() :]
+            r.problem(path + where, message)
+        else:
+            r.problem(path, message)
         return None

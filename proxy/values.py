@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from urllib.parse import urlsplit
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from proxy import keys
 
@@ -23,6 +24,15 @@ _SIZE_UNITS = {None: 1, "B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 _METHOD = re.compile(r"[A-Z]{1,20}")
+# RFC 3986's userinfo: what may stand unencoded before a URL's "@".
+_USERINFO = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:-]|%[0-9A-Fa-f]{2})*")
+_HOST = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[^:\[\]]*)(?::[0-9]*)?")
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+PERCENT_ENCODE = (
+    "percent-encode the user name and password (urllib.parse.quote(password, safe='') "
+    "turns '/' into %2F, '@' into %40, '#' into %23, '?' into %3F, '%' into %25), "
+    "or give the password in database.password_file"
+)
 
 
 def parse_duration(value: object) -> float:
@@ -90,11 +100,76 @@ def parse_http_url(value: object) -> str:
 
 
 def parse_dsn(value: object) -> str | None:
+    """``embedded`` (None) or a postgresql:// URL that asyncpg reads as written.
+
+    asyncpg splits the URL where a browser would: a raw '/', '?' or '#' in the password ends the
+    host part early (and the rest is read as a port, a database or a query), a raw '@' moves the
+    host. Such a URL is refused here, by what is wrong and never by quoting it: its password.
+    """
     if value == EMBEDDED:
         return None
-    if not isinstance(value, str) or urlsplit(value).scheme not in ("postgres", "postgresql"):
+    scheme, sep, rest = value.partition("://") if isinstance(value, str) else ("", "", "")
+    if not isinstance(value, str) or not sep or scheme.lower() not in ("postgres", "postgresql"):
         raise ValueError("must be 'embedded' or a postgresql:// URL")
+    authority, tail = split_authority(rest)
+    userinfo, at, hostspec = authority.rpartition("@")
+    if "#" in rest:
+        raise ValueError(f"has a '#', which ends a URL; {PERCENT_ENCODE}")
+    if "@" in userinfo or (not at and "@" in tail):
+        # No "@" in the host part but one later: a '/' or '?' in the password cut it short.
+        raise ValueError(
+            f"has an '@' that does not end the user name and password; {PERCENT_ENCODE}"
+        )
+    if not _USERINFO.fullmatch(userinfo) or not _decodes(userinfo):
+        raise ValueError(f"has a character the password must not hold raw; {PERCENT_ENCODE}")
+    if not all(_HOST.fullmatch(host) for host in hostspec.split(",")):
+        raise ValueError(
+            f"has a host:port that cannot be read (a port is digits); {PERCENT_ENCODE}"
+        )
+    try:
+        urlsplit(value)  # its errors quote the host part, password and all
+        query = parse_qs(tail.partition("?")[2], strict_parsing=True) if "?" in tail else {}
+    except ValueError:
+        raise ValueError(
+            "must be postgresql://user:password@host:port/database?key=value"
+        ) from None
+    sslmode = query.get("sslmode", [SSL_MODES[2]])[-1]
+    if sslmode not in SSL_MODES:
+        raise ValueError(f"sslmode must be one of {', '.join(SSL_MODES)}; got {sslmode!r}")
     return value
+
+
+def split_authority(rest: str) -> tuple[str, str]:
+    """A URL's authority (``user:password@host:port``) and what follows it."""
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    return rest[:end], rest[end:]
+
+
+def _decodes(text: str) -> bool:
+    try:
+        unquote(text, errors="strict")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def read_password_file(value: object) -> str:
+    """The password in a file (a Kubernetes Secret mounted as one): its text without one trailing
+    newline, as ``echo`` and editors leave it."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"must be a file path, got {value!r}")
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{value}: must be UTF-8 text") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ValueError(f"cannot read: {exc}") from None
+    password = text.removesuffix("\n").removesuffix("\r")
+    if not password:
+        raise ValueError(f"{value} is empty")
+    if "\n" in password or "\r" in password:
+        raise ValueError(f"{value} must hold the password on one line")
+    return password
 
 
 def parse_table(value: object) -> str:

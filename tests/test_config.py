@@ -730,27 +730,23 @@ def test_a_secret_shared_by_every_tenant_must_be_said_to_be_shared(key: str, val
         ),
         (
             {**TENANTS, "verify": {"tenant_secrets": {"acme": ["s", "t\n"]}}},
-            ["routes[0].verify.tenant_secrets.acme: secrets[1] has leading or trailing whitespace"],
+            ["routes[0].verify.tenant_secrets.acme[1]: has leading or trailing whitespace"],
         ),
         (
             {**TENANTS, "verify": {"tenant_secrets": {"acme": "${DEDUP_TEST_UNSET_SECRET}"}}},
             [
-                "routes[0].verify.tenant_secrets.acme[0]: environment variable "
+                "routes[0].verify.tenant_secrets.acme: environment variable "
                 "DEDUP_TEST_UNSET_SECRET is not set"
             ],
         ),
         (
             {**TENANTS, "preset": "svix", "verify": {"tenant_secrets": {"acme": "whsec_no!"}}},
-            [
-                "routes[0].verify.tenant_secrets.acme: secrets[0] must be base64, optionally "
-                "after whsec_"
-            ],
+            ["routes[0].verify.tenant_secrets.acme: must be base64, optionally after whsec_"],
         ),
         (
             {**TENANTS, "verify": {"tenant_secret": {"acme": "s"}}},
             [
                 "routes[0].verify.tenant_secret: unknown key (did you mean 'tenant_secrets'?)",
-                "routes[0].verify.secret: must be a string or a non-empty list of strings",
             ],
         ),
     ],
@@ -981,3 +977,55 @@ def test_invalid_yaml_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFix
     assert err.startswith(f"invalid configuration in {path}:\n  not valid YAML: ")
     assert "line 2" in err
     assert "Traceback" not in err
+    assert '"<unicode string>"' not in err
+    assert f'in "{path}", line 1' in err
+
+
+# --- problems named where the user wrote them ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("verify", "problem"),
+    [
+        ({"secret": ""}, "routes[0].verify.secret: must not be empty"),
+        ({"secrets": ["whsec_a", ""]}, "routes[0].verify.secrets[1]: must not be empty"),
+        ({"secret": " whsec_a"}, "routes[0].verify.secret: has leading or trailing whitespace"),
+        (
+            {"secrets": ["whsec_a", "whsec_b\n"]},
+            "routes[0].verify.secrets[1]: has leading or trailing whitespace",
+        ),
+    ],
+)
+def test_a_bad_secret_is_reported_under_the_key_it_was_given(
+    verify: dict[str, Any], problem: str
+) -> None:
+    assert problems_of(with_route(preset="stripe", verify=verify)) == (problem,)
+
+
+def test_an_empty_secret_from_the_environment_names_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DEDUP_TEST_EMPTY_SECRET", "")
+    raw = with_route(preset="stripe", verify={"secret": "${DEDUP_TEST_EMPTY_SECRET}"})
+
+    assert problems_of(raw) == ("routes[0].verify.secret: must not be empty",)
+
+
+def test_a_misspelt_secret_is_one_unknown_key_with_a_hint() -> None:
+    raw = with_route(preset="stripe", verify={"secert": "whsec_x"})
+
+    assert problems_of(raw) == ("routes[0].verify.secert: unknown key (did you mean 'secret'?)",)
+
+
+def test_a_verify_without_a_secret_says_it_is_required() -> None:
+    assert problems_of(with_route(preset="stripe", verify={"tolerance": "1m"})) == (
+        "routes[0].verify.secret: is required (or secrets: a list, or tenant_secrets)",
+    )
+
+
+def test_an_unknown_preset_is_one_problem() -> None:
+    raw = with_route(event_id=None, preset="strpe", verify={"secret": "whsec_x"})
+
+    (problem,) = problems_of(raw)
+    assert problem.startswith("routes[0].preset: must be one of stripe, github, ")
+    assert problem.endswith("got 'strpe'")

@@ -139,3 +139,24 @@ def test_a_json_line_is_ascii_and_reads_back_as_its_fields(fields: dict[str, Any
     for name, value in fields.items():
         expected = value if isinstance(value, str | int | float) else str(value)
         assert parsed[name] == expected
+
+
+@pytest.mark.parametrize(
+    ("line", "masked"),
+    [
+        # A raw '@' or '#' in the password: masked to the host's '@', not the first one.
+        ("dsn postgresql://dedup:p@ss#word@db:5432/app", "dsn postgresql://dedup:***@db:5432/app"),
+        # A raw '/' (openssl rand -base64): still all of it.
+        ("postgresql://dedup:Xy7Qk9+LmN/a8bZ=@db/app x", "postgresql://dedup:***@db/app x"),
+        ("http://svc:pw@app:3000/path@x", "http://svc:***@app:3000/path@x"),
+        ("http://app:3000/path@x", "http://app:3000/path@x"),
+        ("host=db user=dedup password=s3cr3t dbname=app",
+         "host=db user=dedup password=*** dbname=app"),
+        ("password='two words' host=db", "password=*** host=db"),
+        ("postgresql://u@db/app?sslmode=require&password=s3cr3t&x=1",
+         "postgresql://u@db/app?sslmode=require&password=***&x=1"),
+        ("PASSWORD = s3cr3t", "PASSWORD = ***"),
+    ],
+)  # fmt: skip
+def test_mask_hides_every_form_of_a_database_password(line: str, masked: str) -> None:
+    assert logs.mask(line) == masked
