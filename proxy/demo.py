@@ -181,13 +181,18 @@ def _report(events: int, burst: Burst, demo_app: DemoApp, claims: int) -> tuple[
 def _logging(settings: config.LogConfig) -> Iterator[None]:
     """The proxy's warnings on stderr, stdout left to the report; restored afterwards."""
     root = logging.getLogger()
+    pipeline_log = logging.getLogger("proxy.pipeline")
     handlers, level, embedded_level = root.handlers[:], root.level, embedded.log.level
+    pipeline_level = pipeline_log.level
     logs.setup(settings, sys.stderr)
-    # "For one machine only" is the premise of a demo, not news.
+    # "For one machine only" is the premise of a demo, not news; nor are the app failures the
+    # demo scripts itself (each request's line would be a warning): the report shows them.
     embedded.log.setLevel(logging.ERROR)
+    pipeline_log.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        pipeline_log.setLevel(pipeline_level)
         embedded.log.setLevel(embedded_level)
         root.handlers[:] = handlers
         root.setLevel(level)
