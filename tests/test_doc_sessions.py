@@ -7,8 +7,8 @@ the routes of the nearest YAML block above it in the same section added, in fron
 ``examples/upstream.py``; every command with the real ``curl``, ``localhost:8080`` pointed at
 that proxy; its stdout compared with the lines under it. A block the test cannot run says so
 in an HTML comment just above it, ``<!-- not run: why -->``, which a test requires of every
-block it does not run: none is passed over in silence. ``<!-- session env: NAME=value … -->`` there sets
-the proxy's environment (a secret the shown route reads).
+block it does not run: none is passed over in silence. ``<!-- session env: NAME=value … -->``
+there sets the proxy's environment (a secret the shown route reads).
 
 Normalisation, so that only what varies is let through:
 
