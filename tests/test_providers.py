@@ -244,7 +244,7 @@ def test_explicit_route_settings_win_over_the_preset() -> None:
             {"preset": "paypal", "verify": {"secret": "x"}},
             "routes[0].verify.scheme: preset paypal has no signature scheme the proxy can check",
         ),
-        ({"preset": "stripe", "verify": {}}, "routes[0].verify.secret: must be a string"),
+        ({"preset": "stripe", "verify": {}}, "routes[0].verify.secret: is required"),
         (
             {"preset": "stripe", "verify": {"secret": "a", "secrets": ["b"]}},
             "routes[0].verify: give either secret or secrets, not both",
