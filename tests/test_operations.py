@@ -126,6 +126,9 @@ async def test_events_list_and_stats(
     assert [line.split()[2] for line in lines[1:-1]] == ["e2", "e1"]  # newest first, e0 too old
     assert lines[-1] == "2 claim(s) in scope corvel"
     assert [line.split()[2] for line in everything.getvalue().splitlines()[1:-1]] == ["e2", "e1"]
+    assert everything.getvalue().splitlines()[-1] == (
+        "showing the 2 newest of 3 claim(s) in scope corvel"
+    )
     rows = [line.split() for line in summary.getvalue().splitlines()]
     assert rows[0] == ["route", "scope", "rows", "oldest", "newest", "retention"]
     assert rows[1][:3] == ["corvel", "corvel", "3"]
@@ -158,8 +161,14 @@ async def test_cli_events_exit_codes_and_help(config_file: Path) -> None:
     code, out, err = await run_cli(
         "events", "list", "--route", "nope", "--config", str(config_file)
     )
-    assert code == 2
-    assert "no route named 'nope' (routes: corvel, gh)" in err
+    assert (code, err) == (
+        2,
+        "dedup-proxy events list: unknown route 'nope' (routes: corvel, gh)\n",
+    )
+    code, _, err = await run_cli("events", "list", "--route", "corvel", "--limit", "-5",
+                                 "-c", str(config_file))  # fmt: skip
+    assert code == 2  # a usage error, before any database
+    assert "argument --limit: must be a whole number, 1 or more; got '-5'" in err
 
     code, out, err = await run_cli("events", "list", "--route", "corvel", "-c", str(config_file))
     assert code == 1

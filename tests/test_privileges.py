@@ -1,0 +1,223 @@
+"""Least privilege, with real PostgreSQL roles holding exactly the grants docs/deployment.md
+names: the sweep and a replay work with them, and a missing grant is named at start-up, on
+/readyz and (revoked while running) by a warning and a counter, never a silent re-claim."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+import yaml
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy import admin, claims, config, errors, pipeline, retention, sql
+from proxy import app as app_module
+from tests.conftest import FakeUpstream, MakeProxy, claimed, execute, fetch
+from tests.ports import free_port
+from tests.roles import ANSWERS, DOCUMENTED, limited_role
+
+SWEPT = {"name": "short", "path": "/short", "event_id": "body:/id", "retention": "1d"}
+REPLAYED = {"name": "twiml", "path": "/twiml", "event_id": "body:/id", "on_duplicate": "replay"}
+
+
+@pytest.fixture
+async def schema(pg_dsn: str, table: str) -> str:
+    """The claim table, created by its owner as ``dedup-proxy migrate`` would."""
+    await execute(pg_dsn, sql.for_table(table).schema)
+    return table
+
+
+def limited(dsn: str) -> dict[str, Any]:
+    return {"database": {"dsn": dsn, "create_schema": False}}
+
+
+async def start_up(cfg: config.Config) -> None:
+    """Start the app as ``serve`` does, and clean up whatever started."""
+    runner = web.AppRunner(app_module.create_app(cfg))
+    try:
+        await runner.setup()
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_documented_grants_are_enough_for_the_retention_sweep(
+    make_proxy: MakeProxy, pg_dsn: str, schema: str
+) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED) as (_, dsn):
+        proxy = await make_proxy(routes=[SWEPT], sweeper={"batch": 2}, **limited(dsn))
+        for n in range(5):
+            assert (await proxy.post("/short", data=f'{{"id": "e{n}"}}'.encode())).status == 200
+        await execute(
+            pg_dsn,
+            f"UPDATE \"{schema}\" SET received_at = now() - interval '3 days' "
+            "WHERE event_id <> 'e4'",
+        )
+        store = proxy.app[pipeline.STORE]
+        sweeper = admin_sweeper(proxy)
+
+        removed = await sweeper.sweep()
+
+        assert removed == {"short": 4}
+        assert [row[1] for row in await claimed(pg_dsn, schema)] == ["e4"]
+        await store.check()  # and /readyz is content with these grants
+
+
+def admin_sweeper(proxy: Any) -> retention.Sweeper:
+    cfg = proxy.app[app_module.CONFIG]
+    return retention.Sweeper(
+        proxy.app[pipeline.STORE], cfg.database.table, cfg.routes, cfg.sweeper,
+        proxy.app[pipeline.METRICS],
+    )  # fmt: skip
+
+
+async def test_the_sweep_waits_for_a_forget_in_progress_and_passes_over_its_row(
+    make_proxy: MakeProxy, pg_dsn: str, schema: str
+) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED) as (_, dsn):
+        proxy = await make_proxy(routes=[SWEPT], **limited(dsn))
+        for n in range(3):
+            await proxy.post("/short", data=f'{{"id": "old{n}"}}'.encode())
+        await execute(pg_dsn, f"UPDATE \"{schema}\" SET received_at = now() - interval '3 days'")
+        forget = await asyncpg.connect(pg_dsn)
+        try:
+            transaction = forget.transaction()
+            await transaction.start()
+            await forget.execute(f"DELETE FROM \"{schema}\" WHERE event_id = 'old1'")
+            sweep = asyncio.create_task(admin_sweeper(proxy).sweep())
+            await asyncio.sleep(0.2)  # the sweep is now waiting on old1's row lock
+            await transaction.commit()
+            removed = await asyncio.wait_for(sweep, timeout=10)
+        finally:
+            await forget.close()
+    assert removed == {"short": 2}
+    assert await claimed(pg_dsn, schema) == []
+
+
+async def test_a_replay_route_without_update_on_the_answer_refuses_to_start(
+    proxy_config: Any, pg_dsn: str, schema: str
+) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED) as (role, dsn):
+        with pytest.raises(errors.StoreUnavailable) as refused:
+            await start_up(proxy_config(routes=[REPLAYED], **limited(dsn)))
+    assert refused.value.message == (
+        f"table {schema}: role {role} lacks privileges: GRANT UPDATE (answer_status, "
+        f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate: replay stores '
+        "the app's answer)"
+    )
+
+
+async def test_a_route_without_delete_refuses_to_start_naming_the_grant(
+    proxy_config: Any, pg_dsn: str, schema: str
+) -> None:
+    async with limited_role(pg_dsn, schema, "SELECT, INSERT") as (role, dsn):
+        with pytest.raises(errors.StoreUnavailable) as refused:
+            await start_up(proxy_config(routes=[SWEPT], **limited(dsn)))
+    assert f'GRANT DELETE ON "{schema}" TO {role} (DELETE: the retention sweep' in (
+        refused.value.message
+    )
+
+
+async def test_serve_refuses_to_start_in_one_line_without_a_traceback(
+    tmp_path: Path, pg_dsn: str, schema: str, upstream: FakeUpstream
+) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED) as (role, dsn):
+        path = tmp_path / "config.yaml"
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "listen": f"127.0.0.1:{free_port()}",
+                    "upstream": {"url": upstream.url},
+                    "database": {"dsn": dsn, "table": schema, "create_schema": False},
+                    "admin": {"listen": f"127.0.0.1:{free_port()}"},
+                    "log": {"format": "text"},
+                    "routes": [REPLAYED],
+                }
+            )
+        )
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "serve", "--config", str(path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+        except TimeoutError:
+            process.kill()  # it started: what this test is against
+            out, err = await process.communicate()
+    text = (out + err).decode()
+    assert process.returncode == 1, text
+    assert "Traceback" not in text
+    assert f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate' in text
+    assert "s3cret-pw" not in text
+
+
+async def test_the_grants_the_docs_name_for_replay_replay_the_answer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
+) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED, ANSWERS) as (_, dsn):
+        proxy = await make_proxy(routes=[REPLAYED, SWEPT], **limited(dsn))
+        first = await proxy.post("/twiml", data=b'{"id": "SM1"}')
+        again = await proxy.post("/twiml", data=b'{"id": "SM1"}')
+        removed = await admin_sweeper(proxy).sweep()
+
+    assert (first.status, again.status) == (200, 200)
+    assert await again.read() == await first.read() == b"processed\x00bytes"
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert len(upstream.requests) == 1
+    registry = proxy.app[pipeline.METRICS].registry
+    assert registry.get_sample_value("dedup_replays_total", {"route": "twiml"}) == 1
+    assert removed == {"twiml": 0, "short": 0}
+
+
+async def test_an_answer_the_role_may_no_longer_store_is_a_warning_and_counted(
+    make_proxy: MakeProxy,
+    aiohttp_client: Any,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED, ANSWERS) as (role, dsn):
+        proxy = await make_proxy(routes=[REPLAYED], **limited(dsn))
+        probe = await aiohttp_client(admin.create_admin_app(proxy.app))
+        assert (await probe.get("/readyz")).status == 200
+        await execute(pg_dsn, f'REVOKE {ANSWERS} ON "{schema}" FROM {role}')
+
+        ready = await probe.get("/readyz")
+        with caplog.at_level(logging.INFO):
+            first = await proxy.post("/twiml", data=b'{"id": "SM2"}')
+        again = await proxy.post("/twiml", data=b'{"id": "SM2"}')
+        scraped = await (await probe.get("/metrics")).text()
+
+    assert ready.status == 503
+    assert (await ready.json())["reason"] == (
+        f"table {schema}: role {role} lacks privileges: GRANT UPDATE (answer_status, "
+        f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate: replay stores '
+        "the app's answer)"
+    )
+    assert first.status == 200
+    # The claim was committed, without its answer: the duplicate is acknowledged, not
+    # forwarded again, and not replayed.
+    assert len(upstream.requests) == 1
+    assert (again.status, again.headers["Dedup-Status"]) == (200, "duplicate")
+    assert "Idempotent-Replayed" not in again.headers
+    rows = await fetch(pg_dsn, f'SELECT event_id, answer_status FROM "{schema}"')
+    assert [tuple(row) for row in rows] == [("SM2", None)]
+    warnings = [r for r in caplog.records if r.name == "proxy.claims"]
+    assert [r.levelno for r in warnings] == [logging.WARNING]
+    assert "permission denied for table" in warnings[0].getMessage()
+    assert claims.GRANT_ANSWER_HINT in warnings[0].getMessage()
+    lines = [r.fields for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    assert not any(line.get("reconciled") for line in lines)
+    assert "answer_store_error" in lines[0]
+    counted = {
+        (s.name, s.labels.get("route")): s.value
+        for family in text_string_to_metric_families(scraped)
+        for s in family.samples
+    }
+    assert counted[("dedup_answer_store_failures_total", "twiml")] == 1
