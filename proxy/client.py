@@ -429,12 +429,6 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-def _unavailable(message: str, status: int | None) -> errors.UpstreamUnavailable:
-    failed = errors.UpstreamUnavailable(message)
-    failed.upstream_status = status
-    return failed
-
-
 class Client:
     """Keep-alive connections to the app, per origin, reused most recently used first, at most
     ``connections`` of them in use at once."""
@@ -492,14 +486,18 @@ class Client:
                 reader = _Reader(method, reserve)
                 return await self._exchange(origin, connection, (message, body), reader)
         except TimeoutError as exc:
-            late = errors.UpstreamTimeout(f"upstream did not answer within {self._timeout:g}s")
-            late.upstream_status = None if reader is None else reader.status
-            raise late from exc
+            raise errors.UpstreamTimeout(
+                f"upstream did not answer within {self._timeout:g}s",
+                upstream_status=None if reader is None else reader.status,
+            ) from exc
         except _Malformed as exc:
-            raise _unavailable(f"upstream sent a malformed answer: {exc}", exc.status) from None
+            raise errors.UpstreamUnavailable(
+                f"upstream sent a malformed answer: {exc}", upstream_status=exc.status
+            ) from None
         except _Closed as exc:
-            raise _unavailable(
-                "upstream closed the connection before answering completely", exc.status
+            raise errors.UpstreamUnavailable(
+                "upstream closed the connection before answering completely",
+                upstream_status=exc.status,
             ) from None
         except OSError as exc:
             raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc

@@ -32,9 +32,11 @@ place.
           + PoolExhausted           503  no free database connection within pool_timeout
           + ClaimWaitExceeded       503  a copy waited longer than claim_wait
         + Overloaded                503  the request does not fit max_buffered (shed)
-        + UpstreamUnavailable       502  refused, reset or unreachable upstream
-          + AnswerOverBudget        502  the app's answer does not fit max_buffered
-        + UpstreamTimeout           504  upstream did not answer in time
+        + UpstreamFailed                 the app's answer did not come through; carries
+                                         .upstream_status (the status line, if it came)
+          + UpstreamUnavailable     502  refused, reset or unreachable upstream
+            + AnswerOverBudget      502  the app's answer does not fit max_buffered
+          + UpstreamTimeout         504  upstream did not answer in time
 
 A subclass's docstring is its default message.
 """
@@ -221,14 +223,25 @@ class ClaimWaitExceeded(StoreUnavailable):
     code = "claim_wait_exceeded"
 
 
-class UpstreamUnavailable(RequestError):
+class UpstreamFailed(RequestError):
+    """The upstream's answer did not come through."""
+
+    def __init__(self, message: str | None = None, *, upstream_status: int | None = None) -> None:
+        super().__init__(message)
+        # The status line the app had sent when its answer failed (None: none arrived).
+        self.upstream_status = upstream_status
+
+    @property
+    def answered_2xx(self) -> bool:
+        """The app did the work: the claim is kept although the answer cannot be relayed."""
+        return self.upstream_status is not None and 200 <= self.upstream_status < 300
+
+
+class UpstreamUnavailable(UpstreamFailed):
     """The upstream could not be reached or dropped the connection."""
 
     status = 502
     code = "upstream_unavailable"
-    # The status line the app had sent when its answer failed (None: none arrived). A 2xx means
-    # the app did the work: the claim is kept although the answer cannot be relayed.
-    upstream_status: int | None = None
 
 
 class AnswerOverBudget(UpstreamUnavailable):
@@ -245,10 +258,8 @@ class Overloaded(RequestError):
     retry_after = 5
 
 
-class UpstreamTimeout(RequestError):
+class UpstreamTimeout(UpstreamFailed):
     """The upstream did not answer in time."""
 
     status = 504
     code = "upstream_timeout"
-    # As for UpstreamUnavailable: a 2xx status line had arrived, the rest of the answer did not.
-    upstream_status: int | None = None

@@ -45,8 +45,6 @@ METRICS = web.AppKey("metrics", metrics.Metrics)
 DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", budget.Budget)
 
-_READ_CHUNK = 64 * 1024
-
 
 def _json(
     status: int,
@@ -68,7 +66,7 @@ def _outcome(exc: errors.RequestError) -> str:
         return "key_reused"
     if isinstance(exc, errors.StoreUnavailable | errors.Overloaded):
         return "unavailable"
-    if isinstance(exc, errors.UpstreamUnavailable | errors.UpstreamTimeout):
+    if isinstance(exc, errors.UpstreamFailed):
         return "upstream_error"
     return "rejected"
 
@@ -360,8 +358,10 @@ class Webhook:
         """What this request claims. On an idempotency-key route: the key (its errors named
         as such), in the client's own scope, with the request's fingerprint as its digest."""
         route = self.route
+        # The raw query: aiohttp's decoded one turns bytes that are not UTF-8 into U+FFFD.
+        query = request.raw_path.partition("?")[2]
         try:
-            event_id, event_type, digest = self._inspect(request, body, verifier)
+            event_id, event_type, digest = self._inspect(request, body, query, verifier)
         except errors.EventIdMissing as exc:
             if route.idempotency:
                 raise errors.KeyMissing(exc.message) from None
@@ -375,7 +375,7 @@ class Webhook:
             scope = idempotency.client_scope(scope, route.scope_from, request.headers, route.name)
             digest = idempotency.fingerprint(request.method, target, digest)
         elif self.bind_to_body:
-            event_id = bound(event_id, request.raw_path.partition("?")[2], digest)
+            event_id = bound(event_id, query, digest)
         return claims.Key(scope, event_id, event_type, digest)
 
     @contextlib.asynccontextmanager
@@ -393,12 +393,10 @@ class Webhook:
             ) from None
 
     def _inspect(
-        self, request: web.Request, body: bytes, verifier: signatures.Verifier | None
+        self, request: web.Request, body: bytes, query: str, verifier: signatures.Verifier | None
     ) -> tuple[str, str | None, bytes]:
         """Verify the signature, then find the event ID and type and the body's digest."""
         route = self.route
-        # The raw query: aiohttp's decoded one turns bytes that are not UTF-8 into U+FFFD.
-        query = request.raw_path.partition("?")[2]
         if verifier is not None:
             # A header listed in Connection would be removed before the app sees it.
             keys.refuse_connection_naming(request.headers, verifier.headers, route.name)
@@ -444,8 +442,8 @@ class Webhook:
         the response, and the answer stored with the claim."""
         try:
             upstream = await self._call(request, target, body, reservation, fields)
-        except (errors.UpstreamUnavailable, errors.UpstreamTimeout) as exc:
-            if exc.upstream_status is not None and 200 <= exc.upstream_status < 300:
+        except errors.UpstreamFailed as exc:
+            if exc.answered_2xx:
                 # The app did the work; only its answer cannot be held or relayed (over budget,
                 # cut off, malformed after a 2xx status line). Keep the claim: the provider's
                 # retry of this 502 is then a duplicate, not a second delivery.

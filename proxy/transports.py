@@ -97,13 +97,14 @@ def translated(timeout: float, status: int | None = None) -> Iterator[None]:
     try:
         yield
     except TimeoutError as exc:
-        late = errors.UpstreamTimeout(f"upstream did not answer within {timeout:g}s")
-        late.upstream_status = status
-        raise late from exc
+        raise errors.UpstreamTimeout(
+            f"upstream did not answer within {timeout:g}s", upstream_status=status
+        ) from exc
     except (aiohttp.ClientError, OSError) as exc:
-        failed = errors.UpstreamUnavailable(f"upstream failed: {exc!r}")
-        failed.upstream_status = status if status is not None else _broken_head_status(exc)
-        raise failed from exc
+        raise errors.UpstreamUnavailable(
+            f"upstream failed: {exc!r}",
+            upstream_status=status if status is not None else _broken_head_status(exc),
+        ) from exc
 
 
 def _broken_head_status(exc: Exception) -> int | None:
@@ -122,12 +123,11 @@ def relayable(upstream: aiohttp.ClientResponse) -> None:
     through. obs-text is relayed: decoded as surrogate escapes, it is written back as sent."""
     for text in (upstream.reason or "", *upstream.headers.values()):
         if client.CONTROL.search(text):
-            failed = errors.UpstreamUnavailable(
+            raise errors.UpstreamUnavailable(
                 "upstream sent a malformed answer: a control character in its reason phrase "
-                "or a header value"
+                "or a header value",
+                upstream_status=upstream.status,
             )
-            failed.upstream_status = upstream.status
-            raise failed
 
 
 def url_for(base_url: str, target: str) -> yarl.URL:
