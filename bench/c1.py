@@ -11,7 +11,7 @@ same way, what each hop costs on its own:
   processes on this machine (two wake-ups, no work);
 - ``app alone``: the same webhooks straight to the app;
 - ``claim SQL`` and ``COMMIT``: the proxy's own claim statement and COMMIT
-  (``claims.ClaimStore``), from this process;
+  (``database.Store``), from this process;
 - PostgreSQL's own time for the proxy's statements (``pg_stat_statements``, loaded at start);
 - the proxy's log lines: ``claim_ms``, ``upstream_ms``, ``commit_ms``, ``total_ms``.
 
@@ -43,7 +43,7 @@ import uvloop
 
 from bench import procs
 from bench.run import TABLE, Bench, Settings, py_spy
-from proxy import claims, config
+from proxy import config, database
 
 _ECHO = """
 import socket, sys
@@ -108,12 +108,12 @@ def echo_series(port: int, count: int) -> list[float]:
 async def claim_series(dsn: str, count: int, run: str) -> tuple[list[float], list[float], float]:
     """The proxy's claim statement and COMMIT, through its own store, one after the other."""
     settings = config.DatabaseConfig(dsn=None, table=TABLE, pool_size=1)
-    store = await claims.ClaimStore.open(dsn, settings, claim_wait=10, upstream_timeout=30)
+    store = await database.Store.open(dsn, settings, claim_wait=10, upstream_timeout=30)
     claimed, committed = [], []
     cpu = time.process_time()
     try:
         for n in range(count):
-            key = claims.Key("c1-sql", f"{uuid.uuid4().hex[:8]}-{run}-{n}", None, b"\0" * 32)
+            key = database.Key("c1-sql", f"{uuid.uuid4().hex[:8]}-{run}-{n}", None, b"\0" * 32)
             started = time.perf_counter()
             async with store.claim(key) as claim:
                 middle = time.perf_counter()
@@ -174,7 +174,7 @@ def prepare_database(bench: Bench) -> None:
     bench.start_database(**{"shared_preload_libraries": "pg_stat_statements",
                             "pg_stat_statements.track_planning": "on"})  # fmt: skip
     bench.sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-    bench.sql(claims.schema_sql(TABLE))
+    bench.sql(database.schema_sql(TABLE))
 
 
 def server_times(bench: Bench) -> dict[str, float]:

@@ -18,7 +18,7 @@ import hashlib
 import statistics
 import time
 
-from proxy import claims, config
+from proxy import config, database
 
 TABLE = "bench_duplicate_cost"
 
@@ -47,14 +47,14 @@ async def main() -> None:
     parser.add_argument("--count", type=int, default=2000)
     args = parser.parse_args()
     settings = config.DatabaseConfig(dsn=config.Secret(args.dsn), table=TABLE, pool_size=1)
-    store = await claims.ClaimStore.open(args.dsn, settings, claim_wait=5.0, upstream_timeout=30.0)
+    store = await database.Store.open(args.dsn, settings, claim_wait=5.0, upstream_timeout=30.0)
     try:
         async with store.connection() as connection:
             await connection.execute(f'DROP TABLE IF EXISTS "{TABLE}"')
         await store.ensure_schema()
-        answer = claims.Answer(200, (("Content-Type", "text/xml"),), b"x" * 1024)
+        answer = database.Answer(200, (("Content-Type", "text/xml"),), b"x" * 1024)
         keys = [
-            claims.Key("bench", f"evt-{n}", None, hashlib.sha256(str(n).encode()).digest())
+            database.Key("bench", f"evt-{n}", None, hashlib.sha256(str(n).encode()).digest())
             for n in range(args.count)
         ]
         for key in keys:

@@ -11,7 +11,7 @@ the part of a proxied webhook that the upstream client decides.
 
 The parser figure is CPU per small answer parsed from bytes already received (no socket; the
 best of five runs), for the current ``proxy.client`` and, with ``--old-client``, for another
-copy of that module (``git show 1aba88f:proxy/client.py > /tmp/old_client.py`` is the regex
+copy of that module (``git show 1aba88f:proxy/http1.py > /tmp/old_client.py`` is the regex
 parser before llhttp), side by side.
 """
 
@@ -35,7 +35,7 @@ from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
 from bench import procs
-from proxy import client, forwarder
+from proxy.upstream import forwarder, http1
 
 ROOT = Path(__file__).resolve().parent.parent
 WARMUP = 500
@@ -87,7 +87,7 @@ async def _forward_cpu(base_url: str, requests: int, concurrency: int) -> float:
                     sent += 1
                     answer = await proxy.forward(
                         request, base_url, "/webhooks/corvel", BODY, "rid",
-                        reserve=client.unlimited,
+                        reserve=http1.unlimited,
                     )  # fmt: skip
                     assert answer.status == 200, answer.status
 
@@ -129,7 +129,7 @@ def _parse_once(module: ModuleType) -> Callable[[], Any]:
         return regex
 
     def llhttp() -> Any:
-        reader = module._Reader("POST", client.unlimited)
+        reader = module._Reader("POST", http1.unlimited)
         reader.feed(SMALL_ANSWER)
         assert reader.answer is not None
         return reader.answer
@@ -153,12 +153,14 @@ def _parse_cpu(module: ModuleType, rounds: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--requests", type=int, default=10000)
-    parser.add_argument("--old-client", type=Path, help="another copy of proxy/client.py")
+    parser.add_argument("--old-client", type=Path, help="another copy of proxy/http1.py")
     parser.add_argument("--parser-only", action="store_true", help="no forwarding runs")
     args = parser.parse_args(argv)
 
     asyncio.set_event_loop(uvloop.new_event_loop())
-    print(f"parser, current proxy.client: {_parse_cpu(client, 20000):.1f} µs per small answer")
+    print(
+        f"parser, current proxy.upstream.http1: {_parse_cpu(http1, 20000):.1f} µs per small answer"
+    )
     if args.old_client:
         old = _load(args.old_client)
         print(f"parser, {args.old_client}: {_parse_cpu(old, 20000):.1f} µs per small answer")

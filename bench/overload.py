@@ -33,7 +33,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import procs
-from proxy import values
+from proxy.config import values
 
 MIB = 1024 * 1024
 

@@ -33,8 +33,8 @@ import asyncpg
 import yaml
 
 from bench import loads, procs, report
-from proxy import claims, embedded
 from proxy import config as proxy_config
+from proxy import database, embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = "bench_claims"  # bench/claim.sql inserts into it too
@@ -243,7 +243,7 @@ def prepare_database(bench: Bench) -> None:
     # The headline keeps the proxy's and the naive proxy's pools open while pgbench's 32
     # clients connect: more than the default 100 connections.
     bench.start_database(max_connections="200")
-    bench.sql(claims.schema_sql(TABLE))
+    bench.sql(database.schema_sql(TABLE))
     bench.sql(
         f"INSERT INTO {TABLE} (scope, event_id) "
         f"SELECT '{SCOPE}', 'seed-' || g FROM generate_series(1, {SEEDS}) g"

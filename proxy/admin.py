@@ -3,12 +3,12 @@
 It is a separate application bound to ``admin.listen`` (loopback by default) that reads the
 proxy application's state: its metrics registry, its claim store and whether it is draining.
 
-Its clients are a kubelet and one or two Prometheus servers, a few short requests at a time, so
-it needs few connections and none for long. Each process keeps at most ``MAX_CONNECTIONS`` of
-them (``limits.ConnectionLimit``, the one waiting longest for a request closed to make room), and
-closes one that has not sent a whole request within ``KEEPALIVE`` seconds of connecting or of
-its previous answer: otherwise idle admin connections could take the descriptors that
-``limits.MARGIN`` keeps for the proxy's own files, and webhooks would fail for want of one.
+Its clients are a kubelet and one or two Prometheus servers, a few short requests at a time, so it
+needs few connections and none for long. Each process keeps at most ``MAX_CONNECTIONS`` of them
+(``connections.ConnectionLimit``, the one waiting longest for a request closed to make room), and
+closes one that has not sent a whole request within ``KEEPALIVE`` seconds of connecting or of its
+previous answer: otherwise idle admin connections could take the descriptors that
+``connections.MARGIN`` keeps for the proxy's own files, and webhooks would fail for want of one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from proxy import errors, pipeline
 
 PROXY = web.AppKey("proxy", web.Application)
-# Within limits.MARGIN, beside the listeners, the loop's own descriptors and the public
+# Within connections.MARGIN, beside the listeners, the loop's own descriptors and the public
 # listener's refusals; refused admin connections are closed at once, not left to linger.
 MAX_CONNECTIONS = 16
 # Below the usual scrape intervals (15 s and up), so a scraper holds nothing between scrapes; the

@@ -13,18 +13,8 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
-from proxy import (
-    budget,
-    claims,
-    config,
-    embedded,
-    flights,
-    forwarded,
-    forwarder,
-    metrics,
-    pipeline,
-    retention,
-)
+from proxy import config, database, embedded, flights, memory, metrics, pipeline, retention
+from proxy.upstream import forwarder, proxy_headers
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +52,7 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
 
 async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
-    store = await claims.ClaimStore.open(
+    store = await database.Store.open(
         app[DSN],
         cfg.database,
         claim_wait=cfg.claim_wait,
@@ -121,9 +111,7 @@ async def _metrics(app: web.Application) -> AsyncIterator[None]:
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
-    sweeper = retention.Sweeper(
-        app[pipeline.STORE], cfg.database.table, cfg.routes, cfg.sweeper, app[pipeline.METRICS]
-    )
+    sweeper = retention.Sweeper(app[pipeline.STORE], cfg.routes, cfg.sweeper, app[pipeline.METRICS])
     async with _running(sweeper.run(), "retention-sweeper"):
         yield
 
@@ -139,7 +127,7 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
         keepalive=cfg.upstream.keepalive,
         # Each route's transport is chosen once, at start-up.
         upstreams={cfg.upstream.url, *(route.upstream for route in cfg.routes)},
-        trusted_proxies=forwarded.TrustedProxies(cfg.trusted_proxies),
+        trusted_proxies=proxy_headers.TrustedProxies(cfg.trusted_proxies),
     )
     app[pipeline.FORWARDER] = client
     try:
@@ -170,7 +158,7 @@ def create_app(cfg: config.Config) -> web.Application:
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()
     app[pipeline.DRAINING] = asyncio.Event()
-    shared = app[pipeline.BUDGET] = budget.Budget(cfg.max_buffered)
+    shared = app[pipeline.BUDGET] = memory.Budget(cfg.max_buffered)
     meters.watch_buffered(lambda: shared.held)
     app.cleanup_ctx.extend([_database, _claim_store, _metrics, _forwarder, _sweeper])
     # Every request, whatever its path: routing happens on the normalized path (paths.py),

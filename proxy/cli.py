@@ -16,17 +16,18 @@ from typing import Any, TypeVar
 
 from proxy import (
     __version__,
-    claims,
     config,
+    database,
     demo,
     embedded,
     errors,
     logs,
     operations,
+    preflight,
     server,
     supervisor,
-    values,
 )
+from proxy.config import values
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -172,28 +173,43 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         return demo.main(args)
-    if args.command == "schema" and not args.config:
-        print(claims.schema_sql(config.DEFAULT_TABLE), end="")
-        return 0
+    if args.command == "schema":
+        return _schema(args)
+    cfg = _load(args)
+    if cfg is None:
+        return EXIT_CONFIG
+    if args.command == "check":
+        return _check(cfg, args)
+    if args.command == "serve":
+        return _serve(cfg, args.config)
+    return _operate_command(cfg, args)
+
+
+def _load(args: argparse.Namespace) -> config.Config | None:
+    """The configuration ``--config`` names; None once the reason it cannot be had is said."""
     if not args.config:
         print(
             f"dedup-proxy {args.command}: no configuration; pass --config FILE or set {CONFIG_ENV}",
             file=sys.stderr,
         )
-        return EXIT_CONFIG
+        return None
     try:
-        cfg = config.load(args.config)
+        return config.load(args.config)
     except errors.ConfigError as exc:
         print(exc, file=sys.stderr)
-        return EXIT_CONFIG
-    if args.command == "check":
-        return _check(cfg, args)
-    if args.command == "schema":
-        print(claims.schema_sql(cfg.database.table), end="")
-        return 0
-    if args.command == "serve":
-        return _serve(cfg, args.config)
-    return _operate_command(cfg, args)
+        return None
+
+
+def _schema(args: argparse.Namespace) -> int:
+    """The DDL for the configured claim table; without a configuration, the default table's."""
+    table = config.DEFAULT_TABLE
+    if args.config:
+        cfg = _load(args)
+        if cfg is None:
+            return EXIT_CONFIG
+        table = cfg.database.table
+    print(database.schema_sql(table), end="")
+    return 0
 
 
 def _name(args: argparse.Namespace) -> str:
@@ -234,7 +250,7 @@ async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
     # The embedded server's "one machine only" warning is for `serve`, not for every command.
     logging.getLogger("proxy.embedded").setLevel(logging.ERROR)
     if args.command == "check":
-        return await operations.preflight(cfg)
+        return await preflight.preflight(cfg)
     if args.command == "stats":
         return await operations.stats(cfg)
     if args.command == "migrate":

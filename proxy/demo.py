@@ -24,13 +24,11 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import asyncpg
 from aiohttp import web
 
-from proxy import app, config, embedded, errors, logs
+from proxy import app, config, database, embedded, errors, logs, pipeline
 
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
@@ -204,12 +202,16 @@ def _bound_socket() -> socket.socket:
     return sock
 
 
-async def _query(dsn: str, sql: str) -> Any:
-    connection = await asyncpg.connect(dsn)
-    try:
-        return await connection.fetchval(sql)
-    finally:
-        await connection.close()
+async def _claims(store: database.Store) -> int:
+    """The claims in the demo's table."""
+    return sum(scope.rows for scope in await store.stats())
+
+
+async def _clear(store: database.Store, scope: str) -> None:
+    """Remove an earlier run's claims (kept in the data directory): the retention sweep, with
+    a retention of 0 s."""
+    while await store.sweep_batch(scope, 0.0, 1000):
+        pass
 
 
 async def _wait_for_signal() -> None:
@@ -276,10 +278,10 @@ async def _run(args: argparse.Namespace) -> int:
                 await web.SockSite(app_runner, app_sock).start()
                 await proxy_runner.setup()
                 await web.SockSite(proxy_runner, proxy_sock).start()
-                dsn = proxy_runner.app[app.DSN]
-                await _query(dsn, f"TRUNCATE {TABLE}")
+                store = proxy_runner.app[pipeline.STORE]
+                await _clear(store, cfg.routes[0].scope)
                 burst = await _fire(url, ids, args.copies, rng)
-                claims: int = await _query(dsn, f"SELECT count(*) FROM {TABLE}")
+                claims = await _claims(store)
                 lines, ok = _report(args.events, burst, demo_app, claims)
                 print("\n".join(lines), flush=True)
                 if not args.keep:

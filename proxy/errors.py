@@ -1,9 +1,19 @@
 """The proxy's exception tree.
 
-Foreign exceptions (asyncpg, aiohttp client, YAML) are translated into these exactly once, where
-they enter: the claim store, the forwarder, the config loader. Everything above those boundaries
-deals only in this tree, and the pipeline turns a ``RequestError`` into its HTTP answer in one
-place.
+Foreign exceptions are translated into these exactly once, where they enter, and nowhere else:
+
+- the database driver's, in the claim store (``database.pool``);
+- aiohttp's client errors and timeouts, in the upstream transports (``upstream.transports``),
+  and the socket errors, timeouts and refused answers of the proxy's own client
+  (``upstream.http1``);
+- a request body that ends early or arrives too slowly, where it is read
+  (``request_body``);
+- YAML, file and value errors, in the config loader (``config``), and the embedded server's,
+  in ``embedded``; an address that cannot be bound, in ``server``.
+
+Everything above those boundaries deals only in this tree, and the pipeline turns a
+``RequestError`` into its HTTP answer in one place, reading what the error carries: its
+status, code, public text, outcome (the log line's and the metric's) and shed reason.
 
 ::
 
@@ -13,7 +23,9 @@ place.
       x UnsafeRuntime               aiohttp's C HTTP parser is not in use
       x ListenFailed                a listener's address is taken or not allowed
       x CommitFailed                COMMIT after an upstream 2xx did not go through
-      x RequestError                carries .status, .code, .retry_after, .headers and .public
+      x RequestError                carries .status, .code, .retry_after, .headers, .public,
+                                    .outcome ("rejected" unless noted) and .shed (None unless
+                                    noted: the request was shed to protect the worker)
         + PathRefused               400  an ambiguous variant of a webhook path, not origin-form
         + NotRouted                 404  matches no route, and pass-through does not allow it
         + MethodNotAllowed          405  a webhook path with a method its route does not take
@@ -25,17 +37,24 @@ place.
         + RequestIncomplete         400  the body ended before its declared end
         + SignatureInvalid          401  the route's signature check failed
         + KeyInProgress             409  an Idempotency-Key whose first request is in flight
+                                         (outcome in_progress)
         + KeyReused                 422  an Idempotency-Key sent again with another request
+                                         (outcome key_reused)
         + RequestTimeout            408  the client sent its body too slowly
         + BodyTooLarge              413  body over max_body
         + StoreUnavailable          503  database down, pool exhausted, schema missing
+                                         (outcome unavailable)
           + PoolExhausted           503  no free database connection within pool_timeout
+                                         (shed: pool)
           + ClaimWaitExceeded       503  a copy waited longer than claim_wait
-        + Overloaded                503  the request does not fit max_buffered (shed)
-        + UpstreamFailed                 the app's answer did not come through; carries
-                                         .upstream_status (the status line, if it came)
+        + Overloaded                503  the request does not fit max_buffered
+                                         (outcome unavailable, shed: memory)
+        + UpstreamFailed                 the app's answer did not come through (outcome
+                                         upstream_error); carries .upstream_status (the status
+                                         line, if it came)
           + UpstreamUnavailable     502  refused, reset or unreachable upstream
             + AnswerOverBudget      502  the app's answer does not fit max_buffered
+                                         (shed: memory)
           + UpstreamTimeout         504  upstream did not answer in time
 
 A subclass's docstring is its default message.
@@ -44,6 +63,7 @@ A subclass's docstring is its default message.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Self
 
 
 class ProxyError(Exception):
@@ -91,6 +111,10 @@ class RequestError(ProxyError):
     status = 500
     code = "internal_error"
     retry_after: int | None = None
+    # The request's outcome on its log line, in its Dedup-Status and in dedup_requests_total.
+    outcome = "rejected"
+    # Why the request was shed to protect the worker (dedup_shed_requests_total), if it was.
+    shed: str | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -182,6 +206,7 @@ class KeyInProgress(RequestError):
 
     status = 409
     code = "idempotency_key_in_progress"
+    outcome = "in_progress"
 
 
 class KeyReused(RequestError):
@@ -189,6 +214,7 @@ class KeyReused(RequestError):
 
     status = 422
     code = "idempotency_key_reused"
+    outcome = "key_reused"
 
 
 class RequestTimeout(RequestError):
@@ -211,10 +237,13 @@ class StoreUnavailable(RequestError):
     status = 503
     code = "store_unavailable"
     retry_after = 5
+    outcome = "unavailable"
 
 
 class PoolExhausted(StoreUnavailable):
     """No database connection is free; try again later."""
+
+    shed = "pool"
 
 
 class ClaimWaitExceeded(StoreUnavailable):
@@ -226,6 +255,8 @@ class ClaimWaitExceeded(StoreUnavailable):
 class UpstreamFailed(RequestError):
     """The upstream's answer did not come through."""
 
+    outcome = "upstream_error"
+
     def __init__(self, message: str | None = None, *, upstream_status: int | None = None) -> None:
         super().__init__(message)
         # The status line the app had sent when its answer failed (None: none arrived).
@@ -235,6 +266,11 @@ class UpstreamFailed(RequestError):
     def answered_2xx(self) -> bool:
         """The app did the work: the claim is kept although the answer cannot be relayed."""
         return self.upstream_status is not None and 200 <= self.upstream_status < 300
+
+    def after(self, upstream_status: int | None) -> Self:
+        """The same failure, raised anew as one after the app's status line
+        ``upstream_status`` (a failure raised before the status was known, by a Reserve)."""
+        return type(self)(self.message, upstream_status=upstream_status)
 
 
 class UpstreamUnavailable(UpstreamFailed):
@@ -248,6 +284,7 @@ class AnswerOverBudget(UpstreamUnavailable):
     """The upstream's answer does not fit the proxy's memory budget."""
 
     code = "answer_too_large"
+    shed = "memory"
 
 
 class Overloaded(RequestError):
@@ -256,6 +293,8 @@ class Overloaded(RequestError):
     status = 503
     code = "overloaded"
     retry_after = 5
+    outcome = "unavailable"
+    shed = "memory"
 
 
 class UpstreamTimeout(UpstreamFailed):

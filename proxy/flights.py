@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from proxy import errors
 
 if TYPE_CHECKING:
-    from proxy import claims
+    from proxy import database
 
 Key = tuple[str, str]
 
@@ -35,7 +35,7 @@ class Flight:
     # mismatch check of the copies still queued here.
     committed_sha256: bytes | None = None
     # And, on a route that replays, the answer stored with the claim (None: the acknowledgement).
-    answer: claims.Answer | None = None
+    answer: database.Answer | None = None
 
 
 class Flights:

@@ -1,10 +1,11 @@
 """Logging set-up: JSON lines for machines, a compact text form for people at a terminal.
 
-Structured fields travel in ``extra={"fields": {...}}`` and become top-level JSON keys. Every
-line leaves through one of the two formatters here, which mask a password (a URL's, or libpq's
-``password=``) wherever it appears; the text form quotes and escapes values (logfmt) so that a
-value cannot forge a field or carry terminal control sequences. Requests aiohttp's HTTP parser
-refuses are logged in one line without their bytes, at info level.
+Structured fields travel in ``extra={"fields": {...}}`` and become top-level JSON keys (a
+request's canonical line: ``log_line.LogLine``). Every line leaves through one of the two
+formatters here, which mask a password (a URL's, or libpq's ``password=``) wherever it appears;
+the text form quotes and escapes values (logfmt) so that a value cannot forge a field or carry
+terminal control sequences. Requests aiohttp's HTTP parser refuses are logged in one line
+without their bytes, at info level.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ from __future__ import annotations
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import claims, forwarder, routes
+from proxy import database
+from proxy.config import routes
+from proxy.upstream import http1
 
 _NOT_REPLAYED = frozenset({"date", "content-length", "dedup-status", "idempotent-replayed"})
 _NOT_REPLAYED_COOKIE = _NOT_REPLAYED | {"set-cookie"}
@@ -29,8 +31,8 @@ def storable(value: str) -> bool:
 
 
 def answer_to_store(
-    route: routes.RouteConfig, upstream: forwarder.UpstreamResponse
-) -> tuple[claims.Answer | None, str | None]:
+    route: routes.RouteConfig, upstream: http1.Answer
+) -> tuple[database.Answer | None, str | None]:
     """The answer to store with the claim, or None and why not (None, None: no replay)."""
     if not route.replay:
         return None, None
@@ -45,10 +47,10 @@ def answer_to_store(
         # Stored as text: a value that is not UTF-8 would fail the COMMIT's round trip after
         # the app did the work.
         return None, "an answer header that is not UTF-8 text"
-    return claims.Answer(upstream.status, headers, upstream.body), None
+    return database.Answer(upstream.status, headers, upstream.body), None
 
 
-def response(stored: claims.Answer) -> web.Response:
+def response(stored: database.Answer) -> web.Response:
     """A duplicate's answer: the first one, byte for byte; Content-Length is aiohttp's to set."""
     headers = CIMultiDict(stored.headers)
     headers["Dedup-Status"] = "duplicate"

@@ -6,7 +6,8 @@ lock would be lost, or leaked to another client, behind PgBouncer in transaction
 only SELECT and DELETE: no ``FOR UPDATE SKIP LOCKED``, which needs UPDATE. Claims in flight are
 rows its snapshot does not see, so it never waits on them; it can wait on a row another
 transaction is deleting (an operator's ``events forget``) or locking, for at most
-``ROW_LOCK_WAIT``, after which the round fails, is logged and is retried at the next interval.
+``SWEEP_ROW_LOCK_WAIT`` (``database.store``), after which the round fails, is logged and is
+retried at the next interval. The batches themselves are the store's (``Store.sweep_batch``).
 """
 
 from __future__ import annotations
@@ -15,38 +16,10 @@ import asyncio
 import logging
 import time
 
-from proxy import claims, config, errors, metrics, pool, routes, sql
+from proxy import config, database, errors, metrics
+from proxy.config import routes
 
 log = logging.getLogger(__name__)
-
-# A forget holds its rows for one short statement; longer means a transaction left open on a
-# claim, and the sweep's own deleted rows (which a redelivery of their events would wait on)
-# must not stay locked while it waits.
-ROW_LOCK_WAIT = 1.0
-
-
-class Sweep:
-    """Deletes expired claims, one short transaction per batch."""
-
-    def __init__(self, connection: pool.Connection, queries: sql.Queries, timeout: float) -> None:
-        self._connection = connection
-        self._queries = queries
-        self._timeout = timeout
-
-    async def delete_expired(self, scope: str, retention: float, batch: int) -> int | None:
-        """Delete one batch; None when another replica holds the sweeper's lock."""
-        with claims.translated("retention delete failed"):
-            async with self._connection.transaction():
-                locked = await self._connection.fetchval(
-                    self._queries.sweep_lock, timeout=self._timeout
-                )
-                if not locked:
-                    return None
-                await self._connection.execute(sql.lock_timeout(ROW_LOCK_WAIT))
-                status = await self._connection.execute(
-                    self._queries.sweep, scope, retention, batch, timeout=self._timeout
-                )
-        return int(status.split()[-1])
 
 
 def scope_retention(routes: tuple[routes.RouteConfig, ...]) -> dict[str, float]:
@@ -60,14 +33,12 @@ def scope_retention(routes: tuple[routes.RouteConfig, ...]) -> dict[str, float]:
 class Sweeper:
     def __init__(
         self,
-        store: claims.ClaimStore,
-        table: str,
+        store: database.Store,
         routes: tuple[routes.RouteConfig, ...],
         settings: config.SweeperConfig,
         meters: metrics.Metrics,
     ) -> None:
         self._store = store
-        self._queries = sql.for_table(table)
         self._retention = scope_retention(routes)
         self._settings = settings
         self._metrics = meters
@@ -84,20 +55,18 @@ class Sweeper:
     async def sweep(self) -> dict[str, int] | None:
         """One round; the rows removed per scope, or None if another replica is sweeping."""
         started = time.perf_counter()
-        async with self._store.connection() as connection:
-            sweep = Sweep(connection, self._queries, self._store.op_timeout)
-            removed: dict[str, int] = {}
-            for scope, retention in self._retention.items():
-                total = 0
-                while True:
-                    count = await sweep.delete_expired(scope, retention, self._settings.batch)
-                    if count is None:
-                        return None
-                    total += count
-                    self._metrics.retention_deleted.labels(scope).inc(count)
-                    if count < self._settings.batch:
-                        break
-                removed[scope] = total
+        removed: dict[str, int] = {}
+        for scope, retention in self._retention.items():
+            total = 0
+            while True:
+                count = await self._store.sweep_batch(scope, retention, self._settings.batch)
+                if count is None:
+                    return None
+                total += count
+                self._metrics.retention_deleted.labels(scope).inc(count)
+                if count < self._settings.batch:
+                    break
+            removed[scope] = total
         self._metrics.retention_last_run.set_to_current_time()
         if any(removed.values()):
             log.info(

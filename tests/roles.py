@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from tests.conftest import execute
+from tests.helpers import execute
 
 # What docs/deployment.md grants the proxy's role on the claim table.
 DOCUMENTED = "SELECT, INSERT, DELETE"

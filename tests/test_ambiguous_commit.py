@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tests.conftest import FakeUpstream, MakeProxy, claimed
+from tests.helpers import FakeUpstream, MakeProxy, claimed
 
 
 class OneWayRelay:
@@ -110,7 +110,7 @@ async def test_commit_in_doubt_is_reconciled(
 
     assert response.status == 200
     assert await response.read() == b"processed\x00bytes"
-    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]
     assert (line["outcome"], line.get("reconciled")) == ("processed", True)
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_doubt"]
     again = await client.post("/webhooks/corvel", data=b'{"id": "evt_doubt"}')

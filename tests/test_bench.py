@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # one --quick run takes about a minute
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
 

@@ -12,24 +12,20 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy import pipeline
-from tests.conftest import FakeUpstream, MakeProxy, claimed, wait_until
-from tests.test_hostile_http import connection
+from tests.helpers import FakeUpstream, MakeProxy, claimed, connection, event, held, wait_until
 
 KIB = 1024
 
 
-def event(event_id: str, size: int) -> bytes:
+def sized(event_id: str, size: int) -> bytes:
     """A JSON event of about ``size`` bytes."""
-    return json.dumps({"id": event_id, "pad": "x" * max(0, size - 40)}).encode()
-
-
-def held(client: TestClient[Any, Any]) -> int:
-    return client.app[pipeline.BUDGET].held  # type: ignore[no-any-return]
+    return event(event_id, pad="x" * max(0, size - 60))
 
 
 def shed(client: TestClient[Any, Any], reason: str) -> float:
     meters = client.app[pipeline.METRICS]
-    return meters.shed.labels(reason)._value.get()  # type: ignore[no-any-return]
+    value: float = meters.shed.labels(reason)._value.get()
+    return value
 
 
 async def test_a_body_that_does_not_fit_is_shed_at_once_and_nothing_is_lost(
@@ -37,10 +33,10 @@ async def test_a_body_that_does_not_fit_is_shed_at_once_and_nothing_is_lost(
 ) -> None:
     upstream.gate = asyncio.Event()
     client = await make_proxy(max_buffered="1MiB", max_body="1MiB")
-    first = asyncio.create_task(client.post("/webhooks/corvel", data=event("big-1", 600 * KIB)))
+    first = asyncio.create_task(client.post("/webhooks/corvel", data=sized("big-1", 600 * KIB)))
     await upstream.arrived.wait()
 
-    second = await client.post("/webhooks/corvel", data=event("big-2", 600 * KIB))
+    second = await client.post("/webhooks/corvel", data=sized("big-2", 600 * KIB))
 
     assert (second.status, second.headers["Retry-After"]) == (503, "5")
     assert (await second.json())["error"] == "overloaded"
@@ -48,7 +44,7 @@ async def test_a_body_that_does_not_fit_is_shed_at_once_and_nothing_is_lost(
     upstream.gate.set()
     assert (await first).status == 200
     # The provider's retry, once there is room, is processed.
-    retry = await client.post("/webhooks/corvel", data=event("big-2", 600 * KIB))
+    retry = await client.post("/webhooks/corvel", data=sized("big-2", 600 * KIB))
     assert retry.status == 200
     assert [json.loads(b)["id"] for b in upstream.bodies()] == ["big-1", "big-2"]
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["big-1", "big-2"]
@@ -60,7 +56,7 @@ async def test_one_body_always_fits_when_nothing_else_is_held(
 ) -> None:
     client = await make_proxy(max_buffered="64KiB", max_body="1MiB")
 
-    response = await client.post("/webhooks/corvel", data=event("alone", 500 * KIB))
+    response = await client.post("/webhooks/corvel", data=sized("alone", 500 * KIB))
 
     assert response.status == 200
     assert held(client) == 0
@@ -71,11 +67,11 @@ async def test_a_chunked_body_is_reserved_as_it_arrives(
 ) -> None:
     upstream.gate = asyncio.Event()
     client = await make_proxy(max_buffered="1MiB", max_body="1MiB")
-    first = asyncio.create_task(client.post("/webhooks/corvel", data=event("big", 900 * KIB)))
+    first = asyncio.create_task(client.post("/webhooks/corvel", data=sized("big", 900 * KIB)))
     await upstream.arrived.wait()
 
     async def chunks() -> Any:
-        body = event("chunked", 300 * KIB)
+        body = sized("chunked", 300 * KIB)
         for start in range(0, len(body), 64 * KIB):
             yield body[start : start + 64 * KIB]
 
@@ -112,11 +108,11 @@ async def test_an_answer_that_does_not_fit_is_a_502_and_a_2xx_keeps_the_claim(
             max_buffered="1MiB", max_body="1MiB", upstream={"url": f"http://127.0.0.1:{port}"}
         )
         holder = asyncio.create_task(
-            client.post("/webhooks/corvel", data=event("holder", 600 * KIB))
+            client.post("/webhooks/corvel", data=sized("holder", 600 * KIB))
         )
         await wait_until(lambda: _true(held(client) > 0), "the first body to be held")
 
-        response = await client.post("/webhooks/corvel", data=event("answer", 100))
+        response = await client.post("/webhooks/corvel", data=sized("answer", 100))
 
         assert response.status == 502
         assert (await response.json())["error"] == "answer_too_large"
@@ -125,7 +121,7 @@ async def test_an_answer_that_does_not_fit_is_a_502_and_a_2xx_keeps_the_claim(
         # The app answered 2xx, so it did the work: the claim is kept, and the provider's
         # retry of the 502 is a duplicate rather than a second delivery.
         assert [row[1] for row in await claimed(pg_dsn, table)] == ["answer", "holder"]
-        retry = await client.post("/webhooks/corvel", data=event("answer", 100))
+        retry = await client.post("/webhooks/corvel", data=sized("answer", 100))
         assert retry.headers["Dedup-Status"] == "duplicate"
         assert shed(client, "memory") == 1
         assert held(client) == 0
@@ -148,7 +144,7 @@ async def test_the_reservation_is_given_back_however_the_request_ends(
     if ending == "pool exhausted":
         options["database"] = {"pool_size": 1, "pool_timeout": "200ms"}
     client = await make_proxy(**options)
-    body = event("e", 10 * KIB)
+    body = sized("e", 10 * KIB)
 
     if ending in ("hung-up client", "body too slow"):
         async with connection(client) as (reader, writer):
@@ -165,7 +161,7 @@ async def test_the_reservation_is_given_back_however_the_request_ends(
         upstream.gate = asyncio.Event()
         holder = asyncio.create_task(client.post("/webhooks/corvel", data=body))
         await upstream.arrived.wait()
-        other = event("other" if ending == "pool exhausted" else "e", 10 * KIB)
+        other = sized("other" if ending == "pool exhausted" else "e", 10 * KIB)
         peer = await make_proxy(**options) if ending == "claim wait exceeded" else client
         before = held(peer)  # the holder's body, when it is the same proxy
         response = await peer.post("/webhooks/corvel", data=other)

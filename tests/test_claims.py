@@ -4,28 +4,23 @@ the one translation of database errors."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 
 import pytest
 from aiohttp import web
 
-from proxy import app, claims, config, embedded, errors
-from tests.conftest import FakeUpstream, MakeProxy, claimed, fetch, logged_errors
-
-
-def event(event_id: str) -> bytes:
-    return json.dumps({"id": event_id, "type": "t"}).encode()
+from proxy import app, config, database, embedded, errors
+from tests.helpers import FakeUpstream, MakeProxy, claimed, event, fetch, logged_errors
 
 
 async def test_connections_bound_lock_waits_and_abandoned_transactions(
     pg_dsn: str, table: str
 ) -> None:
     settings = config.DatabaseConfig(dsn=None, table=table, pool_size=1)
-    store = await claims.ClaimStore.open(pg_dsn, settings, claim_wait=1.5, upstream_timeout=30.0)
+    store = await database.Store.open(pg_dsn, settings, claim_wait=1.5, upstream_timeout=30.0)
     try:
         await store.ensure_schema()
-        async with store.claim(claims.Key("s", "e1", None, b"\x00" * 32)) as claim:
+        async with store.claim(database.Key("s", "e1", None, b"\x00" * 32)) as claim:
             assert claim.acquired
             rows = await fetch(
                 pg_dsn,
@@ -53,10 +48,7 @@ async def test_schema_creation_is_idempotent_and_safe_for_concurrent_replicas(
 ) -> None:
     settings = config.DatabaseConfig(dsn=None, table=table, pool_size=1)
     stores = await asyncio.gather(
-        *(
-            claims.ClaimStore.open(pg_dsn, settings, claim_wait=1, upstream_timeout=1)
-            for _ in range(4)
-        )
+        *(database.Store.open(pg_dsn, settings, claim_wait=1, upstream_timeout=1) for _ in range(4))
     )
     try:
         await asyncio.gather(*(store.ensure_schema() for store in stores))
@@ -183,12 +175,12 @@ async def test_a_claim_cancelled_during_its_rollback_gives_its_connection_back(
     pg_dsn: str, table: str, proxy_config: Callable[..., config.Config]
 ) -> None:
     cfg = proxy_config(database={"pool_size": 1, "pool_timeout": "2s"})
-    store = await claims.ClaimStore.open(
+    store = await database.Store.open(
         pg_dsn, cfg.database, claim_wait=cfg.claim_wait, upstream_timeout=cfg.upstream.timeout
     )
     try:
         await store.ensure_schema()
-        key = claims.Key("corvel", "evt_cancel", None, b"\0" * 32)
+        key = database.Key("corvel", "evt_cancel", None, b"\0" * 32)
         holding = asyncio.Event()
 
         async def claim_then_wait() -> None:
@@ -215,7 +207,7 @@ def test_a_database_error_becomes_store_unavailable_after_the_clean_up() -> None
     cleaned: list[str] = []
     with (
         pytest.raises(errors.StoreUnavailable) as raised,
-        claims.translated("claim failed", lambda: cleaned.append("closed")),
+        database.translated("claim failed", lambda: cleaned.append("closed")),
     ):
         raise TimeoutError
     assert raised.value.message == "claim failed: TimeoutError"
@@ -224,7 +216,7 @@ def test_a_database_error_becomes_store_unavailable_after_the_clean_up() -> None
 
     with (
         pytest.raises(errors.StoreUnavailable, match=r"^query failed: ConnectionRefusedError: "),
-        claims.translated("query failed"),
+        database.translated("query failed"),
     ):
         raise ConnectionRefusedError(111, "Connect call failed")
 
@@ -232,7 +224,10 @@ def test_a_database_error_becomes_store_unavailable_after_the_clean_up() -> None
 @pytest.mark.parametrize("error", [errors.ClaimWaitExceeded(), ValueError("a bug")])
 def test_errors_already_translated_or_not_the_databases_pass_through(error: Exception) -> None:
     cleaned: list[str] = []
-    with pytest.raises(type(error)) as raised, claims.translated("x", lambda: cleaned.append("!")):
+    with (
+        pytest.raises(type(error)) as raised,
+        database.translated("x", lambda: cleaned.append("!")),
+    ):
         raise error
     assert raised.value is error
     assert cleaned == []

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from proxy import client, errors
-from tests.conftest import MakeProxy, claimed
+from proxy import errors
+from proxy.upstream import http1
+from tests.helpers import MakeProxy, claimed, content_length
 
 
 @dataclass
@@ -30,10 +31,10 @@ class ScriptedApp:
     on_close: Callable[[], None] | None = None  # when the client closes a connection
 
     @property
-    def origin(self) -> client.Origin:
+    def origin(self) -> http1.Origin:
         assert self.server is not None
         port = self.server.sockets[0].getsockname()[1]
-        return client.Origin("127.0.0.1", port, f"127.0.0.1:{port}")
+        return http1.Origin("127.0.0.1", port, f"127.0.0.1:{port}")
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -41,12 +42,7 @@ class ScriptedApp:
         try:
             while self.answers:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    int(line.split(b":")[1])
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length:")
-                )
-                self.requests.append(head + await reader.readexactly(length))
+                self.requests.append(head + await reader.readexactly(content_length(head)))
                 answer = self.answers.pop(0)
                 if answer is None:
                     return
@@ -85,8 +81,8 @@ def ok(body: bytes = b"ok", extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
 
 
-async def call(app: ScriptedApp, within: float = 5.0) -> client.Answer:
-    upstream = client.Client(timeout=within, keepalive=5.0, connections=10)
+async def call(app: ScriptedApp, within: float = 5.0) -> http1.Answer:
+    upstream = http1.Client(timeout=within, keepalive=5.0, connections=10)
     try:
         return await upstream.request(
             app.origin, "POST", "/hook?x=1", headers=[("Host", "app")], body=b'{"id": 1}'
@@ -132,7 +128,7 @@ async def test_keeps_headers_repeated_and_in_order(scripted: Any) -> None:
 
 async def test_reuses_a_kept_alive_connection_and_not_a_closed_one(scripted: Any) -> None:
     app = await scripted([ok(), ok(extra=b"Connection: close\r\n"), ok()])
-    upstream = client.Client(timeout=5, keepalive=5, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=5, connections=10)
     try:
         for _ in range(3):
             answer = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
@@ -144,7 +140,7 @@ async def test_reuses_a_kept_alive_connection_and_not_a_closed_one(scripted: Any
 
 async def test_an_idle_connection_past_keepalive_is_not_reused(scripted: Any) -> None:
     app = await scripted([ok(), ok()])
-    upstream = client.Client(timeout=5, keepalive=0.05, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=0.05, connections=10)
     try:
         await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
         await asyncio.sleep(0.1)
@@ -190,12 +186,12 @@ async def test_an_idle_connection_past_keepalive_is_not_reused(scripted: Any) ->
         (b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\nok", "bad status line: HTTP/2.0"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nabc", "unsupported transfer coding"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-         + b"1;" + b"x" * (2 * client.MAX_HEAD + client.MAX_CHUNK_LINE), "over their limit"),
+         + b"1;" + b"x" * (2 * http1.MAX_HEAD + http1.MAX_CHUNK_LINE), "over their limit"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n"
-         + b"T: 1\r\n" * (client.MAX_TRAILERS + 1) + b"\r\n", "trailer fields"),
+         + b"T: 1\r\n" * (http1.MAX_TRAILERS + 1) + b"\r\n", "trailer fields"),
         (b"HTTP/1.1 103 Early Hints\r\n\r\n" * 11 + b"HTTP/1.1 200 OK\r\n\r\n",
          "over 10 interim"),
-        (b"HTTP/1.1 200 OK\r\nA: " + b"x" * (client.MAX_HEAD + 10), "over 65536 bytes"),
+        (b"HTTP/1.1 200 OK\r\nA: " + b"x" * (http1.MAX_HEAD + 10), "over 65536 bytes"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\nok",
          "Content-Length overflow"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1" + b"0" * 19 + b"\r\n\r\nok",
@@ -291,10 +287,10 @@ async def test_nothing_listening_is_an_upstream_failure() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    upstream = client.Client(timeout=5, keepalive=5, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=5, connections=10)
     with pytest.raises(errors.UpstreamUnavailable, match="upstream failed"):
         await upstream.request(
-            client.Origin("127.0.0.1", port, "x"), "POST", "/", headers=[], body=b""
+            http1.Origin("127.0.0.1", port, "x"), "POST", "/", headers=[], body=b""
         )
 
 
@@ -363,7 +359,7 @@ async def test_a_malformed_2xx_is_a_502_that_keeps_the_claim(
 
 async def test_at_most_connections_are_in_use_at_once(scripted: Any) -> None:
     app = await scripted([ok()] * 12)
-    upstream = client.Client(timeout=5, keepalive=5, connections=2)
+    upstream = http1.Client(timeout=5, keepalive=5, connections=2)
     try:
         answers = await asyncio.gather(
             *(upstream.request(app.origin, "POST", "/", headers=[], body=b"") for _ in range(6))
@@ -378,7 +374,7 @@ async def test_idle_connections_are_closed_after_keepalive_without_traffic(
     scripted: Any,
 ) -> None:
     app = await scripted([ok(), ok()])
-    upstream = client.Client(timeout=5, keepalive=0.1, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=0.1, connections=10)
     closed = asyncio.Event()
     app.on_close = closed.set
     try:
@@ -393,7 +389,7 @@ async def test_a_request_ending_after_close_does_not_keep_its_connection(
     scripted: Any,
 ) -> None:
     app = await scripted([ok(), ok()])
-    upstream = client.Client(timeout=5, keepalive=5, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=5, connections=10)
     closed = asyncio.Event()
     app.on_close = closed.set
     app.delay = 0.2
@@ -404,10 +400,10 @@ async def test_a_request_ending_after_close_does_not_keep_its_connection(
     await asyncio.wait_for(closed.wait(), 5)
 
 
-def read_byte_by_byte(raw: bytes) -> client.Answer:
+def read_byte_by_byte(raw: bytes) -> http1.Answer:
     """The answer read as if each byte came in a packet of its own, so every split point is
     exercised, whatever TCP would do."""
-    reader = client._Reader("POST", client.unlimited)
+    reader = http1._Reader("POST", http1.unlimited)
     for byte in raw:
         reader.feed(bytes([byte]))
     assert reader.answer is not None, "the answer was not complete after its last byte"
@@ -445,7 +441,7 @@ async def test_an_answer_that_is_not_crlf_http_1_is_refused_at_once(
     scripted: Any, raw: bytes
 ) -> None:
     app = await scripted([raw])  # and the connection held open
-    upstream = client.Client(timeout=30, keepalive=5, connections=10)
+    upstream = http1.Client(timeout=30, keepalive=5, connections=10)
     try:
         # Well inside the client's timeout: refused on sight, not when the timeout ends.
         async with asyncio.timeout(5):
@@ -457,7 +453,7 @@ async def test_an_answer_that_is_not_crlf_http_1_is_refused_at_once(
 
 async def test_an_unsolicited_answer_is_never_taken_as_the_next_one(scripted: Any) -> None:
     app = await scripted([ok(), b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\n\r\n"])
-    upstream = client.Client(timeout=5, keepalive=5, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=5, connections=10)
     try:
         first = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
         # Written while the connection is idle, and the next request follows before the loop
@@ -476,9 +472,9 @@ async def test_bytes_on_an_idle_connection_close_it_with_a_warning(
     app = await scripted([ok(), ok()])
     closed = asyncio.Event()
     app.on_close = closed.set
-    upstream = client.Client(timeout=5, keepalive=30, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=30, connections=10)
     try:
-        with caplog.at_level(logging.WARNING, logger="proxy.client"):
+        with caplog.at_level(logging.WARNING, logger="proxy.upstream.http1"):
             await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
             app.writers[0].write(ok(b"secret-unsolicited"))
             # No further request: the bytes alone must close it, long before keepalive.
@@ -486,7 +482,7 @@ async def test_bytes_on_an_idle_connection_close_it_with_a_warning(
                 await closed.wait()
     finally:
         upstream.close()
-    (record,) = [r for r in caplog.records if r.name == "proxy.client"]
+    (record,) = [r for r in caplog.records if r.name == "proxy.upstream.http1"]
     assert record.levelno == logging.WARNING
     assert "answering no request" in record.getMessage()
     assert "secret-unsolicited" not in record.getMessage()
@@ -497,9 +493,9 @@ async def test_bytes_right_after_an_answer_close_the_connection_with_a_warning(
     scripted: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = await scripted([ok(b"first") + ok(b"second"), ok(b"third")])
-    upstream = client.Client(timeout=5, keepalive=30, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=30, connections=10)
     try:
-        with caplog.at_level(logging.WARNING, logger="proxy.client"):
+        with caplog.at_level(logging.WARNING, logger="proxy.upstream.http1"):
             bodies = [
                 (await upstream.request(app.origin, "POST", "/", headers=[], body=b"")).body
                 for _ in range(2)
@@ -508,7 +504,7 @@ async def test_bytes_right_after_an_answer_close_the_connection_with_a_warning(
         upstream.close()
     assert bodies == [b"first", b"third"]
     assert app.connections == 2
-    (record,) = [r for r in caplog.records if r.name == "proxy.client"]
+    (record,) = [r for r in caplog.records if r.name == "proxy.upstream.http1"]
     assert "second" not in record.getMessage()
 
 
@@ -516,16 +512,16 @@ async def test_an_app_closing_an_idle_connection_is_not_a_warning(
     scripted: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = await scripted([ok(), None, ok()])
-    upstream = client.Client(timeout=5, keepalive=30, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=30, connections=10)
     try:
-        with caplog.at_level(logging.WARNING, logger="proxy.client"):
+        with caplog.at_level(logging.WARNING, logger="proxy.upstream.http1"):
             for _ in range(2):
                 answer = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")
                 assert answer.status == 200
     finally:
         upstream.close()
     assert app.connections == 2
-    assert [r for r in caplog.records if r.name == "proxy.client"] == []
+    assert [r for r in caplog.records if r.name == "proxy.upstream.http1"] == []
 
 
 async def send_webhook(proxy: Any, event: str) -> bytes:
@@ -559,7 +555,7 @@ async def test_utf8_beyond_ascii_in_header_values_and_reason_is_relayed_byte_exa
 
 async def test_a_head_answer_has_no_body_and_its_connection_is_not_reused(scripted: Any) -> None:
     app = await scripted([b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", ok()])
-    upstream = client.Client(timeout=5, keepalive=5, connections=10)
+    upstream = http1.Client(timeout=5, keepalive=5, connections=10)
     try:
         head = await upstream.request(app.origin, "HEAD", "/", headers=[], body=b"")
         after = await upstream.request(app.origin, "POST", "/", headers=[], body=b"")

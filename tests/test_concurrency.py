@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import aiohttp
@@ -12,18 +11,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy import pipeline
-from tests.conftest import (
+from tests.helpers import (
     FakeUpstream,
     MakeProxy,
     claimed,
+    event,
     fetch,
     wait_for_lock_waiters,
     wait_until,
 )
-
-
-def event(event_id: str) -> bytes:
-    return json.dumps({"id": event_id, "type": "t"}).encode()
 
 
 def post(client: TestClient[Any, Any], event_id: str) -> asyncio.Task[Any]:
@@ -51,7 +47,7 @@ class CountingClaims:
             self.claims += 1
             return claim(key, wait)
 
-        store.claim = counted  # type: ignore[method-assign]
+        store.claim = counted
 
 
 async def test_copies_on_two_replicas_meet_at_the_row_lock(
@@ -135,7 +131,7 @@ async def test_a_storm_of_copies_in_one_process_uses_one_connection(
     assert [r.status for r in responses] == [200] * storm
     assert sum(r.headers.get("Dedup-Status") == "duplicate" for r in responses) == storm - 1
     assert len(upstream.requests) == 1
-    assert await claimed(pg_dsn, table) == [("corvel", "evt_500", "t")]
+    assert await claimed(pg_dsn, table) == [("corvel", "evt_500", "charge.succeeded")]
 
 
 async def test_unsynchronised_burst_of_copies_reaches_the_upstream_once(

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
-from proxy import cli, config, errors, keys, routes
+from proxy import cli, config, errors, event_ids, signatures
+from proxy.config import routes, verify
 
 UPSTREAM = "http://127.0.0.1:3000"
 PASSWORD = "hunter2-not-for-logs"
@@ -94,7 +95,7 @@ def test_minimal_config_gets_the_documented_defaults() -> None:
             name="stripe",
             path="/webhooks/stripe",
             scope="stripe",
-            event_id=keys.Source("body", "/id", ("id",)),
+            event_id=event_ids.Source("body", "/id", ("id",)),
             event_type=None,
             upstream=UPSTREAM,
             max_body=1024 * 1024,
@@ -126,8 +127,8 @@ def test_route_overrides_upstream_scope_and_max_body() -> None:
     assert cfg.upstream.url == "http://app:8000"  # trailing slash stripped
     assert (a.upstream, a.scope, a.max_body) == ("http://app:8000", "a", 2**20)
     assert (b.upstream, b.scope, b.max_body) == ("https://other:9443", "shared", 64 * 1024)
-    assert b.event_id == keys.Source("query", "id")
-    assert b.event_type == keys.Source("header", "X-Type")
+    assert b.event_id == event_ids.Source("query", "id")
+    assert b.event_type == event_ids.Source("header", "X-Type")
 
 
 def test_every_setting_can_be_given() -> None:
@@ -193,7 +194,7 @@ def test_load_reads_a_yaml_file(tmp_path: Path) -> None:
 
     assert [route.name for route in cfg.routes] == ["stripe", "github"]
     assert cfg.routes[1].upstream == "http://127.0.0.1:4000"
-    assert cfg.routes[1].event_id == keys.Source("header", "X-GitHub-Delivery")
+    assert cfg.routes[1].event_id == event_ids.Source("header", "X-GitHub-Delivery")
     assert cfg.database.dsn is not None
     assert cfg.database.dsn.reveal() == DSN
 
@@ -613,6 +614,7 @@ def test_bad_route_field(key: str, value: str, message: str) -> None:
 
 TENANTS = {"path": "/hooks/{tenant}", "preset": "stripe"}
 ONE_VALUE = "(letters, digits, '-', '.', '_', '~'), got"
+NOT_MAPPINGS: tuple[object, ...] = ({}, ["acme"], "acme", None)
 
 
 def github_signature(secret: str, body: bytes) -> CIMultiDict[str]:
@@ -627,11 +629,16 @@ def test_tenant_secrets_give_each_tenant_its_own_verifier(monkeypatch: pytest.Mo
     route = config.parse(with_route(path="/hooks/{tenant}/{region}", verify=verify)).routes[0]
     body = b'{"id": "1"}'
 
-    route.verifier_for(("ACME", "eu")).verify(github_signature("acme-eu-secret", body), body, 0)
-    route.verifier_for(("globex", "US")).verify(github_signature("globex-old", body), body, 0)
+    def verifier(values: tuple[str, ...]) -> signatures.Verifier:
+        found = route.verifier_for(values)
+        assert found is not None
+        return found
+
+    verifier(("ACME", "eu")).verify(github_signature("acme-eu-secret", body), body, 0)
+    verifier(("globex", "US")).verify(github_signature("globex-old", body), body, 0)
     for values, secret in [(("globex", "eu"), "acme-eu-secret"), (("acme", "us"), "globex-new")]:
         with pytest.raises(errors.SignatureInvalid):
-            route.verifier_for(values).verify(github_signature(secret, body), body, 0)
+            verifier(values).verify(github_signature(secret, body), body, 0)
     assert route.scope_for(("ACME", "eu")) == "stripe/acme/eu"
     assert not [s for s in ("acme-eu-secret", "globex-new") if s in repr(route)]
 
@@ -639,7 +646,7 @@ def test_tenant_secrets_give_each_tenant_its_own_verifier(monkeypatch: pytest.Mo
 @pytest.mark.parametrize(("key", "value"), [("secret", "s3cret"), ("secrets", ["new", "old"])])
 def test_a_secret_shared_by_every_tenant_must_be_said_to_be_shared(key: str, value: object) -> None:
     assert problems_of(with_route(**TENANTS, verify={key: value})) == (
-        f"routes[0].verify.{key}: {routes.SHARED_SECRET}",
+        f"routes[0].verify.{key}: {verify.SHARED_SECRET}",
     )
     shared = config.parse(with_route(**TENANTS, verify={key: value, "shared_secret": True}))
     route = shared.routes[0]
@@ -662,7 +669,7 @@ def test_a_secret_shared_by_every_tenant_must_be_said_to_be_shared(key: str, val
             {**TENANTS, "verify": {"secret": "s", "shared_secret": "yes"}},
             [
                 "routes[0].verify.shared_secret: must be true or false, got 'yes'",
-                f"routes[0].verify.secret: {routes.SHARED_SECRET}",
+                f"routes[0].verify.secret: {verify.SHARED_SECRET}",
             ],
         ),
         (
@@ -688,7 +695,7 @@ def test_a_secret_shared_by_every_tenant_must_be_said_to_be_shared(key: str, val
                     "the path to its secret(s)"
                 ],
             )
-            for tenants in ({}, ["acme"], "acme", None)
+            for tenants in NOT_MAPPINGS
         ],
         *[
             (

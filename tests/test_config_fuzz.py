@@ -18,7 +18,8 @@ import yaml
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from proxy import config, errors, routes
+from proxy import config, errors
+from proxy.config import routes, verify
 
 FUZZ = settings(max_examples=200, deadline=None, database=None)
 
@@ -27,7 +28,7 @@ SECTION_KEYS = {
     "database": config.DATABASE_KEYS,
     "log": ("level", "format"),
 }
-VERIFY_KEYS: tuple[str, ...] = routes.VERIFY_KEYS
+VERIFY_KEYS: tuple[str, ...] = verify.VERIFY_KEYS
 KEY_NAMES = tuple(
     dict.fromkeys(
         config.TOP_KEYS

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy import claims, demo
+from proxy import database, demo
 
 # Each number of the report, by name; a report missing one fails the test that reads it.
 NUMBERS = {
@@ -79,10 +79,14 @@ def test_the_report_adds_up_and_a_rerun_starts_from_a_clean_table(
 def test_an_event_the_app_processes_twice_fails_the_demo(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def never_commit(self: claims.Claim) -> None:
-        """The claim is rolled back on release, so a later copy is forwarded again."""
+    async def never_commit(
+        self: database.Claim, answer: database.Answer | None = None
+    ) -> database.Commit:
+        """Says it committed; the claim is rolled back on release, so a later copy is forwarded
+        again."""
+        return database.Commit()
 
-    monkeypatch.setattr(claims.Claim, "commit", never_commit)
+    monkeypatch.setattr(database.Claim, "commit", never_commit)
     code = demo.main(parse("--events", "20", "--seed", "1", "--data-dir", str(tmp_path / "pg")))
     out = capsys.readouterr().out
 

@@ -13,7 +13,7 @@ from aiohttp import http_exceptions, http_parser, web, web_protocol
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry, Histogram
 
-from proxy import handler as proxy_handler
+from proxy import connections as proxy_handler
 
 
 def test_aiohttp_is_in_the_tested_range() -> None:
@@ -31,7 +31,7 @@ def test_the_c_request_parser_can_be_told_apart() -> None:
 def test_parser_refusals_are_logged_the_way_logs_filters_them() -> None:
     # logs._RefusedRequests rewrites aiohttp's error line for a malformed request: it matches
     # the logger's name and the exception's type and code.
-    assert web_protocol.server_logger.name == "aiohttp.server"
+    assert vars(web_protocol)["server_logger"].name == "aiohttp.server"
     assert http_exceptions.BadHttpMessage("x").code == 400
     assert issubclass(http_exceptions.BadHttpMessage, http_exceptions.HttpProcessingError)
 

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy import config, reader
+from proxy import config
+from proxy.config import reader
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))

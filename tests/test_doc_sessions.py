@@ -22,7 +22,6 @@ Normalisation, so that only what varies is let through:
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import shlex
 import shutil
@@ -35,8 +34,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import wait_until
-from tests.ports import accepts, free_port
+from tests.helpers import accepts, free_port, start_serve, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -182,7 +180,7 @@ class Stack:
         raw["routes"] = [*raw["routes"], *session.routes]
         self.config = tmp_path / "config.yaml"
         self.config.write_text(yaml.safe_dump(raw))
-        self.env = {**os.environ, **session.env}
+        self.env = session.env
         self.processes: list[asyncio.subprocess.Process] = []
 
     async def start(self) -> None:
@@ -192,19 +190,9 @@ class Stack:
                 stdout=log, stderr=asyncio.subprocess.STDOUT,
             )  # fmt: skip
         self.processes.append(app)
-        with self.logs[0].open("wb") as log:
-            proxy = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proxy", "serve", "--config", str(self.config),
-                stdout=log, stderr=asyncio.subprocess.STDOUT, env=self.env, cwd=ROOT,
-            )  # fmt: skip
-        self.processes.append(proxy)
         await wait_until(lambda: accepts(self.app_port), "the example app to listen", within=30)
-        await wait_until(lambda: self._listening(proxy), "serve to listen", within=30)
-
-    async def _listening(self, proxy: asyncio.subprocess.Process) -> bool:
-        if proxy.returncode is not None:
-            pytest.fail(f"serve exited {proxy.returncode}:\n{self.logs[0].read_text()}")
-        return await accepts(self.port)
+        served = await start_serve(self.config, self.logs[0], env=self.env, cwd=ROOT)
+        self.processes.append(served.process)
 
     async def stop(self) -> None:
         for process in reversed(self.processes):

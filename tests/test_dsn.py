@@ -19,9 +19,9 @@ import asyncpg
 import pytest
 import yaml
 
-from proxy import config, embedded, errors, logs, values
-from tests.conftest import FakeUpstream, MakeProxy, execute
-from tests.test_operations import run_cli
+from proxy import config, embedded, errors, logs
+from proxy.config import values
+from tests.helpers import FakeUpstream, MakeProxy, execute, run_cli
 
 # openssl rand -base64's alphabet, the issue's p@ss#word, and the rest of the reserved set.
 PASSWORDS = ["Xy7Qk9+LmN/a8bZ=", "Pq3@Sx9#Wd7", "Jk4:Uv8?Rt2=Gh", "Cb5%41Zz%zq", "Ne6+/=@#:?%Fy"]

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.helpers import run_python, wait_until
 
 ORPHAN = """
 import os, signal, sys
+from collections.abc import Iterator
 from pathlib import Path
 from proxy import embedded
 embedded.EmbeddedPostgres(Path(sys.argv[1])).start()
@@ -33,16 +33,12 @@ def running(data_dir: Path) -> int | None:
 
 
 async def run(*args: str) -> tuple[int, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-    )
-    out, _ = await asyncio.wait_for(process.communicate(), timeout=120)
-    assert process.returncode is not None
-    return process.returncode, out.decode()
+    code, out, err = await run_python(*args, within=120)
+    return code, out + err
 
 
 @pytest.fixture
-def data_dir(tmp_path: Path) -> Path:
+def data_dir(tmp_path: Path) -> Iterator[Path]:
     folder = tmp_path / "pgdata"
     yield folder
     if pid := running(folder):  # what a failing test left running

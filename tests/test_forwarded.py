@@ -8,8 +8,9 @@ import ipaddress
 import pytest
 from multidict import CIMultiDict
 
-from proxy import config, errors, forwarded
-from tests.conftest import FakeUpstream, MakeProxy
+from proxy import config, errors
+from proxy.upstream import proxy_headers
+from tests.helpers import FakeUpstream, MakeProxy
 
 SPOOFED = {
     "X-Forwarded-For": "203.0.113.66",
@@ -17,7 +18,7 @@ SPOOFED = {
     "X-Forwarded-Host": "bank.example",
     "Forwarded": "for=203.0.113.66;proto=https",
 }
-# Written out here, not read from forwarded.py: what a client that reaches the sidecar directly
+# Written out here, not read from proxy_headers.py: what a client that reaches the sidecar directly
 # sends to choose its address, scheme, port or target as the app reads them (chi's RealIP, Rack,
 # Rails, Symfony, forward-auth services). The third probe saw the first eleven reach the app.
 FAMILY = {
@@ -56,7 +57,9 @@ FAMILY = {
 
 
 def test_trusted_proxies_match_addresses_and_networks() -> None:
-    trusted = forwarded.TrustedProxies(forwarded.parse_networks(["10.0.0.0/8", "2001:db8::1"]))
+    trusted = proxy_headers.TrustedProxies(
+        proxy_headers.parse_networks(["10.0.0.0/8", "2001:db8::1"])
+    )
     assert trusted.trusts("10.1.2.3")
     assert trusted.trusts("::ffff:10.1.2.3")  # an IPv4 peer on a dual-stack socket
     assert trusted.trusts("2001:db8::1")
@@ -64,7 +67,7 @@ def test_trusted_proxies_match_addresses_and_networks() -> None:
     assert not trusted.trusts("2001:db8::2")
     assert not trusted.trusts(None)
     assert not trusted.trusts("")
-    assert not forwarded.TrustedProxies().trusts("10.1.2.3")  # nobody by default
+    assert not proxy_headers.TrustedProxies().trusts("10.1.2.3")  # nobody by default
 
 
 def test_trusted_proxies_are_validated() -> None:
@@ -87,7 +90,7 @@ def test_trusted_proxies_are_validated() -> None:
 @pytest.mark.parametrize("trusted", [False, True])
 def test_set_forwarded(trusted: bool) -> None:
     headers = CIMultiDict(SPOOFED)
-    forwarded.set_forwarded(
+    proxy_headers.set_forwarded(
         headers, peer="192.0.2.7", scheme="http", host="hooks.example", trusted=trusted
     )
     if trusted:
@@ -107,7 +110,7 @@ def test_the_rest_of_the_family_is_believed_only_from_a_trusted_peer(trusted: bo
     # Lower-cased too: header names are case-insensitive, a filter on spellings would not be.
     sent = [*FAMILY.items(), *((name.lower(), value) for name, value in FAMILY.items())]
     headers = CIMultiDict([*sent, ("X-Request-Id", "r-1"), ("Authorization", "Bearer t")])
-    forwarded.set_forwarded(
+    proxy_headers.set_forwarded(
         headers, peer="192.0.2.7", scheme="http", host="hooks.example", trusted=trusted
     )
     family = {name.lower() for name in FAMILY}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy import forwarder
+from proxy.upstream import forwarder
 
 HOP_BY_HOP_NAMES = [
     "Connection",

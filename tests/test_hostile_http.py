@@ -13,9 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -23,9 +20,8 @@ import pytest
 from aiohttp import http_parser
 from aiohttp.test_utils import TestClient
 
-from tests.conftest import FakeUpstream, MakeProxy, claimed
+from tests.helpers import WITHIN, FakeUpstream, MakeProxy, claimed, connection, read_answer
 
-WITHIN = 5.0  # bound on every wait for the proxy (an answer, a close)
 EVENT = b'{"id": "evt_x"}'
 SMUGGLED_EVENT = b'{"id": "evt_smuggled"}'
 
@@ -63,33 +59,6 @@ def te_cl_smuggle() -> bytes:
     )
 
 
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str]  # lower-case names
-    body: bytes
-
-
-async def read_answer(reader: asyncio.StreamReader) -> Answer | None:
-    """The next answer on the connection, or None when the proxy closed it without one."""
-    try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WITHIN)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            pytest.fail(f"truncated answer {exc.partial!r}")
-        return None
-    status_line, *lines = head[:-4].decode("latin-1").split("\r\n")
-    match = re.fullmatch(r"HTTP/1\.[01] (\d{3})(?: .*)?", status_line)
-    assert match, f"not an HTTP status line: {status_line!r}"
-    headers = {}
-    for line in lines:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", "0"))
-    body = await asyncio.wait_for(reader.readexactly(length), WITHIN)
-    return Answer(int(match[1]), headers, body)
-
-
 async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
     """Everything the proxy sends until it closes the connection (fails after WITHIN seconds)."""
     try:
@@ -98,20 +67,6 @@ async def read_until_closed(reader: asyncio.StreamReader) -> bytes:
         return b""
     except TimeoutError:
         pytest.fail(f"the proxy did not close the connection within {WITHIN:g}s")
-
-
-@contextlib.asynccontextmanager
-async def connection(
-    client: TestClient[Any, Any],
-) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
-    """A raw TCP connection to the proxy."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", client.server.port)
-    try:
-        yield reader, writer
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await asyncio.wait_for(writer.wait_closed(), WITHIN)
 
 
 async def assert_untouched_and_serving(
@@ -436,7 +391,7 @@ async def test_slow_headers_are_cut_off_at_client_timeout(
         writer.write(sent)
         await asyncio.wait_for(writer.drain(), WITHIN)
 
-        # Fails the test unless the proxy closes the connection within WITHIN (5 s).
+        # Fails the test unless the proxy closes the connection within WITHIN.
         data = await read_until_closed(reader)
 
     # aiohttp's keep-alive timer closes the connection without answering.
@@ -489,7 +444,7 @@ async def test_slow_body_gets_408_at_client_timeout(
         writer.write(sent)
         await asyncio.wait_for(writer.drain(), WITHIN)
 
-        answer = await read_answer(reader)  # bounded by WITHIN (5 s)
+        answer = await read_answer(reader)  # bounded by WITHIN
 
     assert answer is not None, "closed without an answer"
     assert answer.status == 408

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from proxy import config, errors
-from tests.conftest import FakeUpstream, MakeProxy, fetch
+from tests.helpers import FakeUpstream, MakeProxy, fetch
 
 PAYMENT = b'{"amount": 100, "currency": "eur"}'
 
@@ -97,7 +97,7 @@ async def test_two_clients_with_the_same_key_are_two_requests(
     assert len(set(scopes)) == 2
     assert all(scope.startswith("payments/~") for scope in scopes)
     # The client's credential is hashed: never stored, never logged.
-    logged = " ".join(str(r.fields) for r in caplog.records if hasattr(r, "fields"))  # type: ignore[attr-defined]
+    logged = " ".join(str(r.fields) for r in caplog.records if hasattr(r, "fields"))
     assert "secret-token" not in " ".join(scopes) + logged
 
 

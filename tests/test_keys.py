@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, MultiDict
 
-from proxy import errors, keys
+from proxy import errors, event_ids
 
 ROUTE = "stripe"
 
@@ -29,10 +29,10 @@ def extract(
 ) -> tuple[str, str | None]:
     """Extract from a request; a query given as a string is the raw query (after the "?"), a
     list is one already decoded (what aiohttp's ``request.query`` gives)."""
-    extractor = keys.Extractor(
+    extractor = event_ids.Extractor(
         ROUTE,
-        keys.parse_source(id_source),
-        keys.parse_source(type_source) if type_source else None,
+        event_ids.parse_source(id_source),
+        event_ids.parse_source(type_source) if type_source else None,
     )
     decoded = query if isinstance(query, str) else MultiDict(query or [])
     return extractor.extract(CIMultiDict(headers or []), decoded, body)
@@ -64,19 +64,22 @@ def rejected(
 @pytest.mark.parametrize(
     ("text", "source"),
     [
-        ("body:/id", keys.Source("body", "/id", ("id",))),
-        ("body:/data/object/id", keys.Source("body", "/data/object/id", ("data", "object", "id"))),
-        ("body:/a~1b/c~0d", keys.Source("body", "/a~1b/c~0d", ("a/b", "c~d"))),
-        ("body:/~01", keys.Source("body", "/~01", ("~1",))),
-        ("body:/events/0", keys.Source("body", "/events/0", ("events", "0"))),
-        ("body:", keys.Source("body", "", ())),
-        ("body:/", keys.Source("body", "/", ("",))),
-        ("header:X-GitHub-Delivery", keys.Source("header", "X-GitHub-Delivery")),
-        ("query:event_id", keys.Source("query", "event_id")),
+        ("body:/id", event_ids.Source("body", "/id", ("id",))),
+        (
+            "body:/data/object/id",
+            event_ids.Source("body", "/data/object/id", ("data", "object", "id")),
+        ),
+        ("body:/a~1b/c~0d", event_ids.Source("body", "/a~1b/c~0d", ("a/b", "c~d"))),
+        ("body:/~01", event_ids.Source("body", "/~01", ("~1",))),
+        ("body:/events/0", event_ids.Source("body", "/events/0", ("events", "0"))),
+        ("body:", event_ids.Source("body", "", ())),
+        ("body:/", event_ids.Source("body", "/", ("",))),
+        ("header:X-GitHub-Delivery", event_ids.Source("header", "X-GitHub-Delivery")),
+        ("query:event_id", event_ids.Source("query", "event_id")),
     ],
 )
-def test_parse_source(text: str, source: keys.Source) -> None:
-    assert keys.parse_source(text) == source
+def test_parse_source(text: str, source: event_ids.Source) -> None:
+    assert event_ids.parse_source(text) == source
     assert str(source) == text
 
 
@@ -100,7 +103,7 @@ def test_parse_source(text: str, source: keys.Source) -> None:
 )
 def test_parse_source_rejects(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)) as info:
-        keys.parse_source(text)
+        event_ids.parse_source(text)
     assert str(info.value) == message
 
 
@@ -442,10 +445,12 @@ def test_connection_naming_other_headers_is_accepted() -> None:
 
 def test_refuse_connection_naming_for_the_signature_headers() -> None:
     names = ("Stripe-Signature", "X-Hub-Signature-256")
-    keys.refuse_connection_naming(CIMultiDict([("Connection", "close, Upgrade")]), names, ROUTE)
+    event_ids.refuse_connection_naming(
+        CIMultiDict([("Connection", "close, Upgrade")]), names, ROUTE
+    )
 
     with pytest.raises(errors.EventIdInvalid) as info:
-        keys.refuse_connection_naming(
+        event_ids.refuse_connection_naming(
             CIMultiDict([("Connection", "keep-alive"), ("connection", "x-hub-signature-256")]),
             names,
             ROUTE,
@@ -524,11 +529,17 @@ def test_type_in_body_does_not_make_a_non_json_body_fatal() -> None:
 # --- any input ---------------------------------------------------------------------------------
 
 EXTRACTORS = [
-    keys.Extractor("a", keys.parse_source("body:/id"), keys.parse_source("body:/type")),
-    keys.Extractor("b", keys.parse_source("body:/data/0/id")),
-    keys.Extractor("c", keys.parse_source("body:")),
-    keys.Extractor("d", keys.parse_source("header:X-Id"), keys.parse_source("header:X-Type")),
-    keys.Extractor("e", keys.parse_source("query:id"), keys.parse_source("body:/type")),
+    event_ids.Extractor(
+        "a", event_ids.parse_source("body:/id"), event_ids.parse_source("body:/type")
+    ),
+    event_ids.Extractor("b", event_ids.parse_source("body:/data/0/id")),
+    event_ids.Extractor("c", event_ids.parse_source("body:")),
+    event_ids.Extractor(
+        "d", event_ids.parse_source("header:X-Id"), event_ids.parse_source("header:X-Type")
+    ),
+    event_ids.Extractor(
+        "e", event_ids.parse_source("query:id"), event_ids.parse_source("body:/type")
+    ),
 ]
 _text = st.text(max_size=300) | st.text(
     st.characters(exclude_categories=("Cc", "Cs")), min_size=1, max_size=300
@@ -565,7 +576,7 @@ _queries = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(extractor=st.sampled_from(EXTRACTORS), body=_bodies, headers=_pairs, query=_queries)
 def test_any_request_gives_an_id_or_event_id_invalid(
-    extractor: keys.Extractor,
+    extractor: event_ids.Extractor,
     body: bytes,
     headers: list[tuple[str, str]],
     query: str | MultiDict[str],
@@ -587,8 +598,8 @@ def test_any_request_gives_an_id_or_event_id_invalid(
 
 
 def test_a_duplicate_key_on_the_way_to_the_id_is_refused_elsewhere_it_is_not_ours() -> None:
-    extractor = keys.Extractor(
-        "r", keys.parse_source("body:/data/id"), keys.parse_source("body:/type")
+    extractor = event_ids.Extractor(
+        "r", event_ids.parse_source("body:/data/id"), event_ids.parse_source("body:/type")
     )
     on_the_way = b'{"data": {"id": "a", "id": "b"}, "type": "t"}'
     above = b'{"data": {"id": "a"}, "data": {"id": "b"}}'
@@ -613,7 +624,7 @@ def test_parsing_makes_no_python_call_per_json_object() -> None:
 
     sys.setprofile(count)
     try:
-        keys.parse_json(body)
+        event_ids.parse_json(body)
     finally:
         sys.setprofile(None)
     assert calls < 100

@@ -14,10 +14,7 @@ from typing import Any
 import pytest
 
 from proxy import config, logs
-from tests.conftest import FakeUpstream, MakeProxy
-from tests.ports import free_port
-from tests.test_hostile_http import connection
-from tests.test_operations import run_cli
+from tests.helpers import FakeUpstream, MakeProxy, connection, free_port, run_cli
 
 PASSWORD = "S3cr3t-pw"
 
@@ -130,7 +127,7 @@ def test_text_lines_quote_values_so_none_can_forge_a_field(log_lines: io.StringI
 )
 def test_a_json_line_is_ascii_and_reads_back_as_its_fields(fields: dict[str, Any]) -> None:
     record = logging.LogRecord("proxy.pipeline", logging.INFO, "", 0, "m", (), None)
-    record.fields = fields  # type: ignore[attr-defined]
+    record.fields = fields
     line = logs.JsonFormatter().format(record)
     assert line.isascii()
     assert "\n" not in line

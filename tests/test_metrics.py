@@ -104,7 +104,7 @@ class FailingOnce:
 def test_a_flush_that_fails_midway_never_counts_twice() -> None:
     registry = CollectorRegistry()
     child = Histogram("t", "", ["route"], buckets=BUCKETS, registry=registry).labels("r")
-    child._buckets[0] = FailingOnce(child._buckets[0])  # type: ignore[assignment]
+    child._buckets[0] = FailingOnce(child._buckets[0])
     timings = metrics.Timings(child)
     timings.observe(0.0005)
     timings.observe(0.5)

@@ -9,48 +9,22 @@ as the bytes on the wire.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import json
 import logging
-import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import trustme
 
-from proxy import forwarder
-from tests.conftest import MakeProxy, claimed
+from tests.helpers import MakeProxy, RawServer, claimed, content_length
 
 # What Tomcat and Jetty write: ISO-8859-1 bytes (obs-text, RFC 9110 5.5), not UTF-8.
 DISPOSITION = b'Content-Disposition: attachment; filename="r\xe9sum\xe9.pdf"'
 LATIN1 = b"HTTP/1.1 200 R\xe9ussi\r\n" + DISPOSITION + b"\r\nContent-Length: 2\r\n\r\nok"
 
 
-@pytest.fixture(scope="session")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture(scope="session")
-def server_tls(ca: trustme.CA) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    return context
-
-
-@pytest.fixture(autouse=True)
-def trust_the_test_ca(monkeypatch: pytest.MonkeyPatch, ca: trustme.CA) -> None:
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    monkeypatch.setattr(forwarder, "Forwarder", functools.partial(forwarder.Forwarder, ssl=context))
-
-
-@pytest.fixture(params=["own", "aiohttp-tls"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+pytestmark = pytest.mark.usefixtures("trust_the_test_ca")  # raw_app runs once per ``kind``
 
 
 @dataclass
@@ -65,15 +39,7 @@ class RawApp:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                (
-                    int(line.split(b":")[1])
-                    for line in head.lower().split(b"\r\n")
-                    if line.startswith(b"content-length:")
-                ),
-                0,
-            )
-            self.requests.append(head + await reader.readexactly(length))
+            self.requests.append(head + await reader.readexactly(content_length(head)))
             writer.write(self.answer)
             await writer.drain()
             if self.stall:
@@ -85,24 +51,13 @@ class RawApp:
 
 
 @pytest.fixture
-async def raw_app(
-    kind: str, server_tls: ssl.SSLContext
-) -> AsyncIterator[Callable[[bytes], Awaitable[RawApp]]]:
-    servers: list[asyncio.Server] = []
-
+def raw_app(raw_server: RawServer) -> Callable[..., Awaitable[RawApp]]:
     async def start(answer: bytes, *, stall: bool = False) -> RawApp:
         app = RawApp(answer, stall=stall)
-        tls = server_tls if kind == "aiohttp-tls" else None
-        server = await asyncio.start_server(app.serve, "127.0.0.1", 0, ssl=tls)
-        servers.append(server)
-        app.url = f"{'https' if tls else 'http'}://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        app.url = await raw_server(app.serve)
         return app
 
-    yield start
-    for server in servers:
-        server.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(server.wait_closed(), 5)
+    return start
 
 
 async def exchange(proxy: Any, request: bytes) -> bytes:
@@ -165,7 +120,7 @@ async def test_on_a_replay_route_it_is_relayed_and_its_duplicate_acknowledged(
     assert first.startswith(b"HTTP/1.1 200 R\xe9ussi\r\n")
     assert b"\r\n" + DISPOSITION + b"\r\n" in first
     (line,) = [r for r in caplog.records if hasattr(r, "fields")]
-    assert line.fields["replay_skipped"] == "an answer header that is not UTF-8 text"  # type: ignore[attr-defined]
+    assert line.fields["replay_skipped"] == "an answer header that is not UTF-8 text"
     assert is_duplicate(retry)
     assert b"Idempotent-Replayed" not in retry
     assert len(app.requests) == 1

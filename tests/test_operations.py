@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,17 +14,7 @@ import pytest
 import yaml
 
 from proxy import config, errors, operations
-from tests.conftest import FakeUpstream, MakeProxy, claimed, execute, fetch
-
-
-async def run_cli(*args: str) -> tuple[int, str, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert process.returncode is not None
-    return process.returncode, stdout.decode(), stderr.decode()
+from tests.helpers import FakeUpstream, MakeProxy, claimed, execute, fetch, run_cli
 
 
 @pytest.fixture

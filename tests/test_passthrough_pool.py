@@ -8,25 +8,20 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
-from tests.conftest import FakeUpstream, MakeProxy, wait_until
-from tests.test_transports import (  # noqa: F401 (fixtures: the app over TLS, its CA trusted)
-    ca,
-    client_tls,
-    kind,
-    server_tls,
-    trust_the_test_ca,
-    upstream,
-)
-from tests.test_unread_clients import MIB, WITHIN, non_readers  # noqa: F401
+from tests.helpers import MIB, FakeUpstream, MakeProxy, wait_until
+
+# Over either transport (conftest's ``kind``), with the proxy trusting the test CA.
+pytestmark = pytest.mark.usefixtures("kind", "trust_the_test_ca")
+WITHIN = 15.0  # bound on every wait for the proxy
 
 
 async def test_pass_through_clients_that_never_read_cannot_starve_webhooks(
     make_proxy: MakeProxy,
-    upstream: FakeUpstream,  # noqa: F811
-    non_readers: Any,  # noqa: F811
-    kind: str,  # noqa: F811
+    upstream: FakeUpstream,
+    non_readers: Any,
 ) -> None:
     # Both transports: pass-through to an https:// app once shared one connection pool with
     # its webhooks, and 104 such clients made every webhook wait for a slot until it was 504.

@@ -17,8 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy import errors, paths
-from tests.conftest import FakeUpstream, MakeProxy, claimed
-from tests.test_providers import stripe_event, stripe_headers, stripe_route
+from tests.helpers import FakeUpstream, MakeProxy, claimed, event, stripe_headers, stripe_route
 
 ROUTES = [
     stripe_route(),
@@ -90,7 +89,7 @@ async def test_a_forged_event_on_a_path_variant_never_reaches_the_app(
     template: str, expected: str,
 ) -> None:  # fmt: skip
     client = await make_proxy(routes=ROUTES)
-    forged = stripe_event("evt_forged")
+    forged = event("evt_forged")
 
     status, _, body = await send(
         client, "POST", variant(template, "stripe"), forged,
@@ -110,11 +109,11 @@ async def test_a_second_copy_on_a_path_variant_is_a_duplicate_or_refused(
     template: str, expected: str,
 ) -> None:  # fmt: skip
     client = await make_proxy(routes=ROUTES)
-    event = b'{"id": "evt_seen"}'
-    first = await client.post("/webhooks/corvel", data=event)
+    body = b'{"id": "evt_seen"}'
+    first = await client.post("/webhooks/corvel", data=body)
     assert first.status == 200
 
-    status, headers, _ = await send(client, "POST", variant(template, "corvel"), event, {})
+    status, headers, _ = await send(client, "POST", variant(template, "corvel"), body, {})
 
     if expected == "route":
         assert (status, headers["dedup-status"]) == (200, "duplicate")
@@ -128,12 +127,12 @@ async def test_a_genuine_event_on_a_variant_reaches_the_app_at_the_routes_path(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=ROUTES)
-    event = stripe_event("evt_genuine")
+    body = event("evt_genuine")
 
     status, _, _ = await send(
-        client, "POST", "/WEBHOOKS/./x/../Stripe/?source=test", event, stripe_headers(event)
+        client, "POST", "/WEBHOOKS/./x/../Stripe/?source=test", body, stripe_headers(body)
     )
-    again, headers, _ = await send(client, "POST", "/webhooks/stripe", event, stripe_headers(event))
+    again, headers, _ = await send(client, "POST", "/webhooks/stripe", body, stripe_headers(body))
 
     assert (status, again, headers["dedup-status"]) == (200, 200, "duplicate")
     # The path the proxy routed on, whatever the app's router would make of the variant.
@@ -148,11 +147,9 @@ async def test_other_methods_on_a_webhook_path_are_405(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, method: str
 ) -> None:
     client = await make_proxy(routes=ROUTES)
-    event = stripe_event("evt_put")
+    body = event("evt_put")
 
-    status, headers, _ = await send(
-        client, method, "/Webhooks/Stripe/", event, stripe_headers(event)
-    )
+    status, headers, _ = await send(client, method, "/Webhooks/Stripe/", body, stripe_headers(body))
 
     assert (status, headers["allow"]) == (405, "POST")
     assert upstream.requests == []
@@ -179,10 +176,10 @@ async def test_the_tenant_in_a_templated_path_is_part_of_the_scope(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=ROUTES)
-    event = b'{"id": 42}'
+    body = b'{"id": 42}'
 
     answers = [
-        await send(client, "POST", path, event, {})
+        await send(client, "POST", path, body, {})
         for path in ("/hooks/acme", "/hooks/globex", "/HOOKS/ACME/", "/hooks/acme%2Fx",
                      "/hooks/ac;me", "/hooks/%61cme")
     ]  # fmt: skip

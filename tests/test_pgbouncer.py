@@ -4,10 +4,8 @@ starts, and every guarantee holds, including the bounds a claim sets inside its 
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +14,19 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy import claims, config, embedded
+from proxy import config, database, embedded
 from tests import pgbouncer
-from tests.conftest import FakeUpstream, MakeProxy, claimed, wait_for_lock_waiters, wait_until
-from tests.ports import accepts, free_port
-from tests.test_operations import run_cli
-from tests.test_retention import sweeper_of
-
-
-def event(event_id: str) -> bytes:
-    return json.dumps({"id": event_id, "type": "t"}).encode()
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    Serve,
+    claimed,
+    event,
+    run_cli,
+    sweeper_of,
+    wait_for_lock_waiters,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +107,9 @@ async def test_the_server_rolls_back_a_stalled_claim_through_pgbouncer(
     # A proxy that vanished without closing its socket leaves its claim idle in transaction;
     # the server ends it past upstream_timeout + connect_timeout (here 1 s).
     settings = config.DatabaseConfig(dsn=None, table=table, pool_size=1, connect_timeout=0.5)
-    stalled = await claims.ClaimStore.open(bouncer, settings, claim_wait=30, upstream_timeout=0.5)
-    other = await claims.ClaimStore.open(bouncer, settings, claim_wait=30, upstream_timeout=30)
-    key = claims.Key("s", "stalled", None, b"\0" * 32)
+    stalled = await database.Store.open(bouncer, settings, claim_wait=30, upstream_timeout=0.5)
+    other = await database.Store.open(bouncer, settings, claim_wait=30, upstream_timeout=30)
+    key = database.Key("s", "stalled", None, b"\0" * 32)
     try:
         await stalled.ensure_schema()
         async with stalled.claim(key) as held:
@@ -119,55 +120,18 @@ async def test_the_server_rolls_back_a_stalled_claim_through_pgbouncer(
         await asyncio.gather(stalled.close(), other.close())
 
 
-class Serve:
-    """A ``dedup-proxy serve`` process."""
-
-    def __init__(self, process: asyncio.subprocess.Process, port: int) -> None:
-        self.process = process
-        self.url = f"http://127.0.0.1:{port}"
-
-
-@pytest.fixture
-async def serve(
-    tmp_path: Path, bouncer: str, table: str, upstream: FakeUpstream
-) -> AsyncIterator[Serve]:
-    port = free_port()
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(
-        yaml.safe_dump(
-            {
-                "listen": f"127.0.0.1:{port}",
-                "admin": {"listen": f"127.0.0.1:{free_port()}"},
-                "upstream": {"url": upstream.url, "timeout": "10s"},
-                "database": {"dsn": bouncer, "table": table, "pool_size": 2},
-                "routes": [{"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"}],
-            }
-        )
-    )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
-        stdout=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        await wait_until(lambda: accepts(port), "the proxy to listen", within=30)
-        yield Serve(process, port)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-
-
 async def test_a_proxy_killed_mid_flight_releases_its_claim_through_pgbouncer(
     serve: Serve, make_proxy: MakeProxy, upstream: FakeUpstream, bouncer: str
 ) -> None:
+    served = await serve(upstream={"timeout": "10s"}, database={"dsn": bouncer, "pool_size": 2})
     upstream.gate = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         in_flight = asyncio.create_task(
-            session.post(f"{serve.url}/webhooks/corvel", data=event("orphan"))
+            session.post(f"{served.url}/webhooks/corvel", data=event("orphan"))
         )
         await upstream.arrived.wait()
-        serve.process.send_signal(signal.SIGKILL)
-        await serve.process.wait()
+        served.process.send_signal(signal.SIGKILL)
+        await served.process.wait()
         with pytest.raises(aiohttp.ClientError):
             await in_flight
     upstream.gate.set()
@@ -180,6 +144,7 @@ async def test_a_proxy_killed_mid_flight_releases_its_claim_through_pgbouncer(
     assert len(upstream.requests) == 2
 
 
+@pytest.mark.slow
 async def test_a_database_restart_behind_pgbouncer_fails_closed_then_recovers(
     make_proxy: MakeProxy, upstream: FakeUpstream, own_server: embedded.EmbeddedPostgres
 ) -> None:

@@ -1,10 +1,21 @@
-"""End-to-end behaviour through ``create_app``: every row of the README's situation table."""
+"""End-to-end behaviour through ``create_app``: the rows of the README's situation table that no
+module of their own covers (a new event, the app's non-2xx, an unreachable or slow app, a
+duplicate, an unusable event ID, a COMMIT that fails, a body over ``max_body`` or cut off by the
+provider, pass-through).
+
+The other rows, by module: a malformed or cut-short answer ``test_client``, ``test_obs_text``;
+replay ``test_replay``; signatures ``test_providers``, ``test_signatures``; idempotency keys
+``test_idempotency``; copies in flight and ``claim_wait`` ``test_concurrency``; the database or
+its pool unavailable ``test_claims``; the reconciled COMMIT ``test_ambiguous_commit``; an
+upstream 410 ``test_reliability``; ``max_buffered`` ``test_budget``, ``test_unread_clients``;
+``max_connections`` ``test_connections``; slow bodies ``test_slow_bodies``,
+``test_hostile_http``; path variants and methods ``test_paths``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
-import json
 import logging
 from typing import Any
 
@@ -12,19 +23,18 @@ import pytest
 from aiohttp import web
 
 from proxy import pipeline
-from tests.conftest import (
+from tests.helpers import (
     FakeUpstream,
     MakeProxy,
     claimed,
+    connection,
+    event,
     execute,
+    free_port,
     logged_errors,
+    read_answer,
     wait_until,
 )
-from tests.ports import free_port
-
-
-def event(event_id: object, event_type: str = "charge.succeeded", **extra: Any) -> bytes:
-    return json.dumps({"id": event_id, "type": event_type, **extra}).encode()
 
 
 async def test_new_event_is_forwarded_once_and_relayed_byte_exact(
@@ -406,5 +416,29 @@ async def test_the_apps_failures_are_logged_at_warning_level(
         passed = await down.get("/health")
 
     assert [failed.status, refused.status, passed.status] == [500, 502, 502]
-    lines = [(r.levelname, r.fields["outcome"]) for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    lines = [(r.levelname, r.fields["outcome"]) for r in caplog.records if hasattr(r, "fields")]
     assert lines == [("WARNING", "upstream_error")] * 3
+
+
+async def test_a_request_body_the_provider_cuts_off_is_400_and_never_forwarded(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = await make_proxy()
+    with caplog.at_level(logging.INFO, logger="proxy.pipeline"):
+        async with connection(client) as (reader, writer):
+            writer.write(
+                b"POST /webhooks/corvel HTTP/1.1\r\nHost: proxy.test\r\nContent-Length: 100\r\n"
+                b'\r\n{"id": "evt_cut", "type": "t"'
+            )
+            writer.write_eof()  # the provider's side ends 70 bytes short of its Content-Length
+            assert await read_answer(reader) is None  # nobody is left to read the 400
+
+    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]
+    assert (line["status"], line["outcome"]) == (400, "rejected")
+    assert line["error"].startswith("request body ended early")
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from proxy import pool
+from proxy.database import pool
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ async def test_lends_at_most_its_size_and_the_next_waits_for_a_release(
 ) -> None:
     a, b = await opened.acquire(), await opened.acquire()
     third = asyncio.create_task(opened.acquire())
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # the task runs until it waits for a slot
     assert not third.done()
     opened.release(a)
     assert await asyncio.wait_for(third, 5) is a
@@ -135,8 +135,10 @@ async def test_a_closed_pool_refuses_to_lend(opened: pool.Pool) -> None:
 async def test_a_request_waiting_when_the_pool_closes_opens_nothing(opened: pool.Pool) -> None:
     a, b = await opened.acquire(), await opened.acquire()
     waiting = asyncio.create_task(opened.acquire())
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # the task runs until it waits for a slot
+    assert not waiting.done()
     await opened.close(5)
+    assert not waiting.done()  # still waiting: the close gave it no slot
     opened.release(a)  # a request finishing during shutdown
     with pytest.raises(asyncpg.InterfaceError, match="closed"):
         await asyncio.wait_for(waiting, 5)

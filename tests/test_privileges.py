@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,19 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import admin, claims, config, errors, pipeline, retention, sql
+from proxy import admin, config, database, errors, pipeline
 from proxy import app as app_module
-from tests.conftest import FakeUpstream, MakeProxy, claimed, execute, fetch
-from tests.ports import free_port
+from proxy.database import sql
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    claimed,
+    execute,
+    fetch,
+    free_port,
+    run_cli,
+    sweeper_of,
+)
 from tests.roles import ANSWERS, DOCUMENTED, limited_role
 
 SWEPT = {"name": "short", "path": "/short", "event_id": "body:/id", "retention": "1d"}
@@ -59,21 +67,13 @@ async def test_the_documented_grants_are_enough_for_the_retention_sweep(
             "WHERE event_id <> 'e4'",
         )
         store = proxy.app[pipeline.STORE]
-        sweeper = admin_sweeper(proxy)
+        sweeper = sweeper_of(proxy)
 
         removed = await sweeper.sweep()
 
         assert removed == {"short": 4}
         assert [row[1] for row in await claimed(pg_dsn, schema)] == ["e4"]
         await store.check()  # and /readyz is content with these grants
-
-
-def admin_sweeper(proxy: Any) -> retention.Sweeper:
-    cfg = proxy.app[app_module.CONFIG]
-    return retention.Sweeper(
-        proxy.app[pipeline.STORE], cfg.database.table, cfg.routes, cfg.sweeper,
-        proxy.app[pipeline.METRICS],
-    )  # fmt: skip
 
 
 async def test_the_sweep_waits_for_a_forget_in_progress_and_passes_over_its_row(
@@ -89,7 +89,7 @@ async def test_the_sweep_waits_for_a_forget_in_progress_and_passes_over_its_row(
             transaction = forget.transaction()
             await transaction.start()
             await forget.execute(f"DELETE FROM \"{schema}\" WHERE event_id = 'old1'")
-            sweep = asyncio.create_task(admin_sweeper(proxy).sweep())
+            sweep = asyncio.create_task(sweeper_of(proxy).sweep())
             await asyncio.sleep(0.2)  # the sweep is now waiting on old1's row lock
             await transaction.commit()
             removed = await asyncio.wait_for(sweep, timeout=10)
@@ -140,17 +140,9 @@ async def test_serve_refuses_to_start_in_one_line_without_a_traceback(
                 }
             )
         )
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "serve", "--config", str(path),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        try:
-            out, err = await asyncio.wait_for(process.communicate(), timeout=30)
-        except TimeoutError:
-            process.kill()  # it started: what this test is against
-            out, err = await process.communicate()
-    text = (out + err).decode()
-    assert process.returncode == 1, text
+        code, out, err = await run_cli("serve", "--config", str(path))  # fails if it started
+    text = out + err
+    assert code == 1, text
     assert "Traceback" not in text
     assert f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate' in text
     assert "s3cret-pw" not in text
@@ -163,7 +155,7 @@ async def test_the_grants_the_docs_name_for_replay_replay_the_answer(
         proxy = await make_proxy(routes=[REPLAYED, SWEPT], **limited(dsn))
         first = await proxy.post("/twiml", data=b'{"id": "SM1"}')
         again = await proxy.post("/twiml", data=b'{"id": "SM1"}')
-        removed = await admin_sweeper(proxy).sweep()
+        removed = await sweeper_of(proxy).sweep()
 
     assert (first.status, again.status) == (200, 200)
     assert await again.read() == await first.read() == b"processed\x00bytes"
@@ -208,11 +200,11 @@ async def test_an_answer_the_role_may_no_longer_store_is_a_warning_and_counted(
     assert "Idempotent-Replayed" not in again.headers
     rows = await fetch(pg_dsn, f'SELECT event_id, answer_status FROM "{schema}"')
     assert [tuple(row) for row in rows] == [("SM2", None)]
-    warnings = [r for r in caplog.records if r.name == "proxy.claims"]
+    warnings = [r for r in caplog.records if r.name == "proxy.database.claim"]
     assert [r.levelno for r in warnings] == [logging.WARNING]
     assert "permission denied for table" in warnings[0].getMessage()
-    assert claims.GRANT_ANSWER_HINT in warnings[0].getMessage()
-    lines = [r.fields for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    assert database.GRANT_ANSWER_HINT in warnings[0].getMessage()
+    lines = [r.fields for r in caplog.records if hasattr(r, "fields")]
     assert not any(line.get("reconciled") for line in lines)
     assert "answer_store_error" in lines[0]
     counted = {

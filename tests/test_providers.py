@@ -2,55 +2,38 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
 import io
-import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from proxy import cli, config, errors, pipeline, reuse
-from tests.conftest import FakeUpstream, MakeProxy, claimed, logged_errors
+from proxy import cli, config, errors, pipeline, webhooks
+from tests.helpers import (
+    STRIPE_SECRET,
+    FakeUpstream,
+    MakeProxy,
+    claimed,
+    event,
+    logged_errors,
+    run_cli,
+    stripe_headers,
+    stripe_route,
+)
 
-STRIPE_SECRET = "whsec_test_secret_for_the_proxy"
 SLACK_SECRET = "8f742231b10e8888abcd99yyyzzz85a5"
-
-
-def stripe_headers(
-    body: bytes, secret: str = STRIPE_SECRET, at: int | None = None
-) -> dict[str, str]:
-    timestamp = int(time.time()) if at is None else at
-    signed = f"{timestamp}.".encode() + body
-    signature = hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
-    return {"Stripe-Signature": f"t={timestamp},v1={signature}", "Content-Type": "application/json"}
-
-
-def stripe_route(**extra: Any) -> dict[str, Any]:
-    return {
-        "name": "stripe",
-        "path": "/webhooks/stripe",
-        "preset": "stripe",
-        "verify": {"secrets": [STRIPE_SECRET]},
-        **extra,
-    }
-
-
-def stripe_event(event_id: str, **extra: Any) -> bytes:
-    return json.dumps({"id": event_id, "type": "charge.succeeded", **extra}).encode()
 
 
 async def test_signed_delivery_is_processed_and_forwarded_byte_exact(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=[stripe_route()])
-    body = stripe_event("evt_signed")
+    body = event("evt_signed")
 
     response = await client.post("/webhooks/stripe", data=body, headers=stripe_headers(body))
 
@@ -63,7 +46,7 @@ async def test_forged_request_cannot_squat_an_event_id(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=[stripe_route()])
-    forged = stripe_event("evt_victim", amount=1)
+    forged = event("evt_victim", amount=1)
 
     rejected = await client.post(
         "/webhooks/stripe", data=forged, headers=stripe_headers(forged, secret="whsec_guess")
@@ -76,7 +59,7 @@ async def test_forged_request_cannot_squat_an_event_id(
     assert upstream.requests == []
     assert await claimed(pg_dsn, table) == []
     # The real delivery is processed, not answered "duplicate".
-    real = stripe_event("evt_victim", amount=100)
+    real = event("evt_victim", amount=100)
     response = await client.post("/webhooks/stripe", data=real, headers=stripe_headers(real))
     assert response.status == 200
     assert "Dedup-Status" not in response.headers
@@ -85,7 +68,7 @@ async def test_forged_request_cannot_squat_an_event_id(
 
 async def test_stale_signature_is_refused(make_proxy: MakeProxy, upstream: FakeUpstream) -> None:
     client = await make_proxy(routes=[stripe_route()])
-    body = stripe_event("evt_replayed")
+    body = event("evt_replayed")
 
     old = stripe_headers(body, at=int(time.time()) - 3600)
     response = await client.post("/webhooks/stripe", data=body, headers=old)
@@ -100,7 +83,7 @@ async def test_secret_rotation_accepts_either_secret(
     client = await make_proxy(
         routes=[stripe_route(verify={"secrets": ["whsec_new_one", STRIPE_SECRET]})]
     )
-    body = stripe_event("evt_rotated")
+    body = event("evt_rotated")
     response = await client.post("/webhooks/stripe", data=body, headers=stripe_headers(body))
     assert response.status == 200
     assert len(upstream.requests) == 1
@@ -176,10 +159,11 @@ async def test_slack_handshake_without_event_id_is_forwarded_unclaimed(
     assert unsigned.status == 401
     assert upstream.bodies() == [body]
     assert await claimed(pg_dsn, table) == []
-    event = b'{"event_id": "Ev123", "event": {"type": "app_mention"}}'
+    mention = b'{"event_id": "Ev123", "event": {"type": "app_mention"}}'
     for _ in range(2):
-        assert (await client.post("/slack/events", data=event, headers=signed(event))).status == 200
-    assert upstream.bodies() == [body, event]
+        response = await client.post("/slack/events", data=mention, headers=signed(mention))
+        assert response.status == 200
+    assert upstream.bodies() == [body, mention]
     assert await claimed(pg_dsn, table) == [("slack", "Ev123", "app_mention")]
 
 
@@ -196,7 +180,7 @@ async def test_duplicate_with_another_body_is_answered_200_and_logged_as_mismatc
     assert [same.status, other.status] == [200, 200]
     assert other.headers["Dedup-Status"] == "duplicate"
     assert len(upstream.requests) == 1
-    lines = [(r.levelno, r.fields) for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    lines = [(r.levelno, r.fields) for r in caplog.records if hasattr(r, "fields")]
     assert [(level, f.get("mismatch", False)) for level, f in lines] == [
         (logging.DEBUG, False),
         (logging.WARNING, True),
@@ -296,16 +280,13 @@ async def test_refuses_to_start_without_the_c_http_parser(tmp_path: Path) -> Non
         "database: {dsn: 'postgresql://nobody@127.0.0.1:1/none'}\n"
         "routes: [{name: a, path: /a, event_id: 'body:/id'}]\n"
     )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "serve", "--config", str(path),
-        env={"AIOHTTP_NO_EXTENSIONS": "1", "PATH": "/usr/bin:/bin"},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
+    code, stdout, stderr = await run_cli(
+        "serve", "--config", str(path), env={"AIOHTTP_NO_EXTENSIONS": "1"}
+    )
 
-    assert process.returncode == 1
-    assert b"C HTTP parser is not in use" in stdout
-    assert b"Traceback" not in stdout + stderr
+    assert code == 1
+    assert "C HTTP parser is not in use" in stdout
+    assert "Traceback" not in stdout + stderr
 
 
 @pytest.mark.parametrize(("preset", "signed_set", "claimed_set"), [
@@ -345,7 +326,7 @@ async def test_a_signature_header_named_in_connection_is_refused(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=[stripe_route()])
-    body = stripe_event("evt_conn")
+    body = event("evt_conn")
 
     response = await client.post(
         "/webhooks/stripe",
@@ -507,7 +488,7 @@ async def test_a_signed_body_resent_under_another_id_is_logged(
     # ID: it forwards it, and says so.
     assert statuses == [200] * 4
     assert len(upstream.requests) == 3
-    lines = [(r.levelno, r.fields) for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    lines = [(r.levelno, r.fields) for r in caplog.records if hasattr(r, "fields")]
     assert [(level, f["event_id"], f.get("body_claimed_as")) for level, f in lines] == [
         (logging.INFO, "e1", None),
         (logging.DEBUG, "e1", None),
@@ -519,7 +500,7 @@ async def test_a_signed_body_resent_under_another_id_is_logged(
 
 
 def test_recent_bodies_remember_the_last_ids_only() -> None:
-    recent = reuse.RecentBodies(capacity=2)
+    recent = webhooks.RecentBodies(capacity=2)
     assert recent.claimed("s", b"a", "1") is None
     assert recent.claimed("s", b"b", "2") is None
     assert recent.claimed("t", b"a", "9") is None  # another scope is another ID space

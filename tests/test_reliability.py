@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from aiohttp import web
 
 from proxy import embedded
-from tests.conftest import FakeUpstream, MakeProxy, claimed, execute, wait_for_lock_waiters
-
-
-def event(event_id: str) -> bytes:
-    return json.dumps({"id": event_id, "type": "t"}).encode()
+from tests.helpers import FakeUpstream, MakeProxy, claimed, event, execute, wait_for_lock_waiters
 
 
 @pytest.fixture
@@ -64,7 +58,7 @@ async def test_repeatable_read_as_the_server_default_changes_nothing(
     await wait_for_lock_waiters(own_server, table, 1)
 
     upstream.gate.set()
-    responses: list[Any] = await asyncio.gather(first, copy)
+    responses = await asyncio.gather(first, copy)
 
     # Under REPEATABLE READ the waiting INSERT would fail with a serialization error (a 503)
     # after the owner's COMMIT; the proxy pins READ COMMITTED, so the copy is a duplicate.

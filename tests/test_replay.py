@@ -15,16 +15,19 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import claims, config, errors, pipeline, replay, sql
-from tests.conftest import (
+from proxy import config, database, errors, pipeline, replay
+from proxy.database import sql
+from tests.helpers import (
     FakeUpstream,
     MakeProxy,
+    event,
     execute,
     fetch,
+    stripe_headers,
+    stripe_route,
     wait_for_lock_waiters,
     wait_until,
 )
-from tests.test_providers import stripe_event, stripe_headers, stripe_route
 
 BINARY = bytes(range(256)) * 4
 
@@ -174,7 +177,7 @@ async def test_an_answer_over_replay_max_body_is_relayed_and_its_duplicates_ackn
     assert "Idempotent-Replayed" not in again.headers
     (line,) = [r for r in caplog.records if hasattr(r, "fields")]
     assert line.levelno == logging.WARNING
-    assert line.fields["replay_skipped"] == "answer of 100 bytes over replay_max_body"  # type: ignore[attr-defined]
+    assert line.fields["replay_skipped"] == "answer of 100 bytes over replay_max_body"
     registry = client.app[pipeline.METRICS].registry
     assert registry.get_sample_value("dedup_replay_skipped_total", {"route": "corvel"}) == 1
     assert registry.get_sample_value("dedup_replays_total", {"route": "corvel"}) == 0
@@ -198,7 +201,7 @@ async def test_replays_are_counted_and_logged(
     await client.post("/webhooks/corvel", data=b'{"id": "evt_n"}')
     with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
         await client.post("/webhooks/corvel", data=b'{"id": "evt_n"}')
-    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]  # type: ignore[attr-defined]
+    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]
     assert (line["outcome"], line["replayed"]) == ("duplicate", True)
     registry = client.app[pipeline.METRICS].registry
     assert registry.get_sample_value("dedup_replays_total", {"route": "corvel"}) == 1
@@ -221,7 +224,7 @@ async def test_a_table_without_the_answer_columns_is_upgraded(
     await create_previous_release_table(pg_dsn, table)
     connection = await asyncpg.connect(pg_dsn)
     try:
-        lacking = await claims.missing_schema(connection, sql.for_table(table))
+        lacking = await database.missing_schema(connection, sql.for_table(table))
     finally:
         await connection.close()
     assert lacking == "lacks the answer columns (on_duplicate: replay)"
@@ -249,7 +252,7 @@ async def test_a_dead_letter_replay_goes_through_the_same_claim(
     }
     upstream.respond = lambda n: web.Response(status=500 if n == 1 else 200, text=f"r{n}")
     client = await make_proxy(routes=[stripe_route(), replay])
-    processed, failed = stripe_event("evt_done"), stripe_event("evt_lost")
+    processed, failed = event("evt_done"), event("evt_lost")
     assert (
         await client.post("/webhooks/stripe", data=processed, headers=stripe_headers(processed))
     ).status == 200
@@ -316,16 +319,16 @@ async def test_the_answer_columns_are_added_only_for_replay_and_never_stall_clai
     connection = await asyncpg.connect(pg_dsn)
     try:
         # Without replay the old table is complete: no DDL, no lock.
-        assert await claims.missing_schema(connection, queries, answers=False) == ""
+        assert await database.missing_schema(connection, queries, answers=False) == ""
         # A claim in flight holds the table; the upgrade gives up instead of queueing every
         # new claim behind it.
         await holder.execute(f"BEGIN; INSERT INTO \"{table}\" (scope, event_id) VALUES ('s', 'e')")
-        monkeypatch.setattr(claims, "DDL_LOCK_WAIT", 0.2)
+        monkeypatch.setattr(database.store, "DDL_LOCK_WAIT", 0.2)
         with pytest.raises(errors.StoreUnavailable, match=r"could not lock the table within 0\.2s"):
-            await claims.apply_schema(connection, queries)
+            await database.apply_schema(connection, queries)
         await holder.execute("ROLLBACK")
-        await claims.apply_schema(connection, queries)
-        assert await claims.missing_schema(connection, queries) == ""
+        await database.apply_schema(connection, queries)
+        assert await database.missing_schema(connection, queries) == ""
     finally:
         await holder.close()
         await connection.close()

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import asyncpg
 import pytest
 
-from proxy import app as app_module
-from proxy import errors, pipeline, retention, sql
-from tests.conftest import FakeUpstream, MakeProxy, claimed, execute, fetch
-
-
-def sweeper_of(proxy: Any) -> retention.Sweeper:
-    app = proxy.app
-    return retention.Sweeper(
-        app[pipeline.STORE],
-        app[app_module.CONFIG].database.table,
-        app[app_module.CONFIG].routes,
-        app[app_module.CONFIG].sweeper,
-        app[pipeline.METRICS],
-    )
+from proxy import errors
+from proxy.database import sql
+from tests.helpers import FakeUpstream, MakeProxy, claimed, execute, fetch, sweeper_of
 
 
 async def age(pg_dsn: str, table: str, event_id: str, days: float) -> None:
@@ -104,6 +92,7 @@ async def test_a_row_held_past_the_lock_wait_fails_the_round_and_the_next_one_sw
     assert [row[1] for row in await claimed(pg_dsn, table)] == ["new"]
 
 
+@pytest.mark.slow
 async def test_claims_keep_flowing_while_a_million_rows_are_swept(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:

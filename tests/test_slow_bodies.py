@@ -16,17 +16,26 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from tests.conftest import FakeUpstream, MakeProxy, claimed, wait_until
-from tests.test_budget import held
-from tests.test_hostile_http import WITHIN, connection, read_answer
+from tests.helpers import (
+    MIB,
+    WITHIN,
+    FakeUpstream,
+    MakeProxy,
+    claimed,
+    connection,
+    held,
+    read_answer,
+    wait_until,
+)
 
-MIB = 1024 * 1024
 GITHUB_SECRET = "It's a Secret to Everybody"
 
 
 async def heads_read(client: TestClient[Any, Any], count: int) -> bool:
     """Whether ``count`` connections have had a request head parsed (their handler runs)."""
-    server = client.server.runner.server
+    runner = client.server.runner
+    assert runner is not None
+    server = runner.server
     assert server is not None
     return sum(handler._request_count > 0 for handler in server.connections) >= count
 

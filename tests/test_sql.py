@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from proxy import claims, sql
+from proxy import database
+from proxy.database import sql
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ async def test_the_claim_stores_quotes_and_backslashes_whatever_the_session_read
     connection: asyncpg.Connection[asyncpg.Record], table: str, conforming: str
 ) -> None:
     queries = sql.for_table(table)
-    await claims.apply_schema(connection, queries)
+    await database.apply_schema(connection, queries)
     # A server connection PgBouncer hands over may carry another client's session settings.
     await connection.execute(f"SET standard_conforming_strings = {conforming}")
     begin = sql.begin(1, 1)
@@ -54,11 +55,11 @@ async def test_a_schema_qualified_table_is_created_and_then_found_complete(
     queries = sql.for_table(f"{schema}.claims")
     await connection.execute(f"CREATE SCHEMA {schema}")
     try:
-        before = await claims.missing_schema(connection, queries)
-        await claims.apply_schema(connection, queries)
-        after = await claims.missing_schema(connection, queries)
+        before = await database.missing_schema(connection, queries)
+        await database.apply_schema(connection, queries)
+        after = await database.missing_schema(connection, queries)
         await connection.execute(f"DROP INDEX {schema}.claims_received_at_idx")
-        without_index = await claims.missing_schema(connection, queries)
+        without_index = await database.missing_schema(connection, queries)
     finally:
         await connection.execute(f"DROP SCHEMA {schema} CASCADE")
     assert (before, after) == ("does not exist", "")

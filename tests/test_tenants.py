@@ -8,9 +8,6 @@ claims, so it reaches the app as ``/hooks/acme``.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import time
 from typing import Any
 
@@ -18,7 +15,7 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy import config, errors
-from tests.conftest import FakeUpstream, MakeProxy, claimed
+from tests.helpers import FakeUpstream, MakeProxy, claimed, event, stripe_headers
 
 ACME = "whsec_acme_signs_its_own_events"
 GLOBEX_NEW = "whsec_globex_current_secret"
@@ -29,17 +26,6 @@ TENANTS_ROUTE: dict[str, Any] = {
     "preset": "stripe",
     "verify": {"tenant_secrets": {"Acme": ACME, "globex": [GLOBEX_NEW, GLOBEX_OLD]}},
 }
-
-
-def stripe_event(event_id: str) -> bytes:
-    return json.dumps({"id": event_id, "type": "charge.succeeded"}).encode()
-
-
-def signed(body: bytes, secret: str) -> dict[str, str]:
-    """Stripe's signature headers for ``body`` signed now with ``secret``."""
-    stamp = int(time.time())
-    mac = hmac.new(secret.encode(), f"{stamp}.".encode() + body, hashlib.sha256).hexdigest()
-    return {"Stripe-Signature": f"t={stamp},v1={mac}", "Content-Type": "application/json"}
 
 
 def parsed_route(route: dict[str, Any]) -> Any:
@@ -58,10 +44,10 @@ async def test_a_tenants_secret_verifies_its_own_path_and_no_other_tenants(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=[TENANTS_ROUTE])
-    event = stripe_event("evt_1")
+    body = event("evt_1")
 
-    forged = await client.post("/hooks/globex", data=event, headers=signed(event, ACME))
-    genuine = await client.post("/hooks/acme", data=event, headers=signed(event, ACME))
+    forged = await client.post("/hooks/globex", data=body, headers=stripe_headers(body, ACME))
+    genuine = await client.post("/hooks/acme", data=body, headers=stripe_headers(body, ACME))
 
     assert (forged.status, (await forged.json())["error"]) == (401, "signature_invalid")
     assert genuine.status == 200
@@ -75,8 +61,10 @@ async def test_each_of_a_tenants_secrets_verifies_its_path_during_rotation(
     client = await make_proxy(routes=[TENANTS_ROUTE])
     statuses = []
     for event_id, secret in (("evt_new", GLOBEX_NEW), ("evt_old", GLOBEX_OLD), ("evt_x", ACME)):
-        event = stripe_event(event_id)
-        response = await client.post("/hooks/globex", data=event, headers=signed(event, secret))
+        body = event(event_id)
+        response = await client.post(
+            "/hooks/globex", data=body, headers=stripe_headers(body, secret)
+        )
         statuses.append(response.status)
 
     assert statuses == [200, 200, 401]
@@ -90,11 +78,11 @@ async def test_a_tenant_is_found_case_insensitively_and_forwarded_as_scoped(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=[TENANTS_ROUTE])
-    event = stripe_event("evt_case")
-    headers = signed(event, ACME)
+    body = event("evt_case")
+    headers = stripe_headers(body, ACME)
 
-    first = await client.post("/HOOKS/ACME/?From=Dashboard", data=event, headers=headers)
-    again = await client.post("/hooks/Acme", data=event, headers=headers)
+    first = await client.post("/HOOKS/ACME/?From=Dashboard", data=body, headers=headers)
+    again = await client.post("/hooks/Acme", data=body, headers=headers)
 
     assert (first.status, again.status, again.headers["Dedup-Status"]) == (200, 200, "duplicate")
     assert [r.path_qs for r in upstream.requests] == ["/hooks/acme?From=Dashboard"]
@@ -105,10 +93,10 @@ async def test_a_tenant_without_secrets_is_refused_before_any_claim(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     client = await make_proxy(routes=[TENANTS_ROUTE])
-    event = stripe_event("evt_squat")
+    body = event("evt_squat")
 
     answers = [
-        await client.post("/hooks/initech", data=event, headers=signed(event, secret))
+        await client.post("/hooks/initech", data=body, headers=stripe_headers(body, secret))
         for secret in (ACME, GLOBEX_NEW, "whsec_initech_never_configured")
     ]
 
@@ -124,10 +112,10 @@ async def test_a_shared_secret_verifies_every_tenants_path_when_the_route_says_s
 ) -> None:
     route = {**TENANTS_ROUTE, "verify": {"secret": ACME, "shared_secret": True}}
     client = await make_proxy(routes=[route])
-    event = stripe_event("evt_shared")
+    body = event("evt_shared")
 
     answers = [
-        await client.post(path, data=event, headers=signed(event, ACME))
+        await client.post(path, data=body, headers=stripe_headers(body, ACME))
         for path in ("/hooks/acme", "/hooks/globex")
     ]
 
@@ -164,17 +152,17 @@ async def test_the_app_receives_the_tenant_the_claim_was_scoped_by(
 
 def test_verifier_for_picks_the_tenants_own_verifier_case_insensitively() -> None:
     route = parsed_route(TENANTS_ROUTE)
-    event = stripe_event("evt_1")
-    headers = CIMultiDict(signed(event, ACME))
+    body = event("evt_1")
+    headers = CIMultiDict(stripe_headers(body, ACME))
 
     for tenant in ("acme", "ACME", "aCmE"):
-        route.verifier_for((tenant,)).verify(headers, event, time.time())
+        route.verifier_for((tenant,)).verify(headers, body, time.time())
     for tenant in ("globex", "initech"):
         with pytest.raises(errors.SignatureInvalid):
-            route.verifier_for((tenant,)).verify(headers, event, time.time())
+            route.verifier_for((tenant,)).verify(headers, body, time.time())
     # Whatever verifies without naming the tenant is refused: it fails closed.
     with pytest.raises(errors.SignatureInvalid):
-        route.verify.verify(headers, event, time.time())
+        route.verify.verify(headers, body, time.time())
     assert route.verify.headers == ("Stripe-Signature",)
 
 

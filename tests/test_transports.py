@@ -10,9 +10,6 @@ a reused connection the app closed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import json
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,60 +20,13 @@ import trustme
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import client, errors, forwarder, transports
-from tests.conftest import FakeUpstream, MakeProxy, claimed
+from proxy import errors
+from proxy.upstream import forwarder, http1, transports
+from tests.helpers import FakeUpstream, MakeProxy, RawServer, claimed, content_length, event
 
-KINDS = ["own", "aiohttp-tls"]
-
-
-@pytest.fixture(scope="session")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture(scope="session")
-def server_tls(ca: trustme.CA) -> ssl.SSLContext:
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1", "localhost").configure_cert(context)
-    return context
-
-
-@pytest.fixture(scope="session")
-def client_tls(ca: trustme.CA) -> ssl.SSLContext:
-    """The proxy's side: the system's defaults, verification on, and the test CA trusted."""
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    return context
-
-
-@pytest.fixture(params=KINDS)
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture(autouse=True)
-def trust_the_test_ca(monkeypatch: pytest.MonkeyPatch, client_tls: ssl.SSLContext) -> None:
-    """The proxy built by ``create_app`` trusts the test CA (and nothing is left unverified)."""
-    monkeypatch.setattr(
-        forwarder, "Forwarder", functools.partial(forwarder.Forwarder, ssl=client_tls)
-    )
-
-
-@pytest.fixture
-async def upstream(kind: str, aiohttp_server: Any, server_tls: ssl.SSLContext) -> FakeUpstream:
-    """conftest's recording app, served over TLS for the aiohttp transport."""
-    fake = FakeUpstream()
-    application = web.Application(client_max_size=64 * 1024 * 1024)
-    application.router.add_route("*", "/{tail:.*}", fake.handle)
-    tls = server_tls if kind == "aiohttp-tls" else None
-    server = await aiohttp_server(application, auto_decompress=False, ssl=tls)
-    fake.url = str(server.make_url("")).rstrip("/")
-    assert fake.url.startswith("https://" if tls else "http://")
-    return fake
-
-
-def event(event_id: str) -> bytes:
-    return json.dumps({"id": event_id}).encode()
+# Every test once per transport (conftest's ``kind``, which the recording app follows), with the
+# proxy trusting the test CA.
+pytestmark = pytest.mark.usefixtures("kind", "trust_the_test_ca")
 
 
 # Through the whole proxy.
@@ -239,15 +189,7 @@ class RawApp:
                     if not exc.partial:
                         self.closed_by_client.set()
                     return
-                length = next(
-                    (
-                        int(line.split(b":")[1])
-                        for line in head.lower().split(b"\r\n")
-                        if line.startswith(b"content-length:")
-                    ),
-                    0,
-                )
-                await reader.readexactly(length)
+                await reader.readexactly(content_length(head))
                 self.requests.append((number, on_connection))
                 await self.opened.wait()
                 answer = self.plan(number, on_connection)
@@ -264,25 +206,13 @@ class RawApp:
 
 
 @pytest.fixture
-async def raw_app(
-    kind: str, server_tls: ssl.SSLContext
-) -> AsyncIterator[Callable[..., Awaitable[RawApp]]]:
-    servers: list[asyncio.Server] = []
-
+def raw_app(raw_server: RawServer) -> Callable[..., Awaitable[RawApp]]:
     async def start(plan: Plan, **options: Any) -> RawApp:
         app = RawApp(plan, **options)
-        tls = server_tls if kind == "aiohttp-tls" else None
-        server = await asyncio.start_server(app.serve, "127.0.0.1", 0, ssl=tls)
-        servers.append(server)
-        port = server.sockets[0].getsockname()[1]
-        app.url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        app.url = await raw_server(app.serve)
         return app
 
-    yield start
-    for server in servers:
-        server.close()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(server.wait_closed(), 5)
+    return start
 
 
 @pytest.fixture
@@ -305,8 +235,8 @@ async def make_forwarder(
 
 
 async def send(
-    proxy: forwarder.Forwarder, app: RawApp, reserve: client.Reserve = client.unlimited
-) -> client.Answer:
+    proxy: forwarder.Forwarder, app: RawApp, reserve: http1.Reserve = http1.unlimited
+) -> http1.Answer:
     request = transports.Request("POST", "/hook", CIMultiDict({"Host": "app"}), b'{"id": 1}')
     return await proxy.transport_for_url(app.url).handle_async_request(request, reserve)
 
@@ -509,4 +439,4 @@ async def test_each_upstream_url_gets_its_transport_once() -> None:
 def test_the_idle_limit_follows_the_apps_keep_alive_header(
     configured: float, header: str | None, limit: float
 ) -> None:
-    assert client.idle_limit(configured, header) == limit
+    assert http1.idle_limit(configured, header) == limit

@@ -18,7 +18,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, MultiDict
 
-from proxy import errors, presets, signatures
+from proxy import errors, signatures
+from proxy.config import presets
 
 TOKEN = "12345678901234567890123456789012"  # an auth token: 32 hex-like characters
 OLD = "abcdefabcdefabcdefabcdefabcdef12"

@@ -12,7 +12,7 @@ from urllib.parse import urlencode
 from aiohttp import web
 
 from proxy import pipeline
-from tests.conftest import FakeUpstream, MakeProxy, claimed
+from tests.helpers import FakeUpstream, MakeProxy, claimed
 
 TOKEN = "12345678901234567890123456789012"
 PUBLIC = "https://hooks.example.com/twilio/voice"

@@ -10,109 +10,24 @@ tiny receive buffer that never read, and ``dedup-proxy serve`` is a real process
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
-import yaml
 from aiohttp import web
 
-from tests.conftest import FakeUpstream, MakeProxy, claimed, wait_until
-from tests.ports import accepts, free_port
-from tests.test_budget import held
+from tests.helpers import (
+    MIB,
+    FakeUpstream,
+    MakeProxy,
+    Serve,
+    claimed,
+    held,
+    wait_until,
+    webhook_request,
+)
 
 WITHIN = 15.0  # bound on every wait for the proxy
-MIB = 1024 * 1024
 LARGE = b"x" * (16 * MIB)  # one buffer, shared by every answer that sends it
-
-
-@dataclass
-class Served:
-    process: asyncio.subprocess.Process
-    port: int
-    log: Path
-
-    def lines(self) -> list[dict[str, Any]]:
-        text = self.log.read_text()
-        return [json.loads(x) for x in text.splitlines() if x.startswith("{")]
-
-
-Start = Callable[..., Awaitable[Served]]
-
-
-@pytest.fixture
-async def start(tmp_path: Path, pg_dsn: str, table: str) -> AsyncIterator[Start]:
-    """Start ``serve`` in front of ``url``; keyword arguments are top-level keys."""
-    processes: list[asyncio.subprocess.Process] = []
-
-    async def run(url: str, **settings: Any) -> Served:
-        port = free_port()
-        config_file = tmp_path / "config.yaml"
-        config_file.write_text(
-            yaml.safe_dump(
-                {
-                    "listen": f"127.0.0.1:{port}",
-                    "admin": {"listen": f"127.0.0.1:{free_port()}"},
-                    "upstream": {"url": url, "timeout": "30s"},
-                    "database": {"dsn": pg_dsn, "table": table, "pool_size": 4},
-                    "log": {"format": "json"},
-                    "routes": [
-                        {"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"}
-                    ],
-                    **settings,
-                }
-            )
-        )
-        log = tmp_path / "proxy.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
-                stdout=out, stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
-        processes.append(process)
-        await wait_until(lambda: accepts(port), "the proxy to listen", within=30)
-        return Served(process, port, log)
-
-    try:
-        yield run
-    finally:
-        for process in processes:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-
-
-def webhook(event_id: str) -> bytes:
-    body = json.dumps({"id": event_id}).encode()
-    return b"POST /webhooks/corvel HTTP/1.1\r\nHost: proxy.test\r\nContent-Length: %d\r\n\r\n%s" % (
-        len(body),
-        body,
-    )
-
-
-@pytest.fixture
-async def non_readers() -> AsyncIterator[Callable[[int, bytes], Awaitable[None]]]:
-    """Send a request from a new connection that then never reads (a 4 KiB receive buffer)."""
-    sockets: list[socket.socket] = []
-
-    async def send(port: int, request: bytes) -> None:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        sockets.append(sock)
-        loop = asyncio.get_running_loop()
-        await loop.sock_connect(sock, ("127.0.0.1", port))
-        await loop.sock_sendall(sock, request)
-
-    yield send
-    for sock in sockets:
-        sock.close()
 
 
 async def large_answers(aiohttp_server: Any, fake: FakeUpstream) -> FakeUpstream:
@@ -126,12 +41,12 @@ async def large_answers(aiohttp_server: Any, fake: FakeUpstream) -> FakeUpstream
 
 
 async def test_an_answer_that_is_not_read_is_cut_off_at_send_timeout(
-    start: Start, aiohttp_server: Any, non_readers: Any, pg_dsn: str, table: str
+    serve: Serve, aiohttp_server: Any, non_readers: Any, pg_dsn: str, table: str
 ) -> None:
     app = await large_answers(aiohttp_server, FakeUpstream())
-    served = await start(app.url, send_timeout="1s")
+    served = await serve(upstream={"url": app.url}, send_timeout="1s")
 
-    await non_readers(served.port, webhook("evt_unread"))
+    await non_readers(served.port, webhook_request("evt_unread"))
 
     def cut_off() -> bool:
         return any(line.get("client_gone") for line in served.lines())
@@ -144,12 +59,14 @@ async def test_an_answer_that_is_not_read_is_cut_off_at_send_timeout(
 
 
 async def test_connections_stuck_writing_make_room_for_a_webhook(
-    start: Start, aiohttp_server: Any, non_readers: Any, pg_dsn: str, table: str
+    serve: Serve, aiohttp_server: Any, non_readers: Any, pg_dsn: str, table: str
 ) -> None:
     app = await large_answers(aiohttp_server, FakeUpstream())
-    served = await start(app.url, send_timeout="5m", max_connections=4, max_buffered="256MiB")
+    served = await serve(
+        upstream={"url": app.url}, send_timeout="5m", max_connections=4, max_buffered="256MiB"
+    )
     for n in range(4):
-        await non_readers(served.port, webhook(f"evt_stuck_{n}"))
+        await non_readers(served.port, webhook_request(f"evt_stuck_{n}"))
 
     async def all_committed() -> bool:
         return len(await claimed(pg_dsn, table)) == 4
@@ -161,7 +78,7 @@ async def test_connections_stuck_writing_make_room_for_a_webhook(
             async with (
                 aiohttp.ClientSession() as session,
                 session.post(
-                    f"http://127.0.0.1:{served.port}/webhooks/corvel",
+                    f"{served.url}/webhooks/corvel",
                     data=b'{"id": "evt_genuine"}',
                     timeout=aiohttp.ClientTimeout(total=WITHIN),
                 ) as response,
@@ -181,7 +98,7 @@ async def test_an_unread_answer_stays_counted_in_max_buffered_until_written(
     app = await large_answers(aiohttp_server, FakeUpstream())
     client = await make_proxy(upstream={"url": app.url}, max_buffered="24MiB")
 
-    await non_readers(client.server.port, webhook("evt_unread"))
+    await non_readers(client.server.port, webhook_request("evt_unread"))
 
     async def counted() -> bool:
         return len(app.requests) == 1 and held(client) >= len(LARGE) // 2
@@ -194,10 +111,10 @@ async def test_an_unread_answer_stays_counted_in_max_buffered_until_written(
 
 
 async def test_a_pass_through_answer_that_is_not_read_frees_its_upstream_connection(
-    start: Start, aiohttp_server: Any, non_readers: Any
+    serve: Serve, aiohttp_server: Any, non_readers: Any
 ) -> None:
     app = await large_answers(aiohttp_server, FakeUpstream())
-    served = await start(app.url, send_timeout="1s")
+    served = await serve(upstream={"url": app.url}, send_timeout="1s")
 
     await non_readers(served.port, b"GET /big HTTP/1.1\r\nHost: proxy.test\r\n\r\n")
 
@@ -220,7 +137,7 @@ async def test_a_replayed_answer_that_is_not_read_stays_counted_too(
     first = await client.post("/webhooks/corvel", data=b'{"id": "evt_r"}')
     assert (first.status, len(await first.read())) == (200, MIB)
 
-    await non_readers(client.server.port, webhook("evt_r") * 4)
+    await non_readers(client.server.port, webhook_request("evt_r") * 4)
 
     async def counted() -> bool:
         return held(client) >= MIB // 2

@@ -9,8 +9,6 @@ import json
 import os
 import signal
 import socket
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,126 +17,63 @@ import pytest
 import yaml
 
 from proxy import config, supervisor
-from tests.conftest import FakeUpstream, claimed, wait_until
-from tests.ports import accepts, free_port
+from tests.helpers import (
+    FakeUpstream,
+    Serve,
+    Served,
+    Stream,
+    claimed,
+    free_port,
+    open_stream,
+    read_answer,
+    run_cli,
+    serve_settings,
+    wait_until,
+    webhook_request,
+)
 
 WITHIN = 20.0  # bound on every wait for an answer (a retry may wait claim_wait on a lock)
-Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+SETTINGS = {  # two workers (the default is one)
+    "workers": 2,
+    "upstream": {"timeout": "10s"},
+    "database": {"pool_size": 3},
+    "shutdown_timeout": "10s",
+}
 
 
-class Supervised:
-    """A ``dedup-proxy serve`` with ``workers: 2``, its JSON log in a file."""
+async def listening(served: Served, count: int) -> None:
+    """Wait until ``count`` workers have logged that they listen (replacements included)."""
 
-    def __init__(
-        self,
-        process: asyncio.subprocess.Process,
-        log: Path,
-        config_file: Path,
-        port: int,
-        admin: int,
-    ) -> None:
-        self.process = process
-        self.config_file = config_file
-        self.log = log
-        self.port = port
-        self.admin_port = admin
-        self.url = f"http://127.0.0.1:{port}"
-        self.admin_url = f"http://127.0.0.1:{admin}"
+    async def enough() -> bool:
+        return sum(1 for x in served.lines() if x["msg"].startswith("listening")) >= count
 
-    def lines(self) -> list[dict[str, Any]]:
-        text = self.log.read_text() if self.log.exists() else ""
-        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
-    def workers(self) -> list[int]:
-        """The supervisor's live children."""
-        path = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-        return [int(pid) for pid in path.read_text().split()] if path.exists() else []
-
-    async def listening(self, count: int) -> None:
-        async def enough() -> bool:
-            return sum(1 for x in self.lines() if x["msg"].startswith("listening")) >= count
-
-        await wait_until(enough, f"{count} workers listening", within=60)
-
-    async def metrics(self) -> dict[str, float]:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(f"{self.admin_url}/metrics") as response,
-        ):
-            text = await response.text()
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                samples[name] = float(value)
-        return samples
-
-
-def _config(
-    tmp_path: Path, port: int, admin: int, app: str, dsn: str, table: str, **overrides: Any
-) -> Path:
-    raw: dict[str, Any] = {
-        "listen": f"127.0.0.1:{port}",
-        "admin": {"listen": f"127.0.0.1:{admin}"},
-        "workers": 2,
-        "upstream": {"url": app, "timeout": "10s"},
-        "database": {"dsn": dsn, "table": table, "pool_size": 3},
-        "shutdown_timeout": "10s",
-        "log": {"format": "json"},
-        "routes": [{"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id"}],
-    }
-    for key, value in overrides.items():
-        raw[key] = {**raw[key], **value} if isinstance(value, dict) else value
-    config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump(raw))
-    return config_file
-
-
-Start = Callable[..., Awaitable[Supervised]]
+    await wait_until(enough, f"{count} workers listening", within=60)
 
 
 @pytest.fixture
-async def start(
-    tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
-) -> AsyncIterator[Start]:
-    """Start ``serve`` with ``workers: 2``; ``env`` is added to its environment, keyword
-    arguments override top-level configuration keys, ``again`` reuses one's file and ports."""
-    started: list[Supervised] = []
+def start(serve: Serve) -> Serve:
+    """Start ``serve`` with ``workers: 2`` (as conftest's ``serve``), once both listen."""
 
-    async def run(
-        env: dict[str, str] | None = None, again: Supervised | None = None, **overrides: Any
-    ) -> Supervised:
-        if again is None:
-            port, admin = free_port(), free_port()
-            config_file = _config(tmp_path, port, admin, upstream.url, pg_dsn, table, **overrides)
-        else:  # the same file and ports as an earlier one
-            port, admin, config_file = again.port, again.admin_port, again.config_file
-        log = tmp_path / f"proxy{len(started)}.log"
-        with log.open("wb") as out:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
-                stdout=out, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **(env or {})},
-            )  # fmt: skip
-        proxy = Supervised(process, log, config_file, port, admin)
-        started.append(proxy)
-        await wait_until(lambda: accepts(port), "the workers to listen", within=60)
-        await proxy.listening(2)
-        return proxy
+    async def run(**overrides: Any) -> Served:
+        served = await serve(**{**SETTINGS, **overrides})
+        await listening(served, 2)
+        return served
 
-    try:
-        yield run
-    finally:
-        for proxy in started:
-            if proxy.process.returncode is None:
-                for pid in proxy.workers():
-                    os.kill(pid, signal.SIGKILL)
-                proxy.process.kill()
-                await proxy.process.wait()
+    return run
 
 
 @pytest.fixture
-async def supervised(start: Start) -> Supervised:
+async def supervised(start: Serve) -> Served:
     return await start()
+
+
+def config_file(tmp_path: Path, dsn: str, table: str, **overrides: Any) -> Path:
+    """A two-worker configuration on free ports, for an app nothing listens on."""
+    settings = serve_settings("http://127.0.0.1:9", dsn, table, **{**SETTINGS, **overrides})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
 
 
 def _alive(pid: int) -> bool:
@@ -159,7 +94,7 @@ async def _post(url: str, event_id: str) -> aiohttp.ClientResponse:
 
 
 async def test_workers_share_the_port_and_add_up_their_metrics(
-    supervised: Supervised, upstream: FakeUpstream, pg_dsn: str, table: str
+    supervised: Served, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     ids = [f"evt_{n}" for n in range(30)]
     # Whichever worker is idle first accepts a connection from the shared queue: each half is
@@ -197,7 +132,7 @@ async def test_workers_share_the_port_and_add_up_their_metrics(
 
 
 async def test_a_killed_worker_is_replaced_and_sigterm_stops_every_worker(
-    supervised: Supervised, upstream: FakeUpstream
+    supervised: Served, upstream: FakeUpstream
 ) -> None:
     workers = supervised.workers()
     assert len(workers) == 2
@@ -208,7 +143,7 @@ async def test_a_killed_worker_is_replaced_and_sigterm_stops_every_worker(
         return len(current) == 2 and workers[0] not in current
 
     await wait_until(replaced, "a new worker in place of the killed one", within=30)
-    await supervised.listening(3)
+    await listening(supervised, 3)
     assert any("starting a new one" in x["msg"] for x in supervised.lines())
     responses = await asyncio.gather(*(_post(supervised.url, f"evt_r{n}") for n in range(10)))
     assert [r.status for r in responses] == [200] * 10
@@ -220,16 +155,10 @@ async def test_a_killed_worker_is_replaced_and_sigterm_stops_every_worker(
     assert sum(1 for x in supervised.lines() if x["msg"] == "stopped") == 2
 
 
-async def _run_to_exit(
-    config_file: Path, env: dict[str, str] | None = None
-) -> tuple[int | None, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "serve", "--config", str(config_file),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-    )  # fmt: skip
-    output, _ = await asyncio.wait_for(process.communicate(), timeout=60)
-    return process.returncode, output.decode()
+async def _run_to_exit(path: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``serve`` on ``path`` to its end: its exit status and everything it printed."""
+    code, out, err = await run_cli("serve", "--config", str(path), env=env)
+    return code, out + err
 
 
 async def test_a_taken_port_stops_the_supervisor_before_any_worker_starts(
@@ -239,8 +168,8 @@ async def test_a_taken_port_stops_the_supervisor_before_any_worker_starts(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        config_file = _config(tmp_path, port, free_port(), "http://127.0.0.1:9", pg_dsn, table)
-        code, text = await _run_to_exit(config_file)
+        path = config_file(tmp_path, pg_dsn, table, listen=f"127.0.0.1:{port}")
+        code, text = await _run_to_exit(path)
 
     assert code == 1
     assert f"cannot listen on http://127.0.0.1:{port}" in text
@@ -250,11 +179,8 @@ async def test_a_taken_port_stops_the_supervisor_before_any_worker_starts(
 
 async def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path, table: str) -> None:
     unreachable = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
-    config_file = _config(
-        tmp_path, free_port(), free_port(), "http://127.0.0.1:9", unreachable, table,
-        database={"connect_timeout": "1s"},
-    )  # fmt: skip
-    code, text = await _run_to_exit(config_file)
+    path = config_file(tmp_path, unreachable, table, database={"connect_timeout": "1s"})
+    code, text = await _run_to_exit(path)
 
     assert code == 1
     assert "while starting; stopping" in text
@@ -264,8 +190,8 @@ async def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path, t
 async def test_a_heartbeat_timeout_below_two_beats_is_a_start_up_error(
     tmp_path: Path, pg_dsn: str, table: str
 ) -> None:
-    config_file = _config(tmp_path, free_port(), free_port(), "http://127.0.0.1:9", pg_dsn, table)
-    code, text = await _run_to_exit(config_file, env={supervisor.TIMEOUT_ENV: "1"})
+    path = config_file(tmp_path, pg_dsn, table)
+    code, text = await _run_to_exit(path, env={supervisor.TIMEOUT_ENV: "1"})
 
     assert code == 1
     assert f"{supervisor.TIMEOUT_ENV} must be a number of seconds, at least 2; got '1'" in text
@@ -278,11 +204,11 @@ def _homes(tmp: Path) -> set[Path]:
 
 
 async def test_a_supervisor_restarted_after_a_kill_binds_beside_the_draining_workers(
-    start: Start, upstream: FakeUpstream, tmp_path: Path
+    start: Serve, upstream: FakeUpstream, tmp_path: Path
 ) -> None:
     (tmp := tmp_path / "tmp").mkdir()
     env = {"TMPDIR": str(tmp)}
-    old = await start(env, shutdown_timeout="60s", upstream={"timeout": "60s"})  # a long drain
+    old = await start(env=env, shutdown_timeout="60s", upstream={"timeout": "60s"})  # a long drain
     (old_home,) = _homes(tmp)
     upstream.gate = asyncio.Event()
     in_flight = asyncio.ensure_future(_post(old.url, "evt_draining"))
@@ -293,7 +219,7 @@ async def test_a_supervisor_restarted_after_a_kill_binds_beside_the_draining_wor
         await old.process.wait()
         # The orphan holding the request drains, its admin listener still open, while the new
         # supervisor binds both ports and starts its workers.
-        new = await start(env, again=old)
+        new = await start(env=env, again=old)
         assert any(_alive(pid) for pid in orphans)
         # Its workers still use the old supervisor's directory (their metrics files): kept.
         assert old_home in _homes(tmp)
@@ -309,13 +235,13 @@ async def test_a_supervisor_restarted_after_a_kill_binds_beside_the_draining_wor
 
 
 async def test_a_killed_supervisors_directory_is_removed_at_the_next_start(
-    start: Start, tmp_path: Path
+    start: Serve, tmp_path: Path
 ) -> None:
     (tmp := tmp_path / "tmp").mkdir()
     env = {"TMPDIR": str(tmp)}
-    live = await start(env)  # another supervisor on the same machine, still running
+    live = await start(env=env)  # another supervisor on the same machine, still running
     (live_home,) = _homes(tmp)
-    killed = await start(env)
+    killed = await start(env=env)
     (killed_home,) = _homes(tmp) - {live_home}
     workers = killed.workers()
     killed.process.kill()
@@ -327,7 +253,7 @@ async def test_a_killed_supervisors_directory_is_removed_at_the_next_start(
     await wait_until(gone, "the orphaned workers to drain and exit", within=30)
     assert killed_home in _homes(tmp)  # the kill left it: nothing could remove it then
 
-    again = await start(env, again=killed)
+    again = await start(env=env, again=killed)
     assert _homes(tmp) - {live_home, killed_home}  # the new supervisor's own
     assert killed_home not in _homes(tmp)
     assert live_home in _homes(tmp)
@@ -336,7 +262,7 @@ async def test_a_killed_supervisors_directory_is_removed_at_the_next_start(
 
 
 async def test_workers_drain_and_exit_when_the_supervisor_is_killed(
-    supervised: Supervised,
+    supervised: Served,
 ) -> None:
     workers = supervised.workers()
     supervised.process.kill()  # no SIGTERM to pass on: the workers must notice by themselves
@@ -351,12 +277,8 @@ async def test_workers_drain_and_exit_when_the_supervisor_is_killed(
 
 async def _send(port: int, event_id: str) -> tuple[Stream, int]:
     """A new connection carrying one webhook, and the client's port (unanswered yet)."""
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), WITHIN)
-    body = json.dumps({"id": event_id}).encode()
-    writer.write(
-        b"POST /webhooks/corvel HTTP/1.1\r\nHost: proxy.test\r\nConnection: close\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-    )
+    reader, writer = await open_stream(port)
+    writer.write(webhook_request(event_id, b"Connection: close"))
     await writer.drain()
     return (reader, writer), writer.get_extra_info("sockname")[1]
 
@@ -366,15 +288,12 @@ async def _outcome(stream: Stream) -> str | None:
     answer has none), or None when the connection closed without an answer."""
     reader, writer = stream
     try:
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WITHIN)
-    except (asyncio.IncompleteReadError, ConnectionResetError):
-        return None
+        answer = await read_answer(reader, WITHIN)
     finally:
         writer.close()
-    status = head.split(b" ", 2)[1].decode()
-    lines = head.decode("latin-1").lower().split("\r\n")[1:]
-    fields = dict(line.split(": ", 1) for line in lines if line)
-    return " ".join(filter(None, (status, fields.get("dedup-status"))))
+    if answer is None:
+        return None
+    return " ".join(filter(None, (str(answer.status), answer.headers.get("dedup-status"))))
 
 
 def _accepted(pid: int, port: int) -> set[int]:
@@ -403,7 +322,7 @@ def _queued(port: int) -> int:
 
 
 async def test_a_worker_killed_under_load_loses_only_the_connections_it_had_accepted(
-    start: Start, upstream: FakeUpstream, pg_dsn: str, table: str
+    start: Serve, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     proxy = await start(database={"pool_size": 8})
     upstream.gate = asyncio.Event()  # the app holds every request until the kill
@@ -448,7 +367,7 @@ async def test_a_worker_killed_under_load_loses_only_the_connections_it_had_acce
     assert [await _outcome(s) for s, _ in retries] == ["200"] * len(taken)
 
 
-async def test_a_hung_worker_is_killed_and_replaced(start: Start) -> None:
+async def test_a_hung_worker_is_killed_and_replaced(start: Serve) -> None:
     proxy = await start(env={supervisor.TIMEOUT_ENV: "5"})
     workers = proxy.workers()
     os.kill(workers[0], signal.SIGSTOP)  # its event loop no longer turns
@@ -461,13 +380,13 @@ async def test_a_hung_worker_is_killed_and_replaced(start: Start) -> None:
         return len(current) == 2 and workers[0] not in current
 
     await wait_until(replaced, "the hung worker killed and replaced", within=30)
-    await proxy.listening(3)
+    await listening(proxy, 3)
     assert workers[1] in proxy.workers()
     assert any("sent no heartbeat for 5s: killing it" in x["msg"] for x in proxy.lines())
 
 
 async def test_a_restarted_worker_runs_the_configuration_the_supervisor_started_with(
-    start: Start,
+    start: Serve,
 ) -> None:
     proxy = await start()
     edited = yaml.safe_load(proxy.config_file.read_text())
@@ -483,6 +402,6 @@ async def test_a_restarted_worker_runs_the_configuration_the_supervisor_started_
         return len(current) == 2 and not set(workers) & set(current)
 
     await wait_until(replaced, "both workers replaced", within=30)
-    await proxy.listening(4)
+    await listening(proxy, 4)
     responses = await asyncio.gather(*(_post(proxy.url, f"evt_c{n}") for n in range(10)))
     assert [r.status for r in responses] == [200] * 10

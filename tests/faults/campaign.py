@@ -42,7 +42,7 @@ from aiohttp import web
 from proxy import config, embedded, errors
 from tests.faults import checker
 from tests.faults.relay import Mode, Relay
-from tests.ports import accepts, free_port
+from tests.helpers import accepts, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTE = "camp"

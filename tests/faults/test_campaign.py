@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from tests.faults import campaign, checker
 from tests.faults.relay import Relay
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 async def test_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
     tmp_path: Path,
@@ -138,7 +139,7 @@ def _records(
     deliveries: list[checker.Delivery],
     *,
     actions: tuple[checker.Action, ...] = (),
-    logs: tuple[dict[str, object], ...] = (),
+    logs: tuple[Mapping[str, object], ...] = (),
     claimed: frozenset[str] = frozenset({"e"}),
 ) -> checker.Records:
     return checker.Records(

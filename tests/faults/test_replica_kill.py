@@ -9,8 +9,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tests.conftest import claimed, fetch, wait_for_lock_waiters
 from tests.faults import campaign
+from tests.helpers import claimed, fetch, wait_for_lock_waiters
 
 
 async def _claims_in_flight(dsn: str) -> list[int]:

@@ -1,14 +1,15 @@
 """How a webhook reaches the app: one interface, two transports, chosen once per upstream URL.
 
 ``AsyncBaseTransport.handle_async_request`` takes a request whose body is in memory and returns
-the app's whole answer (httpx's ``_transports/base.py`` has the same shape). ``OwnTransport``
-speaks plain ``http://`` through the proxy's own client (``client.py``); ``AiohttpTransport``
-takes the rest (``https://``, credentials in the URL) through aiohttp's. Both keep one keep-alive
-policy (``client.idle_limit``: the configured ``upstream.keepalive``, shortened by the app's
-``Keep-Alive: timeout=N``) and both send a request once more when a reused connection is closed
-before a byte of the answer arrives. aiohttp's client errors and timeouts are translated into
-``errors`` here and nowhere else (the own client translates its own); one after the app's status
-line carries that status, as the own client's do (a 2xx means the app did the work).
+the app's whole answer, an ``http1.Answer`` whichever transport read it (httpx's
+``_transports/base.py`` has the same shape). ``OwnTransport`` speaks plain ``http://`` through
+the proxy's own client (``http1.py``); ``AiohttpTransport`` takes the rest (``https://``,
+credentials in the URL) through aiohttp's. Both keep one keep-alive policy (``http1.idle_limit``:
+the configured ``upstream.keepalive``, shortened by the app's ``Keep-Alive: timeout=N``) and
+both send a request once more when a reused connection is closed before a byte of the answer
+arrives. aiohttp's client errors and timeouts are translated into ``errors`` here and nowhere
+else (the own client translates its own); one after the app's status line carries that status,
+as the own client's do (a 2xx means the app did the work).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from aiohttp import hdrs
 from aiohttp.http import RawResponseMessage
 from multidict import CIMultiDict
 
-from proxy import client, errors
+from proxy import errors
+from proxy.upstream import http1
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,11 @@ class AsyncBaseTransport(abc.ABC):
 
     @abc.abstractmethod
     async def handle_async_request(
-        self, request: Request, reserve: client.Reserve
-    ) -> client.Answer: ...
+        self, request: Request, reserve: http1.Reserve
+    ) -> http1.Answer: ...
 
 
-def origin_of(base_url: str) -> client.Origin | None:
+def origin_of(base_url: str) -> http1.Origin | None:
     """Where the own client connects for ``base_url``; None when aiohttp's client must
     (``https://``, or credentials in the URL)."""
     parts = urlsplit(base_url)
@@ -67,20 +69,18 @@ def origin_of(base_url: str) -> client.Origin | None:
         return None
     port = parts.port or 80
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return client.Origin(parts.hostname, port, host if port == 80 else f"{host}:{port}")
+    return http1.Origin(parts.hostname, port, host if port == 80 else f"{host}:{port}")
 
 
 class OwnTransport(AsyncBaseTransport):
     """Plain ``http://`` through the proxy's own client, shared by every origin."""
 
-    def __init__(self, pool: client.Client, origin: client.Origin, prefix: str) -> None:
+    def __init__(self, pool: http1.Client, origin: http1.Origin, prefix: str) -> None:
         self._pool = pool
         self._origin = origin
         self._prefix = prefix
 
-    async def handle_async_request(
-        self, request: Request, reserve: client.Reserve
-    ) -> client.Answer:
+    async def handle_async_request(self, request: Request, reserve: http1.Reserve) -> http1.Answer:
         headers = request.headers
         # Host first (RFC 9112 3.2), the provider's when preserve_host kept it.
         host = headers.popall(hdrs.HOST, [self._origin.authority])[0]
@@ -122,7 +122,7 @@ def relayable(upstream: aiohttp.ClientResponse) -> None:
     character (but HTAB) in its reason or a header value, which aiohttp's lenient parser lets
     through. obs-text is relayed: decoded as surrogate escapes, it is written back as sent."""
     for text in (upstream.reason or "", *upstream.headers.values()):
-        if client.CONTROL.search(text):
+        if http1.CONTROL.search(text):
             raise errors.UpstreamUnavailable(
                 "upstream sent a malformed answer: a control character in its reason phrase "
                 "or a header value",
@@ -158,7 +158,7 @@ def honour_keep_alive(upstream: aiohttp.ClientResponse, keepalive: float) -> Non
     A body already read whole has put the connection back in the pool already (nothing ran
     since, so nothing took it): it is closed there, and the pool drops it when next asked.
     """
-    if client.idle_limit(keepalive, upstream.headers.get(hdrs.KEEP_ALIVE)) >= keepalive:
+    if http1.idle_limit(keepalive, upstream.headers.get(hdrs.KEEP_ALIVE)) >= keepalive:
         return
     connection = upstream.connection
     protocol = connection.protocol if connection is not None else upstream._protocol
@@ -187,16 +187,14 @@ class AiohttpTransport(AsyncBaseTransport):
         self._keepalive = keepalive
         self._client_timeout = aiohttp.ClientTimeout(total=timeout)
 
-    async def handle_async_request(
-        self, request: Request, reserve: client.Reserve
-    ) -> client.Answer:
+    async def handle_async_request(self, request: Request, reserve: http1.Reserve) -> http1.Answer:
         with translated(self._timeout):
             started = time.monotonic()
             attempt = SimpleNamespace(reused=False)
             try:
                 return await self._send(self._session, request, reserve, attempt)
             except aiohttp.ServerDisconnectedError as exc:
-                # The same retry as the own client's (see client.Client.request). aiohttp
+                # The same retry as the own client's (see http1.Client.request). aiohttp
                 # does not say how much of the answer arrived: a disconnection before the
                 # parser saw a byte carries a plain message, one after it the partial message
                 # parsed so far. Idempotent methods aiohttp has retried itself.
@@ -224,10 +222,10 @@ class AiohttpTransport(AsyncBaseTransport):
         self,
         session: aiohttp.ClientSession,
         request: Request,
-        reserve: client.Reserve,
+        reserve: http1.Reserve,
         attempt: SimpleNamespace,
         within: aiohttp.ClientTimeout | None = None,
-    ) -> client.Answer:
+    ) -> http1.Answer:
         async with session.request(
             request.method,
             url_for(self._base_url, request.target),
@@ -253,8 +251,7 @@ class AiohttpTransport(AsyncBaseTransport):
                             parts.append(part)
                         body = b"".join(parts)
                 except errors.AnswerOverBudget as exc:
-                    exc.upstream_status = upstream.status
-                    raise
-            return client.Answer(
+                    raise exc.after(upstream.status) from None
+            return http1.Answer(
                 upstream.status, upstream.reason or "", CIMultiDict(upstream.headers), body
             )

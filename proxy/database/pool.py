@@ -1,4 +1,14 @@
-"""A fixed number of PostgreSQL connections, lent to one request at a time.
+"""The connections to PostgreSQL: how one is opened, what its errors mean, and the pool that
+lends them one request at a time. The one module that imports asyncpg.
+
+Errors: a driver or socket error becomes ``errors.StoreUnavailable`` exactly once, here
+(``translated``, as procrastinate's connector ``wrap_exceptions`` does). The server's refusals a
+caller tells apart (a lock wait past ``lock_timeout``, a missing table, a missing privilege)
+become subclasses of it, and leave the connection usable; anything else leaves it in doubt, and
+``translated``'s ``on_error`` closes it.
+
+Connecting: ``open_connection`` holds what PgBouncer in transaction pooling mode asks of a
+connection.
 
 Why not ``asyncpg.Pool``: per request it costs a task for ``acquire(timeout=)`` (Python 3.11's
 ``wait_for``), another for the ``shield`` in ``release``, a reset round trip unless told
@@ -19,17 +29,126 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
+
+from proxy import errors
+
+if TYPE_CHECKING:
+    from proxy import config
 
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     Connection = asyncpg.Connection[Any]  # generic in the stubs only
+    Record = asyncpg.Record
 else:
     Connection = asyncpg.Connection
+    Record = asyncpg.Record
 MAX_IDLE = 300.0
+APPLICATION_NAME = "dedup-proxy"
+
+# Errors meaning "the database is not usable right now"; anything else is a bug and propagates.
+# InternalClientError: asyncpg's protocol is in a state it cannot leave (an error still being
+# consumed when the connection broke): the connection is as unusable as a dead one.
+DB_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
+
+
+class LockTimeout(errors.StoreUnavailable):
+    """A row or table lock was not granted within the transaction's lock_timeout (55P03)."""
+
+
+class TableMissing(errors.StoreUnavailable):
+    """The claim table does not exist (42P01)."""
+
+
+class PermissionDenied(errors.StoreUnavailable):
+    """The role lacks a privilege the statement needs (42501)."""
+
+
+# The server's refusals a caller tells apart; the connection stays usable (its transaction, if
+# any, is aborted and is rolled back as usual).
+_REFUSALS: tuple[tuple[type[Exception], type[errors.StoreUnavailable]], ...] = (
+    (asyncpg.LockNotAvailableError, LockTimeout),
+    (asyncpg.UndefinedTableError, TableMissing),
+    (asyncpg.InsufficientPrivilegeError, PermissionDenied),
+)
+
+
+def translated(what: str, on_error: Callable[[], object] | None = None) -> Translation:
+    """A block whose database errors raise StoreUnavailable("<what>: <the error>"), or the
+    subclass naming a refusal (LockTimeout, TableMissing, PermissionDenied); for any other
+    error, after ``on_error`` (closing a connection left in doubt)."""
+    return Translation(what, on_error)
+
+
+class Translation:
+    """``translated``'s context manager; a class, not a generator, which would cost several
+    times as much on every claim."""
+
+    __slots__ = ("_on_error", "_what")
+
+    def __init__(self, what: str, on_error: Callable[[], object] | None) -> None:
+        self._what = what
+        self._on_error = on_error
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, DB_ERRORS):
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            for refusal, mapped in _REFUSALS:
+                if isinstance(exc, refusal):
+                    raise mapped(f"{self._what}: {detail}") from exc
+            if self._on_error is not None:
+                self._on_error()
+            raise errors.StoreUnavailable(f"{self._what}: {detail}") from exc
+
+
+def open_connection(
+    dsn: str,
+    settings: config.DatabaseConfig,
+    *,
+    application_name: str = APPLICATION_NAME,
+    command_timeout: float | None = None,
+) -> Awaitable[Connection]:
+    """A connection that works through PgBouncer in transaction pooling mode.
+
+    Nothing but ``application_name`` (which PgBouncer tracks) goes into the startup packet; the
+    settings a claim relies on travel inside its transaction (``sql.begin``). No prepared
+    statement outlives its round trip: asyncpg's statement cache would name statements on one
+    server connection and use them on another.
+    """
+    connection: Awaitable[Connection] = asyncpg.connect(
+        dsn,
+        timeout=settings.connect_timeout,
+        command_timeout=command_timeout,
+        statement_cache_size=0,
+        server_settings={"application_name": application_name},
+    )
+    return connection
+
+
+def discard(connection: Connection) -> None:
+    """Close a connection in doubt so the pool never lends it again."""
+    connection.terminate()
+
+
+def server_version(connection: Connection) -> str:
+    """The server's version as it announced it (major.minor)."""
+    version = connection.get_settings().server_version
+    return str(version)
 
 
 class Pool:

@@ -113,14 +113,20 @@ class Origin:
     authority: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Answer:
-    """The app's answer; obs-text in ``reason`` and header values as surrogate escapes."""
+    """The app's answer, read whole, as every transport returns it and the pipeline relays it;
+    obs-text in ``reason`` and header values as surrogate escapes. ``headers`` are the app's
+    until the forwarder filters them for relaying."""
 
     status: int
     reason: str
     headers: CIMultiDict[str]
     body: bytes
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
 
 
 def _text(value: bytes | bytearray) -> str:
@@ -141,6 +147,24 @@ def _items(fields: Iterable[tuple[str, str]], name: str) -> list[str] | None:
     # Only HTTP's whitespace and ASCII case: str.strip() takes U+00A0, "\u212a".lower() is "k".
     items = [item.strip(" \t") for value in found for item in value.split(",")]
     return [item.lower() if item.isascii() else item for item in items]
+
+
+def _framing(
+    fields: list[tuple[str, str]], version: str
+) -> tuple[list[str] | None, list[str] | None]:
+    """A final answer's Transfer-Encoding and Content-Length items, refusing framing that is
+    ambiguous or that llhttp would read otherwise than the app meant."""
+    codings = _items(fields, "transfer-encoding")
+    lengths = _items(fields, "content-length")
+    if codings is not None and lengths is not None:
+        raise _Malformed("both Transfer-Encoding and Content-Length")
+    if codings is not None and (version == "1.0" or codings != ["chunked"]):
+        # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing; llhttp
+        # would read another final coding as "until the connection closes".
+        raise _Malformed(f"unsupported transfer coding {', '.join(codings)!r}")
+    if lengths is not None and not _LENGTH.fullmatch(lengths[0].encode("utf-8", "surrogateescape")):
+        raise _Malformed("Content-Length over 19 digits")
+    return codings, lengths
 
 
 class _Reader:
@@ -246,18 +270,7 @@ class _Reader:
                 raise _Malformed(f"over {MAX_INTERIM} interim (1xx) answers")
             return
         fields = self._fields
-        codings = _items(fields, "transfer-encoding")
-        lengths = _items(fields, "content-length")
-        if codings is not None and lengths is not None:
-            raise _Malformed("both Transfer-Encoding and Content-Length")
-        if codings is not None and (version == "1.0" or codings != ["chunked"]):
-            # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing; llhttp
-            # would read another final coding as "until the connection closes".
-            raise _Malformed(f"unsupported transfer coding {', '.join(codings)!r}")
-        if lengths is not None and not _LENGTH.fullmatch(
-            lengths[0].encode("utf-8", "surrogateescape")
-        ):
-            raise _Malformed("Content-Length over 19 digits")
+        codings, lengths = _framing(fields, version)
         self._head_done = True
         self._reason_text = reason
         self.keep = version == "1.1" and "close" not in (_items(fields, "connection") or [])
@@ -515,8 +528,7 @@ class Client:
             limit = idle_limit(self._keepalive, answer.headers.get("Keep-Alive"))
             keep = reader.keep and limit > 0
         except errors.AnswerOverBudget as exc:
-            exc.upstream_status = reader.status
-            raise
+            raise exc.after(reader.status) from None
         except _Failed as exc:
             exc.status = reader.status
             raise

@@ -17,8 +17,10 @@ from urllib.parse import quote
 
 import yaml
 
-from proxy import errors, forwarded, paths, reader, values
-from proxy import routes as routes_module
+from proxy import errors, paths
+from proxy.config import reader, values
+from proxy.config import routes as routes_module
+from proxy.upstream import proxy_headers
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_UPSTREAM_TIMEOUT = 30.0
@@ -179,7 +181,7 @@ class Config:
     max_buffered: int = DEFAULT_MAX_BUFFERED
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     # Peers (an ingress, a load balancer) whose X-Forwarded-* headers the app is passed as sent.
-    trusted_proxies: tuple[forwarded.Network, ...] = ()
+    trusted_proxies: tuple[proxy_headers.Network, ...] = ()
 
 
 def _listen(value: object) -> Listen:
@@ -315,7 +317,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         max_connections=r.value(
             top, "max_connections", "", values.parse_positive_int, DEFAULT_MAX_CONNECTIONS
         ),
-        trusted_proxies=r.value(top, "trusted_proxies", "", forwarded.parse_networks, ()),
+        trusted_proxies=r.value(top, "trusted_proxies", "", proxy_headers.parse_networks, ()),
         log=LogConfig(
             level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
             format=r.value(

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from proxy import keys
+from proxy import event_ids
 
 EMBEDDED = "embedded"
 
@@ -200,13 +200,13 @@ def parse_methods(value: object) -> tuple[str, ...]:
     return tuple(dict.fromkeys(methods))
 
 
-def parse_source(value: object) -> keys.Source:
+def parse_source(value: object) -> event_ids.Source:
     if not isinstance(value, str):
         raise ValueError(f"must be body:/pointer, header:Name or query:name, got {value!r}")
-    return keys.parse_source(value)
+    return event_ids.parse_source(value)
 
 
-def parse_sources(value: object) -> keys.Source | tuple[keys.Source, ...]:
+def parse_sources(value: object) -> event_ids.Source | tuple[event_ids.Source, ...]:
     """One source, or a list of them for a composite key."""
     if isinstance(value, list | tuple):
         if len(value) < 2:

@@ -20,7 +20,6 @@ import asyncio
 import logging
 import ssl as ssl_module
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,7 +27,8 @@ import aiohttp
 from aiohttp import hdrs, http_writer, web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy import client, errors, forwarded, transports
+from proxy import errors
+from proxy.upstream import http1, proxy_headers, transports
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def request_headers(
     host = incoming.get(hdrs.HOST)
     if not preserve_host:
         headers.popall(hdrs.HOST, None)
-    forwarded.set_forwarded(headers, peer=peer, scheme=scheme, host=host, trusted=trusted)
+    proxy_headers.set_forwarded(headers, peer=peer, scheme=scheme, host=host, trusted=trusted)
     return headers
 
 
@@ -116,7 +116,7 @@ def _head(status_line: str, headers: CIMultiDict[str]) -> bytes:
     stand for; a control character other than HTAB refused, as it refuses one (CR, LF and NUL
     would let an app's value inject a header or end the head)."""
     lines = [status_line, *[f"{name}: {value}" for name, value in headers.items()]]
-    if client.CONTROL.search("\t".join(lines)):
+    if http1.CONTROL.search("\t".join(lines)):
         raise ValueError("Forbidden control character detected in headers")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
 
@@ -153,23 +153,11 @@ class RelayedStreamResponse(_AsSent):
     """The app's answer to a pass-through request, streamed."""
 
 
-@dataclass(frozen=True, slots=True)
-class UpstreamResponse:
-    """The upstream's answer, read whole, headers already filtered for relaying."""
-
-    status: int
-    reason: str | None
-    headers: CIMultiDict[str]
-    body: bytes
-
-    @property
-    def ok(self) -> bool:
-        return 200 <= self.status < 300
-
-    def to_web(self) -> web.Response:
-        return RelayedResponse(
-            status=self.status, reason=self.reason, headers=self.headers, body=self.body
-        )
+def relayed(answer: http1.Answer) -> RelayedResponse:
+    """The app's answer, its headers filtered by ``Forwarder.forward``, as the provider gets it."""
+    return RelayedResponse(
+        status=answer.status, reason=answer.reason, headers=answer.headers, body=answer.body
+    )
 
 
 class Forwarder:
@@ -189,19 +177,19 @@ class Forwarder:
         keepalive: float,
         ssl: ssl_module.SSLContext | None = None,
         upstreams: Iterable[str] = (),
-        trusted_proxies: forwarded.TrustedProxies | None = None,
+        trusted_proxies: proxy_headers.TrustedProxies | None = None,
     ) -> None:
-        self._trusted = trusted_proxies or forwarded.TrustedProxies()
+        self._trusted = trusted_proxies or proxy_headers.TrustedProxies()
         self._timeout = timeout
         self._keepalive = keepalive
-        self._client = client.Client(timeout=timeout, keepalive=keepalive, connections=connections)
+        self._client = http1.Client(timeout=timeout, keepalive=keepalive, connections=connections)
         self._stream_timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=timeout, sock_read=timeout
         )
         self._preserve_host = preserve_host
         tls = True if ssl is None else ssl
         # An idle connection is dropped before the app's own keep-alive timer can close it
-        # under a request (see client.idle_limit, which the transports apply on top).
+        # under a request (see http1.idle_limit, which the transports apply on top).
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=PASSTHROUGH_CONNECTIONS, keepalive_timeout=keepalive, ssl=tls
@@ -269,20 +257,17 @@ class Forwarder:
         body: bytes,
         request_id: str,
         *,
-        reserve: client.Reserve,
-    ) -> UpstreamResponse:
+        reserve: http1.Reserve,
+    ) -> http1.Answer:
         """Send the webhook to ``target`` (the path and query the proxy routed on) with its
-        already-read body; read the whole answer, its size told to ``reserve`` first."""
+        already-read body; read the whole answer, its size told to ``reserve`` first, and
+        filter its headers for relaying."""
         headers = self._headers(request, request_id, keep_length=False)
         answer = await self.transport_for_url(base_url).handle_async_request(
             transports.Request(request.method, target, headers, body), reserve
         )
-        return UpstreamResponse(
-            status=answer.status,
-            reason=answer.reason,
-            headers=response_headers(answer.headers, keep_length=False),
-            body=answer.body,
-        )
+        answer.headers = response_headers(answer.headers, keep_length=False)
+        return answer
 
     async def relay(
         self, request: web.Request, base_url: str, target: str, request_id: str

@@ -34,8 +34,8 @@ def _quote(table: str) -> str:
 def _literal(value: str | None) -> str:
     """A SQL string literal that reads the same whatever the session's
     standard_conforming_strings (an escape string: ``E'…'``, backslashes doubled), so the claim
-    depends on no session setting. keys.py refuses control characters, NUL included, in IDs and
-    types; scopes are configuration names."""
+    depends on no session setting. ``event_ids`` refuses control characters, NUL included, in
+    IDs and types; scopes are configuration names."""
     if value is None:
         return "NULL"
     return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"

@@ -1,0 +1,226 @@
+"""A claim: one request's hold on one event, from its INSERT to the end of its transaction.
+
+The concurrency design rests on PostgreSQL's unique index. ``INSERT … ON CONFLICT DO NOTHING``
+in a READ COMMITTED transaction either inserts the row (this request owns the event until it
+commits or rolls back), returns nothing because a committed row exists (a duplicate), or
+*waits* on another transaction's uncommitted row and then does one of the two once that
+transaction ends. No SELECT-before-INSERT, no advisory locks: the index is the lock, and it is
+released exactly when the owner's transaction ends (commit, rollback, or its connection dying).
+
+``Store.claim`` makes the claim (the INSERT) and ends whatever is left open on the way out of
+its ``async with``. In between, one named step ends the transaction, each one round trip as
+before there were names (procrastinate's job transitions are the model):
+
+- ``commit(answer)``: an acquired claim becomes permanent, with the app's answer if the route
+  replays it. Returns a ``Commit`` saying what was stored.
+- ``settle_duplicate(read_answer)``: a duplicate learns whether the event was first claimed with
+  another body (a mismatch) and, with ``read_answer``, the answer stored with it; its
+  transaction ends with the same round trip (or, reading the answer, the next).
+- ``release()``: roll back (a failed delivery, or what the ``async with`` does when no step ran).
+- ``abandon()``: the connection failed mid-claim; close it instead of waiting on it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from proxy import errors
+from proxy.database import pool, sql
+
+if TYPE_CHECKING:
+    from proxy.database.store import Store
+
+log = logging.getLogger(__name__)
+
+GRANT_ANSWER_HINT = f"needs GRANT UPDATE ({', '.join(sql.ANSWER_COLUMNS)})"
+
+# A claim's states; each transition moves OPEN to one of the others, once.
+OPEN = "open"
+COMMITTED = "committed"
+SETTLED = "settled"
+RELEASED = "released"
+ABANDONED = "abandoned"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The app's 2xx answer as stored for replay: its status, end-to-end headers in order
+    (repeated ones kept) and body."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """What is claimed: the event, and the facts stored with it."""
+
+    scope: str
+    event_id: str
+    event_type: str | None
+    body_sha256: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """What ``Claim.commit`` stored. ``reconciled``: the COMMIT was in doubt and the claim was
+    settled on a fresh connection, without an answer. ``answer_refused``: why the server
+    refused to store the answer (the claim was committed without it)."""
+
+    reconciled: bool = False
+    answer_refused: str | None = None
+
+    def stored(self, answer: Answer | None) -> Answer | None:
+        """The answer the claim holds now, of the one given to ``commit``."""
+        return None if self.reconciled or self.answer_refused is not None else answer
+
+
+COMMITTED_AS_ASKED = Commit()
+
+
+class Duplicate(NamedTuple):
+    """What ``Claim.settle_duplicate`` found: whether the event was first claimed with another
+    body, and the answer stored with it (None: none, or not asked for)."""
+
+    mismatch: bool
+    answer: Answer | None
+
+
+class Claim:
+    """This request's hold on one event; ``acquired`` is False for a duplicate. Made by
+    ``Store.claim``, which ends it on the way out unless a named step did."""
+
+    __slots__ = ("_connection", "_store", "acquired", "key", "state")
+
+    def __init__(self, store: Store, connection: pool.Connection, key: Key, acquired: bool) -> None:
+        self._store = store
+        self._connection = connection
+        self.key = key
+        self.acquired = acquired
+        self.state = OPEN
+
+    def _end(self, state: str) -> None:
+        if self.state is not OPEN:
+            raise RuntimeError(f"claim of {self.key.event_id!r} is {self.state} already")
+        self.state = state
+
+    async def commit(self, answer: Answer | None = None) -> Commit:
+        """Make the claim permanent, with ``answer`` stored for replay in the same round trip;
+        raise CommitFailed if that cannot be made certain.
+
+        When COMMIT fails (the connection was lost, the server went away) the claim may or may
+        not have been stored. ``Store.reconcile`` then settles it on a fresh connection
+        (re-claimed there without an answer: its duplicates then get the proxy's own
+        acknowledgement). When the server refuses to store the answer (the role may not UPDATE
+        it), the claim is committed without it on the same connection.
+        """
+        if not self.acquired:
+            raise RuntimeError("a duplicate's claim cannot be committed")
+        self._end(COMMITTED)
+        store, key = self._store, self.key
+        statement = "COMMIT"
+        if answer is not None:
+            statement = store.queries.commit_answer(
+                key.scope, key.event_id, answer.status, list(answer.headers), answer.body
+            )
+        refused = None
+        try:
+            try:
+                with pool.translated("COMMIT failed"):
+                    await self._connection.execute(statement, timeout=store.op_timeout)
+            except pool.PermissionDenied as exc:
+                if answer is None:
+                    raise
+                refused = f"{exc.__cause__} (on_duplicate: replay {GRANT_ANSWER_HINT})"
+                log.warning(
+                    "the app's answer to %s %s was not stored for replay, its claim kept "
+                    "without it (its duplicates get the proxy's acknowledgement): %s",
+                    key.scope, key.event_id, refused,
+                )  # fmt: skip
+                with pool.translated("COMMIT failed"):
+                    await self._connection.execute(
+                        sql.COMMIT_WITHOUT_ANSWER, timeout=store.op_timeout
+                    )
+                return Commit(answer_refused=refused)
+        except errors.StoreUnavailable as exc:
+            self._discard()
+            if await store.reconcile(key):
+                return Commit(reconciled=True, answer_refused=refused)
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            raise errors.CommitFailed(
+                f"COMMIT failed and could not be reconciled: {cause!r}"
+            ) from cause
+        except asyncio.CancelledError:
+            self._discard()  # cancelled mid-COMMIT: the session's state is unknown
+            raise
+        return COMMITTED_AS_ASKED
+
+    async def settle_duplicate(self, *, read_answer: bool = False) -> Duplicate:
+        """End a duplicate's transaction, and tell whether its body differs from the one first
+        claimed; with ``read_answer``, also the answer stored with the claim.
+
+        READ COMMITTED: either statement sees the row a concurrent owner committed while this
+        copy waited. Without ``read_answer``, one round trip (the ROLLBACK and the comparison
+        together, see sql.Queries.duplicate); a failure there is logged, the connection closed,
+        and no mismatch reported. With it, the read (its failure raises StoreUnavailable) then
+        the ROLLBACK.
+        """
+        if self.acquired:
+            raise RuntimeError("an acquired claim is no duplicate")
+        key, store = self.key, self._store
+        if not read_answer:
+            self._end(SETTLED)
+            statement = store.queries.duplicate(key.scope, key.event_id, key.body_sha256)
+            try:
+                with pool.translated("comparing the duplicate's body failed"):
+                    status = await self._connection.execute(statement, timeout=store.op_timeout)
+            except errors.StoreUnavailable as exc:
+                log.warning("rollback failed, closing the connection: %s", exc.message)
+                self._discard()
+                return Duplicate(False, None)
+            except asyncio.CancelledError:
+                self._discard()  # cancelled mid-ROLLBACK: the session's state is unknown
+                raise
+            return Duplicate(status == "SELECT 1", None)
+        with pool.translated("reading the stored answer failed", self.abandon):
+            row = await self._connection.fetchrow(
+                store.queries.answer, key.scope, key.event_id, key.body_sha256,
+                timeout=store.op_timeout,
+            )  # fmt: skip
+        await self.release()
+        self.state = SETTLED
+        mismatch = bool(row and row["mismatch"])
+        if row is None or row["answer_status"] is None:
+            return Duplicate(mismatch, None)
+        headers = tuple((name, value) for name, value in json.loads(row["answer_headers"]))
+        return Duplicate(mismatch, Answer(row["answer_status"], headers, row["answer_body"]))
+
+    async def release(self) -> None:
+        """Roll back, unless a step ended the claim already; a connection in doubt is closed,
+        never reused."""
+        if self.state is not OPEN:
+            return
+        self.state = RELEASED
+        try:
+            with pool.translated("rollback failed"):
+                await self._connection.execute("ROLLBACK", timeout=self._store.op_timeout)
+        except errors.StoreUnavailable as exc:
+            log.warning("rollback failed, closing the connection: %s", exc.message)
+            self._discard()
+        except asyncio.CancelledError:
+            self._discard()  # cancelled mid-ROLLBACK: the session's state is unknown
+            raise
+
+    def abandon(self) -> None:
+        """The connection failed mid-claim: close it rather than wait on it again."""
+        if self.state is OPEN:
+            self.state = ABANDONED
+        self._discard()
+
+    def _discard(self) -> None:
+        pool.discard(self._connection)

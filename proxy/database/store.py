@@ -1,0 +1,443 @@
+"""The store: every database operation the proxy makes, each a method (procrastinate's
+``manager.py`` is the model), over a pool of connections set up so that a stuck claim cannot
+outlive its bounds.
+
+Serving: ``claim`` (see ``claim``), ``reconcile`` after a COMMIT in doubt, the start-up checks
+(``ensure_schema``, ``check_privileges``) and readiness (``check``), a batch of the retention
+sweep. Operating (the CLI's commands, over a pool of one): ``events``, ``forget``, ``stats``,
+``migrate`` and the facts the preflight reports. The statements are in ``sql``; what the
+driver's errors mean, in ``pool``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, NamedTuple
+
+from proxy import errors
+from proxy.database import pool, sql
+from proxy.database.claim import Claim, Key
+from proxy.database.pool import Connection, Pool, translated
+
+if TYPE_CHECKING:
+    from proxy import config
+
+log = logging.getLogger(__name__)
+
+# What each privilege is for, as the refusal to start says it (docs/deployment.md, "The role").
+PRIVILEGES = {
+    "SELECT": "duplicates and readiness read the claims",
+    "INSERT": "the claim itself",
+    "DELETE": "the retention sweep and events forget",
+}
+# How long the DDL may wait for the claim table's lock. ALTER TABLE queues behind every claim in
+# flight, and every new claim queues behind it: a short wait that fails bounds that stall.
+DDL_LOCK_WAIT = 5.0
+# The sweep: a forget holds its rows for one short statement; longer means a transaction left
+# open on a claim, and the sweep's own deleted rows (which a redelivery of their events would
+# wait on) must not stay locked while it waits.
+SWEEP_ROW_LOCK_WAIT = 1.0
+TABLE_MISSING = (
+    "the claim table does not exist yet: start the proxy once or run 'dedup-proxy migrate'"
+)
+
+
+@contextlib.contextmanager
+def _plainly_missing() -> Iterator[None]:
+    """An operator's query on a missing table says what to do about it."""
+    try:
+        yield
+    except pool.TableMissing as exc:
+        raise pool.TableMissing(TABLE_MISSING) from exc.__cause__
+
+
+class Event(NamedTuple):
+    """One claim as ``events list`` shows it."""
+
+    scope: str
+    event_id: str
+    event_type: str | None
+    received_at: datetime
+
+
+class ScopeStats(NamedTuple):
+    """The claims of one scope: how many, the oldest and the newest."""
+
+    scope: str
+    rows: int
+    oldest: datetime
+    newest: datetime
+
+
+def schema_sql(table: str) -> str:
+    """The DDL for the claim table (idempotent)."""
+    return sql.for_table(table).schema
+
+
+async def missing_schema(
+    connection: Connection, queries: sql.Queries, *, answers: bool = True
+) -> str:
+    """What the claim table lacks ("" when nothing), read from the catalog without locks;
+    the answer columns only with ``answers`` (some route replays)."""
+    row = await connection.fetchrow(queries.schema_missing)
+    if row is None or not row["table"]:
+        return "does not exist"
+    needed = ("digest", "answer", "index") if answers else ("digest", "index")
+    lacking = [name for name in needed if not row[name]]
+    names = {
+        "digest": "column body_sha256",
+        "answer": "the answer columns (on_duplicate: replay)",
+        "index": "index on received_at",
+    }
+    return "lacks " + " and ".join(names[n] for n in lacking) if lacking else ""
+
+
+async def apply_schema(
+    connection: Connection, queries: sql.Queries, what: str = "the schema change failed"
+) -> None:
+    """Create or upgrade the claim table; safe when several replicas start at once. Gives up
+    (StoreUnavailable) rather than wait more than DDL_LOCK_WAIT for the table's lock; other
+    errors raise StoreUnavailable("<what>: <the error>")."""
+    try:
+        with translated(what):
+            async with connection.transaction():
+                await connection.execute(queries.schema_lock)
+                await connection.execute(sql.lock_timeout(DDL_LOCK_WAIT))
+                await connection.execute(queries.schema)
+    except pool.LockTimeout:
+        raise errors.StoreUnavailable(
+            f"table {queries.table}: the schema change could not lock the table within "
+            f"{DDL_LOCK_WAIT:g}s (claims in flight hold it); run 'dedup-proxy migrate' at a "
+            "quieter moment"
+        ) from None
+
+
+def _lacking(row: pool.Record, queries: sql.Queries, *, answers: bool) -> str:
+    """The GRANTs a row of ``queries.privileges`` says the role lacks, and why ("" if none)."""
+    role, table = row["role"], queries.quoted
+    lacking = [name for name in PRIVILEGES if not row[name.lower()]]
+    grants = []
+    if lacking:
+        why = "; ".join(f"{name}: {PRIVILEGES[name]}" for name in lacking)
+        grants.append(f"GRANT {', '.join(lacking)} ON {table} TO {role} ({why})")
+    if answers and row["answer"] is False:
+        columns = ", ".join(sql.ANSWER_COLUMNS)
+        grants.append(
+            f"GRANT UPDATE ({columns}) ON {table} TO {role} (on_duplicate: replay stores the "
+            "app's answer)"
+        )
+    return f"role {role} lacks privileges: " + "; ".join(grants) if grants else ""
+
+
+class Store:
+    """A pool of connections, each set up so that a stuck claim cannot outlive its bounds."""
+
+    def __init__(
+        self,
+        connections: Pool,
+        settings: config.DatabaseConfig,
+        *,
+        claim_wait: float,
+        upstream_timeout: float,
+        connect: Callable[[], Awaitable[Connection]],
+    ) -> None:
+        self._pool = connections
+        self._connect = connect
+        self._settings = settings
+        self.queries = sql.for_table(settings.table)
+        self.op_timeout = settings.connect_timeout
+        self._claim_timeout = claim_wait + settings.connect_timeout
+        # A copy waits on an in-flight claim at most claim_wait; and the claim stays open while
+        # the upstream works, so past the upstream's timeout the server itself rolls back a
+        # claim whose proxy vanished without closing its socket.
+        self._claim_wait = claim_wait
+        self._idle_limit = upstream_timeout + settings.connect_timeout
+        self._begin = sql.begin(claim_wait, self._idle_limit)
+        self._answers = False  # whether the routes need UPDATE (check_privileges)
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        settings: config.DatabaseConfig,
+        *,
+        claim_wait: float,
+        upstream_timeout: float,
+        size: int | None = None,
+        application_name: str = pool.APPLICATION_NAME,
+        unreachable: str = "cannot connect to PostgreSQL",
+    ) -> Store:
+        """Connect the pool (``size`` connections, default ``pool_size``); raise
+        StoreUnavailable("<unreachable>: <why>") if PostgreSQL cannot be reached.
+
+        Nothing changes a session after connecting, so a connection needs no reset between
+        requests (see ``pool``), and any server connection PgBouncer hands over will do.
+        """
+        connect = functools.partial(
+            pool.open_connection, dsn, settings, application_name=application_name
+        )
+        with translated(unreachable):
+            connections = await Pool.open(
+                functools.partial(connect, command_timeout=claim_wait + settings.connect_timeout),
+                settings.pool_size if size is None else size,
+            )
+        return cls(
+            connections, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
+            connect=connect,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        await self._pool.close(self.op_timeout)
+
+    # Serving
+
+    @contextlib.asynccontextmanager
+    async def claim(self, key: Key, wait: float | None = None) -> AsyncIterator[Claim]:
+        """Claim (scope, event_id); waits while another transaction holds it uncommitted, at
+        most ``wait`` seconds (a route's own claim_wait; default the store's).
+
+        Raises StoreUnavailable (no connection or the database failed) or ClaimWaitExceeded.
+        On exit the transaction is rolled back unless a step of the claim ended it.
+        """
+        connection = await self._acquire()
+        begin, timeout = self._begin, self._claim_timeout
+        if wait is not None and wait != self._claim_wait:
+            begin = sql.begin(wait, self._idle_limit)
+            timeout = wait + self.op_timeout
+        claim = Claim(self, connection, key, acquired=False)
+        try:
+            try:
+                with translated("claim failed", claim.abandon):
+                    status = await connection.execute(
+                        self.queries.claim(
+                            begin, key.scope, key.event_id, key.event_type, key.body_sha256
+                        ),
+                        timeout=timeout,
+                    )
+            except pool.LockTimeout as exc:
+                raise errors.ClaimWaitExceeded() from exc.__cause__
+            claim.acquired = status.rpartition(" ")[2] == "1"
+            yield claim
+        finally:
+            try:
+                await claim.release()
+            except BaseException:
+                # Cancelled mid-ROLLBACK (a shutdown past its timeout): the session's state is
+                # unknown, and asyncpg's in-transaction flag may be stale.
+                pool.discard(connection)
+                raise
+            finally:
+                self._pool.release(connection)
+
+    async def reconcile(self, key: Key) -> bool:
+        """After a COMMIT in doubt: is the claim stored now? Re-claims it if it is absent.
+
+        On a fresh connection outside the pool (the pooled ones may sit behind the same broken
+        link), the claim again, committed at once: a conflict means the row is there (our COMMIT
+        went through, or the event was processed elsewhere); an insert means our COMMIT was lost
+        and the claim is now stored. Anything else (the database still unreachable, our old
+        transaction still holding the row past claim_wait) leaves it unknown: False.
+        """
+        statement = self.queries.claim(
+            self._begin, key.scope, key.event_id, key.event_type, key.body_sha256, commit=True
+        )
+        try:
+            with translated("reconciling a COMMIT in doubt failed"):
+                connection = await self._connect()
+                try:
+                    await connection.execute(statement, timeout=self._claim_timeout)
+                finally:
+                    connection.terminate()
+        except errors.StoreUnavailable as exc:
+            log.warning("%s", exc.message)
+            return False
+        return True
+
+    async def ensure_schema(self, *, answers: bool = True) -> None:
+        """Check the claim table; create or upgrade it only if something is missing.
+
+        The check reads the catalog only. The DDL is never run needlessly: even with IF NOT
+        EXISTS, CREATE INDEX and ALTER TABLE take table locks that queue behind every claim in
+        flight and block every new one, so a replica restarting under traffic would stall all.
+        """
+        table = self._settings.table
+        async with self._connection() as connection:
+            with translated(f"cannot prepare table {table}"):
+                missing = await missing_schema(connection, self.queries, answers=answers)
+                if missing and self._settings.create_schema:
+                    await apply_schema(connection, self.queries, f"cannot prepare table {table}")
+                    return
+        if missing:
+            raise errors.StoreUnavailable(
+                f"table {table}: {missing}, and database.create_schema is false; run "
+                "'dedup-proxy migrate' (or apply 'dedup-proxy schema') or set create_schema: true"
+            )
+
+    async def check_privileges(self, *, answers: bool) -> None:
+        """Raise StoreUnavailable naming each grant the routes need that the role lacks
+        (UPDATE on the answer columns with ``answers``); ``check`` verifies them from then on."""
+        self._answers = answers
+        problem = await self.missing_grants(answers=answers)
+        if problem:
+            raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
+
+    async def check(self) -> None:
+        """Raise StoreUnavailable unless the database answers, the claim table exists and the
+        role still holds the privileges ``check_privileges`` verified; one statement."""
+        async with self._connection() as connection:
+            with translated("database check failed"):
+                row = await connection.fetchrow(self.queries.privileges, timeout=self.op_timeout)
+        if row is None or not row["table"]:
+            raise errors.StoreUnavailable(f"table {self._settings.table} does not exist")
+        if problem := _lacking(row, self.queries, answers=self._answers):
+            raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
+
+    async def sweep_batch(self, scope: str, retention: float, batch: int) -> int | None:
+        """Delete one batch of ``scope``'s claims older than ``retention`` seconds, in a short
+        transaction of its own; None when another replica holds the sweeper's lock."""
+        async with self._connection() as connection:
+            with translated("retention delete failed"):
+                async with connection.transaction():
+                    locked = await connection.fetchval(
+                        self.queries.sweep_lock, timeout=self.op_timeout
+                    )
+                    if not locked:
+                        return None
+                    await connection.execute(sql.lock_timeout(SWEEP_ROW_LOCK_WAIT))
+                    status = await connection.execute(
+                        self.queries.sweep, scope, retention, batch, timeout=self.op_timeout
+                    )
+        return int(status.split()[-1])
+
+    def pool_stats(self) -> tuple[int, int]:
+        """(connections open, connections idle)."""
+        return self._pool.stats()
+
+    # Operating
+
+    async def events(
+        self, scope: str, after: datetime | None, limit: int
+    ) -> tuple[list[Event], int]:
+        """The newest ``limit`` claims of ``scope`` (received at or after ``after``), and how
+        many there are in all."""
+        async with self._connection() as connection:
+            with _plainly_missing(), translated("query failed"):
+                rows = await connection.fetch(self.queries.events, scope, after, limit)
+                total = len(rows)
+                if total == limit:
+                    total = await connection.fetchval(self.queries.events_count, scope, after)
+        return [Event(*row) for row in rows], total
+
+    async def forget(self, scope: str, event_ids: Sequence[str], lock_wait: float) -> set[str]:
+        """Delete these claims of ``scope``; the IDs that were there. Waits at most
+        ``lock_wait`` for a row another transaction holds."""
+        async with self._connection() as connection:
+            try:
+                with translated("forget failed"):
+                    async with connection.transaction():
+                        # A forget must not queue for long behind a transaction holding a row.
+                        await connection.execute(sql.lock_timeout(lock_wait))
+                        rows = await connection.fetch(self.queries.forget, scope, list(event_ids))
+            except pool.LockTimeout as exc:
+                raise errors.StoreUnavailable(
+                    "one of these claims is locked by another transaction (the retention "
+                    "sweeper or another forget); try again in a moment"
+                ) from exc
+        return {row["event_id"] for row in rows}
+
+    async def stats(self) -> list[ScopeStats]:
+        """Per scope: how many claims, the oldest and the newest."""
+        async with self._connection() as connection:
+            with _plainly_missing(), translated("query failed"):
+                rows = await connection.fetch(self.queries.stats)
+        return [ScopeStats(*row) for row in rows]
+
+    async def migrate(self) -> None:
+        """Create or upgrade the claim table (``dedup-proxy migrate``)."""
+        async with self._connection() as connection:
+            await apply_schema(connection, self.queries, "migrate failed")
+
+    async def whoami(self) -> tuple[str, str]:
+        """(the role the server sees, the server's version)."""
+        async with self._connection() as connection:
+            with translated("query failed"):
+                user = await connection.fetchval("SELECT current_user")
+            return user, pool.server_version(connection)
+
+    async def missing_schema(self, *, answers: bool) -> str:
+        """What the claim table lacks ("" when nothing), see ``missing_schema``."""
+        async with self._connection() as connection:
+            with translated("query failed"):
+                return await missing_schema(connection, self.queries, answers=answers)
+
+    async def may_create_table(self) -> bool:
+        """Whether the role may CREATE in the claim table's schema."""
+        schema = self._settings.table.rpartition(".")[0] or None
+        async with self._connection() as connection:
+            with translated("query failed"):
+                may = await connection.fetchval(
+                    "SELECT has_schema_privilege(coalesce($1, current_schema()), 'CREATE')",
+                    schema,
+                )
+        return bool(may)
+
+    async def missing_grants(self, *, answers: bool) -> str:
+        """The privileges on the claim table the role lacks, as the GRANTs that give them and
+        why ("" when none, or when the table is missing: ``missing_schema`` says so); UPDATE on
+        the answer columns only with ``answers``."""
+        async with self._connection() as connection:
+            with translated("reading the role's privileges failed"):
+                row = await connection.fetchrow(self.queries.privileges, timeout=self.op_timeout)
+        if row is None or not row["table"]:
+            return ""
+        return _lacking(row, self.queries, answers=answers)
+
+    async def pooler(self) -> bool:
+        """Whether a pooler (PgBouncer) stands between the proxy and the server: it answers
+        the startup with a process ID of its own. A transaction of two statements is tried on
+        the way (statement pooling refuses it: StoreUnavailable)."""
+        async with self._connection() as connection:
+            with translated("a transaction of two statements failed"):
+                async with connection.transaction():
+                    backend = await connection.fetchval("SELECT pg_backend_pid()")
+                    await connection.fetchval("SELECT 1")
+            return bool(backend != connection.get_server_pid())
+
+    # The pool
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[Connection]:
+        """A pooled connection for work besides claims; one that fails or is cancelled
+        mid-statement is closed, never lent again."""
+        connection = await self._acquire()
+        try:
+            yield connection
+        except BaseException:
+            pool.discard(connection)
+            raise
+        finally:
+            self._pool.release(connection)
+
+    async def _acquire(self) -> Connection:
+        now = time.monotonic()
+        if self._pool.ready(now):
+            # The common case, without arming a timer: a free connection, lent at once.
+            return await self._pool.acquire(now)
+        with translated("cannot connect to PostgreSQL"):
+            try:
+                # asyncio.timeout, not acquire(timeout=): on Python 3.11 asyncpg's wait_for
+                # makes a task per call.
+                async with asyncio.timeout(self._settings.pool_timeout):
+                    connection: Connection = await self._pool.acquire()
+            except TimeoutError as exc:
+                raise errors.PoolExhausted(
+                    f"no free database connection within {self._settings.pool_timeout:g}s "
+                    f"(pool_size {self._settings.pool_size})"
+                ) from exc
+        return connection

@@ -1,0 +1,111 @@
+"""A request's canonical log line (Stripe's "canonical log lines"): its keys typed, and how it
+ends, counted in the metrics and written at its outcome's level.
+
+The pipeline fills one in per request; the formatters (``logs``) turn its keys into JSON keys
+or logfmt pairs. Its logger keeps the name it was born with, ``proxy.pipeline``: log queries
+and alerts select the lines by it (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Literal, Required, TypedDict
+
+from aiohttp import hdrs, web
+
+from proxy import metrics
+
+log = logging.getLogger("proxy.pipeline")
+
+
+class LogLine(TypedDict, total=False):
+    """Every key the pipeline writes on a request's line."""
+
+    route: Required[str | None]  # None: pass-through, or no route
+    scope: Required[str | None]  # the route's (a client's own key space is never shown)
+    method: Required[str]
+    path: Required[str]  # without the query
+    # The provider's (or an ingress's) X-Request-Id, else a new one; also sent to the app.
+    request_id: Required[str]
+    event_id: str  # as the request carried it (an Idempotency-Key as parsed)
+    event_type: str | None
+    body_claimed_as: str  # the other event ID this signed body was last claimed under
+    claim_ms: float  # the wait for the claim, in this process and at the row lock
+    upstream_status: int | None  # the app's status line, also when its answer then failed
+    upstream_ms: float
+    commit_ms: float
+    commit_error: str  # the COMMIT keeping a 2xx whose answer failed did not go through
+    replay_skipped: str  # why the app's answer was not stored for replay
+    answer_store_error: str  # why the claim was committed without its answer
+    reconciled: bool  # the COMMIT was in doubt, and was settled on another connection
+    mismatch: bool  # a duplicate whose body differs from the first one's
+    replayed: bool  # a duplicate answered with the stored answer
+    outcome: str  # one of metrics.OUTCOMES
+    error: str  # why the request was not carried through (the RequestError's message)
+    shed: str  # "memory" or "pool": shed to protect the worker
+    client_gone: bool  # the client went away before its answer was written
+    status: int  # the proxy's answer
+    total_ms: float  # from the request's headers to its answer written
+
+
+Phase = Literal["claim_ms", "upstream_ms", "commit_ms", "total_ms"]
+
+_LEVELS = {
+    "duplicate": logging.DEBUG,
+    "unavailable": logging.ERROR,
+    "ambiguous_commit": logging.ERROR,
+    "rejected": logging.WARNING,
+    "mismatch": logging.WARNING,
+    # The app failed (answered 5xx or 4xx, refused, reset, timed out): an alert on warning and
+    # above must see an app outage.
+    "upstream_error": logging.WARNING,
+}
+
+
+def start(request: web.Request, route: str | None, scope: str | None) -> LogLine:
+    """The start of the request's line."""
+    return {
+        "route": route,
+        "scope": scope,
+        "method": request.method,
+        "path": request.raw_path.partition("?")[0],
+        # The provider's (or an ingress's) ID if it sent one, so the lines can be joined.
+        # Else 128 random bits in hex, as uuid4().hex looks, at a sixth of its cost.
+        "request_id": request.headers.get(hdrs.X_REQUEST_ID) or os.urandom(16).hex(),
+    }
+
+
+def phase(line: LogLine, name: Phase, timings: metrics.Timings, started: float) -> None:
+    """The time since ``started``: in milliseconds on the line as ``name``, in seconds in the
+    phase's histogram."""
+    took = time.perf_counter() - started
+    line[name] = round(took * 1000, 2)
+    timings.observe(took)
+
+
+def finish(
+    meters: metrics.RouteMeters, line: LogLine, started: float, response: web.StreamResponse
+) -> None:
+    """Count the request and write its line, at the level of its outcome (a line that reports
+    something wrong with a duplicate or a stored answer at warning level)."""
+    line["status"] = response.status
+    phase(line, "total_ms", meters.duration, started)
+    outcome = line["outcome"]
+    meters.requests[outcome].inc()
+    if line.get("mismatch"):
+        meters.mismatches.inc()
+    if line.get("body_claimed_as"):
+        meters.reused_bodies.inc()
+    if outcome == "ambiguous_commit":
+        meters.ambiguous_commits.inc()
+    if (
+        line.get("mismatch")
+        or line.get("body_claimed_as")
+        or line.get("replay_skipped")
+        or line.get("answer_store_error")
+    ):
+        outcome = "mismatch"
+    level = _LEVELS.get(outcome, logging.INFO)
+    log.log(level, "%s %s -> %s", line["method"], line["path"], outcome, extra={"fields": line})

@@ -1,0 +1,92 @@
+"""``dedup-proxy check --database``: whether ``serve`` would work against the database.
+
+One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), the claim table
+and its columns, the privileges the configured routes need (the ones ``serve`` verifies at
+start-up) and what can be told of a connection pooler in between. The facts come from the
+store; this module only judges and words them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+from proxy import config, database, errors, logs, operations
+
+Report = Callable[[bool, str], None]
+
+
+async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
+    """Write the checks' lines to ``out``; 1 if any failed."""
+    failed = False
+
+    def report(ok: bool, line: str) -> None:
+        nonlocal failed
+        failed = failed or not ok
+        out.write(logs.mask(f"{'ok  ' if ok else 'FAIL'} {line}\n"))
+
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            store = await stack.enter_async_context(operations.open_store(cfg))
+            user, version = await store.whoami()
+        except errors.StoreUnavailable as exc:
+            report(False, f"connect: {exc.message}")
+            return 1
+        dsn = cfg.database.dsn
+        where = "embedded" if dsn is None else operations.server_of(dsn.reveal())
+        report(True, f"connect: {where} as {user}, PostgreSQL {version}")
+        await _check_table(cfg, store, report)
+        await _check_pooler(store, report)
+    return 1 if failed else 0
+
+
+async def _check_table(cfg: config.Config, store: database.Store, report: Report) -> None:
+    table = cfg.database.table
+    answers = any(route.replay for route in cfg.routes)
+    lacking = await store.missing_schema(answers=answers)
+    if lacking == "does not exist" and cfg.database.create_schema:
+        may = await store.may_create_table()
+        report(
+            may,
+            f"table {table}: does not exist; serve creates it (create_schema: true)"
+            if may
+            else f"table {table}: does not exist, and the role may not CREATE it in "
+            "its schema: run 'dedup-proxy migrate' as the table's owner",
+        )
+        return
+    if lacking:
+        report(
+            False,
+            f"table {table}: {lacking}: run 'dedup-proxy migrate' (or the DDL of "
+            "'dedup-proxy schema') as the table's owner",
+        )
+    else:
+        report(True, f"table {table}: columns and index present")
+    if lacking == "does not exist":
+        return
+    problem = await store.missing_grants(answers=answers)
+    needed = ", ".join(database.PRIVILEGES) + (
+        " and UPDATE of the answer columns (on_duplicate: replay)" if answers else ""
+    )
+    report(not problem, f"privileges: {problem}" if problem else f"privileges: {needed}")
+
+
+async def _check_pooler(store: database.Store, report: Report) -> None:
+    """A pooler answers the startup with a process ID of its own; its pool mode it does not
+    tell a client. Statement pooling refuses the claim's transaction, so one is tried."""
+    try:
+        between = await store.pooler()
+    except errors.StoreUnavailable as exc:
+        report(False, f"pooler: {exc.message}: statement pooling? The proxy needs session or "
+                      "transaction pooling")  # fmt: skip
+        return
+    if not between:
+        report(True, "pooler: none (a direct connection to PostgreSQL)")
+    else:
+        report(
+            True,
+            "pooler: one is in between (PgBouncer?); its pool mode can't be told from a "
+            "client, but transactions work: transaction or session pooling, both fine",
+        )

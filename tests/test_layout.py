@@ -1,0 +1,135 @@
+"""The package's shape, as docs/development.md draws it: imports point one way, the families
+that are closed stay closed, and the driver stays behind the database door.
+
+Read from the source (``ast``), not by importing: an import inside a function counts as much
+as one at the top; one under ``if TYPE_CHECKING:`` is for annotations only and does not.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "proxy"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    parts = name.split(".")
+    base = ROOT.joinpath(*parts)
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> set[str]:
+    """What ``path`` imports at run time: for ``from a import b``, the module ``a.b`` if ``b``
+    is one, else ``a``; leaving out what only ``if TYPE_CHECKING:`` imports."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for statement in block.body
+        for node in ast.walk(statement)
+    }
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None and node.level == 0:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                names.add(submodule if _is_module(submodule) else node.module)
+    return names
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+IMPORTS = {name: _imports(path) for name, path in MODULES.items()}
+
+
+def _internal(name: str) -> set[str]:
+    """The package's modules ``name`` imports, but the package's face (``proxy/__init__``)."""
+    return {m for m in IMPORTS[name] if m in MODULES and m not in (name, "proxy")}
+
+
+def test_the_layout_is_read_at_all() -> None:
+    # A parser that found nothing would pass every test below.
+    assert {"proxy.pipeline", "proxy.database.store", "proxy.upstream.http1"} <= set(MODULES)
+    assert "proxy.database.pool" in _internal("proxy.database.store")
+
+
+def test_imports_between_modules_have_no_cycle() -> None:
+    graph = {name: _internal(name) - {"proxy"} for name in MODULES}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the cycle
+
+
+def test_only_the_database_package_imports_the_driver() -> None:
+    importers = sorted(
+        name
+        for name, imported in IMPORTS.items()
+        if any(i == "asyncpg" or i.startswith("asyncpg.") for i in imported)
+    )
+    assert importers
+    assert [name for name in importers if not name.startswith("proxy.database")] == []
+
+
+@pytest.mark.parametrize(
+    ("family", "may_import"),
+    [
+        # The app's HTTP client, its transports and the forwarding headers: closed to the rest.
+        ("proxy.upstream", {"proxy.errors"}),
+        # The store: it reads its settings' type only for annotations.
+        ("proxy.database", {"proxy.errors"}),
+    ],
+)
+def test_a_closed_family_imports_only_itself_and_the_error_tree(
+    family: str, may_import: set[str]
+) -> None:
+    members = [name for name in MODULES if name == family or name.startswith(family + ".")]
+    assert members
+    outside = {
+        name: sorted(
+            imported
+            for imported in _internal(name)
+            if not imported.startswith(family) and imported not in may_import
+        )
+        for name in members
+    }
+    assert {name: found for name, found in outside.items() if found} == {}
+
+
+def test_the_configuration_family_is_read_only_through_its_face() -> None:
+    """How YAML is walked and what the presets hold are ``proxy.config``'s own; the rest of the
+    package imports ``proxy.config``, the route type it hands out (``routes``) and the parsers of
+    single values the CLI shares (``values``: ``--since 1h`` reads as ``retention: 1h`` does)."""
+    private = {"proxy.config.reader", "proxy.config.presets"}
+    users = {
+        name: sorted(_internal(name) & private)
+        for name in MODULES
+        if not name.startswith("proxy.config")
+    }
+    assert {name: found for name, found in users.items() if found} == {}
+
+
+def test_no_test_module_imports_another() -> None:
+    offenders = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        imported = _imports(path)
+        others = sorted(
+            name
+            for name in imported
+            if name.startswith("tests.")
+            and (name.split(".")[-1].startswith("test_") or name.endswith("conftest"))
+        )
+        if others:
+            offenders[str(path.relative_to(ROOT))] = others
+    assert offenders == {}
