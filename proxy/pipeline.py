@@ -1,10 +1,10 @@
 """One request through the proxy: key → claim → forward → commit or roll back → respond.
 
-``Route`` holds what the requests of one configured route share, among them its ``Semantics``
-(``webhooks`` or ``idempotency``: how a request maps onto a claim, and what a copy in flight or
-a duplicate is answered); ``Cycle`` is one request on it, from its headers to its answer. This
-is the one place where a ``RequestError`` becomes an HTTP answer, from the facts the error
-carries, and where each request's canonical log line (``log_line``) is filled in.
+``Route`` holds what the requests of one configured route share, among them its semantics
+(``semantics.Semantics``: ``webhooks`` or ``idempotency``, how a request maps onto a claim, and
+what a copy in flight or a duplicate is answered); ``Cycle`` is one request on it, from its headers
+to its answer. This is the one place where a ``RequestError`` becomes an HTTP answer, from the
+facts the error carries, and where each request's canonical log line (``log_line``) is filled in.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
@@ -31,6 +31,7 @@ from proxy import (
     paths,
     replay,
     request_body,
+    semantics,
     webhooks,
 )
 from proxy.config import routes
@@ -84,36 +85,6 @@ def error_response(exc: errors.RequestError, *, problem: bool = False) -> web.Re
     )
 
 
-class Semantics(Protocol):
-    """What a route's ``semantics`` decides, behind one interface as uvicorn's two HTTP
-    implementations are: ``webhooks.WebhookSemantics`` or
-    ``idempotency.IdempotencyKeySemantics``. The claim itself is the same for both."""
-
-    problem: bool  # errors answered as RFC 9457 problem details
-
-    def handles(self, method: str) -> bool:
-        """Whether a request with ``method`` is the route's to claim (else pass-through)."""
-
-    def key(self, cycle: Cycle, query: str) -> tuple[str, database.Key]:
-        """The event ID as the log line and the acknowledgement show it, and what the request
-        claims; EventIdMissing (or a subclass) when it carries none."""
-
-    def refuse_in_flight(self, in_flight: flights.Flights, key: database.Key) -> None:
-        """Before its turn: raise if a copy of ``key`` in this process is not waited for."""
-
-    def lock_wait(self, left: float) -> float:
-        """How long to wait on the row lock of a copy, ``left`` seconds of claim_wait left."""
-
-    def wait_exceeded(self, exc: errors.ClaimWaitExceeded) -> errors.RequestError:
-        """What to answer when that wait ran out."""
-
-    def claimed_as(self, key: database.Key, event_id: str) -> str | None:
-        """Once claimed: the other ID this body was last claimed under, worth a warning."""
-
-    def duplicate(self, key: database.Key, mismatch: bool) -> None:
-        """Raise if a duplicate (``mismatch``: of another body) is not answered as one."""
-
-
 class Route:
     """The handler of one configured route: what every request on it shares."""
 
@@ -121,7 +92,7 @@ class Route:
         self, route: routes.RouteConfig, cfg: config.Config, meters: metrics.Metrics
     ) -> None:
         self.config = route
-        self.semantics: Semantics = (
+        self.semantics: semantics.Semantics = (
             idempotency.IdempotencyKeySemantics(route)
             if route.idempotency
             else webhooks.WebhookSemantics(route)
@@ -160,7 +131,7 @@ class Cycle:
         self.verifier = route.config.verifier_for(match.values)
         self.line = log_line.start(request, route.config.name, self.scope)
         self.body = b""
-        self.event_id = ""  # as the request carried it (``Semantics.key``)
+        self.event_id = ""  # as the request carried it (``semantics.Semantics.key``)
 
     async def run(self) -> web.StreamResponse:
         """The request's answer, written, counted and logged."""

@@ -24,7 +24,7 @@ from proxy import database, errors
 from proxy.config import routes
 
 if TYPE_CHECKING:
-    from proxy import flights, pipeline
+    from proxy import flights, semantics
 
 
 # About 100 bytes each (digest, ID, order): a megabyte per route and worker.
@@ -50,7 +50,7 @@ class RecentBodies:
 
 
 class WebhookSemantics:
-    """A webhook route's side of ``pipeline.Semantics``."""
+    """A webhook route's side of ``semantics.Semantics``."""
 
     problem = False
 
@@ -61,10 +61,10 @@ class WebhookSemantics:
     def handles(self, method: str) -> bool:
         return True  # a method the route does not take is answered 405
 
-    def key(self, cycle: pipeline.Cycle, query: str) -> tuple[str, database.Key]:
-        event_id, event_type, digest = cycle.inspect(query)
+    def key(self, delivery: semantics.Delivery, query: str) -> tuple[str, database.Key]:
+        event_id, event_type, digest = delivery.inspect(query)
         claimed = bound(event_id, query, digest) if self.bind_to_body else event_id
-        return event_id, database.Key(cycle.scope, claimed, event_type, digest)
+        return event_id, database.Key(delivery.scope, claimed, event_type, digest)
 
     def refuse_in_flight(self, in_flight: flights.Flights, key: database.Key) -> None:
         pass  # a copy waits for its turn

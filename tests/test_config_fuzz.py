@@ -19,7 +19,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from proxy import config, errors
-from proxy.config import routes, verify
+from proxy.config import routes
+from proxy.config import verify as verify_section
 
 FUZZ = settings(max_examples=200, deadline=None, database=None)
 
@@ -28,7 +29,7 @@ SECTION_KEYS = {
     "database": config.DATABASE_KEYS,
     "log": ("level", "format"),
 }
-VERIFY_KEYS: tuple[str, ...] = verify.VERIFY_KEYS
+VERIFY_KEYS: tuple[str, ...] = verify_section.VERIFY_KEYS
 KEY_NAMES = tuple(
     dict.fromkeys(
         config.TOP_KEYS

@@ -26,13 +26,10 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 from proxy import errors
 from proxy.database import pool, sql
-
-if TYPE_CHECKING:
-    from proxy.database.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +86,16 @@ class Duplicate(NamedTuple):
 
     mismatch: bool
     answer: Answer | None
+
+
+class Store(Protocol):
+    """What a claim needs of the store that made it (``store.Store`` is one)."""
+
+    queries: sql.Queries
+    op_timeout: float
+
+    async def reconcile(self, key: Key) -> bool:
+        """After a COMMIT in doubt: whether the claim is stored now (see ``store.Store``)."""
 
 
 class Claim:
