@@ -47,6 +47,9 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
           + PoolExhausted           503  no free database connection within pool_timeout
                                          (shed: pool)
           + ClaimWaitExceeded       503  a copy waited longer than claim_wait
+          + LockTimeout             503  a lock not granted within lock_timeout (55P03)
+          + TableMissing            503  the claim table does not exist (42P01)
+          + PermissionDenied        503  the role lacks a privilege (42501)
         + Overloaded                503  the request does not fit max_buffered
                                          (outcome unavailable, shed: memory)
         + UpstreamFailed                 the app's answer did not come through (outcome
@@ -250,6 +253,18 @@ class ClaimWaitExceeded(StoreUnavailable):
     """Another copy of this event is still in flight; try again later."""
 
     code = "claim_wait_exceeded"
+
+
+class LockTimeout(StoreUnavailable):
+    """A row or table lock was not granted within the transaction's lock_timeout (55P03)."""
+
+
+class TableMissing(StoreUnavailable):
+    """The claim table does not exist (42P01)."""
+
+
+class PermissionDenied(StoreUnavailable):
+    """The role lacks a privilege the statement needs (42501)."""
 
 
 class UpstreamFailed(RequestError):

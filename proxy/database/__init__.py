@@ -12,12 +12,7 @@ nothing outside this package imports the driver.
 from __future__ import annotations
 
 from proxy.database.claim import GRANT_ANSWER_HINT, Answer, Claim, Commit, Duplicate, Key
-from proxy.database.pool import (
-    LockTimeout,
-    PermissionDenied,
-    TableMissing,
-    translated,
-)
+from proxy.database.pool import translated
 from proxy.database.store import (
     DDL_LOCK_WAIT,
     PRIVILEGES,
@@ -39,11 +34,8 @@ __all__ = [
     "Duplicate",
     "Event",
     "Key",
-    "LockTimeout",
-    "PermissionDenied",
     "ScopeStats",
     "Store",
-    "TableMissing",
     "apply_schema",
     "missing_schema",
     "schema_sql",

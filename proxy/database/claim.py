@@ -140,7 +140,7 @@ class Claim:
             try:
                 with pool.translated("COMMIT failed"):
                     await self._connection.execute(statement, timeout=store.op_timeout)
-            except pool.PermissionDenied as exc:
+            except errors.PermissionDenied as exc:
                 if answer is None:
                     raise
                 refused = f"{exc.__cause__} (on_duplicate: replay {GRANT_ANSWER_HINT})"

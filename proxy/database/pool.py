@@ -62,24 +62,12 @@ DB_ERRORS = (
 )
 
 
-class LockTimeout(errors.StoreUnavailable):
-    """A row or table lock was not granted within the transaction's lock_timeout (55P03)."""
-
-
-class TableMissing(errors.StoreUnavailable):
-    """The claim table does not exist (42P01)."""
-
-
-class PermissionDenied(errors.StoreUnavailable):
-    """The role lacks a privilege the statement needs (42501)."""
-
-
 # The server's refusals a caller tells apart; the connection stays usable (its transaction, if
 # any, is aborted and is rolled back as usual).
 _REFUSALS: tuple[tuple[type[Exception], type[errors.StoreUnavailable]], ...] = (
-    (asyncpg.LockNotAvailableError, LockTimeout),
-    (asyncpg.UndefinedTableError, TableMissing),
-    (asyncpg.InsufficientPrivilegeError, PermissionDenied),
+    (asyncpg.LockNotAvailableError, errors.LockTimeout),
+    (asyncpg.UndefinedTableError, errors.TableMissing),
+    (asyncpg.InsufficientPrivilegeError, errors.PermissionDenied),
 )
 
 

@@ -53,8 +53,8 @@ def _plainly_missing() -> Iterator[None]:
     """An operator's query on a missing table says what to do about it."""
     try:
         yield
-    except pool.TableMissing as exc:
-        raise pool.TableMissing(TABLE_MISSING) from exc.__cause__
+    except errors.TableMissing as exc:
+        raise errors.TableMissing(TABLE_MISSING) from exc.__cause__
 
 
 class Event(NamedTuple):
@@ -110,7 +110,7 @@ async def apply_schema(
                 await connection.execute(queries.schema_lock)
                 await connection.execute(sql.lock_timeout(DDL_LOCK_WAIT))
                 await connection.execute(queries.schema)
-    except pool.LockTimeout:
+    except errors.LockTimeout:
         raise errors.StoreUnavailable(
             f"table {queries.table}: the schema change could not lock the table within "
             f"{DDL_LOCK_WAIT:g}s (claims in flight hold it); run 'dedup-proxy migrate' at a "
@@ -220,7 +220,7 @@ class Store:
                         ),
                         timeout=timeout,
                     )
-            except pool.LockTimeout as exc:
+            except errors.LockTimeout as exc:
                 raise errors.ClaimWaitExceeded() from exc.__cause__
             claim.acquired = status.rpartition(" ")[2] == "1"
             yield claim
@@ -344,7 +344,7 @@ class Store:
                         # A forget must not queue for long behind a transaction holding a row.
                         await connection.execute(sql.lock_timeout(lock_wait))
                         rows = await connection.fetch(self.queries.forget, scope, list(event_ids))
-            except pool.LockTimeout as exc:
+            except errors.LockTimeout as exc:
                 raise errors.StoreUnavailable(
                     "one of these claims is locked by another transaction (the retention "
                     "sweeper or another forget); try again in a moment"
