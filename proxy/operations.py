@@ -37,8 +37,7 @@ async def open_store(cfg: config.Config) -> AsyncIterator[database.Store]:
             cfg.database,
             claim_wait=cfg.claim_wait,
             upstream_timeout=cfg.upstream.timeout,
-            size=1,
-            application_name="dedup-proxy-cli",
+            operator=True,
             unreachable=f"cannot connect to PostgreSQL at {server_of(dsn)} within {timeout:g}s "
             "(database.connect_timeout)",
         )

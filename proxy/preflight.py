@@ -79,8 +79,11 @@ async def _check_pooler(store: database.Store, report: Report) -> None:
     try:
         between = await store.pooler()
     except errors.StoreUnavailable as exc:
-        report(False, f"pooler: {exc.message}: statement pooling? The proxy needs session or "
-                      "transaction pooling")  # fmt: skip
+        report(
+            False,
+            f"pooler: a transaction of two statements failed ({exc.__cause__}): statement "
+            "pooling? The proxy needs session or transaction pooling",
+        )
         return
     if not between:
         report(True, "pooler: none (a direct connection to PostgreSQL)")

@@ -187,7 +187,7 @@ class Claim:
                 with pool.translated("comparing the duplicate's body failed"):
                     status = await self._connection.execute(statement, timeout=store.op_timeout)
             except errors.StoreUnavailable as exc:
-                log.warning("rollback failed, closing the connection: %s", exc.message)
+                log.warning("rollback failed, closing the connection: %r", exc.__cause__)
                 self._discard()
                 return Duplicate(False, None)
             except asyncio.CancelledError:
@@ -217,7 +217,7 @@ class Claim:
             with pool.translated("rollback failed"):
                 await self._connection.execute("ROLLBACK", timeout=self._store.op_timeout)
         except errors.StoreUnavailable as exc:
-            log.warning("rollback failed, closing the connection: %s", exc.message)
+            log.warning("rollback failed, closing the connection: %r", exc.__cause__)
             self._discard()
         except asyncio.CancelledError:
             self._discard()  # cancelled mid-ROLLBACK: the session's state is unknown

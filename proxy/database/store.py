@@ -169,23 +169,25 @@ class Store:
         *,
         claim_wait: float,
         upstream_timeout: float,
-        size: int | None = None,
-        application_name: str = pool.APPLICATION_NAME,
+        operator: bool = False,
         unreachable: str = "cannot connect to PostgreSQL",
     ) -> Store:
-        """Connect the pool (``size`` connections, default ``pool_size``); raise
-        StoreUnavailable("<unreachable>: <why>") if PostgreSQL cannot be reached.
+        """Connect the pool (``pool_size`` connections); raise
+        StoreUnavailable("<unreachable>: <why>") if PostgreSQL cannot be reached. With
+        ``operator``, the store of an operator's command: one connection, named
+        ``dedup-proxy-cli``, whose statements may take as long as they need (a migrate's
+        CREATE INDEX, a count over a large table).
 
         Nothing changes a session after connecting, so a connection needs no reset between
         requests (see ``pool``), and any server connection PgBouncer hands over will do.
         """
-        connect = functools.partial(
-            pool.open_connection, dsn, settings, application_name=application_name
-        )
+        name = "dedup-proxy-cli" if operator else pool.APPLICATION_NAME
+        connect = functools.partial(pool.open_connection, dsn, settings, application_name=name)
+        bound = None if operator else claim_wait + settings.connect_timeout
         with translated(unreachable):
             connections = await Pool.open(
-                functools.partial(connect, command_timeout=claim_wait + settings.connect_timeout),
-                settings.pool_size if size is None else size,
+                functools.partial(connect, command_timeout=bound),
+                1 if operator else settings.pool_size,
             )
         return cls(
             connections, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
@@ -248,14 +250,14 @@ class Store:
             self._begin, key.scope, key.event_id, key.event_type, key.body_sha256, commit=True
         )
         try:
-            with translated("reconciling a COMMIT in doubt failed"):
+            with translated("reconciling"):
                 connection = await self._connect()
                 try:
                     await connection.execute(statement, timeout=self._claim_timeout)
                 finally:
                     connection.terminate()
         except errors.StoreUnavailable as exc:
-            log.warning("%s", exc.message)
+            log.warning("reconciling a COMMIT in doubt failed: %r", exc.__cause__)
             return False
         return True
 
