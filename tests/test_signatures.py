@@ -69,21 +69,32 @@ def query_for(scheme: str, body: bytes) -> str:
 def signed(scheme: str, *secrets: str, body: bytes = BODY, stamp: int = NOW) -> Headers:
     """The headers a provider sends, with one signature per secret (several during rotation)."""
     secrets = secrets or (SECRET,)
+    if scheme in MULTI:
+        return signed_multi(scheme, secrets, body, stamp)
+    (secret,) = secrets
+    return signed_single(scheme, secret, body, stamp)
+
+
+def signed_multi(scheme: str, secrets: tuple[str, ...], body: bytes, stamp: int) -> Headers:
+    """The headers of a scheme whose header carries a signature per secret (MULTI)."""
     if scheme == "stripe":
         macs = ",".join(f"v1={hex_mac(s, f'{stamp}.'.encode() + body)}" for s in secrets)
         return [("Stripe-Signature", f"t={stamp},{macs}")]
     if scheme == "paddle":
         macs = ";".join(f"h1={hex_mac(s, f'{stamp}:'.encode() + body)}" for s in secrets)
         return [("Paddle-Signature", f"ts={stamp};{macs}")]
-    if scheme == SW:
-        message = f"{MSG_ID}.{stamp}.".encode() + body
-        macs = " ".join(f"v1,{b64_mac(standard_key(s), message)}" for s in secrets)
-        return [
-            ("webhook-id", MSG_ID),
-            ("webhook-timestamp", str(stamp)),
-            ("webhook-signature", macs),
-        ]
-    (secret,) = secrets
+    assert scheme == SW
+    message = f"{MSG_ID}.{stamp}.".encode() + body
+    macs = " ".join(f"v1,{b64_mac(standard_key(s), message)}" for s in secrets)
+    return [
+        ("webhook-id", MSG_ID),
+        ("webhook-timestamp", str(stamp)),
+        ("webhook-signature", macs),
+    ]
+
+
+def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
+    """The headers of a scheme that signs with one secret only."""
     if scheme == "slack":
         mac = hex_mac(secret, f"v0:{stamp}:".encode() + body)
         return [("X-Slack-Request-Timestamp", str(stamp)), ("X-Slack-Signature", f"v0={mac}")]

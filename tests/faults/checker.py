@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,34 +272,44 @@ class _Event:
 def _check_event(
     records: Records, event: _Event, by_delivery: Mapping[str, Delivery]
 ) -> tuple[list[Violation], DoubleProcessed | None]:
-    found: list[Violation] = []
     acted = sorted((c for c in event.calls if c.acted), key=lambda c: c.start)
+    found = [*_loss_violations(records, event, acted), *_answer_violations(records, event)]
+    if len(acted) < 2:
+        return found, None
+    unexplained, double = _double_processing(records, event, acted, by_delivery)
+    if unexplained is not None:
+        found.append(unexplained)
+    return found, double
+
+
+def _loss_violations(
+    records: Records, event: _Event, acted: Sequence[UpstreamCall]
+) -> Iterator[Violation]:
+    """Nothing lost: a 2xx to the provider means the app acted and the claim row is there."""
     acked = [d for d in event.deliveries if d.outcome == "ok"]
     claimed = event.event_id in records.claimed
     if not acked:
-        found.append(
-            event.violation(records, "unacknowledged", "no delivery answered 2xx, even settled")
-        )
+        yield event.violation(records, "unacknowledged", "no delivery answered 2xx, even settled")
     if acked and not acted:
-        found.append(
-            event.violation(records, "lost", "the provider got a 2xx, the app never acted")
-        )
+        yield event.violation(records, "lost", "the provider got a 2xx, the app never acted")
     if acked and not claimed and not event.ambiguous:
-        found.append(
-            event.violation(records, "unclaimed", "the provider got a 2xx but no claim row exists")
+        yield event.violation(
+            records, "unclaimed", "the provider got a 2xx but no claim row exists"
         )
     if claimed and not acted:
-        found.append(
-            event.violation(
-                records, "claimed_not_processed", "claim row committed, the app never acted"
-            )
+        yield event.violation(
+            records, "claimed_not_processed", "claim row committed, the app never acted"
         )
+
+
+def _answer_violations(records: Records, event: _Event) -> Iterator[Violation]:
+    """Only documented answers: the app's own answer to that delivery, or the proxy's."""
     for d in event.deliveries:
         own = [c for c in event.calls if c.delivery_id == d.delivery_id]
         relayed = any(c.status == d.status for c in own)
         if d.outcome == "ok" and not d.duplicate and not relayed:
             message = f"delivery {d.delivery_id} got {d.status}, which no app call for it answered"
-            found.append(event.violation(records, "ack_without_app", message))
+            yield event.violation(records, "ack_without_app", message)
         elif d.outcome == "failed" and d.status not in PROXY_ERRORS and not relayed:
             message = (
                 f"delivery {d.delivery_id} got {d.status}: neither the app's answer nor one of "
@@ -307,9 +317,16 @@ def _check_event(
             )
             if any(c.acted for c in own):
                 message += "; the app had acted on it (answered 2xx)"
-            found.append(event.violation(records, "unexpected_answer", message))
-    if len(acted) < 2:
-        return found, None
+            yield event.violation(records, "unexpected_answer", message)
+
+
+def _double_processing(
+    records: Records,
+    event: _Event,
+    acted: Sequence[UpstreamCall],
+    by_delivery: Mapping[str, Delivery],
+) -> tuple[Violation | None, DoubleProcessed]:
+    """An event the app acted on more than once, and the violation if no window explains it."""
     reasons = [("ambiguous", "a replica logged an ambiguous COMMIT")] if event.ambiguous else []
     unexposed = 0
     for call in acted[:-1]:
@@ -317,13 +334,14 @@ def _check_event(
         reasons += why
         unexposed += not why
     explained = event.ambiguous or not unexposed
+    unexplained = None
     if not explained:
         message = (
             f"the app answered 2xx {len(acted)} times; {unexposed} earlier 2xx answer(s) "
             "exposed to no window"
         )
         shown = [a for a in records.actions if _near(a, acted)]
-        found.append(event.violation(records, "double_unexplained", message, shown))
+        unexplained = event.violation(records, "double_unexplained", message, shown)
     double = DoubleProcessed(
         event.event_id,
         len(acted),
@@ -331,7 +349,7 @@ def _check_event(
         tuple(text for _, text in reasons),
         frozenset(cause for cause, _ in reasons),
     )
-    return found, double
+    return unexplained, double
 
 
 def check(records: Records) -> tuple[Report, list[Violation]]:
@@ -428,7 +446,7 @@ def _raised_at(traceback: str) -> str:
     ]
     where = ""
     if frames:
-        # File "/…/proxy/claims.py", line 114, in release
+        # File "/…/proxy/database/__init__.py", line 114, in release
         path, _, rest = frames[-1][6:].partition('", line ')
         number, _, function = rest.partition(", in ")
         where = f"{path.rpartition('/proxy/')[2]}:{number} {function}: "
