@@ -231,3 +231,38 @@ def test_errors_already_translated_or_not_the_databases_pass_through(error: Exce
         raise error
     assert raised.value is error
     assert cleaned == []
+
+
+async def test_a_claim_ends_by_one_named_step_only(pg_dsn: str, table: str) -> None:
+    """Each step ends the claim's transaction; a second step, or the wrong one for the claim,
+    is a programming error, raised before any statement is sent."""
+    settings = config.DatabaseConfig(dsn=None, table=table, pool_size=1)
+    store = await database.Store.open(pg_dsn, settings, claim_wait=1, upstream_timeout=5)
+    key = database.Key("s", "once", None, b"\x01" * 32)
+    try:
+        await store.ensure_schema()
+        async with store.claim(key) as claim:
+            assert claim.acquired
+            with pytest.raises(RuntimeError, match="no duplicate"):
+                await claim.settle_duplicate()
+            assert await claim.commit() == database.Commit()
+            assert claim.state == "committed"
+            with pytest.raises(RuntimeError, match="committed already"):
+                await claim.commit()
+        async with store.claim(key) as copy:
+            assert not copy.acquired
+            with pytest.raises(RuntimeError, match="cannot be committed"):
+                await copy.commit()
+            assert await copy.settle_duplicate(read_answer=True) == database.Duplicate(False, None)
+            assert copy.state == "settled"
+        other = database.Key("s", "once", None, b"\x02" * 32)
+        async with store.claim(other) as copy:
+            assert await copy.settle_duplicate() == database.Duplicate(True, None)
+        async with store.claim(database.Key("s", "released", None, b"\x03" * 32)) as claim:
+            await claim.release()
+            assert claim.state == "released"
+        # One connection, back in the pool after each: none was left in doubt.
+        assert store.pool_stats() == (1, 1)
+        assert [row[1] for row in await claimed(pg_dsn, table)] == ["once"]
+    finally:
+        await store.close()
