@@ -42,6 +42,10 @@ SETTLED = "settled"
 RELEASED = "released"
 ABANDONED = "abandoned"
 
+# Stateless, so shared by every claim: no object made per COMMIT or ROLLBACK.
+_COMMIT_FAILED = pool.translated("COMMIT failed")
+_ROLLBACK_FAILED = pool.translated("rollback failed")
+
 
 @dataclass(frozen=True, slots=True)
 class Answer:
@@ -138,7 +142,7 @@ class Claim:
         refused = None
         try:
             try:
-                with pool.translated("COMMIT failed"):
+                with _COMMIT_FAILED:
                     await self._connection.execute(statement, timeout=store.op_timeout)
             except errors.PermissionDenied as exc:
                 if answer is None:
@@ -149,7 +153,7 @@ class Claim:
                     "without it (its duplicates get the proxy's acknowledgement): %s",
                     key.scope, key.event_id, refused,
                 )  # fmt: skip
-                with pool.translated("COMMIT failed"):
+                with _COMMIT_FAILED:
                     await self._connection.execute(
                         sql.COMMIT_WITHOUT_ANSWER, timeout=store.op_timeout
                     )
@@ -182,25 +186,17 @@ class Claim:
         key, store = self.key, self._store
         if not read_answer:
             self._end(SETTLED)
-            statement = store.queries.duplicate(key.scope, key.event_id, key.body_sha256)
-            try:
-                with pool.translated("comparing the duplicate's body failed"):
-                    status = await self._connection.execute(statement, timeout=store.op_timeout)
-            except errors.StoreUnavailable as exc:
-                log.warning("rollback failed, closing the connection: %r", exc.__cause__)
-                self._discard()
-                return Duplicate(False, None)
-            except asyncio.CancelledError:
-                self._discard()  # cancelled mid-ROLLBACK: the session's state is unknown
-                raise
+            status = await self._roll_back(
+                store.queries.duplicate(key.scope, key.event_id, key.body_sha256)
+            )
             return Duplicate(status == "SELECT 1", None)
         with pool.translated("reading the stored answer failed", self.abandon):
             row = await self._connection.fetchrow(
                 store.queries.answer, key.scope, key.event_id, key.body_sha256,
                 timeout=store.op_timeout,
             )  # fmt: skip
-        await self.release()
-        self.state = SETTLED
+        self._end(SETTLED)
+        await self._roll_back("ROLLBACK")
         mismatch = bool(row and row["mismatch"])
         if row is None or row["answer_status"] is None:
             return Duplicate(mismatch, None)
@@ -208,20 +204,27 @@ class Claim:
         return Duplicate(mismatch, Answer(row["answer_status"], headers, row["answer_body"]))
 
     async def release(self) -> None:
-        """Roll back, unless a step ended the claim already; a connection in doubt is closed,
-        never reused."""
-        if self.state is not OPEN:
-            return
-        self.state = RELEASED
+        """Roll back, unless a step ended the claim already."""
+        if self.state is OPEN:
+            self.state = RELEASED
+            await self._roll_back("ROLLBACK")
+
+    async def _roll_back(self, statement: str) -> str | None:
+        """Send ``statement`` (a ROLLBACK, alone or with the duplicate's comparison): its
+        status, or None when it failed; a connection in doubt is closed, never reused."""
         try:
-            with pool.translated("rollback failed"):
-                await self._connection.execute("ROLLBACK", timeout=self._store.op_timeout)
+            with _ROLLBACK_FAILED:
+                status: str = await self._connection.execute(
+                    statement, timeout=self._store.op_timeout
+                )
         except errors.StoreUnavailable as exc:
             log.warning("rollback failed, closing the connection: %r", exc.__cause__)
             self._discard()
+            return None
         except asyncio.CancelledError:
             self._discard()  # cancelled mid-ROLLBACK: the session's state is unknown
             raise
+        return status
 
     def abandon(self) -> None:
         """The connection failed mid-claim: close it rather than wait on it again."""
