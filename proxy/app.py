@@ -13,7 +13,17 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
-from proxy import config, database, embedded, flights, memory, metrics, pipeline, retention
+from proxy import (
+    config,
+    database,
+    embedded,
+    flights,
+    memory,
+    metrics,
+    pipeline,
+    redeliverer,
+    retention,
+)
 from proxy.upstream import forwarder, proxy_headers
 
 log = logging.getLogger(__name__)
@@ -62,10 +72,11 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
         # The answer columns are added only when a route replays: the ALTER TABLE that adds
         # them waits on every claim in flight (docs/deployment.md, "Upgrades").
         replay = any(route.replay for route in cfg.routes)
-        await store.ensure_schema(answers=replay)
+        kept = any(route.redeliver for route in cfg.routes)
+        await store.ensure_schema(answers=replay, kept=kept)
         # Refuse to start without a grant the routes need, rather than fail every sweep or
         # every stored answer later.
-        await store.check_privileges(answers=replay)
+        await store.check_privileges(answers=replay, kept=kept)
         app[pipeline.STORE] = store
         app[pipeline.METRICS].watch_pool(store.pool_stats)
         yield
@@ -116,6 +127,43 @@ async def _sweeper(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
+    """With a route that redelivers: this worker's lanes, from start-up to the drain. On
+    SIGTERM they take no more rows; at the end of the drain, a redelivery still in flight past
+    ``shutdown_timeout`` is cancelled (its row rolled back: released for the next try)."""
+    cfg = app[CONFIG]
+    lanes = redeliverer.Redeliverer(
+        app[pipeline.STORE], app[pipeline.FORWARDER], cfg.routes, settings=cfg.redeliverer,
+        meters=app[pipeline.METRICS], budget=app[pipeline.BUDGET], workers=cfg.workers,
+    )  # fmt: skip
+    if not lanes.configured:
+        yield
+        return
+    draining, loop = app[pipeline.DRAINING], asyncio.get_running_loop()
+    running = asyncio.create_task(lanes.run(), name="redeliverer")
+    drain_began: list[float] = []
+
+    async def stop_on_drain() -> None:
+        await draining.wait()
+        drain_began.append(loop.time())
+        lanes.stop()
+
+    watcher = asyncio.create_task(stop_on_drain(), name="redeliverer-drain")
+    try:
+        yield
+    finally:
+        lanes.stop()
+        watcher.cancel()
+        left = cfg.shutdown_timeout - (loop.time() - drain_began[0] if drain_began else 0.0)
+        done, _ = await asyncio.wait([running], timeout=max(0.0, left))
+        if not done:
+            log.warning("%d redelivery(ies) still in flight at shutdown_timeout: released for "
+                        "the next try", lanes.in_flight)  # fmt: skip
+            running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+
+
 async def _forwarder(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     client = forwarder.Forwarder(
@@ -160,7 +208,7 @@ def create_app(cfg: config.Config) -> web.Application:
     app[pipeline.DRAINING] = asyncio.Event()
     shared = app[pipeline.BUDGET] = memory.Budget(cfg.max_buffered)
     meters.watch_buffered(lambda: shared.held)
-    app.cleanup_ctx.extend([_database, _claim_store, _metrics, _forwarder, _sweeper])
+    app.cleanup_ctx.extend([_database, _claim_store, _metrics, _forwarder, _sweeper, _redeliverer])
     # Every request, whatever its path: routing happens on the normalized path (paths.py),
     # not in aiohttp's router, which matches before any middleware could normalize it.
     app.router.add_route("*", "/{tail:(?s:.*)}", pipeline.make_dispatcher(cfg, meters))

@@ -42,6 +42,8 @@ class LogLine(TypedDict, total=False):
     reconciled: bool  # the COMMIT was in doubt, and was settled on another connection
     mismatch: bool  # a duplicate whose body differs from the first one's
     replayed: bool  # a duplicate answered with the stored answer
+    kept: str  # redeliver: kept for redelivery as "pending" or "dead" (or a copy of one)
+    inbox_full: bool  # redeliver: not kept, the route's inbox at its cap
     outcome: str  # one of metrics.OUTCOMES
     error: str  # why the request was not carried through (the RequestError's message)
     shed: str  # "memory" or "pool": shed to protect the worker
@@ -54,6 +56,10 @@ Phase = Literal["claim_ms", "upstream_ms", "commit_ms", "total_ms"]
 
 _LEVELS = {
     "duplicate": logging.DEBUG,
+    "duplicate_queued": logging.DEBUG,
+    # The app failed; the delivery is kept, for the redeliverer (or, dead, for an operator).
+    "queued": logging.WARNING,
+    "dead_letter": logging.ERROR,
     "unavailable": logging.ERROR,
     "ambiguous_commit": logging.ERROR,
     "rejected": logging.WARNING,

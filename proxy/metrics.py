@@ -30,7 +30,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 OUTCOMES = (
     "processed", "duplicate", "upstream_error", "rejected", "unavailable", "passthrough",
-    "unclaimed", "ambiguous_commit", "in_progress", "key_reused",
+    "unclaimed", "ambiguous_commit", "in_progress", "key_reused", "queued", "dead_letter",
+    "duplicate_queued",
 )  # fmt: skip
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -119,6 +120,7 @@ class RouteMeters:
     reused_bodies: Any
     ambiguous_commits: Any
     answer_store_failures: Any
+    inbox_full: Any
     upstream_latency: Timings
     claim_wait: Timings
     commit_latency: Timings
@@ -187,6 +189,57 @@ class Metrics:
             "get the proxy's acknowledgement.",
             ["route"],
             registry=self.registry,
+        )
+        self.inbox_full = Counter(
+            "dedup_inbox_full",
+            "Failed deliveries not kept for redelivery because the route's inbox was at its cap "
+            "(max_pending, max_pending_bytes): their failure was relayed, the claim released.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.redeliveries = Counter(
+            "dedup_redeliveries",
+            "Redeliveries of kept deliveries by result: delivered (a 2xx), failed (tried "
+            "again later), dead (given up on: past the route's 'for', or an answer retrying "
+            "cannot fix).",
+            ["route", "result"],
+            registry=self.registry,
+        )
+        self.inbox_pending = Gauge(
+            "dedup_inbox_pending",
+            "Deliveries kept for redelivery, not yet delivered (read from the database).",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.inbox_pending_bytes = Gauge(
+            "dedup_inbox_pending_bytes",
+            "Bytes of the bodies kept for redelivery.",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.inbox_dead = Gauge(
+            "dedup_inbox_dead",
+            "Dead deliveries, kept for an operator (events dead, events redeliver).",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.inbox_oldest_pending = Gauge(
+            "dedup_inbox_oldest_pending_seconds",
+            "Age of the oldest pending delivery (0: none).",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.inbox_overdue = Gauge(
+            "dedup_inbox_overdue_seconds",
+            "How long the most overdue pending delivery has been due without being redelivered "
+            "(0: none is due): above a few poll intervals, redelivery is stuck.",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
         )
         self.upstream_latency = Histogram(
             "dedup_upstream_latency_seconds",
@@ -282,6 +335,7 @@ class Metrics:
             reused_bodies=self.reused_bodies.labels(name),
             ambiguous_commits=self.ambiguous_commits.labels(name),
             answer_store_failures=self.answer_store_failures.labels(name),
+            inbox_full=self.inbox_full.labels(name),
             upstream_latency=Timings(self.upstream_latency.labels(name)),
             claim_wait=Timings(self.claim_wait.labels(name)),
             commit_latency=Timings(self.commit_latency.labels(name)),

@@ -29,6 +29,7 @@ from proxy import (
     memory,
     metrics,
     paths,
+    redeliverer,
     replay,
     request_body,
     semantics,
@@ -106,6 +107,7 @@ class Route:
             cfg.claim_wait if route.claim_wait is None else min(route.claim_wait, cfg.claim_wait)
         )
         self.extractor = event_ids.Extractor(route.name, route.event_id, route.event_type)
+        self.redeliver = route.redeliver  # None: a failure is relayed, the claim released
         self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
 
 
@@ -114,8 +116,8 @@ class Cycle:
     ``RequestResponseCycle``): what it carries, and the log line it fills in."""
 
     __slots__ = (
-        "body", "event_id", "line", "request", "reservation", "route", "scope", "started",
-        "target", "verifier",
+        "body", "event_id", "line", "request", "reservation", "route", "scope", "sent",
+        "started", "target", "verifier",
     )  # fmt: skip
 
     reservation: memory.Reservation  # set once the request is in the budget (``run``)
@@ -132,6 +134,8 @@ class Cycle:
         self.line = log_line.start(request, route.config.name, self.scope)
         self.body = b""
         self.event_id = ""  # as the request carried it (``semantics.Semantics.key``)
+        # What the app was sent, on a route that redelivers: what is kept if it fails.
+        self.sent: tuple[tuple[str, str], ...] = ()
 
     async def run(self) -> web.StreamResponse:
         """The request's answer, written, counted and logged."""
@@ -233,7 +237,11 @@ class Cycle:
                 if other is not None:
                     self.line["body_claimed_as"] = other
                 return await self._forward(key, claim, flight)
-            mismatch, stored = await claim.settle_duplicate(read_answer=route.config.replay)
+            mismatch, stored, kept = await claim.settle_duplicate(
+                read_answer=route.config.replay, inbox=route.redeliver is not None
+            )
+        if kept is not None:
+            return self._kept_duplicate(kept, mismatch)
         if not mismatch:
             # Committed elsewhere (another worker or replica) with this body: the copies
             # queued behind this one in this process need no database round trip either.
@@ -251,18 +259,15 @@ class Cycle:
         try:
             upstream = await self._call()
         except errors.UpstreamFailed as exc:
-            if exc.answered_2xx:
-                # The app did the work; only its answer cannot be held or relayed (over budget,
-                # cut off, malformed after a 2xx status line). Keep the claim: the provider's
-                # retry of this 502 is then a duplicate, not a second delivery.
-                line["upstream_status"] = exc.upstream_status
-                try:
-                    await self._commit(claim, None)
-                except errors.CommitFailed as failed:
-                    line["commit_error"] = failed.message
+            if (kept := await self._failed(claim, exc)) is not None:
+                return kept
             raise
         response = forwarder.relayed(upstream)
         if not upstream.ok:
+            if self.route.redeliver is not None:
+                attempt = database.Attempt(upstream.status, None)
+                if (kept := await self._keep(claim, attempt)) is not None:
+                    return kept
             return response, "upstream_error"
         answer = self._answer_to_store(upstream)
         try:
@@ -283,6 +288,60 @@ class Cycle:
         flight.answer = done.stored(answer)
         return response, "processed"
 
+    async def _failed(
+        self, claim: database.Claim, exc: errors.UpstreamFailed
+    ) -> tuple[web.StreamResponse, str] | None:
+        """The app's answer did not come through: the answer if the delivery was kept for
+        redelivery; else None, and the failure is relayed."""
+        if exc.answered_2xx:
+            # The app did the work; only its answer cannot be held or relayed (over budget,
+            # cut off, malformed after a 2xx status line). Keep the claim: the provider's
+            # retry of this 502 is then a duplicate, not a second delivery.
+            self.line["upstream_status"] = exc.upstream_status
+            try:
+                await self._commit(claim, None)
+            except errors.CommitFailed as failed:
+                self.line["commit_error"] = failed.message
+            return None
+        if self.route.redeliver is None:
+            return None
+        return await self._keep(claim, database.Attempt(exc.upstream_status, exc.message))
+
+    async def _keep(
+        self, claim: database.Claim, attempt: database.Attempt
+    ) -> tuple[web.StreamResponse, str] | None:
+        """On a route that redelivers: keep the failed delivery and answer 202 (the provider
+        need not retry); None when it could not be kept (over the cap: logged and counted),
+        so the failure is relayed as on any route (its log line says ``inbox_full``)."""
+        route, line = self.route, self.line
+        assert route.redeliver is not None
+        config_ = route.config
+        delivery = database.Delivery(
+            config_.name, config_.upstream, self.request.method, self.target, self.sent, self.body
+        )
+        keep = redeliverer.keep(config_, route.redeliver, attempt.status)
+        state = await claim.queue(delivery, attempt, keep)
+        if state == database.FULL:
+            line["inbox_full"] = True
+            route.meters.inbox_full.inc()
+            return None
+        if state == database.NOT_KEPT:
+            return None
+        outcome = "dead_letter" if state == database.DEAD else "queued"
+        line["kept"] = state
+        payload = {"status": outcome, "event_id": self.event_id,
+                   "upstream_status": attempt.status}  # fmt: skip
+        return _json(202, payload, outcome), outcome
+
+    def _kept_duplicate(self, kept: str, mismatch: bool) -> tuple[web.StreamResponse, str]:
+        """A copy of an event kept for redelivery: never forwarded (only the redeliverer
+        forwards it), answered 202."""
+        if mismatch:
+            self.line["mismatch"] = True
+        self.line["kept"] = kept
+        payload = {"status": "duplicate", "event_id": self.event_id, "kept": kept}
+        return _json(202, payload, "duplicate_queued"), "duplicate_queued"
+
     async def _commit(
         self, claim: database.Claim, answer: database.Answer | None
     ) -> database.Commit:
@@ -297,10 +356,11 @@ class Cycle:
         """The app's answer, read whole; its status and time on the log line."""
         route, line = self.route, self.line
         started = time.perf_counter()
-        upstream = await self.request.app[FORWARDER].forward(
-            self.request, route.config.upstream, self.target, self.body, line["request_id"],
-            reserve=self.reservation.answer,
-        )  # fmt: skip
+        client = self.request.app[FORWARDER]
+        outgoing = client.outgoing(self.request, self.target, self.body, line["request_id"])
+        if route.redeliver is not None:
+            self.sent = tuple(outgoing.headers.items())  # before the transport takes Host out
+        upstream = await client.send(route.config.upstream, outgoing, self.reservation.answer)
         line["upstream_status"] = upstream.status
         log_line.phase(line, "upstream_ms", route.meters.upstream_latency, started)
         if upstream.status == 410:

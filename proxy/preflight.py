@@ -45,7 +45,8 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
 async def _check_table(cfg: config.Config, store: database.Store, report: Report) -> None:
     table = cfg.database.table
     answers = any(route.replay for route in cfg.routes)
-    lacking = await store.missing_schema(answers=answers)
+    kept = any(route.redeliver for route in cfg.routes)
+    lacking = await store.missing_schema(answers=answers, kept=kept)
     if lacking == "does not exist" and cfg.database.create_schema:
         may = await store.may_create_table()
         report(
@@ -66,9 +67,11 @@ async def _check_table(cfg: config.Config, store: database.Store, report: Report
         report(True, f"table {table}: columns and index present")
     if lacking == "does not exist":
         return
-    problem = await store.missing_grants(answers=answers)
-    needed = ", ".join(database.PRIVILEGES) + (
-        " and UPDATE of the answer columns (on_duplicate: replay)" if answers else ""
+    problem = await store.missing_grants(answers=answers, kept=kept)
+    needed = (
+        ", ".join(database.PRIVILEGES)
+        + (" and UPDATE of the answer columns (on_duplicate: replay)" if answers else "")
+        + (" and UPDATE of the inbox columns (redeliver)" if kept else "")
     )
     report(not problem, f"privileges: {problem}" if problem else f"privileges: {needed}")
 

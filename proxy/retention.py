@@ -8,6 +8,9 @@ rows its snapshot does not see, so it never waits on them; it can wait on a row 
 transaction is deleting (an operator's ``events forget``) or locking, for at most
 ``SWEEP_ROW_LOCK_WAIT`` (``database.store``), after which the round fails, is logged and is
 retried at the next interval. The batches themselves are the store's (``Store.sweep_batch``).
+
+Deliveries kept for redelivery (``redeliver``) are never removed while pending or dead; dead
+ones go after the route's ``dead_retention``, counted from when they died.
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ class Sweeper:
     ) -> None:
         self._store = store
         self._retention = scope_retention(routes)
+        # Dead deliveries (redeliver) are kept for their own retention, from when they died.
+        self._dead_retention: dict[str, float] = {}
+        for route in routes:
+            if route.redeliver is not None:
+                kept = route.redeliver.dead_retention
+                self._dead_retention[route.scope] = max(
+                    self._dead_retention.get(route.scope, 0.0), kept
+                )
         self._settings = settings
         self._metrics = meters
 
@@ -67,6 +78,13 @@ class Sweeper:
                 if count < self._settings.batch:
                     break
             removed[scope] = total
+        for scope, kept in self._dead_retention.items():
+            while True:
+                count = await self._store.inbox.sweep_dead(scope, kept, self._settings.batch)
+                self._metrics.retention_deleted.labels(scope).inc(count)
+                removed[scope] = removed.get(scope, 0) + count
+                if count < self._settings.batch:
+                    break
         self._metrics.retention_last_run.set_to_current_time()
         if any(removed.values()):
             log.info(

@@ -18,7 +18,7 @@ from urllib.parse import quote
 import yaml
 
 from proxy import errors, paths
-from proxy.config import reader, values
+from proxy.config import inbox, reader, values
 from proxy.config import routes as routes_module
 from proxy.upstream import proxy_headers
 
@@ -56,7 +56,7 @@ _LEVELS = ("debug", "info", "warning", "error")
 TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
              "shutdown_timeout", "client_timeout", "client_body_timeout", "send_timeout",
              "log", "admin", "sweeper", "workers", "passthrough", "max_buffered", "max_connections",
-             "trusted_proxies")  # fmt: skip
+             "trusted_proxies", "redeliverer")  # fmt: skip
 DATABASE_KEYS = ("dsn", "password_file", "data_dir", "table", "create_schema", "pool_size",
                   "pool_timeout", "connect_timeout")  # fmt: skip
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
@@ -174,6 +174,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     sweeper: SweeperConfig = field(default_factory=SweeperConfig)
+    redeliverer: inbox.RedelivererConfig = field(default_factory=inbox.RedelivererConfig)
     workers: int = 1  # processes on the listeners the supervisor binds once, each with its own pool
     # Paths that match no route: forwarded if under one of these prefixes; None: all of them.
     passthrough: tuple[str, ...] | None = None
@@ -311,6 +312,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
             ),
             batch=r.value(sw, "batch", "sweeper", values.parse_positive_int, DEFAULT_SWEEP_BATCH),
         ),
+        redeliverer=inbox.parse_redeliverer(r, top.get("redeliverer")),
         workers=r.value(top, "workers", "", values.parse_positive_int, 1),
         passthrough=r.value(top, "passthrough", "", _passthrough, None),
         max_buffered=r.value(top, "max_buffered", "", values.parse_size, DEFAULT_MAX_BUFFERED),

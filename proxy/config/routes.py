@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import event_ids, paths, signatures
-from proxy.config import presets, reader, values, verify
+from proxy.config import inbox, presets, reader, values, verify
 
 DEFAULT_RETENTION = 30 * 86400.0
 # The largest app answer stored for replay: TwiML and chat answers are a few KiB.
@@ -20,7 +20,7 @@ IDEMPOTENCY_RETENTION = 86400.0
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
               "max_body", "verify", "retention", "missing_id", "methods", "on_duplicate",
               "replay_max_body", "replay_set_cookie", "claim_wait", "semantics",
-              "scope_from")  # fmt: skip
+              "scope_from", "redeliver")  # fmt: skip
 _SEMANTICS = values.parse_choice("webhook", "idempotency-key")
 _MISSING_ID = values.parse_choice("reject", "forward")
 _ON_DUPLICATE = values.parse_choice("ack", "replay")
@@ -55,6 +55,8 @@ class RouteConfig:
     # ``semantics: idempotency-key``: an API route keyed by the client's Idempotency-Key.
     idempotency: bool = False
     scope_from: tuple[event_ids.Source, ...] = ()  # hashed into the scope: one key space per client
+    # ``redeliver``: a failed delivery is kept and redelivered (``proxy.redeliverer``).
+    redeliver: inbox.Redeliver | None = None
 
     @property
     def id_signed(self) -> bool:
@@ -250,6 +252,9 @@ def _parse_route(
             route, "replay_max_body", path, values.parse_size, DEFAULT_REPLAY_MAX_BODY
         ),
         replay_set_cookie=r.value(route, "replay_set_cookie", path, values.parse_bool, False),
+        redeliver=inbox.parse_redeliver(
+            r, r.interpolate(route.get("redeliver"), f"{path}.redeliver"), f"{path}.redeliver"
+        ),
     )
     _check_options(r, route, path, route_config)
     if name is None or pattern is None or event_id is None:
@@ -285,6 +290,26 @@ def _check_options(
             r.problem(f"{path}.{option}", "only with on_duplicate: replay")
     if route_config.replay_max_body > MAX_REPLAY_MAX_BODY:
         r.problem(f"{path}.replay_max_body", f"must be at most {MAX_REPLAY_MAX_BODY} (1MiB)")
+    _check_redeliver(r, path, route_config)
+
+
+def _check_redeliver(r: reader.Reader, path: str, route: RouteConfig) -> None:
+    """Only where the sender acts on no answer but the 2xx, and kept as long as it retries."""
+    if route.redeliver is None:
+        return
+    if route.idempotency or route.replay:
+        why = "semantics: idempotency-key" if route.idempotency else "on_duplicate: replay"
+        r.problem(
+            f"{path}.redeliver",
+            f"not with {why}: the sender needs the app's answer, and a kept delivery is "
+            "answered 202 before the app has given one",
+        )
+    if route.redeliver.for_ > route.retention:
+        r.problem(
+            f"{path}.redeliver.for",
+            f"must be at most the route's retention ({route.retention:g}s): a claim redelivered "
+            "late must still be kept long enough to make the provider's copies duplicates",
+        )
 
 
 def _parse_scope_from(value: object) -> tuple[event_ids.Source, ...]:

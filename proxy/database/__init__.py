@@ -4,6 +4,8 @@ nothing outside this package imports the driver.
 - ``store``: the operations, each a method, over a pool of connections.
 - ``claim``: a claim and its named steps (commit, settle a duplicate, release), and what is
   claimed (``Key``) and stored (``Answer``).
+- ``inbox``: deliveries the app failed, kept in their claim's row for the redeliverer, and
+  the redelivery's own named steps (delivered, failed).
 - ``pool``: opening connections, lending them, and what the driver's errors mean (translated
   into ``errors`` once, here).
 - ``sql``: every statement, built once per claim table.
@@ -11,7 +13,17 @@ nothing outside this package imports the driver.
 
 from __future__ import annotations
 
-from proxy.database.claim import GRANT_ANSWER_HINT, Answer, Claim, Commit, Duplicate, Key
+from proxy.database.claim import (
+    FULL,
+    GRANT_ANSWER_HINT,
+    NOT_KEPT,
+    Answer,
+    Claim,
+    Commit,
+    Duplicate,
+    Key,
+)
+from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Redelivery
 from proxy.database.pool import translated
 from proxy.database.store import (
     DDL_LOCK_WAIT,
@@ -26,14 +38,22 @@ from proxy.database.store import (
 
 __all__ = [
     "DDL_LOCK_WAIT",
+    "DEAD",
+    "FULL",
     "GRANT_ANSWER_HINT",
+    "NOT_KEPT",
+    "PENDING",
     "PRIVILEGES",
     "Answer",
+    "Attempt",
     "Claim",
     "Commit",
+    "Delivery",
     "Duplicate",
     "Event",
+    "Keep",
     "Key",
+    "Redelivery",
     "ScopeStats",
     "Store",
     "apply_schema",

@@ -16,6 +16,9 @@ before there were names (procrastinate's job transitions are the model):
 - ``settle_duplicate(read_answer)``: a duplicate learns whether the event was first claimed with
   another body (a mismatch) and, with ``read_answer``, the answer stored with it; its
   transaction ends with the same round trip (or, reading the answer, the next).
+- ``queue(delivery, attempt, keep)``: on a route that redelivers, the app failed: keep the
+  delivery in the claim's row (pending, or dead) and commit, so the redeliverer takes it from
+  there (``inbox``). Refused over the route's cap: the claim stays open, to be released.
 - ``release()``: roll back (a failed delivery, or what the ``async with`` does when no step ran).
 - ``abandon()``: the connection failed mid-claim; close it instead of waiting on it again.
 """
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from proxy import errors
-from proxy.database import pool, sql
+from proxy.database import inbox, pool, sql
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ OPEN = "open"
 COMMITTED = "committed"
 SETTLED = "settled"
 RELEASED = "released"
+QUEUED = "queued"
 ABANDONED = "abandoned"
 
 # Stateless, so shared by every claim: no object made per COMMIT or ROLLBACK.
@@ -86,16 +90,25 @@ COMMITTED_AS_ASKED = Commit()
 
 class Duplicate(NamedTuple):
     """What ``Claim.settle_duplicate`` found: whether the event was first claimed with another
-    body, and the answer stored with it (None: none, or not asked for)."""
+    body, the answer stored with it (None: none, or not asked for) and, asked with ``inbox``,
+    whether it is kept for redelivery ("pending", "dead"; None: it is not)."""
 
     mismatch: bool
     answer: Answer | None
+    kept: str | None = None
+
+
+# What ``Claim.queue`` did: kept the delivery (committed) as pending or dead, or not (the
+# claim is still open): over the route's cap, or the server refused or failed.
+FULL = "full"
+NOT_KEPT = "not_kept"
 
 
 class Store(Protocol):
     """What a claim needs of the store that made it (``store.Store`` is one)."""
 
     queries: sql.Queries
+    inbox: inbox.Inbox
     op_timeout: float
 
     async def reconcile(self, key: Key) -> bool:
@@ -171,7 +184,58 @@ class Claim:
             raise
         return COMMITTED_AS_ASKED
 
-    async def settle_duplicate(self, *, read_answer: bool = False) -> Duplicate:
+    async def queue(
+        self, delivery: inbox.Delivery, attempt: inbox.Attempt, keep: inbox.Keep
+    ) -> str:
+        """Keep a delivery the app failed in the claim's row and COMMIT: "pending" (or "dead",
+        ``keep.dead``) once committed. ``FULL`` (the route's cap is reached) or ``NOT_KEPT``
+        (the server refused, or failed; logged) leave the claim open, so the failure is
+        relayed and the claim released, as on a route that does not redeliver.
+
+        A COMMIT in doubt is ``NOT_KEPT``: the provider is told the failure, and its retry is
+        either a duplicate of the kept event (the COMMIT went through) or a new claim.
+        """
+        if not self.acquired:
+            raise RuntimeError("a duplicate's claim cannot be queued")
+        if self.state is not OPEN:
+            raise RuntimeError(f"claim of {self.key.event_id!r} is {self.state} already")
+        key, store = self.key, self._store
+        state = inbox.DEAD if keep.dead else inbox.PENDING
+        try:
+            with pool.translated("keeping the delivery failed", self.abandon):
+                status = await self._connection.execute(
+                    store.inbox.statements.queue, key.scope, key.event_id, state,
+                    delivery.encoded(), delivery.body, attempt.status, attempt.error,
+                    keep.delay, keep.until, keep.base_scope, keep.max_pending,
+                    keep.max_pending_bytes, timeout=store.op_timeout,
+                )  # fmt: skip
+        except errors.StoreUnavailable as exc:
+            log.warning(
+                "the failed delivery of %s %s could not be kept for redelivery (%s): relaying "
+                "the failure", key.scope, key.event_id, exc.message,
+            )  # fmt: skip
+            return NOT_KEPT
+        if status.rpartition(" ")[2] != "1":
+            return FULL
+        self._end(QUEUED)
+        try:
+            with _COMMIT_FAILED:
+                await self._connection.execute("COMMIT", timeout=store.op_timeout)
+        except errors.StoreUnavailable as exc:
+            self._discard()
+            log.warning(
+                "the COMMIT keeping %s %s for redelivery failed, so it may not be kept: "
+                "relaying the failure (%r)", key.scope, key.event_id, exc.__cause__,
+            )  # fmt: skip
+            return NOT_KEPT
+        except asyncio.CancelledError:
+            self._discard()
+            raise
+        return state
+
+    async def settle_duplicate(
+        self, *, read_answer: bool = False, inbox: bool = False
+    ) -> Duplicate:
         """End a duplicate's transaction, and tell whether its body differs from the one first
         claimed; with ``read_answer``, also the answer stored with the claim.
 
@@ -187,8 +251,11 @@ class Claim:
         if not read_answer:
             self._end(SETTLED)
             status = await self._roll_back(
-                store.queries.duplicate(key.scope, key.event_id, key.body_sha256)
+                store.queries.duplicate(key.scope, key.event_id, key.body_sha256, inbox=inbox)
             )
+            if inbox:
+                mismatch, kept = sql.duplicate_flags(status)
+                return Duplicate(mismatch, None, kept)
             return Duplicate(status == "SELECT 1", None)
         with pool.translated("reading the stored answer failed", self.abandon):
             row = await self._connection.fetchrow(

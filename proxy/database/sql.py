@@ -14,6 +14,8 @@ import functools
 import json
 from dataclasses import dataclass
 
+from proxy.database import inbox
+
 # Any constants will do: they only serialise schema creation, and sweeps, across replicas.
 SCHEMA_LOCK_KEY = 0x64656475
 SWEEP_LOCK_KEY = 0x64656476
@@ -25,6 +27,8 @@ COMMIT_WITHOUT_ANSWER = f"ROLLBACK TO SAVEPOINT {_ANSWER_SAVEPOINT}; COMMIT"
 
 # A route's scope ($1) and, for a templated path, its per-path scopes ("scope/acme").
 _IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
+# The inbox's states whose rows hold a body: never removed by the retention sweep.
+_NOT_KEPT = "(inbox_state IS NULL OR inbox_state NOT IN ('pending', 'dead'))"
 
 
 def _quote(table: str) -> str:
@@ -80,9 +84,11 @@ class Queries:
     privileges: str
     insert: str
     duplicate_of: str
+    queued_duplicate_of: str
     answer: str
     sweep_lock: str
     sweep: str
+    sweep_not_kept: str
     events: str
     events_count: str
     forget: str
@@ -120,14 +126,33 @@ class Queries:
             f"WHERE scope = {_literal(scope)} AND event_id = {_literal(event_id)}; COMMIT"
         )
 
-    def duplicate(self, scope: str, event_id: str, body_sha256: bytes) -> str:
+    def duplicate(
+        self, scope: str, event_id: str, body_sha256: bytes, *, inbox: bool = False
+    ) -> str:
         """For a duplicate: ROLLBACK, then whether the stored body digest differs from this one
         ("SELECT 1"), in one round trip. Outside the transaction, so it also sees the row of a
-        concurrent owner the copy waited for."""
-        return (
-            f"{self.duplicate_of}scope = {_literal(scope)} AND event_id = {_literal(event_id)} "
-            f"AND body_sha256 <> {_digest(body_sha256)}"
-        )
+        concurrent owner the copy waited for.
+
+        With ``inbox`` (a route that redelivers), the status also says whether the event is
+        kept for redelivery: the row is selected as many times as the sum of 1 for a mismatch,
+        2 for pending and 4 for dead ("SELECT 0" to "SELECT 5"; see ``duplicate_flags``). A
+        simple-protocol query returns only its status, and that keeps it one round trip."""
+        where = f"scope = {_literal(scope)} AND event_id = {_literal(event_id)}"
+        if inbox:
+            mismatch = f"(coalesce(body_sha256 <> {_digest(body_sha256)}, false))::int"
+            return f"{self.queued_duplicate_of}{mismatch}{QUEUED_FLAGS}) WHERE {where}"
+        return f"{self.duplicate_of}{where} AND body_sha256 <> {_digest(body_sha256)}"
+
+
+QUEUED_FLAGS = " + CASE inbox_state WHEN 'pending' THEN 2 WHEN 'dead' THEN 4 ELSE 0 END"
+
+
+def duplicate_flags(status: str | None) -> tuple[bool, str | None]:
+    """What the status of ``Queries.duplicate(..., inbox=True)`` says: (mismatch, the inbox
+    state: "pending", "dead" or None)."""
+    flags = int(status.rpartition(" ")[2]) if status else 0
+    state = "dead" if flags & 4 else "pending" if flags & 2 else None
+    return bool(flags & 1), state
 
 
 @functools.cache
@@ -136,6 +161,8 @@ def for_table(table: str) -> Queries:
     quoted = _quote(table)
     schema, dot, name = table.rpartition(".")
     index = f"{name}_received_at_idx"
+    inbox_index = f"{name}_inbox_idx"
+    inbox_columns = inbox.Statements(quoted).columns
     return Queries(
         table=table,
         quoted=quoted,
@@ -156,7 +183,11 @@ def for_table(table: str) -> Queries:
             f"ALTER TABLE {quoted} ADD COLUMN IF NOT EXISTS body_sha256 bytea,\n"
             "    ADD COLUMN IF NOT EXISTS answer_status smallint,\n"
             "    ADD COLUMN IF NOT EXISTS answer_headers jsonb,\n"
-            "    ADD COLUMN IF NOT EXISTS answer_body bytea;\n"
+            "    ADD COLUMN IF NOT EXISTS answer_body bytea,\n"
+            # redeliver — a failed delivery kept for redelivery (database.inbox).
+            f"{inbox_columns};\n"
+            f'CREATE INDEX IF NOT EXISTS "{inbox_index}" ON {quoted} (inbox_state, inbox_due)\n'
+            "    WHERE inbox_state IN ('pending', 'dead');\n"
         ),
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
         schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})",
@@ -167,6 +198,9 @@ def for_table(table: str) -> Queries:
             "         AND attname = 'body_sha256' AND NOT attisdropped) AS digest,"
             f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
             "         AND attname = 'answer_body' AND NOT attisdropped) AS answer,"
+            f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
+            "         AND attname = 'inbox_changed' AND NOT attisdropped) AS inbox,"
+            f" to_regclass({_literal(schema + dot + inbox_index)}) IS NOT NULL AS inbox_index,"
             f" to_regclass({_literal(schema + dot + index)}) IS NOT NULL AS index"
         ),
         # What the role (through PgBouncer: the server's) may do with the table, in one
@@ -181,10 +215,15 @@ def for_table(table: str) -> Queries:
             + " (SELECT bool_and(has_column_privilege(attrelid, attnum, 'UPDATE'))"
             f"    FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
             f"    AND attname IN ({', '.join(map(_literal, ANSWER_COLUMNS))}) AND NOT attisdropped)"
-            " AS answer"
+            " AS answer,"
+            " (SELECT bool_and(has_column_privilege(attrelid, attnum, 'UPDATE'))"
+            f"    FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
+            f"    AND attname IN ({', '.join(map(_literal, inbox.COLUMNS))}) AND NOT attisdropped)"
+            " AS inbox"
         ),
         insert=f"INSERT INTO {quoted} (scope, event_id, event_type, body_sha256) VALUES ",
         duplicate_of=f"ROLLBACK; SELECT FROM {quoted} WHERE ",
+        queued_duplicate_of=f"ROLLBACK; SELECT FROM {quoted}, generate_series(1, ",
         # $1 scope, $2 event ID, $3 this copy's body digest: a duplicate's stored answer.
         answer=(
             "SELECT coalesce(body_sha256 <> $3, false) AS mismatch, answer_status, answer_headers, "
@@ -200,6 +239,13 @@ def for_table(table: str) -> Queries:
             f"  SELECT scope, event_id FROM {quoted}"
             f"   WHERE {_IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
             "   LIMIT $3)"
+        ),
+        # The same, on a table with the inbox's columns: what it keeps is never swept.
+        sweep_not_kept=(
+            f"DELETE FROM {quoted} WHERE (scope, event_id) IN ("
+            f"  SELECT scope, event_id FROM {quoted}"
+            f"   WHERE {_IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
+            f"   AND {_NOT_KEPT} LIMIT $3)"
         ),
         # $1 scope, $2 oldest received_at or NULL, $3 limit.
         events=(

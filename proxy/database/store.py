@@ -21,7 +21,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, NamedTuple
 
 from proxy import errors
-from proxy.database import pool, sql
+from proxy.database import inbox, pool, sql
 from proxy.database.claim import Claim, Key
 from proxy.database.pool import Connection, Pool, translated
 
@@ -81,18 +81,25 @@ def schema_sql(table: str) -> str:
 
 
 async def missing_schema(
-    connection: Connection, queries: sql.Queries, *, answers: bool = True
+    connection: Connection, queries: sql.Queries, *, answers: bool = True, kept: bool = False
 ) -> str:
     """What the claim table lacks ("" when nothing), read from the catalog without locks;
-    the answer columns only with ``answers`` (some route replays)."""
+    the answer columns only with ``answers`` (some route replays), the inbox's only with
+    ``kept`` (some route redelivers)."""
     row = await connection.fetchrow(queries.schema_missing)
     if row is None or not row["table"]:
         return "does not exist"
-    needed = ("digest", "answer", "index") if answers else ("digest", "index")
+    needed = ["digest", "index"]
+    if answers:
+        needed.append("answer")
+    if kept:
+        needed += ["inbox", "inbox_index"]
     lacking = [name for name in needed if not row[name]]
     names = {
         "digest": "column body_sha256",
         "answer": "the answer columns (on_duplicate: replay)",
+        "inbox": "the inbox columns (redeliver)",
+        "inbox_index": "the inbox's index (redeliver)",
         "index": "index on received_at",
     }
     return "lacks " + " and ".join(names[n] for n in lacking) if lacking else ""
@@ -118,7 +125,7 @@ async def apply_schema(
         ) from None
 
 
-def _lacking(row: pool.Record, queries: sql.Queries, *, answers: bool) -> str:
+def _lacking(row: pool.Record, queries: sql.Queries, *, answers: bool, kept: bool = False) -> str:
     """The GRANTs a row of ``queries.privileges`` says the role lacks, and why ("" if none)."""
     role, table = row["role"], queries.quoted
     lacking = [name for name in PRIVILEGES if not row[name.lower()]]
@@ -131,6 +138,11 @@ def _lacking(row: pool.Record, queries: sql.Queries, *, answers: bool) -> str:
         grants.append(
             f"GRANT UPDATE ({columns}) ON {table} TO {role} (on_duplicate: replay stores the "
             "app's answer)"
+        )
+    if kept and row["inbox"] is False:
+        grants.append(
+            f"{inbox.GRANT_HINT} ON {table} TO {role} (redeliver keeps failed deliveries and "
+            "locks them while redelivering: FOR UPDATE needs it)"
         )
     return f"role {role} lacks privileges: " + "; ".join(grants) if grants else ""
 
@@ -160,6 +172,11 @@ class Store:
         self._idle_limit = upstream_timeout + settings.connect_timeout
         self._begin = sql.begin(claim_wait, self._idle_limit)
         self._answers = False  # whether the routes need UPDATE (check_privileges)
+        self._kept = False  # whether a route redelivers (check_privileges)
+        # Whether the table has the inbox's columns: then the sweep passes over what it keeps.
+        self._inbox_columns = False
+        self.inbox = inbox.Inbox(self.queries.quoted, self._connection, self._begin,
+                                 settings.connect_timeout)  # fmt: skip
 
     @classmethod
     async def open(
@@ -261,7 +278,7 @@ class Store:
             return False
         return True
 
-    async def ensure_schema(self, *, answers: bool = True) -> None:
+    async def ensure_schema(self, *, answers: bool = True, kept: bool = False) -> None:
         """Check the claim table; create or upgrade it only if something is missing.
 
         The check reads the catalog only. The DDL is never run needlessly: even with IF NOT
@@ -271,9 +288,12 @@ class Store:
         table = self._settings.table
         async with self._connection() as connection:
             with translated(f"cannot prepare table {table}"):
-                missing = await missing_schema(connection, self.queries, answers=answers)
+                missing = await missing_schema(connection, self.queries, answers=answers, kept=kept)
                 if missing and self._settings.create_schema:
                     await apply_schema(connection, self.queries, f"cannot prepare table {table}")
+                row = await connection.fetchrow(self.queries.schema_missing)
+                self._inbox_columns = bool(row and row["inbox"])
+                if self._settings.create_schema:
                     return
         if missing:
             raise errors.StoreUnavailable(
@@ -281,11 +301,13 @@ class Store:
                 "'dedup-proxy migrate' (or apply 'dedup-proxy schema') or set create_schema: true"
             )
 
-    async def check_privileges(self, *, answers: bool) -> None:
+    async def check_privileges(self, *, answers: bool, kept: bool = False) -> None:
         """Raise StoreUnavailable naming each grant the routes need that the role lacks
-        (UPDATE on the answer columns with ``answers``); ``check`` verifies them from then on."""
+        (UPDATE on the answer columns with ``answers``, on the inbox's with ``kept``);
+        ``check`` verifies them from then on."""
         self._answers = answers
-        problem = await self.missing_grants(answers=answers)
+        self._kept = kept
+        problem = await self.missing_grants(answers=answers, kept=kept)
         if problem:
             raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
 
@@ -297,7 +319,7 @@ class Store:
                 row = await connection.fetchrow(self.queries.privileges, timeout=self.op_timeout)
         if row is None or not row["table"]:
             raise errors.StoreUnavailable(f"table {self._settings.table} does not exist")
-        if problem := _lacking(row, self.queries, answers=self._answers):
+        if problem := _lacking(row, self.queries, answers=self._answers, kept=self._kept):
             raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
 
     async def sweep_batch(self, scope: str, retention: float, batch: int) -> int | None:
@@ -312,8 +334,10 @@ class Store:
                     if not locked:
                         return None
                     await connection.execute(sql.lock_timeout(SWEEP_ROW_LOCK_WAIT))
+                    queries = self.queries
+                    sweep = queries.sweep_not_kept if self._inbox_columns else queries.sweep
                     status = await connection.execute(
-                        self.queries.sweep, scope, retention, batch, timeout=self.op_timeout
+                        sweep, scope, retention, batch, timeout=self.op_timeout
                     )
         return int(status.split()[-1])
 
@@ -372,11 +396,11 @@ class Store:
                 user = await connection.fetchval("SELECT current_user")
             return user, pool.server_version(connection)
 
-    async def missing_schema(self, *, answers: bool) -> str:
+    async def missing_schema(self, *, answers: bool, kept: bool = False) -> str:
         """What the claim table lacks ("" when nothing), see ``missing_schema``."""
         async with self._connection() as connection:
             with translated("query failed"):
-                return await missing_schema(connection, self.queries, answers=answers)
+                return await missing_schema(connection, self.queries, answers=answers, kept=kept)
 
     async def may_create_table(self) -> bool:
         """Whether the role may CREATE in the claim table's schema."""
@@ -389,7 +413,7 @@ class Store:
                 )
         return bool(may)
 
-    async def missing_grants(self, *, answers: bool) -> str:
+    async def missing_grants(self, *, answers: bool, kept: bool = False) -> str:
         """The privileges on the claim table the role lacks, as the GRANTs that give them and
         why ("" when none, or when the table is missing: ``missing_schema`` says so); UPDATE on
         the answer columns only with ``answers``."""
@@ -398,7 +422,7 @@ class Store:
                 row = await connection.fetchrow(self.queries.privileges, timeout=self.op_timeout)
         if row is None or not row["table"]:
             return ""
-        return _lacking(row, self.queries, answers=answers)
+        return _lacking(row, self.queries, answers=answers, kept=kept)
 
     async def pooler(self) -> bool:
         """Whether a pooler (PgBouncer) stands between the proxy and the server: it answers

@@ -262,10 +262,21 @@ class Forwarder:
         """Send the webhook to ``target`` (the path and query the proxy routed on) with its
         already-read body; read the whole answer, its size told to ``reserve`` first, and
         filter its headers for relaying."""
+        return await self.send(base_url, self.outgoing(request, target, body, request_id), reserve)
+
+    def outgoing(
+        self, request: web.Request, target: str, body: bytes, request_id: str
+    ) -> transports.Request:
+        """The request the app is sent for this webhook (what a redelivery sends again)."""
         headers = self._headers(request, request_id, keep_length=False)
-        answer = await self.transport_for_url(base_url).handle_async_request(
-            transports.Request(request.method, target, headers, body), reserve
-        )
+        return transports.Request(request.method, target, headers, body)
+
+    async def send(
+        self, base_url: str, outgoing: transports.Request, reserve: http1.Reserve
+    ) -> http1.Answer:
+        """Send ``outgoing`` to the app at ``base_url``; its whole answer, filtered for
+        relaying. The transport may take headers out of ``outgoing`` (Host)."""
+        answer = await self.transport_for_url(base_url).handle_async_request(outgoing, reserve)
         answer.headers = response_headers(answer.headers, keep_length=False)
         return answer
 

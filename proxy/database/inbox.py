@@ -1,0 +1,454 @@
+"""The inbox: deliveries the app failed, kept in their claim's row and redelivered through it.
+
+A route with ``redeliver`` does not roll its claim back when the app fails: ``Claim.queue``
+stores the delivery in the claim's row (state *pending*, or *dead* for an answer retrying cannot
+fix) in the claim's own transaction, and commits it. The row is the claim, so every copy of the
+event is a duplicate from then on. ``Inbox.take`` then hands a due row to the redeliverer
+holding its row lock (``FOR UPDATE SKIP LOCKED``: never one row to two replicas at once), and
+the redelivery ends with one named step, in the same transaction: ``delivered`` (state
+*delivered*, the body dropped) or ``failed`` (the attempt recorded, the next one scheduled, or
+*dead* past the route's ``for``). A redelivery whose process dies rolls back, so the row is due
+again, as it was.
+
+The states (``inbox_state``): NULL, delivered at the first try; ``pending``; ``dead``;
+``delivered`` (by the redeliverer); ``discarded`` (by an operator). Pending and dead rows hold
+their bodies and are never removed by the retention sweep; dead rows have their own retention,
+counted from ``inbox_changed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from proxy import errors
+from proxy.database import pool
+
+log = logging.getLogger(__name__)
+
+PENDING = "pending"
+DEAD = "dead"
+DELIVERED = "delivered"
+DISCARDED = "discarded"
+KEPT = (PENDING, DEAD)  # the states that hold a body
+_TYPES = {"inbox_state": "text", "inbox_request": "jsonb", "inbox_body": "bytea",
+          "inbox_attempts": "jsonb", "inbox_failures": "integer", "inbox_due": "timestamptz",
+          "inbox_until": "timestamptz", "inbox_changed": "timestamptz"}  # fmt: skip
+COLUMNS = tuple(_TYPES)
+GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
+# An operator's redeliver or discard waits at most this for a row being redelivered now.
+OPERATOR_LOCK_WAIT = 5.0
+
+_IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
+_ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """A delivery to keep: what the app is sent, as it was first sent (its headers filtered
+    for the upstream already), and which route's settings redeliver it."""
+
+    route: str
+    upstream: str
+    method: str
+    target: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+    def encoded(self) -> str:
+        return json.dumps(
+            {"route": self.route, "upstream": self.upstream, "method": self.method,
+             "target": self.target, "headers": self.headers},
+            ensure_ascii=False, separators=(",", ":"),
+        )  # fmt: skip
+
+    @classmethod
+    def decoded(cls, request: str | dict[str, Any], body: bytes) -> Delivery:
+        fields = json.loads(request) if isinstance(request, str) else request
+        return cls(
+            fields["route"], fields["upstream"], fields["method"], fields["target"],
+            tuple((name, value) for name, value in fields["headers"]), body,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One failed or successful try: the app's status (None: no answer) and what went wrong."""
+
+    status: int | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Keep:
+    """How ``Claim.queue`` keeps a failed first delivery: the first wait, the deadline, the
+    route's cap (``base_scope``: the route's scope, which holds its per-path ones), and
+    whether the answer was one retrying cannot fix (dead at once)."""
+
+    delay: float
+    until: float
+    max_pending: int
+    max_pending_bytes: int
+    base_scope: str
+    dead: bool
+
+
+class Kept(NamedTuple):
+    """A pending or dead row, as ``events pending``/``dead`` list it."""
+
+    scope: str
+    event_id: str
+    event_type: str | None
+    received_at: datetime
+    state: str
+    failures: int
+    due: datetime | None
+    body_bytes: int | None
+    last_status: int | None
+    last_error: str | None
+
+
+class Shown(NamedTuple):
+    """Everything stored about one event, for ``events show``."""
+
+    scope: str
+    event_id: str
+    event_type: str | None
+    received_at: datetime
+    state: str | None
+    delivery: Delivery | None  # the body empty once dropped
+    body_bytes: int | None
+    attempts: list[dict[str, Any]]
+    due: datetime | None
+    until: datetime | None
+    changed: datetime | None
+
+
+class Level(NamedTuple):
+    """A route's inbox, for the metrics."""
+
+    pending: int
+    pending_bytes: int
+    dead: int
+    oldest_pending: float | None  # seconds since the oldest pending event was received
+    most_overdue: float | None  # seconds the most overdue pending row is past its due time
+
+
+@dataclass(frozen=True, slots=True)
+class Statements:
+    """The inbox's statements over one claim table (``quoted``)."""
+
+    quoted: str
+
+    @property
+    def columns(self) -> str:
+        return ",\n".join(
+            f"    ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in _TYPES.items()
+        )
+
+    @property
+    def queue(self) -> str:
+        # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8 delay,
+        # $9 until, $10 base scope, $11 max count, $12 max bytes. Under the cap only: the kept
+        # rows of the route (pending and dead: both hold bodies), this one's body counted.
+        # Concurrent failures each see the others' uncommitted rows as absent, so the cap can
+        # be passed by the deliveries failing at that moment (at most the pool's size).
+        return (
+            f"UPDATE {self.quoted} SET inbox_state = $3, inbox_request = $4::jsonb, "
+            "inbox_body = $5::bytea, inbox_attempts = jsonb_build_array("
+            + _ATTEMPT.format(status="$6", error="$7")
+            + "), inbox_failures = 1, "
+            "inbox_due = CASE WHEN $3 = 'pending' THEN now() + make_interval(secs => $8) END, "
+            "inbox_until = now() + make_interval(secs => $9), inbox_changed = now() "
+            "WHERE scope = $1 AND event_id = $2 AND (SELECT count(*) < $11 AND "
+            "coalesce(sum(octet_length(inbox_body)), 0) + octet_length($5::bytea) <= $12 "
+            f"FROM {self.quoted} WHERE {_IN_SCOPE.replace('$1', '$10')} "
+            "AND inbox_state IN ('pending', 'dead'))"
+        )
+
+    @property
+    def due(self) -> str:
+        return (
+            f"SELECT FROM {self.quoted} WHERE inbox_state = 'pending' AND inbox_due <= now() "
+            "LIMIT 1"
+        )
+
+    @property
+    def take(self) -> str:
+        # Oldest first; a row another replica is redelivering is passed over, not waited on.
+        return (
+            f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, "
+            f"inbox_until <= now() AS expired FROM {self.quoted} "
+            "WHERE inbox_state = 'pending' AND inbox_due <= now() "
+            "ORDER BY received_at LIMIT 1 FOR UPDATE SKIP LOCKED"
+        )
+
+    @property
+    def delivered(self) -> str:
+        # $1 scope, $2 event ID, $3 status.
+        return (
+            f"UPDATE {self.quoted} SET inbox_state = 'delivered', inbox_body = NULL, "
+            "inbox_due = NULL, inbox_changed = now(), inbox_attempts = inbox_attempts || "
+            + _ATTEMPT.format(status="$3", error="NULL")
+            + " WHERE scope = $1 AND event_id = $2"
+        )
+
+    @property
+    def failed(self) -> str:
+        # $1 scope, $2 event ID, $3 status, $4 error, $5 delay, $6 dead now (an unfixable
+        # answer). Dead once a failed attempt is at or past the deadline; the next attempt is
+        # never later than the deadline, so the last one is made at it.
+        dead = "($6 OR inbox_until <= now())"
+        return (
+            f"UPDATE {self.quoted} SET inbox_attempts = inbox_attempts || "
+            + _ATTEMPT.format(status="$3", error="$4")
+            + ", inbox_failures = inbox_failures + 1, "
+            f"inbox_state = CASE WHEN {dead} THEN 'dead' ELSE 'pending' END, "
+            f"inbox_due = CASE WHEN {dead} THEN NULL "
+            "ELSE least(now() + make_interval(secs => $5), inbox_until) END, "
+            f"inbox_changed = CASE WHEN {dead} THEN now() ELSE inbox_changed END "
+            "WHERE scope = $1 AND event_id = $2 RETURNING inbox_state"
+        )
+
+    @property
+    def kept(self) -> str:
+        # $1 scope, $2 state, $3 limit.
+        return (
+            "SELECT scope, event_id, event_type, received_at, inbox_state, inbox_failures, "
+            "inbox_due, octet_length(inbox_body), (inbox_attempts -> -1 ->> 'status')::int, "
+            f"inbox_attempts -> -1 ->> 'error' FROM {self.quoted} "
+            f"WHERE {_IN_SCOPE} AND inbox_state = $2 ORDER BY received_at LIMIT $3"
+        )
+
+    @property
+    def kept_count(self) -> str:
+        return f"SELECT count(*) FROM {self.quoted} WHERE {_IN_SCOPE} AND inbox_state = $2"
+
+    @property
+    def show(self) -> str:
+        # $1 scope, $2 event ID.
+        return (
+            "SELECT scope, event_id, event_type, received_at, inbox_state, inbox_request, "
+            "inbox_body, octet_length(inbox_body) AS body_bytes, inbox_attempts, inbox_due, "
+            f"inbox_until, inbox_changed FROM {self.quoted} WHERE scope = $1 AND event_id = $2"
+        )
+
+    @property
+    def redeliver(self) -> str:
+        # $1 scope, $2 event IDs or NULL (every dead row of the scope), $3 dead since or NULL,
+        # $4 for (seconds). Back to pending, due now, with the route's full schedule again.
+        return (
+            f"UPDATE {self.quoted} SET inbox_state = 'pending', inbox_due = now(), "
+            "inbox_until = now() + make_interval(secs => $4), inbox_failures = 0, "
+            "inbox_changed = now() "
+            f"WHERE inbox_body IS NOT NULL AND ("
+            "  ($2::text[] IS NOT NULL AND scope = $1 AND event_id = ANY($2) "
+            "   AND inbox_state IN ('pending', 'dead'))"
+            f"  OR ($2::text[] IS NULL AND {_IN_SCOPE} AND inbox_state = 'dead' "
+            "      AND ($3::timestamptz IS NULL OR inbox_changed >= $3))) "
+            "RETURNING scope, event_id"
+        )
+
+    @property
+    def discard(self) -> str:
+        # $1 scope, $2 event IDs. The claim stays (its copies are still duplicates).
+        return (
+            f"UPDATE {self.quoted} SET inbox_state = 'discarded', inbox_body = NULL, "
+            "inbox_due = NULL, inbox_changed = now() "
+            "WHERE scope = $1 AND event_id = ANY($2) AND inbox_state IN ('pending', 'dead') "
+            "RETURNING event_id"
+        )
+
+    @property
+    def level(self) -> str:
+        # $1 scope.
+        return (
+            "SELECT count(*) FILTER (WHERE inbox_state = 'pending') AS pending, "
+            "coalesce(sum(octet_length(inbox_body)) FILTER (WHERE inbox_state = 'pending'), 0) "
+            "AS pending_bytes, count(*) FILTER (WHERE inbox_state = 'dead') AS dead, "
+            "extract(epoch FROM now() - min(received_at) FILTER (WHERE inbox_state = 'pending'))"
+            "::float8 AS oldest, "
+            "extract(epoch FROM now() - min(inbox_due) FILTER (WHERE inbox_state = 'pending'))"
+            f"::float8 AS overdue FROM {self.quoted} "
+            f"WHERE {_IN_SCOPE} AND inbox_state IN ('pending', 'dead')"
+        )
+
+    @property
+    def sweep_dead(self) -> str:
+        # $1 scope, $2 dead retention (seconds), $3 batch.
+        return (
+            f"DELETE FROM {self.quoted} WHERE (scope, event_id) IN ("
+            f"  SELECT scope, event_id FROM {self.quoted} WHERE {_IN_SCOPE} "
+            "   AND inbox_state = 'dead' AND inbox_changed < now() - make_interval(secs => $2) "
+            "   LIMIT $3)"
+        )
+
+
+Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
+
+
+class Redelivery:
+    """A due row, its lock held until one named step ends its transaction (or the ``async
+    with`` of ``Inbox.take`` rolls it back)."""
+
+    __slots__ = ("_connection", "_done", "_inbox", "delivery", "event_id", "expired", "failures",
+                 "scope")  # fmt: skip
+
+    def __init__(self, inbox: Inbox, connection: pool.Connection, row: pool.Record) -> None:
+        self._inbox = inbox
+        self._connection = connection
+        self._done = False
+        self.scope: str = row["scope"]
+        self.event_id: str = row["event_id"]
+        self.delivery = Delivery.decoded(row["inbox_request"], row["inbox_body"])
+        self.failures: int = row["inbox_failures"]
+        self.expired: bool = row["expired"]
+
+    async def delivered(self, status: int) -> None:
+        """The app answered 2xx: done, the body dropped, committed."""
+        await self._end(self._inbox.statements.delivered, status)
+
+    async def failed(self, attempt: Attempt, delay: float, *, dead: bool) -> str:
+        """Record the attempt and schedule the next one ``delay`` from now (never past the
+        deadline), or make the row dead (``dead``, or the deadline passed); the new state."""
+        return await self._end(
+            self._inbox.statements.failed, attempt.status, attempt.error, delay, dead
+        )
+
+    async def _end(self, statement: str, *args: object) -> str:
+        if self._done:
+            raise RuntimeError(f"redelivery of {self.event_id!r} ended already")
+        self._done = True
+        timeout = self._inbox.op_timeout
+        with pool.translated("recording the redelivery failed", self._discard):
+            state: str = await self._connection.fetchval(
+                statement, self.scope, self.event_id, *args, timeout=timeout
+            )
+            await self._connection.execute("COMMIT", timeout=timeout)
+        return state or DELIVERED
+
+    async def release(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        with (
+            contextlib.suppress(errors.StoreUnavailable),
+            pool.translated("rollback failed", self._discard),
+        ):
+            await self._connection.execute("ROLLBACK", timeout=self._inbox.op_timeout)
+
+    def _discard(self) -> None:
+        pool.discard(self._connection)
+
+
+class Inbox:
+    """The inbox's operations over the store's connections (``Store.inbox``)."""
+
+    def __init__(self, quoted: str, acquire: Acquire, begin: str, op_timeout: float) -> None:
+        self.statements = Statements(quoted)
+        self._acquire = acquire
+        self._begin = begin
+        self.op_timeout = op_timeout
+
+    @contextlib.asynccontextmanager
+    async def take(self) -> AsyncIterator[Redelivery | None]:
+        """The oldest due row no one else holds, locked until its redelivery ends (None: none
+        is due). One cheap indexed read when none is; the transaction only when one is."""
+        async with self._acquire() as connection:
+            with pool.translated("looking for due redeliveries failed"):
+                if await connection.fetchrow(self.statements.due, timeout=self.op_timeout) is None:
+                    yield None
+                    return
+                await connection.execute(self._begin, timeout=self.op_timeout)
+            redelivery = None
+            try:
+                with pool.translated("taking a due redelivery failed"):
+                    row = await connection.fetchrow(self.statements.take, timeout=self.op_timeout)
+                if row is not None:
+                    redelivery = Redelivery(self, connection, row)
+                yield redelivery
+            finally:
+                if redelivery is not None:
+                    await redelivery.release()
+                else:
+                    with pool.translated("rollback failed"):
+                        await connection.execute("ROLLBACK", timeout=self.op_timeout)
+
+    async def kept(self, scope: str, state: str, limit: int) -> tuple[list[Kept], int]:
+        """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""
+        async with self._acquire() as connection:
+            with pool.translated("query failed"):
+                rows = await connection.fetch(self.statements.kept, scope, state, limit)
+                total = len(rows)
+                if total == limit:
+                    total = await connection.fetchval(self.statements.kept_count, scope, state)
+        return [Kept(*row) for row in rows], total
+
+    async def show(self, scope: str, event_id: str) -> Shown | None:
+        async with self._acquire() as connection:
+            with pool.translated("query failed"):
+                row = await connection.fetchrow(self.statements.show, scope, event_id)
+        if row is None:
+            return None
+        request = row["inbox_request"]
+        attempts = row["inbox_attempts"]
+        return Shown(
+            row["scope"], row["event_id"], row["event_type"], row["received_at"],
+            row["inbox_state"],
+            None if request is None else Delivery.decoded(request, row["inbox_body"] or b""),
+            row["body_bytes"],
+            [] if attempts is None else json.loads(attempts),
+            row["inbox_due"], row["inbox_until"], row["inbox_changed"],
+        )  # fmt: skip
+
+    async def redeliver(
+        self, scope: str, event_ids: list[str] | None, since: datetime | None, for_: float
+    ) -> list[tuple[str, str]]:
+        """Make these rows (or ``scope``'s dead ones, dead since ``since``) pending and due
+        now, with ``for_`` seconds of the schedule again: the (scope, event ID)s it changed."""
+        rows = await self._operate(self.statements.redeliver, scope, event_ids, since, for_)
+        return [(row["scope"], row["event_id"]) for row in rows]
+
+    async def discard(self, scope: str, event_ids: list[str]) -> set[str]:
+        """Drop these pending or dead deliveries, keeping their claims: the IDs it changed."""
+        rows = await self._operate(self.statements.discard, scope, event_ids)
+        return {row["event_id"] for row in rows}
+
+    async def _operate(self, statement: str, *args: object) -> list[pool.Record]:
+        async with self._acquire() as connection:
+            try:
+                with pool.translated("query failed"):
+                    async with connection.transaction():
+                        await connection.execute(
+                            f"SET LOCAL lock_timeout = '{int(OPERATOR_LOCK_WAIT * 1000)}ms'"
+                        )
+                        rows: list[pool.Record] = await connection.fetch(statement, *args)
+            except errors.LockTimeout as exc:
+                raise errors.StoreUnavailable(
+                    "one of these events is being redelivered right now; try again in a moment"
+                ) from exc
+        return rows
+
+    async def level(self, scope: str) -> Level:
+        async with self._acquire() as connection:
+            with pool.translated("reading the inbox's level failed"):
+                row = await connection.fetchrow(
+                    self.statements.level, scope, timeout=self.op_timeout
+                )
+        assert row is not None
+        return Level(row["pending"], row["pending_bytes"], row["dead"], row["oldest"],
+                     row["overdue"])  # fmt: skip
+
+    async def sweep_dead(self, scope: str, retention: float, batch: int) -> int:
+        async with self._acquire() as connection:
+            with pool.translated("retention delete of dead deliveries failed"):
+                status = await connection.execute(
+                    self.statements.sweep_dead, scope, retention, batch, timeout=self.op_timeout
+                )
+        return int(status.split()[-1])

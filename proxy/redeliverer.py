@@ -1,0 +1,198 @@
+"""The redeliverer: sends the deliveries the app failed (kept by ``Claim.queue``) again, until
+the app takes them or the route's ``for`` runs out.
+
+It runs in every replica and every worker, a few lanes each (``redeliverer.concurrency`` per
+replica, shared out among its workers, at least one each). A lane takes the oldest due row no
+one else holds (``Inbox.take``: ``FOR UPDATE SKIP LOCKED``) and forwards it *while holding the
+row lock*, as the first delivery was forwarded while holding its claim: no two replicas send one
+event at once, and a replica killed mid-redelivery leaves the row as it was, due, for the next
+lane anywhere. The row's transaction ends with one step: ``delivered`` on a 2xx, else ``failed``
+(the next attempt after the route's schedule, or dead past its ``for`` or on an answer
+retrying cannot fix: ``UNFIXABLE``). Starts are paced at ``redeliverer.rate`` per second per
+replica, so a recovering app is not swamped with the backlog.
+
+On SIGTERM the lanes stop taking rows; a redelivery in flight finishes, or, past
+``shutdown_timeout``, is cancelled, which rolls its row back: released, never lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from multidict import CIMultiDict
+
+from proxy import database, errors, memory, metrics
+from proxy.config import inbox, routes
+from proxy.upstream import forwarder, transports
+
+log = logging.getLogger(__name__)
+
+# The app's answers that retrying the same request cannot change: the request itself is wrong
+# (400, 422), too large (413, 414) or of a kind the app does not take (405, 411, 415). Anything
+# else (404 and 401/403 included: a deploy or a rotated secret) is tried again on schedule.
+UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
+# How often each worker reads its routes' inbox levels for the metrics.
+LEVEL_INTERVAL = 15.0
+
+
+def keep(route: routes.RouteConfig, settings: inbox.Redeliver, status: int | None) -> database.Keep:
+    """How a failed first delivery on ``route`` is kept (the app answered ``status``)."""
+    return database.Keep(
+        delay=settings.schedule[0],
+        until=settings.for_,
+        max_pending=settings.max_pending,
+        max_pending_bytes=settings.max_pending_bytes,
+        base_scope=route.scope,
+        dead=status in UNFIXABLE,
+    )
+
+
+class Redeliverer:
+    """This worker's lanes (see the module's docstring)."""
+
+    def __init__(
+        self,
+        store: database.Store,
+        client: forwarder.Forwarder,
+        configured: tuple[routes.RouteConfig, ...],
+        *,
+        settings: inbox.RedelivererConfig,
+        meters: metrics.Metrics,
+        budget: memory.Budget,
+        workers: int = 1,
+    ) -> None:
+        self._store = store
+        self._client = client
+        self._routes = {route.name: route for route in configured if route.redeliver}
+        self._settings = settings
+        self._meters = meters
+        self._budget = budget
+        self.lanes = max(1, settings.concurrency // workers)
+        self._interval = workers / settings.rate  # between two starts in this worker
+        self._next_start = 0.0
+        self._stopping = asyncio.Event()
+        self.in_flight = 0
+
+    @property
+    def configured(self) -> bool:
+        return bool(self._routes)
+
+    def stop(self) -> None:
+        """Take no more rows (SIGTERM); what is in flight goes on."""
+        self._stopping.set()
+
+    async def run(self) -> None:
+        """The lanes and the metrics' reader, until ``stop`` and their redeliveries end."""
+        async with asyncio.TaskGroup() as group:
+            for lane in range(self.lanes):
+                group.create_task(self._lane(), name=f"redeliverer-{lane}")
+            group.create_task(self._levels(), name="redeliverer-levels")
+
+    async def _lane(self) -> None:
+        while not self._stopping.is_set():
+            await self._paced()
+            if self._stopping.is_set():
+                return
+            try:
+                redelivered = await self.redeliver_one()
+            except errors.StoreUnavailable as exc:
+                log.warning("redelivery failed, trying again in %gs: %s", self._settings.poll,
+                            exc.message)  # fmt: skip
+                redelivered = False
+            if not redelivered:
+                await self._pause(self._settings.poll)
+
+    async def _paced(self) -> None:
+        """Wait for this lane's turn under ``rate`` (shared by the lanes: one event loop)."""
+        now = time.monotonic()
+        start = max(now, self._next_start)
+        self._next_start = start + self._interval
+        if start > now:
+            await self._pause(start - now)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopping.wait()
+
+    async def redeliver_one(self) -> bool:
+        """Redeliver the oldest due row, if one is: whether one was."""
+        async with self._store.inbox.take() as redelivery:
+            if redelivery is None:
+                return False
+            self.in_flight += 1
+            try:
+                await self._redeliver(redelivery)
+            finally:
+                self.in_flight -= 1
+        return True
+
+    async def _redeliver(self, redelivery: database.Redelivery) -> None:
+        delivery = redelivery.delivery
+        route = self._routes.get(delivery.route)
+        # A route renamed or removed since: its upstream as stored, the default schedule.
+        settings = route.redeliver if route is not None and route.redeliver else inbox.Redeliver()
+        upstream = route.upstream if route is not None else delivery.upstream
+        started = time.perf_counter()
+        status, error = await self._send(upstream, delivery)
+        took = round((time.perf_counter() - started) * 1000, 2)
+        fields = {"route": delivery.route, "scope": redelivery.scope,
+                  "event_id": redelivery.event_id, "attempt": redelivery.failures + 1,
+                  "upstream_status": status, "upstream_ms": took}  # fmt: skip
+        if status is not None and 200 <= status < 300:
+            await redelivery.delivered(status)
+            result, level = "delivered", logging.INFO
+        else:
+            failures = redelivery.failures + 1
+            state = await redelivery.failed(
+                database.Attempt(status, error), settings.delay(failures),
+                dead=status in UNFIXABLE,
+            )  # fmt: skip
+            dead = state == database.DEAD
+            result, level = ("dead", logging.ERROR) if dead else ("failed", logging.WARNING)
+            if error:
+                fields["error"] = error
+        self._meters.redeliveries.labels(delivery.route, result).inc()
+        fields["result"] = result
+        log.log(level, "redelivery of %s %s: %s", delivery.route, redelivery.event_id, result,
+                extra={"fields": fields})  # fmt: skip
+
+    async def _send(
+        self, upstream: str, delivery: database.Delivery
+    ) -> tuple[int | None, str | None]:
+        """The app's status (None: no answer) and what went wrong, if anything."""
+        outgoing = transports.Request(
+            delivery.method, delivery.target, CIMultiDict(delivery.headers), delivery.body
+        )
+        with self._budget.reservation() as reservation:
+            try:
+                reservation.body(len(delivery.body))
+                answer = await self._client.send(upstream, outgoing, reservation.answer)
+            except errors.Overloaded as exc:
+                return None, f"not sent: {exc.message}"
+            except errors.UpstreamFailed as exc:
+                if exc.answered_2xx:
+                    return exc.upstream_status, None  # the app took it; its answer broke off
+                return exc.upstream_status, exc.message
+        if answer.status == 410:
+            return 410, "upstream answered 410 Gone"
+        return answer.status, None
+
+    async def _levels(self) -> None:
+        """Every LEVEL_INTERVAL, each route's inbox into the gauges."""
+        while not self._stopping.is_set():
+            for name, route in self._routes.items():
+                try:
+                    level = await self._store.inbox.level(route.scope)
+                except errors.StoreUnavailable as exc:
+                    log.debug("reading the inbox level of %s failed: %s", name, exc.message)
+                    continue
+                self._meters.inbox_pending.labels(name).set(level.pending)
+                self._meters.inbox_pending_bytes.labels(name).set(level.pending_bytes)
+                self._meters.inbox_dead.labels(name).set(level.dead)
+                self._meters.inbox_oldest_pending.labels(name).set(level.oldest_pending or 0)
+                self._meters.inbox_overdue.labels(name).set(max(0.0, level.most_overdue or 0))
+            await self._pause(LEVEL_INTERVAL)

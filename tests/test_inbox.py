@@ -1,0 +1,238 @@
+"""The inbox (``redeliver``), in process on a real PostgreSQL: a failed delivery is kept in its
+claim's row and redelivered through it; what the app and the claim table received."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from proxy import errors, pipeline
+from proxy.config import inbox as inbox_config
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    execute,
+    fetch,
+    free_port,
+    sweeper_of,
+    wait_until,
+)
+
+FAST = {"schedule": ["200ms"], "for": "1d"}
+
+
+def route(**redeliver: Any) -> dict[str, Any]:
+    return {
+        "name": "hooks",
+        "path": "/hooks",
+        "event_id": "body:/id",
+        "redeliver": {**FAST, **redeliver},
+    }
+
+
+QUICK = {"poll": "100ms", "rate": 1000}
+
+
+def failing(until: int, status: int = 503) -> Any:
+    """The first ``until`` requests answered ``status``, the others 200."""
+    return lambda n: web.Response(status=status if n < until else 200, text=f"answer {n}")
+
+
+async def rows(dsn: str, table: str) -> dict[str, Any]:
+    found = await fetch(
+        dsn,
+        f'SELECT event_id, inbox_state, inbox_body, inbox_request, inbox_attempts, '
+        f'inbox_failures FROM "{table}" ORDER BY event_id',
+    )
+    return {row["event_id"]: row for row in found}
+
+
+async def test_a_failed_delivery_is_kept_answered_202_and_redelivered_once(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(1)
+    proxy = await make_proxy(routes=[route()], redeliverer=QUICK)
+    body = b'{"id": "evt_1", "n": 1}'
+
+    first = await proxy.post("/hooks?x=1", data=body, headers={"X-Custom": "a"})
+
+    assert first.status == 202
+    assert first.headers["Dedup-Status"] == "queued"
+    assert await first.json() == {"status": "queued", "event_id": "evt_1", "upstream_status": 503}
+    await wait_until(lambda: _count(upstream, 2), "the redelivery")
+    again = upstream.requests[1]
+    assert (again.method, again.path_qs, again.body) == ("POST", "/hooks?x=1", body)
+    assert again.headers["x-custom"] == ["a"]
+    assert again.headers["x-request-id"] == upstream.requests[0].headers["x-request-id"]
+    await wait_until(lambda: _state(pg_dsn, table, "evt_1", "delivered"), "delivered")
+    row = (await rows(pg_dsn, table))["evt_1"]
+    assert row["inbox_body"] is None  # dropped once delivered
+    attempts = json.loads(row["inbox_attempts"])
+    assert [a["status"] for a in attempts] == [503, 200]
+    # Delivered: a copy now is an ordinary duplicate, never forwarded.
+    copy = await proxy.post("/hooks?x=1", data=body)
+    assert (copy.status, copy.headers["Dedup-Status"]) == (200, "duplicate")
+    await asyncio.sleep(0.5)
+    assert len(upstream.requests) == 2
+
+
+async def test_a_copy_of_a_pending_event_is_answered_and_never_forwarded(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(10**6)  # down for the whole test
+    proxy = await make_proxy(
+        routes=[route(schedule=["1h"])], redeliverer=QUICK
+    )
+    body = b'{"id": "evt_2"}'
+    assert (await proxy.post("/hooks", data=body)).status == 202
+
+    copies = await asyncio.gather(*(proxy.post("/hooks", data=body) for _ in range(5)))
+    other = await proxy.post("/hooks", data=b'{"id": "evt_2", "other": true}')
+
+    for copy in copies:
+        assert copy.status == 202
+        assert copy.headers["Dedup-Status"] == "duplicate_queued"
+        assert await copy.json() == {"status": "duplicate", "event_id": "evt_2", "kept": "pending"}
+    assert other.headers["Dedup-Status"] == "duplicate_queued"  # a mismatch is still one
+    assert len(upstream.requests) == 1
+
+
+async def test_an_unreachable_app_is_redelivered_once_it_listens(
+    make_proxy: MakeProxy, upstream: FakeUpstream, aiohttp_server: Any, pg_dsn: str, table: str
+) -> None:
+    port = free_port()
+    proxy = await make_proxy(
+        routes=[{**route(), "upstream": f"http://127.0.0.1:{port}"}], redeliverer=QUICK
+    )
+    first = await proxy.post("/hooks", data=b'{"id": "evt_3"}')
+    assert (first.status, first.headers["Dedup-Status"]) == (202, "queued")
+    await asyncio.sleep(0.6)  # a few failed redeliveries while nothing listens
+    assert (await rows(pg_dsn, table))["evt_3"]["inbox_state"] == "pending"
+
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", upstream.handle)
+    await aiohttp_server(application, port=port)
+
+    await wait_until(lambda: _state(pg_dsn, table, "evt_3", "delivered"), "delivered", 15)
+    assert len(upstream.requests) == 1
+    attempts = json.loads((await rows(pg_dsn, table))["evt_3"]["inbox_attempts"])
+    assert attempts[0]["status"] is None and "upstream" in attempts[0]["error"]
+    assert attempts[-1]["status"] == 200
+
+
+async def test_an_answer_retrying_cannot_fix_is_dead_at_once_and_an_operator_brings_it_back(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(1, status=422)
+    proxy = await make_proxy(routes=[route()], redeliverer=QUICK)
+
+    first = await proxy.post("/hooks", data=b'{"id": "evt_4"}')
+
+    assert (first.status, first.headers["Dedup-Status"]) == (202, "dead_letter")
+    await asyncio.sleep(0.6)
+    assert len(upstream.requests) == 1  # dead: not redelivered by itself
+    copy = await proxy.post("/hooks", data=b'{"id": "evt_4"}')
+    assert (await copy.json())["kept"] == "dead"
+
+    store = proxy.server.app[pipeline.STORE]
+    changed = await store.inbox.redeliver("hooks", ["evt_4"], None, 3600.0)
+    assert changed == [("hooks", "evt_4")]
+    await wait_until(lambda: _state(pg_dsn, table, "evt_4", "delivered"), "delivered")
+    assert len(upstream.requests) == 2
+
+
+async def test_past_for_a_pending_event_is_dead(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(10**6)
+    proxy = await make_proxy(
+        routes=[route(schedule=["100ms"], **{"for": "1s"})], redeliverer=QUICK
+    )
+    assert (await proxy.post("/hooks", data=b'{"id": "evt_5"}')).status == 202
+
+    await wait_until(lambda: _state(pg_dsn, table, "evt_5", "dead"), "dead", 10)
+    row = (await rows(pg_dsn, table))["evt_5"]
+    assert row["inbox_body"] == b'{"id": "evt_5"}'  # kept for inspection
+    attempts = json.loads(row["inbox_attempts"])
+    assert len(attempts) == len(upstream.requests) >= 3
+    await asyncio.sleep(0.4)
+    assert len(upstream.requests) == len(attempts)  # and tried no more
+
+
+async def test_over_the_cap_the_failure_is_relayed_and_the_claim_released(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(10**6)
+    proxy = await make_proxy(routes=[route(schedule=["1h"], max_pending=2)], redeliverer=QUICK)
+
+    answers = [await proxy.post("/hooks", data=f'{{"id": "c{n}"}}'.encode()) for n in range(3)]
+
+    assert [a.status for a in answers] == [202, 202, 503]
+    assert await answers[2].text() == "answer 2"  # the app's own answer, relayed
+    assert sorted(await rows(pg_dsn, table)) == ["c0", "c1"]  # c2 released, as without an inbox
+    registry = proxy.server.app[pipeline.METRICS].registry
+    assert registry.get_sample_value("dedup_inbox_full_total", {"route": "hooks"}) == 1
+    # The provider's retry of c2 is claimed anew.
+    assert (await proxy.post("/hooks", data=b'{"id": "c2"}')).status == 503
+    assert len(upstream.requests) == 4
+
+
+async def test_pending_and_dead_rows_are_never_swept_dead_ones_after_their_retention(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: web.Response(status=422 if n == 1 else 503 if n else 200)
+    proxy = await make_proxy(
+        routes=[{**route(schedule=["1h"], dead_retention="2d"), "retention": "1d", "redeliver": {"schedule": ["1h"], "for": "1d", "dead_retention": "2d"}}], redeliverer=QUICK
+    )
+    for n in range(3):  # e0 delivered, e1 dead, e2 pending
+        await proxy.post("/hooks", data=f'{{"id": "e{n}"}}'.encode())
+    await execute(pg_dsn, f"UPDATE \"{table}\" SET received_at = now() - interval '5 days'")
+
+    removed = await sweeper_of(proxy).sweep()
+
+    assert removed == {"hooks": 1}
+    assert sorted(await rows(pg_dsn, table)) == ["e1", "e2"]
+    await execute(pg_dsn, f"UPDATE \"{table}\" SET inbox_changed = now() - interval '3 days'")
+    assert await sweeper_of(proxy).sweep() == {"hooks": 1}
+    assert sorted(await rows(pg_dsn, table)) == ["e2"]  # pending: never swept
+
+
+@pytest.mark.parametrize(
+    ("extra", "problem"),
+    [
+        ({"on_duplicate": "replay"}, "not with on_duplicate: replay"),
+        ({"semantics": "idempotency-key", "event_id": None}, "not with semantics: idempotency-key"),
+        ({"retention": "1d", "redeliver": {"for": "3d"}}, "must be at most the route's retention"),
+        ({"redeliver": "sometimes"}, "must be true, false or a mapping"),
+        ({"redeliver": {"schedule": ["2h"], "for": "1h"}}, "must be shorter than 'for'"),
+    ],
+)
+def test_routes_whose_answer_matters_refuse_redeliver(
+    proxy_config: Any, extra: dict[str, Any], problem: str
+) -> None:
+    raw = {**route(), **extra}
+    raw = {key: value for key, value in raw.items() if value is not None}
+    with pytest.raises(errors.ConfigError) as refused:
+        proxy_config(routes=[raw])
+    assert problem in str(refused.value)
+
+
+def test_redeliver_true_takes_the_defaults(proxy_config: Any) -> None:
+    cfg = proxy_config(routes=[{**route(), "redeliver": True}])
+    assert cfg.routes[0].redeliver == inbox_config.Redeliver()
+    assert cfg.routes[0].redeliver.delay(1) == 10.0
+    assert cfg.routes[0].redeliver.delay(99) == 6 * 3600.0
+
+
+async def _count(upstream: FakeUpstream, n: int) -> bool:
+    return len(upstream.requests) >= n
+
+
+async def _state(dsn: str, table: str, event_id: str, state: str) -> bool:
+    found = await fetch(dsn, f'SELECT inbox_state FROM "{table}" WHERE event_id = $1', event_id)
+    return bool(found) and found[0]["inbox_state"] == state
+
