@@ -12,6 +12,10 @@ from tests.helpers import execute
 # What docs/deployment.md grants the proxy's role on the claim table.
 DOCUMENTED = "SELECT, INSERT, DELETE"
 ANSWERS = "UPDATE (answer_status, answer_headers, answer_body)"
+INBOX = (
+    "UPDATE (inbox_state, inbox_request, inbox_body, inbox_attempts, inbox_failures, inbox_due, "
+    "inbox_until, inbox_changed)"
+)
 
 
 def as_role(dsn: str, role: str, password: str) -> str:

@@ -70,11 +70,23 @@ async def test_schema_creation_is_idempotent_and_safe_for_concurrent_replicas(
         ("answer_status", "smallint", "YES"),
         ("answer_headers", "jsonb", "YES"),
         ("answer_body", "bytea", "YES"),
+        ("inbox_state", "text", "YES"),
+        ("inbox_request", "jsonb", "YES"),
+        ("inbox_body", "bytea", "YES"),
+        ("inbox_attempts", "jsonb", "YES"),
+        ("inbox_failures", "integer", "YES"),
+        ("inbox_due", "timestamp with time zone", "YES"),
+        ("inbox_until", "timestamp with time zone", "YES"),
+        ("inbox_changed", "timestamp with time zone", "YES"),
     ]
     indexes = await fetch(pg_dsn, "SELECT indexdef FROM pg_indexes WHERE tablename = $1", table)
     definitions = sorted(row["indexdef"] for row in indexes)
     assert any("(scope, event_id)" in d and "UNIQUE" in d for d in definitions)
     assert any("(received_at)" in d for d in definitions)
+    # The inbox's: only the rows it keeps (redeliver), so it costs the other claims nothing.
+    assert any(
+        "(inbox_state, inbox_due)" in d and "WHERE (inbox_state = ANY" in d for d in definitions
+    )
 
 
 async def start_up(cfg: config.Config) -> None:

@@ -120,7 +120,8 @@ async def test_an_unreachable_app_is_redelivered_once_it_listens(
     await wait_until(lambda: _state(pg_dsn, table, "evt_3", "delivered"), "delivered", 15)
     assert len(upstream.requests) == 1
     attempts = json.loads((await rows(pg_dsn, table))["evt_3"]["inbox_attempts"])
-    assert attempts[0]["status"] is None and "upstream" in attempts[0]["error"]
+    assert attempts[0]["status"] is None
+    assert "upstream" in attempts[0]["error"]
     assert attempts[-1]["status"] == 200
 
 
@@ -186,7 +187,8 @@ async def test_pending_and_dead_rows_are_never_swept_dead_ones_after_their_reten
 ) -> None:
     upstream.respond = lambda n: web.Response(status=422 if n == 1 else 503 if n else 200)
     proxy = await make_proxy(
-        routes=[{**route(schedule=["1h"], dead_retention="2d"), "retention": "1d", "redeliver": {"schedule": ["1h"], "for": "1d", "dead_retention": "2d"}}], redeliverer=QUICK
+        routes=[{**route(schedule=["1h"], dead_retention="2d"), "retention": "1d"}],
+        redeliverer=QUICK,
     )
     for n in range(3):  # e0 delivered, e1 dead, e2 pending
         await proxy.post("/hooks", data=f'{{"id": "e{n}"}}'.encode())
@@ -236,3 +238,64 @@ async def _state(dsn: str, table: str, event_id: str, state: str) -> bool:
     found = await fetch(dsn, f'SELECT inbox_state FROM "{table}" WHERE event_id = $1', event_id)
     return bool(found) and found[0]["inbox_state"] == state
 
+
+
+async def test_two_replicas_never_redeliver_one_event_at_once(
+    make_proxy: MakeProxy, aiohttp_server: Any, pg_dsn: str, table: str
+) -> None:
+    in_flight: dict[bytes, int] = {}
+    overlaps: list[bytes] = []
+    first_try: set[bytes] = set()
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        if body not in first_try:  # every first delivery fails
+            first_try.add(body)
+            return web.Response(status=503)
+        in_flight[body] = in_flight.get(body, 0) + 1
+        if in_flight[body] > 1:
+            overlaps.append(body)
+        await asyncio.sleep(0.3)  # held long enough for the other replica to look
+        in_flight[body] -= 1
+        delivered.append(body)
+        return web.Response(status=200)
+
+    delivered: list[bytes] = []
+    application = web.Application()
+    application.router.add_post("/hooks", handle)
+    app_url = str((await aiohttp_server(application)).make_url("")).rstrip("/")
+    many = {"concurrency": 4, "poll": "50ms", "rate": 1000}
+    both = [{**route(), "upstream": app_url}]
+    replicas = [await make_proxy(routes=both, redeliverer=many) for _ in range(2)]
+    for n in range(10):
+        answer = await replicas[n % 2].post("/hooks", data=f'{{"id": "r{n}"}}'.encode())
+        assert answer.status == 202
+
+    async def all_delivered() -> bool:
+        found = await fetch(pg_dsn, f'SELECT inbox_state FROM "{table}"')
+        return [r["inbox_state"] for r in found] == ["delivered"] * 10
+
+    await wait_until(all_delivered, "every redelivery", 30)
+    assert overlaps == []
+    assert sorted(delivered) == sorted(f'{{"id": "r{n}"}}'.encode() for n in range(10))
+
+
+async def test_a_redelivery_cut_off_by_shutdown_is_released_for_the_next_try(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    gate = asyncio.Event()
+    upstream.respond = failing(1)
+    proxy = await make_proxy(routes=[route()], redeliverer=QUICK, shutdown_timeout="500ms")
+    assert (await proxy.post("/hooks", data=b'{"id": "s1"}')).status == 202
+    upstream.gate = gate  # the redelivery hangs in the app
+    await wait_until(lambda: _count(upstream, 2), "the redelivery reaching the app")
+
+    await proxy.close()  # the drain: the redelivery does not finish within shutdown_timeout
+
+    row = (await rows(pg_dsn, table))["s1"]
+    assert row["inbox_state"] == "pending"  # released, not lost, no attempt recorded
+    assert row["inbox_failures"] == 1
+    gate.set()
+    upstream.gate = None
+    await make_proxy(routes=[route()], redeliverer=QUICK)
+    await wait_until(lambda: _state(pg_dsn, table, "s1", "delivered"), "the next try")

@@ -13,7 +13,7 @@ import asyncpg
 import pytest
 import yaml
 
-from proxy import config, errors, operations
+from proxy import config, database, errors, operations
 from tests.helpers import FakeUpstream, MakeProxy, claimed, execute, fetch, run_cli
 
 
@@ -140,7 +140,7 @@ async def test_schema_and_migrate_for_create_schema_false(
     )
     assert {c["column_name"] for c in columns} == {
         "scope", "event_id", "event_type", "received_at", "body_sha256", "answer_status",
-        "answer_headers", "answer_body",
+        "answer_headers", "answer_body", *database.inbox.COLUMNS,
     }  # fmt: skip
     code, _, _ = await run_cli("migrate", "--config", str(config_file))
     assert code == 0  # idempotent

@@ -22,6 +22,7 @@ from tests.helpers import (
     Serve,
     claimed,
     event,
+    fetch,
     run_cli,
     sweeper_of,
     wait_for_lock_waiters,
@@ -59,6 +60,34 @@ async def test_duplicates_failures_and_the_sweeper_work_through_pgbouncer(
     # The sweeper's lock is transaction-scoped: nothing of it outlives a batch behind PgBouncer.
     for _ in range(3):
         assert await sweeper_of(proxy).sweep() == {"corvel": 0, "github": 0}
+
+
+async def test_the_inbox_keeps_locks_and_redelivers_through_pgbouncer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, bouncer: str, pg_dsn: str, table: str
+) -> None:
+    """A failure kept in its claim's row, a copy answered from it, the row taken FOR UPDATE SKIP
+    LOCKED by two proxies and redelivered once: nothing of it needs session state."""
+    upstream.respond = lambda n: web.Response(status=503 if n < 3 else 200)
+    kept = {
+        "name": "kept", "path": "/kept", "event_id": "body:/id",
+        "redeliver": {"schedule": ["300ms"], "for": "1d"},
+    }  # fmt: skip
+    settings = {"routes": [kept], "redeliverer": {"poll": "100ms", "concurrency": 2},
+                "database": {"dsn": bouncer}}  # fmt: skip
+    proxies = [await make_proxy(**settings) for _ in range(2)]
+
+    answers = [await proxies[n % 2].post("/kept", data=event(f"k{n}")) for n in range(3)]
+    copy = await proxies[1].post("/kept", data=event("k0"))
+
+    assert [a.headers["Dedup-Status"] for a in answers] == ["queued"] * 3
+    assert copy.headers["Dedup-Status"] == "duplicate_queued"
+
+    async def delivered() -> bool:
+        rows = await fetch(pg_dsn, f'SELECT inbox_state FROM "{table}"')
+        return [r["inbox_state"] for r in rows] == ["delivered"] * 3
+
+    await wait_until(delivered, "the redeliveries through PgBouncer", 20)
+    assert sorted(r.body for r in upstream.requests[3:]) == [event(f"k{n}") for n in range(3)]
 
 
 async def test_a_copy_on_another_proxy_waits_on_the_row_lock_through_pgbouncer(

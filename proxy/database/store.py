@@ -89,11 +89,8 @@ async def missing_schema(
     row = await connection.fetchrow(queries.schema_missing)
     if row is None or not row["table"]:
         return "does not exist"
-    needed = ["digest", "index"]
-    if answers:
-        needed.append("answer")
-    if kept:
-        needed += ["inbox", "inbox_index"]
+    needed = ["digest", *(["answer"] if answers else []), "index",
+              *(["inbox", "inbox_index"] if kept else [])]  # fmt: skip
     lacking = [name for name in needed if not row[name]]
     names = {
         "digest": "column body_sha256",

@@ -1,0 +1,88 @@
+"""The inbox (``redeliver``) with least privilege, on real PostgreSQL roles: the grant it needs
+is named at start-up, and with it a failed delivery is kept, locked and redelivered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aiohttp import web
+
+from proxy import app as app_module
+from proxy import config, errors
+from proxy.database import inbox, sql
+from tests.helpers import FakeUpstream, MakeProxy, execute, fetch, wait_until
+from tests.roles import DOCUMENTED, INBOX, limited_role
+
+KEPT = {
+    "name": "hooks",
+    "path": "/hooks",
+    "event_id": "body:/id",
+    "redeliver": {"schedule": ["200ms"], "for": "1d"},
+}
+
+
+@pytest.fixture
+async def schema(pg_dsn: str, table: str) -> str:
+    await execute(pg_dsn, sql.for_table(table).schema)
+    return table
+
+
+def test_the_documented_grant_names_every_inbox_column() -> None:
+    assert inbox.GRANT_HINT.removeprefix("GRANT ") == INBOX
+
+
+async def test_without_the_inbox_grant_the_proxy_refuses_to_start_naming_it(
+    proxy_config: object, pg_dsn: str, schema: str
+) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED) as (role, dsn):
+        cfg = proxy_config(  # type: ignore[operator]
+            routes=[KEPT], database={"dsn": dsn, "create_schema": False}
+        )
+        with pytest.raises(errors.StoreUnavailable) as refused:
+            await start_up(cfg)
+    assert f'{inbox.GRANT_HINT} ON "{schema}" TO {role}' in refused.value.message
+    assert "FOR UPDATE needs it" in refused.value.message
+
+
+async def test_with_the_documented_grants_a_failure_is_kept_and_redelivered(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
+) -> None:
+    upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
+    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX) as (_, dsn):
+        proxy = await make_proxy(
+            routes=[KEPT],
+            redeliverer={"poll": "100ms"},
+            database={"dsn": dsn, "create_schema": False},
+        )
+        first = await proxy.post("/hooks", data=b'{"id": "p1"}')
+        assert (first.status, first.headers["Dedup-Status"]) == (202, "queued")
+
+        async def delivered() -> bool:
+            rows = await fetch(pg_dsn, f'SELECT inbox_state FROM "{schema}"')
+            return [r["inbox_state"] for r in rows] == ["delivered"]
+
+        await wait_until(delivered, "the redelivery, as the limited role")
+        assert len(upstream.requests) == 2
+        rows = await fetch(pg_dsn, f'SELECT inbox_attempts FROM "{schema}"')
+        assert [a["status"] for a in json.loads(rows[0]["inbox_attempts"])] == [503, 200]
+
+
+async def test_a_route_without_redeliver_needs_no_inbox_grant(
+    proxy_config: object, pg_dsn: str, schema: str
+) -> None:
+    plain = {key: value for key, value in KEPT.items() if key != "redeliver"}
+    async with limited_role(pg_dsn, schema, DOCUMENTED) as (_, dsn):
+        cfg: config.Config = proxy_config(  # type: ignore[operator]
+            routes=[plain], database={"dsn": dsn, "create_schema": False}
+        )
+        await start_up(cfg)
+
+
+async def start_up(cfg: config.Config) -> None:
+    """Start the app as ``serve`` does, and clean up whatever started."""
+    runner = web.AppRunner(app_module.create_app(cfg))
+    try:
+        await runner.setup()
+    finally:
+        await runner.cleanup()
