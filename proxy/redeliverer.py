@@ -102,6 +102,10 @@ class Redeliverer:
                 log.warning("redelivery failed, trying again in %gs: %s", self._settings.poll,
                             exc.message)  # fmt: skip
                 redelivered = False
+            except Exception:
+                # A bug must not end the lane: the row is rolled back, and tried again later.
+                log.exception("redelivery failed, trying again in %gs", self._settings.poll)
+                redelivered = False
             if not redelivered:
                 await self._pause(self._settings.poll)
 
@@ -137,7 +141,10 @@ class Redeliverer:
         settings = route.redeliver if route is not None and route.redeliver else inbox.Redeliver()
         upstream = route.upstream if route is not None else delivery.upstream
         started = time.perf_counter()
-        status, error = await self._send(upstream, delivery)
+        sent = await self._send(upstream, delivery)
+        if sent is None:
+            return  # no room in this worker's memory budget now: rolled back, due as it was
+        status, error = sent
         took = round((time.perf_counter() - started) * 1000, 2)
         fields = {"route": delivery.route, "scope": redelivery.scope,
                   "event_id": redelivery.event_id, "attempt": redelivery.failures + 1,
@@ -162,17 +169,20 @@ class Redeliverer:
 
     async def _send(
         self, upstream: str, delivery: database.Delivery
-    ) -> tuple[int | None, str | None]:
-        """The app's status (None: no answer) and what went wrong, if anything."""
+    ) -> tuple[int | None, str | None] | None:
+        """The app's status (None: no answer) and what went wrong, if anything; None when the
+        body does not fit the worker's memory budget now (not sent, not an attempt)."""
         outgoing = transports.Request(
             delivery.method, delivery.target, CIMultiDict(delivery.headers), delivery.body
         )
         with self._budget.reservation() as reservation:
             try:
                 reservation.body(len(delivery.body))
-                answer = await self._client.send(upstream, outgoing, reservation.answer)
             except errors.Overloaded as exc:
-                return None, f"not sent: {exc.message}"
+                log.info("redelivery postponed: %s", exc.message)
+                return None
+            try:
+                answer = await self._client.send(upstream, outgoing, reservation.answer)
             except errors.UpstreamFailed as exc:
                 if exc.answered_2xx:
                     return exc.upstream_status, None  # the app took it; its answer broke off

@@ -70,7 +70,8 @@ async def test_a_failed_delivery_is_kept_answered_202_and_redelivered_once(
     assert again.headers["x-request-id"] == upstream.requests[0].headers["x-request-id"]
     await wait_until(lambda: _state(pg_dsn, table, "evt_1", "delivered"), "delivered")
     row = (await rows(pg_dsn, table))["evt_1"]
-    assert row["inbox_body"] is None  # dropped once delivered
+    assert row["inbox_body"] is None  # dropped once delivered, and so is the request
+    assert row["inbox_request"] is None
     attempts = json.loads(row["inbox_attempts"])
     assert [a["status"] for a in attempts] == [503, 200]
     # Delivered: a copy now is an ordinary duplicate, never forwarded.

@@ -13,7 +13,8 @@ again, as it was.
 The states (``inbox_state``): NULL, delivered at the first try; ``pending``; ``dead``;
 ``delivered`` (by the redeliverer); ``discarded`` (by an operator). Pending and dead rows hold
 their bodies and are never removed by the retention sweep; dead rows have their own retention,
-counted from ``inbox_changed``.
+counted from ``inbox_changed``. Delivered and discarded rows keep only their attempts: the
+stored request (headers and body: a customer's data) is dropped as soon as it is not needed.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class Shown(NamedTuple):
     event_type: str | None
     received_at: datetime
     state: str | None
-    delivery: Delivery | None  # the body empty once dropped
+    delivery: Delivery | None  # None once dropped (delivered, discarded)
     body_bytes: int | None
     attempts: list[dict[str, Any]]
     due: datetime | None
@@ -194,7 +195,8 @@ class Statements:
         # $1 scope, $2 event ID, $3 status.
         return (
             f"UPDATE {self.quoted} SET inbox_state = 'delivered', inbox_body = NULL, "
-            "inbox_due = NULL, inbox_changed = now(), inbox_attempts = inbox_attempts || "
+            "inbox_request = NULL, inbox_due = NULL, inbox_changed = now(), "
+            "inbox_attempts = inbox_attempts || "
             + _ATTEMPT.format(status="$3", error="NULL")
             + " WHERE scope = $1 AND event_id = $2"
         )
@@ -260,7 +262,7 @@ class Statements:
         # $1 scope, $2 event IDs. The claim stays (its copies are still duplicates).
         return (
             f"UPDATE {self.quoted} SET inbox_state = 'discarded', inbox_body = NULL, "
-            "inbox_due = NULL, inbox_changed = now() "
+            "inbox_request = NULL, inbox_due = NULL, inbox_changed = now() "
             "WHERE scope = $1 AND event_id = ANY($2) AND inbox_state IN ('pending', 'dead') "
             "RETURNING event_id"
         )
