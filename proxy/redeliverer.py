@@ -196,13 +196,19 @@ class Redeliverer:
         while not self._stopping.is_set():
             for name, route in self._routes.items():
                 try:
-                    level = await self._store.inbox.level(route.scope)
+                    await self.read_level(name, route)
                 except errors.StoreUnavailable as exc:
                     log.debug("reading the inbox level of %s failed: %s", name, exc.message)
-                    continue
-                self._meters.inbox_pending.labels(name).set(level.pending)
-                self._meters.inbox_pending_bytes.labels(name).set(level.pending_bytes)
-                self._meters.inbox_dead.labels(name).set(level.dead)
-                self._meters.inbox_oldest_pending.labels(name).set(level.oldest_pending or 0)
-                self._meters.inbox_overdue.labels(name).set(max(0.0, level.most_overdue or 0))
+                except Exception:  # the gauges go stale; the redeliveries go on
+                    log.exception("reading the inbox level of %s failed", name)
             await self._pause(LEVEL_INTERVAL)
+
+    async def read_level(self, name: str, route: routes.RouteConfig) -> None:
+        """One route's inbox into the gauges."""
+        level = await self._store.inbox.level(route.scope)
+        meters = self._meters
+        meters.inbox_pending.labels(name).set(level.pending)
+        meters.inbox_pending_bytes.labels(name).set(level.pending_bytes)
+        meters.inbox_dead.labels(name).set(level.dead)
+        meters.inbox_oldest_pending.labels(name).set(level.oldest_pending or 0)
+        meters.inbox_overdue.labels(name).set(max(0.0, level.most_overdue or 0))
