@@ -1,0 +1,86 @@
+"""Upgrading to the inbox: a claim table from before it keeps working for routes that do not
+redeliver; a route that does needs the new columns, which ``migrate`` (or create_schema) adds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+from aiohttp import web
+
+from proxy import app as app_module
+from proxy import config, errors
+from tests.helpers import MakeProxy, execute, fetch, run_cli, sweeper_of
+
+PLAIN = {"name": "hooks", "path": "/hooks", "event_id": "body:/id"}
+KEPT = {**PLAIN, "redeliver": {"schedule": ["1h"], "for": "1d"}}
+
+
+async def old_table(dsn: str, table: str) -> None:
+    """The claim table as the release before the inbox made it."""
+    await execute(
+        dsn,
+        f'CREATE TABLE "{table}" (scope text NOT NULL, event_id text NOT NULL, event_type text, '
+        "received_at timestamptz NOT NULL DEFAULT now(), body_sha256 bytea, "
+        "answer_status smallint, answer_headers jsonb, answer_body bytea, "
+        f'PRIMARY KEY (scope, event_id)); CREATE INDEX "{table}_received_at_idx" '
+        f'ON "{table}" (received_at)',
+    )
+
+
+async def start_up(cfg: config.Config) -> None:
+    runner = web.AppRunner(app_module.create_app(cfg))
+    try:
+        await runner.setup()
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_old_table_serves_routes_that_do_not_redeliver_and_sweeps_as_before(
+    make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    await old_table(pg_dsn, table)
+    proxy = await make_proxy(routes=[PLAIN], database={"create_schema": False})
+    assert (await proxy.post("/hooks", data=b'{"id": "a"}')).status == 200
+    assert (await proxy.post("/hooks", data=b'{"id": "a"}')).headers["Dedup-Status"] == "duplicate"
+    await execute(pg_dsn, f"UPDATE \"{table}\" SET received_at = now() - interval '40 days'")
+    assert await sweeper_of(proxy).sweep() == {"hooks": 1}
+
+
+async def test_a_redelivering_route_needs_the_inbox_columns_which_migrate_adds(
+    proxy_config: Callable[..., config.Config], tmp_path: Path, pg_dsn: str, table: str
+) -> None:
+    await old_table(pg_dsn, table)
+    cfg = proxy_config(routes=[KEPT], database={"create_schema": False})
+    with pytest.raises(errors.StoreUnavailable) as refused:
+        await start_up(cfg)
+    assert "lacks the inbox columns (redeliver) and the inbox's index (redeliver)" in str(
+        refused.value
+    )
+    assert "run 'dedup-proxy migrate'" in str(refused.value)
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(
+        yaml.safe_dump(
+            {"upstream": {"url": "http://127.0.0.1:9"}, "routes": [KEPT],
+             "database": {"dsn": pg_dsn, "table": table, "create_schema": False}}
+        )
+    )  # fmt: skip
+    code, out, err = await run_cli("migrate", "--config", str(config_file))
+    assert (code, out) == (0, f"schema applied: table {table}\n"), err
+    await start_up(cfg)
+    columns = await fetch(
+        pg_dsn, "SELECT column_name FROM information_schema.columns WHERE table_name = $1", table
+    )
+    assert "inbox_state" in {c["column_name"] for c in columns}
+
+
+async def test_create_schema_adds_the_inbox_columns_at_start_up(
+    proxy_config: Callable[..., config.Config], pg_dsn: str, table: str
+) -> None:
+    await old_table(pg_dsn, table)
+    await start_up(proxy_config(routes=[KEPT]))
+    indexes = await fetch(pg_dsn, "SELECT indexname FROM pg_indexes WHERE tablename = $1", table)
+    assert f"{table}_inbox_idx" in {row["indexname"] for row in indexes}
