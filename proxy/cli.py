@@ -21,6 +21,7 @@ from proxy import (
     demo,
     embedded,
     errors,
+    inbox_commands,
     logs,
     operations,
     preflight,
@@ -75,7 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     command("schema", "print the claim table's DDL (for create_schema: false deployments)")
     command("migrate", "create or upgrade the claim table")
     demo.add_arguments(command("demo", "see the proxy absorb duplicates, in one command"))
-    events = command("events", "list recent claims, or forget some")
+    events = command(
+        "events",
+        "list recent claims or forget some; inspect, redeliver or discard the deliveries "
+        "a route with redeliver kept",
+    )
     actions = events.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = actions.add_parser("list", help="recent claims of a route, newest first")
     listing.add_argument("--route", required=True, help="route name from the configuration")
@@ -96,9 +101,61 @@ def _parser() -> argparse.ArgumentParser:
         "--scope", help="the claims' scope, for a route scoped by its path (events list shows it)"
     )
     forgetting.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
-    for sub in (listing, forgetting):
+    for sub in (listing, forgetting, *_inbox_actions(actions)):
         _config_option(sub)
     return parser
+
+
+def _inbox_actions(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> list[argparse.ArgumentParser]:
+    """The inbox's actions (``proxy.inbox_commands``): each takes ``--route``."""
+    scope_help = "the event's scope, for a route scoped by its path (events pending shows it)"
+
+    def action(name: str, text: str, description: str | None = None) -> argparse.ArgumentParser:
+        sub = actions.add_parser(name, help=text, description=description or text)
+        sub.add_argument("--route", required=True, help="route name from the configuration")
+        return sub
+
+    pending = action("pending", "deliveries the app failed, waiting for a redelivery, oldest first")
+    dead = action(
+        "dead", "deliveries the redeliverer gave up on (or the app refused), oldest first"
+    )
+    for listing in (pending, dead):
+        listing.add_argument(
+            "--limit", type=_positive, default=50, help="at most this many (default 50)"
+        )
+    showing = action("show", "one event: its state, the request kept and every attempt")
+    showing.add_argument("--scope", help=scope_help)
+    showing.add_argument(
+        "--body", action="store_true", help="write only the kept body, as sent, to stdout"
+    )
+    showing.add_argument("event_id", metavar="EVENT_ID")
+    redelivering = action(
+        "redeliver",
+        "make pending or dead deliveries due now, for a running proxy to redeliver",
+        "Make these pending or dead deliveries (or, with --dead, the route's dead ones) due "
+        "now, with the route's whole redeliver.for again. A running proxy's redeliverer sends "
+        "them; this command sends nothing.",
+    )
+    redelivering.add_argument("--scope", help=scope_help + "; with --dead, narrows it")
+    redelivering.add_argument(
+        "--dead", action="store_true", help="every dead delivery of the route, not given IDs"
+    )
+    redelivering.add_argument(
+        "--since", type=_duration, help="with --dead: only those dead for at most this (e.g. 1h)"
+    )
+    redelivering.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
+    discarding = action(
+        "discard",
+        "drop pending or dead deliveries for good; their claims stay",
+        "Drop these pending or dead deliveries and their bodies; they are not redelivered. "
+        "Their claims stay, so the provider's copies are still answered as duplicates: to let "
+        "a copy through to the app instead, use events forget.",
+    )
+    discarding.add_argument("--scope", help=scope_help)
+    discarding.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
+    return [pending, dead, showing, redelivering, discarding]
 
 
 def _positive(text: str) -> int:
@@ -255,9 +312,25 @@ async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
         return await operations.stats(cfg)
     if args.command == "migrate":
         return await operations.migrate(cfg)
-    if args.action == "list":
-        return await operations.list_events(cfg, args.route, args.since, args.limit)
-    return await operations.forget(cfg, args.route, args.event_ids, scope=args.scope)
+    return await _events(cfg, args)
+
+
+async def _events(cfg: config.Config, args: argparse.Namespace) -> int:
+    route, action = args.route, args.action
+    if action == "list":
+        return await operations.list_events(cfg, route, args.since, args.limit)
+    if action == "forget":
+        return await operations.forget(cfg, route, args.event_ids, scope=args.scope)
+    if action in (database.PENDING, database.DEAD):
+        return await inbox_commands.listing(cfg, route, action, args.limit)
+    if action == "show":
+        return await inbox_commands.show(cfg, route, args.event_id, scope=args.scope,
+                                         body=args.body)  # fmt: skip
+    if action == "redeliver":
+        return await inbox_commands.redeliver(
+            cfg, route, args.event_ids, scope=args.scope, dead=args.dead, since=args.since
+        )
+    return await inbox_commands.discard(cfg, route, args.event_ids, scope=args.scope)
 
 
 def _run(main: Coroutine[Any, Any, T]) -> T:

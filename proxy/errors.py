@@ -48,7 +48,8 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
                                          (shed: pool)
           + ClaimWaitExceeded       503  a copy waited longer than claim_wait
           + LockTimeout             503  a lock not granted within lock_timeout (55P03)
-          + TableMissing            503  the claim table does not exist (42P01)
+          + TableMissing            503  the claim table, or a column of it, does not exist
+                                         (42P01, 42703)
           + PermissionDenied        503  the role lacks a privilege (42501)
         + Overloaded                503  the request does not fit max_buffered
                                          (outcome unavailable, shed: memory)
@@ -260,7 +261,7 @@ class LockTimeout(StoreUnavailable):
 
 
 class TableMissing(StoreUnavailable):
-    """The claim table does not exist (42P01)."""
+    """The claim table, or a column of it, does not exist (42P01, 42703)."""
 
 
 class PermissionDenied(StoreUnavailable):

@@ -236,10 +236,19 @@ class Metrics:
         self.inbox_overdue = Gauge(
             "dedup_inbox_overdue_seconds",
             "How long the most overdue pending delivery has been due without being redelivered "
-            "(0: none is due): above a few poll intervals, redelivery is stuck.",
+            "(0: none is due; one being redelivered counts until its attempt is recorded, at "
+            "most upstream.timeout): above a few poll intervals, redelivery is stuck.",
             ["route"],
             registry=self.registry,
             multiprocess_mode="mostrecent",
+        )
+        self.inbox_level_read = Gauge(
+            "dedup_inbox_level_timestamp_seconds",
+            "When the inbox gauges of this route were last read from the database: they keep "
+            "their last value while it cannot be read.",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="max",
         )
         self.upstream_latency = Histogram(
             "dedup_upstream_latency_seconds",

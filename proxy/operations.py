@@ -79,6 +79,27 @@ def _in_scope(scope: str, base: str) -> bool:
     return scope == base or scope.startswith(base + "/")
 
 
+def narrowed_scope(route: routes.RouteConfig, scope: str | None) -> str:
+    """``--scope`` if it is one of the route's, else the route's own (which holds them all)."""
+    if scope is not None and not _in_scope(scope, route.scope):
+        raise errors.ConfigError("--scope", [f"{scope!r} is not a scope of route {route.name!r}"])
+    return scope or route.scope
+
+
+def exact_scope(route: routes.RouteConfig, scope: str | None) -> str:
+    """The one scope a command on single events works in: ``--scope``, which a route scoped
+    by its path needs (its own scope holds no events, only its per-path ones)."""
+    if scope is None and route.scoped_by_path:
+        raise errors.ConfigError(
+            "--scope",
+            [
+                f"route {route.name!r} scopes claims by its path: give --scope "
+                "(events list shows it)"
+            ],
+        )
+    return narrowed_scope(route, scope)
+
+
 def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
     """A plain aligned text table."""
     cells = [[str(h) for h in headers], *[["" if v is None else str(v) for v in r] for r in rows]]
@@ -121,15 +142,7 @@ async def forget(
 
     A claim still in flight is an uncommitted row, invisible here: it is "not found" until its
     request has finished (and then it is either committed, so forgettable, or gone)."""
-    found = route_of(cfg, route)
-    if scope is None and found.scoped_by_path:
-        raise errors.ConfigError(
-            "--scope",
-            [f"route {route!r} scopes claims by its path: give --scope (events list shows it)"],
-        )
-    if scope is not None and not _in_scope(scope, found.scope):
-        raise errors.ConfigError("--scope", [f"{scope!r} is not a scope of route {route!r}"])
-    scope = scope or found.scope
+    scope = exact_scope(route_of(cfg, route), scope)
     async with open_store(cfg) as store:
         forgotten = await store.forget(scope, event_ids, lock_wait=cfg.claim_wait)
     for event_id in event_ids:

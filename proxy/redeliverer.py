@@ -69,6 +69,9 @@ class Redeliverer:
         self._routes = {route.name: route for route in configured if route.redeliver}
         self._settings = settings
         self._meters = meters
+        for name in self._routes:  # at 0 from the start: increase() misses a series' first sample
+            for result in ("delivered", "failed", "dead"):
+                meters.redeliveries.labels(name, result)
         self._budget = budget
         self.lanes = max(1, settings.concurrency // workers)
         self._interval = workers / settings.rate  # between two starts in this worker
@@ -212,3 +215,4 @@ class Redeliverer:
         meters.inbox_dead.labels(name).set(level.dead)
         meters.inbox_oldest_pending.labels(name).set(level.oldest_pending or 0)
         meters.inbox_overdue.labels(name).set(max(0.0, level.most_overdue or 0))
+        meters.inbox_level_read.labels(name).set_to_current_time()

@@ -23,7 +23,7 @@ from proxy.database.claim import (
     Duplicate,
     Key,
 )
-from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Redelivery
+from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Kept, Redelivery, Shown
 from proxy.database.pool import translated
 from proxy.database.store import (
     DDL_LOCK_WAIT,
@@ -52,9 +52,11 @@ __all__ = [
     "Duplicate",
     "Event",
     "Keep",
+    "Kept",
     "Key",
     "Redelivery",
     "ScopeStats",
+    "Shown",
     "Store",
     "apply_schema",
     "missing_schema",

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -48,6 +48,22 @@ OPERATOR_LOCK_WAIT = 5.0
 
 _IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
 _ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
+
+
+OUTDATED = (
+    "the claim table does not exist yet, or predates the inbox: run 'dedup-proxy migrate' "
+    "(or start the proxy with a route that redelivers, with create_schema: true)"
+)
+
+
+@contextlib.contextmanager
+def _plainly(what: str) -> Iterator[None]:
+    """An operator's query on a table without the inbox's columns says what to do about it."""
+    try:
+        with pool.translated(what):
+            yield
+    except errors.TableMissing as exc:
+        raise errors.TableMissing(OUTDATED) from exc.__cause__
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +124,7 @@ class Kept(NamedTuple):
     event_type: str | None
     received_at: datetime
     state: str
-    failures: int
+    attempts: int  # every try, the first delivery's included
     due: datetime | None
     body_bytes: int | None
     last_status: int | None
@@ -222,8 +238,9 @@ class Statements:
     def kept(self) -> str:
         # $1 scope, $2 state, $3 limit.
         return (
-            "SELECT scope, event_id, event_type, received_at, inbox_state, inbox_failures, "
-            "inbox_due, octet_length(inbox_body), (inbox_attempts -> -1 ->> 'status')::int, "
+            "SELECT scope, event_id, event_type, received_at, inbox_state, "
+            "jsonb_array_length(inbox_attempts), inbox_due, octet_length(inbox_body), "
+            "(inbox_attempts -> -1 ->> 'status')::int, "
             f"inbox_attempts -> -1 ->> 'error' FROM {self.quoted} "
             f"WHERE {_IN_SCOPE} AND inbox_state = $2 ORDER BY received_at LIMIT $3"
         )
@@ -385,7 +402,7 @@ class Inbox:
     async def kept(self, scope: str, state: str, limit: int) -> tuple[list[Kept], int]:
         """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""
         async with self._acquire() as connection:
-            with pool.translated("query failed"):
+            with _plainly("query failed"):
                 rows = await connection.fetch(self.statements.kept, scope, state, limit)
                 total = len(rows)
                 if total == limit:
@@ -394,7 +411,7 @@ class Inbox:
 
     async def show(self, scope: str, event_id: str) -> Shown | None:
         async with self._acquire() as connection:
-            with pool.translated("query failed"):
+            with _plainly("query failed"):
                 row = await connection.fetchrow(self.statements.show, scope, event_id)
         if row is None:
             return None
@@ -425,7 +442,7 @@ class Inbox:
     async def _operate(self, statement: str, *args: object) -> list[pool.Record]:
         async with self._acquire() as connection:
             try:
-                with pool.translated("query failed"):
+                with _plainly("query failed"):
                     async with connection.transaction():
                         await connection.execute(
                             f"SET LOCAL lock_timeout = '{int(OPERATOR_LOCK_WAIT * 1000)}ms'"

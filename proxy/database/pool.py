@@ -67,6 +67,7 @@ DB_ERRORS = (
 _REFUSALS: tuple[tuple[type[Exception], type[errors.StoreUnavailable]], ...] = (
     (asyncpg.LockNotAvailableError, errors.LockTimeout),
     (asyncpg.UndefinedTableError, errors.TableMissing),
+    (asyncpg.UndefinedColumnError, errors.TableMissing),
     (asyncpg.InsufficientPrivilegeError, errors.PermissionDenied),
 )
 

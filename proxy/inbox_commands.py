@@ -1,0 +1,219 @@
+"""The inbox's operator commands: ``events pending``, ``dead``, ``show``, ``redeliver`` and
+``discard``, over the rows a route with ``redeliver`` keeps (``proxy.database.inbox``).
+
+Each opens a store of one connection (``operations.open_store``), as the other operator
+commands do. None sends anything to the app: ``redeliver`` makes rows due now, and a running
+proxy's redeliverer sends them.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any, BinaryIO, TextIO
+
+from proxy import config, errors, operations
+from proxy.database import inbox
+
+# Their values are credentials of the sender's session, not of the event: masked in ``show``.
+# Signature headers are printed: they are the event's, and useless without the secret.
+MASKED_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+LAST_ERROR_WIDTH = 60
+_LISTED = ("received_at", "scope", "event_id", "event_type", "attempts", "last")
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).isoformat(timespec="seconds")
+
+
+def _last(status: int | None, error: str | None) -> str:
+    """The last attempt, in a column: the app's status, else what went wrong, shortened."""
+    if status is not None:
+        return str(status)
+    if not error:
+        return "-"
+    text = " ".join(error.split())
+    return text if len(text) <= LAST_ERROR_WIDTH else text[: LAST_ERROR_WIDTH - 1] + "…"
+
+
+async def listing(
+    cfg: config.Config, route: str, state: str, limit: int, out: TextIO = sys.stdout
+) -> int:
+    """The oldest ``limit`` rows of the route (all its scopes) in ``state``, pending or dead."""
+    scope = operations.route_scope(cfg, route)
+    async with operations.open_store(cfg) as store:
+        rows, total = await store.inbox.kept(scope, state, limit)
+    pending = state == inbox.PENDING
+    headers = (*_LISTED, *(("next_due",) if pending else ()), "body_bytes")
+    operations.table(
+        [
+            (
+                _when(r.received_at), r.scope, r.event_id, r.event_type or "-", r.attempts,
+                _last(r.last_status, r.last_error), *((_when(r.due),) if pending else ()),
+                "-" if r.body_bytes is None else r.body_bytes,
+            )
+            for r in rows
+        ],
+        headers,
+        out,
+    )  # fmt: skip
+    what = f"{state} delivery(ies) in scope {scope}"
+    if total > len(rows):
+        out.write(f"showing the {len(rows)} oldest of {total} {what}\n")
+    else:
+        out.write(f"{len(rows)} {what}\n")
+    return 0
+
+
+async def show(
+    cfg: config.Config,
+    route: str,
+    event_id: str,
+    *,
+    scope: str | None = None,
+    body: bool = False,
+    out: TextIO = sys.stdout,
+    raw: BinaryIO | None = None,
+) -> int:
+    """Everything stored about one event; with ``body``, only its kept body, as sent (to
+    ``raw``, stdout's bytes by default). Exit 1 if there is no such event (or no body)."""
+    scope = operations.exact_scope(operations.route_of(cfg, route), scope)
+    async with operations.open_store(cfg) as store:
+        shown = await store.inbox.show(scope, event_id)
+    if shown is None:
+        print(f"not found: {scope} {event_id}", file=sys.stderr)
+        return 1
+    if not body:
+        out.write(describe(shown))
+        return 0
+    if shown.delivery is None or shown.body_bytes is None:
+        print(f"no body kept: {scope} {event_id} ({_state(shown)})", file=sys.stderr)
+        return 1
+    target = raw if raw is not None else sys.stdout.buffer
+    target.write(shown.delivery.body)
+    target.flush()
+    return 0
+
+
+def _state(shown: inbox.Shown) -> str:
+    return shown.state or "delivered at the first try"
+
+
+def describe(shown: inbox.Shown) -> str:
+    """``events show``'s block: the event, its state, the request kept and every attempt."""
+    fields = [
+        ("event", shown.event_id),
+        ("scope", shown.scope),
+        ("type", shown.event_type or "-"),
+        ("received_at", _when(shown.received_at)),
+        ("state", _state(shown)),
+        *((("next due", _when(shown.due)),) if shown.due else ()),
+        *((("until", _when(shown.until)),) if shown.until else ()),
+        *((("changed", _when(shown.changed)),) if shown.changed else ()),
+    ]
+    text = io.StringIO()
+    for name, value in fields:
+        text.write(f"{name + ':':<13}{value}\n")
+    if shown.delivery is not None:
+        text.write(_request(shown.delivery, shown.body_bytes, shown.state))
+    elif shown.state is None:
+        text.write("request:     not kept (delivered at the first try)\n")
+    else:
+        text.write(f"request:     dropped ({shown.state}), headers and body\n")
+    text.write(_attempts(shown.attempts))
+    return text.getvalue()
+
+
+def _request(delivery: inbox.Delivery, body_bytes: int | None, state: str | None) -> str:
+    lines = [
+        f"request:     {delivery.method} {delivery.target}",
+        f"upstream:    {delivery.upstream}",
+        f"route:       {delivery.route}",
+        "headers:",
+    ]
+    for name, value in delivery.headers:
+        masked = name.lower() in MASKED_HEADERS
+        lines.append(f"  {name}: {f'<redacted {len(value.encode())} bytes>' if masked else value}")
+    kept = f"dropped ({state})" if body_bytes is None else f"{body_bytes} bytes"
+    lines.append(f"body:        {kept}")
+    return "\n".join(lines) + "\n"
+
+
+def _attempts(attempts: Sequence[dict[str, Any]]) -> str:
+    if not attempts:
+        return "attempts:    none recorded\n"
+    rows = []
+    for attempt in attempts:
+        try:
+            at = _when(datetime.fromisoformat(attempt["at"]))
+        except (TypeError, ValueError):
+            at = str(attempt.get("at"))
+        status = attempt.get("status")
+        rows.append((at, "-" if status is None else status, attempt.get("error") or "-"))
+    text = io.StringIO()
+    operations.table(rows, ("at", "status", "error"), text)
+    indented = "".join(f"  {line}\n" for line in text.getvalue().splitlines())
+    return f"attempts:    {len(attempts)}\n{indented}"
+
+
+async def redeliver(
+    cfg: config.Config,
+    route: str,
+    event_ids: Sequence[str],
+    *,
+    scope: str | None = None,
+    dead: bool = False,
+    since: float | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Make these deliveries (or the route's dead ones, with ``dead``: dead for at most
+    ``since`` seconds) due now, with the route's whole ``for`` again. Exit 1 if an ID was not
+    pending or dead (or its body is gone)."""
+    found = operations.route_of(cfg, route)
+    if bool(event_ids) == dead:
+        raise errors.ConfigError("--dead", ["give event IDs or --dead, one of the two"])
+    if since is not None and not dead:
+        raise errors.ConfigError("--since", ["--since goes with --dead only"])
+    if found.redeliver is None:
+        raise errors.ConfigError(
+            "--route", [f"route {route!r} has no redeliver: nothing would redeliver it"]
+        )
+    scope = (operations.narrowed_scope if dead else operations.exact_scope)(found, scope)
+    after = datetime.now(UTC) - timedelta(seconds=since) if since is not None else None
+    async with operations.open_store(cfg) as store:
+        changed = await store.inbox.redeliver(
+            scope, None if dead else list(event_ids), after, found.redeliver.for_
+        )
+    done = set(changed)
+    given = [(scope, event_id) for event_id in dict.fromkeys(event_ids)]
+    for row in sorted(done) if dead else given:
+        out.write(f"{'redelivering' if row in done else 'not found'}: {row[0]} {row[1]}\n")
+    if dead and not changed:
+        out.write(f"no dead deliveries in scope {scope}\n")
+        return 0
+    out.write(
+        f"{len(changed)} delivery(ies) due now; the redeliverer takes them within its poll "
+        "interval\n"
+    )
+    return 0 if done.issuperset(given) else 1
+
+
+async def discard(
+    cfg: config.Config,
+    route: str,
+    event_ids: Sequence[str],
+    *,
+    scope: str | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Drop these pending or dead deliveries for good; their claims stay. Exit 1 if some were
+    not pending or dead."""
+    scope = operations.exact_scope(operations.route_of(cfg, route), scope)
+    async with operations.open_store(cfg) as store:
+        discarded = await store.inbox.discard(scope, list(event_ids))
+    for event_id in dict.fromkeys(event_ids):
+        state = "discarded" if event_id in discarded else "not found"
+        out.write(f"{state}: {scope} {event_id}\n")
+    return 0 if discarded >= set(event_ids) else 1

@@ -1,0 +1,368 @@
+"""The inbox's operator commands (``events pending``, ``dead``, ``show``, ``redeliver``,
+``discard``) run as ``dedup-proxy`` against rows the proxy kept on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+
+from tests.helpers import FakeUpstream, MakeProxy, execute, fetch, free_port, run_cli, wait_until
+
+SLOW = {"schedule": ["1h"], "for": "1d"}  # the redeliverer never comes back by itself here
+QUICK = {"poll": "100ms", "rate": 1000}
+
+
+@pytest.fixture
+def routes() -> list[dict[str, Any]]:
+    """A route that redelivers, one scoped by its path, one whose app never listens, and one
+    that does not redeliver."""
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    return [
+        {"name": "hooks", "path": "/hooks", "event_id": "body:/id", "event_type": "body:/type",
+         "redeliver": SLOW},
+        {"name": "tenants", "path": "/t/{tenant}", "event_id": "body:/id", "redeliver": SLOW},
+        {"name": "down", "path": "/down", "event_id": "body:/id", "redeliver": SLOW,
+         "upstream": down},
+        {"name": "plain", "path": "/plain", "event_id": "body:/id"},
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def config_file(
+    tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream, routes: list[dict[str, Any]]
+) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": upstream.url, "timeout": "5s"},
+                "database": {"dsn": pg_dsn, "table": table},
+                "redeliverer": QUICK,
+                "routes": routes,
+            }
+        )
+    )
+    return path
+
+
+def answering(*statuses: int) -> Any:
+    """The app's answers, in order; 200 once they run out."""
+    return lambda n: web.Response(status=statuses[n] if n < len(statuses) else 200)
+
+
+async def cli(config_file: Path, *args: str) -> tuple[int, str, str]:
+    return await run_cli("events", *args, "--config", str(config_file))
+
+
+async def row(dsn: str, table: str, event_id: str) -> Any:
+    found = await fetch(
+        dsn,
+        f"SELECT scope, inbox_state, inbox_body, inbox_due <= now() AS due, "
+        f'inbox_until - now() AS left_, inbox_failures FROM "{table}" WHERE event_id = $1',
+        event_id,
+    )
+    return found[0] if found else None
+
+
+async def test_pending_and_dead_list_the_kept_deliveries_oldest_first(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, routes: list[dict[str, Any]]
+) -> None:
+    upstream.respond = answering(503, 422, 503)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    for event_id in ("p1", "d1", "p2", "ok"):
+        await proxy.post("/hooks", data=json.dumps({"id": event_id, "type": "t." + event_id}))
+    await proxy.post("/down", data=b'{"id": "u1"}')
+
+    code, out, err = await cli(config_file, "pending", "--route", "hooks")
+    print(out)
+
+    assert (code, err) == (0, "")
+    lines = [line.split() for line in out.splitlines()]
+    assert lines[0] == ["received_at", "scope", "event_id", "event_type", "attempts", "last",
+                        "next_due", "body_bytes"]  # fmt: skip
+    assert [line[1:6] for line in lines[1:-1]] == [
+        ["hooks", "p1", "t.p1", "1", "503"],
+        ["hooks", "p2", "t.p2", "1", "503"],
+    ]
+    assert lines[1][7] == str(len(json.dumps({"id": "p1", "type": "t.p1"})))
+    assert lines[1][0] < lines[1][6]  # due an hour after it was received
+    assert out.splitlines()[-1] == "2 pending delivery(ies) in scope hooks"
+
+    code, out, _ = await cli(config_file, "pending", "--route", "hooks", "--limit", "1")
+    assert [line.split()[2] for line in out.splitlines()[1:-1]] == ["p1"]
+    assert out.splitlines()[-1] == "showing the 1 oldest of 2 pending delivery(ies) in scope hooks"
+
+    code, out, err = await cli(config_file, "dead", "--route", "hooks")
+    print(out)
+    assert (code, err) == (0, "")
+    lines = [line.split() for line in out.splitlines()]
+    assert lines[0] == ["received_at", "scope", "event_id", "event_type", "attempts", "last",
+                        "body_bytes"]  # fmt: skip
+    size = str(len(json.dumps({"id": "d1", "type": "t.d1"})))
+    assert [line[1:7] for line in lines[1:-1]] == [["hooks", "d1", "t.d1", "1", "422", size]]
+    assert out.splitlines()[-1] == "1 dead delivery(ies) in scope hooks"
+
+    # No answer at all: the last column is what went wrong, shortened.
+    code, out, _ = await cli(config_file, "pending", "--route", "down")
+    print(out)
+    header, listed = out.splitlines()[:2]
+    last = listed[header.index("last") : header.index("next_due")].strip()
+    assert "upstream" in last
+    assert len(last) <= 60
+
+
+async def test_show_prints_the_state_the_request_kept_and_every_attempt(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, routes: list[dict[str, Any]]
+) -> None:
+    upstream.respond = answering(503)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    body = b'{"id": "p1", "type": "charge.failed"}'
+    headers = {"Authorization": "Bearer s3cret", "X-Signature": "sig=abc"}
+    await proxy.post("/hooks?attempt=1", data=body, headers=headers)
+    await proxy.post("/hooks", data=b'{"id": "ok"}')
+
+    code, out, err = await cli(config_file, "show", "--route", "hooks", "p1")
+    print(out)
+
+    assert (code, err) == (0, "")
+    fields = dict(line.split(":", 1) for line in out.splitlines() if not line.startswith(" "))
+    assert fields["event"].strip() == "p1"
+    assert fields["type"].strip() == "charge.failed"
+    assert fields["state"].strip() == "pending"
+    assert {"received_at", "next due", "until", "changed"} <= set(fields)
+    assert fields["request"].strip() == "POST /hooks?attempt=1"
+    assert fields["upstream"].strip() == upstream.url
+    assert fields["body"].strip() == f"{len(body)} bytes"
+    assert "  Authorization: <redacted 13 bytes>" in out.splitlines()
+    assert "  X-Signature: sig=abc" in out.splitlines()
+    assert "s3cret" not in out
+    attempts = out.splitlines()[out.splitlines().index("attempts:    1") + 1 :]
+    assert attempts[0].split() == ["at", "status", "error"]
+    assert attempts[1].split()[1] == "503"
+
+    code, raw, _ = await cli(config_file, "show", "--route", "hooks", "p1", "--body")
+    assert (code, raw) == (0, body.decode())
+
+    code, out, _ = await cli(config_file, "show", "--route", "hooks", "ok")
+    assert code == 0
+    assert "state:       delivered at the first try" in out.splitlines()
+    assert "request:     not kept (delivered at the first try)" in out.splitlines()
+    code, _, err = await cli(config_file, "show", "--route", "hooks", "ok", "--body")
+    assert (code, err) == (1, "no body kept: hooks ok (delivered at the first try)\n")
+
+    code, out, err = await cli(config_file, "show", "--route", "hooks", "nope")
+    assert (code, out, err) == (1, "", "not found: hooks nope\n")
+
+
+async def test_redeliver_makes_the_given_deliveries_due_now_with_the_whole_for_again(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    upstream.respond = answering(503, 422)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    for event_id in ("p1", "d1", "ok"):
+        await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+    await execute(pg_dsn, f"UPDATE \"{table}\" SET inbox_until = now() + interval '1 minute'")
+    await proxy.close()  # no redeliverer takes them while they are looked at
+
+    code, out, err = await cli(config_file, "redeliver", "--route", "hooks", "p1", "d1", "ok")
+
+    assert (code, err) == (1, "")  # "ok" was delivered: nothing to redeliver
+    assert out.splitlines() == [
+        "redelivering: hooks p1",
+        "redelivering: hooks d1",
+        "not found: hooks ok",
+        "2 delivery(ies) due now; the redeliverer takes them within its poll interval",
+    ]
+    for event_id in ("p1", "d1"):
+        found = await row(pg_dsn, table, event_id)
+        assert (found["inbox_state"], found["due"], found["inbox_failures"]) == ("pending", True, 0)
+        assert found["left_"].total_seconds() > 86000  # the route's for: 1d, again
+    assert (await row(pg_dsn, table, "ok"))["inbox_state"] is None
+
+
+async def test_redeliver_dead_takes_the_routes_dead_ones_since_a_while(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    upstream.respond = answering(422, 422, 503)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    for event_id in ("d1", "d2", "p1"):
+        await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+    await proxy.close()
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET inbox_changed = now() - interval '2 hours' WHERE event_id = 'd2'",
+    )
+
+    code, out, _ = await cli(
+        config_file, "redeliver", "--route", "hooks", "--dead", "--since", "1h"
+    )
+    assert (code, out.splitlines()[0]) == (0, "redelivering: hooks d1")
+    assert len(out.splitlines()) == 2
+    assert (await row(pg_dsn, table, "d2"))["inbox_state"] == "dead"
+
+    code, out, _ = await cli(config_file, "redeliver", "--route", "hooks", "--dead")
+    assert (code, out.splitlines()) == (0, [
+        "redelivering: hooks d2",
+        "1 delivery(ies) due now; the redeliverer takes them within its poll interval",
+    ])  # fmt: skip
+    assert (await row(pg_dsn, table, "d2"))["inbox_state"] == "pending"
+
+    code, out, _ = await cli(config_file, "redeliver", "--route", "hooks", "--dead")
+    assert (code, out) == (0, "no dead deliveries in scope hooks\n")
+
+
+async def test_a_dead_delivery_redelivered_by_the_operator_reaches_the_app(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    upstream.respond = answering(422)  # the app refused it, then its bug was fixed
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    body = b'{"id": "d1"}'
+    first = await proxy.post("/hooks", data=body)
+    assert first.headers["Dedup-Status"] == "dead_letter"
+
+    code, out, _ = await cli(config_file, "redeliver", "--route", "hooks", "d1")
+
+    assert (code, out.splitlines()[0]) == (0, "redelivering: hooks d1")
+
+    async def delivered() -> bool:
+        return (await row(pg_dsn, table, "d1"))["inbox_state"] == "delivered"
+
+    await wait_until(delivered, "the redelivery")
+    assert upstream.bodies() == [body, body]
+    code, out, _ = await cli(config_file, "show", "--route", "hooks", "d1")
+    assert "request:     dropped (delivered), headers and body" in out.splitlines()
+    assert [line.split()[1] for line in out.splitlines()[-2:]] == ["422", "200"]
+
+
+async def test_discard_drops_the_delivery_and_keeps_the_claim(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    upstream.respond = answering(503, 422)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    for event_id in ("p1", "d1", "ok"):
+        await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+
+    code, out, err = await cli(config_file, "discard", "--route", "hooks", "p1", "d1", "ok")
+
+    assert (code, err) == (1, "")
+    assert out.splitlines() == ["discarded: hooks p1", "discarded: hooks d1", "not found: hooks ok"]
+    for event_id in ("p1", "d1"):
+        found = await row(pg_dsn, table, event_id)
+        assert (found["inbox_state"], found["inbox_body"]) == ("discarded", None)
+    code, out, _ = await cli(config_file, "show", "--route", "hooks", "d1")
+    assert "request:     dropped (discarded), headers and body" in out.splitlines()
+    assert "  422  " in out.splitlines()[-1]  # its attempts stay
+    # The claim stays: the provider's copy is an ordinary duplicate, never forwarded.
+    copy = await proxy.post("/hooks", data=b'{"id": "p1"}')
+    assert (copy.status, copy.headers["Dedup-Status"]) == (200, "duplicate")
+    assert len(upstream.requests) == 3
+    code, out, _ = await cli(config_file, "pending", "--route", "hooks")
+    assert out.splitlines()[-1] == "0 pending delivery(ies) in scope hooks"
+    code, out, _ = await run_cli("events", "discard", "--help")
+    assert "use events forget" in " ".join(out.split())
+
+
+async def test_a_route_scoped_by_its_path_is_listed_whole_and_its_events_need_scope(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    upstream.respond = answering(422, 422)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    for tenant in ("acme", "globex"):
+        await proxy.post(f"/t/{tenant}", data=b'{"id": "d1"}')
+    await proxy.close()
+
+    code, out, _ = await cli(config_file, "dead", "--route", "tenants")
+    assert [line.split()[1:3] for line in out.splitlines()[1:-1]] == [
+        ["tenants/acme", "d1"],
+        ["tenants/globex", "d1"],
+    ]
+    assert out.splitlines()[-1] == "2 dead delivery(ies) in scope tenants"
+
+    code, _, err = await cli(config_file, "show", "--route", "tenants", "d1")
+    assert (code, err) == (2, "dedup-proxy events show: route 'tenants' scopes claims by its "
+                              "path: give --scope (events list shows it)\n")  # fmt: skip
+    code, _, err = await cli(config_file, "show", "--route", "tenants", "--scope", "hooks", "d1")
+    assert (code, err) == (2, "dedup-proxy events show: 'hooks' is not a scope of route "
+                              "'tenants'\n")  # fmt: skip
+    code, out, _ = await cli(config_file, "show", "--route", "tenants", "--scope",
+                             "tenants/acme", "d1")  # fmt: skip
+    assert "scope:       tenants/acme" in out.splitlines()
+
+    code, out, _ = await cli(config_file, "redeliver", "--route", "tenants", "--dead", "--scope",
+                             "tenants/globex")  # fmt: skip
+    assert (code, out.splitlines()[0]) == (0, "redelivering: tenants/globex d1")
+    assert [r["inbox_state"] for r in await fetch(
+        pg_dsn, f'SELECT inbox_state FROM "{table}" ORDER BY scope'
+    )] == ["dead", "pending"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["redeliver", "--route", "hooks", "--dead", "p1"],
+         "give event IDs or --dead, one of the two"),
+        (["redeliver", "--route", "hooks"], "give event IDs or --dead, one of the two"),
+        (["redeliver", "--route", "hooks", "--since", "1h", "p1"],
+         "--since goes with --dead only"),
+        (["redeliver", "--route", "plain", "p1"],
+         "route 'plain' has no redeliver: nothing would redeliver it"),
+        (["pending", "--route", "nope"],
+         "unknown route 'nope' (routes: hooks, tenants, down, plain)"),
+        (["discard", "--route", "tenants", "p1"],
+         "route 'tenants' scopes claims by its path: give --scope (events list shows it)"),
+    ],
+)  # fmt: skip
+async def test_usage_errors_exit_2_before_any_database(
+    config_file: Path, args: list[str], problem: str
+) -> None:
+    # The claim table does not even exist: the database would be an exit 1.
+    code, out, err = await cli(config_file, *args)
+    assert (code, out, err) == (2, "", f"dedup-proxy events {args[0]}: {problem}\n")
+
+
+async def test_an_unknown_id_exits_1_and_a_missing_table_is_said(config_file: Path) -> None:
+    code, _, err = await cli(config_file, "pending", "--route", "hooks")
+    assert code == 1
+    assert err.startswith("dedup-proxy events pending: ")
+    assert "does not exist" in err
+    assert "Traceback" not in err
+    assert (await run_cli("migrate", "-c", str(config_file)))[0] == 0
+
+    code, out, err = await cli(config_file, "redeliver", "--route", "hooks", "x")
+    assert (code, err) == (1, "")
+    assert out.splitlines() == [
+        "not found: hooks x",
+        "0 delivery(ies) due now; the redeliverer takes them within its poll interval",
+    ]
+    code, out, _ = await cli(config_file, "discard", "--route", "hooks", "x")
+    assert (code, out) == (1, "not found: hooks x\n")
