@@ -134,16 +134,25 @@ def _inbox_actions(
     redelivering = action(
         "redeliver",
         "make pending or dead deliveries due now, for a running proxy to redeliver",
-        "Make these pending or dead deliveries (or, with --dead, the route's dead ones) due "
-        "now, with the route's whole redeliver.for again. A running proxy's redeliverer sends "
-        "them; this command sends nothing.",
+        "Make these pending or dead deliveries (or, with --dead or --pending, all of the "
+        "route's in that state) due now, with the route's whole redeliver.for again. A running "
+        "proxy's redeliverer sends them; this command sends nothing.",
     )
-    redelivering.add_argument("--scope", help=scope_help + "; with --dead, narrows it")
-    redelivering.add_argument(
+    redelivering.add_argument("--scope", help=scope_help + "; with --dead or --pending, narrows it")
+    every = redelivering.add_mutually_exclusive_group()
+    every.add_argument(
         "--dead", action="store_true", help="every dead delivery of the route, not given IDs"
     )
+    every.add_argument(
+        "--pending",
+        action="store_true",
+        help="every pending delivery of the route now, not at its next due time (the app is "
+        "back after an outage)",
+    )
     redelivering.add_argument(
-        "--since", type=_duration, help="with --dead: only those dead for at most this (e.g. 1h)"
+        "--since",
+        type=_duration,
+        help="with --dead or --pending: only those that became so within this (e.g. 1h)",
     )
     redelivering.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
     discarding = action(
@@ -328,8 +337,9 @@ async def _events(cfg: config.Config, args: argparse.Namespace) -> int:
                                          body=args.body)  # fmt: skip
     if action == "redeliver":
         return await inbox_commands.redeliver(
-            cfg, route, args.event_ids, scope=args.scope, dead=args.dead, since=args.since
-        )
+            cfg, route, args.event_ids, scope=args.scope, since=args.since,
+            every=database.DEAD if args.dead else database.PENDING if args.pending else None,
+        )  # fmt: skip
     return await inbox_commands.discard(cfg, route, args.event_ids, scope=args.scope)
 
 

@@ -164,34 +164,36 @@ async def redeliver(
     event_ids: Sequence[str],
     *,
     scope: str | None = None,
-    dead: bool = False,
+    every: str | None = None,
     since: float | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
-    """Make these deliveries (or the route's dead ones, with ``dead``: dead for at most
-    ``since`` seconds) due now, with the route's whole ``for`` again. Exit 1 if an ID was not
-    pending or dead (or its body is gone)."""
+    """Make these deliveries (or, with ``every`` "dead" or "pending", all of the route's in
+    that state, changed at most ``since`` seconds ago) due now, with the route's whole ``for``
+    again. Exit 1 if an ID was not pending or dead (or its body is gone)."""
     found = operations.route_of(cfg, route)
-    if bool(event_ids) == dead:
-        raise errors.ConfigError("--dead", ["give event IDs or --dead, one of the two"])
-    if since is not None and not dead:
-        raise errors.ConfigError("--since", ["--since goes with --dead only"])
+    if bool(event_ids) == (every is not None):
+        raise errors.ConfigError("--dead", ["give event IDs, --dead or --pending: one of them"])
+    if since is not None and every is None:
+        raise errors.ConfigError("--since", ["--since goes with --dead or --pending only"])
     if found.redeliver is None:
         raise errors.ConfigError(
             "--route", [f"route {route!r} has no redeliver: nothing would redeliver it"]
         )
-    scope = (operations.narrowed_scope if dead else operations.exact_scope)(found, scope)
+    narrowed = operations.narrowed_scope if every else operations.exact_scope
+    scope = narrowed(found, scope)
     after = datetime.now(UTC) - timedelta(seconds=since) if since is not None else None
     async with operations.open_store(cfg) as store:
         changed = await store.inbox.redeliver(
-            scope, None if dead else list(event_ids), after, found.redeliver.for_
-        )
+            scope, None if every else list(event_ids), after, found.redeliver.for_,
+            every or inbox.DEAD,
+        )  # fmt: skip
     done = set(changed)
     given = [(scope, event_id) for event_id in dict.fromkeys(event_ids)]
-    for row in sorted(done) if dead else given:
+    for row in sorted(done) if every else given:
         out.write(f"{'redelivering' if row in done else 'not found'}: {row[0]} {row[1]}\n")
-    if dead and not changed:
-        out.write(f"no dead deliveries in scope {scope}\n")
+    if every and not changed:
+        out.write(f"no {every} deliveries in scope {scope}\n")
         return 0
     out.write(
         f"{len(changed)} delivery(ies) due now; the redeliverer takes them within its poll "

@@ -305,7 +305,10 @@ class Cycle:
             return None
         if self.route.redeliver is None:
             return None
-        return await self._keep(claim, database.Attempt(exc.upstream_status, exc.message))
+        kept = await self._keep(claim, database.Attempt(exc.upstream_status, exc.message))
+        if kept is not None:
+            self.line["error"] = exc.message  # kept: the line still says why the app failed
+        return kept
 
     async def _keep(
         self, claim: database.Claim, attempt: database.Attempt

@@ -67,6 +67,7 @@ class Redeliverer:
         self._store = store
         self._client = client
         self._routes = {route.name: route for route in configured if route.redeliver}
+        self._scopes = sorted({route.scope for route in self._routes.values()})
         self._settings = settings
         self._meters = meters
         for name in self._routes:  # at 0 from the start: increase() misses a series' first sample
@@ -127,7 +128,7 @@ class Redeliverer:
 
     async def redeliver_one(self) -> bool:
         """Redeliver the oldest due row, if one is: whether one was."""
-        async with self._store.inbox.take() as redelivery:
+        async with self._store.inbox.take(self._scopes) as redelivery:
             if redelivery is None:
                 return False
             self.in_flight += 1

@@ -345,3 +345,8 @@ async def test_redeliveries_are_oldest_first_and_at_most_concurrency_at_once(
 
 async def _delivered(order: list[str], n: int) -> bool:
     return len(order) >= n
+
+
+def test_redeliver_true_keeps_for_within_a_short_retention(proxy_config: Any) -> None:
+    cfg = proxy_config(routes=[{**route(), "redeliver": True, "retention": "1d"}])
+    assert cfg.routes[0].redeliver.for_ == 86400.0  # Slack's and Shopify's presets keep a day

@@ -226,6 +226,37 @@ async def test_redeliver_dead_takes_the_routes_dead_ones_since_a_while(
     assert (code, out) == (0, "no dead deliveries in scope hooks\n")
 
 
+async def test_redeliver_pending_makes_every_pending_one_due_now(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    upstream.respond = answering(503, 503, 422)  # p1, p2 pending for an hour; d1 dead
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    for event_id in ("p1", "p2", "d1"):
+        await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+    await proxy.close()
+
+    code, out, _ = await cli(config_file, "redeliver", "--route", "hooks", "--pending")
+
+    assert (code, out.splitlines()) == (0, [
+        "redelivering: hooks p1",
+        "redelivering: hooks p2",
+        "2 delivery(ies) due now; the redeliverer takes them within its poll interval",
+    ])  # fmt: skip
+    for event_id in ("p1", "p2"):
+        assert (await row(pg_dsn, table, event_id))["due"] is True
+    assert (await row(pg_dsn, table, "d1"))["inbox_state"] == "dead"  # not pending: untouched
+    code, out, _ = await cli(config_file, "redeliver", "--route", "down", "--pending")
+    assert (code, out) == (0, "no pending deliveries in scope down\n")
+    code, _, err = await cli(config_file, "redeliver", "--route", "hooks", "--pending", "--dead")
+    assert code == 2
+    assert "not allowed with argument" in err
+
+
 async def test_a_dead_delivery_redelivered_by_the_operator_reaches_the_app(
     make_proxy: MakeProxy,
     upstream: FakeUpstream,
@@ -330,10 +361,10 @@ async def test_a_route_scoped_by_its_path_is_listed_whole_and_its_events_need_sc
     ("args", "problem"),
     [
         (["redeliver", "--route", "hooks", "--dead", "p1"],
-         "give event IDs or --dead, one of the two"),
-        (["redeliver", "--route", "hooks"], "give event IDs or --dead, one of the two"),
+         "give event IDs, --dead or --pending: one of them"),
+        (["redeliver", "--route", "hooks"], "give event IDs, --dead or --pending: one of them"),
         (["redeliver", "--route", "hooks", "--since", "1h", "p1"],
-         "--since goes with --dead only"),
+         "--since goes with --dead or --pending only"),
         (["redeliver", "--route", "plain", "p1"],
          "route 'plain' has no redeliver: nothing would redeliver it"),
         (["pending", "--route", "nope"],

@@ -15,7 +15,7 @@ from proxy.config import reader, values
 
 # After each failed attempt, the wait before the next; the last one repeats until ``for``.
 DEFAULT_SCHEDULE = (10.0, 60.0, 300.0, 1800.0, 7200.0, 21600.0)
-DEFAULT_FOR = 3 * 86400.0
+DEFAULT_FOR = 3 * 86400.0  # or the route's retention, if shorter
 DEFAULT_MAX_PENDING = 10_000
 DEFAULT_MAX_PENDING_BYTES = 256 * 1024 * 1024
 DEFAULT_DEAD_RETENTION = 30 * 86400.0
@@ -68,11 +68,14 @@ def _rate(value: object) -> float:
     return float(value)
 
 
-def parse_redeliver(r: reader.Reader, raw: object, path: str) -> Redeliver | None:
-    """``redeliver: true`` (the defaults), ``false``/absent (None) or a mapping."""
+def parse_redeliver(
+    r: reader.Reader, raw: object, path: str, *, default_for: float = DEFAULT_FOR
+) -> Redeliver | None:
+    """``redeliver: true`` (the defaults, ``for`` ``default_for``), ``false``/absent (None) or
+    a mapping."""
     if isinstance(raw, str | bool):
         try:
-            return Redeliver() if values.parse_bool(raw) else None
+            return Redeliver(for_=default_for) if values.parse_bool(raw) else None
         except ValueError:
             r.problem(path, f"must be true, false or a mapping of {', '.join(REDELIVER_KEYS)}")
             return None
@@ -85,7 +88,7 @@ def parse_redeliver(r: reader.Reader, raw: object, path: str) -> Redeliver | Non
     duration = values.parse_duration_upto(MAX_DURATION)
     settings = Redeliver(
         schedule=r.value(section, "schedule", path, _schedule, DEFAULT_SCHEDULE),
-        for_=r.value(section, "for", path, duration, DEFAULT_FOR),
+        for_=r.value(section, "for", path, duration, default_for),
         max_pending=r.value(
             section, "max_pending", path, values.parse_positive_int, DEFAULT_MAX_PENDING
         ),

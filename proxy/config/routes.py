@@ -213,6 +213,7 @@ def _parse_route(
     defaults = _defaults(preset, idempotency=idempotency, inherited=inherited)
     event_id = _event_id(r, route, path, defaults.event_id, bad_preset=bad_preset)
     taken.check(r, path, name, pattern)
+    retention = r.value(route, "retention", path, values.parse_duration, defaults.retention)
     route_config = RouteConfig(
         name=name or "",
         path=pattern.path if pattern else "",
@@ -236,7 +237,7 @@ def _parse_route(
             explicit_scope="scope" in route,
             bad_preset=bad_preset,
         ),
-        retention=r.value(route, "retention", path, values.parse_duration, defaults.retention),
+        retention=retention,
         forward_missing_id=r.value(route, "missing_id", path, _MISSING_ID, defaults.missing_id)
         == "forward",
         replay=r.value(route, "on_duplicate", path, _ON_DUPLICATE, defaults.on_duplicate)
@@ -252,8 +253,12 @@ def _parse_route(
             route, "replay_max_body", path, values.parse_size, DEFAULT_REPLAY_MAX_BODY
         ),
         replay_set_cookie=r.value(route, "replay_set_cookie", path, values.parse_bool, False),
+        # A claim redelivered late must outlive the provider's copies: never past retention.
         redeliver=inbox.parse_redeliver(
-            r, r.interpolate(route.get("redeliver"), f"{path}.redeliver"), f"{path}.redeliver"
+            r,
+            r.interpolate(route.get("redeliver"), f"{path}.redeliver"),
+            f"{path}.redeliver",
+            default_for=min(inbox.DEFAULT_FOR, retention),
         ),
     )
     _check_options(r, route, path, route_config)

@@ -47,6 +47,9 @@ GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
 OPERATOR_LOCK_WAIT = 5.0
 
 _IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
+# $1: the scopes of the routes this proxy redelivers for; a route's per-path scopes are its
+# own ("scope/acme"). Another deployment's rows in a shared table are not its to send.
+_OURS = "split_part(scope, '/', 1) = ANY($1::text[])"
 _ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
 
 
@@ -193,17 +196,16 @@ class Statements:
     def due(self) -> str:
         return (
             f"SELECT FROM {self.quoted} WHERE inbox_state = 'pending' AND inbox_due <= now() "
-            "LIMIT 1"
+            f"AND {_OURS} LIMIT 1"
         )
 
     @property
     def take(self) -> str:
         # Oldest first; a row another replica is redelivering is passed over, not waited on.
         return (
-            f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, "
-            f"inbox_until <= now() AS expired FROM {self.quoted} "
-            "WHERE inbox_state = 'pending' AND inbox_due <= now() "
-            "ORDER BY received_at LIMIT 1 FOR UPDATE SKIP LOCKED"
+            f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures "
+            f"FROM {self.quoted} WHERE inbox_state = 'pending' AND inbox_due <= now() "
+            f"AND {_OURS} ORDER BY received_at LIMIT 1 FOR UPDATE SKIP LOCKED"
         )
 
     @property
@@ -260,8 +262,9 @@ class Statements:
 
     @property
     def redeliver(self) -> str:
-        # $1 scope, $2 event IDs or NULL (every dead row of the scope), $3 dead since or NULL,
-        # $4 for (seconds). Back to pending, due now, with the route's full schedule again.
+        # $1 scope, $2 event IDs or NULL (every row of the scope in state $5), $3 changed since
+        # or NULL, $4 for (seconds), $5 'dead' or 'pending'. Pending, due now, with the route's
+        # full schedule again.
         return (
             f"UPDATE {self.quoted} SET inbox_state = 'pending', inbox_due = now(), "
             "inbox_until = now() + make_interval(secs => $4), inbox_failures = 0, "
@@ -269,7 +272,7 @@ class Statements:
             f"WHERE inbox_body IS NOT NULL AND ("
             "  ($2::text[] IS NOT NULL AND scope = $1 AND event_id = ANY($2) "
             "   AND inbox_state IN ('pending', 'dead'))"
-            f"  OR ($2::text[] IS NULL AND {_IN_SCOPE} AND inbox_state = 'dead' "
+            f"  OR ($2::text[] IS NULL AND {_IN_SCOPE} AND inbox_state = $5::text "
             "      AND ($3::timestamptz IS NULL OR inbox_changed >= $3))) "
             "RETURNING scope, event_id"
         )
@@ -316,8 +319,7 @@ class Redelivery:
     """A due row, its lock held until one named step ends its transaction (or the ``async
     with`` of ``Inbox.take`` rolls it back)."""
 
-    __slots__ = ("_connection", "_done", "_inbox", "delivery", "event_id", "expired", "failures",
-                 "scope")  # fmt: skip
+    __slots__ = ("_connection", "_done", "_inbox", "delivery", "event_id", "failures", "scope")
 
     def __init__(self, inbox: Inbox, connection: pool.Connection, row: pool.Record) -> None:
         self._inbox = inbox
@@ -327,7 +329,6 @@ class Redelivery:
         self.event_id: str = row["event_id"]
         self.delivery = Delivery.decoded(row["inbox_request"], row["inbox_body"])
         self.failures: int = row["inbox_failures"]
-        self.expired: bool = row["expired"]
 
     async def delivered(self, status: int) -> None:
         """The app answered 2xx: done, the body dropped, committed."""
@@ -376,19 +377,25 @@ class Inbox:
         self.op_timeout = op_timeout
 
     @contextlib.asynccontextmanager
-    async def take(self) -> AsyncIterator[Redelivery | None]:
-        """The oldest due row no one else holds, locked until its redelivery ends (None: none
-        is due). One cheap indexed read when none is; the transaction only when one is."""
+    async def take(self, scopes: list[str]) -> AsyncIterator[Redelivery | None]:
+        """The oldest due row of ``scopes`` (routes' scopes) no one else holds, locked until its
+        redelivery ends (None: none is due). One cheap indexed read when none is; the
+        transaction only when one is."""
         async with self._acquire() as connection:
             with pool.translated("looking for due redeliveries failed"):
-                if await connection.fetchrow(self.statements.due, timeout=self.op_timeout) is None:
+                due = await connection.fetchrow(
+                    self.statements.due, scopes, timeout=self.op_timeout
+                )
+                if due is None:
                     yield None
                     return
                 await connection.execute(self._begin, timeout=self.op_timeout)
             redelivery = None
             try:
                 with pool.translated("taking a due redelivery failed"):
-                    row = await connection.fetchrow(self.statements.take, timeout=self.op_timeout)
+                    row = await connection.fetchrow(
+                        self.statements.take, scopes, timeout=self.op_timeout
+                    )
                 if row is not None:
                     redelivery = Redelivery(self, connection, row)
                 yield redelivery
@@ -427,11 +434,17 @@ class Inbox:
         )  # fmt: skip
 
     async def redeliver(
-        self, scope: str, event_ids: list[str] | None, since: datetime | None, for_: float
+        self,
+        scope: str,
+        event_ids: list[str] | None,
+        since: datetime | None,
+        for_: float,
+        state: str = DEAD,
     ) -> list[tuple[str, str]]:
-        """Make these rows (or ``scope``'s dead ones, dead since ``since``) pending and due
-        now, with ``for_`` seconds of the schedule again: the (scope, event ID)s it changed."""
-        rows = await self._operate(self.statements.redeliver, scope, event_ids, since, for_)
+        """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``) pending
+        and due now, with ``for_`` seconds of the schedule again: the (scope, event ID)s it
+        changed."""
+        rows = await self._operate(self.statements.redeliver, scope, event_ids, since, for_, state)
         return [(row["scope"], row["event_id"]) for row in rows]
 
     async def discard(self, scope: str, event_ids: list[str]) -> set[str]:
