@@ -5,7 +5,7 @@ nothing outside this package imports the driver.
 - ``claim``: a claim and its named steps (commit, settle a duplicate, release), and what is
   claimed (``Key``) and stored (``Answer``).
 - ``inbox``: deliveries the app failed, kept in their claim's row for the redeliverer, and
-  the redelivery's own named steps (delivered, failed).
+  the redelivery's own named steps (delivered, failed); its statements in ``inbox_sql``.
 - ``pool``: opening connections, lending them, and what the driver's errors mean (translated
   into ``errors`` once, here).
 - ``sql``: every statement, built once per claim table.

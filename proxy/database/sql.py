@@ -14,7 +14,7 @@ import functools
 import json
 from dataclasses import dataclass
 
-from proxy.database import inbox
+from proxy.database import inbox_sql
 
 # Any constants will do: they only serialise schema creation, and sweeps, across replicas.
 SCHEMA_LOCK_KEY = 0x64656475
@@ -162,7 +162,7 @@ def for_table(table: str) -> Queries:
     schema, dot, name = table.rpartition(".")
     index = f"{name}_received_at_idx"
     inbox_index = f"{name}_inbox_idx"
-    inbox_columns = inbox.Statements(quoted).columns
+    inbox_columns = inbox_sql.Statements(quoted).columns
     return Queries(
         table=table,
         quoted=quoted,
@@ -218,7 +218,8 @@ def for_table(table: str) -> Queries:
             " AS answer,"
             " (SELECT bool_and(has_column_privilege(attrelid, attnum, 'UPDATE'))"
             f"    FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
-            f"    AND attname IN ({', '.join(map(_literal, inbox.COLUMNS))}) AND NOT attisdropped)"
+            f"    AND attname IN ({', '.join(map(_literal, inbox_sql.COLUMNS))})"
+            "    AND NOT attisdropped)"
             " AS inbox"
         ),
         insert=f"INSERT INTO {quoted} (scope, event_id, event_type, body_sha256) VALUES ",
