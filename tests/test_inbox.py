@@ -350,3 +350,22 @@ async def _delivered(order: list[str], n: int) -> bool:
 def test_redeliver_true_keeps_for_within_a_short_retention(proxy_config: Any) -> None:
     cfg = proxy_config(routes=[{**route(), "redeliver": True, "retention": "1d"}])
     assert cfg.routes[0].redeliver.for_ == 86400.0  # Slack's and Shopify's presets keep a day
+
+
+async def test_a_copy_during_its_redelivery_does_not_wait_on_the_row_lock(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.respond = failing(1)
+    proxy = await make_proxy(routes=[route()], redeliverer=QUICK, claim_wait="1s")
+    body = b'{"id": "w1"}'
+    assert (await proxy.post("/hooks", data=body)).status == 202
+    upstream.gate = asyncio.Event()  # the redelivery holds the row lock, the app never answers
+    await wait_until(lambda: _count(upstream, 2), "the redelivery to reach the app")
+
+    copy = await proxy.post("/hooks", data=body)
+
+    # A row locked FOR UPDATE does not hold up INSERT … ON CONFLICT DO NOTHING: no 503 after
+    # claim_wait, and the copy is not forwarded.
+    assert (copy.status, copy.headers["Dedup-Status"]) == (202, "duplicate_queued")
+    assert len(upstream.requests) == 2
+    upstream.gate.set()
