@@ -28,7 +28,7 @@ from proxy import (
     server,
     supervisor,
 )
-from proxy.config import values
+from proxy.config import routes, values
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -221,6 +221,7 @@ def _describe(cfg: config.Config, source: str) -> str:
             if route.scope_from
             else "",
             f"duplicates replayed (up to {route.replay_max_body} bytes)" if route.replay else "",
+            _redelivered(route),
         ]
         lines.append(
             f"  {','.join(route.methods)} {route.path} -> {route.upstream}  [{route.name}]"
@@ -233,6 +234,15 @@ def _describe(cfg: config.Config, source: str) -> str:
             lines.append(f"  *    {prefix} (and below) -> {cfg.upstream.url}  [pass-through]")
         lines.append("  *    (any other path) -> 404")
     return "\n".join(lines)
+
+
+def _redelivered(route: routes.RouteConfig) -> str:
+    """How a route's failed deliveries are kept and sent again ("" when they are not)."""
+    if route.redeliver is None:
+        return ""
+    schedule = "/".join(values.format_duration(s) for s in route.redeliver.schedule)
+    within = values.format_duration(route.redeliver.for_)
+    return f"failures kept, redelivered after {schedule} for {within}"
 
 
 def main(argv: list[str] | None = None) -> int:

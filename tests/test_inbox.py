@@ -18,6 +18,7 @@ from tests.helpers import (
     execute,
     fetch,
     free_port,
+    run_cli,
     sweeper_of,
     wait_until,
 )
@@ -369,3 +370,16 @@ async def test_a_copy_during_its_redelivery_does_not_wait_on_the_row_lock(
     assert (copy.status, copy.headers["Dedup-Status"]) == (202, "duplicate_queued")
     assert len(upstream.requests) == 2
     upstream.gate.set()
+
+
+async def test_check_says_how_a_route_redelivers(tmp_path: Any, pg_dsn: str) -> None:
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(
+        json.dumps(
+            {"upstream": {"url": "http://127.0.0.1:9"}, "database": {"dsn": pg_dsn},
+             "routes": [route(schedule=["500ms", "10s", "2h"], **{"for": "3d"})]}
+        )
+    )  # fmt: skip
+    code, out, _ = await run_cli("check", "--config", str(config_file))
+    assert code == 0
+    assert "failures kept, redelivered after 500ms/10s/2h for 3d" in out

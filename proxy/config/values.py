@@ -53,6 +53,15 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
+def format_duration(seconds: float) -> str:
+    """A duration as configured: ``500ms``, ``30s``, ``5m``, ``2h``, ``3d`` (the largest unit
+    it is a whole number of, else seconds)."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds // size:g}{unit}"
+    return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
+
+
 def parse_duration_upto(limit: float) -> Callable[[object], float]:
     """A duration of at most ``limit`` seconds (those sent to PostgreSQL as milliseconds must
     stay below its 24.8-day maximum)."""
