@@ -74,10 +74,12 @@ class Redeliverer:
             for result in ("delivered", "failed", "dead"):
                 meters.redeliveries.labels(name, result)
         self._budget = budget
-        self.lanes = max(1, settings.concurrency // workers)
+        # Each lane holds a pool connection while it redelivers: one is always left to requests.
+        self.lanes = max(1, min(settings.concurrency // workers, store.pool_size - 1))
         self._interval = workers / settings.rate  # between two starts in this worker
         self._next_start = 0.0
         self._stopping = asyncio.Event()
+        self._failed_since: float | None = None  # when redeliveries began to fail, if they do
         self.in_flight = 0
 
     @property
@@ -100,18 +102,35 @@ class Redeliverer:
             await self._paced()
             if self._stopping.is_set():
                 return
+            if self._store.pool_exhausted():
+                # The requests come first: a lane waiting for a connection would take one from
+                # them (and, shed, answer the provider 503).
+                await self._pause(self._settings.poll)
+                continue
             try:
                 redelivered = await self.redeliver_one()
             except errors.StoreUnavailable as exc:
-                log.warning("redelivery failed, trying again in %gs: %s", self._settings.poll,
-                            exc.message)  # fmt: skip
+                self._failing(exc.message)
                 redelivered = False
             except Exception:
                 # A bug must not end the lane: the row is rolled back, and tried again later.
                 log.exception("redelivery failed, trying again in %gs", self._settings.poll)
                 redelivered = False
+            else:
+                if self._failed_since is not None:
+                    log.info("redeliveries resume: the database answers again")
+                    self._failed_since = None
             if not redelivered:
                 await self._pause(self._settings.poll)
+
+    def _failing(self, message: str) -> None:
+        """Warn once when redeliveries start failing (the database away), not at every poll."""
+        if self._failed_since is None:
+            self._failed_since = time.monotonic()
+            log.warning("redeliveries fail, trying again every %gs: %s", self._settings.poll,
+                        message)  # fmt: skip
+        else:
+            log.debug("redelivery failed: %s", message)
 
     async def _paced(self) -> None:
         """Wait for this lane's turn under ``rate`` (shared by the lanes: one event loop)."""

@@ -172,6 +172,10 @@ class Pool:
         pool._open.update(opened)
         return pool
 
+    def exhausted(self) -> bool:
+        """Whether every slot is lent out: an ``acquire`` now would wait."""
+        return self._slots.locked()
+
     def ready(self, now: float) -> bool:
         """Whether ``acquire(now)`` would return at once: a free slot, and on top of the stack
         an open connection not idle for ``MAX_IDLE`` at ``now`` (so nothing to wait for or to

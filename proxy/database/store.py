@@ -161,6 +161,7 @@ class Store:
         self._settings = settings
         self.queries = sql.for_table(settings.table)
         self.op_timeout = settings.connect_timeout
+        self.pool_size = settings.pool_size
         self._claim_timeout = claim_wait + settings.connect_timeout
         # A copy waits on an in-flight claim at most claim_wait; and the claim stays open while
         # the upstream works, so past the upstream's timeout the server itself rolls back a
@@ -337,6 +338,11 @@ class Store:
                         sweep, scope, retention, batch, timeout=self.op_timeout
                     )
         return int(status.split()[-1])
+
+    def pool_exhausted(self) -> bool:
+        """Whether every connection of the pool is lent out (the redeliverer then yields to
+        the requests)."""
+        return self._pool.exhausted()
 
     def pool_stats(self) -> tuple[int, int]:
         """(connections open, connections idle)."""

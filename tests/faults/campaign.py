@@ -8,15 +8,25 @@ blackholes, resets or refuses a replica's database link and makes the app slow. 
 event not yet acknowledged is redelivered until it is (the settle phase), the database and every
 replica's pool are checked for leftovers, and ``checker.check`` judges the history.
 
+With ``--inbox`` the route redelivers (``redeliver``, a schedule of seconds) and the provider is
+GitHub's: each event sent 1-3 times, a failure never retried, any 2xx (``queued`` and
+``duplicate_queued`` included) taken as accepted. The settle phase then only waits until no row
+is pending and the app has every accepted event; an event whose every send failed was refused
+(the provider was told to retry), which the checker tells apart from a loss.
+
+Each replica reaches the app on a port of its own, so the app knows which replica sent a call,
+a redelivery included (it carries the headers of the delivery it redelivers).
+
 Run it on demand (exit status 1 on any violation)::
 
-    python -m tests.faults.campaign --minutes 5 [--replicas 3] [--seed S] [--events K]
+    python -m tests.faults.campaign --minutes 5 [--replicas 3] [--seed S] [--events K] [--inbox]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import calendar
 import contextlib
 import itertools
 import json
@@ -29,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import parse_qs, urlsplit
@@ -76,6 +86,13 @@ class Settings:
     settle_timeout: float = 30.0
     failure_rate: float = 0.05  # the app answers 5xx
     spike_rate: float = 0.02  # the app answers later than upstream.timeout
+    # The inbox mode: the route's redeliver schedule and the redeliverer's pace (per replica).
+    inbox: bool = False
+    schedule: tuple[str, ...] = ("500ms", "1s", "2s")
+    redeliver_for: str = "1h"
+    redeliverer_concurrency: int = 2
+    redeliverer_rate: float = 100.0
+    redeliverer_poll: float = 0.1
 
     @property
     def request_bound(self) -> float:
@@ -94,6 +111,15 @@ class Settings:
         return self.connect_timeout + 0.5
 
     def replica_config(self, *, port: int, upstream: str, dsn: str) -> dict[str, Any]:
+        route: dict[str, Any] = {"name": ROUTE, "path": HOOK, "event_id": "body:/id"}
+        extra: dict[str, Any] = {}
+        if self.inbox:
+            route["redeliver"] = {"schedule": list(self.schedule), "for": self.redeliver_for}
+            extra["redeliverer"] = {
+                "concurrency": self.redeliverer_concurrency,
+                "rate": self.redeliverer_rate,
+                "poll": f"{self.redeliverer_poll}s",
+            }
         return _known_keys(
             {
                 "listen": f"127.0.0.1:{port}",
@@ -110,7 +136,8 @@ class Settings:
                 "claim_wait": f"{self.claim_wait}s",
                 "shutdown_timeout": f"{self.shutdown_timeout}s",
                 "log": {"level": "debug", "format": "json"},
-                "routes": [{"name": ROUTE, "path": HOOK, "event_id": "body:/id"}],
+                "routes": [route],
+                **extra,
             }
         )
 
@@ -125,7 +152,9 @@ def _known_keys(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-async def poll(check: Callable[[], Awaitable[bool] | bool], what: str, within: float) -> float:
+async def poll(
+    check: Callable[[], Awaitable[bool] | bool], what: str, within: float, *, every: float = _POLL
+) -> float:
     """Poll ``check`` until true; return the seconds it took; CampaignError past ``within``."""
     started = time.monotonic()
     while True:
@@ -134,11 +163,24 @@ async def poll(check: Callable[[], Awaitable[bool] | bool], what: str, within: f
             return time.monotonic() - started
         if time.monotonic() - started > within:
             raise CampaignError(f"timed out after {within:g}s waiting for {what}")
-        await asyncio.sleep(_POLL)
+        await asyncio.sleep(every)
 
 
 def event_body(event_id: str) -> bytes:
     return json.dumps({"id": event_id, "type": "camp.test"}).encode()
+
+
+def monotonic_of(stamp: object) -> float | None:
+    """A log line's ``ts`` (``2024-05-01T12:00:00.123Z``, UTC) on this process's monotonic
+    clock (the replicas share the host's wall clock); None if it is not one."""
+    if not isinstance(stamp, str) or len(stamp) != 24:
+        return None
+    try:
+        second = calendar.timegm(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S"))
+        wall = second + int(stamp[20:23]) / 1000
+    except ValueError:
+        return None
+    return wall - (time.time() - time.monotonic())
 
 
 def unix_socket_of(dsn: str) -> Path:
@@ -152,7 +194,8 @@ def unix_socket_of(dsn: str) -> Path:
 
 
 class App:
-    """The fake upstream app: records every request it answers (a 2xx answer: it acted)."""
+    """The fake upstream app: records every request it answers (a 2xx answer: it acted), and
+    which replica sent it (each replica has a port of its own: ``listen``)."""
 
     def __init__(self, rng: random.Random, settings: Settings) -> None:
         self.rng = rng
@@ -166,7 +209,7 @@ class App:
         self.latency = 0.02  # the most an ordinary answer takes
         self.fixed: dict[str, float] = {}  # event-ID prefix -> latency, answered 200
         self.gates: dict[str, asyncio.Event] = {}  # event ID -> answer once set
-        self.url = ""
+        self._senders: dict[int, str] = {}  # the app's port -> the replica given it
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -174,10 +217,21 @@ class App:
         application.router.add_post(HOOK, self._handle)
         self._runner = web.AppRunner(application, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
+
+    async def listen(self, replica: str) -> str:
+        """A port of the app's for ``replica`` alone: its URL."""
+        assert self._runner is not None
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        port = self._runner.addresses[0][1]
-        self.url = f"http://127.0.0.1:{port}"
+        port = self._runner.addresses[-1][1]
+        self._senders[port] = replica
+        return f"http://127.0.0.1:{port}"
+
+    def _sender(self, request: web.Request) -> str | None:
+        transport = request.transport
+        sockname = transport.get_extra_info("sockname") if transport is not None else None
+        sender = self._senders.get(sockname[1]) if sockname else None
+        return sender or request.headers.get("X-Camp-Replica")
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -203,6 +257,7 @@ class App:
 
     async def _handle(self, request: web.Request) -> web.Response:
         start = time.monotonic()
+        sender = self._sender(request)
         self.in_flight += 1
         try:
             body = await request.read()
@@ -218,7 +273,7 @@ class App:
                 checker.UpstreamCall(
                     event_id=event_id,
                     delivery_id=delivery,
-                    replica=request.headers.get("X-Camp-Replica"),
+                    replica=sender,
                     start=start,
                     end=time.monotonic(),
                     status=status,
@@ -245,6 +300,7 @@ class Replica:
         self.stderr_path = workdir / f"{name}.stderr"
         self.logs: list[dict[str, Any]] = []
         self.incarnation = 0
+        self.listening = False  # seen listening since its last start (a health check's view)
         self.process: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
         self._log_file: TextIO | None = None
@@ -266,6 +322,7 @@ class Replica:
             await self._spawn()
             while self.running and time.monotonic() - started <= within:
                 if await accepts(self.port):
+                    self.listening = True
                     return time.monotonic() - started
                 await asyncio.sleep(_POLL)
             if self.process is not None and self.process.returncode is None:
@@ -283,12 +340,14 @@ class Replica:
         process = self.process
         if process is None or process.returncode is not None:
             raise CampaignError(f"replica {self.name} is not running")
+        self.listening = False
         process.send_signal(signal.SIGKILL)
         await self._reap()
         return process.pid
 
     async def stop(self) -> None:
         """SIGTERM (a graceful drain), SIGKILL if it does not exit in time."""
+        self.listening = False
         process = self.process
         if process is not None and process.returncode is None:
             process.send_signal(signal.SIGTERM)
@@ -303,6 +362,7 @@ class Replica:
         self._log_file = self._stderr = None
 
     async def _spawn(self) -> None:
+        self.listening = False
         if self._log_file is None:
             self._log_file = self.log_path.open("a", encoding="utf-8")
             self._stderr = self.stderr_path.open("a", encoding="utf-8")
@@ -339,6 +399,7 @@ class Replica:
             if not isinstance(line, dict):
                 line = {"msg": text}
             line.update(replica=self.name, incarnation=incarnation, pid=process.pid)
+            line["at"] = monotonic_of(line.get("ts"))
             self.logs.append(line)
 
 
@@ -347,6 +408,8 @@ class Replica:
 
 class Provider:
     """Delivers events like a webhook provider: at least once, retrying with back-off."""
+
+    copies = (1, 5)  # each event is sent this many times (at random), as copies
 
     def __init__(self, replicas: Sequence[Replica], rng: random.Random, settings: Settings) -> None:
         self.replicas = replicas
@@ -376,7 +439,8 @@ class Provider:
         assert self._session is not None
         delivery_id = f"d{next(self._ids)}"
         status: int | None = None
-        duplicate = False
+        dedup: str | None = None
+        body = b""
         error: str | None = None
         async with self._slots:
             start = time.monotonic()
@@ -388,11 +452,13 @@ class Provider:
                         "Content-Type": "application/json",
                         "X-Camp-Delivery": delivery_id,
                         "X-Camp-Replica": replica.name,
+                        # The proxy's log line then carries the delivery (request_id).
+                        "X-Request-Id": delivery_id,
                     },
                 ) as response:
-                    await response.read()
+                    body = await response.read()
                     status = response.status
-                    duplicate = response.headers.get("Dedup-Status") == "duplicate"
+                    dedup = response.headers.get("Dedup-Status")
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 error = f"{type(exc).__name__}: {exc}"[:160]
             end = time.monotonic()
@@ -404,8 +470,10 @@ class Provider:
             start=start,
             end=end,
             status=status,
-            duplicate=duplicate,
+            duplicate=dedup in checker.DUPLICATE_ANSWERS,
             error=error,
+            dedup_status=dedup,
+            upstream_status=_kept_status(body) if dedup in checker.KEPT_ANSWERS else None,
         )
         self.deliveries.append(delivery)
         if delivery.outcome == "ok":
@@ -427,8 +495,8 @@ class Provider:
                 return
 
     async def send(self, event_id: str) -> None:
-        """An event, sent 1-5 times: either in a burst or spread over a second or two."""
-        copies = self.rng.randint(1, 5)
+        """An event, sent ``copies`` times: either in a burst or spread over a second or two."""
+        copies = self.rng.randint(*self.copies)
         spread = 0.05 if self.rng.random() < 0.5 else 2.0
         await asyncio.gather(
             *(self.copy(event_id, self.rng.uniform(0, spread)) for _ in range(copies))
@@ -447,6 +515,31 @@ class Provider:
             if any(e not in self.acked for e in pending):
                 await asyncio.sleep(min(2.0, 0.2 * 2.0**attempt))
         return time.monotonic() - started
+
+
+class OneShotProvider(Provider):
+    """Delivers like GitHub: each event 1-3 times (copies, as providers send them), each copy
+    once; a failure (5xx, timeout, connection error) is never retried. Any 2xx (200 processed
+    or duplicate, 202 queued or duplicate_queued) is acceptance. A copy goes to a replica
+    seen listening, as a load balancer's health check would have it (one being killed just
+    then is still hit)."""
+
+    copies = (1, 3)
+
+    async def copy(self, event_id: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        healthy = [r for r in self.replicas if r.listening]
+        await self.deliver(event_id, self.rng.choice(healthy or self.replicas), "nemesis")
+
+
+def _kept_status(body: bytes) -> int | None:
+    """The app's status in a ``queued`` answer (``{"upstream_status": 503, …}``; None: the app
+    did not answer)."""
+    try:
+        status = json.loads(body).get("upstream_status")
+    except (ValueError, AttributeError):
+        return None
+    return status if isinstance(status, int) else None
 
 
 # --- the nemesis --------------------------------------------------------------------------
@@ -609,9 +702,10 @@ async def cluster(
                 stack.push_async_callback(relay.close)
                 relays.append(relay)
                 replica_dsn = f"postgresql://postgres@127.0.0.1:{relay.port}/postgres"
-            port = free_port()
-            document = settings.replica_config(port=port, upstream=app.url, dsn=replica_dsn)
-            replica = Replica(f"r{n + 1}", workdir, document, port)
+            port, name = free_port(), f"r{n + 1}"
+            upstream = await app.listen(name)
+            document = settings.replica_config(port=port, upstream=upstream, dsn=replica_dsn)
+            replica = Replica(name, workdir, document, port)
             stack.push_async_callback(replica.stop)
             made.append(replica)
         await asyncio.gather(*(r.start() for r in made))
@@ -626,9 +720,33 @@ async def fetch(dsn: str, query: str, *args: Any) -> list[asyncpg.Record]:
         await connection.close()
 
 
-async def claimed_events(dsn: str, table: str) -> frozenset[str]:
-    rows = await fetch(dsn, f'SELECT event_id FROM "{table}" WHERE scope = $1', ROUTE)
-    return frozenset(row["event_id"] for row in rows)
+async def claim_rows(dsn: str, table: str) -> dict[str, str | None]:
+    """Each claimed event of the route, and its ``inbox_state`` (None: delivered at the first
+    try, or a proxy without the inbox)."""
+    rows = await fetch(
+        dsn,
+        f"SELECT event_id, to_jsonb(t) ->> 'inbox_state' AS state FROM \"{table}\" t "
+        "WHERE scope = $1",
+        ROUTE,
+    )
+    return {row["event_id"]: row["state"] for row in rows}
+
+
+async def settle_inbox(c: Cluster, provider: Provider, within: float) -> float:
+    """Wait (bounded) until no row of the route is pending and the app has answered 2xx for
+    every event the provider got a 2xx for; return the time it took (past ``within`` the
+    checker reports what is left)."""
+    started = time.monotonic()
+    query = f'SELECT count(*) FROM "{c.settings.table}" WHERE scope = $1 AND inbox_state = $2'
+
+    async def drained() -> bool:
+        rows = await fetch(c.dsn, query, ROUTE, "pending")
+        taken = {call.event_id for call in c.app.calls if call.acted}
+        return rows[0][0] == 0 and provider.acked <= taken
+
+    with contextlib.suppress(CampaignError):
+        await poll(drained, "the inbox to drain", within, every=0.25)
+    return time.monotonic() - started
 
 
 async def idle_in_transaction(dsn: str) -> list[str]:
@@ -729,18 +847,26 @@ async def run_campaign(
     events: int | None = None,
     workdir: Path | None = None,
     settings: Settings | None = None,
+    inbox: bool = False,
     say: Callable[[str], None] = _quiet,
 ) -> checker.Report:
     """Run one campaign (``minutes`` of nemesis, then settling and checks); return the report,
-    whose ``violations`` are empty when the invariant held."""
+    whose ``violations`` are empty when the invariant held. ``inbox``: the inbox mode (see the
+    module's docstring)."""
     settings = settings or Settings()
+    if inbox:
+        settings = replace(settings, inbox=True)
     seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
     duration = minutes * 60
     count = events or max(100, round(900 * minutes))
     event_ids = [f"evt-{seed:08x}-{n:05d}" for n in range(count)]
     own_dir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="dedup-campaign-")) if workdir is None else workdir
-    say(f"campaign seed={seed} replicas={replicas} events={count} nemesis={duration:g}s in {work}")
+    mode = " inbox" if settings.inbox else ""
+    say(
+        f"campaign{mode} seed={seed} replicas={replicas} events={count} nemesis={duration:g}s "
+        f"in {work}"
+    )
     keep = True  # the replicas' logs are the evidence when something went wrong
     try:
         report = await _campaign(work, settings, replicas, seed, event_ids, duration, say)
@@ -768,7 +894,8 @@ async def _campaign(
         origin = time.monotonic()
         nemesis = Nemesis(rng, c.replicas, c.relays, c.pg, c.app, say, origin)
         c.app.chaos = True
-        async with Provider(c.replicas, rng, settings) as provider:
+        kind = OneShotProvider if settings.inbox else Provider
+        async with kind(c.replicas, rng, settings) as provider:
             traffic = asyncio.create_task(_traffic(provider, event_ids, duration * 0.9))
             try:
                 await nemesis.run(origin + duration)
@@ -780,16 +907,12 @@ async def _campaign(
                     traffic.cancel()
                     await asyncio.gather(traffic, return_exceptions=True)
             say(f"{time.monotonic() - origin:7.2f}s  nemesis over; settling")
-            for replica in c.replicas:
-                if not replica.running:
-                    await replica.start(within=RESTART_WITHIN)
-            settle = await provider.settle(event_ids, settings.settle_timeout)
-            await poll(lambda: c.app.in_flight == 0, "the app's last answers", 30)
+            settle = await _settle(c, provider, event_ids)
             say(f"{time.monotonic() - origin:7.2f}s  settled in {settle:.1f}s; checking")
             post = [check_restarts(nemesis, c.replicas)]
             post.append(await check_no_idle_transactions(c.dsn))
             post.append(await check_pools_free(c, provider))
-            claimed = await claimed_events(c.dsn, settings.table)
+            rows = await claim_rows(c.dsn, settings.table)
         for replica in c.replicas:
             await replica.stop()
         records = checker.Records(
@@ -798,7 +921,9 @@ async def _campaign(
             calls=c.app.calls,
             actions=nemesis.actions,
             logs=[line for r in c.replicas for line in r.logs],
-            claimed=claimed,
+            claimed=frozenset(rows),
+            inbox=settings.inbox,
+            inbox_states={e: state for e, state in rows.items() if state is not None},
             upstream_timeout=settings.upstream_timeout,
             commit_margin=settings.commit_margin,
             request_bound=settings.request_bound,
@@ -812,10 +937,36 @@ async def _campaign(
                 "upstream.timeout": f"{settings.upstream_timeout:g}s",
                 "claim_wait": f"{settings.claim_wait:g}s",
                 "pool": settings.pool_size,
+                **_inbox_settings(settings),
             },
         )
         report, _ = checker.check(records)
         return report
+
+
+async def _settle(c: Cluster, provider: Provider, event_ids: Sequence[str]) -> float:
+    """Every replica listening again, then the settle phase of the mode; the app's calls ended."""
+    for replica in c.replicas:
+        if not replica.running:
+            await replica.start(within=RESTART_WITHIN)
+    if c.settings.inbox:
+        took = await settle_inbox(c, provider, c.settings.settle_timeout)
+    else:
+        took = await provider.settle(event_ids, c.settings.settle_timeout)
+    await poll(lambda: c.app.in_flight == 0, "the app's last answers", 30)
+    return took
+
+
+def _inbox_settings(settings: Settings) -> dict[str, str]:
+    if not settings.inbox:
+        return {}
+    return {
+        "redeliver": f"[{', '.join(settings.schedule)}] for {settings.redeliver_for}",
+        "redeliverer": (
+            f"{settings.redeliverer_concurrency} lanes, {settings.redeliverer_rate:g}/s, "
+            f"poll {settings.redeliverer_poll:g}s"
+        ),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -827,6 +978,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--events", type=int, default=None, help="distinct events (900/minute)")
     parser.add_argument("--evidence", type=int, default=2, help="violations shown with evidence")
+    parser.add_argument(
+        "--inbox",
+        action="store_true",
+        help="the route redelivers; the provider sends each event 1-3 times and never retries",
+    )
     args = parser.parse_args(argv)
 
     def say(message: str) -> None:
@@ -841,6 +997,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             replicas=args.replicas,
             seed=args.seed,
             events=args.events,
+            inbox=args.inbox,
             say=say,
         )
     )

@@ -19,17 +19,42 @@ The invariant, per event ID (docs/guarantees.md):
 - **Only documented answers.** A non-2xx answer is either the app's own answer to that very
   delivery or one of the proxy's own (502, 503, 504); anything else (a 500 from an unhandled
   exception, say) breaks the situation table in the README.
+- **One send at a time.** A call of an event starts only once every earlier one ended (a
+  forward holds the claim's row lock, a redelivery the kept row's), unless the earlier call is
+  exposed to a window: its lock was released under it (a fault) or given up on (a timeout).
 
-All times are seconds on one monotonic clock (the campaign's).
+On a route that redelivers (``Records.inbox``; the provider never retries), further:
+
+- **Accepted is delivered.** Every 2xx counts (202 ``queued`` and ``duplicate_queued`` too): the
+  app answered 2xx for the event at least once (by the first forward or a redelivery). An event
+  whose every send failed was *refused* (the provider was told to retry): not a loss, but each
+  of its failed sends must be explained by a logged answer of the proxy's, or by the replica's
+  kill. A failure of the app's the proxy relayed instead of keeping needs an inbox at its cap
+  or a database fault on that replica (the keep could not be committed).
+- **A kept event is never forwarded again** but by the redeliverer: no copy's first forward
+  starts after a delivery of the event was answered ``queued``, ``dead_letter`` or
+  ``duplicate_queued``. A ``queued`` answer is the app's failure (its status in the answer, or
+  none: the app did not answer within ``upstream.timeout``).
+- **Redeliveries are doubles only in the windows.** A call carrying a delivery's ID that is not
+  that delivery's first forward is a redelivery, made by the replica whose port it reached.
+  The windows are the same (a fault on *that* replica, or a PostgreSQL restart, from the call
+  until the COMMIT of ``delivered``; an answer after ``upstream.timeout``), and one more: the
+  replica logged that attempt (``proxy.redeliverer``) with no answer from the app, or the first
+  forward was kept with no answer (``no_answer``: the proxy timed out, the app acted after).
+- **Nothing left behind.** After the settle phase no row is pending, and none is dead unless
+  the app answered a status retrying cannot fix (the campaign's app never does).
+
+A call's replica is the one whose port of the app's it reached; a log line's ``at`` is its
+``ts`` on the campaign's clock. All times are seconds on one monotonic clock (the campaign's).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeGuard
 
 # Nemesis actions during which a claim can be lost after the app acted.
 WINDOW_KINDS = frozenset({"kill", "pg_restart", "blackhole", "reset", "refuse"})
@@ -42,6 +67,16 @@ PROXY_ERRORS = frozenset({502, 503, 504})
 # A fault this long before the app saw the request can still hit the claim made just before.
 CLAIM_LEAD = 0.5
 _EVIDENCE_LINES = 40
+# Dedup-Status of a copy answered without being forwarded.
+DUPLICATE_ANSWERS = frozenset({"duplicate", "duplicate_queued"})
+# Dedup-Status saying the event is kept for redelivery (the proxy's own 202).
+KEPT_ANSWERS = frozenset({"queued", "dead_letter", "duplicate_queued"})
+# The app's answers the redeliverer gives up on at once (proxy.redeliverer.UNFIXABLE).
+UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
+REDELIVERER = "proxy.redeliverer"  # the logger of the redeliverer's lines
+# An answer the proxy timed out on can measure this much shorter at the app (the request's
+# transit to the app, a busy event loop).
+TIMEOUT_SLACK = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +92,8 @@ class Delivery:
     status: int | None
     duplicate: bool = False  # answered by the proxy itself as a duplicate
     error: str | None = None
+    dedup_status: str | None = None  # the answer's Dedup-Status
+    upstream_status: int | None = None  # a kept delivery's: the app's status (None: no answer)
 
     @property
     def outcome(self) -> str:
@@ -118,6 +155,8 @@ class Records:
     origin: float = 0.0  # shown as t=0 in evidence
     post_checks: Sequence[PostCheck] = ()
     settings: Mapping[str, Any] = field(default_factory=dict)
+    inbox: bool = False  # the route redelivers; the provider never retries
+    inbox_states: Mapping[str, str] = field(default_factory=dict)  # claimed event -> its state
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +174,27 @@ class DoubleProcessed:
     explained: bool
     reasons: tuple[str, ...]
     causes: frozenset[str] = frozenset()  # "late", "504", "ambiguous" or nemesis action kinds
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InboxReport:
+    """What happened to the events on a route that redelivers."""
+
+    accepted: int  # events the provider got a 2xx for
+    delivered: int  # accepted events the app answered 2xx for
+    refused: int  # events whose every send failed: the provider was told to retry
+    refused_reasons: Mapping[str, int]  # the failed sends of refused events, by why
+    refused_reached_app: int  # refused events the app answered 2xx for all the same
+    kept: int  # deliveries answered 202 queued (or dead_letter)
+    duplicate_queued: int  # copies answered 202 duplicate_queued
+    redeliveries: int  # calls at the app made by a redeliverer
+    redeliveries_acted: int  # of which the app answered 2xx
+    results: Mapping[str, int]  # the redeliverer's logged attempts, by result
+    rows: Mapping[str, int]  # the claim rows at the end, by inbox_state ("none": at first try)
+
+    @property
+    def lost(self) -> int:
+        return self.accepted - self.delivered
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,6 +222,7 @@ class Report:
     unacknowledged: int
     post_checks: tuple[PostCheck, ...]
     violations: tuple[Violation, ...]
+    inbox: InboxReport | None = None
 
     @property
     def explained(self) -> int:
@@ -176,9 +237,10 @@ def _rel(records: Records, t: float) -> str:
     return f"t={t - records.origin:.3f}"
 
 
-def _describe_call(records: Records, call: UpstreamCall) -> str:
+def _describe_call(records: Records, call: UpstreamCall, again: bool = False) -> str:
+    kind = "redelivery" if again else "upstream call"
     return (
-        f"upstream call {_rel(records, call.start)}..{_rel(records, call.end)} "
+        f"{kind} {_rel(records, call.start)}..{_rel(records, call.end)} "
         f"({call.end - call.start:.3f}s) via {call.replica} delivery {call.delivery_id} "
         f"-> {call.status}"
     )
@@ -186,7 +248,9 @@ def _describe_call(records: Records, call: UpstreamCall) -> str:
 
 def _describe_delivery(records: Records, d: Delivery) -> str:
     answer = d.status if d.status is not None else f"no answer ({d.error})"
-    dup = " duplicate" if d.duplicate else ""
+    dup = f" {d.dedup_status}" if d.dedup_status else " duplicate" if d.duplicate else ""
+    if d.dedup_status == "queued":
+        dup += f" (app status {d.upstream_status})"
     return (
         f"delivery {d.delivery_id} [{d.phase}] to {d.replica} {_rel(records, d.start)}.."
         f"{_rel(records, d.end)} -> {answer}{dup}"
@@ -205,8 +269,10 @@ def _evidence(
     deliveries: Sequence[Delivery],
     logs: Sequence[Mapping[str, Any]],
     actions: Iterable[Action] = (),
+    again: Collection[UpstreamCall] = (),
 ) -> tuple[str, ...]:
-    lines = [_describe_call(records, c) for c in sorted(calls, key=lambda c: c.start)]
+    ordered = sorted(calls, key=lambda c: c.start)
+    lines = [_describe_call(records, c, c in again) for c in ordered]
     lines += [_describe_delivery(records, d) for d in sorted(deliveries, key=lambda d: d.start)]
     lines += [_describe_action(records, a) for a in actions]
     lines += ["log " + json.dumps(dict(line), sort_keys=True, default=str) for line in logs]
@@ -216,13 +282,21 @@ def _evidence(
 
 
 def _windows(records: Records, call: UpstreamCall) -> list[Action]:
-    low = call.start - CLAIM_LEAD
-    high = call.end + records.commit_margin
+    return _faults(records, call.replica, call.start, call.end)
+
+
+def _faults(
+    records: Records, replica: str | None, start: float, end: float, kinds: Collection[str] = ()
+) -> list[Action]:
+    """The faults (``kinds``, else every window kind) on ``replica`` or on every replica that
+    overlap a claim held from ``start`` until its COMMIT, ``end`` plus ``commit_margin``."""
+    low = start - CLAIM_LEAD
+    high = end + records.commit_margin
     return [
         a
         for a in records.actions
-        if a.kind in WINDOW_KINDS
-        and (a.kind in GLOBAL_KINDS or a.target == call.replica)
+        if a.kind in (kinds or WINDOW_KINDS)
+        and (a.kind in GLOBAL_KINDS or a.target == replica)
         and a.start <= high
         and a.end >= low
     ]
@@ -243,8 +317,54 @@ def exposures(
         reasons.append(("late", f"answered after {took:.3f}s > upstream.timeout"))
     if delivery is not None and delivery.status == 504:
         reasons.append(("504", f"delivery {delivery.delivery_id} got 504"))
+    if _kept_unanswered(delivery):
+        text = f"delivery {delivery.delivery_id} was kept with no answer from the app"
+        reasons.append(("no_answer", text))
     reasons += [(a.kind, _describe_action(records, a)) for a in _windows(records, call)]
     return reasons
+
+
+def _kept_unanswered(delivery: Delivery | None) -> TypeGuard[Delivery]:
+    """Whether ``delivery`` was kept for redelivery with no answer from the app."""
+    return (
+        delivery is not None
+        and delivery.dedup_status == "queued"
+        and delivery.upstream_status is None
+    )
+
+
+def redelivery_exposures(
+    records: Records, call: UpstreamCall, logs: Sequence[Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    """``exposures`` of a redelivery (no delivery of its own), and ``no_answer`` if its replica
+    logged the attempt without an answer from the app."""
+    reasons = exposures(records, call, None)
+    line = _redelivery_line(records, call, logs)
+    unanswered = line is not None and line.get("upstream_status") is None
+    if line is not None and unanswered and line.get("result") != "delivered":
+        text = (
+            f"{call.replica}'s redelivery attempt {line.get('attempt')} logged no answer: "
+            f"{line.get('error')}"
+        )
+        reasons.append(("no_answer", text))
+    return reasons
+
+
+def _redelivery_line(
+    records: Records, call: UpstreamCall, logs: Sequence[Mapping[str, Any]]
+) -> Mapping[str, Any] | None:
+    """The redeliverer's line about ``call``: its replica's first about the event from the
+    call's start on, within the time an attempt can take (None: it logged none, killed)."""
+    until = call.start + records.upstream_timeout + records.request_bound
+    mine = [
+        line
+        for line in logs
+        if line.get("logger") == REDELIVERER
+        and line.get("replica") == call.replica
+        and isinstance(line.get("at"), float)
+        and call.start <= line["at"] <= until
+    ]
+    return min(mine, key=lambda line: float(line["at"]), default=None)
 
 
 @dataclass(slots=True)
@@ -255,28 +375,74 @@ class _Event:
     deliveries: list[Delivery] = field(default_factory=list)
     calls: list[UpstreamCall] = field(default_factory=list)
     logs: list[Mapping[str, Any]] = field(default_factory=list)
+    redeliveries: list[UpstreamCall] = field(default_factory=list)  # see split_calls
 
     @property
     def ambiguous(self) -> bool:
         return any(line.get("outcome") in AMBIGUOUS_OUTCOMES for line in self.logs)
 
+    @property
+    def forwards(self) -> list[UpstreamCall]:
+        """The calls that were a delivery's first forward (not a redelivery)."""
+        return [c for c in self.calls if c not in self.redeliveries]
+
+    @property
+    def accepted(self) -> bool:
+        return any(d.outcome == "ok" for d in self.deliveries)
+
+    def request_line(self, delivery: Delivery) -> Mapping[str, Any] | None:
+        """The proxy's line about this delivery (the provider sent its ID as X-Request-Id)."""
+        return next(
+            (
+                line
+                for line in self.logs
+                if line.get("request_id") == delivery.delivery_id and "outcome" in line
+            ),
+            None,
+        )
+
     def violation(
         self, records: Records, kind: str, message: str, actions: Iterable[Action] = ()
     ) -> Violation:
         evidence = _evidence(
-            records, self.event_id, self.calls, self.deliveries, self.logs, actions
-        )
+            records, self.event_id, self.calls, self.deliveries, self.logs, actions,
+            self.redeliveries,
+        )  # fmt: skip
         return Violation(kind, self.event_id, message, evidence)
 
 
-def _check_event(
-    records: Records, event: _Event, by_delivery: Mapping[str, Delivery]
-) -> tuple[list[Violation], DoubleProcessed | None]:
+def split_calls(
+    deliveries: Sequence[Delivery], calls: Sequence[UpstreamCall]
+) -> list[UpstreamCall]:
+    """The redeliveries among one event's ``calls``: a delivery's first call while it was in
+    flight is its forward; any other call carrying its ID (the redeliverer sends the headers of
+    the delivery it keeps) is a redelivery."""
+    spans = {d.delivery_id: d for d in deliveries}
+    forwarded: set[str] = set()
+    again: list[UpstreamCall] = []
+    for call in sorted(calls, key=lambda c: c.start):
+        delivery = spans.get(call.delivery_id or "")
+        if delivery is None or delivery.delivery_id in forwarded:
+            again.append(call)
+        elif delivery.start <= call.start <= delivery.end:
+            forwarded.add(delivery.delivery_id)
+        else:
+            again.append(call)
+    return again
+
+
+def _check_event(records: Records, event: _Event) -> tuple[list[Violation], DoubleProcessed | None]:
     acted = sorted((c for c in event.calls if c.acted), key=lambda c: c.start)
-    found = [*_loss_violations(records, event, acted), *_answer_violations(records, event)]
+    found = [
+        *_loss_violations(records, event, acted),
+        *_answer_violations(records, event),
+        *_in_flight_twice(records, event),
+    ]
+    if records.inbox:
+        found += _inbox_violations(records, event)
     if len(acted) < 2:
         return found, None
-    unexplained, double = _double_processing(records, event, acted, by_delivery)
+    unexplained, double = _double_processing(records, event, acted)
     if unexplained is not None:
         found.append(unexplained)
     return found, double
@@ -288,7 +454,7 @@ def _loss_violations(
     """Nothing lost: a 2xx to the provider means the app acted and the claim row is there."""
     acked = [d for d in event.deliveries if d.outcome == "ok"]
     claimed = event.event_id in records.claimed
-    if not acked:
+    if not acked and not records.inbox:  # with the inbox: refused (_refused_violations)
         yield event.violation(records, "unacknowledged", "no delivery answered 2xx, even settled")
     if acked and not acted:
         yield event.violation(records, "lost", "the provider got a 2xx, the app never acted")
@@ -304,10 +470,12 @@ def _loss_violations(
 
 def _answer_violations(records: Records, event: _Event) -> Iterator[Violation]:
     """Only documented answers: the app's own answer to that delivery, or the proxy's."""
+    forwards = event.forwards
     for d in event.deliveries:
-        own = [c for c in event.calls if c.delivery_id == d.delivery_id]
+        own = [c for c in forwards if c.delivery_id == d.delivery_id]
         relayed = any(c.status == d.status for c in own)
-        if d.outcome == "ok" and not d.duplicate and not relayed:
+        own_answer = not d.duplicate and d.dedup_status not in KEPT_ANSWERS
+        if d.outcome == "ok" and own_answer and not relayed:
             message = f"delivery {d.delivery_id} got {d.status}, which no app call for it answered"
             yield event.violation(records, "ack_without_app", message)
         elif d.outcome == "failed" and d.status not in PROXY_ERRORS and not relayed:
@@ -320,17 +488,145 @@ def _answer_violations(records: Records, event: _Event) -> Iterator[Violation]:
             yield event.violation(records, "unexpected_answer", message)
 
 
+def _inbox_violations(records: Records, event: _Event) -> Iterator[Violation]:
+    """What a route that redelivers promises beyond the rest (see the module's docstring)."""
+    yield from _forwarded_while_kept(records, event)
+    yield from _kept_unexplained(records, event)
+    yield from _not_kept(records, event)
+    yield from _refused_violations(records, event)
+    yield from _left_behind(records, event)
+
+
+def _exposures_of(records: Records, event: _Event, call: UpstreamCall) -> list[tuple[str, str]]:
+    if call in event.redeliveries:
+        return redelivery_exposures(records, call, event.logs)
+    own = next((d for d in event.deliveries if d.delivery_id == call.delivery_id), None)
+    return exposures(records, call, own)
+
+
+def _in_flight_twice(records: Records, event: _Event) -> Iterator[Violation]:
+    """No call of the event starts while an earlier one is at the app, unless the earlier one's
+    lock was lost or given up on (``exposures``)."""
+    ordered = sorted(event.calls, key=lambda c: c.start)
+    for n, later in enumerate(ordered):
+        for earlier in ordered[:n]:
+            if later.start < earlier.end and not _exposures_of(records, event, earlier):
+                message = (
+                    f"{_describe_call(records, later, later in event.redeliveries)} started "
+                    f"while {_describe_call(records, earlier, earlier in event.redeliveries)} "
+                    "was at the app, exposed to no window"
+                )
+                yield event.violation(records, "in_flight_twice", message)
+
+
+def _forwarded_while_kept(records: Records, event: _Event) -> Iterator[Violation]:
+    """No copy is forwarded once a delivery of the event was answered as kept."""
+    kept = [d for d in event.deliveries if d.dedup_status in KEPT_ANSWERS]
+    if not kept:
+        return
+    first = min(kept, key=lambda d: d.end)
+    for call in event.forwards:
+        if call.start > first.end:
+            message = (
+                f"a copy was forwarded ({_describe_call(records, call)}) after delivery "
+                f"{first.delivery_id} had been answered {first.dedup_status}"
+            )
+            yield event.violation(records, "forwarded_while_kept", message)
+
+
+def _kept_unexplained(records: Records, event: _Event) -> Iterator[Violation]:
+    """A delivery answered ``queued`` (or ``dead_letter``) is one the app failed: the status in
+    the answer is the app's own to it, or there was none within ``upstream.timeout``."""
+    forwards = event.forwards
+    for d in event.deliveries:
+        if d.dedup_status not in ("queued", "dead_letter"):
+            continue
+        own = [c for c in forwards if c.delivery_id == d.delivery_id]
+        if d.upstream_status is None:
+            slow = records.upstream_timeout - TIMEOUT_SLACK
+            failed = all(c.end - c.start >= slow for c in own)
+        else:
+            failed = any(c.status == d.upstream_status and not c.acted for c in own)
+        if not failed:
+            answers = ", ".join(f"{c.status} in {c.end - c.start:.3f}s" for c in own) or "none"
+            message = (
+                f"delivery {d.delivery_id} was answered {d.dedup_status} with app status "
+                f"{d.upstream_status}, the app's answers to it: {answers}"
+            )
+            yield event.violation(records, "kept_unexplained", message)
+
+
+def _not_kept(records: Records, event: _Event) -> Iterator[Violation]:
+    """The app's failure relayed instead of kept: only at the inbox's cap, or when keeping it
+    could not be committed (a database fault on that replica). (An answer broken off after a
+    2xx status line is relayed as 502 and its claim committed: the app took it.)"""
+    for d in event.deliveries:
+        line = event.request_line(d)
+        if line is None or line.get("outcome") != "upstream_error" or line.get("inbox_full"):
+            continue
+        if str(line.get("upstream_status")).startswith("2"):
+            continue
+        if not _faults(records, d.replica, d.start, d.end):
+            message = (
+                f"delivery {d.delivery_id} got the app's failure ({d.status}) relayed, not "
+                f"kept, with no database fault on {d.replica}"
+            )
+            yield event.violation(records, "not_kept", message)
+
+
+def refusal(records: Records, event: _Event, delivery: Delivery) -> str | None:
+    """Why the provider was told to retry ``delivery``: the proxy's logged answer, or the kill
+    of its replica; None: no reason found."""
+    answer = "no answer" if delivery.status is None else str(delivery.status)
+    line = event.request_line(delivery)
+    if line is not None:
+        why = str(line.get("outcome"))
+        if line.get("shed"):
+            why += f" (shed: {line['shed']})"
+        elif "still in flight" in str(line.get("error", "")):
+            why += " (claim_wait)"
+        return f"{answer} {why}"
+    if _faults(records, delivery.replica, delivery.start, delivery.end, kinds=("kill",)):
+        return f"{answer} (replica killed)"
+    return None
+
+
+def _refused_violations(records: Records, event: _Event) -> Iterator[Violation]:
+    """An event the provider never got a 2xx for: each failed send explained."""
+    if event.accepted:
+        return
+    if not event.deliveries:
+        yield event.violation(records, "refused_unexplained", "never sent")
+        return
+    unexplained = [d.delivery_id for d in event.deliveries if refusal(records, event, d) is None]
+    if unexplained:
+        message = (
+            f"refused, and {', '.join(unexplained)} failed with neither an answer the proxy "
+            "logged nor its replica killed"
+        )
+        yield event.violation(records, "refused_unexplained", message)
+
+
+def _left_behind(records: Records, event: _Event) -> Iterator[Violation]:
+    """After the settle phase: no row pending; none dead but for an answer retrying cannot fix."""
+    state = records.inbox_states.get(event.event_id)
+    if state == "pending":
+        yield event.violation(records, "still_pending", "its row is still pending after settling")
+    elif state == "dead" and not any(c.status in UNFIXABLE for c in event.calls):
+        message = "its row is dead, and the app never answered a status retrying cannot fix"
+        yield event.violation(records, "dead", message)
+
+
 def _double_processing(
     records: Records,
     event: _Event,
     acted: Sequence[UpstreamCall],
-    by_delivery: Mapping[str, Delivery],
 ) -> tuple[Violation | None, DoubleProcessed]:
     """An event the app acted on more than once, and the violation if no window explains it."""
     reasons = [("ambiguous", "a replica logged an ambiguous COMMIT")] if event.ambiguous else []
     unexposed = 0
     for call in acted[:-1]:
-        why = exposures(records, call, by_delivery.get(call.delivery_id or ""))
+        why = _exposures_of(records, event, call)
         reasons += why
         unexposed += not why
     explained = event.ambiguous or not unexposed
@@ -364,12 +660,14 @@ def check(records: Records) -> tuple[Report, list[Violation]]:
         events[c.event_id].calls.append(c)
     for line in logs:
         events[str(line["event_id"])].logs.append(line)
-    by_delivery = {d.delivery_id: d for d in deliveries}
+    if records.inbox:
+        for event in events.values():
+            event.redeliveries = split_calls(event.deliveries, event.calls)
 
     violations: list[Violation] = []
     doubles: list[DoubleProcessed] = []
     for event in events.values():
-        found, double = _check_event(records, event, by_delivery)
+        found, double = _check_event(records, event)
         violations += found
         if double is not None:
             doubles.append(double)
@@ -380,7 +678,38 @@ def check(records: Records) -> tuple[Report, list[Violation]]:
     ]
     unacknowledged = sum(v.kind == "unacknowledged" for v in violations)
     report = _report(records, deliveries, calls, logs, doubles, unacknowledged, violations)
+    if records.inbox:
+        report = replace(report, inbox=_inbox_report(records, events.values()))
     return report, violations
+
+
+def _inbox_report(records: Records, events: Collection[_Event]) -> InboxReport:
+    accepted = [e for e in events if e.accepted]
+    refused = [e for e in events if not e.accepted]
+    reasons = Counter(
+        refusal(records, e, d) or "unexplained" for e in refused for d in e.deliveries
+    )
+    deliveries = [d for e in events for d in e.deliveries]
+    again = [c for e in events for c in e.redeliveries]
+    attempts = [line for e in events for line in e.logs if line.get("logger") == REDELIVERER]
+    states = Counter(
+        records.inbox_states.get(e.event_id, "none")
+        for e in events
+        if e.event_id in records.claimed
+    )
+    return InboxReport(
+        accepted=len(accepted),
+        delivered=sum(any(c.acted for c in e.calls) for e in accepted),
+        refused=len(refused),
+        refused_reasons=reasons,
+        refused_reached_app=sum(any(c.acted for c in e.calls) for e in refused),
+        kept=sum(d.dedup_status in ("queued", "dead_letter") for d in deliveries),
+        duplicate_queued=sum(d.dedup_status == "duplicate_queued" for d in deliveries),
+        redeliveries=len(again),
+        redeliveries_acted=sum(c.acted for c in again),
+        results=Counter(str(line.get("result")) for line in attempts),
+        rows=states,
+    )
 
 
 def _report(
@@ -392,7 +721,7 @@ def _report(
     unacknowledged: int,
     violations: Sequence[Violation],
 ) -> Report:
-    outcomes = Counter(str(line.get("outcome")) for line in logs)
+    outcomes = Counter(str(line["outcome"]) for line in logs if "outcome" in line)
     waits = [
         (float(line["claim_ms"]), line)
         for line in logs
@@ -463,6 +792,30 @@ def _counts(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
 
 
+def _inbox_rows(inbox: InboxReport) -> list[tuple[str, str]]:
+    results = _counts(inbox.results)
+    return [
+        (
+            "inbox: accepted",
+            f"{inbox.accepted} events (a 2xx to the provider); delivered {inbox.delivered} "
+            f"(the app answered 2xx), lost {inbox.lost}",
+        ),
+        (
+            "  refused",
+            f"{inbox.refused} events (every send failed: the provider was told to retry; "
+            f"reached the app all the same {inbox.refused_reached_app})",
+        ),
+        ("  refused sends by", _counts(inbox.refused_reasons)),
+        ("  kept", f"{inbox.kept} answered queued, {inbox.duplicate_queued} duplicate_queued"),
+        (
+            "  redeliveries",
+            f"{inbox.redeliveries} calls at the app (2xx {inbox.redeliveries_acted}); "
+            f"logged: {results}",
+        ),
+        ("  rows at the end", _counts(inbox.rows)),
+    ]
+
+
 def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> str:
     """The report as a table, then the violations: ``per_kind`` of each kind, the first
     ``evidence`` of each kind with their evidence."""
@@ -501,7 +854,11 @@ def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> s
             "longest delivery",
             f"{report.longest_delivery:.2f} s ({report.over_bound} over the configured bound)",
         ),
-        ("unacknowledged", str(report.unacknowledged)),
+        *(
+            _inbox_rows(report.inbox)
+            if report.inbox
+            else [("unacknowledged", str(report.unacknowledged))]
+        ),
         ("replica start failures", str(report.start_failures)),
         ("unhandled proxy errors", str(sum(report.unhandled.values()))),
     ]

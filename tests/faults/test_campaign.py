@@ -1,4 +1,6 @@
-"""The fault campaign, short enough for CI, and proof that its tools can tell good from bad.
+"""The fault campaign, short enough for CI (its two modes: a provider that retries, and one
+that never does in front of a route that redelivers), and proof that its tools can tell good
+from bad.
 
 The campaign's seed is random and printed first (``campaign seed=…``); rerun a failure with
 ``DEDUP_CAMPAIGN_SEED=<seed>``, or run longer with ``python -m tests.faults.campaign``.
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,33 @@ async def test_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
     assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.KINDS), table
     assert report.deliveries["failed"] > 0, table
     assert report.deliveries["indeterminate"] > 0, table
+    assert not report.violations, table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_short_inbox_campaign_delivers_every_accepted_event_though_nothing_is_retried(
+    tmp_path: Path,
+) -> None:
+    seed = os.environ.get("DEDUP_CAMPAIGN_SEED")
+    report = await campaign.run_campaign(
+        minutes=0.4,
+        replicas=3,
+        seed=int(seed) if seed else None,
+        events=300,
+        workdir=tmp_path,
+        inbox=True,
+        say=print,
+    )
+    table = checker.format_report(report)
+    print(table)
+
+    assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.KINDS), table
+    assert report.inbox is not None
+    # It proves something only if deliveries were kept and then redelivered to the app.
+    assert report.inbox.kept > 0, table
+    assert report.inbox.redeliveries_acted > 0, table
+    assert report.inbox.lost == 0, table
     assert not report.violations, table
 
 
@@ -187,6 +217,13 @@ def test_checker_flags_double_processing_outside_every_window() -> None:
     assert [v.kind for v in violations] == ["double_unexplained"]
 
 
+def test_checker_flags_copies_forwarded_while_an_earlier_one_holds_the_claim() -> None:
+    calls = [_call("d1", "r1", 1.0, took=1.0), _call("d2", "r2", 1.5)]
+    deliveries = [_delivery("d1", "r1", 1.0, 200), _delivery("d2", "r2", 1.5, 200)]
+    _, violations = checker.check(_records(calls, deliveries))
+    assert [v.kind for v in violations] == ["in_flight_twice", "double_unexplained"]
+
+
 def test_checker_flags_a_500_for_an_app_2xx_and_the_double_processing_it_caused() -> None:
     calls = [_call("d1", "r1", 1.0), _call("d2", "r2", 5.0)]
     deliveries = [_delivery("d1", "r1", 1.0, 500), _delivery("d2", "r2", 5.0, 200)]
@@ -235,3 +272,159 @@ def test_checker_flags_lost_events_and_undocumented_answers() -> None:
         "unacknowledged",
         "unexpected_answer",
     }
+
+
+# --- the checker, on a route that redelivers ----------------------------------------------
+
+
+def _inbox(
+    calls: list[checker.UpstreamCall],
+    deliveries: list[checker.Delivery],
+    *,
+    actions: tuple[checker.Action, ...] = (),
+    logs: tuple[Mapping[str, object], ...] = (),
+    states: Mapping[str, str] | None = None,
+    claimed: frozenset[str] = frozenset({"e"}),
+) -> checker.Records:
+    records = _records(calls, deliveries, actions=actions, logs=logs, claimed=claimed)
+    return replace(
+        records, inbox=True, inbox_states={"e": "delivered"} if states is None else states
+    )
+
+
+def _kept(delivery: str, replica: str, start: float, app_status: int | None) -> checker.Delivery:
+    return checker.Delivery(
+        delivery, "e", replica, "nemesis", start, start + 0.02, 202,
+        dedup_status="queued", upstream_status=app_status,
+    )  # fmt: skip
+
+
+def _answered(
+    call: checker.UpstreamCall, status: int, took: float | None = None
+) -> checker.UpstreamCall:
+    end = call.end if took is None else call.start + took
+    return replace(call, status=status, end=end)
+
+
+def test_checker_inbox_accepts_a_kept_event_redelivered_once_and_its_queued_copies() -> None:
+    calls = [_answered(_call("d1", "r1", 1.0), 503), _call("d1", "r2", 2.0)]
+    copy = checker.Delivery(
+        "d2", "e", "r3", "nemesis", 1.1, 1.12, 202, duplicate=True,
+        dedup_status="duplicate_queued",
+    )  # fmt: skip
+    report, violations = checker.check(_inbox(calls, [_kept("d1", "r1", 1.0, 503), copy]))
+    assert violations == []
+    assert report.inbox is not None
+    assert (report.inbox.accepted, report.inbox.lost, report.inbox.refused) == (1, 0, 0)
+    assert (report.inbox.redeliveries, report.inbox.redeliveries_acted) == (1, 1)
+    assert (report.inbox.kept, report.inbox.duplicate_queued) == (1, 1)
+
+
+def test_checker_inbox_flags_a_copy_forwarded_while_its_event_is_kept() -> None:
+    calls = [_answered(_call("d1", "r1", 1.0), 503), _call("d2", "r2", 1.5)]
+    deliveries = [_kept("d1", "r1", 1.0, 503), _delivery("d2", "r2", 1.5, 200)]
+    _, violations = checker.check(_inbox(calls, deliveries))
+    assert [v.kind for v in violations] == ["forwarded_while_kept"]
+
+
+def test_checker_inbox_flags_a_queued_answer_to_a_delivery_the_app_took() -> None:
+    calls = [_call("d1", "r1", 1.0)]  # answered 200 in 0.01 s
+    _, violations = checker.check(_inbox(calls, [_kept("d1", "r1", 1.0, None)]))
+    assert [v.kind for v in violations] == ["kept_unexplained"]
+
+
+@pytest.mark.parametrize(
+    ("action", "explained"),
+    [
+        (checker.Action("kill", "r2", 2.5, 3.0), True),  # the replica that redelivered
+        (checker.Action("reset", "r2", 2.0, 2.1), True),
+        (checker.Action("kill", "r1", 2.5, 3.0), False),  # the one the provider reached
+        (None, False),
+    ],
+)
+def test_checker_inbox_explains_a_double_redelivery_by_a_fault_on_the_redelivering_replica(
+    action: checker.Action | None, explained: bool
+) -> None:
+    calls = [
+        _answered(_call("d1", "r1", 1.0), 503),
+        _call("d1", "r2", 2.0),  # delivered, its COMMIT lost?
+        _call("d1", "r3", 6.0),
+    ]
+    records = _inbox(calls, [_kept("d1", "r1", 1.0, 503)], actions=(action,) if action else ())
+    report, violations = checker.check(records)
+    (double,) = report.double_processed
+    assert double.explained is explained
+    assert [v.kind for v in violations] == ([] if explained else ["double_unexplained"])
+
+
+def test_checker_inbox_explains_a_redelivery_the_proxy_logged_unanswered() -> None:
+    # The app took 1.8 s by its clock; the redeliverer of r2 gave up at upstream.timeout.
+    calls = [
+        _answered(_call("d1", "r1", 1.0), 503),
+        _answered(_call("d1", "r2", 2.0), 200, took=1.8),
+        _call("d1", "r3", 6.0),
+    ]
+    attempt = {
+        "logger": checker.REDELIVERER, "event_id": "e", "replica": "r2", "at": 4.05,
+        "attempt": 2, "upstream_status": None, "result": "failed", "error": "timed out",
+    }  # fmt: skip
+    report, violations = checker.check(
+        _inbox(calls, [_kept("d1", "r1", 1.0, 503)], logs=(attempt,))
+    )
+    assert violations == []
+    (double,) = report.double_processed
+    assert double.causes == {"no_answer"}
+
+
+def test_checker_inbox_counts_refusals_and_flags_the_unexplained() -> None:
+    refused = {"event_id": "e", "request_id": "d1", "outcome": "unavailable", "replica": "r1"}
+    report, violations = checker.check(
+        _inbox(
+            [], [_delivery("d1", "r1", 1.0, 503)], logs=(refused,), states={}, claimed=frozenset()
+        )
+    )
+    assert violations == []
+    assert report.inbox is not None
+    assert report.inbox.refused == 1
+    assert report.inbox.refused_reasons == {"503 unavailable": 1}
+
+    # No answer, and the replica was not killed: the proxy's fault until shown otherwise.
+    _, violations = checker.check(
+        _inbox([], [_delivery("d1", "r1", 1.0, None)], states={}, claimed=frozenset())
+    )
+    assert [v.kind for v in violations] == ["refused_unexplained"]
+
+
+def test_checker_inbox_flags_rows_left_pending_or_dead_and_failures_not_kept() -> None:
+    calls = [_answered(_call("d1", "r1", 1.0), 503)]
+    for state, kind in (("pending", "still_pending"), ("dead", "dead")):
+        _, violations = checker.check(
+            _inbox(calls, [_kept("d1", "r1", 1.0, 503)], states={"e": state})
+        )
+        assert {v.kind for v in violations} == {"claimed_not_processed", "lost", kind}
+
+    relayed = {"event_id": "e", "request_id": "d1", "outcome": "upstream_error", "replica": "r1"}
+    _, violations = checker.check(
+        _inbox(
+            calls,
+            [_delivery("d1", "r1", 1.0, 503)],
+            logs=(relayed,),
+            states={},
+            claimed=frozenset(),
+        )
+    )
+    assert [v.kind for v in violations] == ["not_kept"]
+
+
+@pytest.mark.parametrize("action", [None, checker.Action("reset", "r2", 2.2, 2.3)])
+def test_checker_inbox_flags_an_event_in_flight_twice_unless_the_first_lost_its_lock(
+    action: checker.Action | None,
+) -> None:
+    calls = [
+        _answered(_call("d1", "r1", 1.0), 503),
+        _answered(_call("d1", "r2", 2.0), 503, took=1.0),
+        _answered(_call("d1", "r3", 2.5), 200),  # while r2's redelivery is at the app
+    ]
+    records = _inbox(calls, [_kept("d1", "r1", 1.0, 503)], actions=(action,) if action else ())
+    _, violations = checker.check(records)
+    assert [v.kind for v in violations] == ([] if action else ["in_flight_twice"])
