@@ -15,10 +15,12 @@ from proxy.config import inbox as inbox_config
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
+    connection,
     execute,
     fetch,
     free_port,
     run_cli,
+    send,
     sweeper_of,
     wait_until,
 )
@@ -383,3 +385,25 @@ async def test_check_says_how_a_route_redelivers(tmp_path: Any, pg_dsn: str) -> 
     code, out, _ = await run_cli("check", "--config", str(config_file))
     assert code == 0
     assert "failures kept, redelivered after 500ms/10s/2h for 3d" in out
+
+
+async def test_a_header_that_is_not_utf8_is_kept_and_redelivered_byte_exact(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(1)
+    proxy = await make_proxy(routes=[route()], redeliverer=QUICK)
+    body = b'{"id": "obs1"}'
+    raw = (
+        b"POST /hooks?q=%%e9 HTTP/1.1\r\nHost: proxy.test\r\nUser-Agent: caf\xe9\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    async with connection(proxy) as stream:
+        answer = await send(stream, raw)
+
+    assert answer is not None
+    assert answer.status == 202  # kept, though JSON cannot hold the byte as text
+    await wait_until(lambda: _state(pg_dsn, table, "obs1", "delivered"), "the redelivery")
+    first, again = upstream.requests
+    assert again.headers["user-agent"] == first.headers["user-agent"]
+    assert again.headers["user-agent"][0].encode("utf-8", "surrogateescape") == b"caf\xe9"
+    assert again.path_qs == first.path_qs

@@ -19,6 +19,7 @@ stored request (headers and body: a customer's data) is dropped as soon as it is
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
@@ -73,9 +74,13 @@ class Delivery:
     body: bytes
 
     def encoded(self) -> str:
+        """As JSON. The target and header values may hold bytes that are not UTF-8 (obs-text,
+        decoded as surrogate escapes, and sent as those bytes): such a string is kept as its
+        bytes in base64, since JSON (and jsonb) can hold no lone surrogate."""
         return json.dumps(
             {"route": self.route, "upstream": self.upstream, "method": self.method,
-             "target": self.target, "headers": self.headers},
+             "target": _wire(self.target),
+             "headers": [(name, _wire(value)) for name, value in self.headers]},
             ensure_ascii=False, separators=(",", ":"),
         )  # fmt: skip
 
@@ -83,9 +88,24 @@ class Delivery:
     def decoded(cls, request: str | dict[str, Any], body: bytes) -> Delivery:
         fields = json.loads(request) if isinstance(request, str) else request
         return cls(
-            fields["route"], fields["upstream"], fields["method"], fields["target"],
-            tuple((name, value) for name, value in fields["headers"]), body,
+            fields["route"], fields["upstream"], fields["method"], _unwire(fields["target"]),
+            tuple((name, _unwire(value)) for name, value in fields["headers"]), body,
         )  # fmt: skip
+
+
+def _wire(text: str) -> str | dict[str, str]:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", "surrogateescape")
+        return {"base64": base64.b64encode(raw).decode("ascii")}
+    return text
+
+
+def _unwire(value: str | dict[str, str]) -> str:
+    if isinstance(value, dict):
+        return base64.b64decode(value["base64"]).decode("utf-8", "surrogateescape")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
