@@ -303,7 +303,10 @@ class Inbox:
         """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``) pending
         and due now, with ``for_`` seconds of the schedule again: the (scope, event ID)s it
         changed."""
-        rows = await self._operate(self.statements.redeliver, scope, event_ids, since, for_, state)
+        if event_ids is None:
+            rows = await self._operate(self.statements.redeliver_all, scope, state, since, for_)
+        else:
+            rows = await self._operate(self.statements.redeliver, scope, event_ids, for_)
         return [(row["scope"], row["event_id"]) for row in rows]
 
     async def discard(self, scope: str, event_ids: list[str]) -> set[str]:

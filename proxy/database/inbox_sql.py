@@ -17,6 +17,11 @@ _IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
 # $1: the scopes of the routes this proxy redelivers for; a route's per-path scopes are its
 # own ("scope/acme"). Another deployment's rows in a shared table are not its to send.
 _OURS = "split_part(scope, '/', 1) = ANY($1::text[])"
+# Back to pending, due now, with the route's whole schedule and ``for`` again.
+_AGAIN = (
+    "inbox_state = 'pending', inbox_due = now(), inbox_until = now() + make_interval(secs => "
+    "{until}), inbox_failures = 0, inbox_changed = now()"
+)
 _ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
 
 
@@ -122,19 +127,26 @@ class Statements:
 
     @property
     def redeliver(self) -> str:
-        # $1 scope, $2 event IDs or NULL (every row of the scope in state $5), $3 changed since
-        # or NULL, $4 for (seconds), $5 'dead' or 'pending'. Pending, due now, with the route's
-        # full schedule again.
+        # $1 scope, $2 event IDs, $3 for (seconds): pending, due now, with the route's full
+        # schedule again. Waits for a row being redelivered right now (OPERATOR_LOCK_WAIT).
         return (
-            f"UPDATE {self.quoted} SET inbox_state = 'pending', inbox_due = now(), "
-            "inbox_until = now() + make_interval(secs => $4), inbox_failures = 0, "
-            "inbox_changed = now() "
-            f"WHERE inbox_body IS NOT NULL AND ("
-            "  ($2::text[] IS NOT NULL AND scope = $1 AND event_id = ANY($2) "
-            "   AND inbox_state IN ('pending', 'dead'))"
-            f"  OR ($2::text[] IS NULL AND {_IN_SCOPE} AND inbox_state = $5::text "
-            "      AND ($3::timestamptz IS NULL OR inbox_changed >= $3))) "
-            "RETURNING scope, event_id"
+            f"UPDATE {self.quoted} SET {_AGAIN.format(until='$3')} "
+            "WHERE scope = $1 AND event_id = ANY($2) AND inbox_state IN ('pending', 'dead') "
+            "AND inbox_body IS NOT NULL RETURNING scope, event_id"
+        )
+
+    @property
+    def redeliver_all(self) -> str:
+        # $1 scope, $2 state ('dead' or 'pending'), $3 changed since or NULL, $4 for (seconds).
+        # A row being redelivered right now is passed over: it needs no making due.
+        rows = (
+            f"{_IN_SCOPE} AND inbox_state = $2::text AND inbox_body IS NOT NULL "
+            "AND ($3::timestamptz IS NULL OR inbox_changed >= $3)"
+        )
+        return (
+            f"UPDATE {self.quoted} SET {_AGAIN.format(until='$4')} WHERE (scope, event_id) IN "
+            f"(SELECT scope, event_id FROM {self.quoted} WHERE {rows} FOR UPDATE SKIP LOCKED) "
+            f"AND inbox_state = $2::text RETURNING scope, event_id"
         )
 
     @property
@@ -163,10 +175,12 @@ class Statements:
 
     @property
     def sweep_dead(self) -> str:
-        # $1 scope, $2 dead retention (seconds), $3 batch.
+        # $1 scope, $2 dead retention (seconds), $3 batch. The conditions again on the DELETE
+        # itself: under READ COMMITTED a row that changed while the DELETE waited for it (an
+        # operator's redeliver) is checked again only against those, not the subquery's.
+        dead = "inbox_state = 'dead' AND inbox_changed < now() - make_interval(secs => $2)"
         return (
             f"DELETE FROM {self.quoted} WHERE (scope, event_id) IN ("
-            f"  SELECT scope, event_id FROM {self.quoted} WHERE {_IN_SCOPE} "
-            "   AND inbox_state = 'dead' AND inbox_changed < now() - make_interval(secs => $2) "
-            "   LIMIT $3)"
+            f"  SELECT scope, event_id FROM {self.quoted} WHERE {_IN_SCOPE} AND {dead} "
+            f"   LIMIT $3) AND {dead}"
         )

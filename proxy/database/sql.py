@@ -242,11 +242,13 @@ def for_table(table: str) -> Queries:
             "   LIMIT $3)"
         ),
         # The same, on a table with the inbox's columns: what it keeps is never swept.
+        # (The state again on the DELETE: a row an operator's redeliver changed while the
+        # DELETE waited for it is checked again only against the DELETE's own conditions.)
         sweep_not_kept=(
             f"DELETE FROM {quoted} WHERE (scope, event_id) IN ("
             f"  SELECT scope, event_id FROM {quoted}"
             f"   WHERE {_IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
-            f"   AND {_NOT_KEPT} LIMIT $3)"
+            f"   AND {_NOT_KEPT} LIMIT $3) AND {_NOT_KEPT}"
         ),
         # $1 scope, $2 oldest received_at or NULL, $3 limit.
         events=(

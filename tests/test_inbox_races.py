@@ -1,0 +1,73 @@
+"""The inbox's statements against each other on a real PostgreSQL, one transaction held open
+where the race needs it: the sweep never removes a row an operator is making pending, and a
+bulk redeliver passes over a row a lane holds instead of failing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from proxy.database import inbox_sql, sql
+
+DEAD_LONG_AGO = (
+    "INSERT INTO {t} (scope, event_id, received_at, inbox_state, inbox_body, inbox_request, "
+    "inbox_attempts, inbox_failures, inbox_changed, inbox_due) VALUES "
+    "('hooks', $1, now() - interval '40 days', $2, 'BODY', '{{}}', '[]', 3, "
+    "now() - interval '31 days', now() - interval '1 minute')"
+)
+
+
+@pytest.fixture
+async def two(
+    pg_dsn: str, table: str
+) -> AsyncIterator[tuple[asyncpg.Connection, asyncpg.Connection]]:
+    a, b = await asyncpg.connect(pg_dsn), await asyncpg.connect(pg_dsn)
+    await a.execute(sql.for_table(table).schema)
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_dead_sweep_spares_a_row_an_operator_makes_pending_meanwhile(
+    two: tuple[asyncpg.Connection, asyncpg.Connection], table: str
+) -> None:
+    operator, sweeper = two
+    queries = sql.for_table(table)
+    statements = inbox_sql.Statements(queries.quoted)
+    await operator.execute(DEAD_LONG_AGO.format(t=queries.quoted), "e1", "dead")
+    async with operator.transaction():  # events redeliver, not committed yet
+        changed = await operator.fetch(statements.redeliver, "hooks", ["e1"], 86400.0)
+        assert [row["event_id"] for row in changed] == ["e1"]
+        sweep = asyncio.create_task(
+            sweeper.execute(statements.sweep_dead, "hooks", 30 * 86400.0, 100)
+        )
+        await asyncio.sleep(0.3)
+        assert not sweep.done()  # waiting for the operator's row
+
+    assert await sweep == "DELETE 0"
+    state = await operator.fetchval(f"SELECT inbox_state FROM {queries.quoted}")
+    assert state == "pending"
+
+
+async def test_a_bulk_redeliver_passes_over_a_row_being_redelivered(
+    two: tuple[asyncpg.Connection, asyncpg.Connection], table: str
+) -> None:
+    lane, operator = two
+    queries = sql.for_table(table)
+    statements = inbox_sql.Statements(queries.quoted)
+    for event_id in ("p1", "p2", "p3"):
+        await lane.execute(DEAD_LONG_AGO.format(t=queries.quoted), event_id, "pending")
+    async with lane.transaction():  # a lane holds p1 while the app works on it
+        taken = await lane.fetchrow(statements.take, ["hooks"])
+        assert taken is not None
+        assert taken["event_id"] == "p1"
+        changed = await asyncio.wait_for(
+            operator.fetch(statements.redeliver_all, "hooks", "pending", None, 86400.0), 5
+        )
+
+    assert sorted(row["event_id"] for row in changed) == ["p2", "p3"]
