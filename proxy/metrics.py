@@ -121,6 +121,7 @@ class RouteMeters:
     ambiguous_commits: Any
     answer_store_failures: Any
     inbox_full: Any
+    inbox_keep_failures: Any
     upstream_latency: Timings
     claim_wait: Timings
     commit_latency: Timings
@@ -194,6 +195,14 @@ class Metrics:
             "dedup_inbox_full",
             "Failed deliveries not kept for redelivery because the route's inbox was at its cap "
             "(max_pending, max_pending_bytes): their failure was relayed, the claim released.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.inbox_keep_failures = Counter(
+            "dedup_inbox_keep_failures",
+            "Failed deliveries that could not be kept for redelivery because the database "
+            "failed or refused while keeping them (or the COMMIT was in doubt): their failure "
+            "was relayed.",
             ["route"],
             registry=self.registry,
         )
@@ -345,6 +354,7 @@ class Metrics:
             ambiguous_commits=self.ambiguous_commits.labels(name),
             answer_store_failures=self.answer_store_failures.labels(name),
             inbox_full=self.inbox_full.labels(name),
+            inbox_keep_failures=self.inbox_keep_failures.labels(name),
             upstream_latency=Timings(self.upstream_latency.labels(name)),
             claim_wait=Timings(self.claim_wait.labels(name)),
             commit_latency=Timings(self.commit_latency.labels(name)),

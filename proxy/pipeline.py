@@ -329,6 +329,8 @@ class Cycle:
             route.meters.inbox_full.inc()
             return None
         if state == database.NOT_KEPT:
+            line["inbox_not_kept"] = True  # the database failed or refused: logged by the claim
+            route.meters.inbox_keep_failures.inc()
             return None
         outcome = "dead_letter" if state == database.DEAD else "queued"
         line["kept"] = state

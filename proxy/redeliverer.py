@@ -146,18 +146,19 @@ class Redeliverer:
                 await self._stopping.wait()
 
     async def redeliver_one(self) -> bool:
-        """Redeliver the oldest due row, if one is: whether one was."""
+        """Redeliver the oldest due row, if one is: whether one was sent."""
         async with self._store.inbox.take(self._scopes) as redelivery:
             if redelivery is None:
                 return False
             self.in_flight += 1
             try:
-                await self._redeliver(redelivery)
+                return await self._redeliver(redelivery)
             finally:
                 self.in_flight -= 1
-        return True
 
-    async def _redeliver(self, redelivery: database.Redelivery) -> None:
+    async def _redeliver(self, redelivery: database.Redelivery) -> bool:
+        """Send it and record the attempt; False when it was postponed instead (rolled back:
+        the lane pauses rather than take the same row again at once)."""
         delivery = redelivery.delivery
         route = self._routes.get(delivery.route)
         # A route renamed or removed since: its upstream as stored, the default schedule.
@@ -166,7 +167,7 @@ class Redeliverer:
         started = time.perf_counter()
         sent = await self._send(upstream, delivery)
         if sent is None:
-            return  # no room in this worker's memory budget now: rolled back, due as it was
+            return False  # no room in this worker's memory budget now: due as it was
         status, error = sent
         took = round((time.perf_counter() - started) * 1000, 2)
         fields = {"route": delivery.route, "scope": redelivery.scope,
@@ -189,6 +190,7 @@ class Redeliverer:
         fields["result"] = result
         log.log(level, "redelivery of %s %s: %s", delivery.route, redelivery.event_id, result,
                 extra={"fields": fields})  # fmt: skip
+        return True
 
     async def _send(
         self, upstream: str, delivery: database.Delivery

@@ -272,8 +272,9 @@ def _warn_unprotected(configured: Sequence[routes.RouteConfig]) -> None:
         elif route.verify is None and not route.scope_from:
             log.warning(
                 "route %s checks no signature: anyone who can reach the proxy and knows an "
-                "event ID can claim it first (see docs/security.md)",
+                "event ID can claim it first%s (see docs/security.md)",
                 route.name,
+                ", and while the app fails, fill its inbox (redeliver)" if route.redeliver else "",
             )
 
 

@@ -223,6 +223,14 @@ def test_routes_whose_answer_matters_refuse_redeliver(
     assert problem in str(refused.value)
 
 
+def test_a_pool_of_one_connection_is_refused_with_redeliver(proxy_config: Any) -> None:
+    with pytest.raises(errors.ConfigError) as refused:
+        proxy_config(routes=[route()], database={"pool_size": 1})
+    assert "database.pool_size: must be at least 2 with a route that redelivers" in str(
+        refused.value
+    )
+
+
 def test_redeliver_true_takes_the_defaults(proxy_config: Any) -> None:
     cfg = proxy_config(routes=[{**route(), "redeliver": True}])
     assert cfg.routes[0].redeliver == inbox_config.Redeliver()

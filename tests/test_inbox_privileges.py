@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from proxy import app as app_module
-from proxy import config, errors
+from proxy import config, errors, pipeline
 from proxy.database import inbox, sql
 from tests.helpers import FakeUpstream, MakeProxy, execute, fetch, wait_until
 from tests.roles import DOCUMENTED, INBOX, limited_role
@@ -86,3 +86,25 @@ async def start_up(cfg: config.Config) -> None:
         await runner.setup()
     finally:
         await runner.cleanup()
+
+
+async def test_a_grant_revoked_while_running_relays_the_failure_and_counts_it(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
+) -> None:
+    upstream.respond = lambda n: web.Response(status=503, text="down")
+    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX) as (role, dsn):
+        proxy = await make_proxy(
+            routes=[KEPT],
+            redeliverer={"poll": "100ms"},
+            database={"dsn": dsn, "create_schema": False},
+        )
+        await execute(pg_dsn, f'REVOKE {INBOX} ON "{schema}" FROM {role}')
+
+        answer = await proxy.post("/hooks", data=b'{"id": "r1"}')
+
+        assert (answer.status, await answer.text()) == (503, "down")  # relayed, as without
+        assert await fetch(pg_dsn, f'SELECT event_id FROM "{schema}"') == []  # released
+        registry = proxy.app[pipeline.METRICS].registry
+        labels = {"route": "hooks"}
+        assert registry.get_sample_value("dedup_inbox_keep_failures_total", labels) == 1
+        assert registry.get_sample_value("dedup_inbox_full_total", labels) == 0

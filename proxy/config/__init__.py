@@ -327,6 +327,12 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
             ),
         ),
     )
+    if any(route.redeliver for route in config.routes) and config.database.pool_size < 2:
+        r.problem(
+            "database.pool_size",
+            "must be at least 2 with a route that redelivers: a redelivery holds a connection "
+            "while the app works on it, and one is always left to requests",
+        )
     if config.workers > MAX_WORKERS:
         r.problem("workers", f"must be at most {MAX_WORKERS}, got {config.workers}")
     if config.admin.listen.port == config.listen.port:
