@@ -66,6 +66,8 @@ class Sweeper:
     async def sweep(self) -> dict[str, int] | None:
         """One round; the rows removed per scope, or None if another replica is sweeping."""
         started = time.perf_counter()
+        # Before the batches: kept rows must be passed over once the table can hold them.
+        await self._store.notice_inbox_columns()
         removed: dict[str, int] = {}
         for scope, retention in self._retention.items():
             total = 0

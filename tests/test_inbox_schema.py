@@ -12,6 +12,7 @@ from aiohttp import web
 
 from proxy import app as app_module
 from proxy import config, errors
+from proxy.database import sql
 from tests.helpers import MakeProxy, execute, fetch, run_cli, sweeper_of
 
 PLAIN = {"name": "hooks", "path": "/hooks", "event_id": "body:/id"}
@@ -84,3 +85,23 @@ async def test_create_schema_adds_the_inbox_columns_at_start_up(
     await start_up(proxy_config(routes=[KEPT]))
     indexes = await fetch(pg_dsn, "SELECT indexname FROM pg_indexes WHERE tablename = $1", table)
     assert f"{table}_inbox_idx" in {row["indexname"] for row in indexes}
+
+
+async def test_a_replica_started_on_an_old_table_spares_kept_rows_once_migrated(
+    make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    await old_table(pg_dsn, table)
+    proxy = await make_proxy(routes=[PLAIN], database={"create_schema": False})
+    await execute(pg_dsn, sql.for_table(table).schema)  # another replica's migrate
+    # ... and its route kept a dead delivery, long ago.
+    await execute(
+        pg_dsn,
+        f'INSERT INTO "{table}" (scope, event_id, received_at, inbox_state, inbox_body, '
+        "inbox_changed) VALUES ('hooks', 'kept', now() - interval '40 days', 'dead', 'B', "
+        "now() - interval '1 day')",
+    )
+
+    assert await sweeper_of(proxy).sweep() == {"hooks": 0}
+    assert [row["event_id"] for row in await fetch(pg_dsn, f'SELECT event_id FROM "{table}"')] == [
+        "kept"
+    ]

@@ -320,6 +320,16 @@ class Store:
         if problem := _lacking(row, self.queries, answers=self._answers, kept=self._kept):
             raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
 
+    async def notice_inbox_columns(self) -> None:
+        """Read again whether the table has the inbox's columns, until it has: a migrate run
+        after this replica started adds them (one catalog read per sweep round until then)."""
+        if self._inbox_columns:
+            return
+        async with self._connection() as connection:
+            with translated("reading the claim table's columns failed"):
+                row = await connection.fetchrow(self.queries.schema_missing)
+        self._inbox_columns = bool(row and row["inbox"])
+
     async def sweep_batch(self, scope: str, retention: float, batch: int) -> int | None:
         """Delete one batch of ``scope``'s claims older than ``retention`` seconds, in a short
         transaction of its own; None when another replica holds the sweeper's lock."""
