@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -139,22 +140,19 @@ async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
     if not lanes.configured:
         yield
         return
-    draining, loop = app[pipeline.DRAINING], asyncio.get_running_loop()
-    running = asyncio.create_task(lanes.run(), name="redeliverer")
-    drain_began: list[float] = []
+    draining = app[pipeline.DRAINING]
 
     async def stop_on_drain() -> None:
         await draining.wait()
-        drain_began.append(loop.time())
         lanes.stop()
 
-    watcher = asyncio.create_task(stop_on_drain(), name="redeliverer-drain")
+    running = asyncio.create_task(lanes.run(), name="redeliverer")
     try:
-        yield
+        async with _running(stop_on_drain(), "redeliverer-drain"):
+            yield
     finally:
-        lanes.stop()
-        watcher.cancel()
-        left = cfg.shutdown_timeout - (loop.time() - drain_began[0] if drain_began else 0.0)
+        stopped_at = lanes.stop()  # at SIGTERM, or now (an app closed without a signal)
+        left = cfg.shutdown_timeout - (time.monotonic() - stopped_at)
         done, _ = await asyncio.wait([running], timeout=max(0.0, left))
         if not done:
             log.warning("%d redelivery(ies) still in flight at shutdown_timeout: released for "

@@ -264,11 +264,8 @@ class Cycle:
             raise
         response = forwarder.relayed(upstream)
         if not upstream.ok:
-            if self.route.redeliver is not None:
-                attempt = database.Attempt(upstream.status, None)
-                if (kept := await self._keep(claim, attempt)) is not None:
-                    return kept
-            return response, "upstream_error"
+            kept = await self._keep(claim, database.Attempt(upstream.status, None))
+            return kept or (response, "upstream_error")
         answer = self._answer_to_store(upstream)
         try:
             done = await self._commit(claim, answer)
@@ -303,8 +300,6 @@ class Cycle:
             except errors.CommitFailed as failed:
                 self.line["commit_error"] = failed.message
             return None
-        if self.route.redeliver is None:
-            return None
         kept = await self._keep(claim, database.Attempt(exc.upstream_status, exc.message))
         if kept is not None:
             self.line["error"] = exc.message  # kept: the line still says why the app failed
@@ -314,10 +309,11 @@ class Cycle:
         self, claim: database.Claim, attempt: database.Attempt
     ) -> tuple[web.StreamResponse, str] | None:
         """On a route that redelivers: keep the failed delivery and answer 202 (the provider
-        need not retry); None when it could not be kept (over the cap: logged and counted),
-        so the failure is relayed as on any route (its log line says ``inbox_full``)."""
+        need not retry). None on any other route, or when it could not be kept (over the cap,
+        or the database failed: marked on the line and counted), so the failure is relayed."""
         route, line = self.route, self.line
-        assert route.redeliver is not None
+        if route.redeliver is None:
+            return None
         config_ = route.config
         delivery = database.Delivery(
             config_.name, config_.upstream, self.request.method, self.target, self.sent, self.body

@@ -79,6 +79,7 @@ class Redeliverer:
         self._interval = workers / settings.rate  # between two starts in this worker
         self._next_start = 0.0
         self._stopping = asyncio.Event()
+        self._stopped_at: float | None = None  # monotonic, when ``stop`` was first called
         self._failed_since: float | None = None  # when redeliveries began to fail, if they do
         self.in_flight = 0
 
@@ -86,9 +87,13 @@ class Redeliverer:
     def configured(self) -> bool:
         return bool(self._routes)
 
-    def stop(self) -> None:
-        """Take no more rows (SIGTERM); what is in flight goes on."""
+    def stop(self) -> float:
+        """Take no more rows (SIGTERM); what is in flight goes on. When it was first called
+        (monotonic): the drain's start."""
+        if self._stopped_at is None:
+            self._stopped_at = time.monotonic()
         self._stopping.set()
+        return self._stopped_at
 
     async def run(self) -> None:
         """The lanes and the metrics' reader, until ``stop`` and their redeliveries end."""
@@ -161,9 +166,9 @@ class Redeliverer:
         the lane pauses rather than take the same row again at once)."""
         delivery = redelivery.delivery
         route = self._routes.get(delivery.route)
-        # A route renamed or removed since: its upstream as stored, the default schedule.
-        settings = route.redeliver if route is not None and route.redeliver else inbox.Redeliver()
-        upstream = route.upstream if route is not None else delivery.upstream
+        # A route renamed since (its scope kept): its upstream as stored, the default schedule.
+        settings = inbox.Redeliver() if route is None else route.redeliver or inbox.Redeliver()
+        upstream = delivery.upstream if route is None else route.upstream
         started = time.perf_counter()
         sent = await self._send(upstream, delivery)
         if sent is None:

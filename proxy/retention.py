@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterable
 
 from proxy import config, database, errors, metrics
 from proxy.config import routes
@@ -27,10 +28,14 @@ log = logging.getLogger(__name__)
 
 def scope_retention(routes: tuple[routes.RouteConfig, ...]) -> dict[str, float]:
     """Each scope's retention; routes sharing a scope keep the longest of theirs."""
-    retention: dict[str, float] = {}
-    for route in routes:
-        retention[route.scope] = max(retention.get(route.scope, 0.0), route.retention)
-    return retention
+    return _longest((route.scope, route.retention) for route in routes)
+
+
+def _longest(retentions: Iterable[tuple[str, float]]) -> dict[str, float]:
+    longest: dict[str, float] = {}
+    for scope, retention in retentions:
+        longest[scope] = max(longest.get(scope, 0.0), retention)
+    return longest
 
 
 class Sweeper:
@@ -44,13 +49,9 @@ class Sweeper:
         self._store = store
         self._retention = scope_retention(routes)
         # Dead deliveries (redeliver) are kept for their own retention, from when they died.
-        self._dead_retention: dict[str, float] = {}
-        for route in routes:
-            if route.redeliver is not None:
-                kept = route.redeliver.dead_retention
-                self._dead_retention[route.scope] = max(
-                    self._dead_retention.get(route.scope, 0.0), kept
-                )
+        self._dead_retention = _longest(
+            (route.scope, route.redeliver.dead_retention) for route in routes if route.redeliver
+        )
         self._settings = settings
         self._metrics = meters
 
@@ -70,23 +71,13 @@ class Sweeper:
         await self._store.notice_inbox_columns()
         removed: dict[str, int] = {}
         for scope, retention in self._retention.items():
-            total = 0
-            while True:
-                count = await self._store.sweep_batch(scope, retention, self._settings.batch)
-                if count is None:
-                    return None
-                total += count
-                self._metrics.retention_deleted.labels(scope).inc(count)
-                if count < self._settings.batch:
-                    break
-            removed[scope] = total
+            swept = await self._batches(scope, self._store.sweep_batch, retention)
+            if swept is None:
+                return None
+            removed[scope] = swept
         for scope, kept in self._dead_retention.items():
-            while True:
-                count = await self._store.inbox.sweep_dead(scope, kept, self._settings.batch)
-                self._metrics.retention_deleted.labels(scope).inc(count)
-                removed[scope] = removed.get(scope, 0) + count
-                if count < self._settings.batch:
-                    break
+            dead = await self._batches(scope, self._store.inbox.sweep_dead, kept)
+            removed[scope] = removed.get(scope, 0) + (dead or 0)
         self._metrics.retention_last_run.set_to_current_time()
         if any(removed.values()):
             log.info(
@@ -96,3 +87,18 @@ class Sweeper:
                 extra={"fields": {"removed": removed}},
             )
         return removed
+
+    async def _batches(
+        self, scope: str, batch: Callable[[str, float, int], Awaitable[int | None]], age: float
+    ) -> int | None:
+        """``batch`` (rows of ``scope`` older than ``age`` seconds) until one comes back short:
+        the rows removed, or None when another replica holds the sweeper's lock."""
+        size, total = self._settings.batch, 0
+        while True:
+            count = await batch(scope, age, size)
+            if count is None:
+                return None
+            total += count
+            self._metrics.retention_deleted.labels(scope).inc(count)
+            if count < size:
+                return total

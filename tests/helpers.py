@@ -30,7 +30,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy import app, pipeline, retention
+from proxy import app, config, pipeline, retention
 
 WITHIN = 10.0  # the default bound on every wait for the proxy (an answer, a close, a start)
 MIB = 1024 * 1024
@@ -138,6 +138,15 @@ async def claimed(dsn: str, table: str) -> list[tuple[str, str, str | None]]:
 def held(client: TestClient[Any, Any]) -> int:
     """The bytes the proxy's memory budget holds now."""
     return client.app[pipeline.BUDGET].held
+
+
+async def start_up(cfg: config.Config) -> None:
+    """Start the app as ``serve`` does, and clean up whatever started."""
+    runner = web.AppRunner(app.create_app(cfg))
+    try:
+        await runner.setup()
+    finally:
+        await runner.cleanup()
 
 
 def sweeper_of(proxy: TestClient[Any, Any]) -> retention.Sweeper:

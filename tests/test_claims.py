@@ -7,10 +7,9 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from aiohttp import web
 
-from proxy import app, config, database, embedded, errors
-from tests.helpers import FakeUpstream, MakeProxy, claimed, event, fetch, logged_errors
+from proxy import config, database, embedded, errors
+from tests.helpers import FakeUpstream, MakeProxy, claimed, event, fetch, logged_errors, start_up
 
 
 async def test_connections_bound_lock_waits_and_abandoned_transactions(
@@ -87,15 +86,6 @@ async def test_schema_creation_is_idempotent_and_safe_for_concurrent_replicas(
     assert any(
         "(inbox_state, inbox_due)" in d and "WHERE (inbox_state = ANY" in d for d in definitions
     )
-
-
-async def start_up(cfg: config.Config) -> None:
-    """Start the app as ``serve`` does, and clean up whatever started."""
-    runner = web.AppRunner(app.create_app(cfg))
-    try:
-        await runner.setup()
-    finally:
-        await runner.cleanup()
 
 
 async def test_missing_table_without_create_schema_fails_start_up(

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from aiohttp import web
+from aiohttp.test_utils import TestClient
 
 from tests.helpers import FakeUpstream, MakeProxy, execute, fetch, free_port, run_cli, wait_until
 
@@ -48,6 +50,24 @@ def config_file(
         )
     )
     return path
+
+
+Keep = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+def keep(make_proxy: MakeProxy, upstream: FakeUpstream, routes: list[dict[str, Any]]) -> Keep:
+    """Post these event IDs to ``/hooks`` through a proxy whose app answers ``statuses`` in
+    order (then 200): the proxy."""
+
+    async def post(event_ids: Sequence[str], *statuses: int) -> TestClient[Any, Any]:
+        upstream.respond = answering(*statuses)
+        proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+        for event_id in event_ids:
+            await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+        return proxy
+
+    return post
 
 
 def answering(*statuses: int) -> Any:
@@ -160,17 +180,12 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
 
 
 async def test_redeliver_makes_the_given_deliveries_due_now_with_the_whole_for_again(
-    make_proxy: MakeProxy,
-    upstream: FakeUpstream,
+    keep: Keep,
     config_file: Path,
-    routes: list[dict[str, Any]],
     pg_dsn: str,
     table: str,
 ) -> None:
-    upstream.respond = answering(503, 422)
-    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
-    for event_id in ("p1", "d1", "ok"):
-        await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+    proxy = await keep(["p1", "d1", "ok"], 503, 422)
     await execute(pg_dsn, f"UPDATE \"{table}\" SET inbox_until = now() + interval '1 minute'")
     await proxy.close()  # no redeliverer takes them while they are looked at
 
@@ -191,17 +206,12 @@ async def test_redeliver_makes_the_given_deliveries_due_now_with_the_whole_for_a
 
 
 async def test_redeliver_dead_takes_the_routes_dead_ones_since_a_while(
-    make_proxy: MakeProxy,
-    upstream: FakeUpstream,
+    keep: Keep,
     config_file: Path,
-    routes: list[dict[str, Any]],
     pg_dsn: str,
     table: str,
 ) -> None:
-    upstream.respond = answering(422, 422, 503)
-    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
-    for event_id in ("d1", "d2", "p1"):
-        await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+    proxy = await keep(["d1", "d2", "p1"], 422, 422, 503)
     await proxy.close()
     await execute(
         pg_dsn,
@@ -227,17 +237,12 @@ async def test_redeliver_dead_takes_the_routes_dead_ones_since_a_while(
 
 
 async def test_redeliver_pending_makes_every_pending_one_due_now(
-    make_proxy: MakeProxy,
-    upstream: FakeUpstream,
+    keep: Keep,
     config_file: Path,
-    routes: list[dict[str, Any]],
     pg_dsn: str,
     table: str,
 ) -> None:
-    upstream.respond = answering(503, 503, 422)  # p1, p2 pending for an hour; d1 dead
-    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
-    for event_id in ("p1", "p2", "d1"):
-        await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+    proxy = await keep(["p1", "p2", "d1"], 503, 503, 422)  # p1, p2 pending for an hour; d1 dead
     await proxy.close()
 
     code, out, _ = await cli(config_file, "redeliver", "--route", "hooks", "--pending")
@@ -286,17 +291,13 @@ async def test_a_dead_delivery_redelivered_by_the_operator_reaches_the_app(
 
 
 async def test_discard_drops_the_delivery_and_keeps_the_claim(
-    make_proxy: MakeProxy,
+    keep: Keep,
     upstream: FakeUpstream,
     config_file: Path,
-    routes: list[dict[str, Any]],
     pg_dsn: str,
     table: str,
 ) -> None:
-    upstream.respond = answering(503, 422)
-    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
-    for event_id in ("p1", "d1", "ok"):
-        await proxy.post("/hooks", data=json.dumps({"id": event_id}))
+    proxy = await keep(["p1", "d1", "ok"], 503, 422)
 
     code, out, err = await cli(config_file, "discard", "--route", "hooks", "p1", "d1", "ok")
 

@@ -8,10 +8,9 @@ import json
 import pytest
 from aiohttp import web
 
-from proxy import app as app_module
 from proxy import config, errors, pipeline
 from proxy.database import inbox, sql
-from tests.helpers import FakeUpstream, MakeProxy, execute, fetch, wait_until
+from tests.helpers import FakeUpstream, MakeProxy, execute, fetch, start_up, wait_until
 from tests.roles import DOCUMENTED, INBOX, limited_role
 
 KEPT = {
@@ -77,15 +76,6 @@ async def test_a_route_without_redeliver_needs_no_inbox_grant(
             routes=[plain], database={"dsn": dsn, "create_schema": False}
         )
         await start_up(cfg)
-
-
-async def start_up(cfg: config.Config) -> None:
-    """Start the app as ``serve`` does, and clean up whatever started."""
-    runner = web.AppRunner(app_module.create_app(cfg))
-    try:
-        await runner.setup()
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_grant_revoked_while_running_relays_the_failure_and_counts_it(

@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from aiohttp import web
 
-from proxy import app as app_module
 from proxy import config, errors
 from proxy.database import sql
-from tests.helpers import MakeProxy, execute, fetch, run_cli, sweeper_of
+from tests.helpers import MakeProxy, execute, fetch, run_cli, start_up, sweeper_of
 
 PLAIN = {"name": "hooks", "path": "/hooks", "event_id": "body:/id"}
 KEPT = {**PLAIN, "redeliver": {"schedule": ["1h"], "for": "1d"}}
@@ -29,14 +27,6 @@ async def old_table(dsn: str, table: str) -> None:
         f'PRIMARY KEY (scope, event_id)); CREATE INDEX "{table}_received_at_idx" '
         f'ON "{table}" (received_at)',
     )
-
-
-async def start_up(cfg: config.Config) -> None:
-    runner = web.AppRunner(app_module.create_app(cfg))
-    try:
-        await runner.setup()
-    finally:
-        await runner.cleanup()
 
 
 async def test_an_old_table_serves_routes_that_do_not_redeliver_and_sweeps_as_before(

@@ -12,11 +12,9 @@ from typing import Any
 import asyncpg
 import pytest
 import yaml
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import admin, config, database, errors, pipeline
-from proxy import app as app_module
+from proxy import admin, database, errors, pipeline
 from proxy.database import sql
 from tests.helpers import (
     FakeUpstream,
@@ -26,6 +24,7 @@ from tests.helpers import (
     fetch,
     free_port,
     run_cli,
+    start_up,
     sweeper_of,
 )
 from tests.roles import ANSWERS, DOCUMENTED, limited_role
@@ -43,15 +42,6 @@ async def schema(pg_dsn: str, table: str) -> str:
 
 def limited(dsn: str) -> dict[str, Any]:
     return {"database": {"dsn": dsn, "create_schema": False}}
-
-
-async def start_up(cfg: config.Config) -> None:
-    """Start the app as ``serve`` does, and clean up whatever started."""
-    runner = web.AppRunner(app_module.create_app(cfg))
-    try:
-        await runner.setup()
-    finally:
-        await runner.cleanup()
 
 
 async def test_the_documented_grants_are_enough_for_the_retention_sweep(

@@ -30,16 +30,14 @@ from datetime import datetime
 from typing import Any, NamedTuple
 
 from proxy import errors
-from proxy.database import inbox_sql, pool
+from proxy.database import inbox_sql, pool, sql
 
 log = logging.getLogger(__name__)
 
 PENDING = "pending"
 DEAD = "dead"
 DELIVERED = "delivered"
-DISCARDED = "discarded"
-KEPT = (PENDING, DEAD)  # the states that hold a body
-COLUMNS = inbox_sql.COLUMNS
+COLUMNS = sql.INBOX_COLUMNS
 GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
 # An operator's redeliver or discard waits at most this for a row being redelivered now.
 OPERATOR_LOCK_WAIT = 5.0
@@ -319,9 +317,7 @@ class Inbox:
             try:
                 with _plainly("query failed"):
                     async with connection.transaction():
-                        await connection.execute(
-                            f"SET LOCAL lock_timeout = '{int(OPERATOR_LOCK_WAIT * 1000)}ms'"
-                        )
+                        await connection.execute(sql.lock_timeout(OPERATOR_LOCK_WAIT))
                         rows: list[pool.Record] = await connection.fetch(statement, *args)
             except errors.LockTimeout as exc:
                 raise errors.StoreUnavailable(

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_TYPES = {"inbox_state": "text", "inbox_request": "jsonb", "inbox_body": "bytea",
-          "inbox_attempts": "jsonb", "inbox_failures": "integer", "inbox_due": "timestamptz",
-          "inbox_until": "timestamptz", "inbox_changed": "timestamptz"}  # fmt: skip
-COLUMNS = tuple(_TYPES)
+from proxy.database import sql
 
-_IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
 # $1: the scopes of the routes this proxy redelivers for; a route's per-path scopes are its
 # own ("scope/acme"). Another deployment's rows in a shared table are not its to send.
 _OURS = "split_part(scope, '/', 1) = ANY($1::text[])"
@@ -32,12 +28,6 @@ class Statements:
     quoted: str
 
     @property
-    def columns(self) -> str:
-        return ",\n".join(
-            f"    ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in _TYPES.items()
-        )
-
-    @property
     def queue(self) -> str:
         # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8 delay,
         # $9 until, $10 base scope, $11 max count, $12 max bytes. Under the cap only: the kept
@@ -53,7 +43,7 @@ class Statements:
             "inbox_until = now() + make_interval(secs => $9), inbox_changed = now() "
             "WHERE scope = $1 AND event_id = $2 AND (SELECT count(*) < $11 AND "
             "coalesce(sum(octet_length(inbox_body)), 0) + octet_length($5::bytea) <= $12 "
-            f"FROM {self.quoted} WHERE {_IN_SCOPE.replace('$1', '$10')} "
+            f"FROM {self.quoted} WHERE {sql.IN_SCOPE.replace('$1', '$10')} "
             "AND inbox_state IN ('pending', 'dead'))"
         )
 
@@ -109,12 +99,12 @@ class Statements:
             "jsonb_array_length(inbox_attempts), inbox_due, octet_length(inbox_body), "
             "(inbox_attempts -> -1 ->> 'status')::int, "
             f"inbox_attempts -> -1 ->> 'error' FROM {self.quoted} "
-            f"WHERE {_IN_SCOPE} AND inbox_state = $2 ORDER BY received_at LIMIT $3"
+            f"WHERE {sql.IN_SCOPE} AND inbox_state = $2 ORDER BY received_at LIMIT $3"
         )
 
     @property
     def kept_count(self) -> str:
-        return f"SELECT count(*) FROM {self.quoted} WHERE {_IN_SCOPE} AND inbox_state = $2"
+        return f"SELECT count(*) FROM {self.quoted} WHERE {sql.IN_SCOPE} AND inbox_state = $2"
 
     @property
     def show(self) -> str:
@@ -140,7 +130,7 @@ class Statements:
         # $1 scope, $2 state ('dead' or 'pending'), $3 changed since or NULL, $4 for (seconds).
         # A row being redelivered right now is passed over: it needs no making due.
         rows = (
-            f"{_IN_SCOPE} AND inbox_state = $2::text AND inbox_body IS NOT NULL "
+            f"{sql.IN_SCOPE} AND inbox_state = $2::text AND inbox_body IS NOT NULL "
             "AND ($3::timestamptz IS NULL OR inbox_changed >= $3)"
         )
         return (
@@ -170,7 +160,7 @@ class Statements:
             "::float8 AS oldest, "
             "extract(epoch FROM now() - min(inbox_due) FILTER (WHERE inbox_state = 'pending'))"
             f"::float8 AS overdue FROM {self.quoted} "
-            f"WHERE {_IN_SCOPE} AND inbox_state IN ('pending', 'dead')"
+            f"WHERE {sql.IN_SCOPE} AND inbox_state IN ('pending', 'dead')"
         )
 
     @property
@@ -181,6 +171,6 @@ class Statements:
         dead = "inbox_state = 'dead' AND inbox_changed < now() - make_interval(secs => $2)"
         return (
             f"DELETE FROM {self.quoted} WHERE (scope, event_id) IN ("
-            f"  SELECT scope, event_id FROM {self.quoted} WHERE {_IN_SCOPE} AND {dead} "
+            f"  SELECT scope, event_id FROM {self.quoted} WHERE {sql.IN_SCOPE} AND {dead} "
             f"   LIMIT $3) AND {dead}"
         )

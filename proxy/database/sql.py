@@ -14,8 +14,6 @@ import functools
 import json
 from dataclasses import dataclass
 
-from proxy.database import inbox_sql
-
 # Any constants will do: they only serialise schema creation, and sweeps, across replicas.
 SCHEMA_LOCK_KEY = 0x64656475
 SWEEP_LOCK_KEY = 0x64656476
@@ -26,7 +24,13 @@ _ANSWER_SAVEPOINT = "answer"
 COMMIT_WITHOUT_ANSWER = f"ROLLBACK TO SAVEPOINT {_ANSWER_SAVEPOINT}; COMMIT"
 
 # A route's scope ($1) and, for a templated path, its per-path scopes ("scope/acme").
-_IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
+IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
+# redeliver: the columns that keep a failed delivery in its claim's row (database.inbox).
+INBOX_TYPES = {"inbox_state": "text", "inbox_request": "jsonb", "inbox_body": "bytea",
+               "inbox_attempts": "jsonb", "inbox_failures": "integer",
+               "inbox_due": "timestamptz", "inbox_until": "timestamptz",
+               "inbox_changed": "timestamptz"}  # fmt: skip
+INBOX_COLUMNS = tuple(INBOX_TYPES)
 # The inbox's states whose rows hold a body: never removed by the retention sweep.
 _NOT_KEPT = "(inbox_state IS NULL OR inbox_state NOT IN ('pending', 'dead'))"
 
@@ -162,7 +166,9 @@ def for_table(table: str) -> Queries:
     schema, dot, name = table.rpartition(".")
     index = f"{name}_received_at_idx"
     inbox_index = f"{name}_inbox_idx"
-    inbox_columns = inbox_sql.Statements(quoted).columns
+    inbox_columns = ",\n".join(
+        f"    ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in INBOX_TYPES.items()
+    )
     return Queries(
         table=table,
         quoted=quoted,
@@ -218,7 +224,7 @@ def for_table(table: str) -> Queries:
             " AS answer,"
             " (SELECT bool_and(has_column_privilege(attrelid, attnum, 'UPDATE'))"
             f"    FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
-            f"    AND attname IN ({', '.join(map(_literal, inbox_sql.COLUMNS))})"
+            f"    AND attname IN ({', '.join(map(_literal, INBOX_COLUMNS))})"
             "    AND NOT attisdropped)"
             " AS inbox"
         ),
@@ -238,7 +244,7 @@ def for_table(table: str) -> Queries:
         sweep=(
             f"DELETE FROM {quoted} WHERE (scope, event_id) IN ("
             f"  SELECT scope, event_id FROM {quoted}"
-            f"   WHERE {_IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
+            f"   WHERE {IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
             "   LIMIT $3)"
         ),
         # The same, on a table with the inbox's columns: what it keeps is never swept.
@@ -247,17 +253,17 @@ def for_table(table: str) -> Queries:
         sweep_not_kept=(
             f"DELETE FROM {quoted} WHERE (scope, event_id) IN ("
             f"  SELECT scope, event_id FROM {quoted}"
-            f"   WHERE {_IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
+            f"   WHERE {IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
             f"   AND {_NOT_KEPT} LIMIT $3) AND {_NOT_KEPT}"
         ),
         # $1 scope, $2 oldest received_at or NULL, $3 limit.
         events=(
-            f"SELECT scope, event_id, event_type, received_at FROM {quoted} WHERE {_IN_SCOPE} "
+            f"SELECT scope, event_id, event_type, received_at FROM {quoted} WHERE {IN_SCOPE} "
             "AND ($2::timestamptz IS NULL OR received_at >= $2) "
             "ORDER BY received_at DESC LIMIT $3"
         ),
         events_count=(
-            f"SELECT count(*) AS n FROM {quoted} WHERE {_IN_SCOPE} "
+            f"SELECT count(*) AS n FROM {quoted} WHERE {IN_SCOPE} "
             "AND ($2::timestamptz IS NULL OR received_at >= $2)"
         ),
         # $1 scope, $2 event IDs.

@@ -86,7 +86,13 @@ async def missing_schema(
     """What the claim table lacks ("" when nothing), read from the catalog without locks;
     the answer columns only with ``answers`` (some route replays), the inbox's only with
     ``kept`` (some route redelivers)."""
-    row = await connection.fetchrow(queries.schema_missing)
+    return _lacking_schema(
+        await connection.fetchrow(queries.schema_missing), answers=answers, kept=kept
+    )
+
+
+def _lacking_schema(row: pool.Record | None, *, answers: bool, kept: bool) -> str:
+    """What a row of ``queries.schema_missing`` says the table lacks ("" when nothing)."""
     if row is None or not row["table"]:
         return "does not exist"
     needed = ["digest", *(["answer"] if answers else []), "index",
@@ -286,12 +292,12 @@ class Store:
         table = self._settings.table
         async with self._connection() as connection:
             with translated(f"cannot prepare table {table}"):
-                missing = await missing_schema(connection, self.queries, answers=answers, kept=kept)
+                row = await connection.fetchrow(self.queries.schema_missing)
+                missing = _lacking_schema(row, answers=answers, kept=kept)
+                self._inbox_columns = bool(row and row["inbox"])
                 if missing and self._settings.create_schema:
                     await apply_schema(connection, self.queries, f"cannot prepare table {table}")
-                row = await connection.fetchrow(self.queries.schema_missing)
-                self._inbox_columns = bool(row and row["inbox"])
-                if self._settings.create_schema:
+                    self._inbox_columns = True  # the whole DDL, the inbox's columns included
                     return
         if missing:
             raise errors.StoreUnavailable(
