@@ -33,7 +33,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready to take webhooks: not draining, database reachable and the claim table present."""
+    """Ready to take webhooks: not draining, and a claim can commit (the database answers and
+    takes writes, the claim table is there and the role holds its grants)."""
     proxy = request.app[PROXY]
     if proxy[pipeline.DRAINING].is_set():
         return web.json_response({"status": "draining"}, status=503)
@@ -42,6 +43,8 @@ async def readyz(request: web.Request) -> web.Response:
         return web.json_response({"status": "starting"}, status=503)
     try:
         await store.check()
+    except errors.Starting as exc:
+        return web.json_response({"status": "starting", "reason": exc.message}, status=503)
     except errors.StoreUnavailable as exc:
         return web.json_response({"status": "unavailable", "reason": exc.message}, status=503)
     return web.json_response({"status": "ready"})

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -18,6 +20,7 @@ from proxy import (
     config,
     database,
     embedded,
+    errors,
     flights,
     memory,
     metrics,
@@ -61,28 +64,107 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
         await asyncio.to_thread(server.stop)
 
 
+class Start:
+    """How the claim store's start ended, for ``serve``: ``failed`` is set, with ``error``, when
+    it cannot succeed (the table or the grants are wrong, or the database did not answer
+    within ``database.start_timeout``); ``serve`` then drains and exits 1."""
+
+    def __init__(self) -> None:
+        self.failed = asyncio.Event()
+        self.error: errors.ProxyError | None = None
+
+    def fail(self, error: errors.ProxyError) -> None:
+        self.error = error
+        self.failed.set()
+
+
+START = web.AppKey("start", Start)
+# Between two tries of a start during an outage: from START_RETRY_BASE doubling up to
+# START_RETRY_MAX, each a random part of it (jitter), so replicas started together spread out.
+START_RETRY_BASE = 0.5
+START_RETRY_MAX = 10.0
+
+
 async def _claim_store(app: web.Application) -> AsyncIterator[None]:
+    """The claim store, started before the public listener opens. A database that does not
+    answer does not stop the start: the proxy listens (liveness up, readiness and webhooks 503
+    with the reason) and tries again with a back-off until ``database.start_timeout``."""
     cfg = app[CONFIG]
-    store = await database.Store.open(
-        app[DSN],
-        cfg.database,
-        claim_wait=cfg.claim_wait,
-        upstream_timeout=cfg.upstream.timeout,
+    store = database.Store.create(
+        app[DSN], cfg.database, claim_wait=cfg.claim_wait, upstream_timeout=cfg.upstream.timeout
     )
+    app[pipeline.STORE] = store
+    app[pipeline.METRICS].watch_pool(
+        store.pool_stats, lambda: None if store.replication is None else store.replication.waits
+    )
+    # The answer columns are added only when a route replays: the ALTER TABLE that adds them
+    # waits on every claim in flight (docs/deployment.md, "Upgrades"). A missing grant refuses
+    # the start, rather than fail every sweep or every stored answer later.
+    replay = any(route.replay for route in cfg.routes)
+    kept = any(route.redeliver for route in cfg.routes)
+    began = time.monotonic()
+    retrying = None
     try:
-        # The answer columns are added only when a route replays: the ALTER TABLE that adds
-        # them waits on every claim in flight (docs/deployment.md, "Upgrades").
-        replay = any(route.replay for route in cfg.routes)
-        kept = any(route.redeliver for route in cfg.routes)
-        await store.ensure_schema(answers=replay, kept=kept)
-        # Refuse to start without a grant the routes need, rather than fail every sweep or
-        # every stored answer later.
-        await store.check_privileges(answers=replay, kept=kept)
-        app[pipeline.STORE] = store
-        app[pipeline.METRICS].watch_pool(store.pool_stats)
+        try:
+            await store.start(answers=replay, kept=kept)
+        except errors.NotPrepared:
+            raise
+        except errors.StoreUnavailable as exc:
+            if cfg.database.embedded:
+                raise  # started by this process a moment ago: not an outage to wait out
+            log.warning(
+                "the database does not answer (%s): listening anyway, and trying again for "
+                "up to %s (database.start_timeout)",
+                exc.message, config.values.format_duration(cfg.database.start_timeout),
+            )  # fmt: skip
+            later = _start_later(store, app[START], cfg.database, began, answers=replay, kept=kept)
+            retrying = asyncio.create_task(later, name="database-start")
         yield
     finally:
+        if retrying is not None:
+            retrying.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await retrying
         await store.close()
+
+
+async def _start_later(
+    store: database.Store,
+    start: Start,
+    settings: config.DatabaseConfig,
+    began: float,
+    *,
+    answers: bool,
+    kept: bool,
+) -> None:
+    """Try the store's start again until it succeeds, is refused, or ``start_timeout`` has
+    passed since ``began``."""
+    limit = settings.start_timeout
+    for attempt in itertools.count(1):
+        ceiling = min(START_RETRY_MAX, START_RETRY_BASE * 2 ** (attempt - 1))
+        pause = random.uniform(ceiling / 2, ceiling)
+        left = began + limit - time.monotonic()
+        if left <= pause:
+            await asyncio.sleep(max(0.0, left))
+            start.fail(errors.StartTimedOut(
+                f"the database did not answer within {config.values.format_duration(limit)} "
+                f"(database.start_timeout): {store.start_problem}"
+            ))  # fmt: skip
+            return
+        await asyncio.sleep(pause)
+        try:
+            await store.start(answers=answers, kept=kept)
+        except errors.NotPrepared as exc:
+            start.fail(exc)
+            return
+        except errors.StoreUnavailable as exc:
+            log.warning(
+                "the database does not answer yet (%s): try %d failed, the next in up to %gs",
+                exc.message, attempt, min(START_RETRY_MAX, ceiling * 2),
+            )  # fmt: skip
+            continue
+        log.info("the database answered after %.1fs: ready", time.monotonic() - began)
+        return
 
 
 @contextlib.asynccontextmanager
@@ -204,6 +286,7 @@ def create_app(cfg: config.Config) -> web.Application:
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()
     app[pipeline.DRAINING] = asyncio.Event()
+    app[START] = Start()
     shared = app[pipeline.BUDGET] = memory.Budget(cfg.max_buffered)
     meters.watch_buffered(lambda: shared.held)
     app.cleanup_ctx.extend([_database, _claim_store, _metrics, _forwarder, _sweeper, _redeliverer])

@@ -329,6 +329,11 @@ def _serve(cfg: config.Config, config_path: str) -> int:
     except errors.EmbeddedDatabaseError as exc:
         log.error("%s", exc)
         return EXIT_CONFIG
+    except (errors.StartTimedOut, errors.NotPrepared) as exc:
+        # Possibly after listening (a start during an outage): a worker's supervisor stops
+        # every worker on this code, rather than start another to wait again.
+        log.error("cannot start: %s", exc)
+        return EXIT_FAILURE if worker is None else supervisor.EXIT_START_FAILED
     except errors.ProxyError as exc:
         log.error("cannot start: %s", exc)
         return EXIT_FAILURE

@@ -23,6 +23,8 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
       x UnsafeRuntime               aiohttp's C HTTP parser is not in use
       x ListenFailed                a listener's address is taken or not allowed
       x CommitFailed                COMMIT after an upstream 2xx did not go through
+        x CommitNotSent             ... never sent: the connection was closed before it
+      x StartTimedOut               no answer from the database within start_timeout
       x RequestError                carries .status, .code, .retry_after, .headers, .public,
                                     .outcome ("rejected" unless noted) and .shed (None unless
                                     noted: the request was shed to protect the worker)
@@ -51,6 +53,10 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
           + TableMissing            503  the claim table, or a column of it, does not exist
                                          (42P01, 42703)
           + PermissionDenied        503  the role lacks a privilege (42501)
+          + ReadOnly                503  the server takes no writes (25006, a standby)
+          + Reconnecting            503  connecting failed just now; waiting out a back-off
+          + Starting                503  started during an outage: no answer from it yet
+          + NotPrepared             503  the table or the grants are not what routes need
         + Overloaded                503  the request does not fit max_buffered
                                          (outcome unavailable, shed: memory)
         + UpstreamFailed                 the app's answer did not come through (outcome
@@ -107,6 +113,15 @@ class ListenFailed(ProxyError):
 
 class CommitFailed(ProxyError):
     """COMMIT did not go through; whether the claim was stored is unknown."""
+
+
+class CommitNotSent(CommitFailed):
+    """The connection was closed before COMMIT could be sent: the claim is certainly not
+    stored (its transaction ended with the connection), and it could not be stored again."""
+
+
+class StartTimedOut(ProxyError):
+    """The database did not answer within database.start_timeout of the start."""
 
 
 class RequestError(ProxyError):
@@ -266,6 +281,23 @@ class TableMissing(StoreUnavailable):
 
 class PermissionDenied(StoreUnavailable):
     """The role lacks a privilege the statement needs (42501)."""
+
+
+class ReadOnly(StoreUnavailable):
+    """The server takes no writes: a standby, or a primary demoted or set read-only (25006)."""
+
+
+class Reconnecting(StoreUnavailable):
+    """Connections to the database failed just now; the next attempt waits out a back-off."""
+
+
+class Starting(StoreUnavailable):
+    """The proxy is starting: the database has not answered yet."""
+
+
+class NotPrepared(StoreUnavailable):
+    """The database answers, but the claim table or the role's grants are not what the routes
+    need; retrying does not fix it (the start is refused)."""
 
 
 class UpstreamFailed(RequestError):

@@ -63,6 +63,8 @@ _LEVELS = {
     "dead_letter": logging.ERROR,
     "unavailable": logging.ERROR,
     "ambiguous_commit": logging.ERROR,
+    # Certainly not stored: the app processed it, and a retry will be forwarded again.
+    "commit_not_sent": logging.ERROR,
     "rejected": logging.WARNING,
     "mismatch": logging.WARNING,
     # The app failed (answered 5xx or 4xx, refused, reset, timed out): an alert on warning and
@@ -107,6 +109,8 @@ def finish(
         meters.reused_bodies.inc()
     if outcome == "ambiguous_commit":
         meters.ambiguous_commits.inc()
+    elif outcome == "commit_not_sent":
+        meters.unsent_commits.inc()
     if (
         line.get("mismatch")
         or line.get("body_claimed_as")

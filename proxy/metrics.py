@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +30,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 OUTCOMES = (
     "processed", "duplicate", "upstream_error", "rejected", "unavailable", "passthrough",
-    "unclaimed", "ambiguous_commit", "in_progress", "key_reused", "queued", "dead_letter",
-    "duplicate_queued",
+    "unclaimed", "ambiguous_commit", "commit_not_sent", "in_progress", "key_reused", "queued",
+    "dead_letter", "duplicate_queued",
 )  # fmt: skip
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -119,6 +119,7 @@ class RouteMeters:
     replay_skipped: Any
     reused_bodies: Any
     ambiguous_commits: Any
+    unsent_commits: Any
     answer_store_failures: Any
     inbox_full: Any
     inbox_keep_failures: Any
@@ -136,7 +137,9 @@ class Metrics:
         # prometheus-client picks file-backed values at import when this is set (workers: N).
         self.multiprocess = bool(os.environ.get(MULTIPROC_ENV))
         self.registry = CollectorRegistry()
-        self._pool_stats: Callable[[], tuple[int, int]] | None = None
+        self._pool_stats: Callable[[], Sequence[int]] | None = None
+        self._connects_counted = (0, 0, 0)
+        self._replication: Callable[[], bool | None] | None = None
         self._buffered: Callable[[], int] | None = None
         self._held: list[Tally | Timings | Level] = []
         self.requests = Counter(
@@ -179,7 +182,16 @@ class Metrics:
         )
         self.ambiguous_commits = Counter(
             "dedup_ambiguous_commits",
-            "COMMITs after an upstream 2xx that failed and could not be reconciled.",
+            "COMMITs after an upstream 2xx that failed and could not be reconciled: whether "
+            "the claim was stored is unknown.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.unsent_commits = Counter(
+            "dedup_unsent_commits",
+            "COMMITs after an upstream 2xx never sent (the connection was closed before) and "
+            "not stored again on a fresh one: the claim is certainly absent, and the event's "
+            "next copy is forwarded again.",
             ["route"],
             registry=self.registry,
         )
@@ -308,6 +320,24 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livesum",
         )
+        self.connects = Counter(
+            "dedup_database_connects",
+            "Connections to PostgreSQL by result: opened; failed (a connect refused or timed "
+            "out); backed_off (not tried: connects failed just before, and the request was "
+            "answered 503 at once instead).",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in ("opened", "failed", "backed_off"):
+            self.connects.labels(result)
+        self.commits_replicated = Gauge(
+            "dedup_database_commits_replicated",
+            "1 when the database's COMMITs wait for a standby (synchronous_standby_names set, "
+            "synchronous_commit on, remote_write or remote_apply), 0 when a failover can lose "
+            "acknowledged claims; read at start and at every readiness check.",
+            registry=self.registry,
+            multiprocess_mode="livemin",
+        )
         self.retention_deleted = Counter(
             "dedup_retention_deleted_rows",
             "Claims removed by the retention sweeper.",
@@ -352,6 +382,7 @@ class Metrics:
             replay_skipped=self.replay_skipped.labels(name),
             reused_bodies=self.reused_bodies.labels(name),
             ambiguous_commits=self.ambiguous_commits.labels(name),
+            unsent_commits=self.unsent_commits.labels(name),
             answer_store_failures=self.answer_store_failures.labels(name),
             inbox_full=self.inbox_full.labels(name),
             inbox_keep_failures=self.inbox_keep_failures.labels(name),
@@ -365,9 +396,16 @@ class Metrics:
                        meters.commit_latency, meters.duration, meters.in_flight]  # fmt: skip
         return meters
 
-    def watch_pool(self, stats: Callable[[], tuple[int, int]]) -> None:
-        """Read the pool's (open, idle) connection counts at every ``flush``."""
+    def watch_pool(
+        self,
+        stats: Callable[[], Sequence[int]],
+        replicated: Callable[[], bool | None] | None = None,
+    ) -> None:
+        """Read the pool's levels at every ``flush``: (open, idle), then the connections opened,
+        the connects failed and the ones not tried (back-off) since it was made; and whether
+        COMMITs wait for a standby (None: not known yet)."""
         self._pool_stats = stats
+        self._replication = replicated
 
     def watch_buffered(self, held: Callable[[], int]) -> None:
         """Read the bytes held against max_buffered at every ``flush``."""
@@ -379,9 +417,19 @@ class Metrics:
         for held in self._held:
             held.flush()
         if self._pool_stats is not None:
-            size, idle = self._pool_stats()
+            size, idle, *counted = self._pool_stats()
             self.pool_size.set(size)
             self.pool_in_use.set(size - idle)
+            if counted:
+                for result, now, before in zip(
+                    ("opened", "failed", "backed_off"), counted, self._connects_counted,
+                    strict=True,
+                ):  # fmt: skip
+                    if now > before:
+                        self.connects.labels(result).inc(now - before)
+                self._connects_counted = (counted[0], counted[1], counted[2])
+        if self._replication is not None and (waits := self._replication()) is not None:
+            self.commits_replicated.set(1 if waits else 0)
         if self._buffered is not None:
             self.buffered.set(self._buffered())
 

@@ -273,7 +273,8 @@ class Cycle:
             # The upstream did the work: answering anything but its 2xx would make the provider
             # retry, and the retry would be forwarded again (see docs/guarantees.md).
             line["error"] = exc.message
-            return response, "ambiguous_commit"
+            unsent = isinstance(exc, errors.CommitNotSent)
+            return response, "commit_not_sent" if unsent else "ambiguous_commit"
         if done.answer_refused is not None:
             # Committed without its answer (the role may not store it): its duplicates get
             # the acknowledgement, and the operator a warning and a counter.

@@ -1,8 +1,9 @@
 """``dedup-proxy check --database``: whether ``serve`` would work against the database.
 
-One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), the claim table
-and its columns, the privileges the configured routes need (the ones ``serve`` verifies at
-start-up) and what can be told of a connection pooler in between. The facts come from the
+One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), whether the
+server takes writes and its COMMITs wait for a standby, the claim table and its columns, the
+privileges the configured routes need (the ones ``serve`` verifies at start-up) and what can be
+told of a connection pooler in between. The facts come from the
 store; this module only judges and words them.
 """
 
@@ -37,6 +38,7 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
         dsn = cfg.database.dsn
         where = "embedded" if dsn is None else operations.server_of(dsn.reveal())
         report(True, f"connect: {where} as {user}, PostgreSQL {version}")
+        await _check_writes(store, report)
         await _check_table(cfg, store, report)
         await _check_pooler(store, report)
     return 1 if failed else 0
@@ -74,6 +76,22 @@ async def _check_table(cfg: config.Config, store: database.Store, report: Report
         + (" and UPDATE of the inbox columns (redeliver)" if kept else "")
     )
     report(not problem, f"privileges: {problem}" if problem else f"privileges: {needed}")
+
+
+async def _check_writes(store: database.Store, report: Report) -> None:
+    """Whether a claim can commit there, and whether its COMMIT waits for a standby: without,
+    a failover can lose claims already acknowledged (docs/deployment.md, "High
+    availability"). Not waiting is no failure (one server, or a choice), only said plainly."""
+    read_only, replication = await store.facts()
+    report(not read_only, f"writes: {read_only}" if read_only else "writes: taken")
+    if replication.waits:
+        report(True, f"commits wait for a standby: yes ({replication})")
+    else:
+        report(
+            True,
+            f"commits wait for a standby: no ({replication}): a failover to a standby can lose "
+            'claims already acknowledged (docs/deployment.md, "High availability")',
+        )
 
 
 async def _check_pooler(store: database.Store, report: Report) -> None:

@@ -96,7 +96,17 @@ class Redeliverer:
         return self._stopped_at
 
     async def run(self) -> None:
-        """The lanes and the metrics' reader, until ``stop`` and their redeliveries end."""
+        """The lanes and the metrics' reader, until ``stop`` and their redeliveries end; from
+        the store's start (a proxy started during an outage waits for the database)."""
+        started = asyncio.ensure_future(self._store.started.wait())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([started, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+            stopping.cancel()
+        if self._stopping.is_set():
+            return
         async with asyncio.TaskGroup() as group:
             for lane in range(self.lanes):
                 group.create_task(self._lane(), name=f"redeliverer-{lane}")

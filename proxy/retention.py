@@ -56,7 +56,9 @@ class Sweeper:
         self._metrics = meters
 
     async def run(self) -> None:
-        """Sweep every ``interval`` until cancelled; a failed round is logged and retried."""
+        """Sweep every ``interval`` until cancelled, from the store's start; a failed round is
+        logged and retried."""
+        await self._store.started.wait()
         while True:
             await asyncio.sleep(self._settings.interval)
             try:

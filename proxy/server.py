@@ -134,6 +134,8 @@ async def serve(
         await server.main_loop()
     finally:
         await server.shutdown()
+    if (failure := server.proxy[app.START].error) is not None:
+        raise failure
     log.info("stopped")
 
 
@@ -231,8 +233,15 @@ class _Server:
             ).start()  # fmt: skip
 
     async def main_loop(self) -> None:
-        """Until a signal: then ``/readyz`` turns 503 before ``shutdown`` closes anything."""
-        await self.stop.wait()
+        """Until a signal, or a start the database let fail (``app.Start``): then ``/readyz``
+        turns 503 before ``shutdown`` closes anything."""
+        waits = [asyncio.ensure_future(self.stop.wait()),
+                 asyncio.ensure_future(self.proxy[app.START].failed.wait())]  # fmt: skip
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
         self.proxy[pipeline.DRAINING].set()
         self.proxy[pipeline.METRICS].draining.set(1)
         log.info("draining: no new connections, waiting up to %gs", self.cfg.shutdown_timeout)

@@ -65,6 +65,10 @@ BEAT_INTERVAL = 1.0
 # 3.3 s per 25 MiB). A worker killed while only slow loses its requests; a hung one meanwhile
 # holds only the connections it had accepted, since the accept queue is not its own.
 DEFAULT_TIMEOUT = 30.0
+# A worker's exit code when its start failed for good (the database did not answer within
+# database.start_timeout, or the table or the grants are wrong), possibly after it listened:
+# the supervisor stops every worker and exits with it, instead of starting another.
+EXIT_START_FAILED = 3
 _RESTART_PAUSE = 1.0  # a worker that dies this soon after it listened is restarted after a pause
 _MAX_RESTART_PAUSE = 30.0
 _KILL_MARGIN = 10.0  # past shutdown_timeout, a worker that has not exited is killed
@@ -226,6 +230,12 @@ class Supervisor:
         multiprocess.mark_process_dead(pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
         worker.take_beats()
         worker.close_pipes()
+        if code == EXIT_START_FAILED:
+            log.error(
+                "worker %d (pid %d) could not start (exit code %s); stopping",
+                worker.number, pid, code,
+            )  # fmt: skip
+            return 1
         if worker.listening:
             self.failures[worker.number] = 0
             log.error(

@@ -52,9 +52,12 @@ def pytest_asyncio_loop_factories(
     (its transports, for one, are not asyncio.Transport subclasses).
 
     The fault campaign is the exception: its proxies are ``serve`` processes of their own (on
-    uvloop), and only its harness, the TCP fault relay among it, runs in the test's loop.
+    uvloop), and only its harness, the TCP fault relay among it, runs in the test's loop. So is
+    a module that runs the relay in its own loop (``RELAY_IN_LOOP = True``): the relay is
+    written for asyncio's transports.
     """
-    if os.environ.get("DEDUP_PROXY_TEST_LOOP") == "asyncio" or "faults" in item.path.parts:
+    relay = getattr(getattr(item, "module", None), "RELAY_IN_LOOP", False)
+    if os.environ.get("DEDUP_PROXY_TEST_LOOP") == "asyncio" or "faults" in item.path.parts or relay:
         return {"asyncio": asyncio.new_event_loop}
     return {"uvloop": uvloop.new_event_loop}
 

@@ -29,8 +29,9 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import app, config, pipeline, retention
+from proxy import admin, app, config, pipeline, retention
 
 WITHIN = 10.0  # the default bound on every wait for the proxy (an answer, a close, a start)
 MIB = 1024 * 1024
@@ -147,6 +148,25 @@ async def start_up(cfg: config.Config) -> None:
         await runner.setup()
     finally:
         await runner.cleanup()
+
+
+async def admin_client(aiohttp_client: Any, proxy: TestClient[Any, Any]) -> TestClient[Any, Any]:
+    """A client of ``proxy``'s admin application (metrics, health, readiness)."""
+    client: TestClient[Any, Any] = await aiohttp_client(admin.create_admin_app(proxy.app))
+    return client
+
+
+async def scrape(
+    client: TestClient[Any, Any],
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample on /metrics, keyed by (name, sorted labels)."""
+    response = await client.get("/metrics")
+    assert response.status == 200
+    samples = {}
+    for family in text_string_to_metric_families(await response.text()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
 
 
 def sweeper_of(proxy: TestClient[Any, Any]) -> retention.Sweeper:

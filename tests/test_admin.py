@@ -10,29 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import admin, config, embedded, errors, logs, pipeline
-from tests.helpers import FakeUpstream, MakeProxy
-
-
-async def admin_client(aiohttp_client: Any, proxy: TestClient[Any, Any]) -> TestClient[Any, Any]:
-    client: TestClient[Any, Any] = await aiohttp_client(admin.create_admin_app(proxy.app))
-    return client
-
-
-async def scrape(
-    client: TestClient[Any, Any],
-) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample on /metrics, keyed by (name, sorted labels)."""
-    response = await client.get("/metrics")
-    assert response.status == 200
-    samples = {}
-    for family in text_string_to_metric_families(await response.text()):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
+from proxy import config, embedded, errors, logs, pipeline
+from tests.helpers import FakeUpstream, MakeProxy, admin_client, scrape
 
 
 async def test_metrics_count_requests_by_route_and_outcome(

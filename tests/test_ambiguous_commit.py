@@ -1,4 +1,5 @@
-"""A COMMIT whose answer never comes back: the claim is reconciled on a fresh connection.
+"""A COMMIT whose answer never comes back: the claim is reconciled on a fresh connection; where
+that fails too, a COMMIT never sent is told apart from one in doubt.
 
 A one-way relay between the proxy and PostgreSQL loses, on the connections open at that moment,
 either PostgreSQL's answers (the COMMIT took effect) or the proxy's requests (it never arrived).
@@ -10,11 +11,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from tests.helpers import FakeUpstream, MakeProxy, claimed
+from tests.helpers import FakeUpstream, MakeProxy, admin_client, claimed, event, scrape
 
 
 class OneWayRelay:
@@ -46,6 +48,13 @@ class OneWayRelay:
         """Lose PostgreSQL's answers (``answers``) or the proxy's requests from now on."""
         for link in self._links:
             link["answers" if answers else "requests"] = False
+
+    async def drop(self) -> None:
+        """Close the connections open now, both ends, as a server or a network failing would;
+        the proxy's side notices before it sends anything more."""
+        for writer in self._writers:
+            writer.close()
+        await asyncio.sleep(0.2)  # the proxy's loop reads the end of its connections
 
     async def close(self) -> None:
         assert self.server is not None
@@ -116,3 +125,49 @@ async def test_commit_in_doubt_is_reconciled(
     again = await client.post("/webhooks/corvel", data=b'{"id": "evt_doubt"}')
     assert again.headers["Dedup-Status"] == "duplicate"
     assert len(upstream.requests) == 1
+
+
+@pytest.mark.parametrize("sent", [False, True])
+async def test_a_commit_never_sent_is_told_apart_from_one_in_doubt(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, sent: bool,
+    aiohttp_client: Any, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    relay = OneWayRelay(pg_dsn)
+    await relay.start()
+    upstream.gate = asyncio.Event()
+    try:
+        proxy = await make_proxy(
+            database={"dsn": relay.dsn, "pool_size": 2, "connect_timeout": "1s"},
+            claim_wait="1s",
+        )
+        admin = await admin_client(aiohttp_client, proxy)
+        request = asyncio.create_task(proxy.post("/webhooks/corvel", data=event("doubt")))
+        await upstream.arrived.wait()
+        assert relay.server is not None
+        relay.server.close()  # no fresh connection: reconciling fails either way
+        if sent:
+            relay.cut(answers=False)  # COMMIT is sent, and lost on the way
+        else:
+            await relay.drop()  # the connection is closed before COMMIT
+        with caplog.at_level(logging.INFO, logger="proxy.pipeline"):
+            upstream.gate.set()
+            response = await request
+        samples = await scrape(admin)
+    finally:
+        await relay.close()
+    assert response.status == 200  # the app did the work
+    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]
+    label = (("route", "corvel"),)
+    if sent:
+        assert line["outcome"] == "ambiguous_commit"
+        assert line["error"].startswith("COMMIT failed and could not be reconciled: ")
+        assert samples[("dedup_ambiguous_commits_total", label)] == 1
+        assert samples[("dedup_unsent_commits_total", label)] == 0
+    else:
+        assert line["outcome"] == "commit_not_sent"
+        assert line["error"].startswith(
+            "the connection was closed before COMMIT could be sent, so the claim is not stored"
+        )
+        assert samples[("dedup_unsent_commits_total", label)] == 1
+        assert samples[("dedup_ambiguous_commits_total", label)] == 0
+        assert await claimed(pg_dsn, table) == []

@@ -95,16 +95,6 @@ async def test_missing_table_without_create_schema_fails_start_up(
         await start_up(proxy_config(database={"create_schema": False}))
 
 
-async def test_unreachable_database_fails_start_up_clearly(
-    proxy_config: Callable[..., config.Config],
-) -> None:
-    cfg = proxy_config(
-        database={"dsn": "postgresql://nobody@127.0.0.1:1/none", "connect_timeout": "2s"}
-    )
-    with pytest.raises(errors.StoreUnavailable, match="cannot connect to PostgreSQL"):
-        await start_up(cfg)
-
-
 async def test_database_outage_fails_closed_then_recovers_without_restart(
     make_proxy: MakeProxy,
     upstream: FakeUpstream,
@@ -264,7 +254,7 @@ async def test_a_claim_ends_by_one_named_step_only(pg_dsn: str, table: str) -> N
             await claim.release()
             assert claim.state == "released"
         # One connection, back in the pool after each: none was left in doubt.
-        assert store.pool_stats() == (1, 1)
+        assert store.pool_stats()[:2] == (1, 1)
         assert [row[1] for row in await claimed(pg_dsn, table)] == ["once"]
     finally:
         await store.close()

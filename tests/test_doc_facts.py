@@ -3,6 +3,7 @@
 - The claim table's DDL shown in docs/ is what ``dedup-proxy schema`` prints.
 - docs/configuration.md's key table has a row for every key the parser accepts, and none other;
   the keys are read from the parser itself (every section it opens), not listed here.
+- docs/operations.md has a row for every metric the proxy exports, and none other.
 - The sizing figures quoted in docs/deployment.md and deploy/kubernetes/README.md are figures
   of bench/RESULTS.md, the benchmark's own output: a figure in µs, ms, MB or per second in
   their "Sizing" sections must be printed there with the same unit. A figure worked out from
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy import config
+from proxy import config, metrics
 from proxy.config import reader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,3 +174,19 @@ def test_the_connection_sums_count_the_extra_pod_of_a_rollout() -> None:
         if "maxSurge" not in section(page.read_text(), "Sizing")
     ]
     assert not forget, f"connection sums without the maxSurge pod ({surge}) in: {forget}"
+
+
+# The metrics.
+
+
+def test_operations_md_has_a_row_for_every_metric_and_no_other() -> None:
+    """A metric the proxy exports without a row is one an operator cannot know to alert on."""
+    registry = metrics.Metrics().registry
+    exported = set()
+    for family in registry.collect():
+        suffix = "_total" if family.type == "counter" else ""
+        exported.add(family.name + suffix)
+    text = section((ROOT / "docs" / "operations.md").read_text(), "Metrics")
+    rows = set(re.findall(r"^\| `(dedup_[a-z_]+)` \|", text, re.M))
+    assert sorted(exported - rows) == [], "metrics without a row in operations.md"
+    assert sorted(rows - exported) == [], "rows in operations.md for metrics never exported"

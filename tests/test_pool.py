@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from proxy import errors
 from proxy.database import pool
 
 
@@ -112,6 +113,11 @@ async def test_a_failed_connect_frees_the_slot(pg_dsn: str) -> None:
     lender.release(first)
     with pytest.raises(OSError, match="refused"):
         await lender.acquire()
+    # Two failures in a row (the closed connection, the refused connect): a back-off of at
+    # most BACKOFF_BASE, during which a request is refused without connecting.
+    with pytest.raises(errors.Reconnecting, match=r"after 2 failure\(s\) in a row; the last: "):
+        await lender.acquire()
+    await asyncio.sleep(pool.BACKOFF_BASE)
     third = await asyncio.wait_for(lender.acquire(), 5)  # the slot came back
     assert await third.fetchval("SELECT 1") == 1
     lender.release(third)

@@ -55,6 +55,15 @@ async def passwords(own_server: embedded.EmbeddedPostgres) -> str:
     return dsn
 
 
+# A server that takes writes, its COMMITs waiting for no standby (PostgreSQL's defaults).
+WRITES = [
+    "ok   writes: taken",
+    "ok   commits wait for a standby: no (synchronous_commit on, synchronous_standby_names "
+    "empty): a failover to a standby can lose claims already acknowledged "
+    '(docs/deployment.md, "High availability")',
+]
+
+
 async def test_a_good_setup_passes_every_check(tmp_path: Path, pg_dsn: str, schema: str) -> None:
     async with limited_role(pg_dsn, schema, DOCUMENTED, ANSWERS) as (role, dsn):
         code, out, err = await check_database(tmp_path, dsn, schema)
@@ -63,6 +72,7 @@ async def test_a_good_setup_passes_every_check(tmp_path: Path, pg_dsn: str, sche
     assert lines[0].startswith("ok   connect: ")
     assert f" as {role}, PostgreSQL " in lines[0]
     assert lines[1:] == [
+        *WRITES,
         f"ok   table {schema}: columns and index present",
         "ok   privileges: SELECT, INSERT, DELETE and UPDATE of the answer columns "
         "(on_duplicate: replay)",
@@ -89,7 +99,7 @@ async def test_a_missing_grant_is_named(tmp_path: Path, pg_dsn: str, schema: str
     async with limited_role(pg_dsn, schema, DOCUMENTED) as (role, dsn):
         code, out, _ = await check_database(tmp_path, dsn, schema)
     assert code == 1
-    assert out.splitlines()[2] == (
+    assert out.splitlines()[4] == (
         f"FAIL privileges: role {role} lacks privileges: GRANT UPDATE (answer_status, "
         f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate: replay stores '
         "the app's answer)"
@@ -102,6 +112,7 @@ async def test_a_missing_table_and_column_are_named(
     code, out, _ = await check_database(tmp_path, pg_dsn, table)
     assert code == 1
     assert out.splitlines()[1:] == [
+        *WRITES,
         f"FAIL table {table}: does not exist: run 'dedup-proxy migrate' (or the DDL of "
         "'dedup-proxy schema') as the table's owner",
         "ok   pooler: none (a direct connection to PostgreSQL)",
@@ -109,7 +120,7 @@ async def test_a_missing_table_and_column_are_named(
     await execute(pg_dsn, f'CREATE TABLE "{table}" (scope text, event_id text)')
     code, out, _ = await check_database(tmp_path, pg_dsn, table)
     assert code == 1
-    assert out.splitlines()[1] == (
+    assert out.splitlines()[3] == (
         f"FAIL table {table}: lacks column body_sha256 and the answer columns (on_duplicate: "
         "replay) and index on received_at: run 'dedup-proxy migrate' (or the DDL of "
         "'dedup-proxy schema') as the table's owner"

@@ -178,12 +178,18 @@ async def test_a_taken_port_stops_the_supervisor_before_any_worker_starts(
 
 
 async def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path, table: str) -> None:
+    """Workers started during an outage listen and wait; at start_timeout the first to give up
+    stops the supervisor, rather than be replaced by another that waits again."""
     unreachable = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
-    path = config_file(tmp_path, unreachable, table, database={"connect_timeout": "1s"})
+    path = config_file(
+        tmp_path, unreachable, table, database={"connect_timeout": "1s", "start_timeout": "2s"}
+    )
     code, text = await _run_to_exit(path)
 
     assert code == 1
-    assert "while starting; stopping" in text
+    assert "the database did not answer within 2s (database.start_timeout)" in text
+    assert "could not start (exit code 3); stopping" in text
+    assert "starting a new one" not in text
     assert "Traceback" not in text
 
 

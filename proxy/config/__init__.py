@@ -48,6 +48,8 @@ DEFAULT_SWEEP_BATCH = 1000
 DEFAULT_POOL_SIZE = 10
 DEFAULT_POOL_TIMEOUT = 5.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
+# How long serve, started while the database does not answer, keeps trying before it exits 1.
+DEFAULT_START_TIMEOUT = 300.0
 DEFAULT_TABLE = "processed_events"
 DEFAULT_DATA_DIR = ".dedup-proxy/pgdata"
 MAX_WORKERS = 64
@@ -58,7 +60,7 @@ TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body"
              "log", "admin", "sweeper", "workers", "passthrough", "max_buffered", "max_connections",
              "trusted_proxies", "redeliverer")  # fmt: skip
 DATABASE_KEYS = ("dsn", "password_file", "data_dir", "table", "create_schema", "pool_size",
-                  "pool_timeout", "connect_timeout")  # fmt: skip
+                  "pool_timeout", "connect_timeout", "start_timeout")  # fmt: skip
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
 # far beyond any provider's patience.
 _SHORT_DURATION = values.parse_duration_upto(3600)
@@ -135,6 +137,7 @@ class DatabaseConfig:
     pool_size: int = DEFAULT_POOL_SIZE
     pool_timeout: float = DEFAULT_POOL_TIMEOUT
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    start_timeout: float = DEFAULT_START_TIMEOUT
 
     @property
     def embedded(self) -> bool:
@@ -280,6 +283,9 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         pool_timeout=r.value(db, "pool_timeout", "database", _SHORT_DURATION, DEFAULT_POOL_TIMEOUT),
         connect_timeout=r.value(
             db, "connect_timeout", "database", _SHORT_DURATION, DEFAULT_CONNECT_TIMEOUT
+        ),
+        start_timeout=r.value(
+            db, "start_timeout", "database", values.parse_duration, DEFAULT_START_TIMEOUT
         ),
     )
     lg = r.mapping(top.get("log"), "log", ("level", "format"))

@@ -153,6 +153,10 @@ class Claim:
                 key.scope, key.event_id, answer.status, list(answer.headers), answer.body
             )
         refused = None
+        # Closed already: COMMIT would not be sent, so the claim certainly ended with its
+        # connection (asyncpg refuses at once with "connection is closed"); past this point a
+        # COMMIT that fails was sent, and may have gone through.
+        unsent = self._connection.is_closed()
         try:
             try:
                 with _COMMIT_FAILED:
@@ -176,6 +180,11 @@ class Claim:
             if await store.reconcile(key):
                 return Commit(reconciled=True, answer_refused=refused)
             cause = exc.__cause__ if exc.__cause__ is not None else exc
+            if unsent:
+                raise errors.CommitNotSent(
+                    "the connection was closed before COMMIT could be sent, so the claim is "
+                    f"not stored, and storing it again failed: {cause!r}"
+                ) from cause
             raise errors.CommitFailed(
                 f"COMMIT failed and could not be reconciled: {cause!r}"
             ) from cause

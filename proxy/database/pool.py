@@ -26,11 +26,14 @@ a transaction, or closed, is terminated, never lent again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
+from urllib.parse import parse_qs, unquote
 
 import asyncpg
 
@@ -70,6 +73,12 @@ _REFUSALS: tuple[tuple[type[Exception], type[errors.StoreUnavailable]], ...] = (
     (asyncpg.UndefinedColumnError, errors.TableMissing),
     (asyncpg.InsufficientPrivilegeError, errors.PermissionDenied),
 )
+# A refusal whose connection is closed all the same: one that reached a server taking no writes
+# (a standby, a demoted primary) must not be lent again; a new one, through a multi-host DSN's
+# target_session_attrs=read-write, finds the server that takes them.
+_READ_ONLY = asyncpg.ReadOnlySQLTransactionError
+# asyncpg's words when a connection broke while one of its operations was still under way.
+_STATE_CLASH = "cannot switch to state"
 
 
 def translated(what: str, on_error: Callable[[], object] | None = None) -> Translation:
@@ -96,13 +105,28 @@ class Translation:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if isinstance(exc, DB_ERRORS):
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            detail = _described(exc)
             for refusal, mapped in _REFUSALS:
                 if isinstance(exc, refusal):
                     raise mapped(f"{self._what}: {detail}") from exc
             if self._on_error is not None:
                 self._on_error()
+            if isinstance(exc, _READ_ONLY):
+                raise errors.ReadOnly(
+                    f"{self._what}: the database is read-only (a standby, or a primary demoted "
+                    f"or set read-only): {detail}"
+                ) from exc
             raise errors.StoreUnavailable(f"{self._what}: {detail}") from exc
+
+
+def _described(exc: BaseException) -> str:
+    """An error as the messages name it: its type and text, asyncpg's state clash in words."""
+    if isinstance(exc, asyncpg.InternalClientError) and _STATE_CLASH in str(exc):
+        return (
+            "the connection broke while an earlier operation on it was still under way "
+            f"(asyncpg: {exc}); it is closed, and the next request opens a fresh one"
+        )
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def open_connection(
@@ -111,22 +135,110 @@ def open_connection(
     *,
     application_name: str = APPLICATION_NAME,
     command_timeout: float | None = None,
+    host: tuple[str, int | None] | None = None,
 ) -> Awaitable[Connection]:
-    """A connection that works through PgBouncer in transaction pooling mode.
+    """A connection that works through PgBouncer in transaction pooling mode (to ``host``
+    alone, of the DSN's, if given).
 
     Nothing but ``application_name`` (which PgBouncer tracks) goes into the startup packet; the
     settings a claim relies on travel inside its transaction (``sql.begin``). No prepared
     statement outlives its round trip: asyncpg's statement cache would name statements on one
     server connection and use them on another.
     """
+    where: dict[str, Any] = {} if host is None else {"host": host[0], "port": host[1]}
     connection: Awaitable[Connection] = asyncpg.connect(
         dsn,
         timeout=settings.connect_timeout,
         command_timeout=command_timeout,
         statement_cache_size=0,
         server_settings={"application_name": application_name},
+        **where,
     )
     return connection
+
+
+def dsn_hosts(dsn: str) -> list[tuple[str, int | None]]:
+    """The (host, port) pairs a DSN names, in order (port None: the default), as asyncpg and
+    libpq read them: ``host1:port1,host2:port2`` in the URL, or ``?host=a,b&port=p1,p2``."""
+    rest = dsn.partition("://")[2]
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    authority, tail = rest[:end], rest[end:]
+    query = parse_qs(tail.partition("?")[2]) if "?" in tail else {}
+    if "host" in query:
+        names = query["host"][-1].split(",")
+        ports = query.get("port", [""])[-1].split(",")
+        if len(ports) == 1:
+            ports = ports * len(names)
+        return [(name, int(port) if port else None)
+                for name, port in zip(names, ports, strict=False)]  # fmt: skip
+    pairs: list[tuple[str, int | None]] = []
+    for spec in authority.rpartition("@")[2].split(","):
+        host, colon, port = spec.rpartition(":") if not spec.endswith("]") else ("", "", "")
+        if not colon:
+            host, port = spec, ""
+        pairs.append((unquote(host.strip("[]")), int(port) if port else None))
+    return pairs
+
+
+class HostsRefused(OSError):
+    """No host of a multi-host DSN gave a usable connection; the message names each one and
+    why."""
+
+
+def connector(
+    dsn: str,
+    settings: config.DatabaseConfig,
+    *,
+    application_name: str = APPLICATION_NAME,
+    command_timeout: float | None = None,
+) -> Callable[[], Awaitable[Connection]]:
+    """What opens the connections to ``dsn``.
+
+    A DSN of one host: asyncpg's connect. Of several (a primary and its standbys): each host in
+    turn, the one that last gave a connection first, each with ``connect_timeout`` of its own,
+    as libpq does. asyncpg's timeout covers every host together, so a dead primary whose address
+    drops packets would take all of it, and the promoted standby after it would never be tried;
+    and it names only the last host's error, where this names every host's.
+    """
+    hosts = dsn_hosts(dsn)
+    opened = functools.partial(
+        open_connection, dsn, settings, application_name=application_name,
+        command_timeout=command_timeout,
+    )  # fmt: skip
+    if len(hosts) < 2:
+        return opened
+    order = list(hosts)
+
+    async def connect() -> Connection:
+        refusals = []
+        for host in list(order):
+            try:
+                connection = await opened(host=host)
+            except DB_ERRORS as exc:
+                refusals.append(f"{_named(host)}: {_refusal(exc, settings.connect_timeout)}")
+                continue
+            if order[0] != host:
+                order.remove(host)
+                order.insert(0, host)
+            return connection
+        raise HostsRefused("; ".join(refusals))
+
+    return connect
+
+
+def _named(host: tuple[str, int | None]) -> str:
+    name, port = host
+    name = f"[{name}]" if ":" in name else name
+    return f"{name}:{port or 5432}"
+
+
+def _refusal(exc: BaseException, timeout: float) -> str:
+    """Why one host gave no connection, in words."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g}s (database.connect_timeout)"
+    if isinstance(exc, asyncpg.TargetServerAttributeNotMatched):
+        return "takes no writes (a standby, or read-only), and target_session_attrs asks for them"
+    return _described(exc)
 
 
 def discard(connection: Connection) -> None:
@@ -140,37 +252,91 @@ def server_version(connection: Connection) -> str:
     return str(version)
 
 
+class Counts(NamedTuple):
+    """A pool's levels, and what it counted since it was made."""
+
+    open: int
+    idle: int
+    opened: int  # connections opened
+    failed: int  # connects that failed
+    backed_off: int  # connects not tried: the back-off after failures was running
+
+
+# The back-off after failures, as gRPC's connection back-off: the first reconnect at once (a
+# restart leaves every pooled connection dead at once, and the database may be back already),
+# then waits doubling from BACKOFF_BASE up to BACKOFF_MAX, each a random part of it (jitter), so
+# that the workers and replicas of a fleet do not reconnect in step.
+BACKOFF_BASE = 0.05
+BACKOFF_MAX = 1.0
+
+
+def backoff(failures: int) -> float:
+    """How long to wait before connecting again after ``failures`` failures in a row."""
+    if failures < 2:
+        return 0.0
+    ceiling = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (failures - 2))
+    return random.uniform(ceiling / 2, ceiling)
+
+
 class Pool:
     """``size`` connections made by ``connect``; at most ``size`` lent at once.
 
     Each free slot is on a stack, most recently returned on top: a connection, or None where
     one was closed and a new one is to be opened (so the next request opens a fresh connection
     rather than trying an older one that may sit behind the same broken link).
+
+    Failures back off: a connect that fails, or a connection opened since the last success that
+    comes back closed (its server failed it: read-only, gone), counts one; a connection given
+    back open and idle resets the count. While the back-off runs, a request that would need a
+    new connection is refused at once (``errors.Reconnecting``) instead of logging in again: a
+    database in trouble is not met with a new session per webhook. Connections opened before
+    the last success and found dead afterwards (a restart) do not count: they only say the past.
     """
 
     def __init__(self, connect: Callable[[], Awaitable[Connection]], size: int) -> None:
         self._connect = connect
         self._slots = asyncio.Semaphore(size)
         self._free: list[tuple[Connection | None, float]] = [(None, 0.0)] * size
-        self._open: set[Connection] = set()
+        self._open: dict[Connection, float] = {}  # when each was opened
         self._lent: set[Connection] = set()
         self._closed = False
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_failure = ""
+        self._succeeded_at = 0.0
+        self._opened = self._failed = self._backed_off = 0
 
     @classmethod
     async def open(cls, connect: Callable[[], Awaitable[Connection]], size: int) -> Pool:
-        """Open every connection now, so that a bad DSN fails the start, not a webhook."""
+        """A pool with every connection opened now (see ``fill``)."""
         pool = cls(connect, size)
-        results = await asyncio.gather(*(connect() for _ in range(size)), return_exceptions=True)
+        await pool.fill()
+        return pool
+
+    async def fill(self) -> None:
+        """Open every connection not open yet, together; if any fails, close the ones opened
+        and raise its error (so that a bad DSN fails the start, not a webhook)."""
+        wanted = sum(1 for connection, _ in self._free if connection is None)
+        results = await asyncio.gather(
+            *(self._connect() for _ in range(wanted)), return_exceptions=True
+        )
         opened = [r for r in results if isinstance(r, asyncpg.Connection)]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             for connection in opened:
                 connection.terminate()
+            self._count_failure(failed[0])
             raise failed[0]
+        self._opened += len(opened)
+        # Requests may have taken and given back slots meanwhile: the empty ones are found
+        # again, with no await in between, and a connection with no empty slot left is closed.
         now = time.monotonic()
-        pool._free = [(connection, now) for connection in opened]
-        pool._open.update(opened)
-        return pool
+        empty = [i for i, (connection, _) in enumerate(self._free) if connection is None]
+        for connection in opened[len(empty) :]:
+            connection.terminate()
+        for index, connection in zip(empty, opened, strict=False):
+            self._free[index] = (connection, now)
+            self._open[connection] = now
 
     def exhausted(self) -> bool:
         """Whether every slot is lent out: an ``acquire`` now would wait."""
@@ -187,7 +353,8 @@ class Pool:
 
     async def acquire(self, now: float | None = None) -> Connection:
         """A connection, waiting for a free slot (bound the wait with a timeout); a connection
-        idle for ``MAX_IDLE`` at ``now`` (default: when the slot is free) is replaced."""
+        idle for ``MAX_IDLE`` at ``now`` (default: when the slot is free) is replaced.
+        ``errors.Reconnecting`` while a back-off forbids opening the one needed."""
         await self._slots.acquire()
         if self._closed:
             self._slots.release()
@@ -199,12 +366,23 @@ class Pool:
             if connection is not None:
                 self._forget(connection)
             try:
-                connection = await self._connect()
+                if now < self._retry_at:
+                    self._backed_off += 1
+                    raise errors.Reconnecting(
+                        f"reconnecting to PostgreSQL in {self._retry_at - now:.2f}s, after "
+                        f"{self._failures} failure(s) in a row; the last: {self._last_failure}"
+                    )
+                try:
+                    connection = await self._connect()
+                except DB_ERRORS as exc:
+                    self._count_failure(exc)
+                    raise
             except BaseException:
                 self._free.append((None, 0.0))
                 self._slots.release()
                 raise
-            self._open.add(connection)
+            self._opened += 1
+            self._open[connection] = time.monotonic()
         self._lent.add(connection)
         return connection
 
@@ -214,19 +392,38 @@ class Pool:
             raise RuntimeError("released a connection this pool did not lend (twice?)")
         self._lent.discard(connection)
         if self._closed or connection.is_closed() or connection.is_in_transaction():
+            if self._open.get(connection, 0.0) > self._succeeded_at and not self._closed:
+                self._count_failure(None)
             self._forget(connection)
             self._free.append((None, 0.0))
         else:
-            self._free.append((connection, time.monotonic()))
+            self._failures = 0
+            self._retry_at = 0.0
+            now = time.monotonic()
+            self._succeeded_at = now
+            self._free.append((connection, now))
         self._slots.release()
 
+    def _count_failure(self, exc: BaseException | None) -> None:
+        self._failures += 1
+        if exc is not None:
+            self._failed += 1
+            self._last_failure = _described(exc)
+        elif not self._last_failure:
+            self._last_failure = "a new connection failed its statement"
+        self._retry_at = time.monotonic() + backoff(self._failures)
+
     def _forget(self, connection: Connection) -> None:
-        self._open.discard(connection)
+        self._open.pop(connection, None)
         connection.terminate()
 
     def stats(self) -> tuple[int, int]:
         """(connections open, connections idle)."""
         return len(self._open), sum(1 for connection, _ in self._free if connection is not None)
+
+    def counts(self) -> Counts:
+        open_, idle = self.stats()
+        return Counts(open_, idle, self._opened, self._failed, self._backed_off)
 
     async def close(self, within: float) -> None:
         """Close every connection: politely within ``within`` seconds, then by force."""

@@ -226,7 +226,14 @@ def for_table(table: str) -> Queries:
             f"    FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
             f"    AND attname IN ({', '.join(map(_literal, INBOX_COLUMNS))})"
             "    AND NOT attisdropped)"
-            " AS inbox"
+            " AS inbox,"
+            # Whether a claim can commit here, as target_session_attrs=read-write judges it,
+            # and whether its COMMIT waits for a standby (docs/deployment.md, "High
+            # availability").
+            " pg_is_in_recovery() AS in_recovery,"
+            " current_setting('transaction_read_only') = 'on' AS read_only,"
+            " current_setting('synchronous_commit') AS synchronous_commit,"
+            " current_setting('synchronous_standby_names') AS standby_names"
         ),
         insert=f"INSERT INTO {quoted} (scope, event_id, event_type, body_sha256) VALUES ",
         duplicate_of=f"ROLLBACK; SELECT FROM {quoted} WHERE ",

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -55,6 +54,38 @@ def _plainly_missing() -> Iterator[None]:
         yield
     except errors.TableMissing as exc:
         raise errors.TableMissing(TABLE_MISSING) from exc.__cause__
+
+
+class Replication(NamedTuple):
+    """Whether this session's COMMITs wait for a standby: ``synchronous_commit`` (on,
+    remote_write and remote_apply wait; local and off do not) and the server's
+    ``synchronous_standby_names`` (empty: no standby is waited for, whatever the former)."""
+
+    synchronous_commit: str
+    standby_names: str
+
+    @property
+    def waits(self) -> bool:
+        return bool(self.standby_names.strip()) and self.synchronous_commit in (
+            "on", "remote_write", "remote_apply",
+        )  # fmt: skip
+
+    def __str__(self) -> str:
+        return (
+            f"synchronous_commit {self.synchronous_commit}, synchronous_standby_names "
+            f"{self.standby_names!r}" if self.standby_names.strip()
+            else f"synchronous_commit {self.synchronous_commit}, synchronous_standby_names empty"
+        )  # fmt: skip
+
+
+def _writable(row: pool.Record) -> str:
+    """Why a claim cannot commit on the server a row of ``queries.privileges`` came from ("" if
+    it can)."""
+    if row["in_recovery"]:
+        return "the database is read-only: in recovery (a standby)"
+    if row["read_only"]:
+        return "the database is read-only: default_transaction_read_only is on"
+    return ""
 
 
 class Event(NamedTuple):
@@ -179,6 +210,10 @@ class Store:
         self._kept = False  # whether a route redelivers (check_privileges)
         # Whether the table has the inbox's columns: then the sweep passes over what it keeps.
         self._inbox_columns = False
+        # Set once start succeeded: the pool filled, the table and the grants checked.
+        self.started = asyncio.Event()
+        self.start_problem = "connecting to PostgreSQL"
+        self.replication: Replication | None = None  # read by every check
         self.inbox = inbox.Inbox(self.queries.quoted, self._connection, self._begin,
                                  settings.connect_timeout)  # fmt: skip
 
@@ -202,18 +237,56 @@ class Store:
         Nothing changes a session after connecting, so a connection needs no reset between
         requests (see ``pool``), and any server connection PgBouncer hands over will do.
         """
-        name = "dedup-proxy-cli" if operator else pool.APPLICATION_NAME
-        connect = functools.partial(pool.open_connection, dsn, settings, application_name=name)
-        bound = None if operator else claim_wait + settings.connect_timeout
+        store = cls.create(
+            dsn, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
+            operator=operator,
+        )  # fmt: skip
         with translated(unreachable):
-            connections = await Pool.open(
-                functools.partial(connect, command_timeout=bound),
-                1 if operator else settings.pool_size,
-            )
+            await store._pool.fill()
+        store.started.set()
+        return store
+
+    @classmethod
+    def create(
+        cls,
+        dsn: str,
+        settings: config.DatabaseConfig,
+        *,
+        claim_wait: float,
+        upstream_timeout: float,
+        operator: bool = False,
+    ) -> Store:
+        """The store, not connected yet: ``start`` connects it (see ``open``)."""
+        name = "dedup-proxy-cli" if operator else pool.APPLICATION_NAME
+        connect = pool.connector(dsn, settings, application_name=name)
+        bound = None if operator else claim_wait + settings.connect_timeout
+        connections = Pool(
+            pool.connector(dsn, settings, application_name=name, command_timeout=bound),
+            1 if operator else settings.pool_size,
+        )
         return cls(
             connections, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
             connect=connect,
         )  # fmt: skip
+
+    async def start(self, *, answers: bool, kept: bool) -> None:
+        """Fill the pool, check the claim table (creating or upgrading it if allowed) and the
+        role's grants, and read what readiness reports; then ``started`` is set.
+
+        Raises NotPrepared when the database answers but the table or the grants are not what
+        the routes need (retrying does not fix that), StoreUnavailable when it does not answer
+        (retrying may)."""
+        try:
+            with translated("cannot connect to PostgreSQL"):
+                await self._pool.fill()
+            await self.ensure_schema(answers=answers, kept=kept)
+            await self.check_privileges(answers=answers, kept=kept)
+        except errors.StoreUnavailable as exc:
+            self.start_problem = exc.message
+            raise
+        self.started.set()
+        with contextlib.suppress(errors.StoreUnavailable):
+            await self.check()  # readiness's facts, now: a read-only server does not stop it
 
     async def close(self) -> None:
         await self._pool.close(self.op_timeout)
@@ -300,7 +373,7 @@ class Store:
                     self._inbox_columns = True  # the whole DDL, the inbox's columns included
                     return
         if missing:
-            raise errors.StoreUnavailable(
+            raise errors.NotPrepared(
                 f"table {table}: {missing}, and database.create_schema is false; run "
                 "'dedup-proxy migrate' (or apply 'dedup-proxy schema') or set create_schema: true"
             )
@@ -313,18 +386,39 @@ class Store:
         self._kept = kept
         problem = await self.missing_grants(answers=answers, kept=kept)
         if problem:
-            raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
+            raise errors.NotPrepared(f"table {self._settings.table}: {problem}")
 
     async def check(self) -> None:
-        """Raise StoreUnavailable unless the database answers, the claim table exists and the
-        role still holds the privileges ``check_privileges`` verified; one statement."""
+        """Raise StoreUnavailable unless a claim can commit: the database answers and takes
+        writes (``ReadOnly``: a standby, or read-only), the claim table exists and the role
+        still holds the privileges ``check_privileges`` verified; one statement, which also
+        reads whether COMMITs wait for a standby (``replication``). ``Starting`` until
+        ``start`` has succeeded."""
+        if not self.started.is_set():
+            raise errors.Starting(f"starting: {self.start_problem}")
         async with self._connection() as connection:
             with translated("database check failed"):
                 row = await connection.fetchrow(self.queries.privileges, timeout=self.op_timeout)
+            if row is not None and (read_only := _writable(row)):
+                # Raised inside the block, so the connection is closed, not lent again: a new
+                # one (a multi-host DSN's target_session_attrs) may find the server that
+                # takes writes.
+                raise errors.ReadOnly(read_only)
+        if row is not None:
+            self.replication = Replication(row["synchronous_commit"], row["standby_names"])
         if row is None or not row["table"]:
             raise errors.StoreUnavailable(f"table {self._settings.table} does not exist")
         if problem := _lacking(row, self.queries, answers=self._answers, kept=self._kept):
             raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
+
+    async def facts(self) -> tuple[str, Replication]:
+        """(why a claim cannot commit here, "" if it can; whether COMMITs wait for a standby),
+        for ``check --database``."""
+        async with self._connection() as connection:
+            with translated("query failed"):
+                row = await connection.fetchrow(self.queries.privileges, timeout=self.op_timeout)
+        assert row is not None  # a SELECT without FROM: one row
+        return _writable(row), Replication(row["synchronous_commit"], row["standby_names"])
 
     async def notice_inbox_columns(self) -> None:
         """Read again whether the table has the inbox's columns, until it has: a migrate run
@@ -360,9 +454,9 @@ class Store:
         the requests)."""
         return self._pool.exhausted()
 
-    def pool_stats(self) -> tuple[int, int]:
-        """(connections open, connections idle)."""
-        return self._pool.stats()
+    def pool_stats(self) -> pool.Counts:
+        """The pool's levels and counts."""
+        return self._pool.counts()
 
     # Operating
 
