@@ -121,11 +121,12 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
             retrying = asyncio.create_task(later, name="database-start")
         yield
     finally:
-        if retrying is not None:
-            retrying.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await retrying
-        await store.close()
+        try:
+            if retrying is not None:
+                retrying.cancel()
+                await asyncio.wait([retrying])  # its own end, whatever it was: not raised here
+        finally:
+            await store.close()
 
 
 async def _start_later(
@@ -157,7 +158,12 @@ async def _start_later(
         except errors.NotPrepared as exc:
             start.fail(exc)
             return
-        except errors.StoreUnavailable as exc:
+        except Exception as exc:
+            if not isinstance(exc, errors.StoreUnavailable):
+                # A bug: the start would never end, and the proxy never be ready.
+                log.exception("the store's start failed")
+                start.fail(errors.ProxyError(f"the store's start failed: {exc!r}"))
+                return
             log.warning(
                 "the database does not answer yet (%s): try %d failed, the next in up to %gs",
                 exc.message, attempt, min(START_RETRY_MAX, ceiling * 2),

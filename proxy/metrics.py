@@ -334,9 +334,11 @@ class Metrics:
             "dedup_database_commits_replicated",
             "1 when the database's COMMITs wait for a standby (synchronous_standby_names set, "
             "synchronous_commit on, remote_write or remote_apply), 0 when a failover can lose "
-            "acknowledged claims; read at start and at every readiness check.",
+            "acknowledged claims (also until it is read: at start and at every readiness "
+            "check).",
             registry=self.registry,
-            multiprocess_mode="livemin",
+            # Every worker reads the same server; one still starting has not read it yet.
+            multiprocess_mode="livemax",
         )
         self.retention_deleted = Counter(
             "dedup_retention_deleted_rows",

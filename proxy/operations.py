@@ -14,7 +14,6 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TextIO
-from urllib.parse import parse_qs, urlsplit
 
 from proxy import config, database, embedded, errors
 from proxy.config import routes
@@ -51,16 +50,13 @@ async def open_store(cfg: config.Config) -> AsyncIterator[database.Store]:
 
 
 def server_of(dsn: str) -> str:
-    """Where a DSN points, for messages: host (or socket directory) and port, never its
+    """Where a DSN points, for messages: each host (or socket directory) and port, never its
     credentials."""
     try:
-        parts = urlsplit(dsn)
-        query = parse_qs(parts.query)
-        host = query.get("host", [parts.hostname or "localhost"])[0]
-        port = query.get("port", [str(parts.port or 5432)])[0]
+        hosts = database.dsn_hosts(dsn)
     except ValueError:
         return "the server database.dsn names"
-    return f"{host}:{port}"
+    return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in hosts)
 
 
 def route_of(cfg: config.Config, name: str) -> routes.RouteConfig:

@@ -261,6 +261,116 @@ def test_the_back_off_grows_to_its_bound_with_jitter() -> None:
     assert len({pool.backoff(12) for _ in range(20)}) > 1  # jittered
 
 
+@pytest.mark.parametrize(
+    ("dsn", "hosts"),
+    [
+        ("postgresql://u:p@h1:5432,h2:5433/db?target_session_attrs=read-write",
+         [("h1", 5432), ("h2", 5433)]),
+        ("postgresql://u:p@h1/db", [("h1", 5432)]),
+        ("postgresql://u@[::1]:5433,[fd00::2]/db", [("::1", 5433), ("fd00::2", 5432)]),
+        ("postgresql://u@h1,h2/db?port=5433", [("h1", 5433), ("h2", 5433)]),
+        ("postgresql://u@/db?host=/a,/b&port=5432,5433", [("/a", 5432), ("/b", 5433)]),
+        ("postgresql://u@/db?host=/a,/b&port=5433", [("/a", 5433), ("/b", 5433)]),
+        ("postgresql://u@h1/db?host=/a,/b", [("h1", 5432)]),  # the URL's host wins, as asyncpg's
+    ],
+)  # fmt: skip
+def test_the_hosts_of_a_dsn_are_read_as_asyncpg_reads_them(
+    dsn: str, hosts: list[tuple[str, int]]
+) -> None:
+    assert pool.dsn_hosts(dsn) == hosts
+
+
+def test_a_port_list_that_does_not_match_the_hosts_is_refused() -> None:
+    with pytest.raises(ValueError, match="2 port numbers for 3 hosts"):
+        pool.dsn_hosts("postgresql://u@/db?host=/a,/b,/c&port=5432,5433")
+
+
+@pytest.mark.parametrize(
+    ("error", "for_good"),
+    [
+        (asyncpg.InsufficientPrivilegeError("permission denied for schema s"), True),
+        (asyncpg.InvalidSchemaNameError('schema "s" does not exist'), True),
+        (asyncpg.CannotConnectNowError("the database system is starting up"), False),
+        (asyncpg.AdminShutdownError("terminating connection"), False),
+        (asyncpg.ReadOnlySQLTransactionError("cannot execute CREATE TABLE"), False),
+        (asyncpg.LockNotAvailableError("lock timeout"), False),
+        (ConnectionResetError(), False),
+    ],
+)
+def test_a_start_is_refused_for_good_only_by_a_refusal(error: Exception, for_good: bool) -> None:
+    assert pool.refused_for_good(error) is for_good
+
+
+async def test_serve_whose_role_may_not_create_the_table_exits_at_once_not_at_start_timeout(
+    tmp_path: Path, upstream: FakeUpstream, pg_dsn: str
+) -> None:
+    path = tmp_path / "config.yaml"
+    settings = serve_settings(upstream.url, pg_dsn, "no_such_schema.events")
+    path.write_text(yaml.safe_dump({**settings, "log": {"format": "text"}}))
+    code, out, err = await asyncio.wait_for(run_cli("serve", "--config", str(path)), 30)
+    assert code == 1, out + err
+    assert "cannot start: cannot prepare table no_such_schema.events: " in out + err
+    assert "start_timeout" not in out + err
+
+
+async def test_while_connects_back_off_a_healthy_connection_is_still_lent(pg_dsn: str) -> None:
+    """New connections failing (max_connections reached, a rotated password) while the open
+    ones work: the back-off refuses only what needs a new one."""
+    failing = False
+
+    async def connect() -> pool.Connection:
+        if failing:
+            raise ConnectionRefusedError("refused")
+        connection: pool.Connection = await asyncpg.connect(pg_dsn)
+        return connection
+
+    lender = await pool.Pool.open(connect, 2)
+    try:
+        healthy, broken = await lender.acquire(), await lender.acquire()
+        broken.terminate()
+        lender.release(healthy)
+        lender.release(broken)  # on top now: an empty slot, a new connection to open
+        failing = True
+        for _ in range(2):  # the first reconnect comes at once; after the second, a back-off
+            with pytest.raises(ConnectionRefusedError):
+                await lender.acquire()
+        lent = await lender.acquire()  # the empty slot on top again, but the back-off runs
+        assert lent is healthy
+        assert await lent.fetchval("SELECT 1") == 1
+        lender.release(lent)
+        assert lender.counts().backed_off == 0
+    finally:
+        await lender.close(5)
+
+
+async def test_after_a_failover_a_webhook_reaches_the_host_after_one_that_drops_packets(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    """On the request path too: pool_timeout bounds the wait for a slot, not the connect, which
+    tries each host within connect_timeout."""
+    first, second = Relay(pg_target(pg_dsn)), Relay(pg_target(pg_dsn))
+    await first.start()
+    await second.start()
+    try:
+        dsn = via(pg_dsn, second.port, first=f"127.0.0.1:{first.port}")
+        proxy = await make_proxy(
+            database={"dsn": dsn, "pool_size": 1, "pool_timeout": "1s", "connect_timeout": "1s"}
+        )
+        assert (await proxy.post("/webhooks/corvel", data=event("before"))).status == 200
+        await first.set_mode("reset")  # the primary dies: its connections are cut...
+        await first.set_mode("blackhole")  # ...and its address drops packets
+        answers = []
+        for n in range(5):
+            answer = await proxy.post("/webhooks/corvel", data=event(f"after-{n}"))
+            answers.append((answer.status, (await answer.text())[:120]))
+        assert answers[-1][0] == 200, answers
+        assert not any("No database connection is free" in text for _, text in answers), answers
+    finally:
+        await first.close()
+        await second.close()
+    assert {row[1] for row in await claimed(pg_dsn, table)} >= {"before", "after-4"}
+
+
 # ---
 
 
@@ -285,20 +395,3 @@ def via(dsn: str, port: int, *, first: str | None = None) -> str:
 
 def aiohttp_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession()
-
-
-@pytest.mark.parametrize(
-    ("dsn", "hosts"),
-    [
-        ("postgresql://u:p@h1:5432,h2:5433/db?target_session_attrs=read-write",
-         [("h1", 5432), ("h2", 5433)]),
-        ("postgresql://u:p@h1/db", [("h1", None)]),
-        ("postgresql://u@[::1]:5433,[fd00::2]/db", [("::1", 5433), ("fd00::2", None)]),
-        ("postgresql://u@/db?host=/a,/b&port=5432,5433", [("/a", 5432), ("/b", 5433)]),
-        ("postgresql://u@/db?host=/a,/b&port=5433", [("/a", 5433), ("/b", 5433)]),
-    ],
-)  # fmt: skip
-def test_the_hosts_of_a_dsn_are_read_as_libpq_reads_them(
-    dsn: str, hosts: list[tuple[str, int | None]]
-) -> None:
-    assert pool.dsn_hosts(dsn) == hosts

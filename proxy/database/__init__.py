@@ -24,7 +24,7 @@ from proxy.database.claim import (
     Key,
 )
 from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Kept, Redelivery, Shown
-from proxy.database.pool import translated
+from proxy.database.pool import dsn_hosts, translated
 from proxy.database.store import (
     DDL_LOCK_WAIT,
     PRIVILEGES,
@@ -59,6 +59,7 @@ __all__ = [
     "Shown",
     "Store",
     "apply_schema",
+    "dsn_hosts",
     "missing_schema",
     "schema_sql",
     "translated",

@@ -26,8 +26,8 @@ a transaction, or closed, is terminated, never lent again.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -119,6 +119,24 @@ class Translation:
             raise errors.StoreUnavailable(f"{self._what}: {detail}") from exc
 
 
+# SQLSTATE classes of a server in trouble, not of a refusal: connection exception, insufficient
+# resources, operator intervention (shutting down, starting up), system error.
+_TROUBLE_CLASSES = ("08", "53", "57", "58")
+
+
+def refused_for_good(exc: BaseException | None) -> bool:
+    """Whether a database error is a refusal waiting does not end (a missing privilege or
+    schema, a bad name), rather than a server in trouble (down, starting, read-only during a
+    failover, a lock held)."""
+    if not isinstance(exc, asyncpg.PostgresError):
+        return False
+    state = str(getattr(exc, "sqlstate", "") or "")
+    transient = state[:2] in _TROUBLE_CLASSES or isinstance(
+        exc, _READ_ONLY | asyncpg.LockNotAvailableError
+    )
+    return not transient
+
+
 def _described(exc: BaseException) -> str:
     """An error as the messages name it: its type and text, asyncpg's state clash in words."""
     if isinstance(exc, asyncpg.InternalClientError) and _STATE_CLASH in str(exc):
@@ -135,7 +153,7 @@ def open_connection(
     *,
     application_name: str = APPLICATION_NAME,
     command_timeout: float | None = None,
-    host: tuple[str, int | None] | None = None,
+    host: tuple[str, int] | None = None,
 ) -> Awaitable[Connection]:
     """A connection that works through PgBouncer in transaction pooling mode (to ``host``
     alone, of the DSN's, if given).
@@ -157,27 +175,36 @@ def open_connection(
     return connection
 
 
-def dsn_hosts(dsn: str) -> list[tuple[str, int | None]]:
-    """The (host, port) pairs a DSN names, in order (port None: the default), as asyncpg and
-    libpq read them: ``host1:port1,host2:port2`` in the URL, or ``?host=a,b&port=p1,p2``."""
+def dsn_hosts(dsn: str) -> list[tuple[str, int]]:
+    """The (host, port) pairs a DSN names, in order, as asyncpg and libpq read them: the URL's
+    ``host1:port1,host2:port2`` (a host without a port takes ``?port=``, else PGPORT, else 5432),
+    or ``?host=a,b&port=p1,p2`` when the URL names none. ValueError for a port list that does
+    not match the hosts."""
     rest = dsn.partition("://")[2]
     end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
     authority, tail = rest[:end], rest[end:]
     query = parse_qs(tail.partition("?")[2]) if "?" in tail else {}
-    if "host" in query:
-        names = query["host"][-1].split(",")
-        ports = query.get("port", [""])[-1].split(",")
-        if len(ports) == 1:
-            ports = ports * len(names)
-        return [(name, int(port) if port else None)
-                for name, port in zip(names, ports, strict=False)]  # fmt: skip
-    pairs: list[tuple[str, int | None]] = []
-    for spec in authority.rpartition("@")[2].split(","):
-        host, colon, port = spec.rpartition(":") if not spec.endswith("]") else ("", "", "")
-        if not colon:
-            host, port = spec, ""
-        pairs.append((unquote(host.strip("[]")), int(port) if port else None))
-    return pairs
+    specs = authority.rpartition("@")[2]
+    default = os.environ.get("PGPORT", "") or "5432"
+    ports = query.get("port", [default])[-1].split(",")
+    if specs:
+        names: list[str] = []
+        written: list[str] = []
+        for spec in specs.split(","):
+            host, colon, port = spec.rpartition(":") if not spec.endswith("]") else ("", "", "")
+            if not colon:
+                host, port = spec, ""
+            names.append(unquote(host.strip("[]")))
+            written.append(port)
+    else:
+        names = query.get("host", ["localhost"])[-1].split(",")
+        written = [""] * len(names)
+    if len(ports) == 1:
+        ports = ports * len(names)
+    if len(ports) != len(names):
+        raise ValueError(f"{len(ports)} port numbers for {len(names)} hosts")
+    return [(name, int(port or fallback or "5432"))
+            for name, port, fallback in zip(names, written, ports, strict=True)]  # fmt: skip
 
 
 class HostsRefused(OSError):
@@ -185,51 +212,54 @@ class HostsRefused(OSError):
     why."""
 
 
-def connector(
-    dsn: str,
-    settings: config.DatabaseConfig,
-    *,
-    application_name: str = APPLICATION_NAME,
-    command_timeout: float | None = None,
-) -> Callable[[], Awaitable[Connection]]:
-    """What opens the connections to ``dsn``.
+class Connector:
+    """What opens the connections to ``dsn``; called with the connection's ``command_timeout``.
 
     A DSN of one host: asyncpg's connect. Of several (a primary and its standbys): each host in
     turn, the one that last gave a connection first, each with ``connect_timeout`` of its own,
     as libpq does. asyncpg's timeout covers every host together, so a dead primary whose address
     drops packets would take all of it, and the promoted standby after it would never be tried;
-    and it names only the last host's error, where this names every host's.
+    and it names only the last host's error, where this names every host's. The pool and the
+    reconciling connections share one, so both learn which host answers.
     """
-    hosts = dsn_hosts(dsn)
-    opened = functools.partial(
-        open_connection, dsn, settings, application_name=application_name,
-        command_timeout=command_timeout,
-    )  # fmt: skip
-    if len(hosts) < 2:
-        return opened
-    order = list(hosts)
 
-    async def connect() -> Connection:
+    def __init__(
+        self, dsn: str, settings: config.DatabaseConfig, application_name: str = APPLICATION_NAME
+    ) -> None:
+        self._dsn = dsn
+        self._settings = settings
+        self._name = application_name
+        try:
+            self._order = dsn_hosts(dsn)
+        except ValueError:
+            self._order = []  # asyncpg says what is wrong with it, at the first connect
+
+    async def __call__(self, command_timeout: float | None = None) -> Connection:
+        if len(self._order) < 2:
+            return await open_connection(
+                self._dsn, self._settings, application_name=self._name,
+                command_timeout=command_timeout,
+            )  # fmt: skip
         refusals = []
-        for host in list(order):
+        for host in list(self._order):
             try:
-                connection = await opened(host=host)
+                connection = await open_connection(
+                    self._dsn, self._settings, application_name=self._name,
+                    command_timeout=command_timeout, host=host,
+                )  # fmt: skip
             except DB_ERRORS as exc:
-                refusals.append(f"{_named(host)}: {_refusal(exc, settings.connect_timeout)}")
+                refusals.append(f"{_named(host)}: {_refusal(exc, self._settings.connect_timeout)}")
                 continue
-            if order[0] != host:
-                order.remove(host)
-                order.insert(0, host)
+            if self._order[0] != host:
+                self._order.remove(host)
+                self._order.insert(0, host)
             return connection
         raise HostsRefused("; ".join(refusals))
 
-    return connect
 
-
-def _named(host: tuple[str, int | None]) -> str:
+def _named(host: tuple[str, int]) -> str:
     name, port = host
-    name = f"[{name}]" if ":" in name else name
-    return f"{name}:{port or 5432}"
+    return f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
 
 
 def _refusal(exc: BaseException, timeout: float) -> str:
@@ -304,6 +334,7 @@ class Pool:
         self._retry_at = 0.0
         self._last_failure = ""
         self._succeeded_at = 0.0
+        self._failed_at = 0.0
         self._opened = self._failed = self._backed_off = 0
 
     @classmethod
@@ -317,17 +348,22 @@ class Pool:
         """Open every connection not open yet, together; if any fails, close the ones opened
         and raise its error (so that a bad DSN fails the start, not a webhook)."""
         wanted = sum(1 for connection, _ in self._free if connection is None)
-        results = await asyncio.gather(
-            *(self._connect() for _ in range(wanted)), return_exceptions=True
-        )
+        connects = [asyncio.ensure_future(self._connect()) for _ in range(wanted)]
+        try:
+            results = await asyncio.gather(*connects, return_exceptions=True)
+        except asyncio.CancelledError:
+            for connect in connects:  # those that finished are in no slot: close them
+                if connect.done() and not connect.cancelled() and connect.exception() is None:
+                    connect.result().terminate()
+            raise
         opened = [r for r in results if isinstance(r, asyncpg.Connection)]
         failed = [r for r in results if isinstance(r, BaseException)]
+        self._opened += len(opened)
         if failed:
             for connection in opened:
                 connection.terminate()
-            self._count_failure(failed[0])
+            self._count_failure(failed[0], len(failed))
             raise failed[0]
-        self._opened += len(opened)
         # Requests may have taken and given back slots meanwhile: the empty ones are found
         # again, with no await in between, and a connection with no empty slot left is closed.
         now = time.monotonic()
@@ -352,10 +388,20 @@ class Pool:
         return connection is not None and not connection.is_closed() and now - since < MAX_IDLE
 
     async def acquire(self, now: float | None = None) -> Connection:
-        """A connection, waiting for a free slot (bound the wait with a timeout); a connection
-        idle for ``MAX_IDLE`` at ``now`` (default: when the slot is free) is replaced.
-        ``errors.Reconnecting`` while a back-off forbids opening the one needed."""
+        """A connection, waiting for a free slot (bound the wait with a timeout): ``slot`` then
+        ``take``."""
+        await self.slot()
+        return await self.take(now)
+
+    async def slot(self) -> None:
+        """Wait for a free slot; ``take`` must follow (it gives the slot back if it fails)."""
         await self._slots.acquire()
+
+    async def take(self, now: float | None = None) -> Connection:
+        """The connection of the slot ``slot`` gave: the one on top of the stack, or a new one
+        in place of one closed or idle for ``MAX_IDLE`` at ``now`` (default: now). While a
+        back-off forbids opening one, an open connection lower in the stack is lent instead,
+        and ``errors.Reconnecting`` raised if there is none."""
         if self._closed:
             self._slots.release()
             raise asyncpg.InterfaceError("the pool is closed")
@@ -367,6 +413,10 @@ class Pool:
                 self._forget(connection)
             try:
                 if now < self._retry_at:
+                    if (usable := self._usable(now)) is not None:
+                        self._free.insert(0, (None, 0.0))  # the empty slot, tried last
+                        self._lent.add(usable)
+                        return usable
                     self._backed_off += 1
                     raise errors.Reconnecting(
                         f"reconnecting to PostgreSQL in {self._retry_at - now:.2f}s, after "
@@ -386,32 +436,46 @@ class Pool:
         self._lent.add(connection)
         return connection
 
+    def _usable(self, now: float) -> Connection | None:
+        """Take the topmost open connection, not idle for MAX_IDLE, off the stack (None if
+        there is none)."""
+        for index in range(len(self._free) - 1, -1, -1):
+            connection, since = self._free[index]
+            if connection is not None and not connection.is_closed() and now - since < MAX_IDLE:
+                del self._free[index]
+                return connection
+        return None
+
     def release(self, connection: Connection) -> None:
         """Take a connection back; it must be outside any transaction to be lent again."""
         if connection not in self._lent:
             raise RuntimeError("released a connection this pool did not lend (twice?)")
         self._lent.discard(connection)
+        opened = self._open.get(connection, 0.0)
         if self._closed or connection.is_closed() or connection.is_in_transaction():
-            if self._open.get(connection, 0.0) > self._succeeded_at and not self._closed:
+            if opened > self._succeeded_at and not self._closed:
                 self._count_failure(None)
             self._forget(connection)
             self._free.append((None, 0.0))
         else:
-            self._failures = 0
-            self._retry_at = 0.0
             now = time.monotonic()
             self._succeeded_at = now
+            if opened > self._failed_at:
+                # A connection made since the last failure did its work: connecting works.
+                self._failures = 0
+                self._retry_at = 0.0
             self._free.append((connection, now))
         self._slots.release()
 
-    def _count_failure(self, exc: BaseException | None) -> None:
+    def _count_failure(self, exc: BaseException | None, count: int = 1) -> None:
         self._failures += 1
+        self._failed_at = time.monotonic()
         if exc is not None:
-            self._failed += 1
+            self._failed += count
             self._last_failure = _described(exc)
         elif not self._last_failure:
             self._last_failure = "a new connection failed its statement"
-        self._retry_at = time.monotonic() + backoff(self._failures)
+        self._retry_at = self._failed_at + backoff(self._failures)
 
     def _forget(self, connection: Connection) -> None:
         self._open.pop(connection, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -258,11 +259,10 @@ class Store:
     ) -> Store:
         """The store, not connected yet: ``start`` connects it (see ``open``)."""
         name = "dedup-proxy-cli" if operator else pool.APPLICATION_NAME
-        connect = pool.connector(dsn, settings, application_name=name)
+        connect = pool.Connector(dsn, settings, name)
         bound = None if operator else claim_wait + settings.connect_timeout
         connections = Pool(
-            pool.connector(dsn, settings, application_name=name, command_timeout=bound),
-            1 if operator else settings.pool_size,
+            functools.partial(connect, command_timeout=bound), 1 if operator else settings.pool_size
         )
         return cls(
             connections, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
@@ -279,8 +279,14 @@ class Store:
         try:
             with translated("cannot connect to PostgreSQL"):
                 await self._pool.fill()
-            await self.ensure_schema(answers=answers, kept=kept)
-            await self.check_privileges(answers=answers, kept=kept)
+            try:
+                await self.ensure_schema(answers=answers, kept=kept)
+                await self.check_privileges(answers=answers, kept=kept)
+            except errors.StoreUnavailable as exc:
+                if pool.refused_for_good(exc.__cause__):
+                    # The server answered, and refused (a privilege, a schema): not an outage.
+                    raise errors.NotPrepared(exc.message) from exc.__cause__
+                raise
         except errors.StoreUnavailable as exc:
             self.start_problem = exc.message
             raise
@@ -298,9 +304,13 @@ class Store:
         """Claim (scope, event_id); waits while another transaction holds it uncommitted, at
         most ``wait`` seconds (a route's own claim_wait; default the store's).
 
-        Raises StoreUnavailable (no connection or the database failed) or ClaimWaitExceeded.
-        On exit the transaction is rolled back unless a step of the claim ended it.
+        Raises StoreUnavailable (no connection or the database failed; ``Starting`` before
+        ``start`` succeeded, so that no claim is made on a table or with grants not checked
+        yet) or ClaimWaitExceeded. On exit the transaction is rolled back unless a step of the
+        claim ended it.
         """
+        if not self.started.is_set():
+            raise errors.Starting(f"starting: {self.start_problem}")
         connection = await self._acquire()
         begin, timeout = self._begin, self._claim_timeout
         if wait is not None and wait != self._claim_wait:
@@ -568,15 +578,18 @@ class Store:
         if self._pool.ready(now):
             # The common case, without arming a timer: a free connection, lent at once.
             return await self._pool.acquire(now)
+        try:
+            # pool_timeout bounds the wait for a free slot only: a connect has its own bounds
+            # (connect_timeout, per host), and cutting it short would keep a multi-host DSN
+            # from ever reaching the host after one that drops packets. asyncio.timeout, not
+            # wait_for: on Python 3.11 that makes a task per call.
+            async with asyncio.timeout(self._settings.pool_timeout):
+                await self._pool.slot()
+        except TimeoutError as exc:
+            raise errors.PoolExhausted(
+                f"no free database connection within {self._settings.pool_timeout:g}s "
+                f"(pool_size {self._settings.pool_size})"
+            ) from exc
         with translated("cannot connect to PostgreSQL"):
-            try:
-                # asyncio.timeout, not acquire(timeout=): on Python 3.11 asyncpg's wait_for
-                # makes a task per call.
-                async with asyncio.timeout(self._settings.pool_timeout):
-                    connection: Connection = await self._pool.acquire()
-            except TimeoutError as exc:
-                raise errors.PoolExhausted(
-                    f"no free database connection within {self._settings.pool_timeout:g}s "
-                    f"(pool_size {self._settings.pool_size})"
-                ) from exc
+            connection: Connection = await self._pool.take()
         return connection
