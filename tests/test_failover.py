@@ -21,21 +21,29 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 import yaml
-from aiohttp import web
 
 from tests import replication
-from tests.helpers import event, free_port, serve_settings, start_serve
+from tests.failover_traffic import (
+    PATH,
+    Answer,
+    App,
+    Call,
+    Provider,
+    assert_answered_as_documented,
+    record,
+    recording_app,
+    reforwarded,
+)
+from tests.helpers import serve_settings, start_serve
 
 RATE = 20  # events per second
 BEFORE_KILL = 4.0
@@ -43,53 +51,12 @@ AFTER_KILL = 6.0
 COPY_AFTER = 2.5
 CUT_BEFORE_KILL = 2.0  # the asynchronous test: the WAL stream cut this long before the kill
 DETECTION = 1.0  # from the kill to promote(): a failover manager noticing the dead primary
-RETRY_EVERY = 0.5
 GIVE_UP = 40.0  # a copy not acknowledged this long after its first send
+PROVIDER = Provider(rate=RATE, copy_after=COPY_AFTER, give_up=GIVE_UP)
 REACH_WITHIN = 20.0  # from promote() to the first 2xx: a liveness bound, not a benchmark
-APP_HOLDS = 0.02  # the app's work per call
 TABLE = "failover_events"
-PATH = "/webhooks/corvel"
-FIGURES = Path("/tmp/failover/figures.jsonl")
 SYNC_STATE = "SELECT string_agg(sync_state, ',') FROM pg_stat_replication"
 LISTED = "SELECT string_agg(n::text, ',' ORDER BY n) FROM t"  # the pair test's table, as text
-
-
-@dataclass
-class Call:
-    """One request at the app."""
-
-    event: str
-    send: str  # the X-Request-ID of the provider's send that the proxy forwarded
-    arrived: float
-
-
-@dataclass
-class App:
-    calls: list[Call] = field(default_factory=list)
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = json.loads(await request.read())
-        self.calls.append(Call(body["id"], request.headers["X-Request-ID"], time.monotonic()))
-        await asyncio.sleep(APP_HOLDS)
-        return web.Response(text="processed")
-
-
-@dataclass(frozen=True)
-class Answer:
-    """The proxy's answer to one send (one attempt of one copy of one event)."""
-
-    send: str
-    event: str
-    copy: int
-    sent: float
-    answered: float
-    status: int | None  # None: no answer (see error)
-    retry_after: str | None
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status is not None and 200 <= self.status < 300
 
 
 @dataclass
@@ -106,60 +73,8 @@ class Timeline:
 @pytest.fixture
 async def app() -> AsyncIterator[tuple[App, str]]:
     """The recording app and its URL; stopped at the test's end."""
-    recorder = App()
-    application = web.Application()
-    application.router.add_route("*", "/{tail:.*}", recorder.handle)
-    runner = web.AppRunner(application, shutdown_timeout=1.0)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield recorder, f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-async def deliver(
-    session: aiohttp.ClientSession, url: str, n: int, copy: int, at: float, out: list[Answer]
-) -> None:
-    """Send copy ``copy`` of event ``n`` at ``at``, again on every 503 until a 2xx (bounded);
-    any other answer ends it."""
-    await asyncio.sleep(max(0.0, at - time.monotonic()))
-    event_id = f"evt_{n:04d}"
-    deadline = time.monotonic() + GIVE_UP
-    for attempt in range(int(GIVE_UP / RETRY_EVERY) + 1):
-        send = f"{event_id}.{copy}.{attempt}"
-        sent = time.monotonic()
-        try:
-            async with session.post(
-                url, data=event(event_id), headers={"X-Request-ID": send}
-            ) as response:
-                await response.read()
-                answer = Answer(
-                    send, event_id, copy, sent, time.monotonic(), response.status,
-                    response.headers.get("Retry-After"),
-                )  # fmt: skip
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            answer = Answer(send, event_id, copy, sent, time.monotonic(), None, None, repr(exc))
-        out.append(answer)
-        if answer.status != 503 or time.monotonic() > deadline:
-            return
-        await asyncio.sleep(RETRY_EVERY)
-
-
-async def provider(url: str, events: int, t0: float) -> list[Answer]:
-    """``RATE`` events a second from ``t0``, each sent twice, ``COPY_AFTER`` apart."""
-    answers: list[Answer] = []
-    timeout = aiohttp.ClientTimeout(total=15)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(
-            *(
-                deliver(session, url, n, copy, t0 + n / RATE + copy * COPY_AFTER, answers)
-                for n in range(events)
-                for copy in (0, 1)
-            )
-        )
-    return answers
+    async with recording_app() as recorder:
+        yield recorder
 
 
 async def nemesis(pair: replication.Pair, t0: float, *, cut: bool) -> Timeline:
@@ -192,30 +107,11 @@ class Outcome:
     log_outcomes: Counter[str]
     proxy_exited: bool  # the proxy ran on, never restarted, through the failover
 
-    def straddles(self, call: Call, by_send: dict[str, Answer]) -> bool:
-        """The call reached the app before the kill ended and its answer left after the kill
-        began: the COMMIT may have died with the primary (the documented window)."""
-        answer = by_send[call.send]
-        return call.arrived < self.timeline.kill_end and answer.answered >= self.timeline.kill_start
-
     def reforwarded(self) -> tuple[list[str], list[str]]:
-        """Events the app got again after a first call acknowledged 2xx to the provider: those
-        whose first call did not straddle the kill, and those whose first call did."""
-        by_send = {a.send: a for a in self.answers}
-        firsts: dict[str, Call] = {}
-        again: set[str] = set()
-        for call in sorted(self.calls, key=lambda c: c.arrived):
-            if call.event in firsts:
-                again.add(call.event)
-            else:
-                firsts[call.event] = call
-        outside: list[str] = []
-        inside: list[str] = []
-        for name in sorted(again):
-            first = firsts[name]
-            if by_send[first.send].ok:
-                (inside if self.straddles(first, by_send) else outside).append(name)
-        return outside, inside
+        """Events forwarded again after an acknowledged first call: outside the window, and
+        straddling the kill (``failover_traffic.reforwarded``)."""
+        t = self.timeline
+        return reforwarded(self.answers, self.calls, t.kill_start, t.kill_end)
 
     def figures(self, *, synchronous: bool, events: int) -> dict[str, Any]:
         t = self.timeline
@@ -268,7 +164,7 @@ async def fail_over(
             assert replicated == (1 if synchronous else 0)
             t0 = time.monotonic() + 0.5
             answers, timeline = await asyncio.gather(
-                provider(served.url + PATH, events, t0), nemesis(pair, t0, cut=cut)
+                PROVIDER.send(served.url + PATH, events, t0), nemesis(pair, t0, cut=cut)
             )
             exited = served.process.returncode is not None
             log_outcomes = Counter(line["outcome"] for line in served.lines() if "outcome" in line)
@@ -277,29 +173,15 @@ async def fail_over(
         rows = int(pair.primary.sql(f"SELECT count(*) FROM {TABLE}", database="dedup"))
     outcome = Outcome(answers, recorder.calls, timeline, rows, log_outcomes, exited)
     figures = outcome.figures(synchronous=synchronous, events=events)
-    print(f"\nfailover figures: {json.dumps(figures)}")
     record(figures)
     return outcome, figures
-
-
-def record(figures: dict[str, Any]) -> None:
-    """Append ``figures`` to FIGURES, one JSON line."""
-    FIGURES.parent.mkdir(parents=True, exist_ok=True)
-    with FIGURES.open("a") as out:
-        out.write(json.dumps(figures) + "\n")
 
 
 def assert_the_proxy_rode_it_out(outcome: Outcome, figures: dict[str, Any], events: int) -> None:
     """No restart; only 2xx, or 503 with Retry-After; every copy acknowledged in the end; the
     new primary reached within the bound."""
     assert not outcome.proxy_exited
-    others = [a for a in outcome.answers if not a.ok and a.status != 503]
-    assert others == [], f"answers other than 2xx and 503: {others[:5]}"
-    bare = [a for a in outcome.answers if a.status == 503 and not a.retry_after]
-    assert bare == [], f"503 without Retry-After: {bare[:5]}"
-    acknowledged = {(a.event, a.copy) for a in outcome.answers if a.ok}
-    assert len(acknowledged) == 2 * events, "not every copy was acknowledged in the end"
-    assert figures["answers_503"] > 0, "the failover cost no 503: was the primary killed?"
+    assert_answered_as_documented(outcome.answers, events)
     reached = figures["promote_to_first_2xx_s"]
     assert reached is not None, "no 2xx after the promotion"
     assert reached <= REACH_WITHIN
