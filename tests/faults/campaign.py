@@ -14,12 +14,32 @@ GitHub's: each event sent 1-3 times, a failure never retried, any 2xx (``queued`
 is pending and the app has every accepted event; an event whose every send failed was refused
 (the provider was told to retry), which the checker tells apart from a loss.
 
+The database can be another set-up (``databases``), with the same checker and invariant:
+
+- ``--pgbouncer``: the replicas reach PostgreSQL through a real PgBouncer in transaction pooling
+  mode, with the settings docs/deployment.md recommends (``tests/pgbouncer.py``). The relays
+  sit between each replica and PgBouncer, so a link fault still cuts one replica off;
+  ``pg_restart`` restarts the PostgreSQL behind PgBouncer, which stays up. Nothing new is
+  excused: a claim's transaction dies with its server connection as it does without the
+  pooler, and a COMMIT PgBouncer relays as acknowledged is the server's own.
+- ``--failover``: a PostgreSQL 15 primary and a standby replicating synchronously
+  (``tests/replication.py``); each replica's DSN lists both servers, each through a relay of its
+  own (so a link fault cuts the replica off both), with ``target_session_attrs=read-write``.
+  Instead of restarting PostgreSQL the nemesis fails over: it kills the primary (SIGKILL), promotes
+  the standby, and a moment later rebuilds the old primary as the new one's standby, so that the
+  next failover has one. The first round's second action is a failover, so even a short run has
+  one. No acknowledged event may be lost (a COMMIT acknowledged was on the standby first: a
+  second forward after a claim logged committed is ``forwarded_after_commit``), and the only
+  new window for a second delivery is an app call straddling the kill.
+
 Each replica reaches the app on a port of its own, so the app knows which replica sent a call,
 a redelivery included (it carries the headers of the delivery it redelivers).
 
 Run it on demand (exit status 1 on any violation)::
 
     python -m tests.faults.campaign --minutes 5 [--replicas 3] [--seed S] [--events K] [--inbox]
+    python -m tests.faults.campaign --minutes 5 --pgbouncer
+    python -m tests.faults.campaign --minutes 5 --failover
 """
 
 from __future__ import annotations
@@ -42,7 +62,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 import asyncpg
@@ -50,8 +69,8 @@ import yaml
 from aiohttp import web
 
 from proxy import config, embedded, errors
-from tests.faults import checker
-from tests.faults.relay import Mode, Relay
+from tests.faults import checker, databases
+from tests.faults.relay import Mode
 from tests.helpers import accepts, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +78,8 @@ ROUTE = "camp"
 HOOK = "/hook"
 KINDS = ("kill", "pg_restart", "blackhole", "reset", "refuse", "latency")
 _WEIGHTS = {"kill": 2, "pg_restart": 1, "blackhole": 2, "reset": 2, "refuse": 1, "latency": 2}
+_WEIGHTS["failover"] = _WEIGHTS["pg_restart"]  # in its place, with a primary and a standby
+_DATABASE_FAULTS = frozenset({"pg_restart", "failover"})
 _LINK_FAULTS: dict[str, Mode] = {"blackhole": "blackhole", "reset": "reset", "refuse": "refuse"}
 _LINK_HOLD = {"blackhole": (1.0, 4.0), "reset": (0.0, 0.5), "refuse": (0.5, 2.5)}
 _POLL = 0.05
@@ -183,11 +204,10 @@ def monotonic_of(stamp: object) -> float | None:
     return wall - (time.time() - time.monotonic())
 
 
-def unix_socket_of(dsn: str) -> Path:
-    """The socket file of a ``postgresql://…?host=/dir`` DSN (the embedded server's)."""
-    parts = urlsplit(dsn)
-    directory = parse_qs(parts.query)["host"][0]
-    return Path(directory) / f".s.PGSQL.{parts.port or 5432}"
+def kinds_of(fault: str) -> tuple[str, ...]:
+    """The nemesis's kinds of action when the database's own fault is ``fault``
+    (``pg_restart``, or ``failover`` for a primary and standby)."""
+    return tuple(fault if kind == "pg_restart" else kind for kind in KINDS)
 
 
 # --- the app behind the proxy -------------------------------------------------------------
@@ -294,6 +314,7 @@ class Replica:
         self.name = name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.admin = document.get("admin", {}).get("listen")  # host:port, or None (no admin)
         self.config_path = workdir / f"{name}.yaml"
         self.config_path.write_text(yaml.safe_dump(document))
         self.log_path = workdir / f"{name}.log"
@@ -546,22 +567,24 @@ def _kept_status(body: bytes) -> int | None:
 
 
 class Nemesis:
-    """Random faults, each recorded from its first effect until it is healed."""
+    """Random faults, each recorded from its first effect until it is healed. The database's
+    own fault (``pg_restart``, or ``failover``) is the database set-up's to carry out."""
 
     def __init__(
         self,
         rng: random.Random,
         replicas: Sequence[Replica],
-        relays: Sequence[Relay],
-        pg: embedded.EmbeddedPostgres,
+        links: Sequence[databases.Link],
+        database: databases.Database,
         app: App,
         say: Callable[[str], None],
         origin: float,
     ) -> None:
         self.rng = rng
         self.replicas = replicas
-        self.relays = relays
-        self.pg = pg
+        self.links = links
+        self.database = database
+        self.kinds = kinds_of(database.fault)
         self.app = app
         self.say = say
         self.origin = origin
@@ -570,12 +593,17 @@ class Nemesis:
         self._busy: set[str] = set()
 
     async def run(self, until: float, *, concurrency: int = 2, pause: float = 2.0) -> None:
-        """Act until ``until`` (monotonic): every kind once first (in random order), then at
-        random; at most ``concurrency`` actions at a time, never two on one resource."""
-        first_round = list(KINDS)
+        """Act until ``until`` (monotonic): every kind once first (in random order, but a
+        failover second, a few seconds in, so that even a short run has one with traffic in
+        flight), then at random; at most ``concurrency`` actions at a time, never two on one
+        resource."""
+        first_round = list(self.kinds)
         self.rng.shuffle(first_round)
-        kinds = list(_WEIGHTS)
-        weights = list(_WEIGHTS.values())
+        if "failover" in first_round:
+            first_round.remove("failover")
+            first_round.insert(1, "failover")
+        kinds = list(self.kinds)
+        weights = [_WEIGHTS[kind] for kind in kinds]
         slots = asyncio.Semaphore(concurrency)
         running: set[asyncio.Task[None]] = set()
         failures: list[BaseException] = []
@@ -609,7 +637,7 @@ class Nemesis:
             raise failures[0]
 
     def _target(self, kind: str) -> str | None:
-        if kind == "pg_restart":
+        if kind in _DATABASE_FAULTS:
             candidates = ["postgres"]
         elif kind == "latency":
             candidates = ["app"]
@@ -637,25 +665,29 @@ class Nemesis:
                 # Left down; the settle phase starts it again. A finding, not a harness error.
                 self.restart_failures.append(str(exc))
                 detail = f"pid {pid}, NOT listening again within {RESTART_WITHIN:g}s"
-        elif kind == "pg_restart":
-            await asyncio.to_thread(self.pg.stop)
-            await asyncio.sleep(self.rng.uniform(0, 1.0))
-            await asyncio.to_thread(self.pg.start)
+        elif kind in _DATABASE_FAULTS:
+            for action in await self.database.disrupt(self.rng):
+                self._record(action)
+            return
         elif kind == "latency":
             length = self.rng.uniform(1.0, 4.0)
             self.app.spike_until = start + length
             await asyncio.sleep(length)
         else:
-            relay = self.relays[index]
+            link = self.links[index]
             mode: Mode = _LINK_FAULTS[kind]
             hold = self.rng.uniform(*_LINK_HOLD[kind])
-            await relay.set_mode(mode)
+            await link.set_mode(mode)
             await asyncio.sleep(hold)
-            await relay.set_mode("pass")
-        end = time.monotonic()
-        self.actions.append(checker.Action(kind, target, start, end, detail))
+            await link.set_mode("pass")
+        self._record(checker.Action(kind, target, start, time.monotonic(), detail))
+
+    def _record(self, action: checker.Action) -> None:
+        self.actions.append(action)
+        took = action.end - action.start
         self.say(
-            f"{start - self.origin:7.2f}s  {kind:<10} {target:<8} {end - start:5.2f}s  {detail}"
+            f"{action.start - self.origin:7.2f}s  {action.kind:<10} {action.target:<8} "
+            f"{took:5.2f}s  {action.detail}"
         )
 
 
@@ -668,8 +700,8 @@ class Cluster:
     dsn: str  # direct, for the checks (not through a relay)
     app: App
     replicas: list[Replica]
-    relays: list[Relay] = field(default_factory=list)
-    pg: embedded.EmbeddedPostgres | None = None
+    links: list[databases.Link] = field(default_factory=list)
+    database: databases.Database | None = None
 
 
 @contextlib.asynccontextmanager
@@ -680,28 +712,26 @@ async def cluster(
     rng: random.Random,
     *,
     dsn: str | None = None,
+    mode: str = "plain",
 ) -> AsyncIterator[Cluster]:
-    """PostgreSQL (the campaign's own behind one relay per replica, or ``dsn`` directly), the
-    fake app and the replicas, all listening; everything stopped on exit."""
+    """The database (the campaign's own of ``mode``, one of ``databases.MODES``, reached through
+    a link per replica; or ``dsn``, directly), the fake app and the replicas, all listening;
+    everything stopped on exit."""
     async with contextlib.AsyncExitStack() as stack:
-        pg: embedded.EmbeddedPostgres | None = None
+        database: databases.Database | None = None
         if dsn is None:
-            pg = embedded.EmbeddedPostgres(workdir / "pg")
-            dsn = await asyncio.to_thread(pg.start)
-            stack.push_async_callback(asyncio.to_thread, pg.stop)
+            database = await stack.enter_async_context(databases.database(mode, workdir))
+            dsn = database.dsn
         app = App(rng, settings)
         await app.start()
         stack.push_async_callback(app.close)
-        relays: list[Relay] = []
+        links: list[databases.Link] = []
         made: list[Replica] = []
         for n in range(replicas):
             replica_dsn = dsn
-            if pg is not None:
-                relay = Relay(unix_socket_of(dsn))
-                await relay.start()
-                stack.push_async_callback(relay.close)
-                relays.append(relay)
-                replica_dsn = f"postgresql://postgres@127.0.0.1:{relay.port}/postgres"
+            if database is not None:
+                replica_dsn, link = await database.link(stack)
+                links.append(link)
             port, name = free_port(), f"r{n + 1}"
             upstream = await app.listen(name)
             document = settings.replica_config(port=port, upstream=upstream, dsn=replica_dsn)
@@ -709,7 +739,7 @@ async def cluster(
             stack.push_async_callback(replica.stop)
             made.append(replica)
         await asyncio.gather(*(r.start() for r in made))
-        yield Cluster(settings, dsn, app, made, relays, pg)
+        yield Cluster(settings, dsn, app, made, links, database)
 
 
 async def fetch(dsn: str, query: str, *args: Any) -> list[asyncpg.Record]:
@@ -791,13 +821,45 @@ async def check_no_idle_transactions(dsn: str, within: float = 2.0) -> checker.P
     return checker.PostCheck(name, not left, "; ".join(left))
 
 
+async def _ready(session: aiohttp.ClientSession, replica: Replica) -> bool:
+    """Whether the replica's ``/readyz`` says it takes webhooks (True without an admin port)."""
+    if replica.admin is None:
+        return True
+    try:
+        async with session.get(f"http://{replica.admin}/readyz") as response:
+            return response.status == 200
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        return False
+
+
+async def wait_ready(replicas: Sequence[Replica], within: float) -> str:
+    """Wait (bounded) until every replica is ready, as a load balancer would before sending it
+    traffic (a pool that has just seen failures waits out a back-off of up to a second before
+    it connects again); the replicas still not ready, "" if none."""
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        left = list(replicas)
+
+        async def all_ready() -> bool:
+            answers = await asyncio.gather(*(_ready(session, r) for r in left))
+            left[:] = [r for r, ok in zip(left, answers, strict=True) if not ok]
+            return not left
+
+        with contextlib.suppress(CampaignError):
+            await poll(all_ready, "every replica ready", within, every=0.1)
+    return ", ".join(r.name for r in left)
+
+
 async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
-    """Each replica serves ``pool_size`` concurrent events with a slow app without a 503: a
-    pool slot leaked by a fault would make one of them wait past ``pool_timeout``."""
+    """Each replica, once ready, serves ``pool_size`` concurrent events with a slow app without
+    a 503: a pool slot leaked by a fault would make one of them wait past ``pool_timeout``."""
     settings = c.settings
+    name = f"{settings.pool_size} concurrent slow events per replica"
     slow = settings.pool_timeout + 0.5
     if slow >= settings.upstream_timeout:
         raise CampaignError("the pool check needs upstream.timeout > pool_timeout + 0.5s")
+    if unready := await wait_ready(c.replicas, 15.0):
+        return checker.PostCheck(name, False, f"not ready (/readyz) within 15s: {unready}")
     c.app.fixed["health-"] = slow
     results = await asyncio.gather(
         *(
@@ -818,9 +880,7 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
         for line in r.logs
         if line.get("event_id") in wanted
     )
-    return checker.PostCheck(
-        f"{settings.pool_size} concurrent slow events per replica", not bad, detail, evidence
-    )
+    return checker.PostCheck(name, not bad, detail, evidence)
 
 
 async def _traffic(provider: Provider, events: Sequence[str], span: float) -> None:
@@ -848,11 +908,12 @@ async def run_campaign(
     workdir: Path | None = None,
     settings: Settings | None = None,
     inbox: bool = False,
+    database: str = "plain",
     say: Callable[[str], None] = _quiet,
 ) -> checker.Report:
     """Run one campaign (``minutes`` of nemesis, then settling and checks); return the report,
-    whose ``violations`` are empty when the invariant held. ``inbox``: the inbox mode (see the
-    module's docstring)."""
+    whose ``violations`` are empty when the invariant held. ``inbox``: the inbox mode;
+    ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring)."""
     settings = settings or Settings()
     if inbox:
         settings = replace(settings, inbox=True)
@@ -862,14 +923,14 @@ async def run_campaign(
     event_ids = [f"evt-{seed:08x}-{n:05d}" for n in range(count)]
     own_dir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="dedup-campaign-")) if workdir is None else workdir
-    mode = " inbox" if settings.inbox else ""
+    mode = (" inbox" if settings.inbox else "") + ("" if database == "plain" else f" {database}")
     say(
         f"campaign{mode} seed={seed} replicas={replicas} events={count} nemesis={duration:g}s "
         f"in {work}"
     )
     keep = True  # the replicas' logs are the evidence when something went wrong
     try:
-        report = await _campaign(work, settings, replicas, seed, event_ids, duration, say)
+        report = await _campaign(work, settings, replicas, seed, event_ids, duration, database, say)
         keep = bool(report.violations) or bool(os.environ.get("DEDUP_CAMPAIGN_KEEP"))
         return report
     finally:
@@ -886,13 +947,14 @@ async def _campaign(
     seed: int,
     event_ids: list[str],
     duration: float,
+    mode: str,
     say: Callable[[str], None],
 ) -> checker.Report:
     rng = random.Random(seed)
-    async with cluster(work, settings, replicas, rng) as c:
-        assert c.pg is not None
+    async with cluster(work, settings, replicas, rng, mode=mode) as c:
+        assert c.database is not None
         origin = time.monotonic()
-        nemesis = Nemesis(rng, c.replicas, c.relays, c.pg, c.app, say, origin)
+        nemesis = Nemesis(rng, c.replicas, c.links, c.database, c.app, say, origin)
         c.app.chaos = True
         kind = OneShotProvider if settings.inbox else Provider
         async with kind(c.replicas, rng, settings) as provider:
@@ -932,6 +994,7 @@ async def _campaign(
             settings={
                 "seed": seed,
                 "replicas": replicas,
+                "database": c.database.label,
                 "nemesis": f"{duration:g}s",
                 "settle": f"{settle:.1f}s",
                 "upstream.timeout": f"{settings.upstream_timeout:g}s",
@@ -983,6 +1046,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="the route redelivers; the provider sends each event 1-3 times and never retries",
     )
+    database = parser.add_mutually_exclusive_group()
+    database.add_argument(
+        "--pgbouncer",
+        action="store_const",
+        const="pgbouncer",
+        dest="database",
+        help="the replicas reach PostgreSQL through PgBouncer (transaction pooling)",
+    )
+    database.add_argument(
+        "--failover",
+        action="store_const",
+        const="failover",
+        dest="database",
+        help="a primary and a synchronous standby; the nemesis fails over instead of restarting",
+    )
+    parser.set_defaults(database="plain")
     args = parser.parse_args(argv)
 
     def say(message: str) -> None:
@@ -998,6 +1077,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             events=args.events,
             inbox=args.inbox,
+            database=args.database,
             say=say,
         )
     )

@@ -4,18 +4,28 @@ The invariant, per event ID (docs/guarantees.md):
 
 - **Nothing lost.** If the provider ever got a 2xx for the event, the app answered 2xx for it at
   least once, and the event's claim row is in the table (the row is excused when a replica
-  logged an ambiguous COMMIT for the event). A relayed 2xx (not a duplicate answer) is the app's
-  own answer to that very delivery. A committed claim whose event the app never took is a loss
-  too (every later delivery would be swallowed as a duplicate), and so is an event the provider
-  never got acknowledged, even after the settle phase.
+  logged a failed COMMIT for the event after the app's 2xx: ``ambiguous_commit``, or
+  ``commit_not_sent``). With a synchronous standby this holds across failovers too: a COMMIT
+  acknowledged before the primary's kill is on the standby that takes over. A relayed 2xx (not
+  a duplicate answer) is the app's own answer to that very delivery. A committed claim whose
+  event the app never took is a loss too (every later delivery would be swallowed as a
+  duplicate), and so is an event the provider never got acknowledged, even after the settle
+  phase.
 - **At most once, outside the documented windows.** The app answers 2xx for an event at most
   once, unless every 2xx answer but the last one (in the order the calls started, which is the
   order the row lock let them through) is *exposed* to a window: the call answered after
   ``upstream.timeout`` (the proxy gave up and rolled back) or its delivery got a 504; or a
   replica kill, a database-link blackhole, reset or refusal on the replica that made the call,
   or a PostgreSQL restart, overlaps the time from the claim until its COMMIT must have ended
-  (``commit_margin`` after the answer); or a replica logged an ambiguous COMMIT for the event.
-  Such events are counted as *explained* double processing; any other is a violation.
+  (``commit_margin`` after the answer); or, under the failover nemesis, the primary's kill
+  does (the call straddles the kill: its transaction died with the primary; the promotion and
+  the rebuild of a standby that follow explain nothing); or a replica logged a failed COMMIT
+  for the event (``ambiguous_commit``, ``commit_not_sent``). Such events are counted as
+  *explained* double processing; any other is a violation. A call whose claim the proxy logged
+  committed on its own connection (``processed``, not ``reconciled``) is exposed to nothing: it
+  held the row lock until the database acknowledged the COMMIT, so a later forward of its event
+  is ``forwarded_after_commit`` whatever the faults (under the failover nemesis: an
+  acknowledged COMMIT the synchronous standby failed to keep).
 - **Only documented answers.** A non-2xx answer is either the app's own answer to that very
   delivery or one of the proxy's own (502, 503, 504); anything else (a 500 from an unhandled
   exception, say) breaks the situation table in the README.
@@ -56,12 +66,23 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeGuard
 
-# Nemesis actions during which a claim can be lost after the app acted.
-WINDOW_KINDS = frozenset({"kill", "pg_restart", "blackhole", "reset", "refuse"})
-# The action kind whose target is every replica.
-GLOBAL_KINDS = frozenset({"pg_restart"})
-# Log outcomes of a COMMIT whose result the proxy does not know (old and new spelling).
+# Nemesis actions during which a claim can be lost after the app acted. A failover's action is
+# the primary's kill alone: its promotion and the rebuild of a standby (actions "promote" and
+# "rebuild") end no transaction, and a COMMIT acknowledged before the kill was on the
+# synchronous standby first.
+WINDOW_KINDS = frozenset({"kill", "pg_restart", "failover", "blackhole", "reset", "refuse"})
+# The action kinds whose target is every replica (the database itself).
+GLOBAL_KINDS = frozenset({"pg_restart", "failover"})
+# Log outcomes of a COMMIT after the app's 2xx that failed and could not be reconciled on a fresh
+# connection (docs/guarantees.md): in doubt (ambiguous_commit; commit_failed its old spelling),
+# or certainly not stored (commit_not_sent: the connection was closed before COMMIT could be
+# sent, and storing the claim again failed too). Either way the provider got the app's 2xx,
+# and a later copy is forwarded again.
 AMBIGUOUS_OUTCOMES = frozenset({"ambiguous_commit", "commit_failed"})
+UNSENT_OUTCOMES = frozenset({"commit_not_sent"})
+COMMIT_FAILURES = AMBIGUOUS_OUTCOMES | UNSENT_OUTCOMES
+# The violations that are a loss: acknowledged, and the app never took it or its claim is gone.
+LOSSES = frozenset({"lost", "unclaimed"})
 # The proxy's own error answers (README: 503 store unavailable, 502/504 upstream failed).
 PROXY_ERRORS = frozenset({502, 503, 504})
 # A fault this long before the app saw the request can still hit the claim made just before.
@@ -223,6 +244,10 @@ class Report:
     post_checks: tuple[PostCheck, ...]
     violations: tuple[Violation, ...]
     inbox: InboxReport | None = None
+    unsent_commits: int = 0  # logged commit_not_sent: the claim certainly not stored
+    accepted: int = 0  # events the provider got a 2xx for
+    delivered: int = 0  # accepted events the app answered 2xx for
+    lost: int = 0  # accepted events the app never took, or whose claim row is missing unexcused
 
     @property
     def explained(self) -> int:
@@ -379,7 +404,21 @@ class _Event:
 
     @property
     def ambiguous(self) -> bool:
-        return any(line.get("outcome") in AMBIGUOUS_OUTCOMES for line in self.logs)
+        """Whether a replica logged a failed COMMIT of the event after the app's 2xx."""
+        return any(line.get("outcome") in COMMIT_FAILURES for line in self.logs)
+
+    @property
+    def unsent(self) -> bool:
+        return any(line.get("outcome") in UNSENT_OUTCOMES for line in self.logs)
+
+    def committed(self, delivery: Delivery) -> bool:
+        """Whether the proxy logged ``delivery``'s claim committed on the connection that made
+        it (``processed``, not ``reconciled`` on another): the claim then held its row lock
+        until an acknowledged COMMIT, so no fault explains another forward of the event beside
+        or after it. (Under the failover nemesis: the synchronous standby had the row before
+        the primary acknowledged it, and a kill after that cannot take it.)"""
+        line = self.request_line(delivery)
+        return line is not None and line["outcome"] == "processed" and not line.get("reconciled")
 
     @property
     def forwards(self) -> list[UpstreamCall]:
@@ -501,6 +540,8 @@ def _exposures_of(records: Records, event: _Event, call: UpstreamCall) -> list[t
     if call in event.redeliveries:
         return redelivery_exposures(records, call, event.logs)
     own = next((d for d in event.deliveries if d.delivery_id == call.delivery_id), None)
+    if own is not None and event.committed(own):
+        return []  # its claim held its lock until an acknowledged COMMIT: no fault reached it
     return exposures(records, call, own)
 
 
@@ -623,20 +664,40 @@ def _double_processing(
     acted: Sequence[UpstreamCall],
 ) -> tuple[Violation | None, DoubleProcessed]:
     """An event the app acted on more than once, and the violation if no window explains it."""
-    reasons = [("ambiguous", "a replica logged an ambiguous COMMIT")] if event.ambiguous else []
+    reasons = []
+    if event.unsent:
+        reasons.append(
+            ("unsent", "a replica logged that COMMIT could not be sent (commit_not_sent)")
+        )
+    elif event.ambiguous:
+        reasons.append(("ambiguous", "a replica logged an ambiguous COMMIT"))
     unexposed = 0
     for call in acted[:-1]:
         why = _exposures_of(records, event, call)
         reasons += why
         unexposed += not why
-    explained = event.ambiguous or not unexposed
+    # A COMMIT acknowledged is final: a logged failure of another copy's COMMIT excuses nothing.
+    committed = [
+        d.delivery_id
+        for call in acted[:-1]
+        for d in event.deliveries
+        if d.delivery_id == call.delivery_id and event.committed(d)
+    ]
+    explained = not committed and (event.ambiguous or not unexposed)
     unexplained = None
-    if not explained:
+    shown = [a for a in records.actions if _near(a, acted)]
+    if committed:
+        message = (
+            f"the app answered 2xx {len(acted)} times, though the claim of delivery "
+            f"{', '.join(committed)} had been committed (logged processed): a COMMIT the "
+            "database acknowledged did not hold"
+        )
+        unexplained = event.violation(records, "forwarded_after_commit", message, shown)
+    elif not explained:
         message = (
             f"the app answered 2xx {len(acted)} times; {unexposed} earlier 2xx answer(s) "
             "exposed to no window"
         )
-        shown = [a for a in records.actions if _near(a, acted)]
         unexplained = event.violation(records, "double_unexplained", message, shown)
     double = DoubleProcessed(
         event.event_id,
@@ -678,6 +739,13 @@ def check(records: Records) -> tuple[Report, list[Violation]]:
     ]
     unacknowledged = sum(v.kind == "unacknowledged" for v in violations)
     report = _report(records, deliveries, calls, logs, doubles, unacknowledged, violations)
+    accepted = [e for e in events.values() if e.accepted]
+    report = replace(
+        report,
+        accepted=len(accepted),
+        delivered=sum(any(c.acted for c in e.calls) for e in accepted),
+        lost=len({v.event_id for v in violations if v.kind in LOSSES}),
+    )
     if records.inbox:
         report = replace(report, inbox=_inbox_report(records, events.values()))
     return report, violations
@@ -745,6 +813,7 @@ def _report(
         late_answers=sum(c.end - c.start > records.upstream_timeout for c in calls),
         double_processed=tuple(doubles),
         ambiguous_commits=sum(outcomes[o] for o in AMBIGUOUS_OUTCOMES),
+        unsent_commits=sum(outcomes[o] for o in UNSENT_OUTCOMES),
         reconciled=sum(bool(line.get("reconciled")) for line in logs),
         outcomes=dict(outcomes),
         actions=Counter(a.kind for a in records.actions),
@@ -844,7 +913,8 @@ def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> s
         ("  explained by", _causes(report.double_processed)),
         (
             "ambiguous commits",
-            f"{report.ambiguous_commits} logged ambiguous (COMMIT in doubt and reconciled: "
+            f"{report.ambiguous_commits} logged ambiguous, {report.unsent_commits} not sent "
+            f"and not stored again (COMMIT in doubt and reconciled: "
             f"{report.reconciled})",
         ),
         ("proxy outcomes", _counts(report.outcomes)),
@@ -857,7 +927,14 @@ def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> s
         *(
             _inbox_rows(report.inbox)
             if report.inbox
-            else [("unacknowledged", str(report.unacknowledged))]
+            else [
+                (
+                    "accepted",
+                    f"{report.accepted} events (a 2xx to the provider); delivered "
+                    f"{report.delivered} (the app answered 2xx), lost {report.lost}",
+                ),
+                ("unacknowledged", str(report.unacknowledged)),
+            ]
         ),
         ("replica start failures", str(report.start_failures)),
         ("unhandled proxy errors", str(sum(report.unhandled.values()))),

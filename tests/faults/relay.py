@@ -260,6 +260,12 @@ class Relay:
         except (OSError, TimeoutError):
             link.abort()  # the target is not there: the client sees a reset
             return
+        except asyncio.CancelledError:
+            # The client left (its link closed, this task cancelled) just as the connection was
+            # made: nobody else knows of that transport, so it would stay open until collected.
+            if server.transport is not None:
+                server.transport.abort()
+            raise
         if link.closed:
             if server.transport is not None:
                 server.transport.abort()

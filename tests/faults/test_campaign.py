@@ -1,6 +1,6 @@
-"""The fault campaign, short enough for CI (its two modes: a provider that retries, and one
-that never does in front of a route that redelivers), and proof that its tools can tell good
-from bad.
+"""The fault campaign, short enough for CI (a provider that retries, one that never does in
+front of a route that redelivers, PostgreSQL behind PgBouncer, and a primary with a synchronous
+standby failed over by the nemesis), and proof that its tools can tell good from bad.
 
 The campaign's seed is random and printed first (``campaign seed=…``); rerun a failure with
 ``DEDUP_CAMPAIGN_SEED=<seed>``, or run longer with ``python -m tests.faults.campaign``.
@@ -13,6 +13,7 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,6 +69,53 @@ async def test_short_inbox_campaign_delivers_every_accepted_event_though_nothing
     assert report.inbox.kept > 0, table
     assert report.inbox.redeliveries_acted > 0, table
     assert report.inbox.lost == 0, table
+    assert not report.violations, table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_short_campaign_through_pgbouncer_keeps_the_invariant(tmp_path: Path) -> None:
+    seed = os.environ.get("DEDUP_CAMPAIGN_SEED")
+    report = await campaign.run_campaign(
+        minutes=0.4,
+        replicas=3,
+        seed=int(seed) if seed else None,
+        events=300,
+        workdir=tmp_path,
+        database="pgbouncer",
+        say=print,
+    )
+    table = checker.format_report(report)
+    print(table)
+
+    # Link faults between the replicas and PgBouncer, PostgreSQL restarting behind it.
+    assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.KINDS), table
+    assert report.deliveries["failed"] > 0, table
+    assert report.deliveries["indeterminate"] > 0, table
+    assert not report.violations, table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+async def test_short_campaign_with_failovers_loses_no_acknowledged_event(tmp_path: Path) -> None:
+    seed = os.environ.get("DEDUP_CAMPAIGN_SEED")
+    report = await campaign.run_campaign(
+        minutes=0.5,
+        replicas=3,
+        seed=int(seed) if seed else None,
+        events=300,
+        workdir=tmp_path,
+        database="failover",
+        say=print,
+    )
+    table = checker.format_report(report)
+    print(table)
+
+    # A failover in the first seconds, its standby rebuilt, and every other kind of fault.
+    assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.kinds_of("failover")), table
+    assert report.actions.get("promote", 0) >= 1, table
+    assert report.actions.get("rebuild", 0) >= 1, table
+    assert report.deliveries["failed"] > 0, table
     assert not report.violations, table
 
 
@@ -159,6 +207,44 @@ async def test_relay_reset_and_refuse(relay: Relay) -> None:
         writer.close()
 
 
+async def test_relay_closes_the_targets_side_when_the_client_leaves_as_it_connects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ended = asyncio.Event()
+
+    async def target(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.read()  # until the relay closes its side
+        except ConnectionError:
+            pass
+        finally:
+            ended.set()
+            writer.close()
+
+    server = await asyncio.start_server(target, "127.0.0.1", 0)
+    address = server.sockets[0].getsockname()[:2]
+    loop = asyncio.get_running_loop()
+    connect = loop.create_connection
+
+    async def made_then_client_gone(factory: Any, host: str, port: int, **kwargs: Any) -> Any:
+        made = await connect(factory, host, port, **kwargs)
+        if (host, port) == address:  # the relay's connection to the target, not the client's
+            for link in list(fault._links):  # the client hangs up now: the task is cancelled
+                link.close()
+            await asyncio.sleep(0)  # where that cancellation lands, the connection made
+        return made
+
+    monkeypatch.setattr(loop, "create_connection", made_then_client_gone)
+    try:
+        async with Relay(address) as fault:
+            _, writer = await asyncio.open_connection("127.0.0.1", fault.port)
+            await asyncio.wait_for(ended.wait(), 5)
+            writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 # --- the checker --------------------------------------------------------------------------
 
 TIMEOUT = 2.0
@@ -207,6 +293,7 @@ def test_checker_accepts_one_processing_and_duplicates() -> None:
     assert violations == []
     assert report.double_processed == ()
     assert report.deliveries == {"ok": 2, "failed": 1, "indeterminate": 0}
+    assert (report.accepted, report.delivered, report.lost) == (1, 1, 0)
 
 
 def test_checker_flags_double_processing_outside_every_window() -> None:
@@ -258,12 +345,95 @@ def test_checker_explains_double_processing_in_the_documented_windows(
     assert cause in double.causes
 
 
+# A failover: the primary killed at t=3, the standby writable at 3.3, a new standby from 4.5.
+FAILOVER = (
+    checker.Action("failover", "postgres", 3.0, 3.07, "primary pid 1 killed"),
+    checker.Action("promote", "postgres", 3.07, 3.3),
+    checker.Action("rebuild", "postgres", 4.5, 7.5),
+)
+
+
+@pytest.mark.parametrize(
+    ("first", "took"),
+    [
+        (2.0, 0.01),  # answered; its COMMIT due after the kill
+        (2.5, 1.5),  # still at the app at the kill; the copy forwarded after the promotion
+    ],
+)
+def test_checker_explains_a_double_under_failover_when_the_call_straddles_the_kill(
+    first: float, took: float
+) -> None:
+    calls = [_call("d1", "r1", first, took), _call("d2", "r2", 3.5)]
+    deliveries = [_delivery("d1", "r1", first, None), _delivery("d2", "r2", 3.5, 200)]
+    report, violations = checker.check(_records(calls, deliveries, actions=FAILOVER))
+    assert violations == []
+    (double,) = report.double_processed
+    assert double.explained
+    assert double.causes == {"failover"}
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        0.5,  # committed before the kill: the synchronous standby had it
+        4.0,  # claimed on the new primary, once promoted
+        5.0,  # while a standby was rebuilt: that ends no transaction
+    ],
+)
+def test_checker_flags_a_double_under_failover_when_the_call_missed_the_kill(
+    first: float,
+) -> None:
+    calls = [_call("d1", "r1", first), _call("d2", "r2", 9.0)]
+    deliveries = [_delivery("d1", "r1", first, 200), _delivery("d2", "r2", 9.0, 200)]
+    report, violations = checker.check(_records(calls, deliveries, actions=FAILOVER))
+    assert [v.kind for v in violations] == ["double_unexplained"]
+    assert report.unexplained == 1
+
+
+def test_checker_flags_a_second_forward_of_a_claim_committed_before_the_failover() -> None:
+    # Straddling the kill by its COMMIT's margin, but the proxy logged the COMMIT acknowledged:
+    # the synchronous standby had the row, so the copy after the promotion must be a duplicate.
+    calls = [_call("d1", "r1", 2.0), _call("d2", "r2", 3.5)]
+    deliveries = [_delivery("d1", "r1", 2.0, 200), _delivery("d2", "r2", 3.5, 200)]
+    processed = {"event_id": "e", "request_id": "d1", "outcome": "processed", "replica": "r1"}
+    report, violations = checker.check(
+        _records(calls, deliveries, actions=FAILOVER, logs=(processed,))
+    )
+    assert [v.kind for v in violations] == ["forwarded_after_commit"]
+    assert report.unexplained == 1
+
+    # Committed only by the reconciliation on a fresh connection: the kill may have come first.
+    reconciled = {**processed, "reconciled": True}
+    _, violations = checker.check(_records(calls, deliveries, actions=FAILOVER, logs=(reconciled,)))
+    assert violations == []
+
+
+def test_checker_excuses_a_claim_logged_as_not_stored_after_the_apps_2xx() -> None:
+    # COMMIT could not be sent (the link was gone) and storing the claim again failed: the
+    # provider got the app's 2xx, no row exists, and the next copy is forwarded again.
+    calls = [_call("d1", "r1", 1.0), _call("d2", "r2", 5.0)]
+    deliveries = [_delivery("d1", "r1", 1.0, 200), _delivery("d2", "r2", 5.0, 200)]
+    unsent = {"event_id": "e", "request_id": "d1", "outcome": "commit_not_sent", "replica": "r1"}
+    report, violations = checker.check(
+        _records(calls, deliveries, logs=(unsent,), claimed=frozenset())
+    )
+    assert violations == []
+    (double,) = report.double_processed
+    assert double.causes == {"unsent"}
+    assert report.unsent_commits == 1
+
+    # Unlogged, the same is a lost claim and an unexplained double.
+    _, violations = checker.check(_records(calls, deliveries, claimed=frozenset()))
+    assert [v.kind for v in violations] == ["unclaimed", "double_unexplained"]
+
+
 def test_checker_flags_lost_events_and_undocumented_answers() -> None:
     # The provider got a 2xx, the app never acted and no claim row exists.
-    _, violations = checker.check(
+    report, violations = checker.check(
         _records([], [_delivery("d1", "r1", 1.0, 200)], claimed=frozenset())
     )
     assert {v.kind for v in violations} == {"lost", "unclaimed", "ack_without_app"}
+    assert (report.accepted, report.delivered, report.lost) == (1, 0, 1)
 
     # A committed claim the app never acted on; a 500 the app did not send.
     _, violations = checker.check(_records([], [_delivery("d1", "r1", 1.0, 500)]))
