@@ -158,17 +158,17 @@ async def _start_later(
         except errors.NotPrepared as exc:
             start.fail(exc)
             return
-        except Exception as exc:
-            if not isinstance(exc, errors.StoreUnavailable):
-                # A bug: the start would never end, and the proxy never be ready.
-                log.exception("the store's start failed")
-                start.fail(errors.ProxyError(f"the store's start failed: {exc!r}"))
-                return
+        except errors.StoreUnavailable as exc:
             log.warning(
                 "the database does not answer yet (%s): try %d failed, the next in up to %gs",
                 exc.message, attempt, min(START_RETRY_MAX, ceiling * 2),
             )  # fmt: skip
             continue
+        except Exception as exc:
+            # A bug: the start would never end, and the proxy never be ready.
+            log.exception("the store's start failed")
+            start.fail(errors.ProxyError(f"the store's start failed: {exc!r}"))
+            return
         log.info("the database answered after %.1fs: ready", time.monotonic() - began)
         return
 

@@ -56,7 +56,7 @@ def server_of(dsn: str) -> str:
         hosts = database.dsn_hosts(dsn)
     except ValueError:
         return "the server database.dsn names"
-    return ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in hosts)
+    return ",".join(map(database.host_named, hosts))
 
 
 def route_of(cfg: config.Config, name: str) -> routes.RouteConfig:

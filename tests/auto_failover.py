@@ -29,13 +29,13 @@ import shutil
 import signal
 import stat
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 from tests.helpers import free_port
+from tests.replication import as_user, poll_until
 
 BIN = Path("/usr/lib/postgresql/15/bin")
 PG_AUTOCTL = Path("/usr/bin/pg_autoctl")
@@ -54,7 +54,6 @@ DATABASE = "dedup"
 PASSWORD = "dedup-auto-failover"
 READY_WITHIN = 60.0  # a node created, registered and in its state; the formation in sync
 STOP_WITHIN = 15.0
-POLL = 0.1
 
 # The monitor's side of a failover (milliseconds). A primary is unhealthy once it has not
 # reported for node_considered_unhealthy_timeout and a health check (with its retries) failed;
@@ -71,14 +70,6 @@ MONITOR_SETTINGS = {
 # before its standby takes writes.
 KEEPER_SETTINGS = {"timeout.network_partition_timeout": 3}
 WRITABLE = frozenset({"single", "wait_primary", "primary"})
-
-
-def _as_user() -> dict[str, Any]:
-    """``subprocess`` arguments that run a program as ``postgres`` when we are root, in its own
-    group alone (with root's group kept, a root-owned 0700 folder would be closed to it)."""
-    if os.geteuid() != 0:
-        return {}
-    return {"user": SYSTEM_USER, "group": SYSTEM_USER, "extra_groups": []}
 
 
 def _reach(folder: Path) -> None:
@@ -124,15 +115,7 @@ def _kill_tree(leader: int) -> None:
     for pid in sorted(frozen):
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    _wait(lambda: not _tree(leader), f"the processes of session {leader} to die", STOP_WITHIN)
-
-
-def _wait(check: Callable[[], bool], what: str, within: float) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {within:g}s waiting for {what}")
-        time.sleep(POLL)
+    poll_until(lambda: not _tree(leader), f"the processes of session {leader} to die", STOP_WITHIN)
 
 
 def _tail(log: Path, lines: int = 25) -> str:
@@ -182,7 +165,7 @@ class Service:
             self._process = subprocess.Popen(
                 [str(PG_AUTOCTL), "run", "--pgdata", str(self.data)],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True, **_as_user(),
+                start_new_session=True, **as_user(),
             )  # fmt: skip
 
     def kill(self) -> None:
@@ -212,7 +195,7 @@ class Service:
         if self.running:
             subprocess.run(
                 [str(PG_AUTOCTL), "stop", "--fast", "--pgdata", str(self.data)],
-                capture_output=True, env=env, timeout=STOP_WITHIN, check=False, **_as_user(),
+                capture_output=True, env=env, timeout=STOP_WITHIN, check=False, **as_user(),
             )  # fmt: skip
             assert self._process is not None
             with suppress(subprocess.TimeoutExpired):
@@ -288,7 +271,7 @@ class Formation:
             return True
 
         try:
-            _wait(promoted, "pg_auto_failover to promote the standby", within)
+            poll_until(promoted, "pg_auto_failover to promote the standby", within)
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}; state: {self.state()}\n{_tail(self.monitor.log)}") from exc
         return found[0]
@@ -306,7 +289,7 @@ class Formation:
         a, b = self.nodes
         self._create_node(a)
         self._wait_for({a.name: ("single", "single")})
-        _wait(a.accepts_writes, "node a to take writes", READY_WITHIN)
+        poll_until(a.accepts_writes, "node a to take writes", READY_WITHIN)
         for statement in (
             f"CREATE ROLE {ROLE} LOGIN CREATEROLE PASSWORD '{PASSWORD}'",
             f"CREATE DATABASE {DATABASE} OWNER {ROLE}",
@@ -358,7 +341,7 @@ class Formation:
             return all(now.get(name) == wanted for name, wanted in states.items())
 
         try:
-            _wait(reached, f"the states {states}", READY_WITHIN)
+            poll_until(reached, f"the states {states}", READY_WITHIN)
         except RuntimeError as exc:
             logs = "\n".join(_tail(s.log) for s in (self.monitor, *self.nodes))
             raise RuntimeError(f"{exc}; state: {self.state()}\n{logs}") from exc
@@ -372,7 +355,7 @@ class Formation:
             out: Any = files.enter_context(log.open("ab")) if log else subprocess.PIPE
             process = subprocess.Popen(
                 [str(PG_AUTOCTL), *args], stdout=out, stderr=out, env=self.env, text=True,
-                start_new_session=True, **_as_user(),
+                start_new_session=True, **as_user(),
             )  # fmt: skip
             try:
                 stdout, stderr = process.communicate(timeout=READY_WITHIN)

@@ -73,7 +73,7 @@ def _user() -> str | None:
     return SYSTEM_USER if os.geteuid() == 0 else None
 
 
-def _as_user() -> dict[str, Any]:
+def as_user() -> dict[str, Any]:
     """``subprocess`` arguments that run a program as ``_user()``, in its own group alone (with
     root's group kept, a root-owned 0700 folder would be closed to it by its group bits)."""
     user = _user()
@@ -83,7 +83,7 @@ def _as_user() -> dict[str, Any]:
 def _run(*command: str, env: dict[str, str] | None = None, timeout: float = 60) -> str:
     """Run a PostgreSQL program as the servers' user; its stdout. Fails with its output."""
     result = subprocess.run(
-        [str(BIN / command[0]), *command[1:]], capture_output=True, text=True, **_as_user(),
+        [str(BIN / command[0]), *command[1:]], capture_output=True, text=True, **as_user(),
         env={**os.environ, **(env or {})}, timeout=timeout, check=False,
     )  # fmt: skip
     if result.returncode != 0:
@@ -132,7 +132,8 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _wait(check: Callable[[], bool], what: str, within: float = START_WITHIN) -> None:
+def poll_until(check: Callable[[], bool], what: str, within: float = START_WITHIN) -> None:
+    """Poll ``check`` until it holds; RuntimeError after ``within`` seconds."""
     deadline = time.monotonic() + within
     while not check():
         if time.monotonic() > deadline:
@@ -190,7 +191,7 @@ class Node:
                 [str(BIN / "postgres"), "-D", str(self.data), "-c", f"port={self.port}",
                  "-c", f"unix_socket_directories={self.sockets}",
                  "-c", f"cluster_name={self.name}"],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **_as_user(),
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **as_user(),
             )  # fmt: skip
 
         def accepting() -> bool:
@@ -203,7 +204,7 @@ class Node:
             return ready.returncode == 0
 
         try:
-            _wait(accepting, f"node {self.name} to accept connections")
+            poll_until(accepting, f"node {self.name} to accept connections")
         except BaseException:
             self.kill()
             raise
@@ -238,7 +239,9 @@ class Node:
             with suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGKILL)
             process.wait(STOP_WITHIN)
-            _wait(lambda: not any(map(_alive, children)), f"node {self.name}'s children to die")
+            poll_until(
+                lambda: not any(map(_alive, children)), f"node {self.name}'s children to die"
+            )
 
     def tail(self, lines: int = 30) -> str:
         with suppress(OSError):
@@ -314,7 +317,7 @@ class Pair:
         if self.synchronous:
             new.set_synchronous(False)  # no standby of its own yet
         _run("pg_ctl", "promote", "-D", str(new.data), "-w", "-t", str(int(START_WITHIN)))
-        _wait(new.accepts_writes, f"node {new.name} to accept writes")
+        poll_until(new.accepts_writes, f"node {new.name} to accept writes")
         self.primary, self.standby = new, self.primary
 
     def cut_replication(self) -> None:
@@ -329,7 +332,7 @@ class Pair:
         def stopped() -> bool:
             return standby.sql("SELECT count(*) FROM pg_stat_wal_receiver") == "0"
 
-        _wait(stopped, f"node {standby.name}'s walreceiver to stop")
+        poll_until(stopped, f"node {standby.name}'s walreceiver to stop")
 
     def heal_replication(self) -> None:
         """Undo ``cut_replication``: the standby streams again (bounded wait)."""
@@ -370,10 +373,14 @@ class Pair:
         if self.synchronous:
             standby.set_synchronous(True)
             self.primary.set_synchronous(True)
-            _wait(lambda: self.primary.streaming_standbys(sync=True) > 0, "a synchronous standby")
+            poll_until(
+                lambda: self.primary.streaming_standbys(sync=True) > 0, "a synchronous standby"
+            )
 
     def _wait_streaming(self) -> None:
-        _wait(lambda: self.primary.streaming_standbys() > 0, f"node {self.standby.name} to stream")
+        poll_until(
+            lambda: self.primary.streaming_standbys() > 0, f"node {self.standby.name} to stream"
+        )
 
 
 @contextmanager

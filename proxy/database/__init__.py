@@ -24,7 +24,7 @@ from proxy.database.claim import (
     Key,
 )
 from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Kept, Redelivery, Shown
-from proxy.database.pool import dsn_hosts, translated
+from proxy.database.pool import dsn_hosts, host_named, translated
 from proxy.database.store import (
     DDL_LOCK_WAIT,
     PRIVILEGES,
@@ -60,6 +60,7 @@ __all__ = [
     "Store",
     "apply_schema",
     "dsn_hosts",
+    "host_named",
     "missing_schema",
     "schema_sql",
     "translated",

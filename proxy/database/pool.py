@@ -248,7 +248,8 @@ class Connector:
                     command_timeout=command_timeout, host=host,
                 )  # fmt: skip
             except DB_ERRORS as exc:
-                refusals.append(f"{_named(host)}: {_refusal(exc, self._settings.connect_timeout)}")
+                why = _refusal(exc, self._settings.connect_timeout)
+                refusals.append(f"{host_named(host)}: {why}")
                 continue
             if self._order[0] != host:
                 self._order.remove(host)
@@ -257,7 +258,8 @@ class Connector:
         raise HostsRefused("; ".join(refusals))
 
 
-def _named(host: tuple[str, int]) -> str:
+def host_named(host: tuple[str, int]) -> str:
+    """``host:port`` as messages name it (an IPv6 address in brackets)."""
     name, port = host
     return f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
 
@@ -390,7 +392,7 @@ class Pool:
     async def acquire(self, now: float | None = None) -> Connection:
         """A connection, waiting for a free slot (bound the wait with a timeout): ``slot`` then
         ``take``."""
-        await self.slot()
+        await self._slots.acquire()
         return await self.take(now)
 
     async def slot(self) -> None:
