@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -27,6 +28,7 @@ from proxy import (
     pipeline,
     redeliverer,
     retention,
+    tracing,
 )
 from proxy.upstream import forwarder, proxy_headers
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 
 CONFIG = web.AppKey("config", config.Config)
 DSN = web.AppKey("dsn", str)
+TRACING = web.AppKey("tracing", tracing.Tracing)
 
 
 def runner_options(cfg: config.Config) -> dict[str, Any]:
@@ -270,6 +273,16 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
         await client.close()
 
 
+async def _tracing(app: web.Application) -> AsyncIterator[None]:
+    """Spans from start-up to the end of the drain (first in, last out: the drain's requests
+    are traced), then what is queued exported within tracing.SHUTDOWN_TIMEOUT."""
+    app[TRACING].open()
+    try:
+        yield
+    finally:
+        await app[TRACING].close()
+
+
 async def _close_after_chunked(request: web.BaseRequest, response: web.StreamResponse) -> None:
     """Never let another request follow a chunked one on the same connection.
 
@@ -295,8 +308,14 @@ def create_app(cfg: config.Config) -> web.Application:
     app[START] = Start()
     shared = app[pipeline.BUDGET] = memory.Budget(cfg.max_buffered)
     meters.watch_buffered(lambda: shared.held)
-    app.cleanup_ctx.extend([_database, _claim_store, _metrics, _forwarder, _sweeper, _redeliverer])
+    traces = app[TRACING] = tracing.Tracing(
+        tracing.wanted(os.environ), proxy_headers.TrustedProxies(cfg.trusted_proxies),
+        cfg.database.table, meters.count_spans,
+    )  # fmt: skip
+    app.cleanup_ctx.extend(
+        [_tracing, _database, _claim_store, _metrics, _forwarder, _sweeper, _redeliverer]
+    )
     # Every request, whatever its path: routing happens on the normalized path (paths.py),
     # not in aiohttp's router, which matches before any middleware could normalize it.
-    app.router.add_route("*", "/{tail:(?s:.*)}", pipeline.make_dispatcher(cfg, meters))
+    app.router.add_route("*", "/{tail:(?s:.*)}", pipeline.make_dispatcher(cfg, meters, traces))
     return app

@@ -29,6 +29,9 @@ class LogLine(TypedDict, total=False):
     path: Required[str]  # without the query
     # The provider's (or an ingress's) X-Request-Id, else a new one; also sent to the app.
     request_id: Required[str]
+    # With tracing on: the request's trace and its SERVER span (W3C hex), to find the trace.
+    trace_id: str
+    span_id: str
     event_id: str  # as the request carried it (an Idempotency-Key as parsed)
     event_type: str | None
     body_claimed_as: str  # the other event ID this signed body was last claimed under

@@ -340,6 +340,14 @@ class Metrics:
             # Every worker reads the same server; one still starting has not read it yet.
             multiprocess_mode="livemax",
         )
+        self.trace_spans = Counter(
+            "dedup_trace_spans",
+            "Spans by what became of them, with tracing on: exported; failed (the collector "
+            "refused them or could not be reached: the batch is lost); dropped (the export "
+            "queue was full: the collector is slower than the traffic, or down).",
+            ["result"],
+            registry=self.registry,
+        )
         self.retention_deleted = Counter(
             "dedup_retention_deleted_rows",
             "Claims removed by the retention sweeper.",
@@ -397,6 +405,12 @@ class Metrics:
         self._held += [*meters.requests.values(), meters.upstream_latency, meters.claim_wait,
                        meters.commit_latency, meters.duration, meters.in_flight]  # fmt: skip
         return meters
+
+    def count_spans(self, result: str, spans: int) -> None:
+        """Spans exported, failed or dropped (from the SDK's batch thread too: the counter
+        locks)."""
+        if spans:
+            self.trace_spans.labels(result).inc(spans)
 
     def watch_pool(
         self,

@@ -33,10 +33,11 @@ from proxy import (
     replay,
     request_body,
     semantics,
+    tracing,
     webhooks,
 )
 from proxy.config import routes
-from proxy.upstream import forwarder, http1
+from proxy.upstream import forwarder, http1, proxy_headers
 
 STORE = web.AppKey("store", database.Store)
 FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
@@ -90,9 +91,14 @@ class Route:
     """The handler of one configured route: what every request on it shares."""
 
     def __init__(
-        self, route: routes.RouteConfig, cfg: config.Config, meters: metrics.Metrics
+        self,
+        route: routes.RouteConfig,
+        cfg: config.Config,
+        meters: metrics.Metrics,
+        traces: tracing.Tracing,
     ) -> None:
         self.config = route
+        self.tracing = traces
         self.semantics: semantics.Semantics = (
             idempotency.IdempotencyKeySemantics(route)
             if route.idempotency
@@ -117,7 +123,7 @@ class Cycle:
 
     __slots__ = (
         "body", "event_id", "line", "request", "reservation", "route", "scope", "sent",
-        "started", "target", "verifier",
+        "started", "target", "trace", "verifier",
     )  # fmt: skip
 
     reservation: memory.Reservation  # set once the request is in the budget (``run``)
@@ -132,6 +138,7 @@ class Cycle:
         self.scope = route.config.scope_for(match.values)
         self.verifier = route.config.verifier_for(match.values)
         self.line = log_line.start(request, route.config.name, self.scope)
+        self.trace = route.tracing.begin(request, route.config.name, route.config.path, self.line)
         self.body = b""
         self.event_id = ""  # as the request carried it (``semantics.Semantics.key``)
         # What the app was sent, on a route that redelivers: what is kept if it fails.
@@ -160,6 +167,7 @@ class Cycle:
         finally:
             in_flight.dec()
         log_line.finish(route.meters, self.line, self.started, response)
+        self.trace.finish(self.line)
         return response
 
     async def _process(self) -> tuple[web.StreamResponse, str]:
@@ -229,17 +237,21 @@ class Cycle:
     ) -> tuple[web.StreamResponse, str]:
         """Claim ``key`` in the database, waiting at most ``wait`` on a copy's row lock; then
         forward (a new event) or settle it as a duplicate."""
-        route = self.route
+        route, trace = self.route, self.trace
+        span = trace.database("claim", "INSERT")
         async with self.request.app[STORE].claim(key, wait) as claim:
             log_line.phase(self.line, "claim_ms", route.meters.claim_wait, started)
+            trace.end(span, {"dedup.acquired": claim.acquired})
             if claim.acquired:
                 other = route.semantics.claimed_as(key, self.event_id)
                 if other is not None:
                     self.line["body_claimed_as"] = other
                 return await self._forward(key, claim, flight)
+            span = trace.database("settle_duplicate", "ROLLBACK")
             mismatch, stored, kept = await claim.settle_duplicate(
                 read_answer=route.config.replay, inbox=route.redeliver is not None
             )
+            trace.end(span)
         if kept is not None:
             return self._kept_duplicate(kept, mismatch)
         if not mismatch:
@@ -261,10 +273,13 @@ class Cycle:
         except errors.UpstreamFailed as exc:
             if (kept := await self._failed(claim, exc)) is not None:
                 return kept
+            await self._release(claim)
             raise
         response = forwarder.relayed(upstream)
         if not upstream.ok:
             kept = await self._keep(claim, database.Attempt(upstream.status, None))
+            if kept is None:
+                await self._release(claim)
             return kept or (response, "upstream_error")
         answer = self._answer_to_store(upstream)
         try:
@@ -320,7 +335,9 @@ class Cycle:
             config_.name, config_.upstream, self.request.method, self.target, self.sent, self.body
         )
         keep = redeliverer.keep(config_, route.redeliver, attempt.status)
+        span = self.trace.database("queue", "UPDATE")
         state = await claim.queue(delivery, attempt, keep)
+        self.trace.end(span, {"dedup.kept": state})
         if state == database.FULL:
             line["inbox_full"] = True
             route.meters.inbox_full.inc()
@@ -349,20 +366,42 @@ class Cycle:
     ) -> database.Commit:
         """COMMIT the claim (with ``answer``), timed on the log line and in the metrics."""
         started = time.perf_counter()
+        span = self.trace.database("commit", "COMMIT")
         try:
-            return await claim.commit(answer)
+            done = await claim.commit(answer)
         finally:
             log_line.phase(self.line, "commit_ms", self.route.meters.commit_latency, started)
+        self.trace.end(span, {"dedup.reconciled": True} if done.reconciled else None)
+        return done
+
+    async def _release(self, claim: database.Claim) -> None:
+        """ROLLBACK: the app failed and the delivery is not kept (what the claim's ``async
+        with`` would do on the way out, done here as a step of its own)."""
+        if not claim.open:
+            return  # committed (a 2xx whose answer failed), or its connection closed
+        span = self.trace.database("release", "ROLLBACK")
+        await claim.release()
+        self.trace.end(span)
 
     async def _call(self) -> http1.Answer:
         """The app's answer, read whole; its status and time on the log line."""
         route, line = self.route, self.line
         started = time.perf_counter()
-        client = self.request.app[FORWARDER]
+        client, trace = self.request.app[FORWARDER], self.trace
         outgoing = client.outgoing(self.request, self.target, self.body, line["request_id"])
+        span = trace.forwarding(
+            self.request.method, route.config.upstream, self.target, outgoing.headers
+        )
         if route.redeliver is not None:
-            self.sent = tuple(outgoing.headers.items())  # before the transport takes Host out
-        upstream = await client.send(route.config.upstream, outgoing, self.reservation.answer)
+            # Before the transport takes Host out; with the trace headers the app was sent (a
+            # redelivery links to this trace through them).
+            self.sent = tuple(outgoing.headers.items())
+        try:
+            upstream = await client.send(route.config.upstream, outgoing, self.reservation.answer)
+        except errors.UpstreamFailed as exc:
+            trace.failed(span, exc.code, exc.message)
+            raise
+        trace.answered(span, upstream.status, upstream.resend_count)
         line["upstream_status"] = upstream.status
         log_line.phase(line, "upstream_ms", route.meters.upstream_latency, started)
         if upstream.status == 410:
@@ -390,6 +429,7 @@ class Cycle:
             # (Only on a replay route: an ack route sharing the scope finds the replay route's
             # answer in the single-flight.)
             self.line["replayed"] = True
+            self.trace.event("dedup.replay", {"http.response.status_code": stored.status})
             route.meters.replays.inc()
             response = replay.response(stored)
             self.reservation.replay(response.content_length or 0)
@@ -428,9 +468,14 @@ class Cycle:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
+def make_dispatcher(
+    cfg: config.Config, meters: metrics.Metrics, traces: tracing.Tracing | None = None
+) -> Handler:
     """The one handler: normalize the path, then the route it is, or pass-through."""
-    table = paths.Table([(route.pattern, Route(route, cfg, meters)) for route in cfg.routes])
+    traces = traces or tracing.Tracing((), proxy_headers.TrustedProxies(), cfg.database.table)
+    table = paths.Table(
+        [(route.pattern, Route(route, cfg, meters, traces)) for route in cfg.routes]
+    )
     route_meters = meters.route("")
     upstream, passthrough = cfg.upstream.url, cfg.passthrough
 
@@ -454,12 +499,15 @@ def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
                 raise errors.NotRouted()
         except errors.RequestError as exc:
             line = log_line.start(request, None, None)
+            trace = traces.begin(request, None, None, line)
             line["outcome"] = exc.outcome
             line["error"] = exc.message
             refusal = error_response(exc)
             log_line.finish(route_meters, line, started, refusal)
+            trace.finish(line)
             return refusal
         line = log_line.start(request, None, None)
+        trace = traces.begin(request, None, None, line)
         response: web.StreamResponse
         try:
             response = await request.app[FORWARDER].relay(
@@ -467,6 +515,7 @@ def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
                 upstream if match is None else match.route.config.upstream,
                 target.path + target.query,
                 line["request_id"],
+                trace=trace,
             )
             line["outcome"] = "passthrough"
         except errors.RequestError as exc:
@@ -474,6 +523,7 @@ def make_dispatcher(cfg: config.Config, meters: metrics.Metrics) -> Handler:
             line["error"] = exc.message
             response = error_response(exc)
         log_line.finish(route_meters, line, started, response)
+        trace.finish(line)
         return response
 
     return dispatch

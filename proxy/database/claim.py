@@ -128,6 +128,11 @@ class Claim:
         self.acquired = acquired
         self.state = OPEN
 
+    @property
+    def open(self) -> bool:
+        """No step has ended the claim yet (its transaction is still open)."""
+        return self.state is OPEN
+
     def _end(self, state: str) -> None:
         if self.state is not OPEN:
             raise RuntimeError(f"claim of {self.key.event_id!r} is {self.state} already")

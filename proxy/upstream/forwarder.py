@@ -20,7 +20,7 @@ import asyncio
 import logging
 import ssl as ssl_module
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -51,6 +51,36 @@ HOP_BY_HOP = frozenset(
 # aiohttp adds these to every request unless told not to; the upstream must see the provider's.
 _AUTO_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE)
 _CHUNK = 64 * 1024
+
+
+class Trace(Protocol):
+    """What a pass-through request's trace is told (``proxy.tracing``'s request traces): the
+    CLIENT span starts with the headers it is carried in, and ends with the app's status or a
+    failure."""
+
+    def forwarding(
+        self, method: str, base_url: str, target: str, headers: CIMultiDict[str]
+    ) -> Any: ...
+
+    def answered(self, span: Any, status: int, resend_count: int = 0) -> None: ...
+
+    def failed(self, span: Any, kind: str, message: str) -> None: ...
+
+
+class _NotTraced:
+    def forwarding(
+        self, method: str, base_url: str, target: str, headers: CIMultiDict[str]
+    ) -> None:
+        return None
+
+    def answered(self, span: Any, status: int, resend_count: int = 0) -> None:
+        return None
+
+    def failed(self, span: Any, kind: str, message: str) -> None:
+        return None
+
+
+_NOT_TRACED = _NotTraced()
 
 
 def _session_options() -> dict[str, Any]:
@@ -281,7 +311,13 @@ class Forwarder:
         return answer
 
     async def relay(
-        self, request: web.Request, base_url: str, target: str, request_id: str
+        self,
+        request: web.Request,
+        base_url: str,
+        target: str,
+        request_id: str,
+        *,
+        trace: Trace = _NOT_TRACED,
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
         streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
@@ -299,22 +335,29 @@ class Forwarder:
         else:
             await slots.acquire()  # free: returns at once, no timer needed
         try:
-            return await self._relay(request, base_url, target, request_id)
+            return await self._relay(request, base_url, target, request_id, trace)
         finally:
             slots.release()
 
     async def _relay(
-        self, request: web.Request, base_url: str, target: str, request_id: str
+        self, request: web.Request, base_url: str, target: str, request_id: str, trace: Trace
     ) -> web.StreamResponse:
-        with transports.translated(self._timeout):
-            upstream = await self._session.request(
-                request.method,
-                transports.url_for(base_url, target),
-                headers=self._headers(request, request_id, keep_length=True),
-                data=request.content if request.body_exists else None,
-                allow_redirects=False,
-                timeout=self._stream_timeout,
-            )
+        headers = self._headers(request, request_id, keep_length=True)
+        span = trace.forwarding(request.method, base_url, target, headers)
+        try:
+            with transports.translated(self._timeout):
+                upstream = await self._session.request(
+                    request.method,
+                    transports.url_for(base_url, target),
+                    headers=headers,
+                    data=request.content if request.body_exists else None,
+                    allow_redirects=False,
+                    timeout=self._stream_timeout,
+                )
+        except errors.RequestError as exc:
+            trace.failed(span, exc.code, exc.message)
+            raise
+        trace.answered(span, upstream.status)
         async with upstream:
             transports.relayable(upstream)
             transports.honour_keep_alive(upstream, self._keepalive)

@@ -123,6 +123,8 @@ class Answer:
     reason: str
     headers: CIMultiDict[str]
     body: bytes
+    # 1 when it came on a new connection after a reused one closed unanswered (sent again).
+    resend_count: int = 0
 
     @property
     def ok(self) -> bool:
@@ -497,7 +499,9 @@ class Client:
                         )
                 connection = await self._open(origin)
                 reader = _Reader(method, reserve)
-                return await self._exchange(origin, connection, (message, body), reader)
+                answer = await self._exchange(origin, connection, (message, body), reader)
+                answer.resend_count = 0 if reused is None else 1
+                return answer
         except TimeoutError as exc:
             raise errors.UpstreamTimeout(
                 f"upstream did not answer within {self._timeout:g}s",

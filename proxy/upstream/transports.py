@@ -216,7 +216,9 @@ class AiohttpTransport(AsyncBaseTransport):
                 raise TimeoutError()
             fresh = SimpleNamespace(reused=False)
             within = aiohttp.ClientTimeout(total=left)
-            return await self._send(self._fresh_session, request, reserve, fresh, within)
+            answer = await self._send(self._fresh_session, request, reserve, fresh, within)
+            answer.resend_count = 1
+            return answer
 
     async def _send(
         self,

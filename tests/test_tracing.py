@@ -1,0 +1,409 @@
+"""Traces through ``create_app``, exported over OTLP/HTTP to a real receiver (``tests.otlp``) and
+decoded there: one trace holds the caller's parent, the proxy's SERVER span, its CLIENT span
+and database spans, and the app's own span (the test app continues the trace it is sent); a
+duplicate's trace has no CLIENT span; untrusted trace headers start a new, linked trace; a
+collector that is down or hangs never changes a webhook's answer; off, nothing is traced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from proxy import errors, tracing
+from proxy.upstream import proxy_headers
+from tests.helpers import FakeUpstream, MakeProxy, admin_client, event, scrape
+from tests.otlp import Received, Receiver
+
+PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_SPAN = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    found = Receiver()
+    await found.start()
+    yield found
+    await found.close()
+
+
+@dataclass
+class TracedApp:
+    """The app behind the proxy, traced itself: it continues the trace it is sent."""
+
+    url: str = ""
+    headers: list[dict[str, str]] = field(default_factory=list)
+    status: int = 200
+
+
+@pytest.fixture
+async def traced_app(aiohttp_server: Any, receiver: Receiver) -> AsyncIterator[TracedApp]:
+    app = TracedApp()
+    provider = TracerProvider(resource=Resource.create({"service.name": "the-app"}))
+    provider.add_span_processor(
+        BatchSpanProcessor(OTLPSpanExporter(endpoint=receiver.url), schedule_delay_millis=50)
+    )
+    tracer = provider.get_tracer("the-app")
+    propagator = TraceContextTextMapPropagator()
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        app.headers.append({name.lower(): value for name, value in request.headers.items()})
+        parent = propagator.extract(request.headers)
+        with tracer.start_as_current_span("handle webhook", context=parent, kind=SpanKind.SERVER):
+            return web.Response(status=app.status, text="ok")
+
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", handle)
+    server = await aiohttp_server(application)
+    app.url = str(server.make_url("")).rstrip("/")
+    yield app
+    await asyncio.to_thread(provider.shutdown)
+
+
+@pytest.fixture
+def traced(monkeypatch: pytest.MonkeyPatch, receiver: Receiver) -> None:
+    """Tracing on, as the standard variables turn it on, exporting to the receiver quickly."""
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+
+
+def _one(spans: list[Received], **wanted: Any) -> Received:
+    found = [
+        span for span in spans
+        if all(getattr(span, key) == value for key, value in wanted.items())
+    ]  # fmt: skip
+    assert len(found) == 1, [span.line() for span in spans]
+    return found[0]
+
+
+def _proxy_spans(spans: list[Received]) -> list[Received]:
+    return [span for span in spans if span.service == "webhook-dedup-proxy"]
+
+
+@pytest.mark.usefixtures("traced")
+async def test_one_trace_holds_the_callers_parent_the_proxy_and_the_app(
+    make_proxy: MakeProxy, traced_app: TracedApp, receiver: Receiver,
+    caplog: pytest.LogCaptureFixture, table: str,
+) -> None:  # fmt: skip
+    client = await make_proxy(upstream={"url": traced_app.url}, trusted_proxies=["127.0.0.1/32"])
+    with caplog.at_level(logging.INFO, logger="proxy.pipeline"):
+        response = await client.post(
+            "/webhooks/corvel?x=1",
+            data=event("evt_traced"),
+            headers={"traceparent": TRACEPARENT, "tracestate": "vendor=abc",
+                     "baggage": "tenant=acme"},
+        )  # fmt: skip
+    assert response.status == 200
+
+    # The proxy's SERVER, its CLIENT and two database spans, and the app's span.
+    spans = await receiver.wait_for(5, trace_id=PARENT_TRACE)
+    for span in spans:
+        print(span.line())  # the closing note's example trace (pytest -s)
+    server = _one(spans, kind="SERVER", service="webhook-dedup-proxy")
+    assert server.name == "POST /webhooks/corvel"
+    assert server.parent_id == PARENT_SPAN
+    assert server.status == "UNSET"
+    assert (
+        server.attributes
+        | {
+            "http.request.method": "POST",
+            "http.route": "/webhooks/corvel",
+            "url.path": "/webhooks/corvel",
+            "url.scheme": "http",
+            "http.response.status_code": 200,
+            "webhook.route": "corvel",
+            "webhook.event_id": "evt_traced",
+            "webhook.event_type": "charge.succeeded",
+            "dedup.outcome": "processed",
+            "client.address": "127.0.0.1",
+        }
+        == server.attributes
+    )
+    assert isinstance(server.attributes["dedup.waited_ms"], float)
+
+    forward = _one(spans, name="POST", kind="CLIENT")
+    assert forward.parent_id == server.span_id
+    host, port = traced_app.url.removeprefix("http://").split(":")
+    assert forward.attributes == {
+        "http.request.method": "POST",
+        "server.address": host,
+        "server.port": int(port),
+        "url.full": f"{traced_app.url}/webhooks/corvel?x=1",
+        "network.protocol.version": "1.1",
+        "http.response.status_code": 200,
+    }
+    app_span = _one(spans, service="the-app")
+    assert app_span.parent_id == forward.span_id  # the app joined the trace under the forward
+
+    claim = _one(spans, name=f"INSERT {table}")
+    commit = _one(spans, name="COMMIT")
+    for span in (claim, commit):
+        assert span.kind == "CLIENT"
+        assert span.parent_id == server.span_id
+        assert span.attributes["db.system.name"] == "postgresql"
+        assert "evt_traced" not in repr(span.attributes)  # never the statement with the ID
+    assert claim.attributes["dedup.acquired"] is True
+    assert commit.attributes["db.operation.name"] == "COMMIT"
+    assert claim.end_ns <= forward.start_ns <= forward.end_ns <= commit.start_ns
+
+    # The app was sent the proxy's CLIENT span as its parent, the trusted caller's state and
+    # baggage carried on.
+    sent = traced_app.headers[0]
+    assert sent["traceparent"] == f"00-{PARENT_TRACE}-{forward.span_id}-01"  # sampled, as sent
+    assert sent["tracestate"] == "vendor=abc"
+    assert sent["baggage"] == "tenant=acme"
+
+    # The log line leads to the trace.
+    (line,) = [r.fields for r in caplog.records if getattr(r, "fields", {}).get("event_id")]  # type: ignore[attr-defined]
+    assert (line["trace_id"], line["span_id"]) == (PARENT_TRACE, server.span_id)
+
+
+@pytest.mark.usefixtures("traced")
+async def test_a_duplicates_trace_has_its_outcome_and_no_client_span(
+    make_proxy: MakeProxy, traced_app: TracedApp, receiver: Receiver, table: str
+) -> None:
+    client = await make_proxy(upstream={"url": traced_app.url})
+    assert (await client.post("/webhooks/corvel", data=event("evt_dup"))).status == 200
+    response = await client.post("/webhooks/corvel", data=event("evt_dup"))
+    assert response.status == 200
+    assert response.headers["Dedup-Status"] == "duplicate"
+
+    servers = [
+        s for s in await _servers(receiver, 2) if s.attributes["webhook.event_id"] == "evt_dup"
+    ]
+    first, second = sorted(servers, key=lambda span: span.start_ns)
+    assert first.attributes["dedup.outcome"] == "processed"
+    assert second.attributes["dedup.outcome"] == "duplicate"
+    assert second.status == "UNSET"  # a duplicate is no error
+    spans = await receiver.wait_for(3, trace_id=second.trace_id)
+    assert {(span.kind, span.name) for span in _proxy_spans(spans)} == {
+        ("SERVER", "POST /webhooks/corvel"),
+        ("CLIENT", f"INSERT {table}"),
+        ("CLIENT", "ROLLBACK"),  # the duplicate's settle: its comparison and ROLLBACK
+    }
+    assert len(traced_app.headers) == 1  # the app saw the first copy only
+    assert first.trace_id != second.trace_id  # each delivery its own trace
+
+
+async def _servers(receiver: Receiver, count: int) -> list[Received]:
+    deadline = asyncio.get_running_loop().time() + 10
+    while True:
+        servers = [s for s in _proxy_spans(receiver.spans) if s.kind == "SERVER"]
+        if len(servers) >= count or asyncio.get_running_loop().time() > deadline:
+            return servers
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.usefixtures("traced")
+async def test_an_untrusted_callers_trace_headers_start_a_new_linked_trace(
+    make_proxy: MakeProxy, traced_app: TracedApp, receiver: Receiver
+) -> None:
+    client = await make_proxy(upstream={"url": traced_app.url})  # no trusted_proxies
+    response = await client.post(
+        "/webhooks/corvel",
+        data=event("evt_untrusted"),
+        headers={"traceparent": TRACEPARENT, "tracestate": "vendor=abc", "baggage": "admin=1"},
+    )
+    assert response.status == 200
+
+    (server,) = await _servers(receiver, 1)
+    assert server.trace_id != PARENT_TRACE
+    assert server.parent_id == ""
+    assert server.links == [(PARENT_TRACE, PARENT_SPAN, {"webhook.untrusted": True})]
+    forward = _one(await receiver.wait_for(5, trace_id=server.trace_id), kind="CLIENT", name="POST")
+    sent = traced_app.headers[0]
+    # Sampled (01), the trace ID random (02: W3C Trace Context level 2, as the SDK sets it).
+    assert sent["traceparent"] == f"00-{server.trace_id}-{forward.span_id}-03"
+    assert "tracestate" not in sent
+    assert "baggage" not in sent
+
+
+@pytest.mark.usefixtures("traced")
+async def test_a_failed_app_and_the_proxys_own_errors_have_error_status(
+    make_proxy: MakeProxy, traced_app: TracedApp, receiver: Receiver
+) -> None:
+    traced_app.status = 500
+    client = await make_proxy(upstream={"url": traced_app.url})
+    assert (await client.post("/webhooks/corvel", data=event("evt_500"))).status == 500
+    assert (await client.post("/webhooks/corvel", data=b"not json")).status == 400
+
+    servers = await _servers(receiver, 2)
+    failed = _one(servers, status="ERROR")
+    assert failed.attributes["dedup.outcome"] == "upstream_error"
+    assert failed.attributes["error.type"] == "500"
+    spans = await receiver.wait_for(5, trace_id=failed.trace_id)
+    forward = _one(spans, kind="CLIENT", name="POST")
+    assert (forward.status, forward.attributes["error.type"]) == ("ERROR", "500")
+    release = _one(spans, name="ROLLBACK")
+    assert release.attributes["dedup.step"] == "release"
+    rejected = _one(servers, status="UNSET")  # a 4xx is the caller's, not an error of ours
+    assert rejected.attributes["http.response.status_code"] == 400
+    assert rejected.attributes["dedup.outcome"] == "rejected"
+
+
+@pytest.mark.usefixtures("traced")
+async def test_pass_through_is_traced_and_carries_the_context(
+    make_proxy: MakeProxy, traced_app: TracedApp, receiver: Receiver
+) -> None:
+    client = await make_proxy(upstream={"url": traced_app.url}, passthrough="all")
+    assert (await client.get("/health/deep")).status == 200
+    (server,) = await _servers(receiver, 1)
+    assert server.name == "GET"  # no route: the conventions' name is the method alone
+    assert "http.route" not in server.attributes
+    assert server.attributes["dedup.outcome"] == "passthrough"
+    spans = await receiver.wait_for(3, trace_id=server.trace_id)
+    forward = _one(spans, kind="CLIENT")
+    assert _one(spans, service="the-app").parent_id == forward.span_id
+
+
+async def test_a_collector_that_hangs_changes_no_answer(
+    monkeypatch: pytest.MonkeyPatch, make_proxy: MakeProxy, upstream: FakeUpstream,
+    receiver: Receiver, aiohttp_client: Any,
+) -> None:  # fmt: skip
+    """The collector takes the export and never answers: every webhook is answered as before
+    while the export is held, and the queue's overflow is dropped and counted."""
+    receiver.hang = True
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    monkeypatch.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "16")
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "4")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "30")
+    client = await make_proxy()  # the app: untraced, so every export is the proxy's
+    assert (await client.post("/webhooks/corvel", data=event("evt_first"))).status == 200
+    await asyncio.wait_for(receiver.held.wait(), 10)  # the batch thread is stuck exporting
+    for number in range(40):
+        response = await client.post("/webhooks/corvel", data=event(f"evt_{number}"))
+        assert response.status == 200
+    assert (receiver.hanging, receiver.spans) == (1, [])  # all answered while it hung
+    assert len(upstream.requests) == 41
+    samples = await scrape(await admin_client(aiohttp_client, client))
+    dropped = samples[("dedup_trace_spans_total", (("result", "dropped"),))]
+    assert dropped >= 40 * 4 - 16  # four spans a webhook, a queue of 16
+
+
+async def test_a_collector_that_is_down_counts_failed_exports(
+    monkeypatch: pytest.MonkeyPatch, make_proxy: MakeProxy, traced_app: TracedApp,
+    aiohttp_client: Any, unused_tcp_port: int,
+) -> None:  # fmt: skip
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", f"http://127.0.0.1:{unused_tcp_port}/v1/traces"
+    )
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    client = await make_proxy(upstream={"url": traced_app.url})
+    for number in range(5):
+        assert (
+            await client.post("/webhooks/corvel", data=event(f"evt_down{number}"))
+        ).status == 200
+    admin = await admin_client(aiohttp_client, client)
+    deadline = asyncio.get_running_loop().time() + 15
+    while True:
+        failed = (await scrape(admin)).get(("dedup_trace_spans_total", (("result", "failed"),)), 0)
+        if failed > 0 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert failed > 0
+
+
+async def test_a_sampler_of_zero_exports_nothing_but_still_propagates(
+    monkeypatch: pytest.MonkeyPatch, make_proxy: MakeProxy, traced_app: TracedApp,
+    receiver: Receiver, traced: None,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    client = await make_proxy(upstream={"url": traced_app.url})
+    assert (await client.post("/webhooks/corvel", data=event("evt_unsampled"))).status == 200
+    await client.close()  # the drain exports whatever is queued
+    assert receiver.spans == []
+    flags = int(traced_app.headers[0]["traceparent"].rpartition("-")[2], 16)
+    assert flags & 1 == 0  # not sampled: the app is told so
+
+
+async def test_off_the_trace_headers_reach_the_app_as_they_came(
+    monkeypatch: pytest.MonkeyPatch, make_proxy: MakeProxy, traced_app: TracedApp,
+    receiver: Receiver,
+) -> None:  # fmt: skip
+    for name in [name for name in os.environ if name.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    client = await make_proxy(upstream={"url": traced_app.url})
+    assert not client.app[tracing_key()].on
+    response = await client.post(
+        "/webhooks/corvel", data=event("evt_off"), headers={"traceparent": TRACEPARENT}
+    )
+    assert response.status == 200
+    assert traced_app.headers[0]["traceparent"] == TRACEPARENT
+    # The app's own span is there (it traces); the proxy's are not.
+    assert _proxy_spans(await receiver.wait_for(1)) == []
+
+
+def tracing_key() -> Any:
+    from proxy import app
+
+    return app.TRACING
+
+
+@pytest.mark.parametrize(
+    ("environ", "exporters"),
+    [
+        ({}, ()),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, ("otlp",)),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, ("otlp",)),
+        ({"OTEL_TRACES_EXPORTER": "console"}, ("console",)),
+        ({"OTEL_TRACES_EXPORTER": "otlp,console"}, ("otlp", "console")),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}, ()),
+        ({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}, ()),
+        ({"OTEL_SDK_DISABLED": "false", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c"}, ("otlp",)),
+    ],
+)
+def test_the_standard_variables_turn_tracing_on(
+    environ: dict[str, str], exporters: tuple[str, ...]
+) -> None:
+    assert tracing.wanted(environ) == exporters
+
+
+@pytest.mark.parametrize(
+    ("environ", "problem"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "zipkin"}, "zipkin is not an exporter the proxy ships"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc: the proxy exports OTLP over HTTP as protobuf only",
+        ),
+    ],
+)
+def test_a_variable_the_proxy_cannot_honour_is_refused(
+    environ: dict[str, str], problem: str
+) -> None:
+    with pytest.raises(errors.ConfigError) as refused:
+        tracing.wanted(environ)
+    assert problem in str(refused.value)
+
+
+def test_tracing_asked_for_without_the_extra_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "proxy.tracing.spans", None)  # as if not installed
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    with pytest.raises(errors.ConfigError) as refused:
+        tracing.Tracing(("otlp",), proxy_headers.TrustedProxies(), "webhook_claims")
+    assert "pip install 'webhook-dedup-proxy[otel]'" in str(refused.value)
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318" in str(refused.value)
