@@ -1,4 +1,6 @@
-# webhook-dedup-proxy: the proxy, its dependencies and uvloop (extra "fast"), nothing else.
+# webhook-dedup-proxy: the proxy, its dependencies, uvloop (extra "fast") and the OpenTelemetry
+# SDK with its OTLP/HTTP exporter (extra "otel": off unless OTEL_EXPORTER_OTLP_ENDPOINT or
+# OTEL_TRACES_EXPORTER asks for traces), nothing else.
 #
 # Build: docker build -t dedup-proxy .       (or: buildah bud -t dedup-proxy .)
 # Run:   docker run --read-only -e DATABASE_URL=postgresql://user:secret@db:5432/app \
@@ -19,7 +21,7 @@ COPY proxy ./proxy
 # Installed under /install in /usr/local's layout (the dedup-proxy script runs /usr/local/bin's
 # python), then copied to /usr/local below: no wheels, sources or pip cache in the runtime stage.
 RUN pip install --no-cache-dir --disable-pip-version-check --no-warn-script-location \
-        --prefix=/install "/src[fast]"
+        --prefix=/install "/src[fast,otel]"
 
 FROM python:3.11-slim-bookworm
 ENV PYTHONUNBUFFERED=1 \

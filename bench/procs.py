@@ -13,7 +13,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,7 +141,14 @@ class Window:
 class Service:
     """A long-running child process (proxy, upstream), its output in a log file."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, port: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        port: int,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.port = port
         self.log_path = log_path
@@ -149,8 +156,9 @@ class Service:
             # A session of its own: a Ctrl-C meant for the benchmark does not reach it, and
             # stop() ends it in order.
             self.process = subprocess.Popen(
-                list(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                list(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env=None if env is None else {**os.environ, **env},
+            )  # fmt: skip
         self.pid = self.process.pid
 
     def wait_listening(self, within: float = 30.0) -> None:

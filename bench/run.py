@@ -84,8 +84,9 @@ class Bench:
         return self._start(name, argv, port)
 
     def start_proxy(
-        self, name: str, upstream: procs.Service, pool: int, workers: int = 1, log: str = "info"
-    ) -> procs.Service:
+        self, name: str, upstream: procs.Service, pool: int, workers: int = 1, log: str = "info",
+        *, env: dict[str, str] | None = None,
+    ) -> procs.Service:  # fmt: skip
         port = procs.free_port()
         config_file = self.workdir / f"{name}.yaml"
         config: dict[str, Any] = {
@@ -105,7 +106,7 @@ class Bench:
         proxy_config.parse(config, source=str(config_file))  # a clear error before starting
         config_file.write_text(yaml.safe_dump(config))
         argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config_file)]
-        return self._start(name, argv, port)
+        return self._start(name, argv, port, env)
 
     def start_naive(
         self, name: str, upstream: procs.Service, pool: int, workers: int = 1
@@ -117,8 +118,10 @@ class Bench:
                 "--table", TABLE, "--pool", str(pool), "--workers", str(workers)]  # fmt: skip
         return self._start(name, argv, port)
 
-    def _start(self, name: str, argv: list[str], port: int) -> procs.Service:
-        service = procs.Service(name, argv, self.workdir / f"{name}.log", port)
+    def _start(
+        self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None
+    ) -> procs.Service:
+        service = procs.Service(name, argv, self.workdir / f"{name}.log", port, env)
         self.services.append(service)
         service.wait_listening()
         return service

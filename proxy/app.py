@@ -227,6 +227,7 @@ async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
     lanes = redeliverer.Redeliverer(
         app[pipeline.STORE], app[pipeline.FORWARDER], cfg.routes, settings=cfg.redeliverer,
         meters=app[pipeline.METRICS], budget=app[pipeline.BUDGET], workers=cfg.workers,
+        traces=app[TRACING],
     )  # fmt: skip
     if not lanes.configured:
         yield

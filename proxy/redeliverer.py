@@ -21,12 +21,16 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
-from proxy import database, errors, memory, metrics
+from proxy import database, errors, memory, metrics, tracing
 from proxy.config import inbox, routes
 from proxy.upstream import forwarder, transports
+
+if TYPE_CHECKING:
+    from proxy.tracing.spans import RequestTrace
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +67,10 @@ class Redeliverer:
         meters: metrics.Metrics,
         budget: memory.Budget,
         workers: int = 1,
+        traces: tracing.Tracing | None = None,
     ) -> None:
         self._store = store
+        self._tracing = traces
         self._client = client
         self._routes = {route.name: route for route in configured if route.redeliver}
         self._scopes = sorted({route.scope for route in self._routes.values()})
@@ -180,8 +186,14 @@ class Redeliverer:
         settings = inbox.Redeliver() if route is None else route.redeliver or inbox.Redeliver()
         upstream = delivery.upstream if route is None else route.upstream
         started = time.perf_counter()
-        sent = await self._send(upstream, delivery)
+        trace: tracing.NotTraced | RequestTrace = tracing.NOT_TRACED
+        if self._tracing is not None:
+            trace = self._tracing.redelivery(
+                delivery.route, redelivery.event_id, redelivery.failures + 1, delivery.headers
+            )
+        sent = await self._send(upstream, delivery, trace)
         if sent is None:
+            trace.close({"dedup.redelivery.result": "postponed"})
             return False  # no room in this worker's memory budget now: due as it was
         status, error = sent
         took = round((time.perf_counter() - started) * 1000, 2)
@@ -203,12 +215,19 @@ class Redeliverer:
                 fields["error"] = error
         self._meters.redeliveries.labels(delivery.route, result).inc()
         fields["result"] = result
+        trace.close(
+            {"dedup.redelivery.result": result, "webhook.upstream_status": status or 0},
+            None if result == "delivered" else error or f"the app answered {status}",
+        )
         log.log(level, "redelivery of %s %s: %s", delivery.route, redelivery.event_id, result,
                 extra={"fields": fields})  # fmt: skip
         return True
 
     async def _send(
-        self, upstream: str, delivery: database.Delivery
+        self,
+        upstream: str,
+        delivery: database.Delivery,
+        trace: tracing.NotTraced | RequestTrace,
     ) -> tuple[int | None, str | None] | None:
         """The app's status (None: no answer) and what went wrong, if anything; None when the
         body does not fit the worker's memory budget now (not sent, not an attempt)."""
@@ -221,12 +240,15 @@ class Redeliverer:
             except errors.Overloaded as exc:
                 log.info("redelivery postponed: %s", exc.message)
                 return None
+            span = trace.forwarding(delivery.method, upstream, delivery.target, outgoing.headers)
             try:
                 answer = await self._client.send(upstream, outgoing, reservation.answer)
             except errors.UpstreamFailed as exc:
+                trace.failed(span, exc.code, exc.message)
                 if exc.answered_2xx:
                     return exc.upstream_status, None  # the app took it; its answer broke off
                 return exc.upstream_status, exc.message
+        trace.answered(span, answer.status, answer.resend_count)
         if answer.status == 410:
             return 410, "upstream answered 410 Gone"
         return answer.status, None

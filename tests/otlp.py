@@ -1,13 +1,16 @@
 """A real OTLP/HTTP traces receiver for the tests (and bench/): ``POST /v1/traces`` with an
 ``ExportTraceServiceRequest`` in protobuf, decoded with ``opentelemetry-proto`` as a collector
 decodes it, each span kept flattened (``Received``). ``hang`` makes it take requests and never
-answer them, as a collector that is stuck does.
+answer them, as a collector that is stuck does. ``python -m tests.otlp PORT`` runs one on its
+own (bench/tracing_cost.py), printing what it decoded at SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,3 +158,22 @@ class Receiver:
                     + "; ".join(span.line() for span in found)
                 )
             await asyncio.sleep(0.02)
+
+
+async def _serve(port: int) -> None:
+    """Run a receiver on ``port`` until SIGTERM; then print the spans it decoded (bench/)."""
+    receiver = Receiver()
+    application = web.Application()
+    application.router.add_post("/v1/traces", receiver._handle)
+    runner = web.AppRunner(application)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    print(f"{receiver.requests} export(s), {len(receiver.spans)} span(s)", flush=True)
+    await runner.cleanup()
+
+
+if __name__ == "__main__":
+    asyncio.run(_serve(int(sys.argv[1])))

@@ -407,3 +407,125 @@ def test_tracing_asked_for_without_the_extra_says_how_to_install_it(
         tracing.Tracing(("otlp",), proxy_headers.TrustedProxies(), "webhook_claims")
     assert "pip install 'webhook-dedup-proxy[otel]'" in str(refused.value)
     assert "OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4318" in str(refused.value)
+
+
+REPLAY_ROUTE = {
+    "name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id",
+    "on_duplicate": "replay",
+}  # fmt: skip
+
+
+@pytest.mark.usefixtures("traced")
+async def test_a_replay_and_a_mismatch_are_events_on_the_duplicates_span(
+    make_proxy: MakeProxy, upstream: FakeUpstream, receiver: Receiver
+) -> None:
+    client = await make_proxy(routes=[REPLAY_ROUTE])
+    assert (await client.post("/webhooks/corvel", data=event("evt_r"))).status == 200
+    replayed = await client.post("/webhooks/corvel", data=event("evt_r"))
+    assert await replayed.read() == b"processed\x00bytes"  # the app's answer, replayed
+    other = await client.post("/webhooks/corvel", data=event("evt_r", amount=2))
+    assert other.headers["Dedup-Status"] == "duplicate"
+
+    first, replay, mismatch = sorted(await _servers(receiver, 3), key=lambda s: s.start_ns)
+    assert first.events == []
+    assert replay.attributes["dedup.replayed"] is True
+    assert replay.events == [("dedup.replay", {"http.response.status_code": 200})]
+    assert mismatch.attributes["dedup.mismatch"] is True
+    assert mismatch.events == [("dedup.mismatch", {"webhook.event_id": "evt_r"})]
+    assert len(upstream.requests) == 1
+
+
+@pytest.mark.usefixtures("traced")
+async def test_a_copy_that_waited_says_how_long(
+    make_proxy: MakeProxy, upstream: FakeUpstream, receiver: Receiver
+) -> None:
+    upstream.gate = asyncio.Event()
+    client = await make_proxy()
+    first = asyncio.ensure_future(client.post("/webhooks/corvel", data=event("evt_w")))
+    await asyncio.wait_for(upstream.arrived.wait(), 5)
+    copy = asyncio.ensure_future(client.post("/webhooks/corvel", data=event("evt_w")))
+    held = asyncio.get_running_loop().time()
+    await asyncio.sleep(0.3)  # the copy waits on the first one's claim meanwhile
+    upstream.gate.set()
+    assert [(await first).status, (await copy).status] == [200, 200]
+    held = asyncio.get_running_loop().time() - held
+
+    spans = {s.attributes["dedup.outcome"]: s for s in await _servers(receiver, 2)}
+    # At least as long as the first copy was held: the wait is causal, not a benchmark.
+    assert spans["duplicate"].attributes["dedup.waited_ms"] >= 0.9 * held * 1000
+    assert (
+        spans["processed"].attributes["dedup.waited_ms"]
+        < spans["duplicate"].attributes["dedup.waited_ms"]
+    )
+
+
+async def test_a_request_sent_again_on_a_new_connection_says_so(
+    monkeypatch: pytest.MonkeyPatch, make_proxy: MakeProxy, receiver: Receiver, traced: None
+) -> None:
+    """The app closes a kept-alive connection as the next request arrives on it: the forward
+    goes again on a new one, and its CLIENT span has http.request.resend_count 1."""
+    connections = 0
+
+    async def app(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        number = connections
+        for request in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            if number == 1 and request == 1:
+                break  # closes under the second request, as an idle timer firing would
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(app, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        client = await make_proxy(upstream={"url": f"http://127.0.0.1:{port}"})
+        for name in ("evt_a", "evt_b"):
+            assert (await client.post("/webhooks/corvel", data=event(name))).status == 200
+        spans = await receiver.wait_for(8)
+    finally:
+        server.close()
+    forwards = sorted(
+        (s for s in spans if s.kind == "CLIENT" and s.name == "POST"), key=lambda s: s.start_ns
+    )
+    assert [s.attributes.get("http.request.resend_count") for s in forwards] == [None, 1]
+    assert connections == 2
+
+
+@pytest.mark.usefixtures("traced")
+async def test_a_redelivery_is_a_trace_of_its_own_linked_to_the_first_delivery(
+    make_proxy: MakeProxy, upstream: FakeUpstream, receiver: Receiver
+) -> None:
+    upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
+    client = await make_proxy(
+        routes=[{"name": "hooks", "path": "/hooks", "event_id": "body:/id",
+                 "redeliver": {"schedule": ["200ms"], "for": "1d"}}],
+        redeliverer={"poll": "100ms", "rate": 1000},
+    )  # fmt: skip
+    response = await client.post("/hooks", data=event("evt_kept"))
+    assert response.headers["Dedup-Status"] == "queued"
+
+    (first,) = await _servers(receiver, 1)
+    assert first.attributes["dedup.outcome"] == "queued"
+    # The first delivery's four spans (its claim, forward, queue and SERVER), the redelivery's two.
+    await receiver.wait_for(6)
+    root = _one(receiver.spans, name="redeliver hooks")
+    first_forward = _one(receiver.trace(first.trace_id), kind="CLIENT", name="POST")
+    assert root.kind == "INTERNAL"
+    assert root.parent_id == ""
+    assert root.links == [(first.trace_id, first_forward.span_id, {"webhook.first_delivery": True})]
+    assert root.attributes | {
+        "webhook.route": "hooks", "webhook.event_id": "evt_kept",
+        "webhook.redelivery.attempt": 2, "dedup.redelivery.result": "delivered",
+        "webhook.upstream_status": 200,
+    } == root.attributes  # fmt: skip
+    forward = _one(receiver.trace(root.trace_id), kind="CLIENT")
+    assert forward.parent_id == root.span_id
+    # The app was sent the redelivery's context, not the first delivery's it was kept with.
+    sent = upstream.requests[1].headers["traceparent"]
+    assert sent == [f"00-{root.trace_id}-{forward.span_id}-03"]
+    assert upstream.requests[0].headers["traceparent"][0].split("-")[1] == first.trace_id

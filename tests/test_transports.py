@@ -248,10 +248,12 @@ async def test_a_reused_connection_closed_before_a_byte_is_sent_once_more(
     app = await raw_app(lambda c, n: answers[c, n])
     proxy = make_forwarder()
 
-    assert (await send(proxy, app)).body == b"first"
+    first = await send(proxy, app)
+    assert (first.body, first.resend_count) == (b"first", 0)
     # The app closes the connection as the request arrives on it, as when its keep-alive timer
     # fires at that moment: the request goes again, on a new connection.
-    assert (await send(proxy, app)).body == b"second"
+    again = await send(proxy, app)
+    assert (again.body, again.resend_count) == (b"second", 1)  # a trace's resend_count
     assert app.requests == [(0, 0), (0, 1), (1, 0)]
 
 

@@ -183,6 +183,15 @@ class Tracing:
             return NOT_TRACED
         return sdk.begin(request, route, http_route, line)
 
+    def redelivery(
+        self, route: str, event_id: str, attempt: int, headers: Sequence[tuple[str, str]]
+    ) -> spans.RequestTrace | NotTraced:
+        """A redelivery's trace (a new one, linked to the first delivery's), started now."""
+        sdk = self._sdk
+        if sdk is None:
+            return NOT_TRACED
+        return sdk.redelivery(route, event_id, attempt, headers)
+
 
 class NotTraced:
     """A request's trace with tracing off: every call does nothing."""
@@ -207,6 +216,9 @@ class NotTraced:
         return None
 
     def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
+        return None
+
+    def close(self, attributes: Mapping[str, Any], error: str | None = None) -> None:
         return None
 
     def finish(self, line: log_line.LogLine) -> None:

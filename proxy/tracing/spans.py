@@ -132,6 +132,25 @@ class Sdk:
         line["span_id"] = format(ids.span_id, "016x")
         return RequestTrace(self, span, trace.set_span_in_context(span, parent))
 
+    def redelivery(
+        self, route: str, event_id: str, attempt: int, headers: Sequence[tuple[str, str]]
+    ) -> RequestTrace:
+        """A redelivery's trace: a new one (its root an INTERNAL span), linked to the first
+        delivery's forward through the trace headers that delivery was sent with and kept."""
+        links: Sequence[trace.Link] = ()
+        kept = {name.lower(): value for name, value in headers if name.lower() in self.fields}
+        if kept:
+            first = trace.get_current_span(self.propagator.extract(kept)).get_span_context()
+            if first.is_valid:
+                links = (trace.Link(first, {"webhook.first_delivery": True}),)
+        root = context_api.Context()
+        span = self.tracer.start_span(
+            f"redeliver {route}", context=root, kind=trace.SpanKind.INTERNAL, links=links,
+            attributes={"webhook.route": route, "webhook.event_id": event_id,
+                        "webhook.redelivery.attempt": attempt},
+        )  # fmt: skip
+        return RequestTrace(self, span, trace.set_span_in_context(span, root))
+
     def upstream(self, base_url: str) -> tuple[str, str, int | None]:
         """``base_url`` without credentials, its host and its port, as the spans show them."""
         known = self._upstreams.get(base_url)
@@ -335,6 +354,19 @@ class RequestTrace:
     def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         """A span event on the SERVER span (a replay, a mismatch)."""
         self.span.add_event(name, attributes)
+
+    def close(self, attributes: Mapping[str, Any], error: str | None = None) -> None:
+        """End every span still open, then the root, with ``attributes`` (an error, with
+        ``error``, when the step it stands for failed)."""
+        for span in self._open:
+            span.end()
+        self._open.clear()
+        span = self.span
+        if span.is_recording():
+            span.set_attributes(attributes)
+            if error is not None:
+                _failed(span, str(attributes.get("dedup.redelivery.result", "error")), error)
+        span.end()
 
     def finish(self, line: log_line.LogLine) -> None:
         """End every span still open, then the SERVER span, with the line's facts."""

@@ -1,0 +1,114 @@
+"""What tracing costs a webhook: CPU per webhook and throughput with tracing off, on with a
+sampler of 0, and on at 100 % (every span exported to a real OTLP/HTTP receiver, a process of
+its own), side by side in one run.
+
+    python bench/tracing_cost.py [--duration 5] [--rounds 2] [--out bench/TRACING.md]
+
+Three proxies (one worker each, the same pool) in front of one app and the embedded
+PostgreSQL, each load run (wrk, new event IDs) against each in turn, at c32 then c1, ``rounds``
+times in the same order; the proxy's CPU (its process and its threads: the SDK's batch
+thread exports there) per webhook, and the ratios to tracing off of the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import loads, procs, report
+from bench.run import ROOT, Bench, Settings, prepare_database
+
+
+def modes(receiver: str) -> dict[str, dict[str, str]]:
+    """Each proxy's environment, as an operator turns tracing on."""
+    on = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver}
+    return {
+        "off": {},
+        "on, sampler 0": {
+            **on, "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"
+        },
+        "on, 100 %": {**on, "OTEL_TRACES_SAMPLER": "always_on"},
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration", type=int, default=5, help="seconds per load run")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pool", type=int, default=16)
+    parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    args = parser.parse_args(argv)
+    loads.wrk_path()
+    settings = Settings(
+        quick=False, seconds=args.duration, pool=args.pool, rows=0, copies=0, slow_pools=(),
+        compare_loops=False, warmup=2, profile=None, keep=False, rounds=args.rounds,
+    )  # fmt: skip
+    workdir = Path(tempfile.mkdtemp(prefix="dedup-tracing-bench-"))
+    bench = Bench(settings, workdir)
+    rows: list[tuple[int, str, int, loads.Result]] = []
+    received = ""
+    try:
+        prepare_database(bench)
+        app = bench.start_upstream("app")
+        port = procs.free_port()
+        receiver = procs.Service(
+            "otlp-receiver", [sys.executable, "-m", "tests.otlp", str(port)],
+            workdir / "otlp.log", port, env={"PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        bench.services.append(receiver)
+        receiver.wait_listening()
+        proxies = {
+            mode: bench.start_proxy(f"proxy-{n}", app, args.pool, env=env)
+            for n, (mode, env) in enumerate(modes(f"http://127.0.0.1:{port}/v1/traces").items())
+        }
+        for mode, proxy in proxies.items():
+            bench.wrk("", f"warm-up {mode}", proxy, app, 32, seconds=settings.warmup)
+        for round_ in range(1, args.rounds + 1):
+            for connections in (32, 1):
+                for mode, proxy in proxies.items():
+                    label = f"tracing {mode}, c{connections} (round {round_})"
+                    rows.append((round_, mode, connections, bench.wrk("", label, proxy, app,
+                                                                      connections)))  # fmt: skip
+        bench.stop(receiver)
+        received = receiver.tail(1)
+    finally:
+        bench.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    table = _table(rows)
+    command = shlex.join(["python", "bench/tracing_cost.py", *(sys.argv[1:] if argv is None
+                                                                else argv)])  # fmt: skip
+    machine = report.machine()
+    text = (
+        f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, one worker "
+        f"per proxy, pool {args.pool}; the receiver took: {received.strip()}\n\n{table}\n"
+    )
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text, encoding="utf-8")
+    return 0
+
+
+def _table(rows: list[tuple[int, str, int, loads.Result]]) -> str:
+    off = {(r, c): result for r, mode, c, result in rows if mode == "off"}
+    lines = [
+        "| round | connections | tracing | webhooks/s | CPU µs per webhook | CPU ÷ off | "
+        "throughput ÷ off | p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for round_, mode, connections, result in sorted(rows, key=lambda row: (row[2] != 32, row[0])):
+        base = off[(round_, connections)]
+        cpu, base_cpu = result.cpu_us("proxy"), base.cpu_us("proxy")
+        lines.append(
+            f"| {round_} | {connections} | {mode} | {result.rate:,.0f} | {cpu:.0f} | "
+            f"{cpu / base_cpu:.2f} | {result.rate / base.rate:.2f} | {result.p99_ms:.2f} | "
+            f"{result.errors} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
