@@ -1,10 +1,11 @@
 """What tracing costs a webhook: CPU per webhook and throughput with tracing off, on with a
 sampler of 0, and on at 100 % (every span exported to a real OTLP/HTTP receiver, a process of
-its own), side by side in one run.
+its own), side by side in one run; and at 100 % with a collector that hangs or is down (what
+must not change a webhook's answer or latency).
 
     python bench/tracing_cost.py [--duration 5] [--rounds 2] [--out bench/TRACING.md]
 
-Three proxies (one worker each, the same pool) in front of one app and the embedded
+Five proxies (one worker each, the same pool) in front of one app and the embedded
 PostgreSQL, each load run (wrk, new event IDs) against each in turn, at c32 then c1, ``rounds``
 times in the same order; the proxy's CPU (its process and its threads: the SDK's batch
 thread exports there) per webhook, and the ratios to tracing off of the same round.
@@ -23,15 +24,18 @@ from bench import loads, procs, report
 from bench.run import ROOT, Bench, Settings, prepare_database
 
 
-def modes(receiver: str) -> dict[str, dict[str, str]]:
-    """Each proxy's environment, as an operator turns tracing on."""
-    on = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver}
+def modes(receiver: str, hanging: str, down: str) -> dict[str, dict[str, str]]:
+    """Each proxy's environment, as an operator turns tracing on; the last two export to a
+    collector that takes each export and never answers, and to a port nothing listens on."""
+    on = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver, "OTEL_TRACES_SAMPLER": "always_on"}
     return {
         "off": {},
         "on, sampler 0": {
             **on, "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"
         },
-        "on, 100 %": {**on, "OTEL_TRACES_SAMPLER": "always_on"},
+        "on, 100 %": on,
+        "on, 100 %, collector hangs": {**on, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": hanging},
+        "on, 100 %, collector down": {**on, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": down},
     }  # fmt: skip
 
 
@@ -54,16 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare_database(bench)
         app = bench.start_upstream("app")
-        port = procs.free_port()
-        receiver = procs.Service(
-            "otlp-receiver", [sys.executable, "-m", "tests.otlp", str(port)],
-            workdir / "otlp.log", port, env={"PYTHONPATH": str(ROOT)},
-        )  # fmt: skip
-        bench.services.append(receiver)
-        receiver.wait_listening()
+        receiver, hanging = (_receiver(bench, name, workdir) for name in ("otlp", "hang"))
+        endpoints = [f"http://127.0.0.1:{port}/v1/traces"
+                     for port in (receiver.port, hanging.port, procs.free_port())]  # fmt: skip
         proxies = {
             mode: bench.start_proxy(f"proxy-{n}", app, args.pool, env=env)
-            for n, (mode, env) in enumerate(modes(f"http://127.0.0.1:{port}/v1/traces").items())
+            for n, (mode, env) in enumerate(modes(*endpoints).items())
         }
         for mode, proxy in proxies.items():
             bench.wrk("", f"warm-up {mode}", proxy, app, 32, seconds=settings.warmup)
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                     label = f"tracing {mode}, c{connections} (round {round_})"
                     rows.append((round_, mode, connections, bench.wrk("", label, proxy, app,
                                                                       connections)))  # fmt: skip
+        for proxy in proxies.values():
+            bench.stop(proxy)  # each drains, exporting what is queued (5 s at most)
         bench.stop(receiver)
         received = receiver.tail(1)
     finally:
@@ -92,19 +94,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _receiver(bench: Bench, name: str, workdir: Path) -> procs.Service:
+    """tests/otlp.py's receiver in a process of its own (``hang``: one that never answers)."""
+    port = procs.free_port()
+    argv = [sys.executable, "-m", "tests.otlp", str(port), *(["hang"] if name == "hang" else [])]
+    service = procs.Service(
+        f"otlp-{name}", argv, workdir / f"otlp-{name}.log", port, env={"PYTHONPATH": str(ROOT)}
+    )
+    bench.services.append(service)
+    service.wait_listening()
+    return service
+
+
 def _table(rows: list[tuple[int, str, int, loads.Result]]) -> str:
     off = {(r, c): result for r, mode, c, result in rows if mode == "off"}
     lines = [
         "| round | connections | tracing | webhooks/s | CPU µs per webhook | CPU ÷ off | "
-        "throughput ÷ off | p99 ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "throughput ÷ off | p50 ms | p99 ms | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for round_, mode, connections, result in sorted(rows, key=lambda row: (row[2] != 32, row[0])):
         base = off[(round_, connections)]
         cpu, base_cpu = result.cpu_us("proxy"), base.cpu_us("proxy")
         lines.append(
             f"| {round_} | {connections} | {mode} | {result.rate:,.0f} | {cpu:.0f} | "
-            f"{cpu / base_cpu:.2f} | {result.rate / base.rate:.2f} | {result.p99_ms:.2f} | "
+            f"{cpu / base_cpu:.2f} | {result.rate / base.rate:.2f} | {result.p50_ms:.2f} | "
+            f"{result.p99_ms:.2f} | "
             f"{result.errors} |"
         )
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from proxy import (
     preflight,
     server,
     supervisor,
+    tracing,
 )
 from proxy.config import routes, values
 
@@ -140,6 +141,7 @@ def _describe(cfg: config.Config, source: str) -> str:
         f"upstream:    {cfg.upstream.url} (timeout {cfg.upstream.timeout:g}s)",
         f"database:    {dsn}, table {db.table}, pool {db.pool_size}",
         f"claim_wait:  {cfg.claim_wait:g}s   shutdown_timeout: {cfg.shutdown_timeout:g}s",
+        f"tracing:     {tracing.summary(os.environ)}",
         f"workers:     {cfg.workers}"
         + (
             f" (up to {cfg.workers * db.pool_size} database connections)" if cfg.workers > 1 else ""
@@ -213,10 +215,13 @@ def _load(args: argparse.Namespace) -> config.Config | None:
         )
         return None
     try:
-        return config.load(args.config)
+        cfg = config.load(args.config)
+        if args.command in ("serve", "check"):
+            tracing.summary(os.environ)  # the OTEL_* variables: refused before starting
     except errors.ConfigError as exc:
         print(exc, file=sys.stderr)
         return None
+    return cfg
 
 
 def _schema(args: argparse.Namespace) -> int:

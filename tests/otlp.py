@@ -2,7 +2,8 @@
 ``ExportTraceServiceRequest`` in protobuf, decoded with ``opentelemetry-proto`` as a collector
 decodes it, each span kept flattened (``Received``). ``hang`` makes it take requests and never
 answer them, as a collector that is stuck does. ``python -m tests.otlp PORT`` runs one on its
-own (bench/tracing_cost.py), printing what it decoded at SIGTERM.
+own (bench/tracing_cost.py; ``PORT hang`` for one that hangs), printing what it decoded at
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -92,6 +93,34 @@ def _received(service: str, span: trace_pb2.Span) -> Received:
     )
 
 
+def tree(spans: list[Received]) -> str:
+    """One trace as an indented tree, children under their parent in start order (the closing
+    note's and docs/operations.md's example)."""
+    ids = {span.span_id for span in spans}
+    children: dict[str, list[Received]] = {}
+    for span in sorted(spans, key=lambda span: span.start_ns):
+        parent = span.parent_id if span.parent_id in ids else ""
+        children.setdefault(parent, []).append(span)
+    start = min(span.start_ns for span in spans)
+    lines: list[str] = []
+
+    def walk(parent: str, depth: int) -> None:
+        for span in children.get(parent, []):
+            offset, took = (span.start_ns - start) / 1e6, (span.end_ns - span.start_ns) / 1e6
+            head = f"{'  ' * depth}{span.service} {span.kind} {span.name!r}"
+            lines.append(f"{head}  +{offset:.1f} ms, {took:.1f} ms, status {span.status}")
+            if depth == 0 and span.parent_id:
+                lines.append(f"{'  ' * depth}  parent {span.parent_id} (not in this export)")
+            for key, value in sorted(span.attributes.items()):
+                lines.append(f"{'  ' * depth}    {key} = {value!r}")
+            for name, attributes in span.events:
+                lines.append(f"{'  ' * depth}    event {name} {attributes}")
+            walk(span.span_id, depth + 1)
+
+    walk("", 0)
+    return "\n".join(lines)
+
+
 @dataclass
 class Receiver:
     """The receiver; ``url`` is its traces endpoint once started."""
@@ -160,9 +189,10 @@ class Receiver:
             await asyncio.sleep(0.02)
 
 
-async def _serve(port: int) -> None:
-    """Run a receiver on ``port`` until SIGTERM; then print the spans it decoded (bench/)."""
-    receiver = Receiver()
+async def _serve(port: int, hang: bool) -> None:
+    """Run a receiver on ``port`` until SIGTERM; then print the spans it decoded (bench/).
+    With ``hang``, one that takes every export and never answers."""
+    receiver = Receiver(hang=hang)
     application = web.Application()
     application.router.add_post("/v1/traces", receiver._handle)
     runner = web.AppRunner(application)
@@ -171,9 +201,10 @@ async def _serve(port: int) -> None:
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
-    print(f"{receiver.requests} export(s), {len(receiver.spans)} span(s)", flush=True)
+    print(f"{receiver.requests} export(s), {len(receiver.spans)} span(s) decoded", flush=True)
+    receiver._release.set()
     await runner.cleanup()
 
 
 if __name__ == "__main__":
-    asyncio.run(_serve(int(sys.argv[1])))
+    asyncio.run(_serve(int(sys.argv[1]), hang=sys.argv[2:] == ["hang"]))

@@ -96,6 +96,16 @@ def test_only_the_database_package_imports_the_driver() -> None:
     assert [name for name in importers if not name.startswith("proxy.database")] == []
 
 
+def test_only_the_tracing_package_imports_opentelemetry() -> None:
+    """The extra is optional: the rest of the package runs without it installed."""
+    importers = sorted(
+        name
+        for name, imported in IMPORTS.items()
+        if any(i == "opentelemetry" or i.startswith("opentelemetry.") for i in imported)
+    )
+    assert importers == ["proxy.tracing.spans"]
+
+
 @pytest.mark.parametrize(
     ("family", "may_import"),
     [

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -26,8 +28,16 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from proxy import errors, tracing
 from proxy.upstream import proxy_headers
-from tests.helpers import FakeUpstream, MakeProxy, admin_client, event, scrape
-from tests.otlp import Received, Receiver
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    Serve,
+    admin_client,
+    event,
+    scrape,
+    wait_until,
+)
+from tests.otlp import Received, Receiver, tree
 
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -116,8 +126,7 @@ async def test_one_trace_holds_the_callers_parent_the_proxy_and_the_app(
 
     # The proxy's SERVER, its CLIENT and two database spans, and the app's span.
     spans = await receiver.wait_for(5, trace_id=PARENT_TRACE)
-    for span in spans:
-        print(span.line())  # the closing note's example trace (pytest -s)
+    print(f"trace {PARENT_TRACE}:\n{tree(spans)}")  # the docs' example trace (pytest -s)
     server = _one(spans, kind="SERVER", service="webhook-dedup-proxy")
     assert server.name == "POST /webhooks/corvel"
     assert server.parent_id == PARENT_SPAN
@@ -529,3 +538,54 @@ async def test_a_redelivery_is_a_trace_of_its_own_linked_to_the_first_delivery(
     sent = upstream.requests[1].headers["traceparent"]
     assert sent == [f"00-{root.trace_id}-{forward.span_id}-03"]
     assert upstream.requests[0].headers["traceparent"][0].split("-")[1] == first.trace_id
+
+
+async def test_serve_with_two_workers_exports_from_both_and_drains_its_spans(
+    serve: Serve, receiver: Receiver, upstream: FakeUpstream
+) -> None:
+    """As an operator runs it: ``dedup-proxy serve`` with ``workers: 2`` and the standard
+    variable; every webhook's SERVER span reaches the receiver, the log lines carry their
+    trace IDs, and SIGTERM exports what is still queued before the exit."""
+    served = await serve(
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url.removesuffix("/v1/traces"),
+             "OTEL_SERVICE_NAME": "proxy-under-test", "OTEL_BSP_SCHEDULE_DELAY": "60000"},
+        workers=2, database={"pool_size": 3},
+    )  # fmt: skip
+
+    async def both_listening() -> bool:
+        return sum(1 for x in served.lines() if x["msg"].startswith("listening")) >= 2
+
+    await wait_until(both_listening, "2 workers listening", within=60)
+    async with aiohttp.ClientSession() as session:
+        for number in range(20):
+            # A connection each: the workers share the listener's connections between them.
+            async with session.post(
+                f"{served.url}/webhooks/corvel", data=event(f"evt_serve{number}"),
+                headers={"Connection": "close"},
+            ) as response:  # fmt: skip
+                assert response.status == 200
+    assert receiver.spans == []  # a minute's schedule: nothing exported yet
+    served.process.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(served.process.wait(), 30) == 0
+    servers = [s for s in receiver.spans if s.kind == "SERVER"]
+    assert {s.service for s in servers} == {"proxy-under-test"}
+    assert sorted(s.attributes["webhook.event_id"] for s in servers) == sorted(
+        f"evt_serve{n}" for n in range(20)
+    )
+    lines = {x["event_id"]: x for x in served.lines() if x.get("event_id")}
+    assert {s.trace_id for s in servers} == {line["trace_id"] for line in lines.values()}
+
+
+@pytest.mark.usefixtures("traced")
+async def test_the_admin_listener_is_not_traced(
+    make_proxy: MakeProxy, receiver: Receiver, aiohttp_client: Any
+) -> None:
+    client = await make_proxy()
+    admin = await admin_client(aiohttp_client, client)
+    for path in ("/metrics", "/healthz", "/readyz"):
+        assert (await admin.get(path)).status == 200
+    assert (await client.post("/webhooks/corvel", data=event("evt_admin"))).status == 200
+    servers = await _servers(receiver, 1)
+    await client.close()  # the drain exports whatever is still queued
+    assert [s.attributes["url.path"] for s in servers] == ["/webhooks/corvel"]
+    assert [s.name for s in receiver.spans if s.kind == "SERVER"] == ["POST /webhooks/corvel"]

@@ -101,6 +101,39 @@ def describe(environ: Mapping[str, str]) -> str:
     return ", ".join(f"{name}={environ[name]}" for name in names if environ.get(name))
 
 
+def summary(environ: Mapping[str, str]) -> str:
+    """Tracing as ``check`` shows it: off, or where the spans go and how they are sampled.
+    ConfigError as ``wanted``, and when tracing is asked for without the extra."""
+    exporters = wanted(environ)
+    if not exporters:
+        return "off (set OTEL_EXPORTER_OTLP_ENDPOINT to export traces; docs/operations.md)"
+    _importable(environ)
+    shown = []
+    for exporter in exporters:
+        if exporter == "otlp":
+            endpoint = environ.get(ENDPOINTS[0]) or (
+                environ.get(ENDPOINTS[1], "http://localhost:4318").rstrip("/") + "/v1/traces"
+            )
+            shown.append(f"OTLP/HTTP to {endpoint}")
+        else:
+            shown.append("the console (stdout)")
+    sampler = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
+    if environ.get("OTEL_TRACES_SAMPLER_ARG"):
+        sampler += f" {environ['OTEL_TRACES_SAMPLER_ARG']}"
+    service = environ.get("OTEL_SERVICE_NAME", "webhook-dedup-proxy")
+    return f"on: {' and '.join(shown)}, sampler {sampler}, service {service}"
+
+
+def _importable(environ: Mapping[str, str]) -> None:
+    try:
+        importlib.import_module("proxy.tracing.spans")
+    except ImportError as exc:
+        raise _refused(
+            f"tracing is asked for ({describe(environ)}) but the OpenTelemetry SDK is not "
+            f"installed ({exc}): {INSTALL_HINT}"
+        ) from None
+
+
 class Tracing:
     """The process's tracing: every request is ``NOT_TRACED`` until ``open`` and after
     ``close``; in between, ``begin`` starts its trace.
@@ -122,13 +155,7 @@ class Tracing:
         self._count = count
         self._sdk: spans.Sdk | None = None
         if self.exporters:
-            try:
-                importlib.import_module("proxy.tracing.spans")
-            except ImportError as exc:
-                raise _refused(
-                    f"tracing is asked for ({describe(os.environ)}) but the OpenTelemetry "
-                    f"SDK is not installed ({exc}): {INSTALL_HINT}"
-                ) from None
+            _importable(os.environ)
 
     @property
     def on(self) -> bool:
