@@ -20,6 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from bench import loads, procs, report
 from bench.run import ROOT, Bench, Settings, prepare_database
 

@@ -164,6 +164,9 @@ class Cycle:
                 await self._write(response)
         except errors.RequestError as exc:
             response = self._refuse(exc)
+        except BaseException as exc:  # cancelled at the end of a drain: its spans end too
+            self.trace.abort(exc)
+            raise
         finally:
             in_flight.dec()
         log_line.finish(route.meters, self.line, self.started, response)
@@ -522,6 +525,9 @@ def make_dispatcher(
             line["outcome"] = exc.outcome
             line["error"] = exc.message
             response = error_response(exc)
+        except BaseException as exc:
+            trace.abort(exc)
+            raise
         log_line.finish(route_meters, line, started, response)
         trace.finish(line)
         return response

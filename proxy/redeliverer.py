@@ -32,6 +32,8 @@ from proxy.upstream import forwarder, transports
 if TYPE_CHECKING:
     from proxy.tracing.spans import RequestTrace
 
+    Trace = tracing.NotTraced | RequestTrace
+
 log = logging.getLogger(__name__)
 
 # The app's answers that retrying the same request cannot change: the request itself is wrong
@@ -186,15 +188,28 @@ class Redeliverer:
         settings = inbox.Redeliver() if route is None else route.redeliver or inbox.Redeliver()
         upstream = delivery.upstream if route is None else route.upstream
         started = time.perf_counter()
-        trace: tracing.NotTraced | RequestTrace = tracing.NOT_TRACED
-        if self._tracing is not None:
-            trace = self._tracing.redelivery(
-                delivery.route, redelivery.event_id, redelivery.failures + 1, delivery.headers
-            )
-        sent = await self._send(upstream, delivery, trace)
+        sent = await self._send(upstream, redelivery)
         if sent is None:
-            trace.close({"dedup.redelivery.result": "postponed"})
             return False  # no room in this worker's memory budget now: due as it was
+        status, error, trace = sent
+        try:
+            await self._record(redelivery, settings, (status, error), trace, started)
+        except BaseException as exc:  # cancelled at shutdown_timeout: its spans end too
+            trace.abort(exc)
+            raise
+        return True
+
+    async def _record(
+        self,
+        redelivery: database.Redelivery,
+        settings: inbox.Redeliver,
+        sent: tuple[int | None, str | None],
+        trace: Trace,
+        started: float,
+    ) -> None:
+        """The attempt's outcome (the app's status, what went wrong), in its row (committed),
+        the metrics, the log and the trace."""
+        delivery = redelivery.delivery
         status, error = sent
         took = round((time.perf_counter() - started) * 1000, 2)
         fields = {"route": delivery.route, "scope": redelivery.scope,
@@ -221,16 +236,14 @@ class Redeliverer:
         )
         log.log(level, "redelivery of %s %s: %s", delivery.route, redelivery.event_id, result,
                 extra={"fields": fields})  # fmt: skip
-        return True
 
     async def _send(
-        self,
-        upstream: str,
-        delivery: database.Delivery,
-        trace: tracing.NotTraced | RequestTrace,
-    ) -> tuple[int | None, str | None] | None:
-        """The app's status (None: no answer) and what went wrong, if anything; None when the
-        body does not fit the worker's memory budget now (not sent, not an attempt)."""
+        self, upstream: str, redelivery: database.Redelivery
+    ) -> tuple[int | None, str | None, Trace] | None:
+        """The app's status (None: no answer), what went wrong, if anything, and the trace
+        begun for it; None when the body does not fit the worker's memory budget now (not
+        sent, not an attempt, not traced)."""
+        delivery = redelivery.delivery
         outgoing = transports.Request(
             delivery.method, delivery.target, CIMultiDict(delivery.headers), delivery.body
         )
@@ -240,18 +253,27 @@ class Redeliverer:
             except errors.Overloaded as exc:
                 log.info("redelivery postponed: %s", exc.message)
                 return None
+            trace: Trace = tracing.NOT_TRACED
+            if self._tracing is not None:
+                trace = self._tracing.redelivery(
+                    delivery.route, redelivery.event_id, redelivery.failures + 1,
+                    delivery.headers,
+                )  # fmt: skip
             span = trace.forwarding(delivery.method, upstream, delivery.target, outgoing.headers)
             try:
                 answer = await self._client.send(upstream, outgoing, reservation.answer)
             except errors.UpstreamFailed as exc:
                 trace.failed(span, exc.code, exc.message)
                 if exc.answered_2xx:
-                    return exc.upstream_status, None  # the app took it; its answer broke off
-                return exc.upstream_status, exc.message
+                    return exc.upstream_status, None, trace  # the app took it; its answer broke
+                return exc.upstream_status, exc.message, trace
+            except BaseException as exc:
+                trace.abort(exc)
+                raise
         trace.answered(span, answer.status, answer.resend_count)
         if answer.status == 410:
-            return 410, "upstream answered 410 Gone"
-        return answer.status, None
+            return 410, "upstream answered 410 Gone", trace
+        return answer.status, None, trace
 
     async def _levels(self) -> None:
         """Every LEVEL_INTERVAL, each route's inbox into the gauges."""

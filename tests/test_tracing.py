@@ -33,9 +33,12 @@ from tests.helpers import (
     MakeProxy,
     Serve,
     admin_client,
+    connection,
     event,
     scrape,
+    send,
     wait_until,
+    webhook_request,
 )
 from tests.otlp import Received, Receiver, tree
 
@@ -223,9 +226,15 @@ async def _servers(receiver: Receiver, count: int) -> list[Received]:
 
 
 @pytest.mark.usefixtures("traced")
+@pytest.mark.parametrize("propagators", [None, "tracecontext"])
 async def test_an_untrusted_callers_trace_headers_start_a_new_linked_trace(
-    make_proxy: MakeProxy, traced_app: TracedApp, receiver: Receiver
-) -> None:
+    make_proxy: MakeProxy, traced_app: TracedApp, receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch, propagators: str | None,
+) -> None:  # fmt: skip
+    """Also with a propagator list that does not name baggage: the client's never reaches
+    the app."""
+    if propagators is not None:
+        monkeypatch.setenv("OTEL_PROPAGATORS", propagators)
     client = await make_proxy(upstream={"url": traced_app.url})  # no trusted_proxies
     response = await client.post(
         "/webhooks/corvel",
@@ -453,15 +462,14 @@ async def test_a_copy_that_waited_says_how_long(
     first = asyncio.ensure_future(client.post("/webhooks/corvel", data=event("evt_w")))
     await asyncio.wait_for(upstream.arrived.wait(), 5)
     copy = asyncio.ensure_future(client.post("/webhooks/corvel", data=event("evt_w")))
-    held = asyncio.get_running_loop().time()
-    await asyncio.sleep(0.3)  # the copy waits on the first one's claim meanwhile
+    await asyncio.sleep(0.5)  # the copy waits on the first one's claim meanwhile
     upstream.gate.set()
     assert [(await first).status, (await copy).status] == [200, 200]
-    held = asyncio.get_running_loop().time() - held
 
     spans = {s.attributes["dedup.outcome"]: s for s in await _servers(receiver, 2)}
-    # At least as long as the first copy was held: the wait is causal, not a benchmark.
-    assert spans["duplicate"].attributes["dedup.waited_ms"] >= 0.9 * held * 1000
+    # Most of the half second the first copy was held (the copy's own way to the proxy took
+    # the rest): the wait is causal, not a benchmark.
+    assert spans["duplicate"].attributes["dedup.waited_ms"] >= 250
     assert (
         spans["processed"].attributes["dedup.waited_ms"]
         < spans["duplicate"].attributes["dedup.waited_ms"]
@@ -540,12 +548,13 @@ async def test_a_redelivery_is_a_trace_of_its_own_linked_to_the_first_delivery(
     assert upstream.requests[0].headers["traceparent"][0].split("-")[1] == first.trace_id
 
 
-async def test_serve_with_two_workers_exports_from_both_and_drains_its_spans(
+async def test_serve_with_two_workers_exports_and_drains_its_spans(
     serve: Serve, receiver: Receiver, upstream: FakeUpstream
 ) -> None:
-    """As an operator runs it: ``dedup-proxy serve`` with ``workers: 2`` and the standard
-    variable; every webhook's SERVER span reaches the receiver, the log lines carry their
-    trace IDs, and SIGTERM exports what is still queued before the exit."""
+    """As an operator runs it: ``dedup-proxy serve`` with ``workers: 2`` (each worker its own
+    SDK, after the supervisor started it) and the standard variable; every webhook's SERVER
+    span reaches the receiver, the log lines carry their trace IDs, and SIGTERM exports what
+    is still queued before the exit."""
     served = await serve(
         env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url.removesuffix("/v1/traces"),
              "OTEL_SERVICE_NAME": "proxy-under-test", "OTEL_BSP_SCHEDULE_DELAY": "60000"},
@@ -589,3 +598,33 @@ async def test_the_admin_listener_is_not_traced(
     await client.close()  # the drain exports whatever is still queued
     assert [s.attributes["url.path"] for s in servers] == ["/webhooks/corvel"]
     assert [s.name for s in receiver.spans if s.kind == "SERVER"] == ["POST /webhooks/corvel"]
+
+
+@pytest.mark.usefixtures("traced")
+async def test_hostile_header_bytes_never_change_an_answer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, receiver: Receiver
+) -> None:
+    """Bytes a client picks reach span attributes (a Host whose port int() refuses, obs-text in
+    a User-Agent, a port past 65535): the webhooks are answered as without tracing, and their
+    spans exported with the bytes replaced."""
+    client = await make_proxy(trusted_proxies=["127.0.0.1/32"])
+    requests = [
+        webhook_request("evt_host").replace(b"Host: proxy.test", b"Host: proxy.test:\xc2\xb2"),
+        webhook_request("evt_agent", b"User-Agent: a\xffb", b"X-Forwarded-Host: x:99999999999"),
+    ]
+    async with connection(client) as stream:
+        for raw in requests:
+            answer = await send(stream, raw)
+            assert answer is not None
+            assert answer.status == 200
+    # An event ID with a lone surrogate is refused, as without tracing; its span still goes.
+    surrogate = b'{"id": "evt_\\ud800"}'
+    assert (await client.post("/webhooks/corvel", data=surrogate)).status == 400
+    spans = await _servers(receiver, 3)
+    servers = {s.attributes.get("webhook.event_id"): s for s in spans}
+    assert servers["evt_host"].attributes["server.address"] == "proxy.test:\u00b2"
+    assert "server.port" not in servers["evt_host"].attributes
+    assert servers["evt_agent"].attributes["user_agent.original"] == "a?b"
+    assert "server.port" not in servers["evt_agent"].attributes
+    assert servers[None].attributes["dedup.outcome"] == "rejected"
+    assert len(upstream.requests) == 2

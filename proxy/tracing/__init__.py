@@ -79,6 +79,7 @@ def wanted(environ: Mapping[str, str]) -> tuple[str, ...]:
         chosen = ("otlp",)
     else:
         return ()
+    _batch_sizes(environ)
     if "otlp" in chosen:
         for name in PROTOCOLS:
             protocol = environ.get(name, "").strip()
@@ -88,6 +89,26 @@ def wanted(environ: Mapping[str, str]) -> tuple[str, ...]:
                     "(http/protobuf, port 4318 on a collector)"
                 )
     return chosen
+
+
+def _batch_sizes(environ: Mapping[str, str]) -> None:
+    """The batch queue's sizes as the SDK would refuse them, before it does at start-up."""
+    sizes = {}
+    defaults = (("OTEL_BSP_MAX_QUEUE_SIZE", 2048), ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
+    for name, default in defaults:
+        raw = environ.get(name, "").strip()
+        try:
+            sizes[name] = int(raw) if raw else default
+        except ValueError:
+            raise _refused(f"{name}={raw}: not a whole number") from None
+        if sizes[name] <= 0:
+            raise _refused(f"{name}={raw}: must be above 0")
+    if sizes["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] > sizes["OTEL_BSP_MAX_QUEUE_SIZE"]:
+        raise _refused(
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE must not exceed OTEL_BSP_MAX_QUEUE_SIZE "
+            f"({sizes['OTEL_BSP_MAX_EXPORT_BATCH_SIZE']} > {sizes['OTEL_BSP_MAX_QUEUE_SIZE']}; "
+            "their defaults are 512 and 2048)"
+        )
 
 
 def _refused(problem: str) -> errors.ConfigError:
@@ -132,6 +153,8 @@ def _importable(environ: Mapping[str, str]) -> None:
             f"tracing is asked for ({describe(environ)}) but the OpenTelemetry SDK is not "
             f"installed ({exc}): {INSTALL_HINT}"
         ) from None
+    except Exception as exc:  # the SDK refused a variable as it loaded (OTEL_PROPAGATORS=b3)
+        raise _refused(f"the OpenTelemetry SDK refused the environment: {exc}") from None
 
 
 class Tracing:
@@ -208,7 +231,7 @@ class Tracing:
         sdk = self._sdk
         if sdk is None:
             return NOT_TRACED
-        return sdk.begin(request, route, http_route, line)
+        return sdk.begin(request, route, http_route, line) or NOT_TRACED
 
     def redelivery(
         self, route: str, event_id: str, attempt: int, headers: Sequence[tuple[str, str]]
@@ -217,7 +240,7 @@ class Tracing:
         sdk = self._sdk
         if sdk is None:
             return NOT_TRACED
-        return sdk.redelivery(route, event_id, attempt, headers)
+        return sdk.redelivery(route, event_id, attempt, headers) or NOT_TRACED
 
 
 class NotTraced:
@@ -246,6 +269,9 @@ class NotTraced:
         return None
 
     def close(self, attributes: Mapping[str, Any], error: str | None = None) -> None:
+        return None
+
+    def abort(self, exc: BaseException) -> None:
         return None
 
     def finish(self, line: log_line.LogLine) -> None:

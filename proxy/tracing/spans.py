@@ -9,14 +9,17 @@ is handed to the processor and what it hands to the exporter, without the SDK's 
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from aiohttp import hdrs, web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 from opentelemetry import context as context_api
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -35,6 +38,8 @@ if TYPE_CHECKING:
     from proxy import log_line
     from proxy.upstream import proxy_headers
 
+log = logging.getLogger("proxy.tracing")
+
 # What the counter is told: "exported", "failed" (the collector refused or was unreachable:
 # the batch is lost) or "dropped" (the queue was full), and how many spans.
 Count = Callable[[str, int], None]
@@ -52,8 +57,48 @@ _REDACTED_PARAMETERS = frozenset(("AWSAccessKeyId", "Signature", "sig", "X-Goog-
 _NAMED_BY_TABLE = frozenset(("INSERT", "UPDATE", "SELECT"))
 
 
+# The trace headers the app is sent the proxy's own of, whatever OTEL_PROPAGATORS names: with
+# "tracecontext" alone a client's baggage would reach the app untouched otherwise.
+W3C_FIELDS = ("baggage", "traceparent", "tracestate")
+P = ParamSpec("P")
+R = TypeVar("R")
+_complained = [0.0]  # when a failure was last logged (monotonic)
+
+
+def never_raises(method: Callable[P, R]) -> Callable[P, R | None]:
+    """Tracing never changes an answer: a failure in it is logged (once a minute at most)
+    and the call returns None (no span), the request going on untraced from there."""
+
+    @functools.wraps(method)
+    def guarded(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        try:
+            return method(*args, **kwargs)
+        except Exception:
+            if time.monotonic() - _complained[0] > 60:
+                _complained[0] = time.monotonic()
+                log.exception("tracing failed (the request goes on; spans may be missing)")
+            return None
+
+    return guarded
+
+
 def _no_count(result: str, spans: int) -> None:
     return None
+
+
+def _text(value: str) -> str:
+    """``value`` as OTLP can carry it: a lone surrogate (a header's obs-text, a JSON event ID's
+    escape) replaced, rather than the attribute dropped (or, in a status, the batch lost)."""
+    if value.isascii():
+        return value
+    return value.encode("utf-8", "replace").decode("utf-8")
+
+
+def _clean(attributes: dict[str, Any]) -> dict[str, Any]:
+    for key, value in attributes.items():
+        if type(value) is str and not value.isascii():
+            attributes[key] = _text(value)
+    return attributes
 
 
 class Sdk:
@@ -80,7 +125,9 @@ class Sdk:
             self.provider.add_span_processor(_Bounded(processor, queue))
         self.tracer = self.provider.get_tracer("webhook-dedup-proxy", proxy.__version__)
         self.propagator = propagate.get_global_textmap()
-        self.fields = tuple(sorted({field.lower() for field in self.propagator.fields}))
+        self.fields = tuple(
+            sorted({field.lower() for field in self.propagator.fields}.union(W3C_FIELDS))
+        )
         self.trusted = trusted
         self.table = table
         self._upstreams: dict[str, tuple[str, str, int | None]] = {}
@@ -88,50 +135,50 @@ class Sdk:
     def shutdown(self) -> None:
         self.provider.shutdown()
 
+    @never_raises
     def begin(
         self, request: web.BaseRequest, route: str | None, http_route: str | None,
         line: log_line.LogLine,
     ) -> RequestTrace:  # fmt: skip
         headers = request.headers
-        links: Sequence[trace.Link] = ()
-        if self.trusted.trusts(request.remote):
-            parent = self.propagator.extract(headers)
-        else:
-            parent = context_api.Context()
-            if any(field in headers for field in self.fields):
-                named = trace.get_current_span(self.propagator.extract(headers))
-                if named.get_span_context().is_valid:
-                    links = (trace.Link(named.get_span_context(), {"webhook.untrusted": True}),)
+        trusted = self.trusted.trusts(request.remote)
+        parent, links = self._parent(headers, trusted)
         method = request.method
         known = method if method in _KNOWN_METHODS else "_OTHER"
         name = "HTTP" if known == "_OTHER" else known
+        # What a sampler may look at, at the start; the rest only on a span that records.
         attributes: dict[str, Any] = {
             "http.request.method": known,
             "url.path": request.raw_path.partition("?")[0],
             "url.scheme": request.scheme,
-            "network.protocol.version": f"{request.version.major}.{request.version.minor}",
         }
-        if known == "_OTHER":
-            attributes["http.request.method_original"] = method
         if http_route is not None:
             attributes["http.route"] = http_route
             name = f"{name} {http_route}"
-        if route is not None:
-            attributes["webhook.route"] = route
-        if request.remote:
-            attributes["client.address"] = request.remote
-            attributes["network.peer.address"] = request.remote
-        _server_of(headers.get(hdrs.HOST), attributes)
-        if agent := headers.get(hdrs.USER_AGENT):
-            attributes["user_agent.original"] = agent
         span = self.tracer.start_span(
-            name, context=parent, kind=trace.SpanKind.SERVER, attributes=attributes, links=links
-        )
+            name, context=parent, kind=trace.SpanKind.SERVER, attributes=_clean(attributes),
+            links=links,
+        )  # fmt: skip
+        if span.is_recording():
+            span.set_attributes(_clean(_request_attributes(request, trusted, route, known)))
         ids = span.get_span_context()
         line["trace_id"] = format(ids.trace_id, "032x")
         line["span_id"] = format(ids.span_id, "016x")
         return RequestTrace(self, span, trace.set_span_in_context(span, parent))
 
+    def _parent(
+        self, headers: CIMultiDictProxy[str], trusted: bool
+    ) -> tuple[context_api.Context, Sequence[trace.Link]]:
+        """A trusted peer's context, continued; anyone else's, a link from a new trace."""
+        if trusted:
+            return self.propagator.extract(headers), ()
+        if any(field in headers for field in self.fields):
+            named = trace.get_current_span(self.propagator.extract(headers)).get_span_context()
+            if named.is_valid:
+                return context_api.Context(), (trace.Link(named, {"webhook.untrusted": True}),)
+        return context_api.Context(), ()
+
+    @never_raises
     def redelivery(
         self, route: str, event_id: str, attempt: int, headers: Sequence[tuple[str, str]]
     ) -> RequestTrace:
@@ -172,12 +219,40 @@ class Sdk:
         self.propagator.inject(headers, context=context)
 
 
+def _request_attributes(
+    request: web.BaseRequest, trusted: bool, route: str | None, known: str
+) -> dict[str, Any]:
+    """The SERVER span's attributes from the request, past the ones it starts with."""
+    headers = request.headers
+    attributes: dict[str, Any] = {
+        "network.protocol.version": f"{request.version.major}.{request.version.minor}",
+    }
+    if known == "_OTHER":
+        attributes["http.request.method_original"] = request.method
+    if route is not None:
+        attributes["webhook.route"] = route
+    if request.remote:
+        attributes["client.address"] = request.remote
+        attributes["network.peer.address"] = request.remote
+    host = headers.get(hdrs.HOST)
+    if trusted:
+        # Behind an ingress: the client and the host it reached, as the ingress says.
+        if forwarded := headers.get(hdrs.X_FORWARDED_FOR):
+            attributes["client.address"] = forwarded.partition(",")[0].strip()
+        host = headers.get(hdrs.X_FORWARDED_HOST, host)
+    _server_of(host, attributes)
+    if agent := headers.get(hdrs.USER_AGENT):
+        attributes["user_agent.original"] = agent
+    return attributes
+
+
 def _server_of(host: str | None, attributes: dict[str, Any]) -> None:
     """server.address and server.port from a Host header ("example.com:8443", "[::1]:80")."""
     if not host:
         return
     address, colon, port = host.rpartition(":")
-    if not colon or "]" in port or not port.isdigit():
+    # isdecimal alone takes "²" and other digits int() refuses; a port is ASCII, 1 to 65535.
+    if not colon or not (port.isascii() and port.isdecimal() and 0 < int(port) < 65536):
         address, port = host, ""
     attributes["server.address"] = address.strip("[]")
     if port:
@@ -276,17 +351,23 @@ class RequestTrace:
     """One request's spans: the SERVER span, and the CLIENT spans it starts. A span left open
     when the request ends (its step raised) ends with the request's error."""
 
-    __slots__ = ("_open", "_sdk", "context", "span")
+    __slots__ = ("_open", "_sdk", "context", "recording", "span")
 
     def __init__(self, sdk: Sdk, span: Span, context: context_api.Context) -> None:
         self._sdk = sdk
         self.span = span
         self.context = context
+        # Not sampled: no span below it would be either (the parent-based sampler, whatever
+        # the root's), so none is started; the app is sent this one's context, unsampled.
+        self.recording = span.is_recording()
         self._open: list[Span] = []
 
-    def database(self, step: str, operation: str) -> Span:
+    @never_raises
+    def database(self, step: str, operation: str) -> Span | None:
         """A span for one round trip of the claim protocol (``step``), ``operation`` the SQL
         verb that ends it; never the statement (it holds the event ID)."""
+        if not self.recording:
+            return None
         table = self._sdk.table
         name = f"{operation} {table}" if operation in _NAMED_BY_TABLE else operation
         span = self._sdk.tracer.start_span(
@@ -297,6 +378,7 @@ class RequestTrace:
         self._open.append(span)
         return span
 
+    @never_raises
     def end(self, span: Span | None, attributes: Mapping[str, Any] | None = None) -> None:
         """End a span this trace started, with ``attributes``."""
         if span is None:
@@ -306,16 +388,20 @@ class RequestTrace:
         span.end()
         self._open.remove(span)
 
+    @never_raises
     def forwarding(
         self, method: str, base_url: str, target: str, headers: CIMultiDict[str]
-    ) -> Span:
+    ) -> Span | None:
         """The forward's CLIENT span, started now; ``headers`` carry it to the app."""
+        if not self.recording:
+            self._sdk.inject(self.context, headers)
+            return None
         base, host, port = self._sdk.upstream(base_url)
         known = method if method in _KNOWN_METHODS else "_OTHER"
         attributes: dict[str, Any] = {
             "http.request.method": known,
             "server.address": host,
-            "url.full": base + _redacted(target),
+            "url.full": base + _text(_redacted(target)),
             "network.protocol.version": "1.1",
         }
         if port is not None:
@@ -330,6 +416,7 @@ class RequestTrace:
         self._sdk.inject(trace.set_span_in_context(span, self.context), headers)
         return span
 
+    @never_raises
     def answered(self, span: Span | None, status: int, resend_count: int = 0) -> None:
         """The app answered ``status`` (after ``resend_count`` more sends): the CLIENT span
         ends, an error from 400 on (the conventions' rule for a client)."""
@@ -343,6 +430,7 @@ class RequestTrace:
                 _failed(span, str(status), None)
         self.end(span)
 
+    @never_raises
     def failed(self, span: Span | None, kind: str, message: str) -> None:
         """The span's step failed (``kind``: the error's code): it ends as an error."""
         if span is None:
@@ -351,10 +439,23 @@ class RequestTrace:
             _failed(span, kind, message)
         self.end(span)
 
+    @never_raises
     def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         """A span event on the SERVER span (a replay, a mismatch)."""
         self.span.add_event(name, attributes)
 
+    @never_raises
+    def abort(self, exc: BaseException) -> None:
+        """The request or redelivery ended by an exception it was not meant to end by (a
+        cancellation at the end of a drain, a bug): every span ends as an error naming it."""
+        kind = type(exc).__name__
+        for span in (*self._open, self.span):
+            if span.is_recording():
+                _failed(span, kind, str(exc) or kind)
+            span.end()
+        self._open.clear()
+
+    @never_raises
     def close(self, attributes: Mapping[str, Any], error: str | None = None) -> None:
         """End every span still open, then the root, with ``attributes`` (an error, with
         ``error``, when the step it stands for failed)."""
@@ -368,6 +469,7 @@ class RequestTrace:
                 _failed(span, str(attributes.get("dedup.redelivery.result", "error")), error)
         span.end()
 
+    @never_raises
     def finish(self, line: log_line.LogLine) -> None:
         """End every span still open, then the SERVER span, with the line's facts."""
         error = line.get("error")
@@ -378,12 +480,13 @@ class RequestTrace:
         self._open.clear()
         span = self.span
         if span.is_recording():
-            span.set_attributes(_server_attributes(line))
+            span.set_attributes(_clean(_server_attributes(line)))
             status = line.get("status", 500)
             if status >= 500:
                 _failed(span, str(status), error)
             if line.get("mismatch"):
-                span.add_event("dedup.mismatch", {"webhook.event_id": line.get("event_id", "")})
+                event = {"webhook.event_id": line.get("event_id", "")}
+                span.add_event("dedup.mismatch", _clean(event))
         span.end()
 
 
@@ -409,6 +512,7 @@ def _server_attributes(line: log_line.LogLine) -> dict[str, Any]:
 
 
 def _failed(span: Span, kind: str, description: str | None) -> None:
+    description = None if description is None else _text(description)
     span.set_attribute("error.type", kind)
     span.set_status(Status(StatusCode.ERROR, description))
 
