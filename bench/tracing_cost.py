@@ -3,12 +3,12 @@ sampler of 0, and on at 100 % (every span exported to a real OTLP/HTTP receiver,
 its own), side by side in one run; and at 100 % with a collector that hangs or is down (what
 must not change a webhook's answer or latency).
 
-    python bench/tracing_cost.py [--duration 5] [--rounds 2] [--out bench/TRACING.md]
+    python bench/tracing_cost.py [--duration 5] [--rounds 2] [--out FILE] [--quick]
 
 Five proxies (one worker each, the same pool) in front of one app and the embedded
 PostgreSQL, each load run (wrk, new event IDs) against each in turn, at c32 then c1, ``rounds``
-times in the same order; the proxy's CPU (its process and its threads: the SDK's batch
-thread exports there) per webhook, and the ratios to tracing off of the same round.
+times, each round starting one mode later; the proxy's CPU (its process and its threads: the
+SDK's batch thread exports there) per webhook, and the ratios to tracing off of the same round.
 """
 
 from __future__ import annotations
@@ -48,11 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--pool", type=int, default=16)
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    quick = "1 s runs, one round, no warm-up: checks the harness only"
+    parser.add_argument("--quick", action="store_true", help=quick)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.duration, args.rounds = 1, 1
     loads.wrk_path()
     settings = Settings(
         quick=False, seconds=args.duration, pool=args.pool, rows=0, copies=0, slow_pools=(),
-        compare_loops=False, warmup=2, profile=None, keep=False, rounds=args.rounds,
+        compare_loops=False, warmup=0 if args.quick else 2, profile=None, keep=False,
+        rounds=args.rounds,
     )  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="dedup-tracing-bench-"))
     bench = Bench(settings, workdir)
@@ -68,11 +73,15 @@ def main(argv: list[str] | None = None) -> int:
             mode: bench.start_proxy(f"proxy-{n}", app, args.pool, env=env)
             for n, (mode, env) in enumerate(modes(*endpoints).items())
         }
-        for mode, proxy in proxies.items():
+        for mode, proxy in proxies.items() if settings.warmup else ():
             bench.wrk("", f"warm-up {mode}", proxy, app, 32, seconds=settings.warmup)
+        order = list(proxies.items())
         for round_ in range(1, args.rounds + 1):
             for connections in (32, 1):
-                for mode, proxy in proxies.items():
+                # Each round starts one mode later: no mode always runs right after another's
+                # backlog (a proxy at 100 % still exporting, one retrying a collector down).
+                shift = (round_ - 1) % len(order)
+                for mode, proxy in order[shift:] + order[:shift]:
                     label = f"tracing {mode}, c{connections} (round {round_})"
                     rows.append((round_, mode, connections, bench.wrk("", label, proxy, app,
                                                                       connections)))  # fmt: skip

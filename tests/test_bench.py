@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -128,3 +129,24 @@ def test_the_c1_account_runs_and_names_every_phase(tmp_path: Path) -> None:
     assert found["requests"] == 60
     # The proxy's log lines carried every phase (each line's own sum is checked in test_admin).
     assert all(found["phases"][name] > 0 for name in ("claim_ms", "upstream_ms", "commit_ms"))
+
+
+def test_the_tracing_cost_runs_every_mode_and_exports_to_a_real_receiver() -> None:
+    """bench/tracing_cost.py --quick: each of its five proxies answered every webhook, and the
+    ones tracing at 100 % exported spans the receiver decoded."""
+    if shutil.which("wrk") is None:
+        pytest.fail("the benchmark needs wrk, which is not installed: apt-get install wrk")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "tracing_cost.py"), "--quick"],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=240, check=False,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| 1 |")]
+    modes = {"off", "on, sampler 0", "on, 100 %", "on, 100 %, collector hangs",
+             "on, 100 %, collector down"}  # fmt: skip
+    assert {(row[1], row[2]) for row in rows} == {(c, m) for c in ("32", "1") for m in modes}
+    assert all(row[-1].strip(" |") == "0" for row in rows), done.stdout  # no errors anywhere
+    decoded = re.search(r"the receiver took: (\d+) export\(s\), (\d+) span\(s\)", done.stdout)
+    assert decoded is not None, done.stdout
+    assert int(decoded[2]) > 0

@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -35,6 +36,7 @@ from tests.helpers import (
     admin_client,
     connection,
     event,
+    run_cli,
     scrape,
     send,
     wait_until,
@@ -42,6 +44,7 @@ from tests.helpers import (
 )
 from tests.otlp import Received, Receiver, tree
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "config.example.yaml"
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"
@@ -628,3 +631,39 @@ async def test_hostile_header_bytes_never_change_an_answer(
     assert "server.port" not in servers["evt_agent"].attributes
     assert servers[None].attributes["dedup.outcome"] == "rejected"
     assert len(upstream.requests) == 2
+
+
+@pytest.mark.parametrize(
+    ("env", "code", "said"),
+    [
+        ({}, 0, "tracing:     off (set OTEL_EXPORTER_OTLP_ENDPOINT"),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+             "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"},
+            0,
+            "tracing:     on: OTLP/HTTP to http://collector:4318/v1/traces, sampler "
+            "parentbased_traceidratio 0.1, service webhook-dedup-proxy",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            2,
+            "OTEL_EXPORTER_OTLP_PROTOCOL=grpc: the proxy exports OTLP over HTTP as protobuf only",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_BSP_MAX_QUEUE_SIZE": "100"},
+            2,
+            "OTEL_BSP_MAX_EXPORT_BATCH_SIZE must not exceed OTEL_BSP_MAX_QUEUE_SIZE (512 > 100",
+        ),
+        (
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_PROPAGATORS": "b3"},
+            2,
+            "the OpenTelemetry SDK refused the environment",
+        ),
+    ],
+)  # fmt: skip
+async def test_check_says_what_tracing_will_do_and_refuses_what_it_cannot(
+    env: dict[str, str], code: int, said: str
+) -> None:
+    clean = {name: "" for name in os.environ if name.startswith("OTEL_")}
+    status, out, err = await run_cli("check", "--config", str(EXAMPLE), env={**clean, **env})
+    assert (status, said in out + err) == (code, True), out + err
