@@ -645,6 +645,12 @@ async def test_hostile_header_bytes_never_change_an_answer(
             "parentbased_traceidratio 0.1, service webhook-dedup-proxy",
         ),
         (
+            {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "https://tenant:s3cret@otlp.example/v1/traces",
+             "OTEL_EXPORTER_OTLP_HEADERS": "authorization=Bearer t0ken"},
+            0,
+            "tracing:     on: OTLP/HTTP to https://tenant:***@otlp.example/v1/traces",
+        ),
+        (
             {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
             2,
             "OTEL_EXPORTER_OTLP_PROTOCOL=grpc: the proxy exports OTLP over HTTP as protobuf only",
@@ -667,3 +673,5 @@ async def test_check_says_what_tracing_will_do_and_refuses_what_it_cannot(
     clean = {name: "" for name in os.environ if name.startswith("OTEL_")}
     status, out, err = await run_cli("check", "--config", str(EXAMPLE), env={**clean, **env})
     assert (status, said in out + err) == (code, True), out + err
+    assert "s3cret" not in out + err
+    assert "t0ken" not in out + err

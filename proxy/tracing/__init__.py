@@ -34,6 +34,7 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -116,10 +117,16 @@ def _refused(problem: str) -> errors.ConfigError:
 
 
 def describe(environ: Mapping[str, str]) -> str:
-    """What turned tracing on and where it goes, for the log and ``check``."""
+    """What turned tracing on and where it goes, for the log and ``check`` (an endpoint's
+    password masked; OTEL_EXPORTER_OTLP_HEADERS, which may hold a token, never shown)."""
     names = ("OTEL_TRACES_EXPORTER", *ENDPOINTS, "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG",
              "OTEL_SERVICE_NAME")  # fmt: skip
-    return ", ".join(f"{name}={environ[name]}" for name in names if environ.get(name))
+    return ", ".join(f"{name}={_masked(environ[name])}" for name in names if environ.get(name))
+
+
+def _masked(value: str) -> str:
+    """A URL's password as ***; any other value as it is."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", value)
 
 
 def summary(environ: Mapping[str, str]) -> str:
@@ -135,7 +142,7 @@ def summary(environ: Mapping[str, str]) -> str:
             endpoint = environ.get(ENDPOINTS[0]) or (
                 environ.get(ENDPOINTS[1], "http://localhost:4318").rstrip("/") + "/v1/traces"
             )
-            shown.append(f"OTLP/HTTP to {endpoint}")
+            shown.append(f"OTLP/HTTP to {_masked(endpoint)}")
         else:
             shown.append("the console (stdout)")
     sampler = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on")
