@@ -408,9 +408,10 @@ class Metrics:
 
     def count_spans(self, result: str, spans: int) -> None:
         """Spans exported, failed or dropped (from the SDK's batch thread too: the counter
-        locks)."""
+        locks); told 0 of each when tracing starts, so that every series exists from then."""
+        child = self.trace_spans.labels(result)
         if spans:
-            self.trace_spans.labels(result).inc(spans)
+            child.inc(spans)
 
     def watch_pool(
         self,

@@ -317,6 +317,7 @@ async def test_a_collector_that_hangs_changes_no_answer(
     assert (receiver.hanging, receiver.spans) == (1, [])  # all answered while it hung
     assert len(upstream.requests) == 41
     samples = await scrape(await admin_client(aiohttp_client, client))
+    assert samples[("dedup_trace_spans_total", (("result", "exported"),))] == 0
     dropped = samples[("dedup_trace_spans_total", (("result", "dropped"),))]
     assert dropped >= 40 * 4 - 16  # four spans a webhook, a queue of 16
 

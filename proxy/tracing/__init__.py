@@ -197,6 +197,9 @@ class Tracing:
             from proxy.tracing import spans
 
             self._sdk = spans.Sdk(self.exporters, self.trusted, self.table, self._count)
+            if self._count is not None:
+                for result in ("exported", "failed", "dropped"):  # every series at 0
+                    self._count(result, 0)
             log.info("tracing on: %s", describe(os.environ) or ", ".join(self.exporters))
 
     async def close(self) -> None:
