@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,21 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "config.example.yaml"
 PARENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"
+
+
+@pytest.fixture(autouse=True)
+async def no_sdk_thread_outlives_its_test() -> AsyncIterator[None]:
+    """After each test (and its fixtures): the SDK's batch threads, and the proxy's shutdown
+    thread, have ended. One left retrying an export would draw on the random module's state
+    under a later test (hypothesis refuses strategies whose draws move it)."""
+    yield
+    deadline = asyncio.get_running_loop().time() + 10
+    while left := [
+        thread.name for thread in threading.enumerate()
+        if thread.name.startswith("OtelBatch") or thread.name == "tracing-shutdown"
+    ]:  # fmt: skip
+        assert asyncio.get_running_loop().time() < deadline, f"still running: {left}"
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture
@@ -320,6 +336,10 @@ async def test_a_collector_that_hangs_changes_no_answer(
     assert samples[("dedup_trace_spans_total", (("result", "exported"),))] == 0
     dropped = samples[("dedup_trace_spans_total", (("result", "dropped"),))]
     assert dropped >= 40 * 4 - 16  # four spans a webhook, a queue of 16
+    # The SDK's threads end within this test: a retry of theirs later would move the random
+    # module's state under another test (hypothesis's strategies refuse that).
+    receiver.stop_hanging()
+    await client.close()
 
 
 async def test_a_collector_that_is_down_counts_failed_exports(
@@ -344,6 +364,7 @@ async def test_a_collector_that_is_down_counts_failed_exports(
             break
         await asyncio.sleep(0.1)
     assert failed > 0
+    await client.close()  # the SDK's threads end within this test (see the hang test)
 
 
 async def test_a_sampler_of_zero_exports_nothing_but_still_propagates(
