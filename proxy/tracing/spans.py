@@ -442,24 +442,29 @@ class RequestTrace:
         """A span event on the SERVER span (a replay, a mismatch)."""
         self.span.add_event(name, attributes)
 
+    def _end_open(self, kind: str | None, description: str | None) -> None:
+        """End the spans a step left open: as errors of ``kind``, or (None) as they are."""
+        for span in self._open:
+            if kind is not None and span.is_recording():
+                _failed(span, kind, description)
+            span.end()
+        self._open.clear()
+
     @never_raises
     def abort(self, exc: BaseException) -> None:
         """The request or redelivery ended by an exception it was not meant to end by (a
         cancellation at the end of a drain, a bug): every span ends as an error naming it."""
         kind = type(exc).__name__
-        for span in (*self._open, self.span):
-            if span.is_recording():
-                _failed(span, kind, str(exc) or kind)
-            span.end()
-        self._open.clear()
+        self._end_open(kind, str(exc) or kind)
+        if self.span.is_recording():
+            _failed(self.span, kind, str(exc) or kind)
+        self.span.end()
 
     @never_raises
     def close(self, attributes: Mapping[str, Any], error: str | None = None) -> None:
         """End every span still open, then the root, with ``attributes`` (an error, with
         ``error``, when the step it stands for failed)."""
-        for span in self._open:
-            span.end()
-        self._open.clear()
+        self._end_open(None, None)
         span = self.span
         if span.is_recording():
             span.set_attributes(attributes)
@@ -471,11 +476,7 @@ class RequestTrace:
     def finish(self, line: log_line.LogLine) -> None:
         """End every span still open, then the SERVER span, with the line's facts."""
         error = line.get("error")
-        for span in self._open:
-            if span.is_recording():
-                _failed(span, line.get("outcome", "error"), error)
-            span.end()
-        self._open.clear()
+        self._end_open(line.get("outcome", "error"), error)
         span = self.span
         if span.is_recording():
             span.set_attributes(_clean(_server_attributes(line)))

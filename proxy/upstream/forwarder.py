@@ -67,22 +67,6 @@ class Trace(Protocol):
     def failed(self, span: Any, kind: str, message: str) -> None: ...
 
 
-class _NotTraced:
-    def forwarding(
-        self, method: str, base_url: str, target: str, headers: CIMultiDict[str]
-    ) -> None:
-        return None
-
-    def answered(self, span: Any, status: int, resend_count: int = 0) -> None:
-        return None
-
-    def failed(self, span: Any, kind: str, message: str) -> None:
-        return None
-
-
-_NOT_TRACED = _NotTraced()
-
-
 def _session_options() -> dict[str, Any]:
     return {
         "auto_decompress": False,
@@ -317,7 +301,7 @@ class Forwarder:
         target: str,
         request_id: str,
         *,
-        trace: Trace = _NOT_TRACED,
+        trace: Trace,
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
         streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
