@@ -276,6 +276,12 @@ class BoundedSite(web.BaseSite):
     def name(self) -> str:
         return self._name
 
+    def admission(self) -> asyncio.Protocol:
+        """The protocol of a connection accepted elsewhere (``shared_port.Adopter``), admitted
+        under this site's bound like its own."""
+        assert self._limit is not None, "the site is not started"
+        return self._limit()
+
     async def start(self) -> None:
         await super().start()
         server = self._app_runner.server

@@ -1,11 +1,13 @@
 """Running the proxy: the listeners, signal handling and the graceful drain on SIGTERM.
 
 A single process binds its listeners itself. A worker of ``workers: N`` is handed them: the
-supervisor binds each address once and passes the listening sockets down as inherited file
-descriptors, named in ``LISTEN_FDS_ENV`` (as systemd's socket activation does with
-``LISTEN_FDS``), so every worker accepts from one queue that outlives any of them. The public
-listener admits connections through ``connections`` (the per-worker connection bound), and so
-does the admin listener, under its own small bound and keep-alive (``admin``).
+supervisor binds them and passes the listening sockets down as inherited file descriptors, named
+in ``LISTEN_FDS_ENV`` (as systemd's socket activation does with ``LISTEN_FDS``), and holds them
+for its whole life, so no accept queue dies with a worker. On Linux each worker has a public
+socket of its own in one ``SO_REUSEPORT`` group, and adopts what waits too long in a sibling's
+(``shared_port``); elsewhere they share one. The public listener admits connections through
+``connections`` (the per-worker connection bound), and so does the admin listener (one socket
+for all workers), under its own small bound and keep-alive (``admin``).
 """
 
 from __future__ import annotations
@@ -21,33 +23,41 @@ from dataclasses import dataclass
 
 from aiohttp import http_parser, web
 
-from proxy import admin, app, config, connections, errors, pipeline
+from proxy import admin, app, config, connections, errors, pipeline, shared_port
 from proxy.config import routes
 
 log = logging.getLogger(__name__)
 
-LISTEN_FDS_ENV = "DEDUP_PROXY_LISTEN_FDS"  # in a worker: "public:5,admin:6", inherited sockets
-BACKLOG = 128  # aiohttp's default; with workers, the one accept queue they all take from
+LISTEN_FDS_ENV = "DEDUP_PROXY_LISTEN_FDS"  # in a worker: "public:5,admin:6,sibling:7", inherited
+BACKLOG = 128  # aiohttp's default; per public socket (one per worker on Linux)
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass(frozen=True, slots=True)
 class Listeners:
-    """The listening sockets of one proxy: one per address its host resolves to."""
+    """The listening sockets of one proxy: one per address its host resolves to; in a worker
+    on Linux, also its siblings' public sockets (``shared_port``)."""
 
     public: tuple[socket.socket, ...]
     admin: tuple[socket.socket, ...]
+    siblings: tuple[socket.socket, ...] = ()
+
+    def _named(self) -> list[tuple[str, socket.socket]]:
+        return (
+            [("public", s) for s in self.public]
+            + [("admin", s) for s in self.admin]
+            + [("sibling", s) for s in self.siblings]
+        )
 
     def filenos(self) -> tuple[int, ...]:
-        return tuple(sock.fileno() for sock in self.public + self.admin)
+        return tuple(sock.fileno() for _, sock in self._named())
 
     def environ(self) -> str:
         """The ``LISTEN_FDS_ENV`` value naming these sockets (inherited under the same numbers)."""
-        named = [("public", s) for s in self.public] + [("admin", s) for s in self.admin]
-        return ",".join(f"{role}:{sock.fileno()}" for role, sock in named)
+        return ",".join(f"{role}:{sock.fileno()}" for role, sock in self._named())
 
     def close(self) -> None:
-        for sock in self.public + self.admin:
+        for _, sock in self._named():
             sock.close()
 
 
@@ -106,6 +116,7 @@ def inherited() -> Listeners | None:
     return Listeners(
         public=tuple(s for role, s in sockets if role == "public"),
         admin=tuple(s for role, s in sockets if role == "admin"),
+        siblings=tuple(s for role, s in sockets if role == "sibling"),
     )
 
 
@@ -172,6 +183,7 @@ class _Server:
         self.loop = asyncio.get_running_loop()
         # Closed by their sites, or in the end if never served.
         self.sockets: list[socket.socket] = []
+        self.adopter: shared_port.Adopter | None = None
 
     def install_signal_handlers(self) -> None:
         """The signals (and in a worker, its supervisor's end) only set ``stop``: the drain runs
@@ -227,10 +239,14 @@ class _Server:
         public = self.handed.public if self.handed else bind(self.cfg.listen)
         self.sockets += public
         for sock in public:
-            await connections.BoundedSite(
+            site = connections.BoundedSite(
                 self.runner, sock, bound=self.bound, shed=shed, backlog=BACKLOG,
                 send_timeout=self.cfg.send_timeout,
-            ).start()  # fmt: skip
+            )  # fmt: skip
+            await site.start()
+        if self.handed is not None and self.handed.siblings:
+            self.adopter = shared_port.Adopter(self.handed.siblings, site.admission)
+            self.adopter.start()
 
     async def main_loop(self) -> None:
         """Until a signal, or a start the database let fail (``app.Start``): then ``/readyz``
@@ -244,7 +260,18 @@ class _Server:
                 wait.cancel()
         self.proxy[pipeline.DRAINING].set()
         self.proxy[pipeline.METRICS].draining.set(1)
+        self._leave_siblings()
         log.info("draining: no new connections, waiting up to %gs", self.cfg.shutdown_timeout)
+
+    def _leave_siblings(self) -> None:
+        """Adopt nothing more, and close this worker's copies of its siblings' sockets: left
+        open in a worker whose supervisor was killed, they would stay in the port's group with
+        nobody accepting from them once the siblings have gone."""
+        if self.adopter is not None:
+            self.adopter.stop()
+        if self.handed is not None:
+            for sock in self.handed.siblings:
+                sock.close()
 
     async def shutdown(self) -> None:
         """The public runner's cleanup is the drain (its listener closes, in-flight requests
@@ -259,6 +286,7 @@ class _Server:
             if self.lifeline is not None:
                 self.loop.remove_reader(self.lifeline)
                 os.close(self.lifeline)
+            self._leave_siblings()
             for sock in self.sockets:
                 sock.close()
             if self.handed is not None:

@@ -4,14 +4,18 @@ Each worker is a whole proxy (``dedup-proxy serve`` in a child process, with its
 and database pool). Nothing about claims changes: copies of an event that reach two workers
 meet at PostgreSQL's row lock, exactly as copies on two replicas do.
 
-The supervisor serves nothing itself. It binds the public and admin listeners once and hands
-the sockets to every worker (``server.LISTEN_FDS_ENV``): the workers accept from one queue
-that belongs to no worker, so a worker that dies takes only the connections it had accepted,
-never ones still waiting in the queue. It copies the configuration file into a private
-directory and validates the copy; every worker, a replacement started hours later too, loads
-that copy, so an edit on disk reaches none of them before the proxy restarts. It starts the
-embedded PostgreSQL when there is one, gives the workers a shared directory for their metrics,
-forwards SIGTERM/SIGINT so they drain, and restarts a worker that dies while serving.
+The supervisor serves nothing itself. It binds the listeners and hands the sockets down
+(``server.LISTEN_FDS_ENV``): on Linux a public socket per worker in one ``SO_REUSEPORT`` group,
+so that the kernel spreads connections over the workers, each worker also holding its siblings'
+sockets to adopt what waits in a stuck one's queue (``shared_port``); elsewhere one public
+socket for all. The admin socket is shared. The supervisor holds every socket until it stops,
+and a replacement worker gets the socket of the one it replaces: a worker that dies takes only
+the connections it had accepted, never ones still waiting in a queue. It copies the
+configuration file into a private directory and validates the copy; every worker, a
+replacement started hours later too, loads that copy, so an edit on disk reaches none of them
+before the proxy restarts. It starts the embedded PostgreSQL when there is one, gives the
+workers a shared directory for their metrics, forwards SIGTERM/SIGINT so they drain, and
+restarts a worker that dies while serving.
 
 Each worker writes to a pipe: one byte once it listens, then one a second from its event loop.
 One of the first workers that exits before its first byte (bad DSN) is a start-up failure, and
@@ -42,6 +46,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -50,7 +55,7 @@ from pathlib import Path
 
 from prometheus_client import multiprocess
 
-from proxy import config, embedded, errors, metrics, server
+from proxy import config, embedded, errors, metrics, server, shared_port
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +68,7 @@ BEAT_INTERVAL = 1.0
 # gunicorn's default, well above a healthy worker's longest stall: the parses of the worst-case
 # JSON bodies max_buffered lets it hold at once, run back to back (bench/RESULTS.md, Loop stall:
 # 3.3 s per 25 MiB). A worker killed while only slow loses its requests; a hung one meanwhile
-# holds only the connections it had accepted, since the accept queue is not its own.
+# holds up only the connections it had accepted: its siblings adopt what waits in its queue.
 DEFAULT_TIMEOUT = 30.0
 # A worker's exit code when its start failed for good (the database did not answer within
 # database.start_timeout, or the table or the grants are wrong), possibly after it listened:
@@ -131,7 +136,8 @@ class Supervisor:
         self.cfg = cfg
         self.snapshot = home / "config.yaml"
         self.metrics_dir = home / "metrics"
-        self.listeners = listeners
+        self.listeners = listeners  # the admin socket(s), and the first worker's public ones
+        self.public: dict[int, tuple[socket.socket, ...]] = {1: listeners.public}
         self.lock = lock  # on home; every worker inherits it
         self.dsn = dsn
         self.stopping = stopping
@@ -153,15 +159,36 @@ class Supervisor:
             watchdog.cancel()
             # Once the draining workers close theirs too, new connections are refused.
             self.listeners.close()
+            for number, sockets in self.public.items():
+                if number != 1:
+                    for sock in sockets:
+                        sock.close()
             await self._stop_all()
             for worker in self.workers.values():
                 worker.close_pipes()
 
+    def _listeners(self, number: int) -> server.Listeners:
+        """Worker ``number``'s sockets: its own public ones (bound the first time, then the
+        same for each replacement) and its siblings', or with no balancing the one shared."""
+        if not shared_port.balanced():
+            return self.listeners
+        if number not in self.public:
+            self.public[number] = server.bind(self.cfg.listen, reuse_port=True)
+        siblings = [s for n in range(1, self.cfg.workers + 1) if n != number
+                    for s in self.public.get(n, ())]  # fmt: skip
+        return server.Listeners(
+            public=self.public[number], admin=self.listeners.admin, siblings=tuple(siblings)
+        )
+
     async def _start(self, number: int, *, replacement: bool) -> None:
+        if not replacement and number == 1:
+            for later in range(2, self.cfg.workers + 1):  # every socket before any worker
+                self._listeners(later)
+        listeners = self._listeners(number)
         env = dict(os.environ)
         env[WORKER_ENV] = str(number)
         env[metrics.MULTIPROC_ENV] = str(self.metrics_dir)
-        env[server.LISTEN_FDS_ENV] = self.listeners.environ()
+        env[server.LISTEN_FDS_ENV] = listeners.environ()
         if self.dsn is not None:
             env[DSN_ENV] = self.dsn
         beat_read, beat_write = os.pipe()
@@ -172,7 +199,7 @@ class Supervisor:
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy", "serve", "--config", str(self.snapshot),
-                env=env, pass_fds=(beat_write, life_read, self.lock, *self.listeners.filenos()),
+                env=env, pass_fds=(beat_write, life_read, self.lock, *listeners.filenos()),
             )  # fmt: skip
         except BaseException:
             os.close(beat_read)

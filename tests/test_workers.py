@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import yaml
 
-from proxy import config, supervisor
+from proxy import config, shared_port, supervisor
 from tests.helpers import (
     FakeUpstream,
     Serve,
@@ -129,6 +129,67 @@ async def test_workers_share_the_port_and_add_up_their_metrics(
         return (await supervised.metrics()).get("dedup_db_pool_connections") == 6
 
     await wait_until(both_pools, "both workers' pools in the gauge (2 x pool_size 3)")
+
+
+@pytest.mark.skipif(not shared_port.balanced(), reason="SO_REUSEPORT balancing is Linux's")
+async def test_kept_alive_connections_spread_over_the_workers(
+    supervised: Served, upstream: FakeUpstream
+) -> None:
+    # An ingress's pool of 32 connections, opened while one worker is busy (stopped, here, for
+    # 0.3 s), each then carrying 5 webhooks. From one shared queue the
+    # worker awake took every connection, and kept them: the other then served nothing. The
+    # kernel hashes each connection to one worker's own socket, where it waits for that worker
+    # (its sibling adopts only what waits over a second): all 32 on one of two, 2 in 2**32.
+    busy = supervised.workers()[0]
+    os.kill(busy, signal.SIGSTOP)
+    try:
+        streams = await asyncio.gather(*(open_stream(supervised.port) for _ in range(32)))
+        await asyncio.sleep(0.3)  # the other worker accepts what it may meanwhile
+    finally:
+        os.kill(busy, signal.SIGCONT)
+    try:
+        for round_ in range(5):
+            for n, (_, writer) in enumerate(streams):
+                writer.write(webhook_request(f"evt_ka_{round_}_{n}"))
+            answers = [await read_answer(reader) for reader, _ in streams]
+            assert [a.status if a else None for a in answers] == [200] * 32
+    finally:
+        for _, writer in streams:
+            writer.close()
+
+    def served() -> list[int]:
+        return [x["worker"] for x in supervised.lines() if x.get("outcome") == "processed"]
+
+    async def logged() -> bool:
+        return len(served()) == 160
+
+    await wait_until(logged, "every webhook's log line")
+    assert len(upstream.requests) == 160
+    assert set(served()) == {1, 2}
+    assert not any(x["msg"].startswith("adopted") for x in supervised.lines())
+
+
+@pytest.mark.skipif(not shared_port.balanced(), reason="SO_REUSEPORT balancing is Linux's")
+async def test_a_stopped_workers_queue_is_adopted_by_its_sibling(
+    supervised: Served, upstream: FakeUpstream
+) -> None:
+    paused = supervised.workers()[0]
+    os.kill(paused, signal.SIGSTOP)  # as hung as a worker gets: the watchdog's 30 s are far
+    try:
+        # Connections the kernel hashes to the stopped worker's socket wait there until its
+        # sibling, looking at the queue every second, adopts them.
+        streams = [await _send(supervised.port, f"evt_adopt_{n}") for n in range(24)]
+        outcomes = await asyncio.gather(*(_outcome(s) for s, _ in streams))
+    finally:
+        os.kill(paused, signal.SIGCONT)
+    assert outcomes == ["200"] * 24
+    assert len(upstream.requests) == 24
+    served = {x["worker"] for x in supervised.lines() if x.get("outcome") == "processed"}
+    assert len(served) == 1  # the running one, its own connections and the adopted ones
+    adopted = [x for x in supervised.lines() if x["msg"].startswith("adopted")]
+    # 24 connections, none hashed to the stopped worker's socket: odds of 1 in 2**24.
+    assert adopted
+    assert {x["worker"] for x in adopted} == served
 
 
 async def test_a_killed_worker_is_replaced_and_sigterm_stops_every_worker(
