@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
+import hmac
 import json
 import re
 import shutil
 import statistics
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -104,6 +107,7 @@ def wrk(
     body_bytes: int = 1024,
     seeds: int = 0,
     through_proxy: bool = True,
+    stripe_secret: str = "",
 ) -> Result:
     """wrk --latency with bench/unique_ids.lua; the upstream's counters are reset first.
 
@@ -116,9 +120,21 @@ def wrk(
         "--timeout", "10s", "-s", str(WRK_SCRIPT), url,
         "--", run_id, mode, str(body_bytes), str(seeds),
     ]  # fmt: skip
+    signatures = None
+    if mode == "stripe":
+        signatures = tempfile.TemporaryDirectory(prefix="dedup-bench-signatures-")
+        prefix = str(Path(signatures.name) / "sig")
+        sign_stripe(prefix, stripe_secret, run_id, threads, body_bytes, count=SIGNED * seconds)
+        argv.append(prefix)
     upstream.reset()
     window = procs.Window(probes)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60, check=False)
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=seconds + 60, check=False
+        )
+    finally:
+        if signatures is not None:
+            signatures.cleanup()
     line = next((x for x in done.stdout.splitlines() if x.startswith("BENCH-JSON ")), None)
     if done.returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed ({done.returncode}): {done.stdout}{done.stderr}")
@@ -141,6 +157,28 @@ def wrk(
         body_bytes=body_bytes,
         through_proxy=through_proxy,
     )
+
+
+SIGNED = 3000  # signatures per thread and second of a "stripe" run: above any rate here
+
+
+def sign_stripe(
+    prefix: str, secret: str, run_id: str, threads: int, body_bytes: int, *, count: int
+) -> None:
+    """The Stripe-Signature of each request bench/unique_ids.lua's "stripe" mode builds, one
+    file per thread (``prefix.THREAD``), line N for its request N, signed now."""
+    stamp = str(int(time.time()))
+    key = secret.encode()
+    for tid in range(1, threads + 1):
+        id_length = 8 + 1 + len(run_id) + 1 + len(str(tid)) + 1 + 10
+        pad = "x" * max(0, body_bytes - 22 - id_length)
+        lines = []
+        for n in range(1, count + 1):
+            event_id = f"{(n * 2654435761) % 2147483648:08x}-{run_id}-{tid}-{n:010d}"
+            body = f'{{"id":"{event_id}","pad":"{pad}"}}'
+            mac = hmac.new(key, f"{stamp}.{body}".encode(), hashlib.sha256).hexdigest()
+            lines.append(f"t={stamp},v1={mac}\n")
+        Path(f"{prefix}.{tid}").write_text("".join(lines), encoding="ascii")
 
 
 def pgbench(

@@ -41,6 +41,7 @@ TABLE = "bench_claims"  # bench/claim.sql inserts into it too
 SCOPE = "bench"  # the route's name, hence its scope
 SEEDS = 1000  # committed IDs "seed-1" … that the duplicates mix reuses
 SLOW_DELAY = 0.05
+STRIPE_SECRET = "whsec_bench"  # the Stripe-verified proxy's; bench/loads.py signs with it
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,7 +86,7 @@ class Bench:
 
     def start_proxy(
         self, name: str, upstream: procs.Service, pool: int, workers: int = 1, log: str = "info",
-        *, env: dict[str, str] | None = None,
+        *, env: dict[str, str] | None = None, stripe_secret: str = "",
     ) -> procs.Service:  # fmt: skip
         port = procs.free_port()
         config_file = self.workdir / f"{name}.yaml"
@@ -100,6 +101,9 @@ class Bench:
             "routes": [{"name": SCOPE, "path": "/hook", "event_id": "body:/id"}],
             "workers": workers,
         }
+        if stripe_secret:  # Stripe's preset and signature check, on the same scope
+            config["routes"] = [{"name": SCOPE, "path": "/hook", "preset": "stripe",
+                                 "verify": {"secrets": [stripe_secret]}}]  # fmt: skip
         if "admin" in {f.name for f in dataclasses.fields(proxy_config.Config)}:
             # Each proxy's admin listener (metrics, health) on a port of its own.
             config["admin"] = {"listen": f"127.0.0.1:{procs.free_port()}"}
@@ -344,26 +348,38 @@ def headline(bench: Bench, fast: procs.Service) -> None:
     s = bench.settings
     workers = 2
     proxy = bench.start_proxy("proxy-headline", fast, s.pool, workers=workers)
+    stripe = bench.start_proxy("stripe-headline", fast, s.pool, workers=workers,
+                               stripe_secret=STRIPE_SECRET)  # fmt: skip
     naive = bench.start_naive("naive-headline", fast, s.pool, workers=workers)
+    signed = {"mode": "stripe", "stripe_secret": STRIPE_SECRET}
     if s.warmup:
         bench.wrk("", "warm-up proxy, 2 workers", proxy, fast, 32, seconds=s.warmup)
+        bench.wrk("", "warm-up Stripe-verified, 2 workers", stripe, fast, 32, seconds=s.warmup,
+                  **signed)  # fmt: skip
         bench.wrk("", "warm-up naive, 2 workers", naive, fast, 32, seconds=s.warmup)
     for n in range(1, s.rounds + 1):
         tag = f" (round {n})"
         bench.pgbench(f"h{n}_pg_c1", "pgbench prepared c1" + tag, 1, "prepared")
         bench.wrk(f"h{n}_up_c1", "app alone c1" + tag, fast, fast, 1)
         bench.wrk(f"h{n}_proxy_c1", "proxy c1, 2 workers" + tag, proxy, fast, 1)
-        bench.wrk(f"h{n}_naive_c1", "naive proxy c1, 2 workers" + tag, naive, fast, 1)
+        bench.wrk(f"h{n}_stripe_c1", "proxy c1, Stripe-verified, 2 workers" + tag, stripe, fast,
+                  1, **signed)  # fmt: skip
+        bench.wrk(f"h{n}_naive_c1", "naive proxy c1, 2 workers" + tag, naive, fast, 1,
+                  **signed)  # fmt: skip
         bench.pgbench(f"h{n}_pg_c32", "pgbench prepared c32" + tag, 32, "prepared")
         bench.wrk(f"h{n}_up_c32", "app alone c32" + tag, fast, fast, 32)
         bench.wrk(f"h{n}_proxy_c32", "proxy c32, 2 workers" + tag, proxy, fast, 32)
-        bench.wrk(f"h{n}_naive_c32", "naive proxy c32, 2 workers" + tag, naive, fast, 32)
+        bench.wrk(f"h{n}_stripe_c32", "proxy c32, Stripe-verified, 2 workers" + tag, stripe,
+                  fast, 32, **signed)  # fmt: skip
+        bench.wrk(f"h{n}_naive_c32", "naive proxy c32, 2 workers" + tag, naive, fast, 32,
+                  **signed)  # fmt: skip
     bench.figures.facts["rounds"] = s.rounds
     # Each worker's peak, not the supervisor's (which forks them and holds no requests).
     bench.figures.worker_rss = {pid: rss for pid, rss in proxy.peak_rss().items()
                                 if pid != proxy.pid}  # fmt: skip
     bench.figures.facts["supervisor_rss"] = procs.peak_rss_bytes(proxy.pid)
     bench.stop(naive)
+    bench.stop(stripe)
     bench.stop(proxy)
 
 
