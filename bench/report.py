@@ -253,6 +253,7 @@ def table(f: Figures, pool: int, rows: int) -> str:
     _throughput(t, f, pool)
     _latency(t)
     _duplicates(t, f)
+    _duplicate_storm(t, f)
     _growth_rows(t, f, rows)
     t.section = "**memory**"
     for label, per_pid in f.rss.items():
@@ -328,6 +329,25 @@ def _duplicates(t: _Rows, f: Figures) -> None:
         run = r["proxy_dup50"]
         t.add("50 % duplicates (committed IDs), c32", f"{_rate(run)}; {exact(run)[1]}",
               "one upstream call per unique request")  # fmt: skip
+
+
+def _duplicate_storm(t: _Rows, f: Figures) -> None:
+    """CPU per duplicate against CPU per new webhook in the same round; the 1,000 copies."""
+    r = t.runs
+    for n in range(1, 10):
+        if not t.has(f"d{n}_new", f"d{n}_same", f"d{n}_other"):
+            break
+        new = r[f"d{n}_new"]
+        for key, what in (("same", "the replica that committed them"),
+                          ("other", "another replica")):  # fmt: skip
+            run = r[f"d{n}_{key}"]
+            t.add(f"duplicate storm at c32, copies of committed events, {what} (round {n})",
+                  f"{_rate(run)}; CPU per duplicate: proxy {run.cpu_us('proxy'):.0f} µs "
+                  f"({run.cpu_us('proxy') / new.cpu_us('proxy'):.2f} x a new webhook's "
+                  f"{new.cpu_us('proxy'):.0f}), PostgreSQL {run.cpu_us('postgres'):.0f} µs "
+                  f"({run.cpu_us('postgres') / new.cpu_us('postgres'):.2f} x "
+                  f"{new.cpu_us('postgres'):.0f}); upstream calls "
+                  f"{run.upstream.get('calls', 0)}", "no upstream call")  # fmt: skip
     for name, storm in f.storms.items():
         answers = ", ".join(f"{n} {k}" for k, n in storm.statuses.items())
         t.add(f"duplicate storm, {storm.copies} concurrent copies, {name} upstream",

@@ -29,6 +29,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import aiohttp
 import asyncpg
 import yaml
 
@@ -295,6 +296,7 @@ def measure(bench: Bench) -> None:
     workers = alternatives(bench, fast)
     bench.wrk("proxy_dup50", "proxy c32, 50% duplicates", proxy, fast, 32, mode="dup50",
               seeds=SEEDS)  # fmt: skip
+    duplicate_storm(bench, proxy, fast)
 
     # Body size.
     mib = 1024 * 1024
@@ -381,6 +383,46 @@ def headline(bench: Bench, fast: procs.Service) -> None:
     bench.stop(naive)
     bench.stop(stripe)
     bench.stop(proxy)
+
+
+def duplicate_storm(bench: Bench, proxy: procs.Service, fast: procs.Service) -> None:
+    """Every request a copy of an event committed already, at c32: through the proxy that
+    committed them (the seeds are claimed again through it first) and through another replica
+    (a second proxy on the same table), beside new webhooks on the first, ``rounds`` times."""
+    s = bench.settings
+    bench.sql(f"DELETE FROM {TABLE} WHERE scope = '{SCOPE}' AND event_id LIKE 'seed-%'")
+    asyncio.run(_commit_through(proxy.port, [f"seed-{n}" for n in range(1, SEEDS + 1)]))
+    committed = bench.value(f"SELECT count(*) FROM {TABLE} WHERE event_id LIKE 'seed-%'")
+    if committed != SEEDS:
+        raise RuntimeError(f"{committed} of {SEEDS} seeds committed through the proxy")
+    other = bench.start_proxy("proxy-other-replica", fast, s.pool)
+    if s.warmup:
+        bench.wrk("", "warm-up another replica", other, fast, 32, seconds=s.warmup,
+                  mode="dup100", seeds=SEEDS)  # fmt: skip
+    for n in range(1, s.rounds + 1):
+        tag = f" (round {n})"
+        bench.wrk(f"d{n}_new", "proxy c32, new webhooks" + tag, proxy, fast, 32)
+        bench.wrk(f"d{n}_same", "proxy c32, copies of its own committed events" + tag, proxy,
+                  fast, 32, mode="dup100", seeds=SEEDS)  # fmt: skip
+        bench.wrk(f"d{n}_other", "another replica c32, copies of committed events" + tag,
+                  other, fast, 32, mode="dup100", seeds=SEEDS)  # fmt: skip
+    bench.stop(other)
+
+
+async def _commit_through(port: int, event_ids: list[str]) -> None:
+    """POST each event once through the proxy on ``port``, 16 at a time; each must be 200."""
+    limit = asyncio.Semaphore(16)
+    async with aiohttp.ClientSession() as session:
+
+        async def one(event_id: str) -> None:
+            async with limit:
+                body = json.dumps({"id": event_id}).encode()
+                async with session.post(f"http://127.0.0.1:{port}/hook", data=body) as answer:
+                    await answer.read()
+                    if answer.status != 200:
+                        raise RuntimeError(f"{event_id}: {answer.status}")
+
+        await asyncio.gather(*(one(event_id) for event_id in event_ids))
 
 
 def alternatives(bench: Bench, fast: procs.Service) -> procs.Service:

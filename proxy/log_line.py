@@ -15,7 +15,7 @@ from typing import Literal, Required, TypedDict
 
 from aiohttp import hdrs, web
 
-from proxy import metrics
+from proxy import logs, metrics
 
 log = logging.getLogger("proxy.pipeline")
 
@@ -122,4 +122,4 @@ def finish(
     ):
         outcome = "mismatch"
     level = _LEVELS.get(outcome, logging.INFO)
-    log.log(level, "%s %s -> %s", line["method"], line["path"], outcome, extra={"fields": line})
+    logs.line(log, level, f"{line['method']} {line['path']} -> {outcome}", line)

@@ -157,3 +157,34 @@ def test_a_json_line_is_ascii_and_reads_back_as_its_fields(fields: dict[str, Any
 )  # fmt: skip
 def test_mask_hides_every_form_of_a_database_password(line: str, masked: str) -> None:
     assert logs.mask(line) == masked
+
+
+def test_the_short_way_writes_the_line_the_ordinary_way_writes(log_lines: io.StringIO) -> None:
+    """A request's line skips the logging chain (``logs.line``) only when nothing else would see
+    the record, and is then the same line: fields in order, the worker's number, masking."""
+    logs.setup(config.LogConfig(level="info", format="json"), stream=log_lines, worker=3)
+    logger = logging.getLogger("proxy.pipeline")
+    fields = {"route": "r", "path": "/x%s", "dsn": f"postgresql://u:{PASSWORD}@db/x", "n": 1}
+    logs.line(logger, logging.WARNING, "POST /x%s -> mismatch", fields)
+    seen: list[logging.LogRecord] = []
+
+    class Capture(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    capture = Capture()
+    logger.addHandler(capture)
+    try:
+        logs.line(logger, logging.WARNING, "POST /x%s -> mismatch", fields)
+    finally:
+        logger.removeHandler(capture)
+    logs.line(logger, logging.DEBUG, "below the level", fields)
+    short, ordinary = (json.loads(x) for x in log_lines.getvalue().splitlines())
+    assert PASSWORD not in log_lines.getvalue()
+    assert list(short) == ["ts", "level", "logger", "msg", "route", "path", "dsn", "n", "worker"]
+    assert {**short, "ts": None} == {**ordinary, "ts": None}
+    assert short["level"] == "warning"
+    assert short["msg"] == "POST /x%s -> mismatch"
+    assert short["worker"] == 3
+    # The other handler got the record (which the worker's filter then tagged, as ever).
+    assert [record.fields for record in seen] == [{**fields, "worker": 3}]  # type: ignore[attr-defined]
