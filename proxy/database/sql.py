@@ -69,10 +69,18 @@ def begin(lock_wait: float, idle_limit: float) -> str:
     session, which PgBouncer would hand to other clients. Pinned to READ COMMITTED: under
     REPEATABLE READ a copy waiting on a row would fail with a serialization error after the
     owner's COMMIT instead of seeing the duplicate.
+
+    A claim's lock wait is what its route's claim_wait has left, different for each request by
+    a fraction of a millisecond: the text, in whole milliseconds, is made once per value.
     """
+    return _begin(_millis(lock_wait), _millis(idle_limit))
+
+
+@functools.lru_cache(maxsize=512)
+def _begin(lock_wait: str, idle_limit: str) -> str:
     return (
-        f"BEGIN ISOLATION LEVEL READ COMMITTED; {lock_timeout(lock_wait)}; "
-        f"SET LOCAL idle_in_transaction_session_timeout = '{_millis(idle_limit)}'; "
+        f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{lock_wait}'; "
+        f"SET LOCAL idle_in_transaction_session_timeout = '{idle_limit}'; "
     )
 
 
