@@ -11,8 +11,6 @@ database as usual. Copies on other replicas still meet at the row lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -49,25 +47,53 @@ class Flights:
         flight = self._flights.get(key)
         return flight.users if flight else 0
 
-    @contextlib.asynccontextmanager
-    async def turn(self, key: Key, within: float) -> AsyncIterator[Flight]:
-        """Wait (at most ``within`` seconds) until no other local request holds ``key``."""
-        flight = self._flights.setdefault(key, Flight())
+    def turn(self, key: Key, within: float) -> Turn:
+        """Wait (at most ``within`` seconds) until no other local request holds ``key``, as
+        ``async with flights.turn(key, within) as flight``."""
+        return Turn(self._flights, key, within)
+
+
+class Turn:
+    """``Flights.turn``'s context. A class rather than a generator-based context manager: it
+    is on every webhook's path (bench/RESULTS.md)."""
+
+    __slots__ = ("_flight", "_flights", "_key", "_locked", "_within")
+
+    def __init__(self, flights: dict[Key, Flight], key: Key, within: float) -> None:
+        self._flights = flights
+        self._key = key
+        self._within = within
+        self._flight: Flight | None = None
+        self._locked = False
+
+    async def __aenter__(self) -> Flight:
+        flight = self._flight = self._flights.setdefault(self._key, Flight())
         flight.users += 1
         try:
             if flight.lock.locked():
                 try:
-                    async with asyncio.timeout(within):
+                    async with asyncio.timeout(self._within):
                         await flight.lock.acquire()
                 except TimeoutError as exc:
                     raise errors.ClaimWaitExceeded() from exc
             else:
                 await flight.lock.acquire()  # free: returns at once, no timer needed
-            try:
-                yield flight
-            finally:
-                flight.lock.release()
-        finally:
-            flight.users -= 1
-            if flight.users == 0:
-                del self._flights[key]
+        except BaseException:
+            self._leave()
+            raise
+        self._locked = True
+        return flight
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        if self._locked:
+            self._locked = False
+            flight.lock.release()
+        flight.users -= 1
+        if flight.users == 0:
+            del self._flights[self._key]

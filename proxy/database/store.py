@@ -299,47 +299,17 @@ class Store:
 
     # Serving
 
-    @contextlib.asynccontextmanager
-    async def claim(self, key: Key, wait: float | None = None) -> AsyncIterator[Claim]:
-        """Claim (scope, event_id); waits while another transaction holds it uncommitted, at
-        most ``wait`` seconds (a route's own claim_wait; default the store's).
+    def claim(self, key: Key, wait: float | None = None) -> Claiming:
+        """Claim (scope, event_id), as ``async with store.claim(key) as claim``; waits while
+        another transaction holds it uncommitted, at most ``wait`` seconds (a route's own
+        claim_wait; default the store's).
 
         Raises StoreUnavailable (no connection or the database failed; ``Starting`` before
         ``start`` succeeded, so that no claim is made on a table or with grants not checked
         yet) or ClaimWaitExceeded. On exit the transaction is rolled back unless a step of the
         claim ended it.
         """
-        if not self.started.is_set():
-            raise errors.Starting(f"starting: {self.start_problem}")
-        connection = await self._acquire()
-        begin, timeout = self._begin, self._claim_timeout
-        if wait is not None and wait != self._claim_wait:
-            begin = sql.begin(wait, self._idle_limit)
-            timeout = wait + self.op_timeout
-        claim = Claim(self, connection, key, acquired=False)
-        try:
-            try:
-                with translated("claim failed", claim.abandon):
-                    status = await connection.execute(
-                        self.queries.claim(
-                            begin, key.scope, key.event_id, key.event_type, key.body_sha256
-                        ),
-                        timeout=timeout,
-                    )
-            except errors.LockTimeout as exc:
-                raise errors.ClaimWaitExceeded() from exc.__cause__
-            claim.acquired = status.rpartition(" ")[2] == "1"
-            yield claim
-        finally:
-            try:
-                await claim.release()
-            except BaseException:
-                # Cancelled mid-ROLLBACK (a shutdown past its timeout): the session's state is
-                # unknown, and asyncpg's in-transaction flag may be stale.
-                pool.discard(connection)
-                raise
-            finally:
-                self._pool.release(connection)
+        return Claiming(self, key, wait)
 
     async def reconcile(self, key: Key) -> bool:
         """After a COMMIT in doubt: is the claim stored now? Re-claims it if it is absent.
@@ -593,3 +563,63 @@ class Store:
         with translated("cannot connect to PostgreSQL"):
             connection: Connection = await self._pool.take()
         return connection
+
+
+class Claiming:
+    """``Store.claim``'s context: the connection taken and the claim sent on entry, the claim
+    released and the connection given back on exit, however the block ends. A class rather
+    than a generator-based context manager: it is on every webhook's path (bench/RESULTS.md)."""
+
+    __slots__ = ("_claim", "_connection", "_key", "_store", "_wait")
+
+    def __init__(self, store: Store, key: Key, wait: float | None) -> None:
+        self._store = store
+        self._key = key
+        self._wait = wait
+        self._claim: Claim | None = None
+        self._connection: Connection | None = None
+
+    async def __aenter__(self) -> Claim:
+        store, key, wait = self._store, self._key, self._wait
+        if not store.started.is_set():
+            raise errors.Starting(f"starting: {store.start_problem}")
+        connection = self._connection = await store._acquire()
+        begin, timeout = store._begin, store._claim_timeout
+        if wait is not None and wait != store._claim_wait:
+            begin = sql.begin(wait, store._idle_limit)
+            timeout = wait + store.op_timeout
+        claim = self._claim = Claim(store, connection, key, acquired=False)
+        try:
+            try:
+                with translated("claim failed", claim.abandon):
+                    status = await connection.execute(
+                        store.queries.claim(
+                            begin, key.scope, key.event_id, key.event_type, key.body_sha256
+                        ),
+                        timeout=timeout,
+                    )
+            except errors.LockTimeout as exc:
+                raise errors.ClaimWaitExceeded() from exc.__cause__
+        except BaseException:
+            await self._release()
+            raise
+        claim.acquired = status.rpartition(" ")[2] == "1"
+        return claim
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._release()
+
+    async def _release(self) -> None:
+        claim, connection = self._claim, self._connection
+        if claim is None or connection is None:
+            return
+        self._claim = self._connection = None
+        try:
+            await claim.release()
+        except BaseException:
+            # Cancelled mid-ROLLBACK (a shutdown past its timeout): the session's state is
+            # unknown, and asyncpg's in-transaction flag may be stale.
+            pool.discard(connection)
+            raise
+        finally:
+            self._store._pool.release(connection)
