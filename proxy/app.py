@@ -12,10 +12,10 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
-from aiohttp import hdrs, web
+from aiohttp import hdrs, web, web_urldispatcher
 
 from proxy import (
     config,
@@ -296,6 +296,46 @@ async def _close_after_chunked(request: web.BaseRequest, response: web.StreamRes
         response.force_close()
         # The hook runs after aiohttp chose the Connection header, before it is written.
         response.headers[hdrs.CONNECTION] = "close"
+
+
+class Runner(web.AppRunner):
+    """``web.AppRunner`` whose server hands each request straight to the one route's handler.
+
+    The proxy's application has one catch-all route and no middleware: aiohttp's
+    ``Application._handle`` would resolve every request through the router only to find that
+    route, and build its match information anew. Here the route and its match information are
+    found once, at start-up, and set on each request exactly as ``_handle`` sets them (the
+    response hooks, ``request.app``, see them as ever); a request with an ``Expect`` header
+    still goes through ``_handle``, which answers "100-continue" or 417. Relied on, from
+    aiohttp: ``Server.request_handler``, read by every connection's handler when it is made,
+    and ``Request._match_info``.
+    """
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.request_handler = _direct(self.app, server.request_handler)
+        return server
+
+
+def _direct(
+    application: web.Application, handle: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+    (resource,) = application.router.resources()
+    (route,) = resource
+    if application.middlewares:
+        return handle
+    match_info = web_urldispatcher.UrlMappingMatchInfo({}, route)
+    match_info.add_app(application)
+    match_info.freeze()
+    dispatch = route.handler
+
+    async def direct(request: web.BaseRequest) -> web.StreamResponse:
+        if hdrs.EXPECT in request.headers:
+            return await handle(request)
+        request._match_info = match_info  # type: ignore[attr-defined]
+        return await dispatch(request)  # type: ignore[arg-type]
+
+    return direct
 
 
 def create_app(cfg: config.Config) -> web.Application:

@@ -169,7 +169,7 @@ class _Server:
         self.lifeline = lifeline
         self.bound = connections.connection_bound(cfg, connections.raise_open_files())
         self.proxy = app.create_app(cfg)
-        self.runner = web.AppRunner(
+        self.runner = app.Runner(
             self.proxy,
             handle_signals=False,
             access_log=None,

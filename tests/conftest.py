@@ -171,15 +171,15 @@ async def raw_server(kind: str, server_tls: ssl.SSLContext) -> AsyncIterator[Raw
 
 
 class ProxyTestServer(TestServer):
-    """A TestServer with the runner options ``serve`` uses.
+    """A TestServer with the runner and runner options ``serve`` uses.
 
     aiohttp's TestServer forces ``handler_cancellation=True`` and drops constructor kwargs, so
     without this the tests would run a proxy that inflates bodies and cancels on hang-up.
     """
 
     async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
-        options = app.runner_options(self.app[app.CONFIG])
-        return await super()._make_runner(**{**kwargs, **options})
+        # The runner serve uses (app.Runner), with the options serve gives it.
+        return app.Runner(self.app, **{**kwargs, **app.runner_options(self.app[app.CONFIG])})
 
 
 @pytest.fixture

@@ -442,3 +442,54 @@ async def test_a_request_body_the_provider_cuts_off_is_400_and_never_forwarded(
     assert line["error"].startswith("request body ended early")
     assert upstream.requests == []
     assert await claimed(pg_dsn, table) == []
+
+
+async def test_requests_skip_the_router_but_expect_and_the_response_hook_do_not(
+    make_proxy: MakeProxy, upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``app.Runner`` hands a request straight to the one route's handler: the router is never
+    asked, yet ``request.app`` and the response hook (``Connection: close`` after a chunked
+    request) work as through ``Application._handle``, which an ``Expect`` header still takes."""
+    client = await make_proxy()
+    resolved: list[str] = []
+    router = client.app.router
+    resolve = router.resolve
+
+    async def counting(request: web.Request) -> Any:
+        resolved.append(request.path)
+        return await resolve(request)
+
+    monkeypatch.setattr(router, "resolve", counting)
+    plain = await client.post("/webhooks/corvel", data=event("evt_direct"))
+    assert plain.status == 200
+    assert resolved == []
+
+    async with connection(client) as (reader, writer):
+        body = event("evt_chunked")
+        writer.write(
+            b"POST /webhooks/corvel HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
+        chunked = await read_answer(reader)
+    assert chunked is not None
+    assert chunked.status == 200
+    assert chunked.headers["connection"] == "close"
+    assert resolved == []
+
+    async with connection(client) as (reader, writer):
+        body = event("evt_expect")
+        writer.write(
+            b"POST /webhooks/corvel HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(body)
+        expected = await read_answer(reader)
+    assert expected is not None
+    assert expected.status == 200
+    assert resolved == ["/webhooks/corvel"]
+    assert [r.body for r in upstream.requests] == [
+        event("evt_direct"),
+        event("evt_chunked"),
+        event("evt_expect"),
+    ]
