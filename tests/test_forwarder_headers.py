@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.upstream import forwarder
+from proxy.upstream import forwarder, proxy_headers
 
 HOP_BY_HOP_NAMES = [
     "Connection",
@@ -214,3 +216,45 @@ def test_incoming_headers_are_not_modified() -> None:
     )
 
     assert list(incoming.items()) == before
+
+
+def _filtered_step_by_step(
+    incoming: CIMultiDict[str], *, preserve_host: bool, keep_length: bool, trusted: bool
+) -> CIMultiDict[str]:
+    """The rules one at a time, as the filter was first written (one pass per rule): the model
+    the one-pass filter must agree with."""
+    dropped = set(forwarder.HOP_BY_HOP)
+    for value in incoming.getall("Connection", []):
+        dropped |= {token.strip().lower() for token in value.split(",")}
+    headers = CIMultiDict((n, v) for n, v in incoming.items() if n.lower() not in dropped)
+    for name in [name for name in headers if "_" in name]:
+        headers.popall(name, None)
+    headers.popall("Expect", None)
+    if not keep_length:
+        headers.popall("Content-Length", None)
+    host = incoming.get("Host")
+    if not preserve_host:
+        headers.popall("Host", None)
+    proxy_headers.set_forwarded(headers, peer=PEER, scheme="https", host=host, trusted=trusted)
+    return headers
+
+
+_NAMES = st.sampled_from(
+    [*HOP_BY_HOP_NAMES, "connection", "Host", "HOST", "Expect", "Content-Length", "X-Event_Id",
+     "X-Forwarded-For", "x-forwarded-host", "X-Forwarded-Proto", "Forwarded", "X-Real-IP",
+     "Stripe-Signature", "X-Custom", "x-custom", "Accept"]
+)  # fmt: skip
+_VALUES = st.sampled_from(["1", "x-custom", "close, X-Custom", "keep-alive", "a, b", " Accept "])
+
+
+@hypothesis.given(
+    st.lists(st.tuples(_NAMES, _VALUES), max_size=12), st.booleans(), st.booleans(), st.booleans()
+)
+def test_the_one_pass_filter_agrees_with_the_rules_one_at_a_time(
+    headers: list[tuple[str, str]], preserve_host: bool, keep_length: bool, trusted: bool
+) -> None:
+    got = outgoing(headers, preserve_host=preserve_host, keep_length=keep_length, trusted=trusted)
+    expected = _filtered_step_by_step(
+        CIMultiDict(headers), preserve_host=preserve_host, keep_length=keep_length, trusted=trusted
+    )
+    assert list(got.items()) == list(expected.items())

@@ -17,6 +17,7 @@ body write, as ``StreamWriter.write_headers`` leaves them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl as ssl_module
 from collections.abc import Iterable
@@ -75,17 +76,45 @@ def _session_options() -> dict[str, Any]:
     }
 
 
-def _end_to_end(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> CIMultiDict[str]:
-    dropped = HOP_BY_HOP
+@functools.lru_cache(maxsize=16)
+def _dropped(
+    *, request: bool, keep_length: bool, preserve_host: bool, trusted: bool
+) -> frozenset[str]:
+    """The (lower-case) names a request to the app or an answer relayed never carries: the
+    hop-by-hop ones; Content-Length unless kept (a body of known size gets its own);
+    on a request, Expect (the proxy answered any "100-continue" itself: the app must not be
+    asked again), Host unless preserved, and an untrusted peer's forwarding headers."""
+    names = set(HOP_BY_HOP)
+    if not keep_length:
+        names.add("content-length")
+    if request:
+        names.add("expect")
+        if not preserve_host:
+            names.add("host")
+        if not trusted:
+            names |= proxy_headers.UNTRUSTED_NAMES
+    return frozenset(names)
+
+
+def _end_to_end(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], dropped: frozenset[str], *, request: bool
+) -> CIMultiDict[str]:
+    """``headers`` but the ``dropped`` names and those the Connection header names, in one
+    pass; on a ``request``, a field name with ``_`` is dropped too: CGI, WSGI and Rack read
+    X_Event_Id and X-Event-Id as one HTTP_X_EVENT_ID, so the app could get a value the proxy
+    never keyed on or verified (nginx and Envoy drop these)."""
     if hdrs.CONNECTION in headers:
         dropped = dropped.union(
             token.strip().lower()
             for value in headers.getall(hdrs.CONNECTION)
             for token in value.split(",")
         )
-    return CIMultiDict(
-        (name, value) for name, value in headers.items() if name.lower() not in dropped
-    )
+    kept: CIMultiDict[str] = CIMultiDict()
+    add = kept.add
+    for name, value in headers.items():
+        if name.lower() not in dropped and not (request and "_" in name):
+            add(name, value)
+    return kept
 
 
 def request_headers(
@@ -100,29 +129,22 @@ def request_headers(
     """Headers for the upstream request. Content-Length is kept only for a streamed body; a
     field name with ``_`` is dropped; X-Forwarded-* are kept only from a ``trusted`` peer (see
     ``forwarded``)."""
-    headers = _end_to_end(incoming)
-    for name in [name for name in headers if "_" in name]:
-        # CGI, WSGI and Rack read X_Event_Id and X-Event-Id as one HTTP_X_EVENT_ID: the app
-        # could get a value the proxy never keyed on or verified (nginx and Envoy drop these).
-        headers.popall(name, None)
-    # The proxy has answered any "100-continue" itself; the upstream must not be asked again.
-    headers.popall(hdrs.EXPECT, None)
-    if not keep_length:
-        headers.popall(hdrs.CONTENT_LENGTH, None)
-    host = incoming.get(hdrs.HOST)
-    if not preserve_host:
-        headers.popall(hdrs.HOST, None)
-    proxy_headers.set_forwarded(headers, peer=peer, scheme=scheme, host=host, trusted=trusted)
+    dropped = _dropped(
+        request=True, keep_length=keep_length, preserve_host=preserve_host, trusted=trusted
+    )
+    headers = _end_to_end(incoming, dropped, request=True)
+    proxy_headers.set_forwarded(
+        headers, peer=peer, scheme=scheme, host=incoming.get(hdrs.HOST), trusted=trusted,
+        scrubbed=True,
+    )  # fmt: skip
     return headers
 
 
 def response_headers(
     upstream: CIMultiDictProxy[str] | CIMultiDict[str], *, keep_length: bool
 ) -> CIMultiDict[str]:
-    headers = _end_to_end(upstream)
-    if not keep_length:
-        headers.popall(hdrs.CONTENT_LENGTH, None)
-    return headers
+    dropped = _dropped(request=False, keep_length=keep_length, preserve_host=True, trusted=True)
+    return _end_to_end(upstream, dropped, request=False)
 
 
 def _head(status_line: str, headers: CIMultiDict[str]) -> bytes:
