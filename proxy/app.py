@@ -306,7 +306,8 @@ class Runner(web.AppRunner):
     route, and build its match information anew. Here the route and its match information are
     found once, at start-up, and set on each request exactly as ``_handle`` sets them (the
     response hooks, ``request.app``, see them as ever); a request with an ``Expect`` header
-    still goes through ``_handle``, which answers "100-continue" or 417. Relied on, from
+    still goes through ``_handle``, which answers "100-continue" or 417, and so does one whose
+    target is not a path (``OPTIONS *``, ``CONNECT host:port``: the router's 404). Relied on, from
     aiohttp: ``Server.request_handler``, read by every connection's handler when it is made,
     and ``Request._match_info``.
     """
@@ -330,8 +331,8 @@ def _direct(
     dispatch = route.handler
 
     async def direct(request: web.BaseRequest) -> web.StreamResponse:
-        if hdrs.EXPECT in request.headers:
-            return await handle(request)
+        if hdrs.EXPECT in request.headers or request.raw_path[:1] != "/":
+            return await handle(request)  # "100-continue", 417; "OPTIONS *", CONNECT: 404
         request._match_info = match_info  # type: ignore[attr-defined]
         return await dispatch(request)  # type: ignore[arg-type]
 

@@ -192,11 +192,11 @@ def line(logger: logging.Logger, level: int, msg: str, fields: Mapping[str, Any]
     ):
         logger.log(level, "%s", msg, extra={"fields": fields})
         return
-    text = formatter.fields_line(
-        logging.getLevelName(level).lower(), logger.name, msg, {**fields, **_short.worker}
-    )
-    handler.acquire()
+    handler.acquire()  # also around the formatting, as Handler.handle: its date is shared
     try:
+        text = formatter.fields_line(
+            logging.getLevelName(level).lower(), logger.name, msg, {**fields, **_short.worker}
+        )
         handler.stream.write(text + handler.terminator)
         handler.flush()
     except Exception:  # as logging.Handler.emit: a line that cannot be written is not fatal

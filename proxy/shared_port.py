@@ -19,9 +19,9 @@ A queue of its own must not die with its worker, nor wait behind one that is stu
 * Every worker also holds its siblings' sockets and looks at their queues each ``PERIOD``
   (``queued``: the accept queue's length, from ``TCP_INFO``). A healthy worker empties its queue
   within microseconds of a connection's arrival; a queue seen non-empty twice in a row belongs
-  to a worker that is hung, dead, restarting, or has been busy for a second, and the worker
+  to a worker that is hung, dead, restarting, or has been busy for that long, and the worker
   that saw it accepts those connections itself (``Adopter``). So a stuck worker holds up a new
-  connection for at most two periods, not for the watchdog's timeout.
+  connection for at most two periods (half a second), not for the watchdog's timeout.
 
 Elsewhere (no ``SO_REUSEPORT`` balancing) the workers share one socket, as before.
 """
@@ -38,7 +38,8 @@ from collections.abc import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
-PERIOD = 1.0  # seconds between two looks at the siblings' queues
+PERIOD = 0.25  # seconds between two looks at the siblings' queues
+REPORT_EVERY = 10.0  # seconds: at most one line about adopted connections
 # struct tcp_info: eight one-byte fields, then u32 rto, ato, snd_mss, rcv_mss, unacked: on a
 # listening socket Linux reports its accept queue's length as tcpi_unacked.
 _UNACKED = struct.Struct("=24xI")
@@ -77,6 +78,8 @@ class Adopter:
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self.adopted = 0
+        self._unreported = 0
+        self._reported = -REPORT_EVERY
 
     def start(self) -> None:
         if self._siblings and self._timer is None:
@@ -103,6 +106,7 @@ class Adopter:
             else:
                 waiting.add(index)
         self._waiting = waiting
+        self._report()
 
     def _adopt(self, sock: socket.socket, count: int) -> None:
         taken = 0
@@ -118,15 +122,20 @@ class Adopter:
             task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn))
             task.add_done_callback(_closed_on_failure(conn))
             taken += 1
-        if taken:
-            self.adopted += taken
+        self.adopted += taken
+        self._unreported += taken
+
+    def _report(self) -> None:
+        now = self._loop.time()
+        if self._unreported and now - self._reported >= REPORT_EVERY:
             log.warning(
-                "adopted %d connection(s) waiting in another worker's queue for over %gs "
-                "(that worker is stuck, restarting or busy)",
-                taken,
-                self._period,
-                extra={"fields": {"adopted": taken}},
+                "adopted %d connection(s) that waited in another worker's queue (that worker "
+                "is stuck, restarting or busy)",
+                self._unreported,
+                extra={"fields": {"adopted": self._unreported}},
             )
+            self._unreported = 0
+            self._reported = now
 
 
 def _closed_on_failure(conn: socket.socket) -> Callable[[asyncio.Task[object]], None]:

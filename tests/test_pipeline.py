@@ -488,6 +488,12 @@ async def test_requests_skip_the_router_but_expect_and_the_response_hook_do_not(
     assert expected is not None
     assert expected.status == 200
     assert resolved == ["/webhooks/corvel"]
+    for target in (b"OPTIONS * HTTP/1.1", b"CONNECT proxy.test:443 HTTP/1.1"):
+        async with connection(client) as (reader, writer):
+            writer.write(target + b"\r\nHost: proxy.test\r\n\r\n")
+            answer = await read_answer(reader)
+        assert answer is not None
+        assert answer.status == 404  # the router's, as through Application._handle
     assert [r.body for r in upstream.requests] == [
         event("evt_direct"),
         event("evt_chunked"),

@@ -136,15 +136,16 @@ async def test_kept_alive_connections_spread_over_the_workers(
     supervised: Served, upstream: FakeUpstream
 ) -> None:
     # An ingress's pool of 32 connections, opened while one worker is busy (stopped, here, for
-    # 0.3 s), each then carrying 5 webhooks. From one shared queue the
+    # 0.1 s), each then carrying 5 webhooks. From one shared queue the
     # worker awake took every connection, and kept them: the other then served nothing. The
     # kernel hashes each connection to one worker's own socket, where it waits for that worker
-    # (its sibling adopts only what waits over a second): all 32 on one of two, 2 in 2**32.
+    # (its sibling adopts only what it sees waiting at two looks 0.25 s apart): all 32 on one
+    # of two, 2 in 2**32.
     busy = supervised.workers()[0]
     os.kill(busy, signal.SIGSTOP)
     try:
         streams = await asyncio.gather(*(open_stream(supervised.port) for _ in range(32)))
-        await asyncio.sleep(0.3)  # the other worker accepts what it may meanwhile
+        await asyncio.sleep(0.1)  # the other worker accepts what it may meanwhile
     finally:
         os.kill(busy, signal.SIGCONT)
     try:
