@@ -58,12 +58,18 @@ def test_prints_one_table_with_pgbench_the_upstream_and_the_proxy(
     # The performance issue's table first: each figure from both rounds, then judged.
     assert "| figure | mean | round 1 | round 2 | target |" in stdout
     for row in (
-        "CPU per request, proxy ÷ the app's (c32)",
-        "throughput at c32 ÷ the naive proxy's",
-        "throughput at c32 ÷ pgbench's claim rate at c32",
-        "median latency at c1, above the app's, minus pgbench's claim at c1",
+        *(
+            f"{what}, the proxy{how} ÷ the naive proxy's (c{c})"
+            for what in ("CPU per webhook", "throughput")
+            for how in ("", ", Stripe-verified")
+            for c in (32, 1)
+        ),
+        "the proxy: CPU per request ÷ the app's (c32",
+        "the proxy: throughput at c32 ÷ pgbench's claim rate at c32",
+        "the proxy: median at c1, above the app's, minus pgbench's",
         "peak RSS per worker",
         "the naive proxy: median at c1",
+        "proxy, Stripe-verified, c32: rate, p50",
     ):
         assert row in stdout
     assert "| | measurement | result | target |" in stdout
@@ -75,6 +81,8 @@ def test_prints_one_table_with_pgbench_the_upstream_and_the_proxy(
         "CPU per request",
         "50 % duplicates",
         "duplicate storm",
+        "duplicate storm at c32, copies of committed events, the replica that committed them",
+        "duplicate storm at c32, copies of committed events, another replica",
         "50 ms upstream, c32, pool 4",
         "claim latency, pgbench prepared c1: empty",
         "1 KiB → 1 MiB body",
@@ -92,6 +100,16 @@ def test_the_upstream_gets_one_call_per_unique_event(quick_run: QuickRun | str) 
         if run["through_proxy"] and run["body_bytes"] < MIB
     }  # fmt: skip
     assert {"proxy_c1", "proxy_c32", "proxy_dup50", "proxy_c1_full"} <= set(runs)
+    # The Stripe-verified proxy's webhooks (each signed for it) all passed its check.
+    assert {"h1_stripe_c1", "h1_stripe_c32"} <= set(runs)
+    # Copies of committed events only: none reached the app, from either replica.
+    storm = {key: runs.pop(key) for key in list(runs) if re.fullmatch(r"d\d_(same|other)", key)}
+    assert {"d1_same", "d1_other"} <= set(storm)
+    for key, run in storm.items():
+        assert run["sent"] > 0, key
+        assert run["uniques"] == 0, key
+        assert run["errors"] == 0, key
+        assert run["upstream"]["calls"] == 0, key
     for key, run in runs.items():
         upstream = run["upstream"]
         assert run["uniques"] > 0, key
@@ -150,3 +168,45 @@ def test_the_tracing_cost_runs_every_mode_and_exports_to_a_real_receiver() -> No
     decoded = re.search(r"the receiver took: (\d+) export\(s\), (\d+) span\(s\)", done.stdout)
     assert decoded is not None, done.stdout
     assert int(decoded[2]) > 0
+
+
+def _script(*argv: str, timeout: float) -> str:
+    """Run a bench script (needs wrk); its stdout, after it exited 0."""
+    if shutil.which("wrk") is None:
+        pytest.fail("the benchmark needs wrk, which is not installed: apt-get install wrk")
+    done = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, encoding="utf-8",
+        timeout=timeout, check=False, env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_the_balance_counts_each_workers_webhooks() -> None:
+    """bench/balance.py --quick: both workers' webhooks counted from their log lines."""
+    stdout = _script("bench/balance.py", "--quick", timeout=180)
+    rows = [
+        line.split(" | ") for line in stdout.splitlines() if line.startswith("| this checkout |")
+    ]
+    assert len(rows) == 2
+    for row in rows:
+        one, two = (int(n.replace(",", "")) for n in row[3].split(", "))
+        assert one + two > 0
+        assert row[-1].strip(" |") == "0"  # no errors
+
+
+def test_the_ab_run_compares_two_checkouts() -> None:
+    """bench/ab.py with this checkout as its own control: one round, every run error-free."""
+    stdout = _script("bench/ab.py", "--control", str(ROOT), "--rounds", "1", "--duration", "1",
+                     timeout=180)  # fmt: skip
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 32 | 1 |")]
+    assert len(rows) == 1
+    assert rows[0][-1].strip(" |") == "0, 0"
+
+
+def test_the_scale_run_measures_growth_the_sweep_and_open_claims(tmp_path: Path) -> None:
+    """bench/scale.py --quick: a full table, a sweep that deleted rows, and each pool size."""
+    stdout = _script("bench/scale.py", "--quick", "--out", str(tmp_path / "SCALE.md"), timeout=400)
+    for heading in ("## 1. Flat as the claim table grows", "## 2. The retention sweep's cost",
+                    "## 3. Open claims are the scale limit"):  # fmt: skip
+        assert heading in stdout
