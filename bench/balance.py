@@ -1,14 +1,17 @@
 """How ``workers: 2`` shares the webhooks of a few kept-alive connections.
 
     python bench/balance.py [--rounds 6] [--duration 5] [--connections 8] [--control DIR]
-                            [--out FILE] [--quick]
+                            [--cold] [--out FILE] [--quick]
 
 One proxy with ``workers: 2`` in front of the bench's app and embedded PostgreSQL; each round
 one wrk run opens ``--connections`` connections (as an ingress's pool) and keeps them for the
 whole run. Each worker's share of the webhooks is counted from the log lines (``"worker":n``
 on every webhook's line), and its CPU from /proc. ``--control DIR`` also runs, round by round,
 the proxy of another checkout (``git worktree add DIR <commit>``), e.g. the one before the
-per-worker sockets (one listening socket shared by both workers), side by side.
+per-worker sockets (one listening socket shared by both workers), side by side. ``--cold``
+starts each proxy afresh for each round and opens the connections as soon as its port
+answers, while its second worker may still be starting: how a soak or an ingress that connects
+at once meets a proxy just started.
 """
 
 from __future__ import annotations
@@ -72,15 +75,7 @@ class Counter:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--duration", type=int, default=5, help="seconds per load run")
-    parser.add_argument("--connections", type=int, default=8)
-    parser.add_argument("--pool", type=int, default=16, help="pool_size of each worker")
-    parser.add_argument("--control", type=Path, help="a checkout whose proxy runs beside")
-    parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 1 s: the harness only")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.quick:
         args.rounds, args.duration = 2, 1
     loads.wrk_path()
@@ -90,46 +85,84 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix="dedup-balance-bench-"))
     bench = Bench(settings, workdir)
-    shares: list[Share] = []
     try:
         prepare_database(bench)
-        app = bench.start_upstream("app")
-        proxies = {"this checkout": bench.start_proxy("proxy", app, args.pool, workers=2)}
-        if args.control is not None:
-            # The control's package first: -m proxy must not find this checkout's.
-            env = {"PYTHONSAFEPATH": "1", "PYTHONPATH": str(args.control.resolve())}
-            proxies[f"control ({args.control})"] = bench.start_proxy(
-                "control", app, args.pool, workers=2, env=env
-            )
-        counters = {name: Counter(proxy.log_path) for name, proxy in proxies.items()}
-        for name, proxy in proxies.items():
-            if not args.quick:  # warm-up, not counted
-                bench.wrk("", f"warm-up {name}", proxy, app, args.connections, seconds=2)
-            counters[name].take()
-        for round_ in range(1, args.rounds + 1):
-            order = list(proxies.items())
-            for name, proxy in order if round_ % 2 else order[::-1]:
-                workers = procs.children(proxy.pid)
-                before = {pid: procs.cpu_seconds(pid) for pid in workers}
-                label = f"{name}, {args.connections} kept-alive connections (round {round_})"
-                result = bench.wrk("", label, proxy, app, args.connections)
-                cpu = {pid: procs.cpu_seconds(pid) - before[pid] for pid in workers}
-                shares.append(Share(name, round_, result, counters[name].take(), cpu))
+        shares = Rounds(bench, args).run()
     finally:
         bench.close()
         shutil.rmtree(workdir, ignore_errors=True)
     command = shlex.join(["python", "bench/balance.py", *(sys.argv[1:] if argv is None
                                                           else argv)])  # fmt: skip
     machine = report.machine()
+    cold = "; each round a proxy just started, loaded as soon as its port answered"
     text = (
         f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
         f"`workers: 2`, pool {args.pool} each, wrk -c{args.connections} (new connections each "
-        f"round, kept alive through the run)\n\n{_table(shares)}\n"
+        f"round, kept alive through the run{cold if args.cold else ''})\n\n{_table(shares)}\n"
     )
     print(text)
     if args.out is not None:
         args.out.write_text(text, encoding="utf-8")
     return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--duration", type=int, default=5, help="seconds per load run")
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--pool", type=int, default=16, help="pool_size of each worker")
+    parser.add_argument("--control", type=Path, help="a checkout whose proxy runs beside")
+    parser.add_argument("--cold", action="store_true", help="a fresh proxy for each round")
+    parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 1 s: the harness only")
+    return parser
+
+
+class Rounds:
+    """Each round's run against each proxy (this checkout's, the control's), in turn."""
+
+    def __init__(self, bench: Bench, args: argparse.Namespace) -> None:
+        self.bench = bench
+        self.args = args
+        self.envs: dict[str, dict[str, str] | None] = {"this checkout": None}
+        if args.control is not None:
+            # The control's package first: -m proxy must not find this checkout's.
+            control = {"PYTHONSAFEPATH": "1", "PYTHONPATH": str(args.control.resolve())}
+            self.envs[f"control ({args.control})"] = control
+        self.app = bench.start_upstream("app")
+
+    def start(self, name: str, round_: int) -> procs.Service:
+        tag = "proxy" if self.envs[name] is None else "control"
+        return self.bench.start_proxy(
+            f"{tag}-{round_}", self.app, self.args.pool, workers=2, env=self.envs[name]
+        )
+
+    def run(self) -> list[Share]:
+        bench, args, app = self.bench, self.args, self.app
+        proxies = {} if args.cold else {name: self.start(name, 0) for name in self.envs}
+        counters = {name: Counter(proxy.log_path) for name, proxy in proxies.items()}
+        for name, proxy in proxies.items():
+            if not args.quick:  # warm-up, not counted
+                bench.wrk("", f"warm-up {name}", proxy, app, args.connections, seconds=2)
+            counters[name].take()
+        shares: list[Share] = []
+        for round_ in range(1, args.rounds + 1):
+            order = list(self.envs)
+            for name in order if round_ % 2 else order[::-1]:
+                if args.cold:  # loaded at once: wait_listening returned when a worker answered
+                    proxies[name] = self.start(name, round_)
+                    counters[name] = Counter(proxies[name].log_path)
+                proxy = proxies[name]
+                before = {pid: procs.cpu_seconds(pid) for pid in procs.children(proxy.pid)}
+                label = f"{name}, {args.connections} kept-alive connections (round {round_})"
+                result = bench.wrk("", label, proxy, app, args.connections)
+                cpu = {pid: procs.cpu_seconds(pid) - before.get(pid, 0.0)
+                       for pid in procs.children(proxy.pid)}  # fmt: skip
+                shares.append(Share(name, round_, result, counters[name].take(), cpu))
+                if args.cold:
+                    bench.stop(proxy)
+        return shares
 
 
 def _table(shares: list[Share]) -> str:

@@ -21,7 +21,9 @@ A queue of its own must not die with its worker, nor wait behind one that is stu
   within microseconds of a connection's arrival; a queue seen non-empty twice in a row belongs
   to a worker that is hung, dead, restarting, or has been busy for that long, and the worker
   that saw it accepts those connections itself (``Adopter``). So a stuck worker holds up a new
-  connection for at most two periods (half a second), not for the watchdog's timeout.
+  connection for at most two periods (half a second), not for the watchdog's timeout. A worker
+  looks first ``STARTUP_GRACE`` after it started: at start-up the connections queued for a
+  sibling still starting wait for it, rather than all go to whichever worker was up first.
 
 Elsewhere (no ``SO_REUSEPORT`` balancing) the workers share one socket, as before.
 """
@@ -39,6 +41,10 @@ from collections.abc import Callable, Sequence
 log = logging.getLogger(__name__)
 
 PERIOD = 0.25  # seconds between two looks at the siblings' queues
+# Before its first look: the workers start together, and one up first must not adopt the queue
+# of a sibling still starting (connections it would keep for good; that sibling is up within
+# a second or two). A sibling that dies or hangs later is looked at every PERIOD.
+STARTUP_GRACE = 10.0
 REPORT_EVERY = 10.0  # seconds: at most one line about adopted connections
 # struct tcp_info: eight one-byte fields, then u32 rto, ato, snd_mss, rcv_mss, unacked: on a
 # listening socket Linux reports its accept queue's length as tcpi_unacked.
@@ -81,9 +87,9 @@ class Adopter:
         self._unreported = 0
         self._reported = -REPORT_EVERY
 
-    def start(self) -> None:
+    def start(self, grace: float = STARTUP_GRACE) -> None:
         if self._siblings and self._timer is None:
-            self._timer = self._loop.call_later(self._period, self._look)
+            self._timer = self._loop.call_later(max(grace, self._period), self._look)
 
     def stop(self) -> None:
         """Adopt nothing more (the drain): what was adopted is the server's like any other."""

@@ -174,6 +174,8 @@ async def test_kept_alive_connections_spread_over_the_workers(
 async def test_a_stopped_workers_queue_is_adopted_by_its_sibling(
     supervised: Served, upstream: FakeUpstream
 ) -> None:
+    # At start-up a worker leaves a sibling's queue to that sibling for a while.
+    await asyncio.sleep(shared_port.STARTUP_GRACE)
     paused = supervised.workers()[0]
     os.kill(paused, signal.SIGSTOP)  # as hung as a worker gets: the watchdog's 30 s are far
     try:
