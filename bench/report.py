@@ -515,6 +515,16 @@ side in the same round; the verdict is on the mean.
   connections polls `pg_stat_activity` (application_name `dedup-proxy`, state not idle) as fast
   as it can from a thread of its own. "First commit" is when the one processed copy's answer
   arrived.
+- Stripe-verified: the same proxy on a route with `preset: stripe` and `verify.secrets`; wrk
+  sends each request with a `Stripe-Signature` that `bench/loads.py` computed beforehand for
+  its body (`t=` the run's start, `v1=` the HMAC), and the naive proxy gets the same signed
+  requests (it ignores the header). Every one was accepted: an unverified one would be a 400.
+- Duplicate storm at c32: the 1,000 seed IDs are deleted and committed again through the
+  proxy, then every request of a run reuses one of them (wrk `dup100`), against that proxy
+  and against a second proxy on the same table (another replica), beside new webhooks on the
+  first, in the same round. The proxy keeps no record of what it committed beyond the
+  in-flight coalescing, so both take the same path: the claim, then ROLLBACK with the body
+  comparison.
 - Naive proxy: `bench/naive.py`, what a competent engineer writes in an afternoon with aiohttp
   and asyncpg (BEGIN, INSERT … ON CONFLICT DO NOTHING RETURNING, forward, COMMIT on 2xx; an
   asyncpg pool with its reset query off and its statement cache on, an aiohttp client keeping
