@@ -23,7 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import loads, report
-from bench.run import Bench, Settings, prepare_database
+from bench.run import Bench, Settings, checkout_env, prepare_database
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,18 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = parser.parse_args(argv)
     loads.wrk_path()
-    settings = Settings(
-        quick=False, seconds=args.duration, pool=args.pool, rows=0, copies=0, slow_pools=(),
-        compare_loops=False, warmup=2, profile=None, keep=False, rounds=args.rounds,
-    )  # fmt: skip
+    settings = Settings(seconds=args.duration, pool=args.pool, warmup=2, rounds=args.rounds)
     workdir = Path(tempfile.mkdtemp(prefix="dedup-ab-bench-"))
     bench = Bench(settings, workdir)
     results: dict[tuple[str, int, int], loads.Result] = {}
     try:
         prepare_database(bench)
         app = bench.start_upstream("app")
-        # The control's package first: -m proxy must not find this checkout's.
-        control = {"PYTHONSAFEPATH": "1", "PYTHONPATH": str(args.control.resolve())}
+        control = checkout_env(args.control)
         proxies = {
             "A": bench.start_proxy("a", app, args.pool, workers=args.workers, env=control),
             "B": bench.start_proxy("b", app, args.pool, workers=args.workers),

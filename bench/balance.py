@@ -30,7 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import loads, procs, report
-from bench.run import Bench, Settings, prepare_database
+from bench.run import Bench, Settings, checkout_env, prepare_database
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.duration = 2, 1
     loads.wrk_path()
-    settings = Settings(
-        quick=False, seconds=args.duration, pool=args.pool, rows=0, copies=0, slow_pools=(),
-        compare_loops=False, warmup=0, profile=None, keep=False, rounds=args.rounds,
-    )  # fmt: skip
+    settings = Settings(seconds=args.duration, pool=args.pool, warmup=0, rounds=args.rounds)
     workdir = Path(tempfile.mkdtemp(prefix="dedup-balance-bench-"))
     bench = Bench(settings, workdir)
     try:
@@ -127,9 +124,7 @@ class Rounds:
         self.args = args
         self.envs: dict[str, dict[str, str] | None] = {"this checkout": None}
         if args.control is not None:
-            # The control's package first: -m proxy must not find this checkout's.
-            control = {"PYTHONSAFEPATH": "1", "PYTHONPATH": str(args.control.resolve())}
-            self.envs[f"control ({args.control})"] = control
+            self.envs[f"control ({args.control})"] = checkout_env(args.control)
         self.app = bench.start_upstream("app")
 
     def start(self, name: str, round_: int) -> procs.Service:

@@ -302,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--profile", type=Path, help="py-spy record the proxy's first round")
     args = parser.parse_args(argv)
-    settings = Settings(quick=False, seconds=5, pool=4, rows=0, copies=0, slow_pools=(),
-                        compare_loops=False, warmup=0, profile=None, keep=False)  # fmt: skip
+    settings = Settings(seconds=5, pool=4, warmup=0)
     workdir = Path(tempfile.mkdtemp(prefix="dedup-c1-"))
     bench = Bench(settings, workdir)
     with ExitStack() as stack:

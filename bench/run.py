@@ -47,16 +47,19 @@ STRIPE_SECRET = "whsec_bench"  # the Stripe-verified proxy's; bench/loads.py sig
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    quick: bool
+    """What a run measures; the scripts beside bench/run.py set the first three (and ``warmup``,
+    ``rounds``), the rest are bench/run.py's own."""
+
     seconds: int
     pool: int
-    rows: int
-    copies: int
-    slow_pools: tuple[int, ...]
-    compare_loops: bool  # also run the upstream on the default asyncio loop
     warmup: int
-    profile: Path | None
-    keep: bool
+    quick: bool = False
+    rows: int = 0
+    copies: int = 0
+    slow_pools: tuple[int, ...] = ()
+    compare_loops: bool = False  # also run the upstream on the default asyncio loop
+    profile: Path | None = None
+    keep: bool = False
     rounds: int = 2
     headline_only: bool = False
 
@@ -236,6 +239,12 @@ class Bench:
             return await connection.execute(script, timeout=None)
         finally:
             await connection.close()
+
+
+def checkout_env(checkout: Path) -> dict[str, str]:
+    """The environment that runs another checkout's proxy (``git worktree add DIR <commit>``):
+    its package first, so that ``-m proxy`` does not find this one's."""
+    return {"PYTHONSAFEPATH": "1", "PYTHONPATH": str(checkout.resolve())}
 
 
 def embedded_bin() -> str:

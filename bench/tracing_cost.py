@@ -55,10 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         args.duration, args.rounds = 1, 1
     loads.wrk_path()
     settings = Settings(
-        quick=False, seconds=args.duration, pool=args.pool, rows=0, copies=0, slow_pools=(),
-        compare_loops=False, warmup=0 if args.quick else 2, profile=None, keep=False,
-        rounds=args.rounds,
-    )  # fmt: skip
+        seconds=args.duration, pool=args.pool, warmup=0 if args.quick else 2, rounds=args.rounds
+    )
     workdir = Path(tempfile.mkdtemp(prefix="dedup-tracing-bench-"))
     bench = Bench(settings, workdir)
     rows: list[tuple[int, str, int, loads.Result]] = []

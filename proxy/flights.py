@@ -57,17 +57,16 @@ class Turn:
     """``Flights.turn``'s context. A class rather than a generator-based context manager: it
     is on every webhook's path (bench/RESULTS.md)."""
 
-    __slots__ = ("_flight", "_flights", "_key", "_locked", "_within")
+    __slots__ = ("_flight", "_flights", "_key", "_within")
 
     def __init__(self, flights: dict[Key, Flight], key: Key, within: float) -> None:
         self._flights = flights
         self._key = key
         self._within = within
         self._flight: Flight | None = None
-        self._locked = False
 
     async def __aenter__(self) -> Flight:
-        flight = self._flight = self._flights.setdefault(self._key, Flight())
+        flight = self._flights.setdefault(self._key, Flight())
         flight.users += 1
         try:
             if flight.lock.locked():
@@ -79,20 +78,18 @@ class Turn:
             else:
                 await flight.lock.acquire()  # free: returns at once, no timer needed
         except BaseException:
-            self._leave()
+            self._leave(flight, locked=False)
             raise
-        self._locked = True
+        self._flight = flight
         return flight
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self._leave()
-
-    def _leave(self) -> None:
         flight, self._flight = self._flight, None
-        if flight is None:
-            return
-        if self._locked:
-            self._locked = False
+        if flight is not None:
+            self._leave(flight, locked=True)
+
+    def _leave(self, flight: Flight, *, locked: bool) -> None:
+        if locked:
             flight.lock.release()
         flight.users -= 1
         if flight.users == 0:

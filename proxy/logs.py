@@ -165,8 +165,7 @@ class _WorkerField(logging.Filter):
 class _Short:
     """The handler ``setup`` installed, while it is the only one: what ``line`` writes to."""
 
-    handler: logging.StreamHandler[Any] | None = None
-    formatter: JsonFormatter | None = None
+    handler: logging.StreamHandler[Any] | None = None  # with a JsonFormatter
     worker: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -178,11 +177,12 @@ def line(logger: logging.Logger, level: int, msg: str, fields: Mapping[str, Any]
     fields})`` would, the short way when only ``setup``'s JSON handler would see it."""
     if not logger.isEnabledFor(level):
         return
-    handler, formatter = _short.handler, _short.formatter
+    handler = _short.handler
+    formatter = handler.formatter if handler is not None else None
     root = logging.root
     if (
         handler is None
-        or formatter is None
+        or not isinstance(formatter, JsonFormatter)
         or logger.handlers
         or logger.filters
         or len(root.handlers) != 1
@@ -209,10 +209,8 @@ def setup(settings: config.LogConfig, stream: Any = None, worker: int | None = N
     stream = stream or sys.stdout
     use_json = settings.format == "json" or (settings.format == "auto" and not stream.isatty())
     handler = logging.StreamHandler(stream)
-    formatter = JsonFormatter() if use_json else TextFormatter()
-    handler.setFormatter(formatter)
+    handler.setFormatter(JsonFormatter() if use_json else TextFormatter())
     _short.handler = handler if use_json else None
-    _short.formatter = formatter if isinstance(formatter, JsonFormatter) else None
     _short.worker = {} if worker is None else {"worker": worker}
     handler.addFilter(_RefusedRequests())
     if worker is not None:

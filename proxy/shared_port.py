@@ -83,8 +83,7 @@ class Adopter:
         self._waiting: set[int] = set()  # the siblings' indexes whose queue was non-empty
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
-        self.adopted = 0
-        self._unreported = 0
+        self._unreported = 0  # adopted since the last line that said so
         self._reported = -REPORT_EVERY
 
     def start(self, grace: float = STARTUP_GRACE) -> None:
@@ -115,7 +114,6 @@ class Adopter:
         self._report()
 
     def _adopt(self, sock: socket.socket, count: int) -> None:
-        taken = 0
         for _ in range(count):
             try:
                 conn, _ = sock.accept()
@@ -127,9 +125,7 @@ class Adopter:
             conn.setblocking(False)
             task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn))
             task.add_done_callback(_closed_on_failure(conn))
-            taken += 1
-        self.adopted += taken
-        self._unreported += taken
+            self._unreported += 1
 
     def _report(self) -> None:
         now = self._loop.time()

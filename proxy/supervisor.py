@@ -148,6 +148,9 @@ class Supervisor:
     async def run(self) -> int:
         watchdog = asyncio.ensure_future(self._watchdog())
         try:
+            if shared_port.balanced():  # every worker's socket in the group before any starts
+                for number in range(2, self.cfg.workers + 1):
+                    self.public[number] = server.bind(self.cfg.listen, reuse_port=True)
             for number in range(1, self.cfg.workers + 1):
                 await self._start(number, replacement=False)
             log.info(
@@ -168,22 +171,16 @@ class Supervisor:
                 worker.close_pipes()
 
     def _listeners(self, number: int) -> server.Listeners:
-        """Worker ``number``'s sockets: its own public ones (bound the first time, then the
-        same for each replacement) and its siblings', or with no balancing the one shared."""
+        """Worker ``number``'s sockets: its own public ones (the same for each replacement) and
+        its siblings', or with no balancing the one shared."""
         if not shared_port.balanced():
             return self.listeners
-        if number not in self.public:
-            self.public[number] = server.bind(self.cfg.listen, reuse_port=True)
-        siblings = [s for n in range(1, self.cfg.workers + 1) if n != number
-                    for s in self.public.get(n, ())]  # fmt: skip
+        siblings = [s for n, sockets in self.public.items() if n != number for s in sockets]
         return server.Listeners(
             public=self.public[number], admin=self.listeners.admin, siblings=tuple(siblings)
         )
 
     async def _start(self, number: int, *, replacement: bool) -> None:
-        if not replacement and number == 1:
-            for later in range(2, self.cfg.workers + 1):  # every socket before any worker
-                self._listeners(later)
         listeners = self._listeners(number)
         env = dict(os.environ)
         env[WORKER_ENV] = str(number)

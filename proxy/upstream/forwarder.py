@@ -76,14 +76,15 @@ def _session_options() -> dict[str, Any]:
     }
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=8)
 def _dropped(
-    *, request: bool, keep_length: bool, preserve_host: bool, trusted: bool
+    *, keep_length: bool, request: bool = False, preserve_host: bool = True
 ) -> frozenset[str]:
     """The (lower-case) names a request to the app or an answer relayed never carries: the
-    hop-by-hop ones; Content-Length unless kept (a body of known size gets its own);
-    on a request, Expect (the proxy answered any "100-continue" itself: the app must not be
-    asked again), Host unless preserved, and an untrusted peer's forwarding headers."""
+    hop-by-hop ones; Content-Length unless kept (a body of known size gets its own); on a
+    request, Expect (the proxy answered any "100-continue" itself: the app must not be asked
+    again) and Host unless preserved. (An untrusted peer's forwarding headers are
+    ``proxy_headers.set_forwarded``'s.)"""
     names = set(HOP_BY_HOP)
     if not keep_length:
         names.add("content-length")
@@ -91,8 +92,6 @@ def _dropped(
         names.add("expect")
         if not preserve_host:
             names.add("host")
-        if not trusted:
-            names |= proxy_headers.UNTRUSTED_NAMES
     return frozenset(names)
 
 
@@ -129,22 +128,17 @@ def request_headers(
     """Headers for the upstream request. Content-Length is kept only for a streamed body; a
     field name with ``_`` is dropped; X-Forwarded-* are kept only from a ``trusted`` peer (see
     ``forwarded``)."""
-    dropped = _dropped(
-        request=True, keep_length=keep_length, preserve_host=preserve_host, trusted=trusted
-    )
+    dropped = _dropped(keep_length=keep_length, request=True, preserve_host=preserve_host)
     headers = _end_to_end(incoming, dropped, request=True)
-    proxy_headers.set_forwarded(
-        headers, peer=peer, scheme=scheme, host=incoming.get(hdrs.HOST), trusted=trusted,
-        scrubbed=True,
-    )  # fmt: skip
+    host = incoming.get(hdrs.HOST)
+    proxy_headers.set_forwarded(headers, peer=peer, scheme=scheme, host=host, trusted=trusted)
     return headers
 
 
 def response_headers(
     upstream: CIMultiDictProxy[str] | CIMultiDict[str], *, keep_length: bool
 ) -> CIMultiDict[str]:
-    dropped = _dropped(request=False, keep_length=keep_length, preserve_host=True, trusted=True)
-    return _end_to_end(upstream, dropped, request=False)
+    return _end_to_end(upstream, _dropped(keep_length=keep_length), request=False)
 
 
 def _head(status_line: str, headers: CIMultiDict[str]) -> bytes:

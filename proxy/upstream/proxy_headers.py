@@ -47,7 +47,7 @@ UNTRUSTED_DROPPED = (
     # Its TLS certificate as the ingress verified it (Traefik's passTLSClientCert, Envoy's XFCC).
     "X-Forwarded-Tls-Client-Cert", "X-Forwarded-Tls-Client-Cert-Info", "X-Forwarded-Client-Cert",
 )  # fmt: skip
-UNTRUSTED_NAMES = frozenset(name.lower() for name in (*REPLACED, *UNTRUSTED_DROPPED))
+_UNTRUSTED = frozenset(name.lower() for name in (*REPLACED, *UNTRUSTED_DROPPED))
 
 
 def parse_networks(value: object) -> tuple[Network, ...]:
@@ -83,17 +83,10 @@ class TrustedProxies:
 
 
 def set_forwarded(
-    headers: CIMultiDict[str],
-    *,
-    peer: str | None,
-    scheme: str,
-    host: str | None,
-    trusted: bool,
-    scrubbed: bool = False,
+    headers: CIMultiDict[str], *, peer: str | None, scheme: str, host: str | None, trusted: bool
 ) -> None:
     """Set the forwarding headers of a request to the app (``headers`` is its copy): from a
-    ``trusted`` peer as it sent them, otherwise only what the proxy saw (``scrubbed``: the
-    copy was made without an untrusted peer's ``UNTRUSTED_NAMES`` already)."""
+    ``trusted`` peer as it sent them, otherwise only what the proxy saw."""
     if trusted:
         prior = ", ".join(headers.popall(hdrs.X_FORWARDED_FOR, []))
         if peer:
@@ -104,9 +97,8 @@ def set_forwarded(
         if host:
             headers.setdefault(hdrs.X_FORWARDED_HOST, host)
         return
-    if not scrubbed:
-        for name in [name for name in headers if name.lower() in UNTRUSTED_NAMES]:
-            headers.popall(name, None)
+    for name in [name for name in headers if name.lower() in _UNTRUSTED]:
+        headers.popall(name, None)
     if peer:
         headers[hdrs.X_FORWARDED_FOR] = peer
     headers[hdrs.X_FORWARDED_PROTO] = scheme
