@@ -49,7 +49,9 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
           + PoolExhausted           503  no free database connection within pool_timeout
                                          (shed: pool)
           + ClaimWaitExceeded       503  a copy waited longer than claim_wait
-          + LockTimeout             503  a lock not granted within lock_timeout (55P03)
+          + LockTimeout             503  a wait past its transaction's bound: a lock not
+                                         granted within lock_timeout (55P03), or the
+                                         statement cancelled (57014, statement_timeout)
           + TableMissing            503  the claim table, or a column of it, does not exist
                                          (42P01, 42703)
           + PermissionDenied        503  the role lacks a privilege (42501)
@@ -272,7 +274,10 @@ class ClaimWaitExceeded(StoreUnavailable):
 
 
 class LockTimeout(StoreUnavailable):
-    """A row or table lock was not granted within the transaction's lock_timeout (55P03)."""
+    """A statement waited past its transaction's bound (``sql.wait_bound``): a row or table
+    lock not granted within lock_timeout (55P03), or the statement cancelled (57014:
+    statement_timeout, which on Citus is what ends a wait on a worker's row lock; or an
+    operator's pg_cancel_backend)."""
 
 
 class TableMissing(StoreUnavailable):

@@ -1,21 +1,25 @@
 """The inbox's statements against each other on a real PostgreSQL, one transaction held open
 where the race needs it: the sweep never removes a row an operator is making pending, and a
-bulk redeliver passes over a row a lane holds instead of failing."""
+bulk redeliver passes over a row a lane holds instead of failing, and a lane passes over a row
+another lane holds."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 
-from proxy.database import inbox_sql, sql
+from proxy.database import inbox, inbox_sql, sql
 
 DEAD_LONG_AGO = (
     "INSERT INTO {t} (scope, event_id, received_at, inbox_state, inbox_body, inbox_request, "
     "inbox_attempts, inbox_failures, inbox_changed, inbox_due) VALUES "
-    "('hooks', $1, now() - interval '40 days', $2, 'BODY', '{{}}', '[]', 3, "
+    "('hooks', $1, now() - interval '40 days', $2, 'BODY', "
+    '\'{{"route":"hooks","upstream":"http://127.0.0.1:9","method":"POST",'
+    '"target":"/hooks","headers":[]}}\', \'[]\', 3, '
     "now() - interval '31 days', now() - interval '1 minute')"
 )
 
@@ -59,15 +63,46 @@ async def test_a_bulk_redeliver_passes_over_a_row_being_redelivered(
 ) -> None:
     lane, operator = two
     queries = sql.for_table(table)
-    statements = inbox_sql.Statements(queries.quoted)
     for event_id in ("p1", "p2", "p3"):
         await lane.execute(DEAD_LONG_AGO.format(t=queries.quoted), event_id, "pending")
-    async with lane.transaction():  # a lane holds p1 while the app works on it
-        taken = await lane.fetchrow(statements.take, ["hooks"])
+    lanes, operators = _inbox(lane, queries), _inbox(operator, queries)
+    async with lanes.take(["hooks"]) as taken:  # a lane holds p1 while the app works on it
         assert taken is not None
-        assert taken["event_id"] == "p1"
+        assert taken.event_id == "p1"
         changed = await asyncio.wait_for(
-            operator.fetch(statements.redeliver_all, "hooks", "pending", None, 86400.0), 5
+            operators.redeliver("hooks", None, None, 86400.0, state="pending"), 5
         )
 
-    assert sorted(row["event_id"] for row in changed) == ["p2", "p3"]
+    assert sorted(changed) == [("hooks", "p2"), ("hooks", "p3")]
+
+
+async def test_a_second_lane_takes_the_next_due_row_while_the_first_is_held(
+    two: tuple[asyncpg.Connection, asyncpg.Connection], table: str, pg_dsn: str
+) -> None:
+    first, second = two
+    third = await asyncpg.connect(pg_dsn)
+    queries = sql.for_table(table)
+    for event_id in ("p1", "p2"):
+        await first.execute(DEAD_LONG_AGO.format(t=queries.quoted), event_id, "pending")
+    try:
+        async with (
+            _inbox(first, queries).take(["hooks"]) as held,
+            _inbox(second, queries).take(["hooks"]) as next_one,
+            _inbox(third, queries).take(["hooks"]) as none_left,
+        ):
+            assert held is not None
+            assert next_one is not None
+            assert (held.event_id, next_one.event_id) == ("p1", "p2")
+            assert none_left is None  # both due rows are held
+    finally:
+        await third.close()
+
+
+def _inbox(connection: asyncpg.Connection, queries: sql.Queries) -> inbox.Inbox:
+    """The store's inbox over one connection (each take its own transaction on it)."""
+
+    @contextlib.asynccontextmanager
+    async def acquire() -> AsyncIterator[asyncpg.Connection]:
+        yield connection
+
+    return inbox.Inbox(queries.quoted, acquire, sql.begin(1, 60), 5)

@@ -7,6 +7,14 @@ commits or rolls back), returns nothing because a committed row exists (a duplic
 transaction ends. No SELECT-before-INSERT, no advisory locks: the index is the lock, and it is
 released exactly when the owner's transaction ends (commit, rollback, or its connection dying).
 
+A copy's wait is bounded by what its route's claim_wait has left, twice over
+(``sql.begin(bound=True)``): ``lock_timeout``, and, for Citus, where the row it waits on is on
+a worker that the coordinator's ``lock_timeout`` does not reach, ``statement_timeout`` (the
+same, plus ``sql.STATEMENT_MARGIN`` for the statement's own work). Both end as
+``ClaimWaitExceeded``. The statement bound is lifted (``sql.UNBOUND``) before the
+claim's UPDATEs (its answer, or the inbox's); a duplicate reads after its ROLLBACK. (A COMMIT
+is never cut short by it: PostgreSQL ends a statement's timer before committing.)
+
 ``Store.claim`` makes the claim (the INSERT) and ends whatever is left open on the way out of
 its ``async with``. In between, one named step ends the transaction, each one round trip as
 before there were names (procrastinate's job transitions are the model):
@@ -217,6 +225,8 @@ class Claim:
         state = inbox.DEAD if keep.dead else inbox.PENDING
         try:
             with pool.translated("keeping the delivery failed", self.abandon):
+                # The claim's statement bound was for its INSERT (Store.claim): not this.
+                await self._connection.execute(sql.UNBOUND, timeout=store.op_timeout)
                 status = await self._connection.execute(
                     store.inbox.statements.queue, key.scope, key.event_id, state,
                     delivery.encoded(), delivery.body, attempt.status, attempt.error,
@@ -256,8 +266,8 @@ class Claim:
         READ COMMITTED: either statement sees the row a concurrent owner committed while this
         copy waited. Without ``read_answer``, one round trip (the ROLLBACK and the comparison
         together, see sql.Queries.duplicate); a failure there is logged, the connection closed,
-        and no mismatch reported. With it, the read (its failure raises StoreUnavailable) then
-        the ROLLBACK.
+        and no mismatch reported. With it, the ROLLBACK then the read (its failure raises
+        StoreUnavailable), outside the claim's transaction and its statement bound.
         """
         if self.acquired:
             raise RuntimeError("an acquired claim is no duplicate")
@@ -271,13 +281,14 @@ class Claim:
                 mismatch, kept = sql.duplicate_flags(status)
                 return Duplicate(mismatch, None, kept)
             return Duplicate(status == "SELECT 1", None)
-        with pool.translated("reading the stored answer failed", self.abandon):
+        self._end(SETTLED)
+        if await self._roll_back("ROLLBACK") is None:
+            raise errors.StoreUnavailable("reading the stored answer failed: rollback failed")
+        with pool.translated("reading the stored answer failed", self._discard):
             row = await self._connection.fetchrow(
                 store.queries.answer, key.scope, key.event_id, key.body_sha256,
                 timeout=store.op_timeout,
             )  # fmt: skip
-        self._end(SETTLED)
-        await self._roll_back("ROLLBACK")
         mismatch = bool(row and row["mismatch"])
         if row is None or row["answer_status"] is None:
             return Duplicate(mismatch, None)

@@ -26,7 +26,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from proxy import errors
@@ -41,6 +41,9 @@ COLUMNS = sql.INBOX_COLUMNS
 GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
 # An operator's redeliver or discard waits at most this for a row being redelivered now.
 OPERATOR_LOCK_WAIT = 5.0
+# How many of the oldest due rows a take tries to lock, one at a time: more than the lanes of
+# every replica hold at once (redeliverer.concurrency per replica), so that one is free.
+CANDIDATES = 32
 
 
 OUTDATED = (
@@ -176,7 +179,8 @@ class Redelivery:
     """A due row, its lock held until one named step ends its transaction (or the ``async
     with`` of ``Inbox.take`` rolls it back)."""
 
-    __slots__ = ("_connection", "_done", "_inbox", "delivery", "event_id", "failures", "scope")
+    __slots__ = ("_connection", "_done", "_inbox", "_taken", "delivery", "event_id", "failures",
+                 "scope")  # fmt: skip
 
     def __init__(self, inbox: Inbox, connection: pool.Connection, row: pool.Record) -> None:
         self._inbox = inbox
@@ -186,6 +190,7 @@ class Redelivery:
         self.event_id: str = row["event_id"]
         self.delivery = Delivery.decoded(row["inbox_request"], row["inbox_body"])
         self.failures: int = row["inbox_failures"]
+        self._taken: datetime = row["taken"]  # now() in this transaction
 
     async def delivered(self, status: int) -> None:
         """The app answered 2xx: done, the body dropped, committed."""
@@ -195,8 +200,9 @@ class Redelivery:
         """Record the attempt and schedule the next one ``delay`` from now (never past the
         deadline), or make the row dead (``dead``, or the deadline passed); the new state."""
         return await self._end(
-            self._inbox.statements.failed, attempt.status, attempt.error, delay, dead
-        )
+            self._inbox.statements.failed, attempt.status, attempt.error,
+            self._taken + timedelta(seconds=delay), dead, self._taken,
+        )  # fmt: skip
 
     async def _end(self, statement: str, *args: object) -> str:
         if self._done:
@@ -236,25 +242,31 @@ class Inbox:
     @contextlib.asynccontextmanager
     async def take(self, scopes: list[str]) -> AsyncIterator[Redelivery | None]:
         """The oldest due row of ``scopes`` (routes' scopes) no one else holds, locked until its
-        redelivery ends (None: none is due). One cheap indexed read when none is; the
-        transaction only when one is."""
+        redelivery ends (None: none is due, or the ``CANDIDATES`` oldest are all being
+        redelivered). One cheap indexed read when none is; the transaction only when one is.
+
+        The due rows are read first, locking nothing, then locked one at a time by key (on
+        Citus, one shard each): the first one no one holds is taken."""
         async with self._acquire() as connection:
             with pool.translated("looking for due redeliveries failed"):
-                due = await connection.fetchrow(
-                    self.statements.due, scopes, timeout=self.op_timeout
+                due = await connection.fetch(
+                    self.statements.due, scopes, CANDIDATES, timeout=self.op_timeout
                 )
-                if due is None:
+                if not due:
                     yield None
                     return
                 await connection.execute(self._begin, timeout=self.op_timeout)
             redelivery = None
             try:
                 with pool.translated("taking a due redelivery failed"):
-                    row = await connection.fetchrow(
-                        self.statements.take, scopes, timeout=self.op_timeout
-                    )
-                if row is not None:
-                    redelivery = Redelivery(self, connection, row)
+                    for candidate in due:
+                        row = await connection.fetchrow(
+                            self.statements.take, candidate["scope"], candidate["event_id"],
+                            timeout=self.op_timeout,
+                        )  # fmt: skip
+                        if row is not None:
+                            redelivery = Redelivery(self, connection, row)
+                            break
                 yield redelivery
             finally:
                 if redelivery is not None:
@@ -302,7 +314,7 @@ class Inbox:
         and due now, with ``for_`` seconds of the schedule again: the (scope, event ID)s it
         changed."""
         if event_ids is None:
-            rows = await self._operate(self.statements.redeliver_all, scope, state, since, for_)
+            rows = await self._redeliver_all(scope, state, since, for_)
         else:
             rows = await self._operate(self.statements.redeliver, scope, event_ids, for_)
         return [(row["scope"], row["event_id"]) for row in rows]
@@ -312,12 +324,29 @@ class Inbox:
         rows = await self._operate(self.statements.discard, scope, event_ids)
         return {row["event_id"] for row in rows}
 
+    async def _redeliver_all(
+        self, scope: str, state: str, since: datetime | None, for_: float
+    ) -> list[pool.Record]:
+        """``scope``'s rows in ``state`` made due, one statement per row, each on its own (on
+        Citus, on its row's shard): a row being redelivered right now is passed over."""
+        statements = self.statements
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                found = await connection.fetch(statements.redeliverable, scope, state, since)
+                changed: list[pool.Record] = []
+                for row in found:
+                    changed += await connection.fetch(
+                        statements.redeliver_one, row["scope"], row["event_id"], state, since,
+                        for_,
+                    )  # fmt: skip
+        return changed
+
     async def _operate(self, statement: str, *args: object) -> list[pool.Record]:
         async with self._acquire() as connection:
             try:
                 with _plainly("query failed"):
                     async with connection.transaction():
-                        await connection.execute(sql.lock_timeout(OPERATOR_LOCK_WAIT))
+                        await connection.execute(sql.wait_bound(OPERATOR_LOCK_WAIT))
                         rows: list[pool.Record] = await connection.fetch(statement, *args)
             except errors.LockTimeout as exc:
                 raise errors.StoreUnavailable(

@@ -2,6 +2,12 @@
 delivery in its claim's row under the route's cap, taking a due row ``FOR UPDATE SKIP LOCKED``,
 the two ends of a redelivery, the operators' commands, the metrics' levels and the dead rows'
 sweep. Every value is a parameter; the columns are added by the claim table's DDL (``sql``).
+
+Shaped for a table distributed by ``event_id`` on Citus too (tests/test_sql_shapes.py pins
+it): a statement that locks rows names the one row it locks by its whole key, so that it runs on
+one shard (Citus runs no ``FOR UPDATE`` across shards); rows are found first by a statement
+that locks nothing (``due``, ``redeliverable``). An UPDATE's ``CASE`` reads the time as a
+parameter, not ``now()`` (Citus evaluates no such function inside ``CASE`` in a modification).
 """
 
 from __future__ import annotations
@@ -17,6 +23,11 @@ _OURS = "split_part(scope, '/', 1) = ANY($1::text[])"
 _AGAIN = (
     "inbox_state = 'pending', inbox_due = now(), inbox_until = now() + make_interval(secs => "
     "{until}), inbox_failures = 0, inbox_changed = now()"
+)
+# A row an operator's "redeliver --all" makes due again: in ``state``, changed since ``since``.
+_REDELIVERABLE = (
+    "inbox_state = {state}::text AND inbox_body IS NOT NULL "
+    "AND ({since}::timestamptz IS NULL OR inbox_changed >= {since})"
 )
 _ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
 
@@ -39,7 +50,9 @@ class Statements:
             "inbox_body = $5::bytea, inbox_attempts = jsonb_build_array("
             + _ATTEMPT.format(status="$6", error="$7")
             + "), inbox_failures = 1, "
-            "inbox_due = CASE WHEN $3 = 'pending' THEN now() + make_interval(secs => $8) END, "
+            # No due time for a dead row; the CASE reads no function (Citus runs none in one).
+            "inbox_due = now() + make_interval(secs => "
+            "CASE WHEN $3 = 'pending' THEN $8::float8 END), "
             "inbox_until = now() + make_interval(secs => $9), inbox_changed = now() "
             "WHERE scope = $1 AND event_id = $2 AND (SELECT count(*) < $11 AND "
             "coalesce(sum(octet_length(inbox_body)), 0) + octet_length($5::bytea) <= $12 "
@@ -49,18 +62,21 @@ class Statements:
 
     @property
     def due(self) -> str:
+        # $1 the scopes, $2 how many: the oldest due rows, locking none (``take`` locks one).
         return (
-            f"SELECT FROM {self.quoted} WHERE inbox_state = 'pending' AND inbox_due <= now() "
-            f"AND {_OURS} LIMIT 1"
+            f"SELECT scope, event_id FROM {self.quoted} WHERE inbox_state = 'pending' "
+            f"AND inbox_due <= now() AND {_OURS} ORDER BY received_at LIMIT $2"
         )
 
     @property
     def take(self) -> str:
-        # Oldest first; a row another replica is redelivering is passed over, not waited on.
+        # $1 scope, $2 event ID: the row, locked, if it is still due; a row another lane is
+        # redelivering is passed over, not waited on. The transaction's time goes with it, for
+        # ``failed``.
         return (
-            f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures "
-            f"FROM {self.quoted} WHERE inbox_state = 'pending' AND inbox_due <= now() "
-            f"AND {_OURS} ORDER BY received_at LIMIT 1 FOR UPDATE SKIP LOCKED"
+            f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, now() AS taken "
+            f"FROM {self.quoted} WHERE scope = $1 AND event_id = $2 AND inbox_state = 'pending' "
+            "AND inbox_due <= now() FOR UPDATE SKIP LOCKED"
         )
 
     @property
@@ -76,18 +92,21 @@ class Statements:
 
     @property
     def failed(self) -> str:
-        # $1 scope, $2 event ID, $3 status, $4 error, $5 delay, $6 dead now (an unfixable
-        # answer). Dead once a failed attempt is at or past the deadline; the next attempt is
-        # never later than the deadline, so the last one is made at it.
-        dead = "($6 OR inbox_until <= now())"
+        # $1 scope, $2 event ID, $3 status, $4 error, $5 the next attempt's time, $6 dead now
+        # (an unfixable answer), $7 the transaction's time (``take``'s ``taken``: now() in this
+        # transaction). Dead once a failed attempt is at or past the deadline; the next attempt
+        # is never later than the deadline, so the last one is made at it. The times are
+        # parameters: Citus runs no function that is not immutable (now(), timestamptz +
+        # interval) inside a CASE of an UPDATE.
+        dead = "($6 OR inbox_until <= $7::timestamptz)"
         return (
             f"UPDATE {self.quoted} SET inbox_attempts = inbox_attempts || "
             + _ATTEMPT.format(status="$3", error="$4")
             + ", inbox_failures = inbox_failures + 1, "
             f"inbox_state = CASE WHEN {dead} THEN 'dead' ELSE 'pending' END, "
             f"inbox_due = CASE WHEN {dead} THEN NULL "
-            "ELSE least(now() + make_interval(secs => $5), inbox_until) END, "
-            f"inbox_changed = CASE WHEN {dead} THEN now() ELSE inbox_changed END "
+            "ELSE least($5::timestamptz, inbox_until) END, "
+            f"inbox_changed = CASE WHEN {dead} THEN $7::timestamptz ELSE inbox_changed END "
             "WHERE scope = $1 AND event_id = $2 RETURNING inbox_state"
         )
 
@@ -126,17 +145,24 @@ class Statements:
         )
 
     @property
-    def redeliver_all(self) -> str:
-        # $1 scope, $2 state ('dead' or 'pending'), $3 changed since or NULL, $4 for (seconds).
-        # A row being redelivered right now is passed over: it needs no making due.
-        rows = (
-            f"{sql.IN_SCOPE} AND inbox_state = $2::text AND inbox_body IS NOT NULL "
-            "AND ($3::timestamptz IS NULL OR inbox_changed >= $3)"
-        )
+    def redeliverable(self) -> str:
+        # $1 scope, $2 state ('dead' or 'pending'), $3 changed since or NULL: the rows
+        # ``redeliver_one`` makes due, one at a time. Locks nothing.
         return (
-            f"UPDATE {self.quoted} SET {_AGAIN.format(until='$4')} WHERE (scope, event_id) IN "
-            f"(SELECT scope, event_id FROM {self.quoted} WHERE {rows} FOR UPDATE SKIP LOCKED) "
-            f"AND inbox_state = $2::text RETURNING scope, event_id"
+            f"SELECT scope, event_id FROM {self.quoted} WHERE {sql.IN_SCOPE} "
+            f"AND {_REDELIVERABLE.format(state='$2', since='$3')}"
+        )
+
+    @property
+    def redeliver_one(self) -> str:
+        # $1 scope, $2 event ID, $3 state, $4 changed since or NULL, $5 for (seconds): one row
+        # of ``redeliverable``, if it still is. A row being redelivered right now is passed
+        # over: it needs no making due.
+        key = "scope = $1 AND event_id = $2"
+        return (
+            f"UPDATE {self.quoted} SET {_AGAIN.format(until='$5')} WHERE {key} "
+            f"AND {_REDELIVERABLE.format(state='$3', since='$4')} AND EXISTS (SELECT FROM "
+            f"{self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) RETURNING scope, event_id"
         )
 
     @property

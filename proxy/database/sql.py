@@ -21,6 +21,12 @@ SWEEP_LOCK_KEY = 0x64656476
 # The columns on_duplicate: replay writes: the one UPDATE the proxy makes.
 ANSWER_COLUMNS = ("answer_status", "answer_headers", "answer_body")
 _ANSWER_SAVEPOINT = "answer"
+# A statement bound (``begin(bound=True)``, ``wait_bound``) lifted: the server's own setting
+# again (the role's, the database's) for the rest of the transaction, so that a claim's UPDATE
+# after its INSERT is not cut short. (A COMMIT never is: PostgreSQL ends the statement's timer
+# before it commits, so a synchronous standby's wait, or Citus's two-phase commit, is not.)
+UNBOUND = "SET LOCAL statement_timeout TO DEFAULT; "
+# After the savepoint of ``Queries.commit_answer``, which lifted the bound before it.
 COMMIT_WITHOUT_ANSWER = f"ROLLBACK TO SAVEPOINT {_ANSWER_SAVEPOINT}; COMMIT"
 
 # A route's scope ($1) and, for a templated path, its per-path scopes ("scope/acme").
@@ -62,8 +68,33 @@ def lock_timeout(seconds: float) -> str:
     return f"SET LOCAL lock_timeout = '{_millis(seconds)}'"
 
 
-def begin(lock_wait: float, idle_limit: float) -> str:
-    """BEGIN with a claim's own bounds, to go in front of the claim in its round trip.
+# What a bounded statement may take beyond its lock wait for its own work: on Citus, the
+# coordinator's round trip to a worker, or a new connection to one.
+STATEMENT_MARGIN = 0.25
+
+
+def wait_bound(seconds: float) -> str:
+    """Bound this transaction's next statements' waits on row locks to ``seconds``: with
+    ``lock_timeout`` (55P03 past it), and each statement to ``seconds`` + ``STATEMENT_MARGIN``
+    with ``statement_timeout`` (57014).
+
+    Both, because on Citus the row lock a statement waits for is on a worker, which the
+    coordinator's ``lock_timeout`` does not reach: the coordinator's ``statement_timeout``
+    cancels the statement there too. On one PostgreSQL ``lock_timeout`` ends the wait first,
+    as before; the margin keeps a bound of a millisecond (a key's copy that must not wait)
+    from cutting short the statement's own work. ``UNBOUND`` lifts the statement bound."""
+    return _wait_bound(_millis(seconds), _millis(seconds + STATEMENT_MARGIN))
+
+
+@functools.lru_cache(maxsize=512)
+def _wait_bound(wait: str, statement: str) -> str:
+    return f"SET LOCAL lock_timeout = '{wait}'; SET LOCAL statement_timeout = '{statement}'"
+
+
+def begin(lock_wait: float, idle_limit: float, *, bound: bool = False) -> str:
+    """BEGIN with a transaction's own bounds, to go in front of its first statement in one
+    round trip: its waits on row locks end past ``lock_wait``; with ``bound`` (a claim), each
+    of its statements past it too (``wait_bound``), until ``UNBOUND``.
 
     Set inside the transaction: never in the startup packet, which PgBouncer refuses; never per
     session, which PgBouncer would hand to other clients. Pinned to READ COMMITTED: under
@@ -73,14 +104,16 @@ def begin(lock_wait: float, idle_limit: float) -> str:
     A claim's lock wait is what its route's claim_wait has left, different for each request by
     a fraction of a millisecond: the text, in whole milliseconds, is made once per value.
     """
-    return _begin(_millis(lock_wait), _millis(idle_limit))
+    statement = _millis(lock_wait + STATEMENT_MARGIN) if bound else None
+    return _begin(_millis(lock_wait), _millis(idle_limit), statement)
 
 
 @functools.lru_cache(maxsize=512)
-def _begin(lock_wait: str, idle_limit: str) -> str:
+def _begin(lock_wait: str, idle_limit: str, statement: str | None) -> str:
+    statements = f"SET LOCAL statement_timeout = '{statement}'; " if statement else ""
     return (
         f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{lock_wait}'; "
-        f"SET LOCAL idle_in_transaction_session_timeout = '{idle_limit}'; "
+        f"{statements}SET LOCAL idle_in_transaction_session_timeout = '{idle_limit}'; "
     )
 
 
@@ -132,7 +165,7 @@ class Queries:
         refused, ``COMMIT_WITHOUT_ANSWER`` still commits the claim, its row lock held throughout."""
         encoded = json.dumps(headers, ensure_ascii=False, separators=(",", ":"))
         return (
-            f"SAVEPOINT {_ANSWER_SAVEPOINT}; "
+            f"{UNBOUND}SAVEPOINT {_ANSWER_SAVEPOINT}; "
             f"UPDATE {self.quoted} SET answer_status = {int(status)}, "
             f"answer_headers = {_literal(encoded)}::jsonb, answer_body = {_digest(body)} "
             f"WHERE scope = {_literal(scope)} AND event_id = {_literal(event_id)}; COMMIT"

@@ -206,7 +206,9 @@ class Store:
         # claim whose proxy vanished without closing its socket.
         self._claim_wait = claim_wait
         self._idle_limit = upstream_timeout + settings.connect_timeout
-        self._begin = sql.begin(claim_wait, self._idle_limit)
+        # A claim's statements are bounded too: on Citus its INSERT waits on a worker, where
+        # the coordinator's lock_timeout does not reach (sql.wait_bound).
+        self._begin = sql.begin(claim_wait, self._idle_limit, bound=True)
         self._answers = False  # whether the routes need UPDATE (check_privileges)
         self._kept = False  # whether a route redelivers (check_privileges)
         # Whether the table has the inbox's columns: then the sweep passes over what it keeps.
@@ -215,7 +217,9 @@ class Store:
         self.started = asyncio.Event()
         self.start_problem = "connecting to PostgreSQL"
         self.replication: Replication | None = None  # read by every check
-        self.inbox = inbox.Inbox(self.queries.quoted, self._connection, self._begin,
+        # A redelivery waits on no row (it skips those taken): its lock_timeout is enough.
+        self.inbox = inbox.Inbox(self.queries.quoted, self._connection,
+                                 sql.begin(claim_wait, self._idle_limit),
                                  settings.connect_timeout)  # fmt: skip
 
     @classmethod
@@ -461,7 +465,7 @@ class Store:
                 with translated("forget failed"):
                     async with connection.transaction():
                         # A forget must not queue for long behind a transaction holding a row.
-                        await connection.execute(sql.lock_timeout(lock_wait))
+                        await connection.execute(sql.wait_bound(lock_wait))
                         rows = await connection.fetch(self.queries.forget, scope, list(event_ids))
             except errors.LockTimeout as exc:
                 raise errors.StoreUnavailable(
@@ -586,7 +590,7 @@ class Claiming:
         connection = self._connection = await store._acquire()
         begin, timeout = store._begin, store._claim_timeout
         if wait is not None and wait != store._claim_wait:
-            begin = sql.begin(wait, store._idle_limit)
+            begin = sql.begin(wait, store._idle_limit, bound=True)
             timeout = wait + store.op_timeout
         claim = self._claim = Claim(store, connection, key, acquired=False)
         try:

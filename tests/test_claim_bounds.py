@@ -1,0 +1,105 @@
+"""A claim's wait is bounded by claim_wait even where lock_timeout does not see it, and nothing
+after its INSERT is bounded so: on a real PostgreSQL, with triggers that sleep where the wait
+would be.
+
+On Citus the row a copy waits on is on a worker, which the coordinator's lock_timeout does not
+reach (docs/deployment.md, "Past one database"); a BEFORE INSERT trigger that sleeps is such a
+wait on one PostgreSQL: no lock is waited for, so only the claim's statement_timeout ends it.
+The statement bound must not reach the claim's UPDATEs (its answer, the inbox's) nor its COMMIT
+(a synchronous standby's wait, Citus's two-phase commit): an UPDATE trigger sleeps in the
+UPDATE, and a deferred trigger in the COMMIT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from proxy import config, database, errors
+from tests.helpers import claimed, fetch
+
+CLAIM_WAIT = 0.3
+SLEEP = 1.0  # longer than CLAIM_WAIT, shorter than the store's own client-side timeouts
+
+
+@pytest.fixture
+async def store(pg_dsn: str, table: str) -> AsyncIterator[database.Store]:
+    settings = config.DatabaseConfig(dsn=None, table=table, pool_size=2, connect_timeout=5.0)
+    store = await database.Store.open(
+        pg_dsn, settings, claim_wait=CLAIM_WAIT, upstream_timeout=30.0
+    )
+    try:
+        await store.ensure_schema(answers=True, kept=True)
+        yield store
+    finally:
+        await store.close()
+
+
+async def _sleep_in(pg_dsn: str, table: str, trigger: str) -> None:
+    """A trigger on ``table`` that sleeps SLEEP seconds: ``trigger`` is what follows
+    CREATE [CONSTRAINT] TRIGGER name."""
+    await fetch(
+        pg_dsn,
+        f"CREATE OR REPLACE FUNCTION {table}_sleep() RETURNS trigger LANGUAGE plpgsql AS "
+        f"$$BEGIN PERFORM pg_sleep({SLEEP}); RETURN NULL; END$$",
+    )
+    await fetch(pg_dsn, trigger.format(t=table, f=f"{table}_sleep"))
+
+
+async def test_a_wait_lock_timeout_does_not_see_ends_at_claim_wait(
+    store: database.Store, pg_dsn: str, table: str
+) -> None:
+    await _sleep_in(
+        pg_dsn, table,
+        "CREATE TRIGGER slow BEFORE INSERT ON \"{t}\" FOR EACH ROW EXECUTE FUNCTION {f}()",
+    )  # fmt: skip
+
+    with pytest.raises(errors.ClaimWaitExceeded):
+        async with store.claim(database.Key("s", "e1", None, b"\x01" * 32)):
+            pass
+
+    assert await claimed(pg_dsn, table) == []
+    # The connection was rolled back and is usable: the next claim (no trigger now) holds.
+    await fetch(pg_dsn, f'DROP TRIGGER slow ON "{table}"')
+    async with store.claim(database.Key("s", "e2", None, b"\x02" * 32)) as claim:
+        assert claim.acquired
+        await claim.commit()
+    assert await claimed(pg_dsn, table) == [("s", "e2", None)]
+
+
+@pytest.mark.parametrize("step", ["commit", "commit with answer", "queue"])
+async def test_nothing_after_the_claims_insert_is_bounded_by_claim_wait(
+    store: database.Store, pg_dsn: str, table: str, step: str
+) -> None:
+    await _sleep_in(
+        pg_dsn, table,
+        "CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON {t} DEFERRABLE INITIALLY "
+        "DEFERRED FOR EACH ROW EXECUTE FUNCTION {f}()",
+    )  # fmt: skip
+    await fetch(
+        pg_dsn,
+        f'CREATE TRIGGER slow_update AFTER UPDATE ON "{table}" FOR EACH ROW '
+        f"EXECUTE FUNCTION {table}_sleep()",
+    )
+
+    async with store.claim(database.Key("s", "e1", "t", b"\x01" * 32)) as claim:
+        assert claim.acquired
+        if step == "queue":
+            delivery = database.Delivery("r", "http://127.0.0.1:9", "POST", "/", (), b"body")
+            keep = database.Keep(delay=60, until=3600, max_pending=10,
+                                 max_pending_bytes=10**6, base_scope="s", dead=False)  # fmt: skip
+            state = await claim.queue(delivery, database.Attempt(500), keep)
+            assert state == database.PENDING
+        else:
+            answer = database.Answer(200, (("x", "y"),), b"ok") if "answer" in step else None
+            done = await claim.commit(answer)
+            assert done.stored(answer) == answer  # committed as asked, not reconciled
+
+    rows = await fetch(pg_dsn, f'SELECT event_id, answer_status, inbox_state FROM "{table}"')
+    expected = {
+        "commit": ("e1", None, None),
+        "commit with answer": ("e1", 200, None),
+        "queue": ("e1", None, "pending"),
+    }
+    assert [tuple(row) for row in rows] == [expected[step]]
