@@ -56,8 +56,12 @@ def _statements() -> dict[str, str]:
     inbox = inbox_sql.Statements(_QUERIES.quoted)
     fields = [f.name for f in dataclasses.fields(sql.Queries) if f.name not in _NOT_STATEMENTS]
     properties = [n for n, m in vars(inbox_sql.Statements).items() if isinstance(m, property)]
+    texts = {name: getattr(_QUERIES, name) for name in fields}
+    steps = {f"{name}[{i}]": step for name, value in texts.items() if isinstance(value, tuple)
+             for i, step in enumerate(value)}  # fmt: skip
     return (
-        {f"Queries.{name}": getattr(_QUERIES, name) for name in fields}
+        {f"Queries.{name}": text for name, text in texts.items() if isinstance(text, str)}
+        | {f"Queries.{name}": text for name, text in steps.items()}
         | {f"Queries.{name}": text for name, text in _BUILT.items()}
         | {f"Statements.{name}": getattr(inbox, name) for name in properties}
     )
@@ -246,3 +250,9 @@ def test_the_checker_reports_each_refused_shape(name: str, text: str, rule: str 
         assert problems == []
     else:
         assert any(p.startswith(rule) for p in problems), problems
+
+
+def test_the_ddl_goes_one_statement_at_a_time() -> None:
+    """Citus propagates a distributed table's ALTER TABLE and CREATE INDEX only from a query of
+    one statement ("cannot insert multiple commands into a prepared statement" otherwise)."""
+    assert [len(pglast.parse_sql(step)) for step in _QUERIES.schema_steps] == [1, 1, 1, 1]

@@ -123,7 +123,9 @@ class Queries:
 
     table: str
     quoted: str
-    schema: str
+    # The DDL, one statement each: sent one at a time, as Citus propagates a distributed
+    # table's ALTER TABLE and CREATE INDEX only from a query string of one statement.
+    schema_steps: tuple[str, ...]
     schema_lock: str
     schema_missing: str
     privileges: str
@@ -138,6 +140,11 @@ class Queries:
     events_count: str
     forget: str
     stats: str
+
+    @property
+    def schema(self) -> str:
+        """The DDL as a script (``dedup-proxy schema``)."""
+        return "".join(f"{step};\n" for step in self.schema_steps)
 
     def claim(
         self,
@@ -213,7 +220,7 @@ def for_table(table: str) -> Queries:
     return Queries(
         table=table,
         quoted=quoted,
-        schema=(
+        schema_steps=(
             f"CREATE TABLE IF NOT EXISTS {quoted} (\n"
             "    scope       text        NOT NULL,\n"
             "    event_id    text        NOT NULL,\n"
@@ -225,16 +232,16 @@ def for_table(table: str) -> Queries:
             "    answer_headers jsonb,\n"
             "    answer_body    bytea,\n"
             "    PRIMARY KEY (scope, event_id)\n"
-            ");\n"
-            f'CREATE INDEX IF NOT EXISTS "{index}" ON {quoted} (received_at);\n'
+            ")",
+            f'CREATE INDEX IF NOT EXISTS "{index}" ON {quoted} (received_at)',
             f"ALTER TABLE {quoted} ADD COLUMN IF NOT EXISTS body_sha256 bytea,\n"
             "    ADD COLUMN IF NOT EXISTS answer_status smallint,\n"
             "    ADD COLUMN IF NOT EXISTS answer_headers jsonb,\n"
             "    ADD COLUMN IF NOT EXISTS answer_body bytea,\n"
             # redeliver — a failed delivery kept for redelivery (database.inbox).
-            f"{inbox_columns};\n"
+            f"{inbox_columns}",
             f'CREATE INDEX IF NOT EXISTS "{inbox_index}" ON {quoted} (inbox_state, inbox_due)\n'
-            "    WHERE inbox_state IN ('pending', 'dead');\n"
+            "    WHERE inbox_state IN ('pending', 'dead')",
         ),
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
         schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})",

@@ -151,7 +151,8 @@ async def apply_schema(
             async with connection.transaction():
                 await connection.execute(queries.schema_lock)
                 await connection.execute(sql.lock_timeout(DDL_LOCK_WAIT))
-                await connection.execute(queries.schema)
+                for step in queries.schema_steps:
+                    await connection.execute(step)
     except errors.LockTimeout:
         raise errors.StoreUnavailable(
             f"table {queries.table}: the schema change could not lock the table within "
