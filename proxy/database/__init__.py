@@ -28,6 +28,7 @@ from proxy.database.pool import dsn_hosts, host_named, translated
 from proxy.database.store import (
     DDL_LOCK_WAIT,
     PRIVILEGES,
+    Distribution,
     Event,
     ScopeStats,
     Store,
@@ -49,6 +50,7 @@ __all__ = [
     "Claim",
     "Commit",
     "Delivery",
+    "Distribution",
     "Duplicate",
     "Event",
     "Keep",

@@ -136,6 +136,8 @@ class Queries:
     sweep_lock: str
     sweep: str
     sweep_not_kept: str
+    citus: str
+    distribution: str
     events: str
     events_count: str
     forget: str
@@ -310,6 +312,16 @@ def for_table(table: str) -> Queries:
             f"  SELECT scope, event_id FROM {quoted}"
             f"   WHERE {IN_SCOPE} AND received_at < now() - make_interval(secs => $2)"
             f"   AND {_NOT_KEPT} LIMIT $3) AND {_NOT_KEPT}"
+        ),
+        # Whether Citus is installed here (its catalog), and then how the table is distributed:
+        # its distribution column (NULL: a reference or local table) and shards; no row: a
+        # plain table on the coordinator.
+        citus="SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL",
+        distribution=(
+            "SELECT column_to_column_name(logicalrelid, partkey) AS column, "
+            "(SELECT count(*) FROM pg_dist_shard AS s WHERE s.logicalrelid = p.logicalrelid) "
+            "AS shards FROM pg_dist_partition AS p "
+            f"WHERE logicalrelid = to_regclass({_literal(table)})"
         ),
         # $1 scope, $2 oldest received_at or NULL, $3 limit.
         events=(

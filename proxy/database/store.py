@@ -98,6 +98,14 @@ class Event(NamedTuple):
     received_at: datetime
 
 
+class Distribution(NamedTuple):
+    """How Citus distributes the claim table: by ``column`` (None: not distributed, a plain
+    table on the coordinator or a reference table) over ``shards``."""
+
+    column: str | None
+    shards: int
+
+
 class ScopeStats(NamedTuple):
     """The claims of one scope: how many, the oldest and the newest."""
 
@@ -486,6 +494,18 @@ class Store:
         """Create or upgrade the claim table (``dedup-proxy migrate``)."""
         async with self._connection() as connection:
             await apply_schema(connection, self.queries, "migrate failed")
+
+    async def distribution(self) -> Distribution | None:
+        """How Citus distributes the claim table (None: no Citus here), for ``check
+        --database``."""
+        async with self._connection() as connection:
+            with translated("reading Citus's catalog failed"):
+                if not await connection.fetchval(self.queries.citus):
+                    return None
+                row = await connection.fetchrow(self.queries.distribution)
+        if row is None:
+            return Distribution(None, 0)
+        return Distribution(row["column"], row["shards"])
 
     async def whoami(self) -> tuple[str, str]:
         """(the role the server sees, the server's version)."""
