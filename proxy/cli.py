@@ -157,7 +157,7 @@ def _describe(cfg: config.Config, source: str) -> str:
             f"scope {route.scope}"
             + ("/{" + "}/{".join(route.pattern.params) + "}" if route.scoped_by_path else ""),
             verify,
-            f"retention {route.retention / 86400:g}d",
+            f"retention {values.format_duration(route.retention)}",
             f"max_body {route.max_body}",
             f"preset {route.preset}" if route.preset else "",
             "no ID: forwarded unclaimed" if route.forward_missing_id else "",

@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TextIO
 
 from proxy import config, database, embedded, errors
-from proxy.config import routes
+from proxy.config import routes, values
 
 
 @contextlib.asynccontextmanager
@@ -165,7 +165,7 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
                 sum(r.rows for r in mine),
                 when(min((r.oldest for r in mine), default=None)),
                 when(max((r.newest for r in mine), default=None)),
-                f"{route.retention / 86400:g}d",
+                values.format_duration(route.retention),
             )
         )
     table(lines, ("route", "scope", "rows", "oldest", "newest", "retention"), out)
