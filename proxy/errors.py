@@ -49,9 +49,9 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
           + PoolExhausted           503  no free database connection within pool_timeout
                                          (shed: pool)
           + ClaimWaitExceeded       503  a copy waited longer than claim_wait
-          + LockTimeout             503  a wait past its transaction's bound: a lock not
-                                         granted within lock_timeout (55P03), or the
-                                         statement cancelled (57014, statement_timeout)
+          + LockTimeout             503  a lock not granted within lock_timeout (55P03)
+          + StatementCancelled      503  the statement cancelled (57014: statement_timeout,
+                                         a claim's own on Citus; pg_cancel_backend)
           + TableMissing            503  the claim table, or a column of it, does not exist
                                          (42P01, 42703)
           + PermissionDenied        503  the role lacks a privilege (42501)
@@ -274,10 +274,19 @@ class ClaimWaitExceeded(StoreUnavailable):
 
 
 class LockTimeout(StoreUnavailable):
-    """A statement waited past its transaction's bound (``sql.wait_bound``): a row or table
-    lock not granted within lock_timeout (55P03), or the statement cancelled (57014:
-    statement_timeout, which on Citus is what ends a wait on a worker's row lock; or an
-    operator's pg_cancel_backend)."""
+    """A row or table lock was not granted within the transaction's lock_timeout (55P03)."""
+
+
+class StatementCancelled(StoreUnavailable):
+    """The server cancelled the statement (57014): a statement_timeout (on Citus, the bound
+    that ends a wait on a worker's row lock: ``sql.wait_bound``), or pg_cancel_backend."""
+
+
+def waited(distributed: bool) -> tuple[type[StoreUnavailable], ...]:
+    """The errors that mean a wait on a row ran past its bound: LockTimeout, and on a table
+    distributed by Citus, whose rows' locks the coordinator's lock_timeout does not reach, the
+    statement cancelled by the bound's statement_timeout too."""
+    return (LockTimeout, StatementCancelled) if distributed else (LockTimeout,)
 
 
 class TableMissing(StoreUnavailable):

@@ -98,6 +98,26 @@ async def test_a_second_lane_takes_the_next_due_row_while_the_first_is_held(
         await third.close()
 
 
+async def test_past_a_page_of_held_rows_a_lane_takes_the_next_page(
+    two: tuple[asyncpg.Connection, asyncpg.Connection], table: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The rows being redelivered are the oldest due ones until they end: with more of them
+    held than a take reads at once (here 1), the next page is read rather than none taken."""
+    monkeypatch.setattr(inbox, "CANDIDATES", 1)
+    first, second = two
+    queries = sql.for_table(table)
+    for event_id in ("p1", "p2"):
+        await first.execute(DEAD_LONG_AGO.format(t=queries.quoted), event_id, "pending")
+    async with (
+        _inbox(first, queries).take(["hooks"]) as held,
+        _inbox(second, queries).take(["hooks"]) as next_one,
+    ):
+        assert held is not None
+        assert next_one is not None
+        assert (held.event_id, next_one.event_id) == ("p1", "p2")
+
+
 def _inbox(connection: asyncpg.Connection, queries: sql.Queries) -> inbox.Inbox:
     """The store's inbox over one connection (each take its own transaction on it)."""
 

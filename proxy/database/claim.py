@@ -7,11 +7,11 @@ commits or rolls back), returns nothing because a committed row exists (a duplic
 transaction ends. No SELECT-before-INSERT, no advisory locks: the index is the lock, and it is
 released exactly when the owner's transaction ends (commit, rollback, or its connection dying).
 
-A copy's wait is bounded by what its route's claim_wait has left, twice over
-(``sql.begin(bound=True)``): ``lock_timeout``, and, for Citus, where the row it waits on is on
-a worker that the coordinator's ``lock_timeout`` does not reach, ``statement_timeout`` (the
-same, plus ``sql.STATEMENT_MARGIN`` for the statement's own work). Both end as
-``ClaimWaitExceeded``. The statement bound is lifted (``sql.UNBOUND``) before the
+A copy's wait is bounded by what its route's claim_wait has left: ``lock_timeout``, and on a
+table distributed by Citus (``Store.notice_distribution``), where the row it waits on is on a
+worker that the coordinator's ``lock_timeout`` does not reach, ``statement_timeout`` too (the
+same, plus ``sql.STATEMENT_MARGIN`` for the statement's own work; ``sql.begin(bound=True)``).
+Both end as ``ClaimWaitExceeded``. The statement bound is lifted (``sql.UNBOUND``) before the
 claim's UPDATEs (its answer, or the inbox's); a duplicate reads after its ROLLBACK. (A COMMIT
 is never cut short by it: PostgreSQL ends a statement's timer before committing.)
 
@@ -23,7 +23,7 @@ before there were names (procrastinate's job transitions are the model):
   replays it. Returns a ``Commit`` saying what was stored.
 - ``settle_duplicate(read_answer)``: a duplicate learns whether the event was first claimed with
   another body (a mismatch) and, with ``read_answer``, the answer stored with it; its
-  transaction ends with the same round trip (or, reading the answer, the next).
+  transaction ends with the same round trip (or, reading the answer, the one before).
 - ``queue(delivery, attempt, keep)``: on a route that redelivers, the app failed: keep the
   delivery in the claim's row (pending, or dead) and commit, so the redeliverer takes it from
   there (``inbox``). Refused over the route's cap: the claim stays open, to be released.
@@ -118,6 +118,7 @@ class Store(Protocol):
     queries: sql.Queries
     inbox: inbox.Inbox
     op_timeout: float
+    distributed: bool  # Citus: the claim's INSERT bounded by statement_timeout too
 
     async def reconcile(self, key: Key) -> bool:
         """After a COMMIT in doubt: whether the claim is stored now (see ``store.Store``)."""
@@ -225,8 +226,8 @@ class Claim:
         state = inbox.DEAD if keep.dead else inbox.PENDING
         try:
             with pool.translated("keeping the delivery failed", self.abandon):
-                # The claim's statement bound was for its INSERT (Store.claim): not this.
-                await self._connection.execute(sql.UNBOUND, timeout=store.op_timeout)
+                if store.distributed:  # the claim's statement bound was for its INSERT only
+                    await self._connection.execute(sql.UNBOUND, timeout=store.op_timeout)
                 status = await self._connection.execute(
                     store.inbox.statements.queue, key.scope, key.event_id, state,
                     delivery.encoded(), delivery.body, attempt.status, attempt.error,
@@ -284,11 +285,15 @@ class Claim:
         self._end(SETTLED)
         if await self._roll_back("ROLLBACK") is None:
             raise errors.StoreUnavailable("reading the stored answer failed: rollback failed")
-        with pool.translated("reading the stored answer failed", self._discard):
-            row = await self._connection.fetchrow(
-                store.queries.answer, key.scope, key.event_id, key.body_sha256,
-                timeout=store.op_timeout,
-            )  # fmt: skip
+        try:
+            with pool.translated("reading the stored answer failed", self._discard):
+                row = await self._connection.fetchrow(
+                    store.queries.answer, key.scope, key.event_id, key.body_sha256,
+                    timeout=store.op_timeout,
+                )  # fmt: skip
+        except asyncio.CancelledError:
+            self._discard()  # cancelled mid-read: the session's state is unknown
+            raise
         mismatch = bool(row and row["mismatch"])
         if row is None or row["answer_status"] is None:
             return Duplicate(mismatch, None)

@@ -41,8 +41,7 @@ COLUMNS = sql.INBOX_COLUMNS
 GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
 # An operator's redeliver or discard waits at most this for a row being redelivered now.
 OPERATOR_LOCK_WAIT = 5.0
-# How many of the oldest due rows a take tries to lock, one at a time: more than the lanes of
-# every replica hold at once (redeliverer.concurrency per replica), so that one is free.
+# How many of the oldest due rows a take reads at a time, to lock one of them (Inbox.take).
 CANDIDATES = 32
 
 
@@ -238,19 +237,23 @@ class Inbox:
         self._acquire = acquire
         self._begin = begin
         self.op_timeout = op_timeout
+        # Set by the store (``Store.notice_distribution``): the table is distributed (Citus).
+        self.distributed = False
 
     @contextlib.asynccontextmanager
     async def take(self, scopes: list[str]) -> AsyncIterator[Redelivery | None]:
         """The oldest due row of ``scopes`` (routes' scopes) no one else holds, locked until its
-        redelivery ends (None: none is due, or the ``CANDIDATES`` oldest are all being
-        redelivered). One cheap indexed read when none is; the transaction only when one is.
+        redelivery ends (None: none is due, or every due one is being redelivered). One cheap
+        indexed read when none is; the transaction only when one is.
 
-        The due rows are read first, locking nothing, then locked one at a time by key (on
-        Citus, one shard each): the first one no one holds is taken."""
+        The due rows are read first, ``CANDIDATES`` at a time and locking nothing, then locked
+        one at a time by key (on Citus, one shard each): the first one no one holds is taken.
+        The rows other lanes are redelivering are due, and the oldest, until they end: past a
+        page of them, the next page."""
         async with self._acquire() as connection:
             with pool.translated("looking for due redeliveries failed"):
                 due = await connection.fetch(
-                    self.statements.due, scopes, CANDIDATES, timeout=self.op_timeout
+                    self.statements.due, scopes, CANDIDATES, 0, timeout=self.op_timeout
                 )
                 if not due:
                     yield None
@@ -259,14 +262,9 @@ class Inbox:
             redelivery = None
             try:
                 with pool.translated("taking a due redelivery failed"):
-                    for candidate in due:
-                        row = await connection.fetchrow(
-                            self.statements.take, candidate["scope"], candidate["event_id"],
-                            timeout=self.op_timeout,
-                        )  # fmt: skip
-                        if row is not None:
-                            redelivery = Redelivery(self, connection, row)
-                            break
+                    row = await self._first_free(connection, scopes, due)
+                if row is not None:
+                    redelivery = Redelivery(self, connection, row)
                 yield redelivery
             finally:
                 if redelivery is not None:
@@ -274,6 +272,26 @@ class Inbox:
                 else:
                     with pool.translated("rollback failed"):
                         await connection.execute("ROLLBACK", timeout=self.op_timeout)
+
+    async def _first_free(
+        self, connection: pool.Connection, scopes: list[str], due: list[pool.Record]
+    ) -> pool.Record | None:
+        """The first of the due rows, page after page, that this transaction could lock."""
+        offset = 0
+        while True:
+            for candidate in due:
+                row: pool.Record | None = await connection.fetchrow(
+                    self.statements.take, candidate["scope"], candidate["event_id"],
+                    timeout=self.op_timeout,
+                )  # fmt: skip
+                if row is not None:
+                    return row
+            if len(due) < CANDIDATES:
+                return None
+            offset += CANDIDATES
+            due = await connection.fetch(
+                self.statements.due, scopes, CANDIDATES, offset, timeout=self.op_timeout
+            )
 
     async def kept(self, scope: str, state: str, limit: int) -> tuple[list[Kept], int]:
         """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""
@@ -346,9 +364,10 @@ class Inbox:
             try:
                 with _plainly("query failed"):
                     async with connection.transaction():
-                        await connection.execute(sql.wait_bound(OPERATOR_LOCK_WAIT))
+                        bound = sql.wait_bound if self.distributed else sql.lock_timeout
+                        await connection.execute(bound(OPERATOR_LOCK_WAIT))
                         rows: list[pool.Record] = await connection.fetch(statement, *args)
-            except errors.LockTimeout as exc:
+            except errors.waited(self.distributed) as exc:
                 raise errors.StoreUnavailable(
                     "one of these events is being redelivered right now; try again in a moment"
                 ) from exc

@@ -62,10 +62,12 @@ class Statements:
 
     @property
     def due(self) -> str:
-        # $1 the scopes, $2 how many: the oldest due rows, locking none (``take`` locks one).
+        # $1 the scopes, $2 how many, $3 past how many: the oldest due rows, locking none
+        # (``take`` locks one).
         return (
             f"SELECT scope, event_id FROM {self.quoted} WHERE inbox_state = 'pending' "
-            f"AND inbox_due <= now() AND {_OURS} ORDER BY received_at LIMIT $2"
+            f"AND inbox_due <= now() AND {_OURS} ORDER BY received_at, event_id "
+            "LIMIT $2 OFFSET $3"
         )
 
     @property

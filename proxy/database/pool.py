@@ -3,7 +3,8 @@ lends them one request at a time. The one module that imports asyncpg.
 
 Errors: a driver or socket error becomes ``errors.StoreUnavailable`` exactly once, here
 (``translated``, as procrastinate's connector ``wrap_exceptions`` does). The server's refusals a
-caller tells apart (a wait past its bound, a missing table, a missing privilege)
+caller tells apart (a lock wait past ``lock_timeout``, a statement cancelled, a missing
+table, a missing privilege)
 become subclasses of it, and leave the connection usable; anything else leaves it in doubt, and
 ``translated``'s ``on_error`` closes it.
 
@@ -71,7 +72,7 @@ _REFUSALS: tuple[tuple[type[Exception], type[errors.StoreUnavailable]], ...] = (
     (asyncpg.LockNotAvailableError, errors.LockTimeout),
     # statement_timeout (sql.wait_bound), or pg_cancel_backend; never asyncpg's own timeout,
     # which raises TimeoutError.
-    (asyncpg.QueryCanceledError, errors.LockTimeout),
+    (asyncpg.QueryCanceledError, errors.StatementCancelled),
     (asyncpg.UndefinedTableError, errors.TableMissing),
     (asyncpg.UndefinedColumnError, errors.TableMissing),
     (asyncpg.InsufficientPrivilegeError, errors.PermissionDenied),

@@ -215,9 +215,9 @@ class Store:
         # claim whose proxy vanished without closing its socket.
         self._claim_wait = claim_wait
         self._idle_limit = upstream_timeout + settings.connect_timeout
-        # A claim's statements are bounded too: on Citus its INSERT waits on a worker, where
-        # the coordinator's lock_timeout does not reach (sql.wait_bound).
-        self._begin = sql.begin(claim_wait, self._idle_limit, bound=True)
+        self._begin = sql.begin(claim_wait, self._idle_limit)
+        # Whether the claim table is distributed (Citus): see ``notice_distribution``.
+        self.distributed = False
         self._answers = False  # whether the routes need UPDATE (check_privileges)
         self._kept = False  # whether a route redelivers (check_privileges)
         # Whether the table has the inbox's columns: then the sweep passes over what it keeps.
@@ -257,6 +257,7 @@ class Store:
         )  # fmt: skip
         with translated(unreachable):
             await store._pool.fill()
+        await store.notice_distribution()
         store.started.set()
         return store
 
@@ -295,6 +296,7 @@ class Store:
             try:
                 await self.ensure_schema(answers=answers, kept=kept)
                 await self.check_privileges(answers=answers, kept=kept)
+                await self.notice_distribution()
             except errors.StoreUnavailable as exc:
                 if pool.refused_for_good(exc.__cause__):
                     # The server answered, and refused (a privilege, a schema): not an outage.
@@ -474,9 +476,9 @@ class Store:
                 with translated("forget failed"):
                     async with connection.transaction():
                         # A forget must not queue for long behind a transaction holding a row.
-                        await connection.execute(sql.wait_bound(lock_wait))
+                        await connection.execute(self.wait_bound(lock_wait))
                         rows = await connection.fetch(self.queries.forget, scope, list(event_ids))
-            except errors.LockTimeout as exc:
+            except errors.waited(self.distributed) as exc:
                 raise errors.StoreUnavailable(
                     "one of these claims is locked by another transaction (the retention "
                     "sweeper or another forget); try again in a moment"
@@ -494,6 +496,26 @@ class Store:
         """Create or upgrade the claim table (``dedup-proxy migrate``)."""
         async with self._connection() as connection:
             await apply_schema(connection, self.queries, "migrate failed")
+
+    async def notice_distribution(self) -> None:
+        """Read whether the claim table is distributed (Citus; read once, at start: distribute
+        the table before the proxies start). Then the rows a claim or an operator's command
+        waits on are on the workers, which the coordinator's ``lock_timeout`` does not reach,
+        so those waits are also bounded by ``statement_timeout`` (``sql.wait_bound``). On one
+        PostgreSQL, and for a plain table on a Citus coordinator, nothing changes."""
+        distribution = await self.distribution()
+        self.set_distributed(distribution is not None and distribution != Distribution(None, 0))
+
+    def set_distributed(self, distributed: bool) -> None:
+        """Bound the waits as on a distributed table, or not (``notice_distribution``; the
+        tests run Citus's bounds on one PostgreSQL with it)."""
+        self.distributed = self.inbox.distributed = distributed
+        self._begin = sql.begin(self._claim_wait, self._idle_limit, bound=distributed)
+
+    def wait_bound(self, seconds: float) -> str:
+        """The statement bounding a transaction's waits on rows to ``seconds``: ``lock_timeout``,
+        and on a distributed table ``statement_timeout`` too (``notice_distribution``)."""
+        return sql.wait_bound(seconds) if self.distributed else sql.lock_timeout(seconds)
 
     async def distribution(self) -> Distribution | None:
         """How Citus distributes the claim table (None: no Citus here), for ``check
@@ -611,7 +633,7 @@ class Claiming:
         connection = self._connection = await store._acquire()
         begin, timeout = store._begin, store._claim_timeout
         if wait is not None and wait != store._claim_wait:
-            begin = sql.begin(wait, store._idle_limit, bound=True)
+            begin = sql.begin(wait, store._idle_limit, bound=store.distributed)
             timeout = wait + store.op_timeout
         claim = self._claim = Claim(store, connection, key, acquired=False)
         try:
@@ -623,7 +645,7 @@ class Claiming:
                         ),
                         timeout=timeout,
                     )
-            except errors.LockTimeout as exc:
+            except errors.waited(store.distributed) as exc:
                 raise errors.ClaimWaitExceeded() from exc.__cause__
         except BaseException:
             await self._release()
