@@ -504,7 +504,13 @@ class Store:
         so those waits are also bounded by ``statement_timeout`` (``sql.wait_bound``). On one
         PostgreSQL, and for a plain table on a Citus coordinator, nothing changes."""
         distribution = await self.distribution()
-        self.set_distributed(distribution is not None and distribution != Distribution(None, 0))
+        distributed = distribution is not None and distribution != Distribution(None, 0)
+        if distribution is not None and distributed and not self.distributed:
+            log.info(
+                "table %s is distributed by Citus (by %s): claim waits are bounded by "
+                "statement_timeout too", self._settings.table, distribution.column or "none",
+            )  # fmt: skip
+        self.set_distributed(distributed)
 
     def set_distributed(self, distributed: bool) -> None:
         """Bound the waits as on a distributed table, or not (``notice_distribution``; the
