@@ -44,6 +44,8 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
         distribution = await store.distribution()
         if distribution is not None:
             report(*citus_line(cfg.database.table, distribution))
+            if not distribution.conforming:
+                report(False, CITUS_NOT_CONFORMING)
         await _check_pooler(store, report)
     return 1 if failed else 0
 
@@ -82,10 +84,17 @@ async def _check_table(cfg: config.Config, store: database.Store, report: Report
     report(not problem, f"privileges: {problem}" if problem else f"privileges: {needed}")
 
 
+CITUS_NOT_CONFORMING = (
+    "citus: standard_conforming_strings is off for this role: Citus passes values to its workers "
+    "as literals written for it, which they read otherwise (an event ID with a backslash "
+    "would not match its claim); ALTER ROLE … SET standard_conforming_strings = on"
+)
+
+
 def citus_line(table: str, distribution: database.Distribution) -> tuple[bool, str]:
     """The check of a claim table on a Citus coordinator: distributed by ``event_id``, each
     claim goes to one shard (docs/deployment.md, "Past one database")."""
-    column, shards = distribution
+    column, shards, _ = distribution
     if column == "event_id":
         return True, (
             f"citus: {table} is distributed by event_id over {shards} shards: each claim goes "

@@ -64,3 +64,27 @@ async def test_a_schema_qualified_table_is_created_and_then_found_complete(
         await connection.execute(f"DROP SCHEMA {schema} CASCADE")
     assert (before, after) == ("does not exist", "")
     assert without_index == "lacks index on received_at"
+
+
+async def test_a_claim_on_a_distributed_table_reads_the_same_whatever_the_session_reads(
+    connection: asyncpg.Connection[asyncpg.Record], table: str
+) -> None:
+    """On Citus the claim's values travel to a worker as literals for the coordinator's
+    standard_conforming_strings: the claim's BEGIN sets it on, and its statement bound
+    (``sql.begin(distributed=True)``); on one PostgreSQL the claim must read the same."""
+    queries = sql.for_table(table)
+    await database.apply_schema(connection, queries)
+    await connection.execute("SET standard_conforming_strings = off")
+    begin = sql.begin(1, 1, distributed=True)
+    event_id = "a'b\\c"
+
+    assert "SET LOCAL standard_conforming_strings = on" in begin
+    assert "SET LOCAL statement_timeout = '1250ms'" in begin
+    assert await connection.execute(queries.claim(begin, "s", event_id, None, b"\1" * 32)) == (
+        "INSERT 0 1"
+    )
+    assert await connection.fetchval("SHOW standard_conforming_strings") == "on"
+    await connection.execute("COMMIT")
+    assert await connection.fetchval("SHOW standard_conforming_strings") == "off"
+    rows = await connection.fetch(f'SELECT event_id FROM "{table}"')
+    assert [row["event_id"] for row in rows] == [event_id]

@@ -10,7 +10,7 @@ released exactly when the owner's transaction ends (commit, rollback, or its con
 A copy's wait is bounded by what its route's claim_wait has left: ``lock_timeout``, and on a
 table distributed by Citus (``Store.notice_distribution``), where the row it waits on is on a
 worker that the coordinator's ``lock_timeout`` does not reach, ``statement_timeout`` too (the
-same, plus ``sql.STATEMENT_MARGIN`` for the statement's own work; ``sql.begin(bound=True)``).
+same, plus ``sql.STATEMENT_MARGIN`` for the statement's own work; ``sql.begin``).
 Both end as ``ClaimWaitExceeded``. The statement bound is lifted (``sql.UNBOUND``) before the
 claim's UPDATEs (its answer, or the inbox's); a duplicate reads after its ROLLBACK. (A COMMIT
 is never cut short by it: PostgreSQL ends a statement's timer before committing.)

@@ -240,6 +240,10 @@ class Inbox:
         # Set by the store (``Store.notice_distribution``): the table is distributed (Citus).
         self.distributed = False
 
+    def set_begin(self, begin: str) -> None:
+        """A redelivery's BEGIN (``sql.begin``), as the store found the table distributed."""
+        self._begin = begin
+
     @contextlib.asynccontextmanager
     async def take(self, scopes: list[str]) -> AsyncIterator[Redelivery | None]:
         """The oldest due row of ``scopes`` (routes' scopes) no one else holds, locked until its

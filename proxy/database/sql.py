@@ -73,28 +73,41 @@ def lock_timeout(seconds: float) -> str:
 STATEMENT_MARGIN = 0.25
 
 
-def wait_bound(seconds: float) -> str:
-    """Bound this transaction's next statements' waits on row locks to ``seconds``: with
-    ``lock_timeout`` (55P03 past it), and each statement to ``seconds`` + ``STATEMENT_MARGIN``
-    with ``statement_timeout`` (57014).
+# On Citus the coordinator writes a statement's values into the text it sends a worker as
+# literals for its own session's standard_conforming_strings; the worker's session, to which
+# Citus does not pass the setting, reads them with its own (on). With it off, a backslash in an
+# event ID would be stored doubled, and the body's digest mangled. On for the transaction,
+# whatever the role's default.
+_CONFORMING = "SET LOCAL standard_conforming_strings = on"
 
-    Both, because on Citus the row lock a statement waits for is on a worker, which the
+
+def wait_bound(seconds: float) -> str:
+    """On a table distributed by Citus: bound this transaction's next statements' waits on row
+    locks to ``seconds`` with ``lock_timeout`` (55P03 past it), and each statement to
+    ``seconds`` + ``STATEMENT_MARGIN`` with ``statement_timeout`` (57014); and write its values
+    as the workers read them (``_CONFORMING``).
+
+    Both bounds, because the row lock a statement waits for is on a worker, which the
     coordinator's ``lock_timeout`` does not reach: the coordinator's ``statement_timeout``
-    cancels the statement there too. On one PostgreSQL ``lock_timeout`` ends the wait first,
-    as before; the margin keeps a bound of a millisecond (a key's copy that must not wait)
-    from cutting short the statement's own work. ``UNBOUND`` lifts the statement bound."""
+    cancels the statement there too. The margin keeps a bound of a millisecond (a key's copy
+    that must not wait) from cutting short the statement's own work. ``UNBOUND`` lifts the
+    statement bound. (On one PostgreSQL, ``lock_timeout`` alone.)"""
     return _wait_bound(_millis(seconds), _millis(seconds + STATEMENT_MARGIN))
 
 
 @functools.lru_cache(maxsize=512)
 def _wait_bound(wait: str, statement: str) -> str:
-    return f"SET LOCAL lock_timeout = '{wait}'; SET LOCAL statement_timeout = '{statement}'"
+    return (
+        f"SET LOCAL lock_timeout = '{wait}'; SET LOCAL statement_timeout = '{statement}'; "
+        f"{_CONFORMING}"
+    )
 
 
-def begin(lock_wait: float, idle_limit: float, *, bound: bool = False) -> str:
+def begin(lock_wait: float, idle_limit: float, *, distributed: bool = False) -> str:
     """BEGIN with a transaction's own bounds, to go in front of its first statement in one
-    round trip: its waits on row locks end past ``lock_wait``; with ``bound`` (a claim), each
-    of its statements past it too (``wait_bound``), until ``UNBOUND``.
+    round trip: its waits on row locks end past ``lock_wait``; on a table ``distributed`` by
+    Citus, each of its statements past it too (``wait_bound``), until ``UNBOUND``, and its
+    values written as the workers read them (``_CONFORMING``).
 
     Set inside the transaction: never in the startup packet, which PgBouncer refuses; never per
     session, which PgBouncer would hand to other clients. Pinned to READ COMMITTED: under
@@ -104,13 +117,15 @@ def begin(lock_wait: float, idle_limit: float, *, bound: bool = False) -> str:
     A claim's lock wait is what its route's claim_wait has left, different for each request by
     a fraction of a millisecond: the text, in whole milliseconds, is made once per value.
     """
-    statement = _millis(lock_wait + STATEMENT_MARGIN) if bound else None
+    statement = _millis(lock_wait + STATEMENT_MARGIN) if distributed else None
     return _begin(_millis(lock_wait), _millis(idle_limit), statement)
 
 
 @functools.lru_cache(maxsize=512)
 def _begin(lock_wait: str, idle_limit: str, statement: str | None) -> str:
-    statements = f"SET LOCAL statement_timeout = '{statement}'; " if statement else ""
+    statements = (
+        f"SET LOCAL statement_timeout = '{statement}'; {_CONFORMING}; " if statement else ""
+    )
     return (
         f"BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{lock_wait}'; "
         f"{statements}SET LOCAL idle_in_transaction_session_timeout = '{idle_limit}'; "
@@ -316,7 +331,10 @@ def for_table(table: str) -> Queries:
         # Whether Citus is installed here (its catalog), and then how the table is distributed:
         # its distribution column (NULL: a reference or local table) and shards; no row: a
         # plain table on the coordinator.
-        citus="SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL",
+        citus=(
+            "SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL AS citus, "
+            "current_setting('standard_conforming_strings') = 'on' AS conforming"
+        ),
         distribution=(
             "SELECT column_to_column_name(logicalrelid, partkey) AS column, "
             "(SELECT count(*) FROM pg_dist_shard AS s WHERE s.logicalrelid = p.logicalrelid) "

@@ -100,10 +100,12 @@ class Event(NamedTuple):
 
 class Distribution(NamedTuple):
     """How Citus distributes the claim table: by ``column`` (None: not distributed, a plain
-    table on the coordinator or a reference table) over ``shards``."""
+    table on the coordinator or a reference table) over ``shards`` (0: a plain table); and
+    whether the role's sessions have standard_conforming_strings on (``sql._CONFORMING``)."""
 
     column: str | None
     shards: int
+    conforming: bool = True
 
 
 class ScopeStats(NamedTuple):
@@ -504,19 +506,26 @@ class Store:
         so those waits are also bounded by ``statement_timeout`` (``sql.wait_bound``). On one
         PostgreSQL, and for a plain table on a Citus coordinator, nothing changes."""
         distribution = await self.distribution()
-        distributed = distribution is not None and distribution != Distribution(None, 0)
+        distributed = distribution is not None and distribution[:2] != (None, 0)
         if distribution is not None and distributed and not self.distributed:
             log.info(
                 "table %s is distributed by Citus (by %s): claim waits are bounded by "
                 "statement_timeout too", self._settings.table, distribution.column or "none",
             )  # fmt: skip
+            if not distribution.conforming:
+                log.warning(
+                    "standard_conforming_strings is off for this role: on Citus, reads outside "
+                    "a claim's transaction (a duplicate's check, a replayed answer, the "
+                    "operators' lists) miss event IDs with a backslash; set it on for the role"
+                )
         self.set_distributed(distributed)
 
     def set_distributed(self, distributed: bool) -> None:
         """Bound the waits as on a distributed table, or not (``notice_distribution``; the
         tests run Citus's bounds on one PostgreSQL with it)."""
         self.distributed = self.inbox.distributed = distributed
-        self._begin = sql.begin(self._claim_wait, self._idle_limit, bound=distributed)
+        self._begin = sql.begin(self._claim_wait, self._idle_limit, distributed=distributed)
+        self.inbox.set_begin(sql.begin(self._claim_wait, self._idle_limit, distributed=distributed))
 
     def wait_bound(self, seconds: float) -> str:
         """The statement bounding a transaction's waits on rows to ``seconds``: ``lock_timeout``,
@@ -528,12 +537,14 @@ class Store:
         --database``."""
         async with self._connection() as connection:
             with translated("reading Citus's catalog failed"):
-                if not await connection.fetchval(self.queries.citus):
+                citus = await connection.fetchrow(self.queries.citus)
+                if citus is None or not citus["citus"]:
                     return None
                 row = await connection.fetchrow(self.queries.distribution)
+        conforming = bool(citus["conforming"])
         if row is None:
-            return Distribution(None, 0)
-        return Distribution(row["column"], row["shards"])
+            return Distribution(None, 0, conforming)
+        return Distribution(row["column"], row["shards"], conforming)
 
     async def whoami(self) -> tuple[str, str]:
         """(the role the server sees, the server's version)."""
@@ -639,7 +650,7 @@ class Claiming:
         connection = self._connection = await store._acquire()
         begin, timeout = store._begin, store._claim_timeout
         if wait is not None and wait != store._claim_wait:
-            begin = sql.begin(wait, store._idle_limit, bound=store.distributed)
+            begin = sql.begin(wait, store._idle_limit, distributed=store.distributed)
             timeout = wait + store.op_timeout
         claim = self._claim = Claim(store, connection, key, acquired=False)
         try:
