@@ -100,7 +100,7 @@ def citus_line(table: str, distribution: database.Distribution) -> tuple[bool, s
             f"citus: {table} is distributed by event_id over {shards} shards: each claim goes "
             "to one shard"
         )
-    if column is None and shards == 0:
+    if not distribution.distributed:
         return True, (
             f"citus: {table} is a plain table on the coordinator, so the claims do not spread: "
             f"SELECT create_distributed_table('{table}', 'event_id') distributes it"

@@ -237,11 +237,12 @@ class Inbox:
         self._acquire = acquire
         self._begin = begin
         self.op_timeout = op_timeout
-        # Set by the store (``Store.notice_distribution``): the table is distributed (Citus).
         self.distributed = False
 
-    def set_begin(self, begin: str) -> None:
-        """A redelivery's BEGIN (``sql.begin``), as the store found the table distributed."""
+    def set_distributed(self, distributed: bool, begin: str) -> None:
+        """As the store found the table (``Store.notice_distribution``): distributed by Citus or
+        not, and the BEGIN (``sql.begin``) of a redelivery there."""
+        self.distributed = distributed
         self._begin = begin
 
     @contextlib.asynccontextmanager
@@ -368,8 +369,9 @@ class Inbox:
             try:
                 with _plainly("query failed"):
                     async with connection.transaction():
-                        bound = sql.wait_bound if self.distributed else sql.lock_timeout
-                        await connection.execute(bound(OPERATOR_LOCK_WAIT))
+                        await connection.execute(
+                            sql.wait_bound(OPERATOR_LOCK_WAIT, distributed=self.distributed)
+                        )
                         rows: list[pool.Record] = await connection.fetch(statement, *args)
             except errors.waited(self.distributed) as exc:
                 raise errors.StoreUnavailable(

@@ -81,9 +81,9 @@ STATEMENT_MARGIN = 0.25
 _CONFORMING = "SET LOCAL standard_conforming_strings = on"
 
 
-def wait_bound(seconds: float) -> str:
-    """On a table distributed by Citus: bound this transaction's next statements' waits on row
-    locks to ``seconds`` with ``lock_timeout`` (55P03 past it), and each statement to
+def wait_bound(seconds: float, *, distributed: bool) -> str:
+    """Bound this transaction's next statements' waits on row locks to ``seconds`` with
+    ``lock_timeout`` (55P03 past it); on a table ``distributed`` by Citus, each statement to
     ``seconds`` + ``STATEMENT_MARGIN`` with ``statement_timeout`` (57014); and write its values
     as the workers read them (``_CONFORMING``).
 
@@ -92,6 +92,8 @@ def wait_bound(seconds: float) -> str:
     cancels the statement there too. The margin keeps a bound of a millisecond (a key's copy
     that must not wait) from cutting short the statement's own work. ``UNBOUND`` lifts the
     statement bound. (On one PostgreSQL, ``lock_timeout`` alone.)"""
+    if not distributed:
+        return lock_timeout(seconds)
     return _wait_bound(_millis(seconds), _millis(seconds + STATEMENT_MARGIN))
 
 

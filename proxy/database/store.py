@@ -107,6 +107,11 @@ class Distribution(NamedTuple):
     shards: int
     conforming: bool = True
 
+    @property
+    def distributed(self) -> bool:
+        """Whether Citus has the table in its catalog (not a plain table on the coordinator)."""
+        return (self.column, self.shards) != (None, 0)
+
 
 class ScopeStats(NamedTuple):
     """The claims of one scope: how many, the oldest and the newest."""
@@ -228,9 +233,8 @@ class Store:
         self.started = asyncio.Event()
         self.start_problem = "connecting to PostgreSQL"
         self.replication: Replication | None = None  # read by every check
-        # A redelivery waits on no row (it skips those taken): its lock_timeout is enough.
-        self.inbox = inbox.Inbox(self.queries.quoted, self._connection,
-                                 sql.begin(claim_wait, self._idle_limit),
+        # A redelivery's transaction has a claim's bounds.
+        self.inbox = inbox.Inbox(self.queries.quoted, self._connection, self._begin,
                                  settings.connect_timeout)  # fmt: skip
 
     @classmethod
@@ -478,7 +482,9 @@ class Store:
                 with translated("forget failed"):
                     async with connection.transaction():
                         # A forget must not queue for long behind a transaction holding a row.
-                        await connection.execute(self.wait_bound(lock_wait))
+                        await connection.execute(
+                            sql.wait_bound(lock_wait, distributed=self.distributed)
+                        )
                         rows = await connection.fetch(self.queries.forget, scope, list(event_ids))
             except errors.waited(self.distributed) as exc:
                 raise errors.StoreUnavailable(
@@ -506,7 +512,7 @@ class Store:
         so those waits are also bounded by ``statement_timeout`` (``sql.wait_bound``). On one
         PostgreSQL, and for a plain table on a Citus coordinator, nothing changes."""
         distribution = await self.distribution()
-        distributed = distribution is not None and distribution[:2] != (None, 0)
+        distributed = distribution is not None and distribution.distributed
         if distribution is not None and distributed and not self.distributed:
             log.info(
                 "table %s is distributed by Citus (by %s): claim waits are bounded by "
@@ -523,14 +529,9 @@ class Store:
     def set_distributed(self, distributed: bool) -> None:
         """Bound the waits as on a distributed table, or not (``notice_distribution``; the
         tests run Citus's bounds on one PostgreSQL with it)."""
-        self.distributed = self.inbox.distributed = distributed
+        self.distributed = distributed
         self._begin = sql.begin(self._claim_wait, self._idle_limit, distributed=distributed)
-        self.inbox.set_begin(sql.begin(self._claim_wait, self._idle_limit, distributed=distributed))
-
-    def wait_bound(self, seconds: float) -> str:
-        """The statement bounding a transaction's waits on rows to ``seconds``: ``lock_timeout``,
-        and on a distributed table ``statement_timeout`` too (``notice_distribution``)."""
-        return sql.wait_bound(seconds) if self.distributed else sql.lock_timeout(seconds)
+        self.inbox.set_distributed(distributed, self._begin)
 
     async def distribution(self) -> Distribution | None:
         """How Citus distributes the claim table (None: no Citus here), for ``check
