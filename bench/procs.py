@@ -20,11 +20,20 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+    """A port nothing listens on, and not one this process handed out before: the kernel can
+    give a released port again at once, and two services on one port fail to start."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no new free port after 1000 tries ({len(_handed_out)} handed out)")
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -215,12 +215,21 @@ async def wait_for_lock_waiters(dsn: str, table: str, count: int) -> None:
 # --- dedup-proxy as a process -------------------------------------------------------------
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A port nothing listens on (the kernel just handed it out and it was released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
+    """A port nothing listens on (the kernel just handed it out and it was released), and not
+    one this process handed out before: the kernel can give a released port again at once,
+    and a test that asks for two ports needs two."""
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no new free port after 1000 tries ({len(_handed_out)} handed out)")
 
 
 async def accepts(port: int) -> bool:
