@@ -15,7 +15,6 @@ import os
 import re
 import resource
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -31,6 +30,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import procs
 from proxy import admin, app, config, pipeline, retention
 
 WITHIN = 10.0  # the default bound on every wait for the proxy (an answer, a close, a start)
@@ -215,21 +215,8 @@ async def wait_for_lock_waiters(dsn: str, table: str, count: int) -> None:
 # --- dedup-proxy as a process -------------------------------------------------------------
 
 
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on (the kernel just handed it out and it was released), and not
-    one this process handed out before: the kernel can give a released port again at once,
-    and a test that asks for two ports needs two."""
-    for _ in range(1000):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port: int = sock.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-    raise RuntimeError(f"no new free port after 1000 tries ({len(_handed_out)} handed out)")
+# A port nothing listens on, never one handed out before in this process: the benchmark's.
+free_port = procs.free_port
 
 
 async def accepts(port: int) -> bool:
