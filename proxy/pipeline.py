@@ -519,6 +519,7 @@ def make_dispatcher(
                 target.path + target.query,
                 line["request_id"],
                 trace=trace,
+                pause=cfg.client_body_timeout,
             )
             line["outcome"] = "passthrough"
         except errors.RequestError as exc:

@@ -20,7 +20,7 @@ import asyncio
 import functools
 import logging
 import ssl as ssl_module
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -183,6 +183,30 @@ class RelayedStreamResponse(_AsSent):
     """The app's answer to a pass-through request, streamed."""
 
 
+class _PausingBody:
+    """A pass-through body streamed to the app as it arrives, each read bounded by ``pause``
+    (client_body_timeout): a trickling upload must not hold a pass-through connection."""
+
+    def __init__(self, content: aiohttp.StreamReader, pause: float) -> None:
+        self._content = content
+        self._pause = pause
+        self.stalled: errors.RequestTimeout | None = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            try:
+                async with asyncio.timeout(None if self._pause == float("inf") else self._pause):
+                    chunk = await self._content.readany()
+            except TimeoutError:
+                self.stalled = errors.RequestTimeout(
+                    f"body paused for over client_body_timeout {self._pause:g}s"
+                )
+                raise self.stalled from None
+            if not chunk:
+                return
+            yield chunk
+
+
 def relayed(answer: http1.Answer) -> RelayedResponse:
     """The app's answer, its headers filtered by ``Forwarder.forward``, as the provider gets it."""
     return RelayedResponse(
@@ -318,10 +342,12 @@ class Forwarder:
         request_id: str,
         *,
         trace: Trace,
+        pause: float = float("inf"),
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
         streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
-        (Overloaded, 503, when none is free within PASSTHROUGH_WAIT)."""
+        (Overloaded, 503, when none is free within PASSTHROUGH_WAIT). A body whose bytes pause
+        longer than ``pause`` (client_body_timeout) is answered 408, its upstream request cut."""
         slots = self._passthrough
         if slots.locked():
             try:
@@ -335,25 +361,39 @@ class Forwarder:
         else:
             await slots.acquire()  # free: returns at once, no timer needed
         try:
-            return await self._relay(request, base_url, target, request_id, trace)
+            return await self._relay(request, base_url, target, request_id, trace, pause=pause)
         finally:
             slots.release()
 
     async def _relay(
-        self, request: web.Request, base_url: str, target: str, request_id: str, trace: Trace
+        self,
+        request: web.Request,
+        base_url: str,
+        target: str,
+        request_id: str,
+        trace: Trace,
+        *,
+        pause: float,
     ) -> web.StreamResponse:
         headers = self._headers(request, request_id, keep_length=True)
         span = trace.forwarding(request.method, base_url, target, headers)
+        body = _PausingBody(request.content, pause) if request.body_exists else None
         try:
-            with transports.translated(self._timeout):
-                upstream = await self._session.request(
-                    request.method,
-                    transports.url_for(base_url, target),
-                    headers=headers,
-                    data=request.content if request.body_exists else None,
-                    allow_redirects=False,
-                    timeout=self._stream_timeout,
-                )
+            try:
+                with transports.translated(self._timeout):
+                    upstream = await self._session.request(
+                        request.method,
+                        transports.url_for(base_url, target),
+                        headers=headers,
+                        data=body.chunks() if body is not None else None,
+                        allow_redirects=False,
+                        timeout=self._stream_timeout,
+                    )
+            except errors.UpstreamUnavailable as exc:
+                # aiohttp's client reports a body that stopped as a broken connection.
+                if body is not None and body.stalled is not None:
+                    raise body.stalled from exc
+                raise
         except errors.RequestError as exc:
             trace.failed(span, exc.code, exc.message)
             raise
