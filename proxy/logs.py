@@ -40,10 +40,59 @@ _ENCODER = json.JSONEncoder(default=str, separators=(",", ":"))
 # user:password@ in any URL (an upstream's, a DSN) that an exception or a message quotes, up to
 # the last "@" of the host part: a password may hold a raw "@" or "#". In a DSN, whose path
 # never holds an "@", up to the last "@" at all: a raw "/" or "?" in the password, too.
-_CREDENTIALS = re.compile(
-    r"(?i)\b(postgres(?:ql)?://[^\s/@:\"']*:)[^\s\"']*@"
-    r"|\b([a-z][a-z0-9+.-]*://[^\s/@:\"']*:)[^\s/\"']*@"
-)
+# Scanned once from left to right (each "://" once, each run of the password's characters
+# once): a regex tried at every "://" rescanned the rest of a line with no "@" from each, and a
+# path of "postgres://a:" repeated cost 30 ms of the event loop.
+_SCHEME_CHAR = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
+_USER = re.compile(r"[^\s/@:\"']*")
+_DSN_PASSWORD = re.compile(r"[^\s\"']*")
+_URL_PASSWORD = re.compile(r"[^\s/\"']*")
+
+
+def _run_end(chars: re.Pattern[str], line: str, pos: int) -> int:
+    match = chars.match(line, pos)
+    return match.end() if match else pos
+
+
+def _is_dsn(line: str, start: int, end: int) -> bool:
+    scheme = line[start:end].lower()
+    for name in ("postgresql", "postgres"):
+        if scheme.endswith(name):
+            head = scheme[: -len(name)]
+            return not head or not (head[-1].isalnum() or head[-1] == "_")
+    return False
+
+
+def _mask_urls(line: str) -> str:
+    out: list[str] = []
+    done = 0  # line[:done] is in out
+    runs = {_DSN_PASSWORD: (-1, -1), _URL_PASSWORD: (-1, -1)}  # run's end, its last "@"
+    at = line.find("://")
+    while at != -1:
+        start = at
+        while start > done and line[start - 1] in _SCHEME_CHAR:
+            start -= 1
+        while start < at and not line[start].isalpha():
+            start += 1
+        user_end = _run_end(_USER, line, at + 3)
+        if start < at and line.startswith(":", user_end):
+            password = _DSN_PASSWORD if _is_dsn(line, start, at) else _URL_PASSWORD
+            end, last = runs[password]
+            if user_end >= end:
+                end = _run_end(password, line, user_end + 1)
+                last = line.rfind("@", user_end + 1, end)
+                runs[password] = end, last
+            if last > user_end:
+                out.append(line[done : user_end + 1])
+                out.append("***@")
+                done = last + 1
+                at = line.find("://", done)
+                continue
+        at = line.find("://", at + 1)
+    out.append(line[done:])
+    return "".join(out)
+
+
 # libpq's key=value form (password=secret or password='a b') and a URL's ?password=secret.
 _PASSWORD_PAIR = re.compile(r"(?i)\b(password\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s&'\"]+)")
 # A text-form value needs quoting if it is empty or holds a space, '=', '"' or anything but
@@ -54,8 +103,8 @@ _PLAIN = re.compile(r"[!#-<>-~]+")
 def mask(line: str) -> str:
     """``line`` with every password in it replaced by ``***``: a URL's, or libpq's
     ``password=…``."""
-    if "://" in line:
-        line = _CREDENTIALS.sub(lambda match: f"{match[1] or match[2]}***@", line)
+    if "://" in line and "@" in line:
+        line = _mask_urls(line)
     if "assword" in line or "ASSWORD" in line:
         line = _PASSWORD_PAIR.sub(r"\1***", line)
     return line

@@ -34,8 +34,8 @@ import contextlib
 import importlib
 import logging
 import os
-import re
 import threading
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -125,8 +125,15 @@ def describe(environ: Mapping[str, str]) -> str:
 
 
 def _masked(value: str) -> str:
-    """A URL's password as ***; any other value as it is."""
-    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", value)
+    """A URL with its password as *** and without its query string and fragment (where a
+    collector's token such as ``?api_key=`` travels); any other value as it is."""
+    if "://" not in value:
+        return value
+    url = urllib.parse.urlsplit(value)
+    user, at, host = url.netloc.rpartition("@")
+    if ":" in user:
+        user = user.partition(":")[0] + ":***"
+    return urllib.parse.urlunsplit((url.scheme, f"{user}{at}{host}", url.path, "", ""))
 
 
 def summary(environ: Mapping[str, str]) -> str:
