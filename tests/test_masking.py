@@ -18,7 +18,7 @@ def test_a_url_password_after_many_prefixes_is_still_masked() -> None:
     assert logs.mask(line).endswith("***@db/app y")
 
 
-def test_the_tracing_line_shows_the_endpoint_without_its_query_or_userinfo() -> None:
+def test_the_tracing_line_shows_the_endpoint_without_its_query_or_password() -> None:
     described = tracing.describe(
         {"OTEL_EXPORTER_OTLP_ENDPOINT": "https://u:pw@otel:4318/x?api_key=SECRET#frag"}
     )
