@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO, TextIO
 
-from proxy import config, errors, operations
+from proxy import config, errors, logs, operations
 from proxy.database import inbox
 
 # Their values are credentials of the sender's session, not of the event: masked in ``show``.
@@ -194,14 +194,18 @@ def describe(shown: inbox.Shown) -> str:
 
 def _request(delivery: inbox.Delivery, body_bytes: int | None, state: str | None) -> str:
     lines = [
-        f"request:     {delivery.method} {delivery.target}",
+        f"request:     {delivery.method} {logs.printable(delivery.target)}",
         f"upstream:    {delivery.upstream}",
         f"route:       {delivery.route}",
         "headers:",
     ]
+    # What a client sent, shown to an operator's terminal: escaped as the log lines are.
     for name, value in delivery.headers:
-        masked = name.lower() in MASKED_HEADERS
-        lines.append(f"  {name}: {f'<redacted {len(value.encode())} bytes>' if masked else value}")
+        if name.lower() in MASKED_HEADERS:
+            shown = f"<redacted {len(value.encode('utf-8', 'surrogateescape'))} bytes>"
+        else:
+            shown = logs.printable(value)
+        lines.append(f"  {logs.printable(name)}: {shown}")
     kept = f"dropped ({state})" if body_bytes is None else f"{body_bytes} bytes"
     lines.append(f"body:        {kept}")
     return "\n".join(lines) + "\n"
@@ -217,7 +221,8 @@ def _attempts(attempts: Sequence[dict[str, Any]]) -> str:
         except (TypeError, ValueError):
             at = str(attempt.get("at"))
         status = attempt.get("status")
-        rows.append((at, "-" if status is None else status, attempt.get("error") or "-"))
+        error = logs.printable(str(attempt.get("error") or "-"))
+        rows.append((at, "-" if status is None else status, error))
     text = io.StringIO()
     operations.table(rows, ("at", "status", "error"), text)
     indented = "".join(f"  {line}\n" for line in text.getvalue().splitlines())

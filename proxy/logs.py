@@ -166,6 +166,13 @@ def encode(entry: dict[str, Any]) -> str:
     return line.decode() if line.isascii() and b"\x7f" not in line else _ENCODER.encode(entry)
 
 
+def printable(text: str) -> str:
+    """``text`` as it is when every character prints; otherwise escaped as a JSON string's
+    inside: control characters (C0, C1: CSI, OSC), format characters (U+202E) and anything else
+    a terminal could act on are written as escapes."""
+    return text if text.isprintable() else _ENCODER.encode(text)[1:-1]
+
+
 class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
@@ -173,7 +180,7 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         # The message may quote a request's path or a header value: escaped like a value.
-        line = line if line.isprintable() else _ENCODER.encode(line)[1:-1]
+        line = printable(line)
         fields = getattr(record, "fields", None)
         if fields:
             line += " " + " ".join(f"{k}={_logfmt(v)}" for k, v in fields.items() if v is not None)

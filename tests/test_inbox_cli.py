@@ -13,7 +13,17 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from tests.helpers import FakeUpstream, MakeProxy, execute, fetch, free_port, run_cli, wait_until
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    connection,
+    execute,
+    fetch,
+    free_port,
+    read_answer,
+    run_cli,
+    wait_until,
+)
 
 SLOW = {"schedule": ["1h"], "for": "1d"}  # the redeliverer never comes back by itself here
 QUICK = {"poll": "100ms", "rate": 1000}
@@ -177,6 +187,34 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
 
     code, out, err = await cli(config_file, "show", "--route", "hooks", "nope")
     assert (code, out, err) == (1, "", "not found: hooks nope\n")
+
+
+async def test_show_escapes_what_a_terminal_would_act_on_in_kept_headers_and_target(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, routes: list[dict[str, Any]]
+) -> None:
+    # C1 CSI (U+009B) and OSC (U+009D, an OSC 52 clipboard write), U+202E, and a raw 0x9B
+    # byte, as a client can send them: raw bytes over a socket.
+    hostile = b"\xc2\x9b2J \xc2\x9d52;c;aGk=\xc2\x9c \xe2\x80\xaeevil \x9b31m"
+    upstream.respond = answering(503)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    body = b'{"id": "t1"}'
+    async with connection(proxy) as (reader, writer):
+        writer.write(
+            b"POST /hooks?q=%E2%80%AE HTTP/1.1\r\nHost: x\r\nX-Evil: " + hostile
+            + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )  # fmt: skip
+        answer = await read_answer(reader)
+    assert answer is not None
+    assert answer.status == 202
+
+    code, out, err = await cli(config_file, "show", "--route", "hooks", "t1")
+
+    assert (code, err) == (0, "")
+    assert all(line.isprintable() for line in out.splitlines())
+    for character in ("\x9b", "\x9d", "\x9c", "\u202e", "\udc9b"):
+        assert character not in out
+    evil = next(line for line in out.splitlines() if line.startswith("  X-Evil: "))
+    assert evil == r"  X-Evil: \u009b2J \u009d52;c;aGk=\u009c \u202eevil \udc9b31m"
 
 
 async def test_redeliver_makes_the_given_deliveries_due_now_with_the_whole_for_again(
