@@ -176,8 +176,13 @@ class _Server:
             shutdown_timeout=cfg.shutdown_timeout,
             **app.runner_options(cfg),
         )
+        # No lingering read: no admin route reads a body, and a connection that declares one
+        # and never sends it would hold the admin bound for aiohttp's 10 s of lingering.
         self.admin_runner = web.AppRunner(
-            admin.create_admin_app(self.proxy), access_log=None, keepalive_timeout=admin.KEEPALIVE
+            admin.create_admin_app(self.proxy),
+            access_log=None,
+            keepalive_timeout=admin.KEEPALIVE,
+            lingering_time=0,
         )
         self.stop = asyncio.Event()
         self.loop = asyncio.get_running_loop()

@@ -69,6 +69,22 @@ async def test_idle_admin_connections_past_the_bound_make_room_for_a_probe_the_o
     assert reports[0]["level"] == "warning"
 
 
+async def test_admin_requests_that_declare_a_body_and_never_send_it_cannot_crowd_out_a_probe(
+    serve: Serve, streams: list[Stream]
+) -> None:
+    served = await serve()
+    declared = b"GET /healthz HTTP/1.1\r\nHost: proxy.test\r\nContent-Length: 1000\r\n\r\n"
+    # Each is answered and its connection closed at once: none holds the bound while aiohttp
+    # would wait (lingering, 10 s) for a body that never comes.
+    for _ in range(admin.MAX_CONNECTIONS + 4):
+        streams.append(stream := await open_stream(served.admin_port))
+        assert await status(stream, declared) == 200
+        await closed(stream, "an admin connection whose request body never came")
+
+    streams.append(probe := await open_stream(served.admin_port))
+    assert await status(probe, HEALTHZ) == 200
+
+
 async def _attempt(port: int) -> Stream | None:
     """A connection, or None when it was refused or not accepted in time."""
     try:
