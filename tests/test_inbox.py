@@ -148,6 +148,25 @@ async def test_an_answer_retrying_cannot_fix_is_dead_at_once_and_an_operator_bri
     assert len(upstream.requests) == 2
 
 
+async def test_max_pending_bytes_counts_the_headers_a_kept_row_stores_not_only_its_body(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(10**6)
+    proxy = await make_proxy(
+        routes=[route(schedule=["1h"], max_pending_bytes="64KiB")], redeliverer=QUICK
+    )
+    # About 40 KiB of headers around a 13-byte body: two such rows do not fit 64 KiB.
+    heavy = {f"X-Padding-{n}": "p" * 8000 for n in range(5)}
+
+    answers = [
+        await proxy.post("/hooks", data=f'{{"id": "h{n}"}}'.encode(), headers=heavy)
+        for n in range(3)
+    ]
+
+    assert [a.status for a in answers] == [202, 503, 503]
+    assert sorted(await rows(pg_dsn, table)) == ["h0"]
+
+
 async def test_past_for_a_pending_event_is_dead(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:

@@ -29,6 +29,8 @@ _REDELIVERABLE = (
     "inbox_state = {state}::text AND inbox_body IS NOT NULL "
     "AND ({since}::timestamptz IS NULL OR inbox_changed >= {since})"
 )
+# What a kept row stores of its request, counted against max_pending_bytes.
+_STORED = "coalesce(octet_length(inbox_request::text), 0) + coalesce(octet_length(inbox_body), 0)"
 _ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
 
 
@@ -42,7 +44,8 @@ class Statements:
     def queue(self) -> str:
         # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8 delay,
         # $9 until, $10 base scope, $11 max count, $12 max bytes. Under the cap only: the kept
-        # rows of the route (pending and dead: both hold bodies), this one's body counted.
+        # rows of the route (pending and dead: both hold requests), this one counted, each by
+        # what it stores (its headers as well as its body: the headers alone can be 1 MiB).
         # Concurrent failures each see the others' uncommitted rows as absent, so the cap can
         # be passed by the deliveries failing at that moment (at most the pool's size).
         return (
@@ -55,7 +58,8 @@ class Statements:
             "CASE WHEN $3 = 'pending' THEN $8::float8 END), "
             "inbox_until = now() + make_interval(secs => $9), inbox_changed = now() "
             "WHERE scope = $1 AND event_id = $2 AND (SELECT count(*) < $11 AND "
-            "coalesce(sum(octet_length(inbox_body)), 0) + octet_length($5::bytea) <= $12 "
+            f"coalesce(sum({_STORED}), 0) + octet_length($4::jsonb::text) "
+            "+ octet_length($5::bytea) <= $12 "
             f"FROM {self.quoted} WHERE {sql.IN_SCOPE.replace('$1', '$10')} "
             "AND inbox_state IN ('pending', 'dead'))"
         )
