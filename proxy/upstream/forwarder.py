@@ -195,7 +195,7 @@ class _PausingBody:
     async def chunks(self) -> AsyncIterator[bytes]:
         while True:
             try:
-                async with asyncio.timeout(None if self._pause == float("inf") else self._pause):
+                async with asyncio.timeout(self._pause):
                     chunk = await self._content.readany()
             except TimeoutError:
                 self.stalled = errors.RequestTimeout(
@@ -342,7 +342,7 @@ class Forwarder:
         request_id: str,
         *,
         trace: Trace,
-        pause: float = float("inf"),
+        pause: float,
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
         streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
