@@ -14,6 +14,17 @@ measured by the same probe. Four scenarios, each on a fresh proxy:
   reading, on max_buffered: 8MiB: the proxy's RSS;
 - held: how many of those connections the proxy still holds 15 s later.
 
+Three more, each its own command (``--scenario``), the hardening issue's round three:
+
+- bigheads: 120 connections each sending a head of 1 MiB (128 lines of 8,000 bytes, aiohttp's
+  own limits), then one byte of a 1,000-byte body, held open: the proxy's RSS, and 5 signed
+  webhooks;
+- masking: 150 pass-through requests whose path and X-Request-Id are ``postgres://a:``
+  repeated (what the log masking once backtracked on), while ``/healthz`` is polled: its
+  slowest answer;
+- uploads: 100 pass-through uploads trickling a byte every 2 s, then 10 other pass-through
+  requests: how many are answered 200, and how fast.
+
 Every loop is bounded; everything runs on 127.0.0.1 and is stopped by its PID at the end.
 """
 
@@ -73,7 +84,16 @@ async def start_app(tls: ssl.SSLContext | None) -> tuple[web.AppRunner, str]:
 
 
 class Proxy:
-    def __init__(self, checkout: Path, dsn: str, upstream: str, workdir: Path, ca: Path) -> None:
+    def __init__(
+        self,
+        checkout: Path,
+        dsn: str,
+        upstream: str,
+        workdir: Path,
+        ca: Path,
+        *,
+        level: str = "warning",
+    ) -> None:
         self.port = free_port()
         config = {
             "listen": f"127.0.0.1:{self.port}",
@@ -81,7 +101,7 @@ class Proxy:
             "upstream": {"url": upstream, "timeout": "20s"},
             "database": {"dsn": dsn, "table": f"probe_{os.getpid()}_{self.port}", "pool_size": 4},
             "max_buffered": "8MiB",
-            "log": {"format": "json", "level": "warning"},
+            "log": {"format": "json", "level": level},
             "routes": [
                 {"name": "github", "path": "/github", "preset": "github",
                  "verify": {"secret": GITHUB_SECRET}},
@@ -91,6 +111,7 @@ class Proxy:
                  "on_duplicate": "replay", "replay_max_body": "1MiB"},
             ],
         }  # fmt: skip
+        self.admin_port = config["admin"]["listen"].rpartition(":")[2]
         path = workdir / f"config-{self.port}.yaml"
         path.write_text(yaml.safe_dump(config))
         self.checkout, self.path, self.ca = checkout, path, ca
@@ -162,6 +183,8 @@ def stripe_events(prefix: str, count: int) -> list[bytes]:
 
 
 async def probe(args: argparse.Namespace) -> dict[str, Any]:
+    if args.scenario != "first":
+        return await SCENARIOS[args.scenario](args)
     ca = trustme.CA()
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(server_tls)
@@ -223,10 +246,162 @@ async def probe(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+async def trickle(
+    port: int, head: bytes, sockets: list[socket.socket], stop: asyncio.Event
+) -> None:
+    """Send ``head``, then a byte every 2 s until ``stop`` (or 60 bytes)."""
+    own: list[socket.socket] = []
+    await non_reader(port, head, own)
+    (sock,), loop = own, asyncio.get_running_loop()
+    sockets += own
+    for _ in range(60):
+        try:
+            await loop.sock_sendall(sock, b"x")
+            await asyncio.wait_for(stop.wait(), 2)
+            return
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+
+
+async def answered(port: int, requests: int) -> tuple[list[int], float]:
+    """``requests`` pass-through GETs, at once: their statuses (0: none), and the time taken."""
+    started = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+
+        async def one(n: int) -> int:
+            try:
+                async with session.get(f"http://127.0.0.1:{port}/page/{n}") as response:
+                    await response.read()
+                    return response.status
+            except (aiohttp.ClientError, TimeoutError):
+                return 0
+
+        got = await asyncio.gather(*(one(n) for n in range(requests)))
+    return list(got), time.monotonic() - started
+
+
+class Setting:
+    """A scenario's apps and files, for one proxy."""
+
+    async def __aenter__(self) -> Setting:
+        self.tmp = tempfile.TemporaryDirectory()
+        self.workdir = Path(self.tmp.name)
+        self.ca_file = self.workdir / "ca.pem"
+        trustme.CA().cert_pem.write_to_path(str(self.ca_file))
+        self.app, self.url = await start_app(None)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.app.cleanup()
+        self.tmp.cleanup()
+
+
+async def big_heads(args: argparse.Namespace) -> dict[str, Any]:
+    head = b"POST /upload HTTP/1.1\r\nHost: p\r\nContent-Length: 1000\r\n"
+    head += b"".join(b"X-Pad-%d: %s\r\n" % (n, b"p" * 8000) for n in range(126)) + b"\r\nx"
+    results: dict[str, Any] = {}
+    sockets: list[socket.socket] = []
+    async with (
+        Setting() as setting,
+        Proxy(args.checkout, args.dsn, setting.url, setting.workdir, setting.ca_file) as proxy,
+    ):
+        before = proxy.rss_mib()
+        await asyncio.gather(*(non_reader(proxy.port, head, sockets) for _ in range(120)))
+        await asyncio.sleep(3)
+        results["bigheads: RSS before -> with 120 heads of 1 MiB, MiB"] = (
+            f"{before:.0f} -> {proxy.rss_mib():.0f}"
+        )
+        results["bigheads: connections held at 3 s"] = proxy.client_sockets()
+        got = await statuses(proxy.port, "/stripe", stripe_events("b", 5), True)
+        results["bigheads: signed Stripe webhooks answered 200"] = f"{got.count(200)} of 5"
+    for sock in sockets:
+        sock.close()
+    return results
+
+
+async def masking(args: argparse.Namespace) -> dict[str, Any]:
+    trap = b"postgres://a:" * 550  # 7,150 bytes: each under aiohttp's 8,190 per line
+    request = b"POST /%s HTTP/1.1\r\nHost: p\r\nX-Request-Id: %s\r\nContent-Length: 0\r\n\r\n" % (
+        trap,
+        trap,
+    )
+    async with (
+        Setting() as setting,
+        Proxy(
+            args.checkout, args.dsn, setting.url, setting.workdir, setting.ca_file, level="info"
+        ) as proxy,
+    ):
+        slowest = 0.0
+        done = asyncio.Event()
+
+        async def poll() -> None:
+            nonlocal slowest
+            async with aiohttp.ClientSession() as session:
+                for _ in range(400):
+                    started = time.monotonic()
+                    async with session.get(
+                        f"http://127.0.0.1:{proxy.admin_port}/healthz"
+                    ) as response:
+                        await response.read()
+                    slowest = max(slowest, time.monotonic() - started)
+                    if done.is_set():
+                        return
+                    await asyncio.sleep(0.05)
+
+        poller = asyncio.create_task(poll())
+        await asyncio.sleep(0.5)
+        baseline = slowest
+        sockets: list[socket.socket] = []
+        await asyncio.gather(*(non_reader(proxy.port, request, sockets) for _ in range(150)))
+        await asyncio.sleep(5)
+        done.set()
+        await poller
+        for sock in sockets:
+            sock.close()
+    return {
+        "masking: slowest /healthz before -> under 150 trap requests, ms": (
+            f"{baseline * 1000:.0f} -> {slowest * 1000:.0f}"
+        )
+    }
+
+
+async def uploads(args: argparse.Namespace) -> dict[str, Any]:
+    head = b"POST /upload HTTP/1.1\r\nHost: p\r\nContent-Length: 1000\r\n\r\n"
+    async with (
+        Setting() as setting,
+        Proxy(args.checkout, args.dsn, setting.url, setting.workdir, setting.ca_file) as proxy,
+    ):
+        sockets: list[socket.socket] = []
+        stop = asyncio.Event()
+        tricklers = [
+            asyncio.create_task(trickle(proxy.port, head, sockets, stop)) for _ in range(100)
+        ]
+        await asyncio.sleep(3)
+        got, took = await answered(proxy.port, 10)
+        stop.set()
+        await asyncio.gather(*tricklers)
+        for sock in sockets:
+            sock.close()
+    return {
+        "uploads: pass-through requests answered 200 under 100 trickling uploads": (
+            f"{got.count(200)} of 10 ({sorted(set(got))}, {took:.1f} s)"
+        )
+    }
+
+
+SCENARIOS = {"bigheads": big_heads, "masking": masking, "uploads": uploads}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dsn", required=True)
     parser.add_argument("--checkout", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser.add_argument(
+        "--scenario", choices=["first", *SCENARIOS], default="first",
+        help="first: heads, passthrough, pipelined and held (round two's); or one of the others",
+    )  # fmt: skip
     args = parser.parse_args()
     for name, value in asyncio.run(probe(args)).items():
         print(f"{name}: {value}")

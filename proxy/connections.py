@@ -36,6 +36,16 @@ the very buffer that does not drain.
 ``stuck_since`` also tells the connection bound (``ConnectionLimit``) which connections are stuck
 writing, so that they can make room for new ones. Relied on, private: ``Server._kwargs``, the
 handler settings ``Server.__call__`` passes to every handler it makes.
+
+The head bound (``max_head``, ``Handler``). aiohttp limits each line of a request head (8,190
+bytes) and their number (128), not their sum: a head of about 1 MiB is parsed, and stays in
+memory (about 2 MiB of RSS) for as long as its request lasts, outside ``max_buffered``, while
+its body trickles. Here a head is counted as its bytes arrive, while the connection waits for
+one, and a whole head is measured once parsed; past ``max_head`` the request is answered
+``431`` and its connection closed, through aiohttp's own path for a request its parser refused
+(in order behind a pipelined request still in progress). Relied on, private: the handler's
+``_messages`` queue and ``_waiter``, and ``web_protocol._ErrInfo``, what the parser's refusals
+are queued as.
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ import socket
 from collections.abc import Callable
 from typing import cast
 
-from aiohttp import web
+from aiohttp import http_exceptions, streams, web, web_protocol
 
 from proxy import config
 from proxy.upstream import forwarder
@@ -117,7 +127,8 @@ class ConnectionLimit:
     ``shed`` is called for each connection shed, closed to make room or refused; one warning
     line, naming the bound ``name``, reports them, at most every ``_REPORT_EVERY`` seconds while
     shedding goes on. At most ``max_lingering`` refused connections wait for their client to
-    read the 503; past that, they are closed at once.
+    read the 503; past that, they are closed at once. Each admitted connection's handler ends
+    answers that make no progress for ``send_timeout`` and heads over ``max_head`` bytes.
     """
 
     def __init__(
@@ -126,12 +137,14 @@ class ConnectionLimit:
         bound: int,
         shed: Callable[[], None],
         *,
+        send_timeout: float,
+        max_head: int,
         name: str = "max_connections",
         max_lingering: int = _MAX_LINGERING,
-        send_timeout: float | None = None,
     ) -> None:
         self._server = server
         self._send_timeout = send_timeout
+        self._max_head = max_head
         self._bound = bound
         self._shed = shed
         self._name = name
@@ -162,9 +175,7 @@ class ConnectionLimit:
                     self._count(refused=True)
                     return None
                 self._count(refused=False)
-        if self._send_timeout is None:
-            return self._server()
-        return factory(self._server, self._send_timeout)
+        return factory(self._server, self._send_timeout, self._max_head)
 
     def _count(self, *, refused: bool) -> None:
         self._shed()
@@ -239,12 +250,11 @@ class _Admission(asyncio.Protocol):
 
 class BoundedSite(web.BaseSite):
     """A listener like ``web.SockSite`` on a bound socket, its connections admitted by a
-    ``ConnectionLimit`` (``name``, ``max_lingering`` and ``send_timeout`` are passed on to it)."""
+    ``ConnectionLimit`` (the keyword arguments but ``backlog`` are passed on to it)."""
 
     __slots__ = (
-        "_app_runner", "_bound", "_limit", "_limit_name", "_listener", "_max_lingering", "_name",
-        "_send_timeout",
-        "_shed", "_sock",
+        "_app_runner", "_bound", "_limit", "_limit_name", "_listener", "_max_head",
+        "_max_lingering", "_name", "_send_timeout", "_shed", "_sock",
     )  # fmt: skip
 
     def __init__(
@@ -255,9 +265,10 @@ class BoundedSite(web.BaseSite):
         bound: int,
         shed: Callable[[], None],
         backlog: int,
+        send_timeout: float,
+        max_head: int,
         name: str = "max_connections",
         max_lingering: int = _MAX_LINGERING,
-        send_timeout: float | None = None,
     ) -> None:
         super().__init__(runner, backlog=backlog)
         self._app_runner = runner  # BaseSite keeps its own reference private
@@ -269,6 +280,7 @@ class BoundedSite(web.BaseSite):
         self._limit_name = name
         self._max_lingering = max_lingering
         self._send_timeout = send_timeout
+        self._max_head = max_head
         self._limit: ConnectionLimit | None = None
         self._listener: asyncio.AbstractServer | None = None
 
@@ -290,9 +302,10 @@ class BoundedSite(web.BaseSite):
             server,
             self._bound,
             self._shed,
+            send_timeout=self._send_timeout,
+            max_head=self._max_head,
             name=self._limit_name,
             max_lingering=self._max_lingering,
-            send_timeout=self._send_timeout,
         )
         self._listener = await asyncio.get_running_loop().create_server(
             self._limit, sock=self._sock, backlog=self._backlog
@@ -306,15 +319,31 @@ class BoundedSite(web.BaseSite):
         await super().stop()
 
 
+class HeadTooLarge(http_exceptions.HttpProcessingError):
+    """A request head over ``max_head`` bytes: answered 431, its connection closed."""
+
+    code = 431
+
+
 class Handler(web.RequestHandler):
     """A ``RequestHandler`` whose connection is aborted after ``send_timeout`` seconds of an
-    answer making no progress."""
+    answer making no progress, and whose request heads may hold at most ``max_head`` bytes."""
 
-    __slots__ = ("_cut_off_at", "_send_timeout", "_stream", "stuck_since")
+    __slots__ = (
+        "_body", "_cut_off_at", "_head_bytes", "_max_head", "_send_timeout", "_stream",
+        "stuck_since",
+    )  # fmt: skip
 
-    def __init__(self, manager: web.Server, *, send_timeout: float, **kwargs: object) -> None:
+    def __init__(
+        self, manager: web.Server, *, send_timeout: float, max_head: int, **kwargs: object
+    ) -> None:
         super().__init__(manager, **kwargs)  # type: ignore[arg-type]
         self._send_timeout = send_timeout
+        self._max_head = max_head
+        # Bytes received since the connection began to wait for a head (None: refused one),
+        # and the body of the request parsed last, while its bytes may still be arriving.
+        self._head_bytes: int | None = 0
+        self._body: streams.StreamReader | None = None
         self._cut_off_at: asyncio.TimerHandle | None = None
         # aiohttp forgets its transport once it has asked it to close (which waits for the
         # send buffer to drain): kept here, to abort it.
@@ -324,6 +353,42 @@ class Handler(web.RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._stream = transport  # type: ignore[assignment]
         super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_bytes is None:
+            return  # what follows a refused head: its connection closes once it is answered
+        if self._body is None or self._body.is_eof():
+            # Bytes of a head: at most one read's worth of them is missed where a request and
+            # the start of the next one arrive together.
+            self._head_bytes += len(data)
+        parsed = self._request_count
+        super().data_received(data)
+        parsed = self._request_count - parsed
+        if parsed:
+            self._head_bytes = 0
+            messages = self._messages
+            for index in range(len(messages) - parsed, len(messages)):
+                message, body = messages[index]
+                if isinstance(message, web_protocol._ErrInfo):
+                    continue
+                size = len(message.path) + sum(len(k) + len(v) + 4 for k, v in message.raw_headers)
+                if size > self._max_head:
+                    messages[index] = self._refusal(f"a request head of {size} bytes")
+                    while len(messages) > index + 1:
+                        messages.pop()  # pipelined behind it: the connection closes first
+                    self._head_bytes = None
+                    return
+                self._body = body
+        elif self._head_bytes > self._max_head:
+            self._messages.append(self._refusal(f"more than {self._head_bytes} bytes of head"))
+            self._head_bytes = None
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+
+    def _refusal(self, what: str) -> tuple[web_protocol._ErrInfo, streams.StreamReader]:
+        exc = HeadTooLarge(message=f"{what}, over max_head {self._max_head}")
+        refusal = web_protocol._ErrInfo(status=431, exc=exc, message=exc.message)
+        return refusal, streams.EMPTY_PAYLOAD
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -364,11 +429,13 @@ class Handler(web.RequestHandler):
             self._stream.abort()
 
 
-def factory(server: web.Server, send_timeout: float) -> Handler:
-    """A new connection's handler, made as ``server()`` makes one, with ``send_timeout``."""
+def factory(server: web.Server, send_timeout: float, max_head: int) -> Handler:
+    """A new connection's handler, made as ``server()`` makes one, with ``send_timeout`` and
+    ``max_head``."""
     return Handler(
         server,
         loop=asyncio.get_running_loop(),
         send_timeout=send_timeout,
+        max_head=max_head,
         **server._kwargs,
     )

@@ -513,14 +513,16 @@ def make_dispatcher(
         trace = traces.begin(request, None, None, line)
         response: web.StreamResponse
         try:
-            response = await request.app[FORWARDER].relay(
-                request,
-                upstream if match is None else match.route.config.upstream,
-                target.path + target.query,
-                line["request_id"],
-                trace=trace,
-                pause=cfg.client_body_timeout,
-            )
+            with request.app[BUDGET].reservation() as reservation:
+                response = await request.app[FORWARDER].relay(
+                    request,
+                    upstream if match is None else match.route.config.upstream,
+                    target.path + target.query,
+                    line["request_id"],
+                    trace=trace,
+                    pause=cfg.client_body_timeout,
+                    reserve=reservation.body,
+                )
             line["outcome"] = "passthrough"
         except errors.RequestError as exc:
             line["outcome"] = exc.outcome

@@ -235,7 +235,7 @@ class _Server:
             await connections.BoundedSite(
                 self.admin_runner, sock, bound=admin.MAX_CONNECTIONS, shed=_uncounted,
                 backlog=admin.MAX_CONNECTIONS, name="the admin listener's bound", max_lingering=0,
-                send_timeout=self.cfg.send_timeout,
+                send_timeout=self.cfg.send_timeout, max_head=self.cfg.max_head,
             ).start()  # fmt: skip
 
     async def _start_public(self) -> None:
@@ -246,7 +246,7 @@ class _Server:
         for sock in public:
             site = connections.BoundedSite(
                 self.runner, sock, bound=self.bound, shed=shed, backlog=BACKLOG,
-                send_timeout=self.cfg.send_timeout,
+                send_timeout=self.cfg.send_timeout, max_head=self.cfg.max_head,
             )  # fmt: skip
             await site.start()
         if self.handed is not None and self.handed.siblings:

@@ -61,8 +61,11 @@ class FakeUpstream:
     # While set, requests wait for this event before answering.
     gate: asyncio.Event | None = None
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    # The paths of the requests whose heads arrived, before their bodies are read.
+    started: list[str] = field(default_factory=list)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.started.append(request.path_qs)
         body = await request.read()
         headers: dict[str, list[str]] = {}
         for name, value in request.headers.items():

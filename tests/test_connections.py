@@ -140,3 +140,56 @@ def _open_files(pid: int) -> tuple[str, str]:
     (line,) = [x for x in limits.splitlines() if x.startswith("Max open files")]
     soft, hard = line.split()[3:5]
     return soft, hard
+
+
+# --- the head bound (max_head) ----------------------------------------------------------------
+
+
+def _padded(lines: int, size: int) -> bytes:
+    """``lines`` header fields of ``size`` bytes each, every one under aiohttp's own limits."""
+    return b"".join(b"X-Pad-%d: %s\r\n" % (n, b"p" * size) for n in range(lines))
+
+
+async def test_a_whole_head_over_max_head_is_answered_431_and_its_connection_closed(
+    serve: Serve, streams: list[Stream], upstream: FakeUpstream
+) -> None:
+    served = await serve(max_head="16KiB")
+    streams.append(stream := await open_stream(served.port))
+    # 24 lines of 1,000 bytes: a head aiohttp alone parses and holds, body trickling or not.
+    head = HEAD + _padded(24, 1000) + b"Content-Length: 1000\r\n\r\n{"
+
+    answer = await send(stream, head)
+
+    assert answer is not None
+    assert answer.status == 431
+    await closed(stream, "the connection whose head was refused")
+    streams.append(other := await open_stream(served.port))
+    assert await status(other, webhook_request("evt_after")) == 200
+    assert [json.loads(r.body)["id"] for r in upstream.requests] == ["evt_after"]
+
+
+async def test_a_head_that_never_finishes_is_answered_431_once_past_max_head(
+    serve: Serve, streams: list[Stream], upstream: FakeUpstream
+) -> None:
+    served = await serve(max_head="16KiB")
+    streams.append(stream := await open_stream(served.port))
+
+    answer = await send(stream, HEAD + _padded(20, 1000))  # no blank line: never finished
+
+    assert answer is not None
+    assert answer.status == 431
+    await closed(stream, "the connection whose head was refused")
+    assert upstream.requests == []
+
+
+async def test_max_head_counts_each_request_of_a_kept_alive_connection_afresh(
+    serve: Serve, streams: list[Stream], upstream: FakeUpstream
+) -> None:
+    served = await serve(max_head="16KiB")
+    streams.append(stream := await open_stream(served.port))
+    # Three requests with 12 KB heads on one connection: 36 KB in all, each under 16 KiB.
+    padding = _padded(12, 1000).split(b"\r\n")[:-1]
+    for n in range(3):
+        assert await status(stream, webhook_request(f"evt_{n}", *padding)) == 200
+    assert await status(stream, HEAD + _padded(20, 1000) + b"\r\n") == 431
+    assert [json.loads(r.body)["id"] for r in upstream.requests] == ["evt_0", "evt_1", "evt_2"]

@@ -54,7 +54,7 @@ async def test_request_handler_internals_the_connection_bound_reads() -> None:
         # proxy.handler: a handler made as Server.__call__ makes one, from Server._kwargs (the
         # runner's settings, such as its keep-alive timeout).
         assert server._kwargs["keepalive_timeout"] == 7.0
-        made = proxy_handler.factory(server, send_timeout=1.0)
+        made = proxy_handler.factory(server, send_timeout=1.0, max_head=16384)
         assert (made._keepalive_timeout, handler._keepalive_timeout) == (7.0, 7.0)
     finally:
         await runner.cleanup()

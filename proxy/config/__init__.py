@@ -35,6 +35,9 @@ DEFAULT_MAX_BUFFERED = 64 * 1024 * 1024
 # Idle keep-alive connections cost a file descriptor and some 10-20 KB each; 1,000 per worker
 # serves any provider fan-in we know of and stays far below memory limits.
 DEFAULT_MAX_CONNECTIONS = 1000
+# Node.js's --max-http-header-size: a webhook's head is 1-2 KB, and a head is held for as long
+# as its request lasts, outside max_buffered, so max_connections of them must fit in memory.
+DEFAULT_MAX_HEAD = 16 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_CLIENT_TIMEOUT = 60.0
 # nginx's client_body_timeout and send_timeout, counted between two successive reads of a
@@ -58,7 +61,7 @@ _LEVELS = ("debug", "info", "warning", "error")
 TOP_KEYS = ("listen", "upstream", "database", "routes", "claim_wait", "max_body",
              "shutdown_timeout", "client_timeout", "client_body_timeout", "send_timeout",
              "log", "admin", "sweeper", "workers", "passthrough", "max_buffered", "max_connections",
-             "trusted_proxies", "redeliverer")  # fmt: skip
+             "max_head", "trusted_proxies", "redeliverer")  # fmt: skip
 DATABASE_KEYS = ("dsn", "password_file", "data_dir", "table", "create_schema", "pool_size",
                   "pool_timeout", "connect_timeout", "start_timeout")  # fmt: skip
 # Timeouts become PostgreSQL settings in milliseconds or bound a single request: an hour is
@@ -184,6 +187,7 @@ class Config:
     # Per worker: bytes of request bodies and app answers held at once; client connections.
     max_buffered: int = DEFAULT_MAX_BUFFERED
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_head: int = DEFAULT_MAX_HEAD  # per request: its request line and header fields
     # Peers (an ingress, a load balancer) whose X-Forwarded-* headers the app is passed as sent.
     trusted_proxies: tuple[proxy_headers.Network, ...] = ()
 
@@ -216,6 +220,15 @@ def _with_password_file(r: reader.Reader, db: dict[str, Any], dsn: Secret | None
 def _has_password(dsn: str) -> bool:
     authority, tail = values.split_authority(dsn.partition("://")[2])
     return ":" in authority.rpartition("@")[0] or bool(_QUERY_PASSWORD.search(tail))
+
+
+def _head_size(value: object) -> int:
+    """Between 1 KiB (below it, ordinary requests would be refused) and 1 MiB (aiohttp's own
+    limits: 128 header lines of 8,190 bytes)."""
+    size = values.parse_size(value)
+    if not 1024 <= size <= 1024 * 1024:
+        raise ValueError(f"must be between 1KiB and 1MiB, got {value!r}")
+    return size
 
 
 def _passthrough(value: object) -> tuple[str, ...] | None:
@@ -325,6 +338,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
         max_connections=r.value(
             top, "max_connections", "", values.parse_positive_int, DEFAULT_MAX_CONNECTIONS
         ),
+        max_head=r.value(top, "max_head", "", _head_size, DEFAULT_MAX_HEAD),
         trusted_proxies=r.value(top, "trusted_proxies", "", proxy_headers.parse_networks, ()),
         log=LogConfig(
             level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),

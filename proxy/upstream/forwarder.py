@@ -20,7 +20,7 @@ import asyncio
 import functools
 import logging
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -40,6 +40,10 @@ UNCLAIMED_HEADROOM = 100
 # cannot take the ones webhooks need; past them, a request waits at most PASSTHROUGH_WAIT.
 PASSTHROUGH_CONNECTIONS = 100
 PASSTHROUGH_WAIT = 5.0
+# A pass-through body's first bytes are read before it takes one of those connections (nginx's
+# proxy_request_buffering, in part): an upload that trickles holds no connection, and no app
+# worker, until it has sent this much (or all of itself).
+PASSTHROUGH_BUFFER = 64 * 1024
 
 # RFC 9110 §7.6.1 (and §11.7 for the Proxy-* pair): they describe one connection, not the message.
 HOP_BY_HOP = frozenset(
@@ -184,27 +188,44 @@ class RelayedStreamResponse(_AsSent):
 
 
 class _PausingBody:
-    """A pass-through body streamed to the app as it arrives, each read bounded by ``pause``
+    """A pass-through body: its first ``PASSTHROUGH_BUFFER`` bytes read before the app is
+    asked (``fill``), then streamed to the app as they arrive, each read bounded by ``pause``
     (client_body_timeout): a trickling upload must not hold a pass-through connection."""
 
     def __init__(self, content: aiohttp.StreamReader, pause: float) -> None:
         self._content = content
         self._pause = pause
+        self._buffered: list[bytes] = []
         self.stalled: errors.RequestTimeout | None = None
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        while True:
-            try:
-                async with asyncio.timeout(self._pause):
-                    chunk = await self._content.readany()
-            except TimeoutError:
-                self.stalled = errors.RequestTimeout(
-                    f"body paused for over client_body_timeout {self._pause:g}s"
-                )
-                raise self.stalled from None
+    async def fill(self, reserve: Callable[[int], None]) -> None:
+        """Read up to ``PASSTHROUGH_BUFFER`` bytes (or the whole body), ``reserve``-ing each
+        read's bytes first (``Overloaded``: they do not fit ``max_buffered``)."""
+        size = 0
+        while size < PASSTHROUGH_BUFFER:
+            chunk = await self._read()
             if not chunk:
                 return
+            reserve(len(chunk))
+            self._buffered.append(chunk)
+            size += len(chunk)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        buffered, self._buffered = self._buffered, []
+        for chunk in buffered:
             yield chunk
+        while chunk := await self._read():
+            yield chunk
+
+    async def _read(self) -> bytes:
+        try:
+            async with asyncio.timeout(self._pause):
+                return await self._content.readany()
+        except TimeoutError:
+            self.stalled = errors.RequestTimeout(
+                f"body paused for over client_body_timeout {self._pause:g}s"
+            )
+            raise self.stalled from None
 
 
 def relayed(answer: http1.Answer) -> RelayedResponse:
@@ -343,11 +364,16 @@ class Forwarder:
         *,
         trace: Trace,
         pause: float,
+        reserve: Callable[[int], None],
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
         streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
-        (Overloaded, 503, when none is free within PASSTHROUGH_WAIT). A body whose bytes pause
+        (Overloaded, 503, when none is free within PASSTHROUGH_WAIT), once its body's first
+        PASSTHROUGH_BUFFER bytes have arrived (held ``reserve``-d). A body whose bytes pause
         longer than ``pause`` (client_body_timeout) is answered 408, its upstream request cut."""
+        body = _PausingBody(request.content, pause) if request.body_exists else None
+        if body is not None:
+            await body.fill(reserve)
         slots = self._passthrough
         if slots.locked():
             try:
@@ -361,7 +387,7 @@ class Forwarder:
         else:
             await slots.acquire()  # free: returns at once, no timer needed
         try:
-            return await self._relay(request, base_url, target, request_id, trace, pause=pause)
+            return await self._relay(request, base_url, target, request_id, trace=trace, body=body)
         finally:
             slots.release()
 
@@ -371,13 +397,12 @@ class Forwarder:
         base_url: str,
         target: str,
         request_id: str,
-        trace: Trace,
         *,
-        pause: float,
+        trace: Trace,
+        body: _PausingBody | None,
     ) -> web.StreamResponse:
         headers = self._headers(request, request_id, keep_length=True)
         span = trace.forwarding(request.method, base_url, target, headers)
-        body = _PausingBody(request.content, pause) if request.body_exists else None
         try:
             try:
                 with transports.translated(self._timeout):
