@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import bisect
 import os
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
+
+import proxy
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -142,6 +145,15 @@ class Metrics:
         self._replication: Callable[[], bool | None] | None = None
         self._buffered: Callable[[], int] | None = None
         self._held: list[Tally | Timings | Level] = []
+        self.build_info = Gauge(
+            "dedup_build_info",
+            "Always 1: the proxy's release (version) and the Python it runs on (python).",
+            ["version", "python"],
+            registry=self.registry,
+            # Every worker runs the supervisor's code: one series, not one per worker.
+            multiprocess_mode="livemax",
+        )
+        self.build_info.labels(proxy.__version__, platform.python_version()).set(1)
         self.requests = Counter(
             "dedup_requests",
             "Requests by route and outcome (route is empty for pass-through).",
