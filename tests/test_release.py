@@ -93,3 +93,20 @@ def test_the_manifests_run_the_versions_image() -> None:
     # The Deployment, the migrate Job's init container and container, kustomize's newTag.
     assert len(tags) == 4, tags
     assert set(tags) == {proxy.__version__}
+
+
+def test_every_alerts_runbook_url_is_its_section_of_the_releases_runbooks() -> None:
+    """An alert's link opens the runbook of the rules that fired it: docs/runbooks.md at the
+    release's tag, the section named after the alert."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yaml").read_text())
+    page = (ROOT / "docs" / "runbooks.md").read_text()
+    sections = set(re.findall(r"^## (Dedup\w+)$", page, re.MULTILINE))
+    base = f"https://git.example.com/dedup-proxy/blob/v{proxy.__version__}/docs/runbooks.md#"
+    alerts = [rule for group in rules["groups"] for rule in group["rules"]]
+    assert alerts
+    for rule in alerts:
+        annotations = rule["annotations"]
+        assert "runbook" not in annotations, rule["alert"]
+        assert annotations["runbook_url"] == base + rule["alert"].lower()
+        assert rule["alert"] in sections
+    assert sections == {rule["alert"] for rule in alerts}, "runbooks of no alert"
