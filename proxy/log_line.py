@@ -103,8 +103,8 @@ def finish(
     """Count the request and write its line, at the level of its outcome (a line that reports
     something wrong with a duplicate or a stored answer at warning level)."""
     line["status"] = response.status
-    phase(line, "total_ms", meters.duration, started)
     outcome = line["outcome"]
+    phase(line, "total_ms", meters.duration[outcome], started)
     meters.requests[outcome].inc()
     if line.get("mismatch"):
         meters.mismatches.inc()

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import bisect
 import os
+import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
+
+import proxy
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -34,7 +37,7 @@ OUTCOMES = (
     "dead_letter", "duplicate_queued",
 )  # fmt: skip
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Tally:
@@ -107,6 +110,29 @@ class Level:
             self._child.set(self.value)  # a level: writing it again later repairs a failure
 
 
+class Durations:
+    """A histogram's ``Timings`` per outcome (one of ``OUTCOMES``), each made at the outcome's
+    first observation: an outcome a route never has adds no series."""
+
+    __slots__ = ("_by_outcome", "_histogram", "_route")
+
+    def __init__(self, histogram: Histogram, route: str) -> None:
+        self._histogram = histogram
+        self._route = route
+        self._by_outcome: dict[str, Timings] = {}
+
+    def __getitem__(self, outcome: str) -> Timings:
+        timings = self._by_outcome.get(outcome)
+        if timings is None:
+            timings = Timings(self._histogram.labels(self._route, outcome))
+            self._by_outcome[outcome] = timings
+        return timings
+
+    def flush(self) -> None:
+        for timings in self._by_outcome.values():
+            timings.flush()
+
+
 @dataclass(frozen=True, slots=True)
 class RouteMeters:
     """One route's metric children, bound once: ``labels()`` costs a lock and a lookup. The
@@ -123,10 +149,10 @@ class RouteMeters:
     answer_store_failures: Any
     inbox_full: Any
     inbox_keep_failures: Any
-    upstream_latency: Timings
+    upstream_duration: Timings
     claim_wait: Timings
-    commit_latency: Timings
-    duration: Timings
+    commit_duration: Timings
+    duration: Durations  # by outcome
     in_flight: Level
 
 
@@ -141,7 +167,16 @@ class Metrics:
         self._connects_counted = (0, 0, 0)
         self._replication: Callable[[], bool | None] | None = None
         self._buffered: Callable[[], int] | None = None
-        self._held: list[Tally | Timings | Level] = []
+        self._held: list[Tally | Timings | Durations | Level] = []
+        self.build_info = Gauge(
+            "dedup_build_info",
+            "Always 1: the proxy's release (version) and the Python it runs on (python).",
+            ["version", "python"],
+            registry=self.registry,
+            # Every worker runs the supervisor's code: one series, not one per worker.
+            multiprocess_mode="livemax",
+        )
+        self.build_info.labels(proxy.__version__, platform.python_version()).set(1)
         self.requests = Counter(
             "dedup_requests",
             "Requests by route and outcome (route is empty for pass-through).",
@@ -254,6 +289,14 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="mostrecent",
         )
+        self.inbox_oldest_dead = Gauge(
+            "dedup_inbox_oldest_dead_seconds",
+            "How long the oldest dead delivery has waited for an operator since it became dead "
+            "(0: none); read from the database, so a restart of Prometheus does not reset it.",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
         self.inbox_overdue = Gauge(
             "dedup_inbox_overdue_seconds",
             "How long the most overdue pending delivery has been due without being redelivered "
@@ -271,34 +314,34 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="max",
         )
-        self.upstream_latency = Histogram(
-            "dedup_upstream_latency_seconds",
+        self.upstream_duration = Histogram(
+            "dedup_upstream_duration_seconds",
             "Time for the upstream to answer a webhook.",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=_BUCKETS,
             registry=self.registry,
         )
         self.claim_wait = Histogram(
             "dedup_claim_wait_seconds",
             "Time to obtain the claim, including waiting for a copy of the event in flight.",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=_BUCKETS,
             registry=self.registry,
         )
-        self.commit_latency = Histogram(
-            "dedup_commit_latency_seconds",
+        self.commit_duration = Histogram(
+            "dedup_commit_duration_seconds",
             "Time for PostgreSQL to COMMIT a claim after the upstream's 2xx (a disk flush, "
             "unless synchronous_commit is off).",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=_BUCKETS,
             registry=self.registry,
         )
         self.duration = Histogram(
             "dedup_request_duration_seconds",
             "Time from the request's headers to the proxy's answer, by route (empty: "
-            "pass-through); the body's arrival included.",
-            ["route"],
-            buckets=_LATENCY_BUCKETS,
+            "pass-through) and outcome (as dedup_requests_total); the body's arrival included.",
+            ["route", "outcome"],
+            buckets=_BUCKETS,
             registry=self.registry,
         )
         self.in_flight = Gauge(
@@ -309,13 +352,13 @@ class Metrics:
             multiprocess_mode="livesum",
         )
         self.pool_size = Gauge(
-            "dedup_db_pool_connections",
+            "dedup_database_connections",
             "Database connections open.",
             registry=self.registry,
             multiprocess_mode="livesum",
         )
         self.pool_in_use = Gauge(
-            "dedup_db_pool_connections_in_use",
+            "dedup_database_connections_in_use",
             "Database connections lent out (claims held, copies waiting in PostgreSQL).",
             registry=self.registry,
             multiprocess_mode="livesum",
@@ -396,14 +439,14 @@ class Metrics:
             answer_store_failures=self.answer_store_failures.labels(name),
             inbox_full=self.inbox_full.labels(name),
             inbox_keep_failures=self.inbox_keep_failures.labels(name),
-            upstream_latency=Timings(self.upstream_latency.labels(name)),
+            upstream_duration=Timings(self.upstream_duration.labels(name)),
             claim_wait=Timings(self.claim_wait.labels(name)),
-            commit_latency=Timings(self.commit_latency.labels(name)),
-            duration=Timings(self.duration.labels(name)),
+            commit_duration=Timings(self.commit_duration.labels(name)),
+            duration=Durations(self.duration, name),
             in_flight=Level(self.in_flight.labels(name)),
         )
-        self._held += [*meters.requests.values(), meters.upstream_latency, meters.claim_wait,
-                       meters.commit_latency, meters.duration, meters.in_flight]  # fmt: skip
+        self._held += [*meters.requests.values(), meters.upstream_duration, meters.claim_wait,
+                       meters.commit_duration, meters.duration, meters.in_flight]  # fmt: skip
         return meters
 
     def count_spans(self, result: str, spans: int) -> None:

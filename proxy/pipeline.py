@@ -373,7 +373,7 @@ class Cycle:
         try:
             done = await claim.commit(answer)
         finally:
-            log_line.phase(self.line, "commit_ms", self.route.meters.commit_latency, started)
+            log_line.phase(self.line, "commit_ms", self.route.meters.commit_duration, started)
         self.trace.end(span, {"dedup.reconciled": True} if done.reconciled else None)
         return done
 
@@ -406,7 +406,7 @@ class Cycle:
             raise
         trace.answered(span, upstream.status, upstream.resend_count)
         line["upstream_status"] = upstream.status
-        log_line.phase(line, "upstream_ms", route.meters.upstream_latency, started)
+        log_line.phase(line, "upstream_ms", route.meters.upstream_duration, started)
         if upstream.status == 410:
             # Standard Webhooks senders disable an endpoint that answers 410: never relay it.
             raise errors.UpstreamUnavailable("upstream answered 410 Gone; relayed as 502")

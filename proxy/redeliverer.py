@@ -296,4 +296,5 @@ class Redeliverer:
         meters.inbox_dead.labels(name).set(level.dead)
         meters.inbox_oldest_pending.labels(name).set(level.oldest_pending or 0)
         meters.inbox_overdue.labels(name).set(max(0.0, level.most_overdue or 0))
+        meters.inbox_oldest_dead.labels(name).set(level.oldest_dead or 0)
         meters.inbox_level_read.labels(name).set_to_current_time()

@@ -36,14 +36,24 @@ async def test_metrics_count_requests_by_route_and_outcome(
     assert requests("corvel", "rejected") == 1
     assert requests("", "passthrough") == 1
     assert samples[("dedup_payload_mismatches_total", (("route", "corvel"),))] == 1
-    assert samples[("dedup_upstream_latency_seconds_count", (("route", "corvel"),))] == 1
+    assert samples[("dedup_upstream_duration_seconds_count", (("route", "corvel"),))] == 1
     assert samples[("dedup_claim_wait_seconds_count", (("route", "corvel"),))] == 3
-    assert samples[("dedup_commit_latency_seconds_count", (("route", "corvel"),))] == 1
-    # Every request, refused and passed-through ones included, under its route.
-    assert samples[("dedup_request_duration_seconds_count", (("route", "corvel"),))] == 4
-    assert samples[("dedup_request_duration_seconds_count", (("route", ""),))] == 1
-    assert samples[("dedup_db_pool_connections", ())] == 4  # pool_size in the test config
-    assert samples[("dedup_db_pool_connections_in_use", ())] == 0
+    assert samples[("dedup_commit_duration_seconds_count", (("route", "corvel"),))] == 1
+    # Every request, refused and passed-through ones included, under its route and outcome
+    # (the outcomes of dedup_requests_total, those the route had and no other).
+    durations = {
+        labels: count
+        for (name, labels), count in samples.items()
+        if name == "dedup_request_duration_seconds_count"
+    }
+    assert durations == {
+        (("outcome", "processed"), ("route", "corvel")): 1,
+        (("outcome", "duplicate"), ("route", "corvel")): 2,
+        (("outcome", "rejected"), ("route", "corvel")): 1,
+        (("outcome", "passthrough"), ("route", "")): 1,
+    }
+    assert samples[("dedup_database_connections", ())] == 4  # pool_size in the test config
+    assert samples[("dedup_database_connections_in_use", ())] == 0
     assert samples[("dedup_in_flight_requests", (("route", "corvel"),))] == 0
 
 
@@ -61,7 +71,7 @@ async def test_in_flight_and_pool_in_use_while_a_webhook_is_held(
     assert (await held).status == 200
 
     assert samples[("dedup_in_flight_requests", (("route", "corvel"),))] == 1
-    assert samples[("dedup_db_pool_connections_in_use", ())] == 1
+    assert samples[("dedup_database_connections_in_use", ())] == 1
 
 
 async def test_health_and_readiness(

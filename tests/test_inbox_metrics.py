@@ -84,7 +84,8 @@ class Scraper:
         samples = await self.samples()
         names = {"pending": "dedup_inbox_pending", "bytes": "dedup_inbox_pending_bytes",
                  "dead": "dedup_inbox_dead", "oldest": "dedup_inbox_oldest_pending_seconds",
-                 "overdue": "dedup_inbox_overdue_seconds"}  # fmt: skip
+                 "overdue": "dedup_inbox_overdue_seconds",
+                 "oldest_dead": "dedup_inbox_oldest_dead_seconds"}  # fmt: skip
         return {key: samples.get((name, (("route", route),))) for key, name in names.items()}
 
     async def until(self, what: str, check: Any, within: float = BACK) -> None:
@@ -203,7 +204,7 @@ async def test_the_levels_are_each_routes_pending_count_bytes_dead_and_oldest_ag
 
     async def empty(m: Scraper) -> bool:
         return await m.levels() == await m.levels("tenants") == {
-            "pending": 0, "bytes": 0, "dead": 0, "oldest": 0, "overdue": 0
+            "pending": 0, "bytes": 0, "dead": 0, "oldest": 0, "overdue": 0, "oldest_dead": 0
         }  # fmt: skip
 
     await metrics.until("the empty inboxes' levels", empty)
@@ -215,16 +216,27 @@ async def test_the_levels_are_each_routes_pending_count_bytes_dead_and_oldest_ag
     tenant_bodies = [b'{"id": "t1"}', b'{"id": "t2!"}']
     for tenant, body in zip(("acme", "globex"), tenant_bodies, strict=True):
         assert (await proxy.post(f"/t/{tenant}", data=body)).headers["Dedup-Status"] == "queued"
-    # p1 arrived an hour ago (as if the app had failed it since).
+    # p1 arrived an hour ago (as if the app had failed it since); d1 arrived three days ago and
+    # has been dead for a day.
     await execute(
         pg_dsn,
         f"UPDATE \"{table}\" SET received_at = now() - interval '1 hour' WHERE event_id = 'p1'",
+    )
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET received_at = now() - interval '3 days', "
+        "inbox_changed = now() - interval '1 day' WHERE event_id = 'd1'",
     )
 
     async def read(m: Scraper) -> bool:
         levels = await m.levels()
         tenants_pending = (await m.levels("tenants"))["pending"]
-        return levels["pending"] == 2 and (levels["oldest"] or 0) >= 3600 and tenants_pending == 2
+        return (
+            levels["pending"] == 2
+            and (levels["oldest"] or 0) >= 3600
+            and (levels["oldest_dead"] or 0) >= 86400
+            and tenants_pending == 2
+        )
 
     await metrics.until("the levels after the failures", read)
     hooks, tenants = await metrics.levels(), await metrics.levels("tenants")
@@ -232,6 +244,9 @@ async def test_the_levels_are_each_routes_pending_count_bytes_dead_and_oldest_ag
     assert hooks["bytes"] == sum(map(len, bodies))  # the bodies kept; the dead one's not counted
     assert hooks["dead"] == 1
     assert hooks["overdue"] == 0  # both due in an hour: none overdue (never negative)
+    # What DedupDeadLettersUnhandled alerts on: since d1 died, not since it arrived.
+    assert 86400 <= (hooks["oldest_dead"] or 0) < 2 * 86400
+    assert (hooks["oldest"] or 0) < 2 * 3600  # pending rows only: not d1's three days
     # A route scoped by its path: its tenants' scopes added up, under the route's name.
     assert tenants["pending"] == 2
     assert tenants["bytes"] == sum(map(len, tenant_bodies))
@@ -239,6 +254,7 @@ async def test_the_levels_are_each_routes_pending_count_bytes_dead_and_oldest_ag
     assert tenants["oldest"] is not None
     assert 0 <= tenants["oldest"] < 3600  # its own rows' age, not hooks' p1
     assert tenants["overdue"] == 0
+    assert tenants["oldest_dead"] == 0
 
 
 async def test_a_due_delivery_no_lane_takes_is_overdue_until_a_failed_attempt_reschedules_it(

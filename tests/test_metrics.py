@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy import metrics
 
-BUCKETS = metrics._LATENCY_BUCKETS
+BUCKETS = metrics._BUCKETS
 # Seconds, the bucket bounds themselves included (a value on a bound is in that bucket).
 SECONDS = st.one_of(
     st.sampled_from(BUCKETS),
@@ -79,8 +79,8 @@ def test_a_flush_writes_the_pool_and_the_budget_levels() -> None:
     held["bytes"] = 1024
     meters.flush()
     registry = meters.registry
-    assert registry.get_sample_value("dedup_db_pool_connections") == 4
-    assert registry.get_sample_value("dedup_db_pool_connections_in_use") == 3
+    assert registry.get_sample_value("dedup_database_connections") == 4
+    assert registry.get_sample_value("dedup_database_connections_in_use") == 3
     assert registry.get_sample_value("dedup_buffered_bytes") == 1024
 
 

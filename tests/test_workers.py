@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 import yaml
 
+import proxy
 from proxy import config, shared_port, supervisor
 from tests.helpers import (
     FakeUpstream,
@@ -126,9 +127,14 @@ async def test_workers_share_the_port_and_add_up_their_metrics(
     await wait_until(both_counted, "both workers' requests in the counters")
 
     async def both_pools() -> bool:
-        return (await supervised.metrics()).get("dedup_db_pool_connections") == 6
+        return (await supervised.metrics()).get("dedup_database_connections") == 6
 
     await wait_until(both_pools, "both workers' pools in the gauge (2 x pool_size 3)")
+    # One release, one series: not one per worker.
+    samples = await supervised.metrics()
+    build = {name: value for name, value in samples.items() if name.startswith("dedup_build_info")}
+    assert list(build.values()) == [1]
+    assert f'version="{proxy.__version__}"' in next(iter(build))
 
 
 @pytest.mark.skipif(not shared_port.balanced(), reason="SO_REUSEPORT balancing is Linux's")

@@ -169,6 +169,7 @@ class Level(NamedTuple):
     dead: int
     oldest_pending: float | None  # seconds since the oldest pending event was received
     most_overdue: float | None  # seconds the most overdue pending row is past its due time
+    oldest_dead: float | None  # seconds since the oldest dead row became dead
 
 
 Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
@@ -387,7 +388,7 @@ class Inbox:
                 )
         assert row is not None
         return Level(row["pending"], row["pending_bytes"], row["dead"], row["oldest"],
-                     row["overdue"])  # fmt: skip
+                     row["overdue"], row["oldest_dead"])  # fmt: skip
 
     async def sweep_dead(self, scope: str, retention: float, batch: int) -> int:
         async with self._acquire() as connection:

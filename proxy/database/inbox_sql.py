@@ -191,7 +191,10 @@ class Statements:
             "extract(epoch FROM now() - min(received_at) FILTER (WHERE inbox_state = 'pending'))"
             "::float8 AS oldest, "
             "extract(epoch FROM now() - min(inbox_due) FILTER (WHERE inbox_state = 'pending'))"
-            f"::float8 AS overdue FROM {self.quoted} "
+            "::float8 AS overdue, "
+            # A dead row's inbox_changed is when it died (until an operator acts on it).
+            "extract(epoch FROM now() - min(inbox_changed) FILTER (WHERE inbox_state = 'dead'))"
+            f"::float8 AS oldest_dead FROM {self.quoted} "
             f"WHERE {sql.IN_SCOPE} AND inbox_state IN ('pending', 'dead')"
         )
 
