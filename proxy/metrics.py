@@ -206,8 +206,9 @@ class Metrics:
         )
         self.inbox_full = Counter(
             "dedup_inbox_full",
-            "Failed deliveries not kept for redelivery because the route's inbox was at its cap "
-            "(max_pending, max_pending_bytes): their failure was relayed, the claim released.",
+            "Failed deliveries not kept for redelivery because the inbox was at its cap "
+            "(max_pending, max_pending_bytes: the route's, or with tenant_secrets the "
+            "tenant's): their failure was relayed, the claim released.",
             ["route"],
             registry=self.registry,
         )
