@@ -145,6 +145,39 @@ async def test_the_log_line_names_the_id_the_replayed_body_is_kept_under(
     assert line["inbox_kept_as"].startswith(f"{HOOK_ID}:kept-3~")
 
 
+async def test_a_captured_shopify_body_under_fresh_event_ids_is_kept_once(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: web.Response(status=500)
+    secret = "shopify caps secret"
+    route = {
+        "name": "shopify",
+        "path": "/webhooks/shopify",
+        "preset": "shopify",
+        "verify": {"secret": secret},
+        "redeliver": {"schedule": ["1h"], "for": "1d"},
+    }
+    proxy = await make_proxy(routes=[route])
+
+    async def deliver(body: bytes, event_id: str) -> int:
+        digest = hmac.new(secret.encode(), body, hashlib.sha256).digest()
+        headers = {
+            "X-Shopify-Event-Id": event_id,
+            "X-Shopify-Topic": "orders/paid",
+            "X-Shopify-Hmac-SHA256": base64.b64encode(digest).decode(),
+        }
+        answer = await proxy.post("/webhooks/shopify", data=body, headers=headers)
+        return answer.status
+
+    captured = b'{"order": 1, "total": "100.00"}'
+    replays = [await deliver(captured, f"forged-{n}") for n in range(5)]
+    genuine = await deliver(b'{"order": 2, "total": "5.00"}', "e2")
+
+    assert replays == [202, 500, 500, 500, 500]
+    assert genuine == 202
+    assert len(await kept_rows(pg_dsn, table)) == 2
+
+
 TWILIO_TOKEN = "12345678901234567890123456789012"
 TWILIO_PUBLIC = "https://hooks.example.com/twilio/status"
 
