@@ -70,6 +70,9 @@ class IdempotencyKeySemantics:
     def claimed_as(self, key: database.Key, event_id: str) -> str | None:
         return None  # the fingerprint binds the key to its body already
 
+    def signed_part(self, key: database.Key) -> str | None:
+        return None  # a route with this semantics redelivers nothing
+
     def duplicate(self, key: database.Key, mismatch: bool) -> None:
         if mismatch:
             # The key names another request (method, target or body): never its answer.

@@ -148,6 +148,7 @@ class RouteMeters:
     unsent_commits: Any
     answer_store_failures: Any
     inbox_full: Any
+    inbox_replays: Any
     inbox_keep_failures: Any
     upstream_duration: Timings
     claim_wait: Timings
@@ -240,8 +241,18 @@ class Metrics:
         )
         self.inbox_full = Counter(
             "dedup_inbox_full",
-            "Failed deliveries not kept for redelivery because the route's inbox was at its cap "
-            "(max_pending, max_pending_bytes): their failure was relayed, the claim released.",
+            "Failed deliveries not kept for redelivery because the inbox was at its cap "
+            "(max_pending, max_pending_bytes: the route's, or with tenant_secrets the "
+            "tenant's): their failure was relayed, the claim released.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.inbox_replays = Counter(
+            "dedup_inbox_replays",
+            "Failed deliveries not kept for redelivery because their signed body is kept "
+            "already under another event ID (routes whose signature does not cover the ID: "
+            "GitHub, Shopify, Twilio): a captured body re-sent under a fresh ID, or one body "
+            "sent as two events. Their failure was relayed, the claim released.",
             ["route"],
             registry=self.registry,
         )
@@ -438,6 +449,7 @@ class Metrics:
             unsent_commits=self.unsent_commits.labels(name),
             answer_store_failures=self.answer_store_failures.labels(name),
             inbox_full=self.inbox_full.labels(name),
+            inbox_replays=self.inbox_replays.labels(name),
             inbox_keep_failures=self.inbox_keep_failures.labels(name),
             upstream_duration=Timings(self.upstream_duration.labels(name)),
             claim_wait=Timings(self.claim_wait.labels(name)),

@@ -329,7 +329,8 @@ class Cycle:
     ) -> tuple[web.StreamResponse, str] | None:
         """On a route that redelivers: keep the failed delivery and answer 202 (the provider
         need not retry). None on any other route, or when it could not be kept (over the cap,
-        or the database failed: marked on the line and counted), so the failure is relayed."""
+        its signed body kept already under another ID, or the database failed: marked on the
+        line and counted), so the failure is relayed."""
         route, line = self.route, self.line
         if route.redeliver is None:
             return None
@@ -337,13 +338,22 @@ class Cycle:
         delivery = database.Delivery(
             config_.name, config_.upstream, self.request.method, self.target, self.sent, self.body
         )
-        keep = redeliverer.keep(config_, route.redeliver, attempt.status)
+        keep = redeliverer.keep(
+            config_, route.redeliver, attempt.status, claim.key.scope,
+            route.semantics.signed_part(claim.key),
+        )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
-        state = await claim.queue(delivery, attempt, keep)
+        state, kept_as = await claim.queue(delivery, attempt, keep)
         self.trace.end(span, {"dedup.kept": state})
         if state == database.FULL:
             line["inbox_full"] = True
             route.meters.inbox_full.inc()
+            return None
+        if state == database.KEPT_AS:
+            # The same signed body is kept already under another ID: a captured body re-sent
+            # under a fresh ID (or one body sent as two events) is kept once, not once per ID.
+            line["inbox_kept_as"] = kept_as or ""
+            route.meters.inbox_replays.inc()
             return None
         if state == database.NOT_KEPT:
             line["inbox_not_kept"] = True  # the database failed or refused: logged by the claim

@@ -44,15 +44,23 @@ UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
 LEVEL_INTERVAL = 15.0
 
 
-def keep(route: routes.RouteConfig, settings: inbox.Redeliver, status: int | None) -> database.Keep:
-    """How a failed first delivery on ``route`` is kept (the app answered ``status``)."""
+def keep(
+    route: routes.RouteConfig,
+    settings: inbox.Redeliver,
+    status: int | None,
+    scope: str,
+    signed: str | None = None,
+) -> database.Keep:
+    """How a failed first delivery on ``route`` is kept (the app answered ``status``; its
+    claim is in ``scope``; ``signed``: its claim ID's signed part, see ``database.Keep``)."""
     return database.Keep(
         delay=settings.schedule[0],
         until=settings.for_,
         max_pending=settings.max_pending,
         max_pending_bytes=settings.max_pending_bytes,
-        base_scope=route.scope,
+        cap_scope=route.cap_scope(scope),
         dead=status in UNFIXABLE,
+        signed=signed,
     )
 
 

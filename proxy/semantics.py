@@ -50,5 +50,10 @@ class Semantics(Protocol):
     def claimed_as(self, key: database.Key, event_id: str) -> str | None:
         """Once claimed: the other ID this body was last claimed under, worth a warning."""
 
+    def signed_part(self, key: database.Key) -> str | None:
+        """On a route whose claims are bound to what is signed (the signature does not cover
+        the ID): the claim ID's part bound to the signed body, which the inbox keeps once
+        (a replay of the body under another ID is not kept again); else None."""
+
     def duplicate(self, key: database.Key, mismatch: bool) -> None:
         """Raise if a duplicate (``mismatch``: of another body) is not answered as one."""

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 # About 100 bytes each (digest, ID, order): a megabyte per route and worker.
 CAPACITY = 10_000
+# Between the event ID and the digest of what is signed, in a bound claim's ID (``bound``).
+BOUND = "~"
 
 
 class RecentBodies:
@@ -80,6 +82,11 @@ class WebhookSemantics:
             return None
         return self.recent_bodies.claimed(key.scope, key.body_sha256, event_id)
 
+    def signed_part(self, key: database.Key) -> str | None:
+        if not self.bind_to_body:
+            return None
+        return BOUND + key.event_id.rpartition(BOUND)[2]
+
     def duplicate(self, key: database.Key, mismatch: bool) -> None:
         pass  # answered as one, mismatch or not
 
@@ -94,4 +101,4 @@ def bound(event_id: str, query: str, body_sha256: bytes) -> str:
     still a duplicate. 128 bits of digest: an attacker holds only bodies the provider signed.
     """
     material = hashlib.sha256(b"%s\n%s" % (query.encode("utf-8", "surrogateescape"), body_sha256))
-    return f"{event_id}~{material.hexdigest()[:32]}"
+    return f"{event_id}{BOUND}{material.hexdigest()[:32]}"

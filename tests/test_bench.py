@@ -210,3 +210,18 @@ def test_the_scale_run_measures_growth_the_sweep_and_open_claims(tmp_path: Path)
     for heading in ("## 1. Flat as the claim table grows", "## 2. The retention sweep's cost",
                     "## 3. Open claims are the scale limit"):  # fmt: skip
         assert heading in stdout
+
+
+def test_the_inbox_replay_probe_counts_the_rows_one_captured_body_keeps(pg_dsn: str) -> None:
+    """bench/inbox_replay.py against this checkout: a captured body kept once, the genuine
+    failure after it kept, and another tenant's failure kept past one tenant's full cap."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.inbox_replay", "--dsn", pg_dsn, "--replays", "5"],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "inbox rows after 5 replays of one captured body: 1" in lines
+    assert "5 replays of one captured body answered: 1 x 202, 4 x 422" in lines
+    assert "a genuine failure afterwards answered: 202 (kept)" in lines
+    assert "then tenant globex's failure answered: 202 (kept)" in lines

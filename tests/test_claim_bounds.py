@@ -109,9 +109,9 @@ async def test_nothing_after_the_claims_insert_is_bounded_by_claim_wait(
         if step == "queue":
             delivery = database.Delivery("r", "http://127.0.0.1:9", "POST", "/", (), b"body")
             keep = database.Keep(delay=60, until=3600, max_pending=10,
-                                 max_pending_bytes=10**6, base_scope="s", dead=False)  # fmt: skip
-            state = await claim.queue(delivery, database.Attempt(500), keep)
-            assert state == database.PENDING
+                                 max_pending_bytes=10**6, cap_scope="s", dead=False)  # fmt: skip
+            queued = await claim.queue(delivery, database.Attempt(500), keep)
+            assert queued.state == database.PENDING
         else:
             answer = database.Answer(200, (("x", "y"),), b"ok") if "answer" in step else None
             done = await claim.commit(answer)

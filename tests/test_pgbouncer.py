@@ -6,6 +6,8 @@ over for the proxy within seconds of the server being back, not after PgBouncer'
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
 import signal
 import time
@@ -92,6 +94,32 @@ async def test_the_inbox_keeps_locks_and_redelivers_through_pgbouncer(
 
     await wait_until(delivered, "the redeliveries through PgBouncer", 20)
     assert sorted(r.body for r in upstream.requests[3:]) == [event(f"k{n}") for n in range(3)]
+
+
+async def test_a_replayed_signed_body_is_kept_once_through_pgbouncer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, bouncer: str, pg_dsn: str, table: str
+) -> None:
+    """The check that a signed body is kept already, and the read of the ID it is kept
+    under, run in the claim's transaction: nothing of them needs session state."""
+    upstream.respond = lambda n: web.Response(status=503)
+    secret = "bouncer github secret"
+    github = {
+        "name": "github", "path": "/github", "preset": "github", "verify": {"secret": secret},
+        "redeliver": {"schedule": ["1h"], "for": "1d"},
+    }  # fmt: skip
+    proxy = await make_proxy(routes=[github], database={"dsn": bouncer})
+    body = b'{"action": "opened", "number": 1}'
+    signature = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+    signed = {"X-GitHub-Hook-ID": "1", "X-Hub-Signature-256": f"sha256={signature}"}
+    answers = [
+        await proxy.post("/github", data=body, headers={**signed, "X-GitHub-Delivery": f"g{n}"})
+        for n in range(3)
+    ]
+
+    assert [a.status for a in answers] == [202, 503, 503]
+    rows = await fetch(pg_dsn, f'SELECT inbox_state FROM "{table}"')
+    assert [r["inbox_state"] for r in rows] == ["pending"]
 
 
 async def test_a_copy_on_another_proxy_waits_on_the_row_lock_through_pgbouncer(

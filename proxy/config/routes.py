@@ -81,6 +81,15 @@ class RouteConfig:
             return self.scope
         return f"{self.scope}/{verify.tenant_of(values)}"
 
+    def cap_scope(self, scope: str) -> str:
+        """The scope whose kept deliveries (``redeliver``) count against the cap of a claim in
+        ``scope``: on a route with ``tenant_secrets`` the tenant's own (each tenant signs for its
+        own path only, and the tenants are the configured few), else the route's, every path
+        of it together (a path value anyone can choose, or sign for, gets no cap of its own)."""
+        if isinstance(self.verify, signatures.TenantSignatures):
+            return scope
+        return self.scope
+
     def verifier_for(self, values: tuple[str, ...]) -> signatures.Verifier | None:
         """The verifier of a request whose path parameters are ``values`` (None: unverified): on
         a route with ``tenant_secrets``, that tenant's, found as the scope is (case-folded), or

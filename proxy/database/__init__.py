@@ -16,12 +16,14 @@ from __future__ import annotations
 from proxy.database.claim import (
     FULL,
     GRANT_ANSWER_HINT,
+    KEPT_AS,
     NOT_KEPT,
     Answer,
     Claim,
     Commit,
     Duplicate,
     Key,
+    Queued,
 )
 from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Kept, Redelivery, Shown
 from proxy.database.pool import dsn_hosts, host_named, translated
@@ -42,6 +44,7 @@ __all__ = [
     "DEAD",
     "FULL",
     "GRANT_ANSWER_HINT",
+    "KEPT_AS",
     "NOT_KEPT",
     "PENDING",
     "PRIVILEGES",
@@ -56,6 +59,7 @@ __all__ = [
     "Keep",
     "Kept",
     "Key",
+    "Queued",
     "Redelivery",
     "ScopeStats",
     "Shown",

@@ -26,7 +26,8 @@ before there were names (procrastinate's job transitions are the model):
   transaction ends with the same round trip (or, reading the answer, the one before).
 - ``queue(delivery, attempt, keep)``: on a route that redelivers, the app failed: keep the
   delivery in the claim's row (pending, or dead) and commit, so the redeliverer takes it from
-  there (``inbox``). Refused over the route's cap: the claim stays open, to be released.
+  there (``inbox``). Refused over the route's cap, or for a signed body kept already under
+  another ID (a replay): the claim stays open, to be released.
 - ``release()``: roll back (a failed delivery, or what the ``async with`` does when no step ran).
 - ``abandon()``: the connection failed mid-claim; close it instead of waiting on it again.
 """
@@ -107,9 +108,19 @@ class Duplicate(NamedTuple):
 
 
 # What ``Claim.queue`` did: kept the delivery (committed) as pending or dead, or not (the
-# claim is still open): over the route's cap, or the server refused or failed.
+# claim is still open): over the route's cap, its signed body kept already under another ID,
+# or the server refused or failed.
 FULL = "full"
+KEPT_AS = "kept_as"
 NOT_KEPT = "not_kept"
+
+
+class Queued(NamedTuple):
+    """What ``Claim.queue`` did (``state``: "pending", "dead", ``FULL``, ``KEPT_AS`` or
+    ``NOT_KEPT``) and, ``KEPT_AS``, the ID of the kept row that holds this signed body."""
+
+    state: str
+    kept_as: str | None = None
 
 
 class Store(Protocol):
@@ -209,11 +220,12 @@ class Claim:
 
     async def queue(
         self, delivery: inbox.Delivery, attempt: inbox.Attempt, keep: inbox.Keep
-    ) -> str:
+    ) -> Queued:
         """Keep a delivery the app failed in the claim's row and COMMIT: "pending" (or "dead",
-        ``keep.dead``) once committed. ``FULL`` (the route's cap is reached) or ``NOT_KEPT``
-        (the server refused, or failed; logged) leave the claim open, so the failure is
-        relayed and the claim released, as on a route that does not redeliver.
+        ``keep.dead``) once committed. ``FULL`` (the cap is reached), ``KEPT_AS`` (a kept row
+        under the cap holds this signed body already, under the ID it names: a replay) or
+        ``NOT_KEPT`` (the server refused, or failed; logged) leave the claim open, so the
+        failure is relayed and the claim released, as on a route that does not redeliver.
 
         A COMMIT in doubt is ``NOT_KEPT``: the provider is told the failure, and its retry is
         either a duplicate of the kept event (the COMMIT went through) or a new claim.
@@ -223,25 +235,34 @@ class Claim:
         if self.state is not OPEN:
             raise RuntimeError(f"claim of {self.key.event_id!r} is {self.state} already")
         key, store = self.key, self._store
+        statements = store.inbox.statements
         state = inbox.DEAD if keep.dead else inbox.PENDING
+        kept_as = None
         try:
             with pool.translated("keeping the delivery failed", self.abandon):
                 if store.distributed:  # the claim's statement bound was for its INSERT only
                     await self._connection.execute(sql.UNBOUND, timeout=store.op_timeout)
                 status = await self._connection.execute(
-                    store.inbox.statements.queue, key.scope, key.event_id, state,
-                    delivery.encoded(), delivery.body, attempt.status, attempt.error,
-                    keep.delay, keep.until, keep.base_scope, keep.max_pending,
-                    keep.max_pending_bytes, timeout=store.op_timeout,
+                    statements.queue, key.scope, key.event_id, state, delivery.encoded(),
+                    delivery.body, attempt.status, attempt.error, keep.delay, keep.until,
+                    keep.cap_scope, keep.max_pending, keep.max_pending_bytes, keep.signed,
+                    timeout=store.op_timeout,
                 )  # fmt: skip
+                kept = status.rpartition(" ")[2] == "1"
+                if not kept and keep.signed is not None:
+                    # Not kept: over the cap, or a replay? A second read only when refused.
+                    kept_as = await self._connection.fetchval(
+                        statements.kept_as, keep.cap_scope, keep.signed,
+                        timeout=store.op_timeout,
+                    )  # fmt: skip
         except errors.StoreUnavailable as exc:
             log.warning(
                 "the failed delivery of %s %s could not be kept for redelivery (%s): relaying "
                 "the failure", key.scope, key.event_id, exc.message,
             )  # fmt: skip
-            return NOT_KEPT
-        if status.rpartition(" ")[2] != "1":
-            return FULL
+            return Queued(NOT_KEPT)
+        if not kept:
+            return Queued(FULL) if kept_as is None else Queued(KEPT_AS, kept_as)
         self._end(QUEUED)
         try:
             with _COMMIT_FAILED:
@@ -252,11 +273,11 @@ class Claim:
                 "the COMMIT keeping %s %s for redelivery failed, so it may not be kept: "
                 "relaying the failure (%r)", key.scope, key.event_id, exc.__cause__,
             )  # fmt: skip
-            return NOT_KEPT
+            return Queued(NOT_KEPT)
         except asyncio.CancelledError:
             self._discard()
             raise
-        return state
+        return Queued(state)
 
     async def settle_duplicate(
         self, *, read_answer: bool = False, inbox: bool = False

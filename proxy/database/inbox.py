@@ -119,15 +119,19 @@ class Attempt:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Keep:
     """How ``Claim.queue`` keeps a failed first delivery: the first wait, the deadline, the
-    route's cap (``base_scope``: the route's scope, which holds its per-path ones), and
-    whether the answer was one retrying cannot fix (dead at once)."""
+    cap and the scope whose kept rows it counts (``cap_scope``, with its per-path ones: the
+    route's, or on a route with per-tenant secrets the tenant's), whether the answer was one
+    retrying cannot fix (dead at once), and, on a route whose claims are bound to what is
+    signed, the claim ID's signed part (``signed``: a body kept once per cap, a replay of it
+    under another ID is not kept again)."""
 
     delay: float
     until: float
     max_pending: int
     max_pending_bytes: int
-    base_scope: str
+    cap_scope: str
     dead: bool
+    signed: str | None = None
 
 
 class Kept(NamedTuple):

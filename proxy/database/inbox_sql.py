@@ -1,7 +1,8 @@
 """The inbox's statements (``database.inbox``), built once per claim table: keeping a failed
-delivery in its claim's row under the route's cap, taking a due row ``FOR UPDATE SKIP LOCKED``,
-the two ends of a redelivery, the operators' commands, the metrics' levels and the dead rows'
-sweep. Every value is a parameter; the columns are added by the claim table's DDL (``sql``).
+delivery in its claim's row under its cap (a signed body once), taking a due row ``FOR UPDATE
+SKIP LOCKED``, the two ends of a redelivery, the operators' commands, the metrics' levels and
+the dead rows' sweep. Every value is a parameter; the columns are added by the claim table's
+DDL (``sql``).
 
 Shaped for a table distributed by ``event_id`` on Citus too (tests/test_sql_shapes.py pins
 it): a statement that locks rows names the one row it locks by its whole key, so that it runs on
@@ -31,6 +32,11 @@ _REDELIVERABLE = (
 )
 # What a kept row stores of its request, counted against max_pending_bytes.
 _STORED = "coalesce(octet_length(inbox_request::text), 0) + coalesce(octet_length(inbox_body), 0)"
+# The rows a route's cap counts: the kept rows of the cap's scope and its per-path ones.
+_CAPPED = sql.IN_SCOPE.replace("$1", "{scope}") + " AND inbox_state IN ('pending', 'dead')"
+# A claim bound to what is signed (webhooks.bound) ends with its signed part, "~" and 32 hex
+# digits: a row whose ID ends with this claim's holds the same signed body (and query).
+_SIGNED = "right(event_id, length({part})) = {part}"
 _ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
 
 
@@ -43,11 +49,15 @@ class Statements:
     @property
     def queue(self) -> str:
         # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8 delay,
-        # $9 until, $10 base scope, $11 max count, $12 max bytes. Under the cap only: the kept
-        # rows of the route (pending and dead: both hold requests), this one counted, each by
-        # what it stores (its headers as well as its body: the headers alone can be 1 MiB).
+        # $9 until, $10 the cap's scope, $11 max count, $12 max bytes, $13 the claim's signed
+        # part or NULL. Under the cap only: the kept rows of the cap's scope and its per-path
+        # ones (pending and dead: both hold requests), this one counted, each by what it
+        # stores (its headers as well as its body: the headers alone can be 1 MiB). And, on a
+        # route whose claims are bound to what is signed, only if none of those rows holds
+        # this signed body already under another ID (a replay: ``KEPT_AS``).
         # Concurrent failures each see the others' uncommitted rows as absent, so the cap can
-        # be passed by the deliveries failing at that moment (at most the pool's size).
+        # be passed, and a body kept twice, by the deliveries failing at that moment (at most
+        # the pool's size).
         return (
             f"UPDATE {self.quoted} SET inbox_state = $3, inbox_request = $4::jsonb, "
             "inbox_body = $5::bytea, inbox_attempts = jsonb_build_array("
@@ -59,9 +69,18 @@ class Statements:
             "inbox_until = now() + make_interval(secs => $9), inbox_changed = now() "
             "WHERE scope = $1 AND event_id = $2 AND (SELECT count(*) < $11 AND "
             f"coalesce(sum({_STORED}), 0) + octet_length($4::jsonb::text) "
-            "+ octet_length($5::bytea) <= $12 "
-            f"FROM {self.quoted} WHERE {sql.IN_SCOPE.replace('$1', '$10')} "
-            "AND inbox_state IN ('pending', 'dead'))"
+            "+ octet_length($5::bytea) <= $12 AND NOT "
+            f"coalesce(bool_or({_SIGNED.format(part='$13::text')}), false) "
+            f"FROM {self.quoted} WHERE {_CAPPED.format(scope='$10')})"
+        )
+
+    @property
+    def kept_as(self) -> str:
+        # $1 the cap's scope, $2 a claim's signed part: the ID a kept row of that cap holds
+        # this signed body under (why ``queue`` did not keep it). Locks nothing.
+        return (
+            f"SELECT event_id FROM {self.quoted} WHERE {_CAPPED.format(scope='$1')} "
+            f"AND {_SIGNED.format(part='$2::text')} LIMIT 1"
         )
 
     @property
