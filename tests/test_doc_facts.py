@@ -164,7 +164,8 @@ def test_the_sizing_figures_are_bench_results(page: Path) -> None:
 
 
 def test_the_connection_sums_count_the_extra_pod_of_a_rollout() -> None:
-    manifests = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    deployment_yaml = ROOT / "deploy" / "kubernetes" / "proxy" / "deployment.yaml"
+    manifests = yaml.safe_load_all(deployment_yaml.read_text())
     (deployment,) = [m for m in manifests if m and m.get("kind") == "Deployment"]
     surge = deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
     assert surge not in (0, "0%"), "no surge pod: then the sums need no maxSurge"
