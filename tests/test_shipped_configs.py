@@ -39,8 +39,8 @@ def proxy_config_text(relative: str) -> str:
 
 
 def is_proxy_config(path: Path) -> bool:
-    document = yaml.safe_load(path.read_text(encoding="utf-8"))
-    return isinstance(document, dict) and {"upstream", "routes"} <= document.keys()
+    documents = yaml.safe_load_all(path.read_text(encoding="utf-8"))
+    return any(isinstance(d, dict) and {"upstream", "routes"} <= d.keys() for d in documents)
 
 
 def load(relative: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> config.Config:
