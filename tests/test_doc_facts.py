@@ -164,7 +164,8 @@ def test_the_sizing_figures_are_bench_results(page: Path) -> None:
 
 
 def test_the_connection_sums_count_the_extra_pod_of_a_rollout() -> None:
-    manifests = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    deployment_yaml = ROOT / "deploy" / "kubernetes" / "proxy" / "deployment.yaml"
+    manifests = yaml.safe_load_all(deployment_yaml.read_text())
     (deployment,) = [m for m in manifests if m and m.get("kind") == "Deployment"]
     surge = deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
     assert surge not in (0, "0%"), "no surge pod: then the sums need no maxSurge"
@@ -190,3 +191,39 @@ def test_operations_md_has_a_row_for_every_metric_and_no_other() -> None:
     rows = set(re.findall(r"^\| `(dedup_[a-z_]+)` \|", text, re.M))
     assert sorted(exported - rows) == [], "metrics without a row in operations.md"
     assert sorted(rows - exported) == [], "rows in operations.md for metrics never exported"
+
+
+# Tables of contents.
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor for a heading (as .ci/check-links computes it)."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def tables_of_contents() -> dict[Path, tuple[list[str], list[str]]]:
+    """Each page with a table of contents (``- [title](#anchor)`` lines before its first
+    ``##``): the anchors it lists, and those of its ``##`` sections, in order."""
+    pages = {}
+    for page in [ROOT / "README.md", *DOCS, ROOT / "deploy" / "kubernetes" / "README.md"]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+        intro, _, _ = text.partition("\n## ")
+        listed = re.findall(r"^- \[[^\]]+\]\(#([^)]+)\)$", intro, re.M)
+        if listed:
+            sections = [slug(title) for title in re.findall(r"^## (.+)$", text, re.M)]
+            pages[page] = (listed, sections)
+    return pages
+
+
+def test_the_docs_have_tables_of_contents() -> None:
+    # The extractor finding none would pass every page.
+    found = {str(page.relative_to(ROOT)) for page in tables_of_contents()}
+    assert {"docs/deployment.md", "docs/operations.md", "docs/how-it-works.md"} <= found
+
+
+@pytest.mark.parametrize("page", list(tables_of_contents()), ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_table_of_contents_lists_every_section_in_order(page: Path) -> None:
+    listed, sections = tables_of_contents()[page]
+    assert listed == sections, (
+        f"{page.relative_to(ROOT)}: its contents list {listed}, its ## sections are {sections}"
+    )

@@ -5,16 +5,18 @@ continues one), or any such block that runs ``curl``. Each one is run: a fresh `
 process on ``config.example.yaml`` (its ports, database and table replaced by the test's) with
 the routes of the nearest YAML block above it in the same section added, in front of a fresh
 ``examples/upstream.py``; every command with the real ``curl``, ``localhost:8080`` pointed at
-that proxy; its stdout compared with the lines under it. A block the test cannot run says so
-in an HTML comment just above it, ``<!-- not run: why -->``, which a test requires of every
-block it does not run: none is passed over in silence. ``<!-- session env: NAME=value … -->``
+that proxy and ``localhost:9901`` at its admin listener; its stdout compared with the lines
+under it. A block the test cannot run says so in an HTML comment just above it, ``<!-- not run:
+why -->``, which a test requires of every block it does not run: none is passed over in
+silence. ``<!-- session env: NAME=value … -->``
 there sets the proxy's environment (a secret the shown route reads).
 
 Normalisation, so that only what varies is let through:
 
 - the answer's ``Date`` and ``Server`` headers (the clock, the aiohttp version) and its
   ``Content-Length`` (it follows from the body shown) are dropped, and CRLF is read as LF;
-- the proxy's and the app's real ports are written back as 8080 and 3000;
+- the proxy's, its admin listener's and the app's real ports are written back as 8080, 9901
+  and 3000;
 - in the shown output, a line ``...`` stands for any number of lines, and ``<...>`` for any
   text within a line (a request ID, a date, a timing).
 """
@@ -39,7 +41,7 @@ from tests.helpers import accepts, free_port, start_serve, wait_until
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL = {"console", "sh", "shell", "bash", ""}
-DOC_PORT, DOC_APP_PORT = "8080", "3000"
+DOC_PORT, DOC_ADMIN_PORT, DOC_APP_PORT = "8080", "9901", "3000"
 # Headers whose values vary from run to run, or follow from the body shown.
 VARYING_HEADERS = re.compile(r"^(date|server|content-length):", re.IGNORECASE)
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.+?)\s*-->")
@@ -135,10 +137,11 @@ def _session(page: Path, start: int, body: list[str], marks: str) -> Session | N
 ALL = [session for page in PAGES for session in sessions(page)]
 
 
-def normalised(output: str, port: int, app_port: int) -> str:
+def normalised(output: str, port: int, admin_port: int, app_port: int) -> str:
     """curl's output as the docs show it (the module docstring's rules)."""
     text = output.replace("\r\n", "\n")
     text = re.sub(rf"\b{port}\b", DOC_PORT, text)
+    text = re.sub(rf"\b{admin_port}\b", DOC_ADMIN_PORT, text)
     text = re.sub(rf"\b{app_port}\b", DOC_APP_PORT, text)
     head, blank, rest = text.partition("\n\n")
     if head.startswith("HTTP/"):
@@ -169,11 +172,11 @@ class Stack:
     """The example app and ``serve`` on config.example.yaml, as a session assumes them."""
 
     def __init__(self, tmp_path: Path, pg_dsn: str, table: str, session: Session) -> None:
-        self.port, self.app_port = free_port(), free_port()
+        self.port, self.admin_port, self.app_port = free_port(), free_port(), free_port()
         self.logs = tmp_path / "serve.log", tmp_path / "app.log"
         raw = yaml.safe_load((ROOT / "config.example.yaml").read_text())
         raw["listen"] = f"127.0.0.1:{self.port}"
-        raw["admin"] = {**raw.get("admin", {}), "listen": f"127.0.0.1:{free_port()}"}
+        raw["admin"] = {**raw.get("admin", {}), "listen": f"127.0.0.1:{self.admin_port}"}
         raw["upstream"]["url"] = f"http://127.0.0.1:{self.app_port}"
         database = {k: v for k, v in raw["database"].items() if k not in ("dsn", "data_dir")}
         raw["database"] = {**database, "dsn": pg_dsn, "table": table}
@@ -202,7 +205,11 @@ class Stack:
 
     async def run(self, command: Command) -> str:
         argv = shlex.split(command.text.replace("\\\n", " "), comments=True)
-        argv = [arg.replace(f"localhost:{DOC_PORT}", f"localhost:{self.port}") for arg in argv]
+        ports = {DOC_PORT: self.port, DOC_ADMIN_PORT: self.admin_port}
+        argv = [
+            re.sub(r"localhost:(8080|9901)\b", lambda m: f"localhost:{ports[m[1]]}", arg)
+            for arg in argv
+        ]
         assert argv[0] == "curl", f"line {command.line}: only curl runs here, not {argv[0]}"
         assert CURL is not None, "curl is not installed (.ci/run must install it)"
         curl = await asyncio.create_subprocess_exec(
@@ -210,7 +217,7 @@ class Stack:
         )
         out, err = await asyncio.wait_for(curl.communicate(), timeout=30)
         assert curl.returncode == 0, f"line {command.line}: curl failed: {err.decode()}"
-        return normalised(out.decode(), self.port, self.app_port)
+        return normalised(out.decode(), self.port, self.admin_port, self.app_port)
 
 
 @pytest.fixture

@@ -77,12 +77,12 @@ def test_the_image_is_labelled_with_the_version() -> None:
 
 def test_the_manifests_run_the_versions_image() -> None:
     tags = []
-    for path in sorted(KUBERNETES.glob("*.yaml")):
+    for path in sorted(KUBERNETES.glob("**/*.yaml")):
         for document in yaml.safe_load_all(path.read_text()):
             if not isinstance(document, dict):
                 continue
             if document.get("kind") == "Kustomization":
-                tags += [image["newTag"] for image in document["images"]
+                tags += [image["newTag"] for image in document.get("images", [])
                          if image["name"] == IMAGE]  # fmt: skip
                 continue
             pod = (document.get("spec") or {}).get("template", {}).get("spec", {})
@@ -90,8 +90,9 @@ def test_the_manifests_run_the_versions_image() -> None:
                 name, _, tag = container["image"].rpartition(":")
                 if name == IMAGE:
                     tags.append(tag)
-    # The Deployment, the migrate Job's init container and container, kustomize's newTag.
-    assert len(tags) == 4, tags
+    # The Deployment, the migrate Job's init container and container, and the newTag of the
+    # proxy's and the migrate Job's kustomizations.
+    assert len(tags) == 5, tags
     assert set(tags) == {proxy.__version__}
 
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCTION = (
     "deploy/config.yaml",
     "deploy/compose/config.yaml",
-    "deploy/kubernetes/configmap.yaml",
+    "deploy/kubernetes/config/config.yaml",
 )
 DEMO = ("config.example.yaml",)
 ENVIRONMENT = {
@@ -39,13 +39,18 @@ def proxy_config_text(relative: str) -> str:
 
 
 def is_proxy_config(path: Path) -> bool:
-    document = yaml.safe_load(path.read_text(encoding="utf-8"))
-    return isinstance(document, dict) and {"upstream", "routes"} <= document.keys()
+    documents = yaml.safe_load_all(path.read_text(encoding="utf-8"))
+    return any(isinstance(d, dict) and {"upstream", "routes"} <= d.keys() for d in documents)
 
 
 def load(relative: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> config.Config:
     for name, value in ENVIRONMENT.items():
         monkeypatch.setenv(name, value)
+    # Kubernetes: the role from the pod, the password from a file mounted from a Secret.
+    password = tmp_path / "password"
+    password.write_text("pw\n", encoding="utf-8")
+    monkeypatch.setenv("DATABASE_USER", "dedup_proxy")
+    monkeypatch.setenv("DATABASE_PASSWORD_FILE", str(password))
     copy = tmp_path / Path(relative).name
     copy.write_text(proxy_config_text(relative), encoding="utf-8")
     return config.load(copy)
@@ -64,9 +69,11 @@ def test_every_shipped_proxy_config_is_classified() -> None:
     }
     # These only name the ConfigMap.
     found -= {
-        "deploy/kubernetes/kustomization.yaml",
-        "deploy/kubernetes/deployment.yaml",
-        "deploy/kubernetes/migrate-job.yaml",
+        "deploy/kubernetes/config/kustomization.yaml",
+        "deploy/kubernetes/migrate/kustomization.yaml",
+        "deploy/kubernetes/migrate/stable-config/kustomization.yaml",
+        "deploy/kubernetes/migrate/job.yaml",
+        "deploy/kubernetes/proxy/deployment.yaml",
     }
 
     assert found == set(PRODUCTION + DEMO)
