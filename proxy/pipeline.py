@@ -485,6 +485,8 @@ def make_dispatcher(
     async def dispatch(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         try:
+            # Before anything reads a header: what is read must be what the app receives.
+            forwarder.refuse_not_utf8(request.headers)
             target = paths.normalize(request.raw_path)
             match = table.match(target, request.raw_path)
             if match is not None and match.route.semantics.handles(request.method):

@@ -3,7 +3,10 @@
 The request goes out as it came in (method, path, query, end-to-end headers and the raw body
 bytes) minus the hop-by-hop headers, with ``X-Forwarded-*`` added; the answer comes back the same
 way. Webhooks go through the transport chosen for their upstream URL (``transports``);
-pass-through requests stream both ways through aiohttp's client.
+pass-through requests stream both ways through aiohttp's client. A request header value whose
+bytes are not UTF-8 is refused before anything (``refuse_not_utf8``): aiohttp's client cannot
+send those bytes, and every request must reach the app as the proxy read it, whichever client
+carries it.
 
 The answer's status line and headers reach the provider as the app sent them, obs-text too
 (RFC 9110 5.5: opaque; nginx, Envoy and Go's ReverseProxy pass it through). Both clients decode
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
@@ -52,6 +56,8 @@ HOP_BY_HOP = frozenset(
 # aiohttp adds these to every request unless told not to; the upstream must see the provider's.
 _AUTO_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE)
 _CHUNK = 64 * 1024
+# A byte that is not UTF-8, as aiohttp's request parser hands it over: a surrogate escape.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
 class Trace(Protocol):
@@ -114,6 +120,18 @@ def _end_to_end(
         if name.lower() not in dropped and not (request and "_" in name):
             add(name, value)
     return kept
+
+
+def refuse_not_utf8(headers: CIMultiDictProxy[str]) -> None:
+    """HeaderRefused for a request header value whose bytes are not UTF-8 (obs-text such as
+    ISO-8859-1's ``\\xe9``, or a stray ``\\xff``). aiohttp's parser hands those bytes over as
+    surrogate escapes, which the own client writes back as sent but aiohttp's client (``https://``
+    upstreams, credentials in the URL, pass-through) drops: the app would get ``Bearer t`` for
+    the ``Bearer t\\xff`` the proxy scoped, verified or claimed apart. Refused for every
+    transport alike; UTF-8 (obs-text too, byte for byte) goes through as sent on both."""
+    for name, value in headers.items():
+        if not value.isascii() and _NOT_UTF8.search(value):
+            raise errors.HeaderRefused(f"header {name!r} holds bytes that are not UTF-8")
 
 
 def request_headers(
