@@ -10,6 +10,7 @@ facts the error carries, and where each request's canonical log line (``log_line
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
@@ -522,6 +523,7 @@ def make_dispatcher(
                 line["request_id"],
                 trace=trace,
                 pause=cfg.client_body_timeout,
+                go_ahead=functools.partial(request_body.go_ahead, request),
             )
             line["outcome"] = "passthrough"
         except errors.RequestError as exc:

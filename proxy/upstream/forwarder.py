@@ -24,7 +24,7 @@ import functools
 import logging
 import re
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -60,6 +60,11 @@ _CHUNK = 64 * 1024
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
+# Awaited before a pass-through body is first read: tells a client waiting with
+# ``Expect: 100-continue`` to send it (``request_body.go_ahead``).
+GoAhead = Callable[[], Awaitable[None]]
+
+
 class Trace(Protocol):
     """What a pass-through request's trace is told (``proxy.tracing``'s request traces): the
     CLIENT span starts with the headers it is carried in, and ends with the app's status or a
@@ -88,9 +93,9 @@ def _dropped(
 ) -> frozenset[str]:
     """The (lower-case) names a request to the app or an answer relayed never carries: the
     hop-by-hop ones; Content-Length unless kept (a body of known size gets its own); on a
-    request, Expect (the proxy answered any "100-continue" itself: the app must not be asked
-    again) and Host unless preserved. (An untrusted peer's forwarding headers are
-    ``proxy_headers.set_forwarded``'s.)"""
+    request, Expect (the proxy answers any "100-continue" itself, ``request_body.go_ahead``:
+    the app must not be asked again) and Host unless preserved. (An untrusted peer's
+    forwarding headers are ``proxy_headers.set_forwarded``'s.)"""
     names = set(HOP_BY_HOP)
     if not keep_length:
         names.add("content-length")
@@ -203,14 +208,17 @@ class RelayedStreamResponse(_AsSent):
 
 class _PausingBody:
     """A pass-through body streamed to the app as it arrives, each read bounded by ``pause``
-    (client_body_timeout): a trickling upload must not hold a pass-through connection."""
+    (client_body_timeout): a trickling upload must not hold a pass-through connection.
+    ``go_ahead`` is awaited before the first read (the client's 100 Continue)."""
 
-    def __init__(self, content: aiohttp.StreamReader, pause: float) -> None:
+    def __init__(self, content: aiohttp.StreamReader, pause: float, go_ahead: GoAhead) -> None:
         self._content = content
         self._pause = pause
+        self._go_ahead = go_ahead
         self.stalled: errors.RequestTimeout | None = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        await self._go_ahead()
         while True:
             try:
                 async with asyncio.timeout(self._pause):
@@ -361,11 +369,13 @@ class Forwarder:
         *,
         trace: Trace,
         pause: float,
+        go_ahead: GoAhead,
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
         streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
         (Overloaded, 503, when none is free within PASSTHROUGH_WAIT). A body whose bytes pause
-        longer than ``pause`` (client_body_timeout) is answered 408, its upstream request cut."""
+        longer than ``pause`` (client_body_timeout) is answered 408, its upstream request cut;
+        ``go_ahead`` is awaited before its first read."""
         slots = self._passthrough
         if slots.locked():
             try:
@@ -379,7 +389,9 @@ class Forwarder:
         else:
             await slots.acquire()  # free: returns at once, no timer needed
         try:
-            return await self._relay(request, base_url, target, request_id, trace, pause=pause)
+            return await self._relay(
+                request, base_url, target, request_id, trace, pause=pause, go_ahead=go_ahead
+            )
         finally:
             slots.release()
 
@@ -392,10 +404,11 @@ class Forwarder:
         trace: Trace,
         *,
         pause: float,
+        go_ahead: GoAhead,
     ) -> web.StreamResponse:
         headers = self._headers(request, request_id, keep_length=True)
         span = trace.forwarding(request.method, base_url, target, headers)
-        body = _PausingBody(request.content, pause) if request.body_exists else None
+        body = _PausingBody(request.content, pause, go_ahead) if request.body_exists else None
         try:
             try:
                 with transports.translated(self._timeout):
