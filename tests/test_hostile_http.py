@@ -543,3 +543,20 @@ async def test_expect_100_continue_that_goes_through_gets_100_then_its_answer(
     assert answer.status == 200
     assert again == b"HTTP/1.1 100 Continue\r\n\r\n"
     assert [(r.path_qs, r.body) for r in upstream.requests] == [(path.decode(), EVENT)]
+
+
+async def test_an_unknown_expectation_is_417_without_the_clients_bytes(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy()
+    async with connection(client) as (reader, writer):
+        writer.write(
+            webhook(b"Expect: <b>\xff</b>", b"Content-Length: %d" % len(EVENT), body=EVENT)
+        )
+        answer = await read_answer(reader)
+
+    assert answer is not None
+    assert answer.status == 417
+    assert b"\xff" not in answer.body
+    assert b"<b>" not in answer.body
+    await assert_untouched_and_serving(client, upstream, pg_dsn, table)
