@@ -5,11 +5,12 @@ client that sends it too slowly, stops half-way or sends too much is refused her
 of aiohttp's request stream are translated into ``errors`` here and nowhere else.
 
 A client that sends ``Expect: 100-continue`` waits for ``100 Continue`` before it sends any body
-(RFC 9110 10.1.1). It is written when a body is first read (``go_ahead``, here and for a
-pass-through body), as Go's net/http does, and not on the head's arrival as aiohttp's default
-Expect handler would: every refusal the head alone earns (a path refused, no route, a method,
-a declared length over max_body, a header that is not UTF-8) comes instead, and the
-connection is closed after it (``close_unread``): the client may send the body or not.
+(RFC 9110 10.1.1). It is written when a body is about to be read (``go_ahead``, here and
+before a pass-through request goes to the app), as Go's net/http does on a body's first read,
+and not on the head's arrival as aiohttp's default Expect handler would: every refusal the
+head alone earns (a path refused, no route, a method, a declared length over max_body, a
+header that is not UTF-8) comes instead, and the connection is closed after it
+(``close_unread``): the client may send the body or not.
 """
 
 from __future__ import annotations

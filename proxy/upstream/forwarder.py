@@ -60,7 +60,7 @@ _CHUNK = 64 * 1024
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
-# Awaited before a pass-through body is first read: tells a client waiting with
+# Awaited before a pass-through body is read: tells a client waiting with
 # ``Expect: 100-continue`` to send it (``request_body.go_ahead``).
 GoAhead = Callable[[], Awaitable[None]]
 
@@ -208,17 +208,14 @@ class RelayedStreamResponse(_AsSent):
 
 class _PausingBody:
     """A pass-through body streamed to the app as it arrives, each read bounded by ``pause``
-    (client_body_timeout): a trickling upload must not hold a pass-through connection.
-    ``go_ahead`` is awaited before the first read (the client's 100 Continue)."""
+    (client_body_timeout): a trickling upload must not hold a pass-through connection."""
 
-    def __init__(self, content: aiohttp.StreamReader, pause: float, go_ahead: GoAhead) -> None:
+    def __init__(self, content: aiohttp.StreamReader, pause: float) -> None:
         self._content = content
         self._pause = pause
-        self._go_ahead = go_ahead
         self.stalled: errors.RequestTimeout | None = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        await self._go_ahead()
         while True:
             try:
                 async with asyncio.timeout(self._pause):
@@ -375,7 +372,7 @@ class Forwarder:
         streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
         (Overloaded, 503, when none is free within PASSTHROUGH_WAIT). A body whose bytes pause
         longer than ``pause`` (client_body_timeout) is answered 408, its upstream request cut;
-        ``go_ahead`` is awaited before its first read."""
+        ``go_ahead`` is awaited once a body is to be read, before the app is sent anything."""
         slots = self._passthrough
         if slots.locked():
             try:
@@ -408,7 +405,11 @@ class Forwarder:
     ) -> web.StreamResponse:
         headers = self._headers(request, request_id, keep_length=True)
         span = trace.forwarding(request.method, base_url, target, headers)
-        body = _PausingBody(request.content, pause, go_ahead) if request.body_exists else None
+        body = None
+        if request.body_exists:
+            # Before the app is sent anything: nothing else can be written to the client yet.
+            await go_ahead()
+            body = _PausingBody(request.content, pause)
         try:
             try:
                 with transports.translated(self._timeout):
