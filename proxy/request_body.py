@@ -96,12 +96,8 @@ async def _read_parts(
 def waits_to_send(request: web.BaseRequest) -> bool:
     """The client sends its body only after ``100 Continue`` (aiohttp's default handler's test:
     HTTP/1.1 and ``Expect: 100-continue``)."""
-    expect = request.headers.get(hdrs.EXPECT)
-    return (
-        expect is not None
-        and request.version == HttpVersion11
-        and expect.lower() == ("100-continue")
-    )
+    expect = request.headers.get(hdrs.EXPECT, "")
+    return request.version == HttpVersion11 and expect.lower() == "100-continue"
 
 
 async def expectation(request: web.Request) -> None:
@@ -114,8 +110,8 @@ async def expectation(request: web.Request) -> None:
 
 
 async def go_ahead(request: web.BaseRequest) -> None:
-    """Write ``100 Continue`` to a client that waits for it, once: where its body is first read,
-    after every refusal its head alone earns."""
+    """Write ``100 Continue`` to a client that waits for it, once: where its body is about to
+    be read, after every refusal its head alone earns."""
     if request.get(_CONTINUED) or not waits_to_send(request):
         return
     request[_CONTINUED] = True

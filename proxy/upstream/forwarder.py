@@ -58,8 +58,6 @@ _AUTO_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTEN
 _CHUNK = 64 * 1024
 # A byte that is not UTF-8, as aiohttp's request parser hands it over: a surrogate escape.
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")
-
-
 # Awaited before a pass-through body is read: tells a client waiting with
 # ``Expect: 100-continue`` to send it (``request_body.go_ahead``).
 GoAhead = Callable[[], Awaitable[None]]
