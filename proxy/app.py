@@ -27,6 +27,7 @@ from proxy import (
     metrics,
     pipeline,
     redeliverer,
+    request_body,
     retention,
     tracing,
 )
@@ -306,7 +307,8 @@ class Runner(web.AppRunner):
     route, and build its match information anew. Here the route and its match information are
     found once, at start-up, and set on each request exactly as ``_handle`` sets them (the
     response hooks, ``request.app``, see them as ever); a request with an ``Expect`` header
-    still goes through ``_handle``, which answers "100-continue" or 417, and so does one whose
+    still goes through ``_handle``, which runs the route's Expect handler
+    (``request_body.expectation``: 417 for an unknown expectation), and so does one whose
     target is not a path (``OPTIONS *``, ``CONNECT host:port``: the router's 404). Relied on, from
     aiohttp: ``Server.request_handler``, read by every connection's handler when it is made,
     and ``Request._match_info``.
@@ -332,7 +334,7 @@ def _direct(
 
     async def direct(request: web.BaseRequest) -> web.StreamResponse:
         if hdrs.EXPECT in request.headers or request.raw_path[:1] != "/":
-            return await handle(request)  # "100-continue", 417; "OPTIONS *", CONNECT: 404
+            return await handle(request)  # Expect: its handler (417); "OPTIONS *", CONNECT: 404
         request._match_info = match_info  # type: ignore[attr-defined]
         return await dispatch(request)  # type: ignore[arg-type]
 
@@ -342,7 +344,7 @@ def _direct(
 def create_app(cfg: config.Config) -> web.Application:
     """Build the proxy application for ``cfg``; resources open when it starts."""
     app = web.Application()
-    app.on_response_prepare.append(_close_after_chunked)
+    app.on_response_prepare.extend([_close_after_chunked, request_body.close_unread])
     app[CONFIG] = cfg
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()
@@ -359,5 +361,8 @@ def create_app(cfg: config.Config) -> web.Application:
     )
     # Every request, whatever its path: routing happens on the normalized path (paths.py),
     # not in aiohttp's router, which matches before any middleware could normalize it.
-    app.router.add_route("*", "/{tail:(?s:.*)}", pipeline.make_dispatcher(cfg, meters, traces))
+    app.router.add_route(
+        "*", "/{tail:(?s:.*)}", pipeline.make_dispatcher(cfg, meters, traces),
+        expect_handler=request_body.expectation,
+    )  # fmt: skip
     return app

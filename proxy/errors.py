@@ -29,6 +29,7 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
                                     .outcome ("rejected" unless noted) and .shed (None unless
                                     noted: the request was shed to protect the worker)
         + PathRefused               400  an ambiguous variant of a webhook path, not origin-form
+        + HeaderRefused             400  a request header value whose bytes are not UTF-8
         + NotRouted                 404  matches no route, and pass-through does not allow it
         + MethodNotAllowed          405  a webhook path with a method its route does not take
         + EventIdInvalid            400  no usable event ID in the request
@@ -154,6 +155,13 @@ class PathRefused(RequestError):
 
     status = 400
     code = "path_refused"
+
+
+class HeaderRefused(RequestError):
+    """A request header value holds bytes that are not UTF-8."""
+
+    status = 400
+    code = "header_refused"
 
 
 class NotRouted(RequestError):

@@ -10,6 +10,7 @@ facts the error carries, and where each request's canonical log line (``log_line
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
@@ -495,6 +496,8 @@ def make_dispatcher(
     async def dispatch(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         try:
+            # Before anything reads a header: what is read must be what the app receives.
+            forwarder.refuse_not_utf8(request.headers)
             target = paths.normalize(request.raw_path)
             match = table.match(target, request.raw_path)
             if match is not None and match.route.semantics.handles(request.method):
@@ -532,6 +535,7 @@ def make_dispatcher(
                     trace=trace,
                     pause=cfg.client_body_timeout,
                     reserve=reservation.body,
+                    go_ahead=functools.partial(request_body.go_ahead, request),
                 )
             line["outcome"] = "passthrough"
         except errors.RequestError as exc:

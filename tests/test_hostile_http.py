@@ -1,4 +1,5 @@
-"""Hostile HTTP/1.1 on a raw socket: request smuggling, malformed framing and headers, slow clients.
+"""Hostile HTTP/1.1 on a raw socket: request smuggling, malformed framing and headers, slow clients,
+and ``Expect: 100-continue`` on a request the head alone refuses.
 
 Each probe is written byte for byte to the running proxy (client libraries refuse to send most of
 them). What aiohttp 3.14's C parser (llhttp, strict mode) does with each is pinned here: it answers
@@ -20,7 +21,15 @@ import pytest
 from aiohttp import http_parser
 from aiohttp.test_utils import TestClient
 
-from tests.helpers import WITHIN, FakeUpstream, MakeProxy, claimed, connection, read_answer
+from tests.helpers import (
+    WITHIN,
+    FakeUpstream,
+    MakeProxy,
+    claimed,
+    connection,
+    content_length,
+    read_answer,
+)
 
 EVENT = b'{"id": "evt_x"}'
 SMUGGLED_EVENT = b'{"id": "evt_smuggled"}'
@@ -450,4 +459,104 @@ async def test_slow_body_gets_408_at_client_timeout(
     assert answer.status == 408
     assert answer.headers["dedup-status"] == "rejected"
     assert json.loads(answer.body)["error"] == "request_timeout"
+    await assert_untouched_and_serving(client, upstream, pg_dsn, table)
+
+
+def expecting(line: bytes, *headers: bytes, length: int = len(SMUGGLED)) -> bytes:
+    """A request head that declares a body of ``length`` bytes and waits for 100 Continue to
+    send it."""
+    lines = b"".join(header + b"\r\n" for header in headers)
+    return (
+        line + b"\r\nHost: proxy.test\r\nExpect: 100-continue\r\n" + lines
+        + b"Content-Length: %d\r\n\r\n" % length
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("head", "refused"),
+    [
+        pytest.param(
+            expecting(b"POST /webhooks/corvel HTTP/1.1", length=2000),
+            (413, "body_too_large"),
+            id="declared-length-over-max_body",
+        ),
+        pytest.param(
+            expecting(b"PUT /webhooks/corvel HTTP/1.1"),
+            (405, "method_not_allowed"),
+            id="method",
+        ),
+        pytest.param(
+            expecting(b"POST /webhooks%2Fcorvel HTTP/1.1"), (400, "path_refused"), id="path"
+        ),
+        pytest.param(
+            expecting(b"POST /webhooks/corvel HTTP/1.1", b"X-Name: caf\xe9"),
+            (400, "header_refused"),
+            id="header-not-utf8",
+        ),
+        pytest.param(expecting(b"POST /elsewhere HTTP/1.1"), (404, "not_found"), id="not-routed"),
+    ],
+)
+async def test_expect_100_continue_gets_the_refusal_the_head_alone_earns_instead_of_100(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    head: bytes,
+    refused: tuple[int, str],
+) -> None:
+    """The refusal comes first, and closes the connection: the client may then send its body
+    or not (here it does, and its body is a whole webhook), so nothing after the refusal is
+    read as a request."""
+    client = await make_proxy(max_body="1KiB", passthrough="none")
+    async with connection(client) as (reader, writer):
+        writer.write(head)
+
+        answer = await read_answer(reader)
+        assert answer is not None
+        assert answer.status == refused[0]
+        assert json.loads(answer.body)["error"] == refused[1]
+        assert answer.headers["connection"] == "close"
+        writer.write(SMUGGLED.ljust(content_length(head)))
+        assert await asyncio.wait_for(reader.read(), WITHIN) == b""
+
+    await assert_untouched_and_serving(client, upstream, pg_dsn, table)
+
+
+@pytest.mark.parametrize(
+    "path", [b"/webhooks/corvel", b"/elsewhere"], ids=["webhook", "pass-through"]
+)
+async def test_expect_100_continue_that_goes_through_gets_100_then_its_answer(
+    make_proxy: MakeProxy, upstream: FakeUpstream, path: bytes
+) -> None:
+    client = await make_proxy()
+    async with connection(client) as (reader, writer):
+        writer.write(expecting(b"POST %s HTTP/1.1" % path, length=len(EVENT)))
+
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WITHIN)
+        writer.write(EVENT)
+        answer = await read_answer(reader)
+        writer.write(expecting(b"POST %s HTTP/1.1" % path))  # and the connection kept alive
+        again = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WITHIN)
+
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert answer is not None
+    assert answer.status == 200
+    assert again == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert [(r.path_qs, r.body) for r in upstream.requests] == [(path.decode(), EVENT)]
+
+
+async def test_an_unknown_expectation_is_417_without_the_clients_bytes(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy()
+    async with connection(client) as (reader, writer):
+        writer.write(
+            webhook(b"Expect: <b>\xff</b>", b"Content-Length: %d" % len(EVENT), body=EVENT)
+        )
+        answer = await read_answer(reader)
+
+    assert answer is not None
+    assert answer.status == 417
+    assert b"\xff" not in answer.body
+    assert b"<b>" not in answer.body
     await assert_untouched_and_serving(client, upstream, pg_dsn, table)

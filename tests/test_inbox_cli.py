@@ -190,11 +190,16 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
 
 
 async def test_show_escapes_what_a_terminal_would_act_on_in_kept_headers_and_target(
-    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, routes: list[dict[str, Any]]
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
 ) -> None:
-    # C1 CSI (U+009B) and OSC (U+009D, an OSC 52 clipboard write), U+202E, and a raw 0x9B
-    # byte, as a client can send them: raw bytes over a socket.
-    hostile = b"\xc2\x9b2J \xc2\x9d52;c;aGk=\xc2\x9c \xe2\x80\xaeevil \x9b31m"
+    # C1 CSI (U+009B) and OSC (U+009D, an OSC 52 clipboard write) and U+202E, as a client can
+    # send them: raw bytes over a socket.
+    hostile = b"\xc2\x9b2J \xc2\x9d52;c;aGk=\xc2\x9c \xe2\x80\xaeevil"
     upstream.respond = answering(503)
     proxy = await make_proxy(routes=routes, redeliverer=QUICK)
     body = b'{"id": "t1"}'
@@ -206,6 +211,14 @@ async def test_show_escapes_what_a_terminal_would_act_on_in_kept_headers_and_tar
         answer = await read_answer(reader)
     assert answer is not None
     assert answer.status == 202
+    # A raw 0x9B byte (not UTF-8): refused now, but a row kept before that may hold one.
+    raw = '[["X-Raw", {"base64": "mzMxbQ=="}]]'  # b"\x9b31m"
+    headers = f"(inbox_request->'headers') || '{raw}'::jsonb"
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET inbox_request = jsonb_set(inbox_request, '{{headers}}', "
+        f"{headers}) WHERE event_id = 't1'",
+    )
 
     code, out, err = await cli(config_file, "show", "--route", "hooks", "t1")
 
@@ -214,7 +227,8 @@ async def test_show_escapes_what_a_terminal_would_act_on_in_kept_headers_and_tar
     for character in ("\x9b", "\x9d", "\x9c", "\u202e", "\udc9b"):
         assert character not in out
     evil = next(line for line in out.splitlines() if line.startswith("  X-Evil: "))
-    assert evil == r"  X-Evil: \u009b2J \u009d52;c;aGk=\u009c \u202eevil \udc9b31m"
+    assert evil == r"  X-Evil: \u009b2J \u009d52;c;aGk=\u009c \u202eevil"
+    assert r"  X-Raw: \udc9b31m" in out.splitlines()
 
 
 async def test_redeliver_makes_the_given_deliveries_due_now_with_the_whole_for_again(

@@ -1,5 +1,7 @@
 """A 2xx the app really gave: relayed as sent, obs-text and all, or, where it cannot be relayed,
 answered 502 with the claim kept (the provider's retry is a duplicate, not a second delivery).
+A request header reaches the app as the proxy read it (scoped, verified, claimed) on both
+transports: UTF-8 as sent, any other byte over 0x7F refused with a 400 before the app or a claim.
 
 Against a scripted raw app that writes exact bytes, once per transport: the own client over
 plain HTTP and aiohttp's client over TLS (certificates from trustme); the proxy's answer is read
@@ -207,3 +209,76 @@ async def test_pass_through_refuses_a_control_character_with_a_502(
 
     assert answer.startswith(b"HTTP/1.1 502 ")
     assert b"a\x01b" not in answer
+
+
+PAYMENTS = {
+    "name": "payments",
+    "path": "/payments",
+    "semantics": "idempotency-key",
+    "scope_from": "header:Authorization",
+}
+CREATED = b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+
+
+def payment(credential: bytes) -> bytes:
+    """One client's request on the idempotency-key route, key k1, as raw bytes."""
+    body = b'{"amount": 100}'
+    return (
+        b"POST /payments HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer %s\r\n"
+        b"Idempotency-Key: k1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+        % (credential, len(body), body)
+    )
+
+
+async def test_a_request_header_that_is_not_utf8_is_refused_before_the_app_or_a_claim(
+    raw_app: Any, make_proxy: MakeProxy, pg_dsn: str, table: str
+) -> None:
+    """\\xff added to a credential would be a client scope of its own, and aiohttp's client
+    (https://) sends the credential without it: one client's key processed twice."""
+    app = await raw_app(CREATED)
+    proxy = await make_proxy(upstream={"url": app.url}, routes=[PAYMENTS])
+
+    first = await exchange(proxy, payment(b"alice"))
+    altered = await exchange(proxy, payment(b"alice\xff"))
+
+    assert first.startswith(b"HTTP/1.1 201 ")
+    assert altered.startswith(b"HTTP/1.1 400 ")
+    assert b'"error": "header_refused"' in altered
+    assert len(app.requests) == 1
+    assert [event_id for _, event_id, _ in await claimed(pg_dsn, table)] == ["k1"]
+
+
+async def test_utf8_in_a_request_header_reaches_the_app_as_sent_and_scopes_as_sent(
+    raw_app: Any, make_proxy: MakeProxy
+) -> None:
+    app = await raw_app(CREATED)
+    proxy = await make_proxy(upstream={"url": app.url}, routes=[PAYMENTS])
+
+    first = await exchange(proxy, payment(b"\xc3\xa9lise"))
+    retry = await exchange(proxy, payment(b"\xc3\xa9lise"))
+    other = await exchange(proxy, payment(b"elise"))
+
+    assert first.startswith(b"HTTP/1.1 201 ")
+    assert retry.startswith(b"HTTP/1.1 201 ")
+    assert b"\r\nIdempotent-Replayed: true\r\n" in retry
+    assert other.startswith(b"HTTP/1.1 201 ")
+    assert b"Idempotent-Replayed" not in other
+    assert len(app.requests) == 2
+    assert b"\r\nAuthorization: Bearer \xc3\xa9lise\r\n" in app.requests[0]
+    assert b"\r\nAuthorization: Bearer elise\r\n" in app.requests[1]
+
+
+async def test_pass_through_refuses_a_request_header_that_is_not_utf8(
+    raw_app: Any, make_proxy: MakeProxy
+) -> None:
+    app = await raw_app(LATIN1)
+    proxy = await make_proxy(upstream={"url": app.url})
+
+    answer = await exchange(
+        proxy,
+        b"GET /not-a-webhook HTTP/1.1\r\nHost: p\r\nX-Name: caf\xe9\r\nConnection: close\r\n\r\n",
+    )
+
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert b'"error": "header_refused"' in answer
+    assert app.requests == []

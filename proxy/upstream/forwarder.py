@@ -3,7 +3,10 @@
 The request goes out as it came in (method, path, query, end-to-end headers and the raw body
 bytes) minus the hop-by-hop headers, with ``X-Forwarded-*`` added; the answer comes back the same
 way. Webhooks go through the transport chosen for their upstream URL (``transports``);
-pass-through requests stream both ways through aiohttp's client.
+pass-through requests stream both ways through aiohttp's client. A request header value whose
+bytes are not UTF-8 is refused before anything (``refuse_not_utf8``): aiohttp's client cannot
+send those bytes, and every request must reach the app as the proxy read it, whichever client
+carries it.
 
 The answer's status line and headers reach the provider as the app sent them, obs-text too
 (RFC 9110 5.5: opaque; nginx, Envoy and Go's ReverseProxy pass it through). Both clients decode
@@ -19,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import ssl as ssl_module
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -56,6 +60,11 @@ HOP_BY_HOP = frozenset(
 # aiohttp adds these to every request unless told not to; the upstream must see the provider's.
 _AUTO_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE)
 _CHUNK = 64 * 1024
+# A byte that is not UTF-8, as aiohttp's request parser hands it over: a surrogate escape.
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+# Awaited before a pass-through body is read: tells a client waiting with
+# ``Expect: 100-continue`` to send it (``request_body.go_ahead``).
+GoAhead = Callable[[], Awaitable[None]]
 
 
 class Trace(Protocol):
@@ -86,9 +95,9 @@ def _dropped(
 ) -> frozenset[str]:
     """The (lower-case) names a request to the app or an answer relayed never carries: the
     hop-by-hop ones; Content-Length unless kept (a body of known size gets its own); on a
-    request, Expect (the proxy answered any "100-continue" itself: the app must not be asked
-    again) and Host unless preserved. (An untrusted peer's forwarding headers are
-    ``proxy_headers.set_forwarded``'s.)"""
+    request, Expect (the proxy answers any "100-continue" itself, ``request_body.go_ahead``:
+    the app must not be asked again) and Host unless preserved. (An untrusted peer's
+    forwarding headers are ``proxy_headers.set_forwarded``'s.)"""
     names = set(HOP_BY_HOP)
     if not keep_length:
         names.add("content-length")
@@ -118,6 +127,18 @@ def _end_to_end(
         if name.lower() not in dropped and not (request and "_" in name):
             add(name, value)
     return kept
+
+
+def refuse_not_utf8(headers: CIMultiDictProxy[str]) -> None:
+    """HeaderRefused for a request header value whose bytes are not UTF-8 (obs-text such as
+    ISO-8859-1's ``\\xe9``, or a stray ``\\xff``). aiohttp's parser hands those bytes over as
+    surrogate escapes, which the own client writes back as sent but aiohttp's client (``https://``
+    upstreams, credentials in the URL, pass-through) drops: the app would get ``Bearer t`` for
+    the ``Bearer t\\xff`` the proxy scoped, verified or claimed apart. Refused for every
+    transport alike; UTF-8 (obs-text too, byte for byte) goes through as sent on both."""
+    for name, value in headers.items():
+        if not value.isascii() and _NOT_UTF8.search(value):
+            raise errors.HeaderRefused(f"header {name!r} holds bytes that are not UTF-8")
 
 
 def request_headers(
@@ -365,14 +386,19 @@ class Forwarder:
         trace: Trace,
         pause: float,
         reserve: Callable[[int], None],
+        go_ahead: GoAhead,
     ) -> web.StreamResponse:
         """Pass a request through to ``target`` (the path and query the proxy routed on),
         streaming both ways (no claim, no size cap), on one of the PASSTHROUGH_CONNECTIONS
         (Overloaded, 503, when none is free within PASSTHROUGH_WAIT), once its body's first
         PASSTHROUGH_BUFFER bytes have arrived (held ``reserve``-d). A body whose bytes pause
-        longer than ``pause`` (client_body_timeout) is answered 408, its upstream request cut."""
-        body = _PausingBody(request.content, pause) if request.body_exists else None
-        if body is not None:
+        longer than ``pause`` (client_body_timeout) is answered 408, its upstream request cut;
+        ``go_ahead`` is awaited once a body is to be read, before the app is sent anything."""
+        body = None
+        if request.body_exists:
+            # Before anything is read or sent: nothing else can be written to the client yet.
+            await go_ahead()
+            body = _PausingBody(request.content, pause)
             await body.fill(reserve)
         slots = self._passthrough
         if slots.locked():
