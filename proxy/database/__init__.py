@@ -22,14 +22,18 @@ from proxy.database.claim import (
     Commit,
     Duplicate,
     Key,
+    is_bound,
+    unbound,
 )
 from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Kept, Redelivery, Shown
 from proxy.database.pool import dsn_hosts, host_named, translated
+from proxy.database.sql import BOUND_DIGITS
 from proxy.database.store import (
     DDL_LOCK_WAIT,
     PRIVILEGES,
     Distribution,
     Event,
+    Resolved,
     ScopeStats,
     Store,
     apply_schema,
@@ -38,6 +42,7 @@ from proxy.database.store import (
 )
 
 __all__ = [
+    "BOUND_DIGITS",
     "DDL_LOCK_WAIT",
     "DEAD",
     "FULL",
@@ -57,13 +62,16 @@ __all__ = [
     "Kept",
     "Key",
     "Redelivery",
+    "Resolved",
     "ScopeStats",
     "Shown",
     "Store",
     "apply_schema",
     "dsn_hosts",
     "host_named",
+    "is_bound",
     "missing_schema",
     "schema_sql",
     "translated",
+    "unbound",
 ]
