@@ -110,6 +110,23 @@ def stripe_route(**extra: Any) -> dict[str, Any]:
     }
 
 
+GITHUB_SECRET = "It's a Secret to Everybody"
+
+
+def github_route(**extra: Any) -> dict[str, Any]:
+    """A GitHub route with ``verify``: its claims are bound to the body (``webhooks.bound``)."""
+    return {"name": "github", "path": "/webhooks/github", "preset": "github",
+            "verify": {"secret": GITHUB_SECRET}, **extra}  # fmt: skip
+
+
+def github_headers(body: bytes, delivery: str, hook: str = "1") -> dict[str, str]:
+    """A delivery as GitHub signs it: its event ID on the proxy is ``f"{hook}:{delivery}"``."""
+    signature = hmac.new(GITHUB_SECRET.encode(), body, hashlib.sha256).hexdigest()
+    return {"X-GitHub-Delivery": delivery, "X-GitHub-Hook-ID": hook, "X-GitHub-Event": "push",
+            "X-Hub-Signature-256": f"sha256={signature}",
+            "Content-Type": "application/json"}  # fmt: skip
+
+
 # --- the test database and the app's state ------------------------------------------------
 
 
