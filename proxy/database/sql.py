@@ -430,7 +430,7 @@ def for_table(table: str) -> Queries:
         ),
         id_form_since=(
             "SELECT CASE WHEN received_at = '-infinity' THEN NULL "
-            "ELSE extract(epoch FROM received_at)::float8 END "
+            "ELSE extract(epoch FROM received_at)::float8 END AS since "
             f"FROM {quoted} WHERE scope = '{ID_FORMS}' AND event_id = $1"
         ),
     )

@@ -376,8 +376,14 @@ class Store:
             with translated("reading since when claims are bound failed"):
                 for scope, retention in bound.items():
                     claims = await connection.fetchval(self.queries.id_form_claims, scope)
-                    await connection.execute(self.queries.id_form, scope, claims)
-                    since = await connection.fetchval(self.queries.id_form_since, scope)
+                    try:
+                        with translated("recording since when claims are bound failed"):
+                            await connection.execute(self.queries.id_form, scope, claims)
+                    except errors.ReadOnly:
+                        pass  # a standby (a failover): the primary's first replica records it
+                    row = await connection.fetchrow(self.queries.id_form_since, scope)
+                    # Not recorded (a standby): from now if the scope holds claims, to be safe.
+                    since = row["since"] if row is not None else time.time() if claims else None
                     if since is not None and time.time() < since + retention:
                         windows[scope] = since + retention
         for scope, until in windows.items():
