@@ -3,10 +3,11 @@
 outlive its bounds.
 
 Serving: ``claim`` (see ``claim``), ``reconcile`` after a COMMIT in doubt, the start-up checks
-(``ensure_schema``, ``check_privileges``) and readiness (``check``), a batch of the retention
-sweep. Operating (the CLI's commands, over a pool of one): ``events``, ``forget``, ``stats``,
-``migrate`` and the facts the preflight reports. The statements are in ``sql``; what the
-driver's errors mean, in ``pool``.
+(``ensure_schema``, ``check_privileges``) and readiness (``check``), the upgrade window of the
+routes whose claims are bound (``notice_id_forms``, ``legacy_form``), a batch of the retention
+sweep. Operating (the CLI's commands, over a pool of one): ``events``, ``resolve`` (an ID as the
+provider sent it), ``forget``, ``stats``, ``migrate`` and the facts the preflight reports. The
+statements are in ``sql``; what the driver's errors mean, in ``pool``.
 """
 
 from __future__ import annotations
