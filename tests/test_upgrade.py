@@ -78,7 +78,6 @@ async def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str
         return response.status, response.headers.get("Dedup-Status")
 
 
-@pytest.mark.slow
 async def test_release_0_1_0_and_this_one_on_one_table_process_a_delivery_and_its_copy_once(
     tmp_path: Path, old_release: Path, pg_dsn: str, table: str, upstream: FakeUpstream
 ) -> None:
