@@ -25,7 +25,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy import webhooks
+from proxy import config, operations, webhooks
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -203,6 +203,32 @@ async def test_inside_the_window_either_form_is_a_duplicate_of_the_other(
     assert [row["event_id"] for row in rows] == [keyed.format("e-1"), keyed.format("e-2"), bound]
     if replays:  # in both rows: 0.1.0 replays it from the legacy one
         assert [row["answer_body"] for row in rows[1:]] == [TWIML, TWIML]
+
+
+async def test_forget_inside_the_window_forgets_both_forms(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    proxy_config: Callable[..., config.Config],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    """``events forget`` of the ID as sent deletes the claim's legacy form with it, so that
+    the manual redelivery it is for goes through inside the window too."""
+    route, path, body, headers, _ = PROVIDERS["github"]
+    await make_proxy(routes=[route])
+    await execute(pg_dsn, f"""DELETE FROM "{table}" WHERE scope = '~id-forms';"""
+                  + old_claim(table, "github", "1:before", body, None))  # fmt: skip
+    proxy = await make_proxy(routes=[route])
+    await proxy.post(path, data=body, headers=headers(body, "e-1"))
+    out = io.StringIO()
+
+    code = await operations.forget(proxy_config(routes=[route]), "github", ["1:e-1"], out)
+    again = await proxy.post(path, data=body, headers=headers(body, "e-1"))
+
+    bound = webhooks.bound("1:e-1", "", hashlib.sha256(body).digest())
+    assert (code, out.getvalue()) == (0, f"forgotten: github 1:e-1 (claim {bound})\n")
+    assert (again.status, again.headers.get("Dedup-Status")) == (200, None)
+    assert len(upstream.requests) == 2
 
 
 async def test_a_new_route_has_no_window_and_the_window_ends_one_retention_on(

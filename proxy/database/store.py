@@ -376,15 +376,7 @@ class Store:
         async with self._connection() as connection:
             with translated("reading since when claims are bound failed"):
                 for scope, retention in bound.items():
-                    claims = await connection.fetchval(self.queries.id_form_claims, scope)
-                    try:
-                        with translated("recording since when claims are bound failed"):
-                            await connection.execute(self.queries.id_form, scope, claims)
-                    except errors.ReadOnly:
-                        pass  # a standby (a failover): the primary's first replica records it
-                    row = await connection.fetchrow(self.queries.id_form_since, scope)
-                    # Not recorded (a standby): from now if the scope holds claims, to be safe.
-                    since = row["since"] if row is not None else time.time() if claims else None
+                    since = await self._bound_since(connection, scope)
                     if since is not None and time.time() < since + retention:
                         windows[scope] = since + retention
         for scope, until in windows.items():
@@ -395,6 +387,25 @@ class Store:
                 scope, datetime.fromtimestamp(until, UTC).isoformat(timespec="seconds"),
             )  # fmt: skip
         self.windows = windows
+
+    async def _bound_since(self, connection: Connection, scope: str) -> float | None:
+        """Since when ``scope``'s claims are bound (time.time()), recorded by the first
+        replica to start with the route; None: since its first claim."""
+        queries = self.queries
+        row = await connection.fetchrow(queries.id_form_since, scope)
+        if row is not None:
+            return float(row["since"]) if row["since"] is not None else None
+        # The route's first start: its claims read once.
+        claims = await connection.fetchval(queries.id_form_claims, scope)
+        try:
+            with translated("recording since when claims are bound failed"):
+                await connection.execute(queries.id_form, scope, claims)
+        except errors.ReadOnly:
+            # A standby (a failover): the primary's first replica records it; this one counts
+            # from now if the route holds claims.
+            return time.time() if claims else None
+        row = await connection.fetchrow(queries.id_form_since, scope)
+        return None if row is None or row["since"] is None else float(row["since"])
 
     async def resolve(self, scope: str, event_ids: Sequence[str]) -> dict[str, Resolved]:
         """What each of these IDs (as an operator gave them: the provider's, or as stored)
