@@ -275,32 +275,12 @@ async def redeliver(
             out.write(f"no {every} deliveries in scope {scope}\n")
             return 0
     else:
-        _each(scope, event_ids, named, {row[1] for row in done}, did="redelivering", out=out)
+        named.report(event_ids, {row[1] for row in done}, "redelivering", out)
     out.write(
         f"{len(changed)} delivery(ies) due now; the redeliverer takes them within its poll "
         "interval\n"
     )
-    ids = {row[1] for row in done}
-    return 0 if every or (not named.problems and ids >= set(named.stored.values())) else 1
-
-
-def _each(
-    scope: str,
-    event_ids: Sequence[str],
-    named: operations.Named,
-    done: set[str],
-    *,
-    did: str,
-    out: TextIO,
-) -> None:
-    """A line for each ID given: what was done, or why not (``operations.resolve``)."""
-    for event_id in dict.fromkeys(event_ids):
-        stored = named.stored.get(event_id)
-        if stored is None:
-            out.write(f"{named.problems[event_id]}\n")
-        else:
-            state = did if stored in done else "not found"
-            out.write(f"{state}: {scope} {operations.named(event_id, stored)}\n")
+    return 0 if every or named.all_done({row[1] for row in done}) else 1
 
 
 async def discard(
@@ -317,5 +297,5 @@ async def discard(
     async with operations.open_store(cfg) as store:
         named = await operations.resolve(store, scope, event_ids)
         discarded = await store.inbox.discard(scope, list(named.stored.values()))
-    _each(scope, event_ids, named, discarded, did="discarded", out=out)
-    return 0 if not named.problems and discarded >= set(named.stored.values()) else 1
+    named.report(event_ids, discarded, "discarded", out)
+    return 0 if named.all_done(discarded) else 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple, TextIO
 
@@ -99,8 +99,26 @@ def exact_scope(route: routes.RouteConfig, scope: str | None) -> str:
 class Named(NamedTuple):
     """The IDs an operator gave, resolved in one scope (``resolve``)."""
 
+    scope: str
     stored: dict[str, str]  # each ID found, to its claim's ID as stored
     problems: dict[str, str]  # each of the others, to its line: not found, or its candidates
+
+    def report(
+        self, event_ids: Sequence[str], done: Collection[str], did: str, out: TextIO
+    ) -> None:
+        """A line for each ID given: ``did`` to the claim (``done`` holds the stored IDs the
+        command changed), else why not."""
+        for event_id in dict.fromkeys(event_ids):
+            stored = self.stored.get(event_id)
+            if stored is None:
+                out.write(f"{self.problems[event_id]}\n")
+                continue
+            shown = event_id if stored == event_id else f"{event_id} (claim {stored})"
+            out.write(f"{did if stored in done else 'not found'}: {self.scope} {shown}\n")
+
+    def all_done(self, done: Collection[str]) -> bool:
+        """Whether every ID given named one claim, and the command changed each."""
+        return not self.problems and all(stored in done for stored in self.stored.values())
 
 
 async def resolve(store: database.Store, scope: str, event_ids: Sequence[str]) -> Named:
@@ -120,12 +138,7 @@ async def resolve(store: database.Store, scope: str, event_ids: Sequence[str]) -
             )
         else:
             problems[event_id] = f"not found: {scope} {event_id}"
-    return Named(stored, problems)
-
-
-def named(event_id: str, stored: str) -> str:
-    """An ID as given, and as stored where that differs, for a command's lines."""
-    return event_id if stored == event_id else f"{event_id} (claim {stored})"
+    return Named(scope, stored, problems)
 
 
 def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
@@ -179,14 +192,8 @@ async def forget(
         rows = {row for stored in found.stored.values()
                 for row in (stored, database.unbound(stored))}  # fmt: skip
         forgotten = await store.forget(scope, sorted(rows), lock_wait=cfg.claim_wait)
-    for event_id in dict.fromkeys(event_ids):
-        stored = found.stored.get(event_id)
-        if stored is None:
-            out.write(f"{found.problems[event_id]}\n")
-        else:
-            state = "forgotten" if stored in forgotten else "not found"
-            out.write(f"{state}: {scope} {named(event_id, stored)}\n")
-    return 0 if not found.problems and forgotten >= set(found.stored.values()) else 1
+    found.report(event_ids, forgotten, "forgotten", out)
+    return 0 if found.all_done(forgotten) else 1
 
 
 async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
