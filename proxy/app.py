@@ -106,11 +106,16 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     # the start, rather than fail every sweep or every stored answer later.
     replay = any(route.replay for route in cfg.routes)
     kept = any(route.redeliver for route in cfg.routes)
+    # The scopes whose claims are bound, to their retention: the upgrade window's length.
+    bound: dict[str, float] = {}
+    for route in cfg.routes:
+        if route.binds_claims:
+            bound[route.scope] = max(bound.get(route.scope, 0.0), route.retention)
     began = time.monotonic()
     retrying = None
     try:
         try:
-            await store.start(answers=replay, kept=kept)
+            await store.start(answers=replay, kept=kept, bound=bound)
         except errors.NotPrepared:
             raise
         except errors.StoreUnavailable as exc:
@@ -121,7 +126,9 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
                 "up to %s (database.start_timeout)",
                 exc.message, config.values.format_duration(cfg.database.start_timeout),
             )  # fmt: skip
-            later = _start_later(store, app[START], cfg.database, began, answers=replay, kept=kept)
+            later = _start_later(
+                store, app[START], cfg.database, began, answers=replay, kept=kept, bound=bound
+            )
             retrying = asyncio.create_task(later, name="database-start")
         yield
     finally:
@@ -141,6 +148,7 @@ async def _start_later(
     *,
     answers: bool,
     kept: bool,
+    bound: dict[str, float],
 ) -> None:
     """Try the store's start again until it succeeds, is refused, or ``start_timeout`` has
     passed since ``began``."""
@@ -158,7 +166,7 @@ async def _start_later(
             return
         await asyncio.sleep(pause)
         try:
-            await store.start(answers=answers, kept=kept)
+            await store.start(answers=answers, kept=kept, bound=bound)
         except errors.NotPrepared as exc:
             start.fail(exc)
             return

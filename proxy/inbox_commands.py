@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO, TextIO
 
-from proxy import config, errors, logs, operations
+from proxy import config, database, errors, logs, operations
 from proxy.database import inbox
 
 # Their values are credentials of the sender's session, not of the event: masked in ``show``.
@@ -143,13 +143,17 @@ async def show(
     out: TextIO = sys.stdout,
     raw: BinaryIO | None = None,
 ) -> int:
-    """Everything stored about one event; with ``body``, only its kept body, as sent (to
-    ``raw``, stdout's bytes by default). Exit 1 if there is no such event (or no body)."""
+    """Everything stored about one event (its ID as the provider sent it or as stored,
+    ``operations.resolve``); with ``body``, only its kept body, as sent (to ``raw``, stdout's
+    bytes by default). Exit 1 if there is no such event (or no body), or the ID is several
+    (listed)."""
     scope = operations.exact_scope(operations.route_of(cfg, route), scope)
     async with operations.open_store(cfg) as store:
-        shown = await store.inbox.show(scope, event_id)
+        found = await operations.resolve(store, scope, [event_id])
+        stored = found.stored.get(event_id)
+        shown = None if stored is None else await store.inbox.show(scope, stored)
     if shown is None:
-        print(f"not found: {scope} {event_id}", file=sys.stderr)
+        print(found.problems.get(event_id, f"not found: {scope} {event_id}"), file=sys.stderr)
         return 1
     if not body:
         out.write(describe(shown))
@@ -168,9 +172,12 @@ def _state(shown: inbox.Shown) -> str:
 
 
 def describe(shown: inbox.Shown) -> str:
-    """``events show``'s block: the event, its state, the request kept and every attempt."""
+    """``events show``'s block: the event (its ID as the provider sent it, and the claim's as
+    stored where that differs), its state, the request kept and every attempt."""
+    event_id = database.unbound(shown.event_id)
     fields = [
-        ("event", shown.event_id),
+        ("event", event_id),
+        *((("claim", shown.event_id),) if event_id != shown.event_id else ()),
         ("scope", shown.scope),
         ("type", shown.event_type or "-"),
         ("received_at", _when(shown.received_at)),
@@ -255,22 +262,25 @@ async def redeliver(
     scope = narrowed(found, scope)
     after = datetime.now(UTC) - timedelta(seconds=since) if since is not None else None
     async with operations.open_store(cfg) as store:
+        named = await operations.resolve(store, scope, event_ids)
         changed = await store.inbox.redeliver(
-            scope, None if every else list(event_ids), after, found.redeliver.for_,
-            every or inbox.DEAD,
+            scope, None if every else list(named.stored.values()), after,
+            found.redeliver.for_, every or inbox.DEAD,
         )  # fmt: skip
     done = set(changed)
-    given = [(scope, event_id) for event_id in dict.fromkeys(event_ids)]
-    for row in sorted(done) if every else given:
-        out.write(f"{'redelivering' if row in done else 'not found'}: {row[0]} {row[1]}\n")
-    if every and not changed:
-        out.write(f"no {every} deliveries in scope {scope}\n")
-        return 0
+    if every:
+        for row in sorted(done):
+            out.write(f"redelivering: {row[0]} {row[1]}\n")
+        if not changed:
+            out.write(f"no {every} deliveries in scope {scope}\n")
+            return 0
+    else:
+        named.report(event_ids, {row[1] for row in done}, "redelivering", out)
     out.write(
         f"{len(changed)} delivery(ies) due now; the redeliverer takes them within its poll "
         "interval\n"
     )
-    return 0 if done.issuperset(given) else 1
+    return 0 if every or named.all_done({row[1] for row in done}) else 1
 
 
 async def discard(
@@ -282,11 +292,10 @@ async def discard(
     out: TextIO = sys.stdout,
 ) -> int:
     """Drop these pending or dead deliveries for good; their claims stay. Exit 1 if some were
-    not pending or dead."""
+    not pending or dead (or an ID named several claims, listed)."""
     scope = operations.exact_scope(operations.route_of(cfg, route), scope)
     async with operations.open_store(cfg) as store:
-        discarded = await store.inbox.discard(scope, list(event_ids))
-    for event_id in dict.fromkeys(event_ids):
-        state = "discarded" if event_id in discarded else "not found"
-        out.write(f"{state}: {scope} {event_id}\n")
-    return 0 if discarded >= set(event_ids) else 1
+        named = await operations.resolve(store, scope, event_ids)
+        discarded = await store.inbox.discard(scope, list(named.stored.values()))
+    named.report(event_ids, discarded, "discarded", out)
+    return 0 if named.all_done(discarded) else 1

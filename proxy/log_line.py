@@ -33,6 +33,7 @@ class LogLine(TypedDict, total=False):
     trace_id: str
     span_id: str
     event_id: str  # as the request carried it (an Idempotency-Key as parsed)
+    claim_id: str  # the claim's ID as stored, where it is not event_id (bound to the body)
     event_type: str | None
     body_claimed_as: str  # the other event ID this signed body was last claimed under
     claim_ms: float  # the wait for the claim, in this process and at the row lock

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from proxy import config, database, embedded, errors
 from proxy.config import routes, values
@@ -96,6 +96,51 @@ def exact_scope(route: routes.RouteConfig, scope: str | None) -> str:
     return narrowed_scope(route, scope)
 
 
+class Named(NamedTuple):
+    """The IDs an operator gave, resolved in one scope (``resolve``)."""
+
+    scope: str
+    stored: dict[str, str]  # each ID found, to its claim's ID as stored
+    problems: dict[str, str]  # each of the others, to its line: not found, or its candidates
+
+    def report(
+        self, event_ids: Sequence[str], done: Collection[str], did: str, out: TextIO
+    ) -> None:
+        """A line for each ID given: ``did`` to the claim (``done`` holds the stored IDs the
+        command changed), else why not."""
+        for event_id in dict.fromkeys(event_ids):
+            stored = self.stored.get(event_id)
+            if stored is None:
+                out.write(f"{self.problems[event_id]}\n")
+                continue
+            shown = event_id if stored == event_id else f"{event_id} (claim {stored})"
+            out.write(f"{did if stored in done else 'not found'}: {self.scope} {shown}\n")
+
+    def all_done(self, done: Collection[str]) -> bool:
+        """Whether every ID given named one claim, and the command changed each."""
+        return not self.problems and all(stored in done for stored in self.stored.values())
+
+
+async def resolve(store: database.Store, scope: str, event_ids: Sequence[str]) -> Named:
+    """What these IDs name in ``scope``: an ID as the provider sent it names its claim bound
+    to a body (``<id>~<digest>``, on GitHub, Shopify and Twilio routes with ``verify``) as
+    well as the claim stored under it as given; several claims bound to different bodies
+    under one ID are listed for the operator to pick from."""
+    resolved = await store.resolve(scope, event_ids)
+    stored, problems = {}, {}
+    for event_id, found in resolved.items():
+        if found.stored:
+            stored[event_id] = found.stored
+        elif found.candidates:
+            problems[event_id] = (
+                f"ambiguous: {scope} {event_id} is {len(found.candidates)} claims (bound to "
+                f"different bodies); give one of: {' '.join(found.candidates)}"
+            )
+        else:
+            problems[event_id] = f"not found: {scope} {event_id}"
+    return Named(scope, stored, problems)
+
+
 def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
     """A plain aligned text table."""
     cells = [[str(h) for h in headers], *[["" if v is None else str(v) for v in r] for r in rows]]
@@ -134,17 +179,21 @@ async def forget(
     out: TextIO = sys.stdout,
     scope: str | None = None,
 ) -> int:
-    """Delete claims so a manual redelivery goes through. Exit 1 if some were not there.
+    """Delete claims so a manual redelivery goes through. Exit 1 if some were not there (or
+    an ID named several claims, listed).
 
-    A claim still in flight is an uncommitted row, invisible here: it is "not found" until its
-    request has finished (and then it is either committed, so forgettable, or gone)."""
+    An ID is taken as the provider sent it or as stored (``resolve``); a bound claim is
+    forgotten with its legacy form, which the upgrade window claims with it. A claim still in
+    flight is an uncommitted row, invisible here: it is "not found" until its request has
+    finished (and then it is either committed, so forgettable, or gone)."""
     scope = exact_scope(route_of(cfg, route), scope)
     async with open_store(cfg) as store:
-        forgotten = await store.forget(scope, event_ids, lock_wait=cfg.claim_wait)
-    for event_id in event_ids:
-        state = "forgotten" if event_id in forgotten else "not found"
-        out.write(f"{state}: {scope} {event_id}\n")
-    return 0 if len(forgotten) == len(set(event_ids)) else 1
+        found = await resolve(store, scope, event_ids)
+        rows = {row for stored in found.stored.values()
+                for row in (stored, database.unbound(stored))}  # fmt: skip
+        forgotten = await store.forget(scope, sorted(rows), lock_wait=cfg.claim_wait)
+    found.report(event_ids, forgotten, "forgotten", out)
+    return 0 if found.all_done(forgotten) else 1
 
 
 async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:

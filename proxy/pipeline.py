@@ -197,6 +197,8 @@ class Cycle:
         query = self.request.raw_path.partition("?")[2]
         self.event_id, key = self.route.semantics.key(self, query)
         self.line["event_id"] = self.event_id
+        if key.event_id != self.event_id:
+            self.line["claim_id"] = key.event_id
         self.line["event_type"] = key.event_type
         return key
 

@@ -220,9 +220,11 @@ class Redeliverer:
         delivery = redelivery.delivery
         status, error = sent
         took = round((time.perf_counter() - started) * 1000, 2)
-        fields = {"route": delivery.route, "scope": redelivery.scope,
-                  "event_id": redelivery.event_id, "attempt": redelivery.failures + 1,
-                  "upstream_status": status, "upstream_ms": took}  # fmt: skip
+        event_id = self.provider_id(redelivery)
+        fields = {"route": delivery.route, "scope": redelivery.scope, "event_id": event_id,
+                  **({} if event_id == redelivery.event_id else {"claim_id": redelivery.event_id}),
+                  "attempt": redelivery.failures + 1, "upstream_status": status,
+                  "upstream_ms": took}  # fmt: skip
         if status is not None and 200 <= status < 300:
             await redelivery.delivered(status)
             result, level = "delivered", logging.INFO
@@ -242,8 +244,16 @@ class Redeliverer:
             {"dedup.redelivery.result": result, "webhook.upstream_status": status or 0},
             None if result == "delivered" else error or f"the app answered {status}",
         )
-        log.log(level, "redelivery of %s %s: %s", delivery.route, redelivery.event_id, result,
+        log.log(level, "redelivery of %s %s: %s", delivery.route, event_id, result,
                 extra={"fields": fields})  # fmt: skip
+
+    def provider_id(self, redelivery: database.Redelivery) -> str:
+        """The redelivered event's ID as the provider sent it: on a route whose claims are
+        bound (or a route renamed since), without the digest its claim's ID carries."""
+        route = self._routes.get(redelivery.delivery.route)
+        if route is not None and not route.binds_claims:
+            return redelivery.event_id
+        return database.unbound(redelivery.event_id)
 
     async def _send(
         self, upstream: str, redelivery: database.Redelivery
@@ -263,9 +273,10 @@ class Redeliverer:
                 return None
             trace: Trace = tracing.NOT_TRACED
             if self._tracing is not None:
+                event_id = self.provider_id(redelivery)
                 trace = self._tracing.redelivery(
-                    delivery.route, redelivery.event_id, redelivery.failures + 1,
-                    delivery.headers,
+                    delivery.route, event_id, redelivery.failures + 1, delivery.headers,
+                    None if event_id == redelivery.event_id else redelivery.event_id,
                 )  # fmt: skip
             span = trace.forwarding(delivery.method, upstream, delivery.target, outgoing.headers)
             try:

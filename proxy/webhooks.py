@@ -57,7 +57,7 @@ class WebhookSemantics:
     problem = False
 
     def __init__(self, route: routes.RouteConfig) -> None:
-        self.bind_to_body = route.verify is not None and not route.id_signed
+        self.bind_to_body = route.binds_claims
         self.recent_bodies = RecentBodies() if self.bind_to_body else None
 
     def handles(self, method: str) -> bool:
@@ -65,8 +65,10 @@ class WebhookSemantics:
 
     def key(self, delivery: semantics.Delivery, query: str) -> tuple[str, database.Key]:
         event_id, event_type, digest = delivery.inspect(query)
-        claimed = bound(event_id, query, digest) if self.bind_to_body else event_id
-        return event_id, database.Key(delivery.scope, claimed, event_type, digest)
+        if not self.bind_to_body:
+            return event_id, database.Key(delivery.scope, event_id, event_type, digest)
+        claimed = bound(event_id, query, digest)
+        return event_id, database.Key(delivery.scope, claimed, event_type, digest, event_id)
 
     def refuse_in_flight(self, in_flight: flights.Flights, key: database.Key) -> None:
         pass  # a copy waits for its turn
@@ -101,4 +103,4 @@ def bound(event_id: str, query: str, body_sha256: bytes) -> str:
     still a duplicate. 128 bits of digest: an attacker holds only bodies the provider signed.
     """
     material = hashlib.sha256(b"%s\n%s" % (query.encode("utf-8", "surrogateescape"), body_sha256))
-    return f"{event_id}{BOUND}{material.hexdigest()[:32]}"
+    return f"{event_id}{BOUND}{material.hexdigest()[: database.BOUND_DIGITS]}"

@@ -18,6 +18,7 @@ from proxy import embedded, errors, pipeline
 from proxy.database import pool
 from tests.faults.relay import Relay
 from tests.helpers import (
+    CORVEL,
     FakeUpstream,
     MakeProxy,
     Serve,
@@ -26,6 +27,7 @@ from tests.helpers import (
     event,
     execute,
     free_port,
+    github_route,
     run_cli,
     scrape,
     serve_settings,
@@ -82,6 +84,24 @@ async def test_readiness_fails_on_a_read_only_primary_and_its_connections_are_dr
     assert after.status == 200
     assert [row[1] for row in await claimed(dsn, table)] == ["on-read-only"]
     assert proxy.app[pipeline.STORE].pool_stats().opened > opened
+
+
+async def test_a_replica_started_on_a_read_only_primary_opens_the_upgrade_window_unrecorded(
+    make_proxy: MakeProxy, own_server: embedded.EmbeddedPostgres, table: str
+) -> None:
+    """The upgrade window's start is recorded by the first replica on a bound route: one that
+    starts while the server takes no writes (a failover) still starts, and, the route holding
+    claims made before (0.1.0's), claims both forms from its own start."""
+    dsn = own_server.start()
+    await make_proxy(database={"dsn": dsn}, routes=[CORVEL])  # the table
+    await execute(dsn, f"""INSERT INTO "{table}" (scope, event_id) VALUES ('github', '1:old')""")
+    await read_only(dsn, True)
+
+    proxy = await make_proxy(database={"dsn": dsn}, routes=[github_route()])
+
+    store = proxy.app[pipeline.STORE]
+    assert store.started.is_set()
+    assert list(store.windows) == ["github"]
 
 
 async def test_a_database_refusing_writes_is_not_met_with_a_new_session_per_webhook(

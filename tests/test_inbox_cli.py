@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from proxy import webhooks
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -20,6 +23,8 @@ from tests.helpers import (
     execute,
     fetch,
     free_port,
+    github_headers,
+    github_route,
     read_answer,
     run_cli,
     wait_until,
@@ -187,6 +192,67 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
 
     code, out, err = await cli(config_file, "show", "--route", "hooks", "nope")
     assert (code, out, err) == (1, "", "not found: hooks nope\n")
+
+
+def with_github(config_file: Path) -> list[dict[str, Any]]:
+    """The routes of ``config_file`` and a GitHub route with verify (its claims bound to the
+    body) that redelivers, added to it."""
+    settings = yaml.safe_load(config_file.read_text())
+    settings["routes"].append(github_route(redeliver=SLOW))
+    config_file.write_text(yaml.safe_dump(settings))
+    routes: list[dict[str, Any]] = settings["routes"]
+    return routes
+
+
+async def test_the_commands_take_the_id_as_the_provider_sent_it_and_the_logs_carry_both(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On a GitHub route with verify the claim's ID is the event ID bound to the body: show,
+    redeliver and discard take the ID the provider sent (the log line's and the 202's
+    event_id), and the request's and the redelivery's log lines carry both forms."""
+    upstream.respond = answering(503, 503)
+    proxy = await make_proxy(routes=with_github(config_file), redeliverer=QUICK)
+    # Two events, two bodies: one body under a second delivery ID is a replay, never kept twice.
+    bodies = {n: b'{"n": %d}' % n for n in (1, 2)}
+    bound = {n: webhooks.bound(f"1:g-{n}", "", hashlib.sha256(bodies[n]).digest()) for n in (1, 2)}
+    with caplog.at_level(logging.INFO):
+        for n in (1, 2):
+            kept = await proxy.post("/webhooks/github", data=bodies[n],
+                                    headers=github_headers(bodies[n], f"g-{n}"))  # fmt: skip
+            assert (await kept.json())["event_id"] == f"1:g-{n}"
+
+        code, out, err = await cli(config_file, "show", "--route", "github", "1:g-1")
+        fields = dict(line.split(":", 1) for line in out.splitlines() if not line.startswith(" "))
+        redelivering = await cli(config_file, "redeliver", "--route", "github", "1:g-1")
+        discarding = await cli(config_file, "discard", "--route", "github", "1:g-2", "1:g-3")
+
+        def redelivered() -> list[Any]:
+            return [r for r in caplog.records if r.getMessage().startswith("redelivery of")]
+
+        async def sent() -> bool:
+            return bool(redelivered())
+
+        await wait_until(sent, "the redelivery")
+
+    assert (code, err) == (0, "")
+    assert (fields["event"].strip(), fields["claim"].strip()) == ("1:g-1", bound[1])
+    assert fields["state"].strip() == "pending"
+    assert redelivering[0] == 0
+    assert redelivering[1].splitlines()[0] == f"redelivering: github 1:g-1 (claim {bound[1]})"
+    assert discarding[:2] == (
+        1,
+        f"discarded: github 1:g-2 (claim {bound[2]})\nnot found: github 1:g-3\n",
+    )
+    lines = [r.fields for r in caplog.records if r.name == "proxy.pipeline"]  # type: ignore[attr-defined]
+    assert [(line["event_id"], line["claim_id"]) for line in lines] == [
+        ("1:g-1", bound[1]), ("1:g-2", bound[2])
+    ]  # fmt: skip
+    (line,) = [r.fields for r in redelivered()]
+    assert (line["event_id"], line["claim_id"], line["result"]) == ("1:g-1", bound[1], "delivered")
+    assert redelivered()[0].getMessage() == "redelivery of github 1:g-1: delivered"
 
 
 async def test_show_escapes_what_a_terminal_would_act_on_in_kept_headers_and_target(

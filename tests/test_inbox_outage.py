@@ -211,7 +211,7 @@ async def rows(dsn: str, table: str) -> dict[str, Row]:
     found = await fetch(
         dsn,
         "SELECT event_id, inbox_state, coalesce(jsonb_array_length(inbox_attempts), 0) AS n "
-        f'FROM "{table}"',
+        f"FROM \"{table}\" WHERE scope = 'github'",
     )
     return {
         row["event_id"].partition("~")[0].partition(":")[2]: Row(row["inbox_state"], row["n"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +14,17 @@ import asyncpg
 import pytest
 import yaml
 
-from proxy import config, database, errors, operations
-from tests.helpers import FakeUpstream, MakeProxy, claimed, execute, fetch, run_cli
+from proxy import config, database, errors, operations, webhooks
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    claimed,
+    execute,
+    fetch,
+    github_headers,
+    github_route,
+    run_cli,
+)
 
 
 @pytest.fixture
@@ -52,6 +62,59 @@ async def test_forget_lets_a_manual_redelivery_through(
     redelivered = await proxy.post("/webhooks/corvel", data=b'{"id": "a"}')
     assert "Dedup-Status" not in redelivered.headers
     assert len(upstream.requests) == 3
+
+
+BACKSLASHED = "1:b\\"  # an ID ending in a backslash: LIKE's escape
+
+
+async def test_forget_takes_the_id_as_the_provider_sent_it_on_a_bound_route(
+    make_proxy: MakeProxy, upstream: FakeUpstream, tmp_path: Path, pg_dsn: str, table: str
+) -> None:
+    """On a GitHub route with verify the claim's ID is the event ID bound to the body: forget
+    takes the ID as GitHub sent it (and as stored), lists the claims of an ID whose body
+    differed rather than pick one, and reads no '%', '_' or '\\' in an ID as a pattern."""
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "upstream": {"url": upstream.url}, "database": {"dsn": pg_dsn, "table": table},
+        "routes": [github_route()],
+    }))  # fmt: skip
+    proxy = await make_proxy(routes=[github_route()])
+    body, other = b'{"n": 1}', b'{"n": 2}'
+    # GitHub's ID is the hook's and the delivery's, '%' escaped ("1:p%25"), as logged.
+    sent = [("d-1", body), ("x_", body), ("xy", body), ("p%", body), ("pq25", body),
+            ("b\\", body), ("b", body), ("two", body), ("two", other)]  # fmt: skip
+    for delivery, content in sent:
+        await proxy.post(
+            "/webhooks/github", data=content, headers=github_headers(content, delivery)
+        )
+
+    def bound(event_id: str, content: bytes = body) -> str:
+        return webhooks.bound(event_id, "", hashlib.sha256(content).digest())
+
+    async def forget(*event_ids: str) -> tuple[int, str, str]:
+        return await run_cli(
+            "events", "forget", "--config", str(config_file), "--route", "github", *event_ids
+        )
+
+    code, out, err = await forget("1:d-1")
+    assert (code, out, err) == (0, f"forgotten: github 1:d-1 (claim {bound('1:d-1')})\n", "")
+    again = await proxy.post("/webhooks/github", data=body, headers=github_headers(body, "d-1"))
+    assert "Dedup-Status" not in again.headers  # a manual redelivery goes through
+    assert (await forget(bound("1:d-1")))[:2] == (0, f"forgotten: github {bound('1:d-1')}\n")
+
+    code, out, _ = await forget("1:x_", "1:p%25", BACKSLASHED, "1:two", "1:nope")
+    assert code == 1
+    two = sorted([bound("1:two"), bound("1:two", other)])
+    assert out.splitlines() == [
+        f"forgotten: github 1:x_ (claim {bound('1:x_')})",
+        f"forgotten: github 1:p%25 (claim {bound('1:p%25')})",
+        f"forgotten: github {BACKSLASHED} (claim {bound(BACKSLASHED)})",
+        f"ambiguous: github 1:two is 2 claims (bound to different bodies); give one of: "
+        f"{two[0]} {two[1]}",
+        "not found: github 1:nope",
+    ]
+    left = [event_id for _, event_id, _ in await claimed(pg_dsn, table)]
+    assert sorted(left) == sorted([bound("1:xy"), bound("1:pq25"), bound("1:b"), *two])
 
 
 async def test_forget_neither_sees_nor_waits_on_a_claim_in_flight(

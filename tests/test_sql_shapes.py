@@ -37,6 +37,11 @@ _BUILT = {
     "commit_answer": _QUERIES.commit_answer("s", "e", 200, [("a", "b")], b"x"),
     "duplicate": _QUERIES.duplicate("s", "e", _DIGEST),
     "duplicate(inbox)": _QUERIES.duplicate("s", "e", _DIGEST, inbox=True),
+    # The upgrade window: both forms of the ID.
+    "claim(also)": _QUERIES.claim(sql.begin(1, 1), "s", "e~1", "t", _DIGEST, also="e"),
+    "commit_answer(also)": _QUERIES.commit_answer("s", "e~1", 200, [], b"x", also="e"),
+    "duplicate(legacy)": _QUERIES.duplicate("s", "e~1", _DIGEST, legacy="e"),
+    "duplicate(legacy, inbox)": _QUERIES.duplicate("s", "e~1", _DIGEST, inbox=True, legacy="e"),
 }
 # The claim path works on one row, as does any statement named "…_one"; the operators' commands
 # on the rows they name by key.

@@ -8,6 +8,7 @@ collector that is down or hangs never changes a webhook's answer; off, nothing i
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from proxy import errors, tracing
+from proxy import errors, tracing, webhooks
 from proxy.upstream import proxy_headers
 from tests.helpers import (
     FakeUpstream,
@@ -37,6 +38,8 @@ from tests.helpers import (
     admin_client,
     connection,
     event,
+    github_headers,
+    github_route,
     run_cli,
     scrape,
     send,
@@ -536,6 +539,31 @@ async def test_a_request_sent_again_on_a_new_connection_says_so(
     )
     assert [s.attributes.get("http.request.resend_count") for s in forwards] == [None, 1]
     assert connections == 2
+
+
+@pytest.mark.usefixtures("traced")
+async def test_on_a_bound_route_both_spans_carry_the_id_as_sent_and_the_claim_as_stored(
+    make_proxy: MakeProxy, upstream: FakeUpstream, receiver: Receiver
+) -> None:
+    """A GitHub route with verify stores its claims bound to the body: the SERVER span and the
+    redelivery's root carry the ID as GitHub sent it and the claim's as stored, in the same
+    attributes."""
+    upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
+    client = await make_proxy(
+        routes=[github_route(redeliver={"schedule": ["200ms"], "for": "1d"})],
+        redeliverer={"poll": "100ms", "rate": 1000},
+    )
+    body = b'{"n": 1}'
+    response = await client.post("/webhooks/github", data=body, headers=github_headers(body, "g"))
+    assert response.headers["Dedup-Status"] == "queued"
+
+    (first,) = await _servers(receiver, 1)
+    await receiver.wait_for(6)
+    root = _one(receiver.spans, name="redeliver github")
+    claim = webhooks.bound("1:g", "", hashlib.sha256(body).digest())
+    for span in (first, root):
+        ids = (span.attributes["webhook.event_id"], span.attributes["dedup.claim_id"])
+        assert ids == ("1:g", claim)
 
 
 @pytest.mark.usefixtures("traced")

@@ -71,6 +71,12 @@ class RouteConfig:
         )
 
     @property
+    def binds_claims(self) -> bool:
+        """Whether a claim's ID is the event ID bound to what is signed (``webhooks.bound``):
+        a webhook route whose ``verify`` does not cover the ID (GitHub, Shopify, Twilio)."""
+        return not self.idempotency and self.verify is not None and not self.id_signed
+
+    @property
     def pattern(self) -> paths.Pattern:
         return paths.Pattern.parse(self.path)
 

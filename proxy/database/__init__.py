@@ -24,14 +24,18 @@ from proxy.database.claim import (
     Duplicate,
     Key,
     Queued,
+    is_bound,
+    unbound,
 )
 from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Kept, Redelivery, Shown
 from proxy.database.pool import dsn_hosts, host_named, translated
+from proxy.database.sql import BOUND_DIGITS
 from proxy.database.store import (
     DDL_LOCK_WAIT,
     PRIVILEGES,
     Distribution,
     Event,
+    Resolved,
     ScopeStats,
     Store,
     apply_schema,
@@ -40,6 +44,7 @@ from proxy.database.store import (
 )
 
 __all__ = [
+    "BOUND_DIGITS",
     "DDL_LOCK_WAIT",
     "DEAD",
     "FULL",
@@ -61,13 +66,16 @@ __all__ = [
     "Key",
     "Queued",
     "Redelivery",
+    "Resolved",
     "ScopeStats",
     "Shown",
     "Store",
     "apply_schema",
     "dsn_hosts",
     "host_named",
+    "is_bound",
     "missing_schema",
     "schema_sql",
     "translated",
+    "unbound",
 ]

@@ -72,12 +72,36 @@ class Answer:
 
 @dataclass(frozen=True, slots=True)
 class Key:
-    """What is claimed: the event, and the facts stored with it."""
+    """What is claimed: the event, and the facts stored with it. ``legacy_id``: on a route
+    whose claims are bound to what is signed (``event_id`` then ends in ``~`` and a digest,
+    ``webhooks.bound``), the ID as the provider sent it, the form 0.1.0 stored; claimed with
+    ``event_id`` inside the upgrade window (``Store.legacy_form``)."""
 
     scope: str
     event_id: str
     event_type: str | None
     body_sha256: bytes
+    legacy_id: str | None = None
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_bound(stored: str, event_id: str) -> bool:
+    """Whether ``stored`` is ``event_id`` bound to a body (``event_id~`` and the digest)."""
+    return (
+        len(stored) == len(event_id) + 1 + sql.BOUND_DIGITS
+        and stored.startswith(event_id)
+        and stored[len(event_id)] == "~"
+        and _HEX.issuperset(stored[-sql.BOUND_DIGITS :])
+    )
+
+
+def unbound(stored: str) -> str:
+    """The event ID as the provider sent it, of a stored claim ID: without the ``~`` and the
+    digest of a bound claim (any other ID as it is)."""
+    event_id = stored[: -sql.BOUND_DIGITS - 1]
+    return event_id if event_id and is_bound(stored, event_id) else stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +163,22 @@ class Claim:
     """This request's hold on one event; ``acquired`` is False for a duplicate. Made by
     ``Store.claim``, which ends it on the way out unless a named step did."""
 
-    __slots__ = ("_connection", "_store", "acquired", "key", "state")
+    __slots__ = ("_connection", "_store", "acquired", "key", "legacy", "state")
 
-    def __init__(self, store: Store, connection: pool.Connection, key: Key, acquired: bool) -> None:
+    def __init__(
+        self,
+        store: Store,
+        connection: pool.Connection,
+        key: Key,
+        acquired: bool,
+        legacy: str | None = None,
+    ) -> None:
         self._store = store
         self._connection = connection
         self.key = key
         self.acquired = acquired
+        # The legacy form claimed with ``key.event_id`` (the upgrade window), or None.
+        self.legacy = legacy
         self.state = OPEN
 
     @property
@@ -175,8 +208,9 @@ class Claim:
         statement = "COMMIT"
         if answer is not None:
             statement = store.queries.commit_answer(
-                key.scope, key.event_id, answer.status, list(answer.headers), answer.body
-            )
+                key.scope, key.event_id, answer.status, list(answer.headers), answer.body,
+                also=self.legacy,
+            )  # fmt: skip
         refused = None
         # Closed already: COMMIT would not be sent, so the claim certainly ended with its
         # connection (asyncpg refuses at once with "connection is closed"); past this point a
@@ -294,10 +328,15 @@ class Claim:
         if self.acquired:
             raise RuntimeError("an acquired claim is no duplicate")
         key, store = self.key, self._store
+        # Inside the upgrade window, the legacy row is the one every claim of the event has
+        # (an earlier release's, or one made with both forms): it holds the digest and answer.
+        first = self.legacy or key.event_id
         if not read_answer:
             self._end(SETTLED)
             status = await self._roll_back(
-                store.queries.duplicate(key.scope, key.event_id, key.body_sha256, inbox=inbox)
+                store.queries.duplicate(
+                    key.scope, key.event_id, key.body_sha256, inbox=inbox, legacy=self.legacy
+                )
             )
             if inbox:
                 mismatch, kept = sql.duplicate_flags(status)
@@ -309,7 +348,7 @@ class Claim:
         try:
             with pool.translated("reading the stored answer failed", self._discard):
                 row = await self._connection.fetchrow(
-                    store.queries.answer, key.scope, key.event_id, key.body_sha256,
+                    store.queries.answer, key.scope, first, key.body_sha256,
                     timeout=store.op_timeout,
                 )  # fmt: skip
         except asyncio.CancelledError:

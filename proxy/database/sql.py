@@ -29,6 +29,12 @@ UNBOUND = "SET LOCAL statement_timeout TO DEFAULT; "
 # After the savepoint of ``Queries.commit_answer``, which lifted the bound before it.
 COMMIT_WITHOUT_ANSWER = f"ROLLBACK TO SAVEPOINT {_ANSWER_SAVEPOINT}; COMMIT"
 
+# The scope of the rows that record since when a route's claims are bound (``Store.start``):
+# no route's scope (names are letters, digits, '_', '.', '-'), so never swept nor listed.
+ID_FORMS = "~id-forms"
+# A claim bound to what is signed (``webhooks.bound``): the event ID, '~' and this many
+# lower-case hex digits of a digest of the query and body.
+BOUND_DIGITS = 32
 # A route's scope ($1) and, for a templated path, its per-path scopes ("scope/acme").
 IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
 # redeliver: the columns that keep a failed delivery in its claim's row (database.inbox).
@@ -158,7 +164,11 @@ class Queries:
     events: str
     events_count: str
     forget: str
+    resolve: str
     stats: str
+    id_form_claims: str
+    id_form: str
+    id_form_since: str
 
     @property
     def schema(self) -> str:
@@ -174,31 +184,55 @@ class Queries:
         body_sha256: bytes,
         *,
         commit: bool = False,
+        also: str | None = None,
     ) -> str:
         """``begin`` and the claim in one round trip: "INSERT 0 1" claimed, "INSERT 0 0" a
-        duplicate; with ``commit``, committed in the same round trip."""
+        duplicate; with ``commit``, committed in the same round trip.
+
+        With ``also`` (the upgrade window: the ID's legacy form), both rows in one INSERT, the
+        legacy one first (the order every replica locks them in, an earlier release's taking
+        only that one): "INSERT 0 2" claimed, fewer a duplicate of either."""
+        values = f"{_literal(event_type)}, {_digest(body_sha256)})"
+        rows = f"({_literal(scope)}, {_literal(event_id)}, {values}"
+        if also is not None:
+            rows = f"({_literal(scope)}, {_literal(also)}, {values}, {rows}"
         return (
-            f"{begin}{self.insert}({_literal(scope)}, {_literal(event_id)}, "
-            f"{_literal(event_type)}, {_digest(body_sha256)}) "
+            f"{begin}{self.insert}{rows} "
             f"ON CONFLICT (scope, event_id) DO NOTHING{'; COMMIT' if commit else ''}"
         )
 
     def commit_answer(
-        self, scope: str, event_id: str, status: int, headers: list[tuple[str, str]], body: bytes
+        self,
+        scope: str,
+        event_id: str,
+        status: int,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        also: str | None = None,
     ) -> str:
         """Store the app's answer in the claim row and COMMIT, in one round trip: a committed
         claim has its answer, a failed one has none. Behind a savepoint: if the UPDATE is
-        refused, ``COMMIT_WITHOUT_ANSWER`` still commits the claim, its row lock held throughout."""
+        refused, ``COMMIT_WITHOUT_ANSWER`` still commits the claim, its row lock held throughout.
+        With ``also`` (claimed with it in the upgrade window), in that row too: an earlier
+        release's replica replays it from there."""
         encoded = json.dumps(headers, ensure_ascii=False, separators=(",", ":"))
-        return (
-            f"{UNBOUND}SAVEPOINT {_ANSWER_SAVEPOINT}; "
+        answer = (
             f"UPDATE {self.quoted} SET answer_status = {int(status)}, "
             f"answer_headers = {_literal(encoded)}::jsonb, answer_body = {_digest(body)} "
-            f"WHERE scope = {_literal(scope)} AND event_id = {_literal(event_id)}; COMMIT"
+            f"WHERE scope = {_literal(scope)} AND event_id = "
         )
+        rows = "".join(f"{answer}{_literal(row)}; " for row in (also, event_id) if row is not None)
+        return f"{UNBOUND}SAVEPOINT {_ANSWER_SAVEPOINT}; {rows}COMMIT"
 
     def duplicate(
-        self, scope: str, event_id: str, body_sha256: bytes, *, inbox: bool = False
+        self,
+        scope: str,
+        event_id: str,
+        body_sha256: bytes,
+        *,
+        inbox: bool = False,
+        legacy: str | None = None,
     ) -> str:
         """For a duplicate: ROLLBACK, then whether the stored body digest differs from this one
         ("SELECT 1"), in one round trip. Outside the transaction, so it also sees the row of a
@@ -207,8 +241,22 @@ class Queries:
         With ``inbox`` (a route that redelivers), the status also says whether the event is
         kept for redelivery: the row is selected as many times as the sum of 1 for a mismatch,
         2 for pending and 4 for dead ("SELECT 0" to "SELECT 5"; see ``duplicate_flags``). A
-        simple-protocol query returns only its status, and that keeps it one round trip."""
+        simple-protocol query returns only its status, and that keeps it one round trip.
+
+        With ``legacy`` (the upgrade window), the mismatch is read from the legacy row, which
+        every claim of the event has then, and the inbox's state from ``event_id``'s row, the
+        only one that keeps a delivery."""
         where = f"scope = {_literal(scope)} AND event_id = {_literal(event_id)}"
+        if legacy is not None:
+            first = f"scope = {_literal(scope)} AND event_id = {_literal(legacy)}"
+            if not inbox:
+                return f"{self.duplicate_of}{first} AND body_sha256 <> {_digest(body_sha256)}"
+            flags = (
+                f"coalesce((SELECT (body_sha256 <> {_digest(body_sha256)})::int "
+                f"FROM {self.quoted} WHERE {first}), 0) + coalesce((SELECT 0{QUEUED_FLAGS} "
+                f"FROM {self.quoted} WHERE {where}), 0)"
+            )
+            return f"ROLLBACK; SELECT FROM generate_series(1, {flags})"
         if inbox:
             mismatch = f"(coalesce(body_sha256 <> {_digest(body_sha256)}, false))::int"
             return f"{self.queued_duplicate_of}{mismatch}{QUEUED_FLAGS}) WHERE {where}"
@@ -358,8 +406,31 @@ def for_table(table: str) -> Queries:
             f"DELETE FROM {quoted} WHERE scope = $1 AND event_id = ANY($2::text[]) "
             "RETURNING event_id"
         ),
+        # $1 scope, $2 an ID as an operator gave it: that row, and the rows of that ID bound
+        # to a body ("$2~" and 32 hex digits), found by a range on the primary key that holds
+        # them whatever the column's collation (a prefix sorts first, and no hex digit after
+        # 'f'); the exact prefix checked again, without LIKE, which would read '%', '_' and
+        # '\' in an ID as patterns.
+        resolve=(
+            f"SELECT event_id FROM {quoted} WHERE scope = $1 AND (event_id = $2 OR "
+            f"(event_id >= $2 || '~' AND event_id <= $2 || '~{'f' * BOUND_DIGITS}' "
+            "AND left(event_id, length($2) + 1) = $2 || '~'))"
+        ),
         stats=(
             "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest "
             f"FROM {quoted} GROUP BY scope"
+        ),
+        # The bound form's start, per route scope ($1): a row of ID_FORMS (docs/deployment.md,
+        # "Upgrades"). -infinity: bound from the scope's first claim, no window.
+        id_form_claims=f"SELECT EXISTS (SELECT FROM {quoted} WHERE {IN_SCOPE})",
+        id_form=(
+            f"INSERT INTO {quoted} (scope, event_id, event_type, received_at) VALUES "
+            f"('{ID_FORMS}', $1, 'bound', CASE WHEN $2 THEN now() ELSE '-infinity' END) "
+            "ON CONFLICT (scope, event_id) DO NOTHING"
+        ),
+        id_form_since=(
+            "SELECT CASE WHEN received_at = '-infinity' THEN NULL "
+            "ELSE extract(epoch FROM received_at)::float8 END AS since "
+            f"FROM {quoted} WHERE scope = '{ID_FORMS}' AND event_id = $1"
         ),
     )

@@ -3,10 +3,11 @@
 outlive its bounds.
 
 Serving: ``claim`` (see ``claim``), ``reconcile`` after a COMMIT in doubt, the start-up checks
-(``ensure_schema``, ``check_privileges``) and readiness (``check``), a batch of the retention
-sweep. Operating (the CLI's commands, over a pool of one): ``events``, ``forget``, ``stats``,
-``migrate`` and the facts the preflight reports. The statements are in ``sql``; what the
-driver's errors mean, in ``pool``.
+(``ensure_schema``, ``check_privileges``) and readiness (``check``), the upgrade window of the
+routes whose claims are bound (``notice_id_forms``, ``legacy_form``), a batch of the retention
+sweep. Operating (the CLI's commands, over a pool of one): ``events``, ``resolve`` (an ID as the
+provider sent it), ``forget``, ``stats``, ``migrate`` and the facts the preflight reports. The
+statements are in ``sql``; what the driver's errors mean, in ``pool``.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from datetime import datetime
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
 
 from proxy import errors
 from proxy.database import inbox, pool, sql
-from proxy.database.claim import Claim, Key
+from proxy.database.claim import Claim, Key, is_bound
 from proxy.database.pool import Connection, Pool, translated
 
 if TYPE_CHECKING:
@@ -111,6 +112,23 @@ class Distribution(NamedTuple):
     def distributed(self) -> bool:
         """Whether Citus has the table in its catalog (not a plain table on the coordinator)."""
         return (self.column, self.shards) != (None, 0)
+
+
+class Resolved(NamedTuple):
+    """What an ID an operator gave names in one scope (``Store.resolve``): ``stored``, the
+    one claim's ID ("" none); else ``candidates``, its claims bound to different bodies."""
+
+    stored: str
+    candidates: tuple[str, ...] = ()
+
+
+def _resolved(given: str, rows: list[str]) -> Resolved:
+    bound = sorted(row for row in rows if is_bound(row, given))
+    if len(bound) > 1:
+        return Resolved("", tuple(bound))
+    if bound:
+        return Resolved(bound[0])  # the given ID's own row is its legacy form, if any
+    return Resolved(given if given in rows else "")
 
 
 class ScopeStats(NamedTuple):
@@ -229,6 +247,9 @@ class Store:
         self._kept = False  # whether a route redelivers (check_privileges)
         # Whether the table has the inbox's columns: then the sweep passes over what it keeps.
         self._inbox_columns = False
+        # Per route scope whose claims are bound: until when (time.time()) a claim is also
+        # made in the legacy form, the upgrade window (``notice_id_forms``).
+        self.windows: dict[str, float] = {}
         # Set once start succeeded: the pool filled, the table and the grants checked.
         self.started = asyncio.Event()
         self.start_problem = "connecting to PostgreSQL"
@@ -289,9 +310,12 @@ class Store:
             connect=connect,
         )  # fmt: skip
 
-    async def start(self, *, answers: bool, kept: bool) -> None:
+    async def start(
+        self, *, answers: bool, kept: bool, bound: Mapping[str, float] | None = None
+    ) -> None:
         """Fill the pool, check the claim table (creating or upgrading it if allowed) and the
-        role's grants, and read what readiness reports; then ``started`` is set.
+        role's grants, read the upgrade windows of the ``bound`` route scopes (to their
+        retention, ``notice_id_forms``) and what readiness reports; then ``started`` is set.
 
         Raises NotPrepared when the database answers but the table or the grants are not what
         the routes need (retrying does not fix that), StoreUnavailable when it does not answer
@@ -303,6 +327,7 @@ class Store:
                 await self.ensure_schema(answers=answers, kept=kept)
                 await self.check_privileges(answers=answers, kept=kept)
                 await self.notice_distribution()
+                await self.notice_id_forms(bound or {})
             except errors.StoreUnavailable as exc:
                 if pool.refused_for_good(exc.__cause__):
                     # The server answered, and refused (a privilege, a schema): not an outage.
@@ -332,6 +357,68 @@ class Store:
         """
         return Claiming(self, key, wait)
 
+    def legacy_form(self, key: Key) -> str | None:
+        """The legacy form of ``key``'s ID to claim with it, inside its route's upgrade window
+        (else None): a claim in either form is then a duplicate of the other."""
+        if key.legacy_id is None or not self.windows:
+            return None
+        until = self.windows.get(key.scope.partition("/")[0])
+        return key.legacy_id if until is not None and time.time() < until else None
+
+    async def notice_id_forms(self, bound: Mapping[str, float]) -> None:
+        """Read since when each of the ``bound`` route scopes (to their retention) stores its
+        claims bound to what is signed, recording it first if none did: now, when the scope
+        holds claims already (an upgrade from 0.1.0, or a route given ``verify``), else never
+        (a new route). For one retention from then, the upgrade window, its claims are also
+        made in the legacy form (``legacy_form``), so that the claims an earlier release made
+        or still makes, in that form, and these are duplicates of each other."""
+        windows = {}
+        async with self._connection() as connection:
+            with translated("reading since when claims are bound failed"):
+                for scope, retention in bound.items():
+                    since = await self._bound_since(connection, scope)
+                    if since is not None and time.time() < since + retention:
+                        windows[scope] = since + retention
+        for scope, until in windows.items():
+            log.info(
+                "scope %s: claims are also made in the legacy form (0.1.0's, the event ID "
+                "alone) until %s, one retention after the bound form's first claim, so that "
+                "either form is a duplicate of the other (docs/deployment.md, 'Upgrades')",
+                scope, datetime.fromtimestamp(until, UTC).isoformat(timespec="seconds"),
+            )  # fmt: skip
+        self.windows = windows
+
+    async def _bound_since(self, connection: Connection, scope: str) -> float | None:
+        """Since when ``scope``'s claims are bound (time.time()), recorded by the first
+        replica to start with the route; None: since its first claim."""
+        queries = self.queries
+        row = await connection.fetchrow(queries.id_form_since, scope)
+        if row is not None:
+            return float(row["since"]) if row["since"] is not None else None
+        # The route's first start: its claims read once.
+        claims = await connection.fetchval(queries.id_form_claims, scope)
+        try:
+            with translated("recording since when claims are bound failed"):
+                await connection.execute(queries.id_form, scope, claims)
+        except errors.ReadOnly:
+            # A standby (a failover): the primary's first replica records it; this one counts
+            # from now if the route holds claims.
+            return time.time() if claims else None
+        row = await connection.fetchrow(queries.id_form_since, scope)
+        return None if row is None or row["since"] is None else float(row["since"])
+
+    async def resolve(self, scope: str, event_ids: Sequence[str]) -> dict[str, Resolved]:
+        """What each of these IDs (as an operator gave them: the provider's, or as stored)
+        names in ``scope``: the stored row itself, else its one row bound to a body, else
+        the candidates when several are."""
+        found = {}
+        async with self._connection() as connection:
+            with _plainly_missing(), translated("query failed"):
+                for event_id in dict.fromkeys(event_ids):
+                    rows = await connection.fetch(self.queries.resolve, scope, event_id)
+                    found[event_id] = _resolved(event_id, [row["event_id"] for row in rows])
+        return found
+
     async def reconcile(self, key: Key) -> bool:
         """After a COMMIT in doubt: is the claim stored now? Re-claims it if it is absent.
 
@@ -342,8 +429,9 @@ class Store:
         transaction still holding the row past claim_wait) leaves it unknown: False.
         """
         statement = self.queries.claim(
-            self._begin, key.scope, key.event_id, key.event_type, key.body_sha256, commit=True
-        )
+            self._begin, key.scope, key.event_id, key.event_type, key.body_sha256, commit=True,
+            also=self.legacy_form(key),
+        )  # fmt: skip
         try:
             with translated("reconciling"):
                 connection = await self._connect()
@@ -653,22 +741,24 @@ class Claiming:
         if wait is not None and wait != store._claim_wait:
             begin = sql.begin(wait, store._idle_limit, distributed=store.distributed)
             timeout = wait + store.op_timeout
-        claim = self._claim = Claim(store, connection, key, acquired=False)
+        legacy = store.legacy_form(key)
+        claim = self._claim = Claim(store, connection, key, acquired=False, legacy=legacy)
         try:
             try:
                 with translated("claim failed", claim.abandon):
                     status = await connection.execute(
                         store.queries.claim(
-                            begin, key.scope, key.event_id, key.event_type, key.body_sha256
+                            begin, key.scope, key.event_id, key.event_type, key.body_sha256,
+                            also=legacy,
                         ),
                         timeout=timeout,
-                    )
+                    )  # fmt: skip
             except errors.waited(store.distributed) as exc:
                 raise errors.ClaimWaitExceeded() from exc.__cause__
         except BaseException:
             await self._release()
             raise
-        claim.acquired = status.rpartition(" ")[2] == "1"
+        claim.acquired = status.rpartition(" ")[2] == ("1" if legacy is None else "2")
         return claim
 
     async def __aexit__(self, *exc_info: object) -> None:

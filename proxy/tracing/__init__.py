@@ -251,13 +251,19 @@ class Tracing:
         return sdk.begin(request, route, http_route, line) or NOT_TRACED
 
     def redelivery(
-        self, route: str, event_id: str, attempt: int, headers: Sequence[tuple[str, str]]
+        self,
+        route: str,
+        event_id: str,
+        attempt: int,
+        headers: Sequence[tuple[str, str]],
+        claim_id: str | None = None,
     ) -> spans.RequestTrace | NotTraced:
-        """A redelivery's trace (a new one, linked to the first delivery's), started now."""
+        """A redelivery's trace (a new one, linked to the first delivery's), started now:
+        ``event_id`` as the provider sent it, ``claim_id`` as stored where it differs."""
         sdk = self._sdk
         if sdk is None:
             return NOT_TRACED
-        return sdk.redelivery(route, event_id, attempt, headers) or NOT_TRACED
+        return sdk.redelivery(route, event_id, attempt, headers, claim_id) or NOT_TRACED
 
 
 class NotTraced:

@@ -178,7 +178,12 @@ class Sdk:
 
     @never_raises
     def redelivery(
-        self, route: str, event_id: str, attempt: int, headers: Sequence[tuple[str, str]]
+        self,
+        route: str,
+        event_id: str,
+        attempt: int,
+        headers: Sequence[tuple[str, str]],
+        claim_id: str | None = None,
     ) -> RequestTrace:
         """A redelivery's trace: a new one (its root an INTERNAL span), linked to the first
         delivery's forward through the trace headers that delivery was sent with and kept."""
@@ -189,10 +194,13 @@ class Sdk:
             if first.is_valid:
                 links = (trace.Link(first, {"webhook.first_delivery": True}),)
         root = context_api.Context()
+        attributes: dict[str, Any] = {"webhook.route": route, "webhook.event_id": event_id,
+                                      "webhook.redelivery.attempt": attempt}  # fmt: skip
+        if claim_id is not None:
+            attributes["dedup.claim_id"] = claim_id
         span = self.tracer.start_span(
             f"redeliver {route}", context=root, kind=trace.SpanKind.INTERNAL, links=links,
-            attributes={"webhook.route": route, "webhook.event_id": event_id,
-                        "webhook.redelivery.attempt": attempt},
+            attributes=attributes,
         )  # fmt: skip
         return RequestTrace(self, span, trace.set_span_in_context(span, root))
 
@@ -496,6 +504,8 @@ def _server_attributes(line: log_line.LogLine) -> dict[str, Any]:
     }
     if "event_id" in line:
         attributes["webhook.event_id"] = line["event_id"]
+    if "claim_id" in line:
+        attributes["dedup.claim_id"] = line["claim_id"]
     if line.get("event_type"):
         attributes["webhook.event_type"] = line["event_type"]
     if "claim_ms" in line:
