@@ -31,7 +31,9 @@ hold an exclusive lock on it (one open file, inherited): a directory is removed 
 supervisor is gone and the kernel has dropped the lock, which happens when the last process
 holding it dies, however it dies. The lock keeps the directory of workers still draining after
 their supervisor was killed; the PID keeps it in the moment between making and locking it. A
-PID taken over by another program only delays the removal.
+PID taken over by another program only delays the removal; a directory named after the new
+supervisor's own PID (PID 1 again, in a restarted container) is a leftover, its lock alone
+deciding.
 """
 
 from __future__ import annotations
@@ -367,10 +369,17 @@ def _private_directory() -> tuple[Path, int]:
 
 def _remove_leftovers(parent: Path) -> None:
     """Remove this user's private directories in ``parent`` whose supervisor and workers are
-    all gone (see the module docstring)."""
+    all gone (see the module docstring).
+
+    A directory named after this process's PID is a leftover too: this supervisor has not made
+    its own yet, and an earlier one had the same PID (PID 1 in a restarted container, whose
+    ``/tmp`` outlives it). Its lock still keeps it while that one's workers drain."""
     for path in parent.iterdir():
         name = _HOME_NAME.fullmatch(path.name)
-        if name is None or _running(int(name[1])):
+        if name is None:
+            continue
+        pid = int(name[1])
+        if pid != os.getpid() and _running(pid):
             continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)

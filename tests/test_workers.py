@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -475,3 +476,29 @@ async def test_a_restarted_worker_runs_the_configuration_the_supervisor_started_
     await listening(proxy, 4)
     responses = await asyncio.gather(*(_post(proxy.url, f"evt_c{n}") for n in range(10)))
     assert [r.status for r in responses] == [200] * 10
+
+
+def test_a_directory_named_after_this_pid_is_a_leftover(tmp_path: Path) -> None:
+    """PID 1 in a restarted container: the killed supervisor had the PID of the new one."""
+    mine = tmp_path / f"dedup-proxy-{os.getpid()}-abcd1234"
+    (mine / "metrics").mkdir(parents=True)
+    (mine / "config.yaml").write_text("listen: 127.0.0.1:1\n")
+
+    supervisor._remove_leftovers(tmp_path)
+    assert not mine.exists()
+
+
+def test_a_directory_named_after_this_pid_is_kept_while_its_workers_drain(
+    tmp_path: Path,
+) -> None:
+    mine = tmp_path / f"dedup-proxy-{os.getpid()}-abcd1234"
+    mine.mkdir()
+    held = os.open(mine, os.O_RDONLY | os.O_DIRECTORY)  # as a draining worker holds it
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        supervisor._remove_leftovers(tmp_path)
+        assert mine.exists()
+    finally:
+        os.close(held)
+    supervisor._remove_leftovers(tmp_path)
+    assert not mine.exists()
