@@ -62,17 +62,24 @@ class Listeners:
 
 
 def bind(
-    listen: config.Listen, *, key: str = "listen", reuse_port: bool = False
+    listen: config.Listen,
+    *,
+    key: str = "listen",
+    reuse_port: bool = False,
+    holder: shared_port.Holder | None = None,
 ) -> tuple[socket.socket, ...]:
     """Listening sockets for ``listen`` (the configuration's ``key``, named in the error), bound
     as ``loop.create_server(host, port)`` binds them: every address the host resolves to,
-    SO_REUSEADDR, IPv6 sockets IPv6-only."""
+    SO_REUSEADDR, IPv6 sockets IPv6-only. ``holder`` first takes each address, so that a port
+    bound with SO_REUSEPORT is still this proxy's alone (``shared_port``)."""
     sockets: list[socket.socket] = []
     try:
         infos = socket.getaddrinfo(
             listen.host, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
         for family, kind, proto, _, address in dict.fromkeys(infos):
+            if holder is not None:
+                holder.take(family, address)
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,15 +98,21 @@ def bind(
     return tuple(sockets)
 
 
-def bind_all(cfg: config.Config) -> Listeners:
-    """Both listeners of ``cfg``: the supervisor's, handed down to every worker.
+def bind_all(cfg: config.Config, holder: shared_port.Holder) -> Listeners:
+    """Both listeners of ``cfg``: the supervisor's, handed down to every worker, on addresses
+    ``holder`` keeps for them alone.
 
-    With SO_REUSEPORT, only so that a supervisor restarted after it was killed can bind beside
-    the old one's workers while they drain: they close the public listener at once, but serve
-    ``/readyz`` (503) until their requests have finished."""
-    admin_sockets = bind(cfg.admin.listen, key="admin.listen", reuse_port=True)
+    Where the kernel balances SO_REUSEPORT, the admin socket has it too, only so that a
+    supervisor restarted after it was killed can bind beside the old one's workers while they
+    drain: they close the public listener at once, but serve ``/readyz`` (503) until their
+    requests have finished."""
+    reuse = shared_port.balanced()
+    held = holder if reuse else None
+    admin_sockets = bind(cfg.admin.listen, key="admin.listen", reuse_port=reuse, holder=held)
     try:
-        return Listeners(public=bind(cfg.listen, reuse_port=True), admin=admin_sockets)
+        return Listeners(
+            public=bind(cfg.listen, reuse_port=reuse, holder=held), admin=admin_sockets
+        )
     except errors.ListenFailed:
         for sock in admin_sockets:
             sock.close()

@@ -15,7 +15,8 @@ configuration file into a private directory and validates the copy; every worker
 replacement started hours later too, loads that copy, so an edit on disk reaches none of them
 before the proxy restarts. It starts the embedded PostgreSQL when there is one, gives the
 workers a shared directory for their metrics, forwards SIGTERM/SIGINT so they drain, and
-restarts a worker that dies while serving.
+restarts a worker that dies while serving. No other process may join its ports
+(``shared_port.Holder``).
 
 Each worker writes to a pipe: one byte once it listens, then one a second from its event loop.
 One of the first workers that exits before its first byte (bad DSN) is a start-up failure, and
@@ -33,7 +34,7 @@ holding it dies, however it dies. The lock keeps the directory of workers still 
 their supervisor was killed; the PID keeps it in the moment between making and locking it. A
 PID taken over by another program only delays the removal; a directory named after the new
 supervisor's own PID (PID 1 again, in a restarted container) is a leftover, its lock alone
-deciding.
+deciding. Those locked directories name the addresses their draining workers still hold.
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ _MAX_RESTART_PAUSE = 30.0
 _KILL_MARGIN = 10.0  # past shutdown_timeout, a worker that has not exited is killed
 _HOME_PREFIX = "dedup-proxy-"
 _HOME_NAME = re.compile(re.escape(_HOME_PREFIX) + r"([1-9][0-9]*)-[^-]+")  # mkdtemp's suffix
+SNAPSHOT = "config.yaml"  # in the private directory: the configuration every worker loads
+ADDRESSES = "addresses"  # in the private directory: the addresses held (shared_port.Holder)
 
 
 @dataclass(slots=True)
@@ -136,7 +139,7 @@ class Supervisor:
         timeout: float,
     ) -> None:
         self.cfg = cfg
-        self.snapshot = home / "config.yaml"
+        self.snapshot = home / SNAPSHOT
         self.metrics_dir = home / "metrics"
         self.listeners = listeners  # the admin socket(s), and the first worker's public ones
         self.public: dict[int, tuple[socket.socket, ...]] = {1: listeners.public}
@@ -325,11 +328,13 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
             loop.add_signal_handler(signum, stopping.set)
             cleanup.callback(loop.remove_signal_handler, signum)
         timeout = _timeout()
-        home, lock = _private_directory()
+        home, lock, draining = _private_directory()
         cleanup.callback(shutil.rmtree, home, ignore_errors=True)
         cleanup.callback(os.close, lock)
-        cfg = _snapshot(config_path, home / "config.yaml")
+        cfg = _snapshot(config_path, home / SNAPSHOT)
         (home / "metrics").mkdir()
+        holder = shared_port.Holder(draining)
+        cleanup.callback(holder.close)
         db = embedded.EmbeddedPostgres(cfg.database.data_dir) if cfg.database.embedded else None
         try:
             dsn = None
@@ -337,7 +342,9 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
                 dsn = await asyncio.to_thread(db.start)
             if stopping.is_set():
                 return 0
-            listeners = server.bind_all(cfg)
+            listeners = server.bind_all(cfg, holder)
+            # For a supervisor started while these workers drain, after this one was killed.
+            (home / ADDRESSES).write_text("".join(f"{name}\n" for name in holder.names))
             code = await Supervisor(
                 cfg, home, listeners=listeners, lock=lock, dsn=dsn, stopping=stopping,
                 timeout=timeout,
@@ -349,13 +356,14 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
                 await asyncio.to_thread(db.stop)
 
 
-def _private_directory() -> tuple[Path, int]:
+def _private_directory() -> tuple[Path, int, set[str]]:
     """A directory only this user can read (mkdtemp's 0700): the configuration copy may hold
     secrets written into the file, and the workers' metrics files live beside it. With it, the
-    descriptor holding its lock; the directories earlier supervisors left are removed first."""
+    descriptor holding its lock, and the addresses that workers of killed supervisors still
+    drain on; the directories earlier supervisors left are removed first."""
     try:
         parent = Path(tempfile.gettempdir())
-        _remove_leftovers(parent)
+        draining = _remove_leftovers(parent)
         home = Path(tempfile.mkdtemp(prefix=f"{_HOME_PREFIX}{os.getpid()}-", dir=parent))
     except OSError as exc:  # a read-only root filesystem with no /tmp mounted
         raise errors.ProxyError(
@@ -364,16 +372,18 @@ def _private_directory() -> tuple[Path, int]:
         ) from exc
     lock = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new directory: no one else holds it
-    return home, lock
+    return home, lock, draining
 
 
-def _remove_leftovers(parent: Path) -> None:
+def _remove_leftovers(parent: Path) -> set[str]:
     """Remove this user's private directories in ``parent`` whose supervisor and workers are
-    all gone (see the module docstring).
+    all gone (see the module docstring); return the addresses of those whose workers still
+    drain.
 
     A directory named after this process's PID is a leftover too: this supervisor has not made
     its own yet, and an earlier one had the same PID (PID 1 in a restarted container, whose
     ``/tmp`` outlives it). Its lock still keeps it while that one's workers drain."""
+    draining: set[str] = set()
     for path in parent.iterdir():
         name = _HOME_NAME.fullmatch(path.name)
         if name is None:
@@ -390,12 +400,15 @@ def _remove_leftovers(parent: Path) -> None:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # locked: a worker of that supervisor is still draining
+            with contextlib.suppress(OSError):
+                draining.update((path / ADDRESSES).read_text().splitlines())
             continue
         else:
             shutil.rmtree(path, ignore_errors=True)
             log.info("removed %s, left by a supervisor that was killed", path)
         finally:
             os.close(fd)
+    return draining
 
 
 def _running(pid: int) -> bool:

@@ -478,14 +478,56 @@ async def test_a_restarted_worker_runs_the_configuration_the_supervisor_started_
     assert [r.status for r in responses] == [200] * 10
 
 
+async def test_a_second_instance_on_a_taken_address_exits_naming_it(
+    supervised: Served, tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
+) -> None:
+    # SO_REUSEPORT would let a second supervisor of the same user join both ports' groups,
+    # and the kernel would split the webhooks and the scrapes between the two proxies.
+    public = f"127.0.0.1:{supervised.port}"
+    admin = f"127.0.0.1:{supervised.admin_port}"
+    for key, settings in (
+        ("listen", {"listen": public}),
+        ("admin.listen", {"admin": {"listen": admin}}),
+    ):
+        (tmp := tmp_path / key).mkdir()
+        code, text = await _run_to_exit(config_file(tmp, pg_dsn, table, **settings))
+        taken = public if key == "listen" else admin
+        assert code == 1, text
+        assert f"cannot listen on http://{taken} ({key}): Address already in use" in text
+        assert '"worker":' not in text
+    responses = await asyncio.gather(*(_post(supervised.url, f"evt_one_{n}") for n in range(10)))
+    assert [r.status for r in responses] == [200] * 10
+    assert len(upstream.requests) == 10
+
+
+@pytest.mark.skipif(not shared_port.balanced(), reason="SO_REUSEPORT balancing is Linux's")
+async def test_another_program_in_the_ports_group_stops_the_supervisor(
+    tmp_path: Path, pg_dsn: str, table: str
+) -> None:
+    """A program of the same user listening with SO_REUSEPORT (as nginx's ``reuseport`` does)
+    would let the supervisor's sockets join its group."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("0.0.0.0", 0))  # the wildcard: over 127.0.0.1 too
+        other.listen()
+        port = other.getsockname()[1]
+        path = config_file(tmp_path, pg_dsn, table, listen=f"127.0.0.1:{port}")
+        code, text = await _run_to_exit(path)
+
+    assert code == 1, text
+    assert f"cannot listen on http://127.0.0.1:{port} (listen): Address already in use" in text
+
+
 def test_a_directory_named_after_this_pid_is_a_leftover(tmp_path: Path) -> None:
     """PID 1 in a restarted container: the killed supervisor had the PID of the new one."""
     mine = tmp_path / f"dedup-proxy-{os.getpid()}-abcd1234"
     (mine / "metrics").mkdir(parents=True)
     (mine / "config.yaml").write_text("listen: 127.0.0.1:1\n")
 
-    supervisor._remove_leftovers(tmp_path)
+    draining = supervisor._remove_leftovers(tmp_path)
     assert not mine.exists()
+    assert draining == set()
 
 
 def test_a_directory_named_after_this_pid_is_kept_while_its_workers_drain(
@@ -493,12 +535,13 @@ def test_a_directory_named_after_this_pid_is_kept_while_its_workers_drain(
 ) -> None:
     mine = tmp_path / f"dedup-proxy-{os.getpid()}-abcd1234"
     mine.mkdir()
+    (mine / supervisor.ADDRESSES).write_text("127.0.0.1 8080\n127.0.0.1 9090\n")
     held = os.open(mine, os.O_RDONLY | os.O_DIRECTORY)  # as a draining worker holds it
     try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        supervisor._remove_leftovers(tmp_path)
+        assert supervisor._remove_leftovers(tmp_path) == {"127.0.0.1 8080", "127.0.0.1 9090"}
         assert mine.exists()
     finally:
         os.close(held)
-    supervisor._remove_leftovers(tmp_path)
+    assert supervisor._remove_leftovers(tmp_path) == set()
     assert not mine.exists()
