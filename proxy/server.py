@@ -1,5 +1,10 @@
 """Running the proxy: the listeners, signal handling and the graceful drain on SIGTERM.
 
+SIGHUP reloads the configuration where there is a supervisor to do it (``workers`` of 2 or
+more: ``supervisor``), and a worker ignores it. A single process has no one to hand its sockets
+to while it drains: at SIGHUP it checks the file and logs that a restart applies it, and serves
+on.
+
 A single process binds its listeners itself. A worker of ``workers: N`` is handed them: the
 supervisor binds them and passes the listening sockets down as inherited file descriptors, named
 in ``LISTEN_FDS_ENV`` (as systemd's socket activation does with ``LISTEN_FDS``), and holds them
@@ -139,6 +144,7 @@ async def serve(
     worker: int | None = None,
     on_listening: Callable[[], None] | None = None,
     lifeline: int | None = None,
+    config_path: str | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain: ``/readyz`` turns 503, the public listener
     closes (new connections are refused), in-flight requests finish and commit (bounded by
@@ -151,7 +157,7 @@ async def serve(
     handed = inherited() if worker is not None else None
     if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
         raise errors.UnsafeRuntime()
-    server = _Server(cfg, worker=worker, handed=handed, lifeline=lifeline)
+    server = _Server(cfg, worker=worker, handed=handed, lifeline=lifeline, config_path=config_path)
     server.install_signal_handlers()
     try:
         await server.startup(on_listening)
@@ -175,8 +181,10 @@ class _Server:
         worker: int | None,
         handed: Listeners | None,
         lifeline: int | None,
+        config_path: str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.config_path = config_path
         self.worker = worker
         self.handed = handed
         self.lifeline = lifeline
@@ -208,8 +216,26 @@ class _Server:
         in ``main_loop`` and ``shutdown``, not inside a handler."""
         for signum in _SIGNALS:
             self.loop.add_signal_handler(signum, self.stop.set)
+        self.loop.add_signal_handler(signal.SIGHUP, self._hangup)
         if self.lifeline is not None:
             _watch_lifeline(self.loop, self.lifeline, self.stop)
+
+    def _hangup(self) -> None:
+        """SIGHUP: a worker leaves it to its supervisor (a terminal's hangup reaches the whole
+        process group); a single process checks the file and says what a reload needs."""
+        if self.worker is not None or self.config_path is None:
+            return
+        try:
+            config.load(self.config_path)
+        except errors.ConfigError as exc:
+            log.error("SIGHUP: not reloaded, the running configuration serves on: %s", exc)
+            return
+        log.warning(
+            "SIGHUP: %s is valid, but with workers: 1 there is no supervisor to start a new "
+            "process on the listeners while this one drains: restart the proxy to apply it "
+            "(with workers: 2 or more, SIGHUP reloads); serving on",
+            self.config_path,
+        )
 
     async def startup(self, on_listening: Callable[[], None] | None) -> None:
         """The admin listener first, so that ``/healthz`` answers and ``/readyz`` says
@@ -299,7 +325,7 @@ class _Server:
             await self.runner.cleanup()
         finally:
             await self.admin_runner.cleanup()
-            for signum in _SIGNALS:
+            for signum in (*_SIGNALS, signal.SIGHUP):
                 self.loop.remove_signal_handler(signum)
             if self.lifeline is not None:
                 self.loop.remove_reader(self.lifeline)

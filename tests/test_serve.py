@@ -129,3 +129,34 @@ def test_without_uvloop_a_failure_does_not_print_its_import_error_first(
         cli._run(fails())
     assert raised.value.__context__ is None
     assert "No module named" not in "".join(traceback.format_exception(raised.value))
+
+
+async def test_sighup_to_a_single_process_says_a_restart_applies_and_serves_on(
+    proxy: Served, upstream: FakeUpstream
+) -> None:
+    def logged(start: str) -> list[str]:
+        return [x["msg"] for x in proxy.lines() if x["msg"].startswith(start)]
+
+    settings = yaml.safe_load(proxy.config_file.read_text())
+    proxy.config_file.write_text(yaml.safe_dump({**settings, "claim_wait": "soon"}))
+    proxy.process.send_signal(signal.SIGHUP)
+
+    async def refused() -> bool:
+        return bool(logged("SIGHUP: not reloaded"))
+
+    await wait_until(refused, "the broken file's errors in the log")
+    assert f"invalid configuration in {proxy.config_file}:\n  claim_wait:" in logged("SIGHUP")[0]
+
+    proxy.config_file.write_text(yaml.safe_dump(settings))
+    proxy.process.send_signal(signal.SIGHUP)
+
+    async def said() -> bool:
+        return bool(logged(f"SIGHUP: {proxy.config_file} is valid"))
+
+    await wait_until(said, "the valid file's line in the log")
+    assert "restart the proxy to apply it" in logged(f"SIGHUP: {proxy.config_file}")[0]
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{proxy.url}/webhooks/corvel", data=b'{"id": "evt_hup"}')
+        assert response.status == 200
+    assert proxy.process.returncode is None
+    assert len(upstream.requests) == 1

@@ -545,3 +545,104 @@ def test_a_directory_named_after_this_pid_is_kept_while_its_workers_drain(
         os.close(held)
     assert supervisor._remove_leftovers(tmp_path) == set()
     assert not mine.exists()
+
+
+class _Traffic:
+    """Webhooks sent back to back, each on a new connection (so that every worker, old and
+    new, takes some), by ``lanes`` senders until ``stop``; every outcome kept."""
+
+    def __init__(self, url: str, lanes: int = 2) -> None:
+        self.url = url
+        self.outcomes: list[int | str] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._send(lane)) for lane in range(lanes)]
+
+    async def _send(self, lane: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                response = await asyncio.wait_for(_post(self.url, f"evt_t{lane}_{n}"), WITHIN)
+                self.outcomes.append(response.status)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.outcomes.append(repr(exc))
+            n += 1
+
+    async def until(self, count: int) -> None:
+        async def enough() -> bool:
+            return len(self.outcomes) >= count
+
+        await wait_until(enough, f"{count} webhooks answered", within=60)
+
+    async def stop(self) -> list[int | str]:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        return self.outcomes
+
+
+def _logged(served: Served, start: str) -> list[dict[str, Any]]:
+    return [x for x in served.lines() if x["msg"].startswith(start)]
+
+
+async def _hangup(served: Served, start: str, count: int = 1) -> dict[str, Any]:
+    """SIGHUP the supervisor and wait for its ``count``-th line starting with ``start``."""
+    served.process.send_signal(signal.SIGHUP)
+
+    async def logged() -> bool:
+        return len(_logged(served, start)) >= count
+
+    await wait_until(logged, f"the supervisor to log {start!r}", within=60)
+    return _logged(served, start)[count - 1]
+
+
+async def _duplicate_on(url: str, path: str, event_id: str) -> str | None:
+    """The Dedup-Status of a second copy of ``event_id`` to ``path`` (None: not claimed)."""
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            async with session.post(url + path, data=json.dumps({"id": event_id})) as response:
+                assert response.status == 200
+                status = response.headers.get("Dedup-Status")
+    return status
+
+
+async def test_sighup_reloads_worker_by_worker_under_traffic(start: Serve) -> None:
+    proxy = await start()
+    settings = yaml.safe_load(proxy.config_file.read_text())
+    # Before the reload a path no route has is passed through, unclaimed.
+    assert await _duplicate_on(proxy.url, "/webhooks/added", "evt_before") is None
+    old_workers = proxy.workers()
+    traffic = _Traffic(proxy.url)
+    try:
+        await traffic.until(20)
+        settings["routes"].append(
+            {"name": "added", "path": "/webhooks/added", "event_id": "body:/id"}
+        )
+        proxy.config_file.write_text(yaml.safe_dump(settings))
+        reloaded = await _hangup(proxy, "reloaded")
+        answered = len(traffic.outcomes)
+        await traffic.until(answered + 20)  # the new workers serve the steady traffic
+
+        # A broken file is refused with its errors, and the running configuration serves on.
+        broken = {**settings, "claim_wait": "soon"}
+        proxy.config_file.write_text(yaml.safe_dump(broken))
+        refused = await _hangup(proxy, "reload refused")
+        # So is one that changes what only a restart applies.
+        proxy.config_file.write_text(yaml.safe_dump({**settings, "workers": 3}))
+        restart = await _hangup(proxy, "reload refused", count=2)
+        answered = len(traffic.outcomes)
+        await traffic.until(answered + 20)
+    finally:
+        outcomes = await traffic.stop()
+
+    assert len(outcomes) > 60
+    assert outcomes == [200] * len(outcomes)  # no connection refused, no request dropped
+    assert "2 workers replaced" in reloaded["msg"]
+    assert f"invalid configuration in {proxy.config_file}:\n  claim_wait:" in refused["msg"]
+    assert "workers changed, which only a restart applies" in restart["msg"]
+    assert await _duplicate_on(proxy.url, "/webhooks/added", "evt_after") == "duplicate"
+
+    async def old_gone() -> bool:
+        return not any(_alive(pid) for pid in old_workers)
+
+    await wait_until(old_gone, "the replaced workers to drain and exit", within=30)
+    assert len(proxy.workers()) == 2
+    assert proxy.process.returncode is None
