@@ -318,10 +318,15 @@ class _Server:
                 sock.close()
 
     async def shutdown(self) -> None:
-        """The public runner's cleanup is the drain (its listener closes, in-flight requests
-        finish within ``shutdown_timeout``, then the pool closes); the admin listener goes
-        after it, even if it fails, so that ``/readyz`` reports the drain to its end."""
+        """The drain: the public listener closes, connections waiting for a request get a moment
+        to send it (``connections.settle``), then the public runner's cleanup closes the ones
+        still waiting, lets in-flight requests finish within ``shutdown_timeout`` and closes
+        the pool; the admin listener goes after it, even if it fails, so that ``/readyz``
+        reports the drain to its end."""
         try:
+            for site in list(self.runner.sites):
+                await site.stop()  # what runner.cleanup does first
+            await connections.settle(self.runner.server)
             await self.runner.cleanup()
         finally:
             await self.admin_runner.cleanup()

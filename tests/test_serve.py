@@ -18,12 +18,16 @@ from tests.helpers import (
     FakeUpstream,
     Serve,
     Served,
+    accepted_by,
     accepts,
     claimed,
     free_port,
+    open_stream,
+    read_answer,
     run_cli,
     run_python,
     wait_until,
+    webhook_request,
 )
 
 
@@ -66,6 +70,57 @@ async def test_sigterm_drains_in_flight_requests_then_exits_0(
     (request_line,) = [line for line in lines if line.get("event_id") == "evt_drain"]
     assert request_line["outcome"] == "processed"
     assert request_line["level"] == "info"
+
+
+async def test_a_connection_accepted_just_before_the_drain_is_answered(
+    proxy: Served, upstream: FakeUpstream
+) -> None:
+    """Its request is on the wire when the listener closes: aiohttp's drain closed every
+    connection with no request in hand, and that webhook was reset though it was accepted
+    (a reload drains every worker under traffic)."""
+    reader, writer = await open_stream(proxy.port)
+    client_port = writer.get_extra_info("sockname")[1]
+
+    async def accepted() -> bool:
+        return client_port in accepted_by(proxy.process.pid, proxy.port)
+
+    try:
+        await wait_until(accepted, "the proxy to accept the connection")
+        proxy.process.send_signal(signal.SIGTERM)
+        await wait_until(lambda: _refuses(proxy.port), "the listener to close")
+        writer.write(webhook_request("evt_late", b"Connection: close"))
+        answer = await read_answer(reader)
+    finally:
+        writer.close()
+    assert answer is not None
+    assert answer.status == 200
+    assert len(upstream.requests) == 1
+    assert await asyncio.wait_for(proxy.process.wait(), timeout=20) == 0
+
+
+async def test_a_kept_alive_connections_next_request_during_the_drain_is_answered(
+    proxy: Served, upstream: FakeUpstream
+) -> None:
+    """Under steady traffic a kept-alive connection's next request is on the wire when the drain
+    starts: it is answered, with ``Connection: close``, rather than reset with the idle ones."""
+    reader, writer = await open_stream(proxy.port)
+    try:
+        writer.write(webhook_request("evt_first"))
+        first = await read_answer(reader)
+        assert first is not None
+        assert first.status == 200
+        assert first.headers.get("connection") != "close"
+        proxy.process.send_signal(signal.SIGTERM)
+        await wait_until(lambda: _refuses(proxy.port), "the listener to close")
+        writer.write(webhook_request("evt_next"))
+        answer = await read_answer(reader)
+    finally:
+        writer.close()
+    assert answer is not None
+    assert answer.status == 200
+    assert answer.headers.get("connection") == "close"
+    assert len(upstream.requests) == 2
+    assert await asyncio.wait_for(proxy.process.wait(), timeout=20) == 0
 
 
 async def _refuses(port: int) -> bool:

@@ -4,7 +4,6 @@ up; a dead or hung worker replaced without losing queued connections; drain."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import json
 import os
@@ -23,6 +22,7 @@ from tests.helpers import (
     Serve,
     Served,
     Stream,
+    accepted_by,
     claimed,
     free_port,
     open_stream,
@@ -367,21 +367,6 @@ async def _outcome(stream: Stream) -> str | None:
     return " ".join(filter(None, (str(answer.status), answer.headers.get("dedup-status"))))
 
 
-def _accepted(pid: int, port: int) -> set[int]:
-    """The client ports of the connections to ``port`` that process ``pid`` holds open."""
-    held = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(FileNotFoundError):
-            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    ports = set()
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        _, local, remote, state, *_, inode = line.split()[:10]
-        ours = f"socket:[{inode}]" in held
-        if ours and state == "01" and int(local.rpartition(":")[2], 16) == port:
-            ports.add(int(remote.rpartition(":")[2], 16))
-    return ports
-
-
 def _queued(port: int) -> int:
     """Connections waiting in the accept queues of the listeners on ``port``, taken by no one."""
     waiting = 0
@@ -406,7 +391,7 @@ async def test_a_worker_killed_under_load_loses_only_the_connections_it_had_acce
     workers = proxy.workers()
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)  # from here on no worker accepts a connection
-    accepted = {pid: _accepted(pid, proxy.port) for pid in workers}
+    accepted = {pid: accepted_by(pid, proxy.port) for pid in workers}
     assert sorted(p for ports in accepted.values() for p in ports) == sorted(
         port for _, port in held.values()
     )
