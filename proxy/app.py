@@ -307,6 +307,21 @@ async def _close_after_chunked(request: web.BaseRequest, response: web.StreamRes
         response.headers[hdrs.CONNECTION] = "close"
 
 
+def _close_when_draining(
+    draining: asyncio.Event,
+) -> Callable[[web.BaseRequest, web.StreamResponse], Awaitable[None]]:
+    """A response hook: while the proxy drains, every answer closes its connection, so that the
+    client's next request goes on a new connection, to whoever holds the listener now (a
+    reload's new worker), not onto one the drain is about to close (``connections.settle``)."""
+
+    async def close(request: web.BaseRequest, response: web.StreamResponse) -> None:
+        if draining.is_set():
+            response.force_close()
+            response.headers[hdrs.CONNECTION] = "close"
+
+    return close
+
+
 class Runner(web.AppRunner):
     """``web.AppRunner`` whose server hands each request straight to the one route's handler.
 
@@ -357,6 +372,7 @@ def create_app(cfg: config.Config) -> web.Application:
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()
     app[pipeline.DRAINING] = asyncio.Event()
+    app.on_response_prepare.append(_close_when_draining(app[pipeline.DRAINING]))
     app[START] = Start()
     shared = app[pipeline.BUDGET] = memory.Budget(cfg.max_buffered)
     meters.watch_buffered(lambda: shared.held)

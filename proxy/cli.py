@@ -329,6 +329,7 @@ def _serve(cfg: config.Config, config_path: str) -> int:
                 worker=worker,
                 on_listening=supervisor.report_listening,
                 lifeline=supervisor.lifeline(),
+                config_path=config_path,
             )
         )
     except errors.EmbeddedDatabaseError as exc:

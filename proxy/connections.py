@@ -33,6 +33,14 @@ nginx counts its timeout between two successive writes. A client that reads slow
 drains the buffer now and then and is not cut. Aborting, not closing: ``close()`` would wait for
 the very buffer that does not drain.
 
+At a drain aiohttp closes every connection that is not handling a request. One accepted a moment
+before the listener closed usually has its request on the wire, not yet parsed, and a kept-alive
+one under steady traffic has its next request on the wire: closed, either is reset though the
+proxy had accepted it (a reload drains every worker under traffic, so it happened at every
+reload). ``settle`` gives them up to ``SETTLE_WITHIN`` to send that request before aiohttp's drain
+begins; the drain answers it with ``Connection: close`` (``app``), and the client's next
+connection goes to the listener's other holders (a reload's new workers) or is refused.
+
 ``stuck_since`` also tells the connection bound (``ConnectionLimit``) which connections are stuck
 writing, so that they can make room for new ones. Relied on, private: ``Server._kwargs``, the
 handler settings ``Server.__call__`` passes to every handler it makes.
@@ -68,6 +76,10 @@ log = logging.getLogger(__name__)
 # listener's connections (admin.MAX_CONNECTIONS, and as many in its queue) and refused
 # connections still being answered.
 MARGIN = 64
+# At a drain: how long a connection waiting for a request (just accepted, or kept alive) has to
+# send it (on a busy connection, the next round trip) before aiohttp closes those still waiting.
+SETTLE_WITHIN = 1.0
+_SETTLE_POLL = 0.01
 REFUSAL = (
     b"HTTP/1.1 503 Service Unavailable\r\n"
     b"Retry-After: 5\r\n"
@@ -206,6 +218,19 @@ class ConnectionLimit:
         if self._report is not None:
             self._report.cancel()
             self._report = None
+
+
+async def settle(server: web.Server | None, within: float = SETTLE_WITHIN) -> None:
+    """Once the listeners have closed: until no open connection waits for a request (each is
+    handling one, or gone), or ``within`` seconds (a client with nothing more to send)."""
+    if server is None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while any(h.connected and _waiting(h) for h in server.connections):
+        if loop.time() >= deadline:
+            return
+        await asyncio.sleep(_SETTLE_POLL)
 
 
 def _waiting(handler: web.RequestHandler) -> bool:

@@ -1,5 +1,10 @@
 """Running the proxy: the listeners, signal handling and the graceful drain on SIGTERM.
 
+SIGHUP reloads the configuration where there is a supervisor to do it (``workers`` of 2 or
+more: ``supervisor``), and a worker ignores it. A single process has no one to hand its sockets
+to while it drains: at SIGHUP it checks the file and logs that a restart applies it, and serves
+on.
+
 A single process binds its listeners itself. A worker of ``workers: N`` is handed them: the
 supervisor binds them and passes the listening sockets down as inherited file descriptors, named
 in ``LISTEN_FDS_ENV`` (as systemd's socket activation does with ``LISTEN_FDS``), and holds them
@@ -62,17 +67,24 @@ class Listeners:
 
 
 def bind(
-    listen: config.Listen, *, key: str = "listen", reuse_port: bool = False
+    listen: config.Listen,
+    *,
+    key: str = "listen",
+    reuse_port: bool = False,
+    holder: shared_port.Holder | None = None,
 ) -> tuple[socket.socket, ...]:
     """Listening sockets for ``listen`` (the configuration's ``key``, named in the error), bound
     as ``loop.create_server(host, port)`` binds them: every address the host resolves to,
-    SO_REUSEADDR, IPv6 sockets IPv6-only."""
+    SO_REUSEADDR, IPv6 sockets IPv6-only. ``holder`` first takes each address, so that a port
+    bound with SO_REUSEPORT is still this proxy's alone (``shared_port``)."""
     sockets: list[socket.socket] = []
     try:
         infos = socket.getaddrinfo(
             listen.host, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
         for family, kind, proto, _, address in dict.fromkeys(infos):
+            if holder is not None:
+                holder.take(family, address)
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -91,15 +103,21 @@ def bind(
     return tuple(sockets)
 
 
-def bind_all(cfg: config.Config) -> Listeners:
-    """Both listeners of ``cfg``: the supervisor's, handed down to every worker.
+def bind_all(cfg: config.Config, holder: shared_port.Holder) -> Listeners:
+    """Both listeners of ``cfg``: the supervisor's, handed down to every worker, on addresses
+    ``holder`` keeps for them alone.
 
-    With SO_REUSEPORT, only so that a supervisor restarted after it was killed can bind beside
-    the old one's workers while they drain: they close the public listener at once, but serve
-    ``/readyz`` (503) until their requests have finished."""
-    admin_sockets = bind(cfg.admin.listen, key="admin.listen", reuse_port=True)
+    Where the kernel balances SO_REUSEPORT, the admin socket has it too, only so that a
+    supervisor restarted after it was killed can bind beside the old one's workers while they
+    drain: they close the public listener at once, but serve ``/readyz`` (503) until their
+    requests have finished."""
+    reuse = shared_port.balanced()
+    held = holder if reuse else None
+    admin_sockets = bind(cfg.admin.listen, key="admin.listen", reuse_port=reuse, holder=held)
     try:
-        return Listeners(public=bind(cfg.listen, reuse_port=True), admin=admin_sockets)
+        return Listeners(
+            public=bind(cfg.listen, reuse_port=reuse, holder=held), admin=admin_sockets
+        )
     except errors.ListenFailed:
         for sock in admin_sockets:
             sock.close()
@@ -126,6 +144,7 @@ async def serve(
     worker: int | None = None,
     on_listening: Callable[[], None] | None = None,
     lifeline: int | None = None,
+    config_path: str | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain: ``/readyz`` turns 503, the public listener
     closes (new connections are refused), in-flight requests finish and commit (bounded by
@@ -138,7 +157,7 @@ async def serve(
     handed = inherited() if worker is not None else None
     if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
         raise errors.UnsafeRuntime()
-    server = _Server(cfg, worker=worker, handed=handed, lifeline=lifeline)
+    server = _Server(cfg, worker=worker, handed=handed, lifeline=lifeline, config_path=config_path)
     server.install_signal_handlers()
     try:
         await server.startup(on_listening)
@@ -162,8 +181,10 @@ class _Server:
         worker: int | None,
         handed: Listeners | None,
         lifeline: int | None,
+        config_path: str | None = None,
     ) -> None:
         self.cfg = cfg
+        self.config_path = config_path
         self.worker = worker
         self.handed = handed
         self.lifeline = lifeline
@@ -195,8 +216,26 @@ class _Server:
         in ``main_loop`` and ``shutdown``, not inside a handler."""
         for signum in _SIGNALS:
             self.loop.add_signal_handler(signum, self.stop.set)
+        self.loop.add_signal_handler(signal.SIGHUP, self._hangup)
         if self.lifeline is not None:
             _watch_lifeline(self.loop, self.lifeline, self.stop)
+
+    def _hangup(self) -> None:
+        """SIGHUP: a worker leaves it to its supervisor (a terminal's hangup reaches the whole
+        process group); a single process checks the file and says what a reload needs."""
+        if self.worker is not None or self.config_path is None:
+            return
+        try:
+            config.load(self.config_path)
+        except errors.ConfigError as exc:
+            log.error("SIGHUP: not reloaded, the running configuration serves on: %s", exc)
+            return
+        log.warning(
+            "SIGHUP: %s is valid, but with workers: 1 there is no supervisor to start a new "
+            "process on the listeners while this one drains: restart the proxy to apply it "
+            "(with workers: 2 or more, SIGHUP reloads); serving on",
+            self.config_path,
+        )
 
     async def startup(self, on_listening: Callable[[], None] | None) -> None:
         """The admin listener first, so that ``/healthz`` answers and ``/readyz`` says
@@ -279,14 +318,19 @@ class _Server:
                 sock.close()
 
     async def shutdown(self) -> None:
-        """The public runner's cleanup is the drain (its listener closes, in-flight requests
-        finish within ``shutdown_timeout``, then the pool closes); the admin listener goes
-        after it, even if it fails, so that ``/readyz`` reports the drain to its end."""
+        """The drain: the public listener closes, connections waiting for a request get a moment
+        to send it (``connections.settle``), then the public runner's cleanup closes the ones
+        still waiting, lets in-flight requests finish within ``shutdown_timeout`` and closes
+        the pool; the admin listener goes after it, even if it fails, so that ``/readyz``
+        reports the drain to its end."""
         try:
+            for site in list(self.runner.sites):
+                await site.stop()  # what runner.cleanup does first
+            await connections.settle(self.runner.server)
             await self.runner.cleanup()
         finally:
             await self.admin_runner.cleanup()
-            for signum in _SIGNALS:
+            for signum in (*_SIGNALS, signal.SIGHUP):
                 self.loop.remove_signal_handler(signum)
             if self.lifeline is not None:
                 self.loop.remove_reader(self.lifeline)

@@ -25,7 +25,18 @@ A queue of its own must not die with its worker, nor wait behind one that is stu
   looks first ``STARTUP_GRACE`` after it started: at start-up the connections queued for a
   sibling still starting wait for it, rather than all go to whichever worker was up first.
 
-Elsewhere (no ``SO_REUSEPORT`` balancing) the workers share one socket, as before.
+The port is the workers' alone. ``SO_REUSEPORT`` lets any process of the same user join a
+port's group, and the kernel would then split the connections between two proxies (a second
+one started by mistake, with another configuration or database) without a word. So the
+supervisor holds each address it binds (``Holder``): an abstract Unix socket named after it,
+which the kernel keeps unique in the network namespace, as it keeps ports, and drops when the
+supervisor dies, however it dies (its workers do not inherit it); and before binding, a probe
+without ``SO_REUSEPORT``, which fails while anything else listens on the address, or on the
+wildcard address over it. Either failure is "Address already in use", as for a single process.
+Only the workers of a killed supervisor, still draining on the addresses they name, are let be.
+
+Elsewhere (no ``SO_REUSEPORT`` balancing) the workers share one socket, as before, and the
+kernel alone keeps the port exclusive.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ import logging
 import socket
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +66,51 @@ _UNACKED = struct.Struct("=24xI")
 def balanced() -> bool:
     """Whether the kernel spreads connections over sockets bound with SO_REUSEPORT (Linux)."""
     return sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
+
+
+def address_name(address: tuple[Any, ...]) -> str:
+    """``host port`` for a socket address (IPv4's pair, IPv6's quadruple)."""
+    return f"{address[0]} {address[1]}"
+
+
+class Holder:
+    """The addresses one supervisor's workers share with no one (see the module's docstring).
+
+    ``draining`` names the addresses (``address_name``) that workers of a killed supervisor
+    still listen on while they drain: a supervisor restarted meanwhile binds beside them."""
+
+    def __init__(self, draining: Collection[str] = ()) -> None:
+        self._draining = frozenset(draining)
+        self._held: dict[str, socket.socket] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._held)
+
+    def take(self, family: int, address: tuple[Any, ...]) -> None:
+        """Hold ``address`` before its sockets are bound; OSError (EADDRINUSE) if another
+        supervisor holds it or another program listens there."""
+        name = address_name(address)
+        if name in self._held:
+            return
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lock.bind(f"\0dedup-proxy {name}")
+            if name not in self._draining:
+                with socket.socket(family, socket.SOCK_STREAM) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6:
+                        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                    probe.bind(address)  # not listening: no conflict with the group bound next
+        except OSError:
+            lock.close()
+            raise
+        self._held[name] = lock
+
+    def close(self) -> None:
+        for lock in self._held.values():
+            lock.close()
+        self._held.clear()
 
 
 def queued(sock: socket.socket) -> int:

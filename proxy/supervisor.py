@@ -13,9 +13,16 @@ and a replacement worker gets the socket of the one it replaces: a worker that d
 the connections it had accepted, never ones still waiting in a queue. It copies the
 configuration file into a private directory and validates the copy; every worker, a
 replacement started hours later too, loads that copy, so an edit on disk reaches none of them
-before the proxy restarts. It starts the embedded PostgreSQL when there is one, gives the
+before a reload or a restart. It starts the embedded PostgreSQL when there is one, gives the
 workers a shared directory for their metrics, forwards SIGTERM/SIGINT so they drain, and
-restarts a worker that dies while serving.
+restarts a worker that dies while serving. No other process may join its ports
+(``shared_port.Holder``).
+
+SIGHUP reloads: the file is copied and validated again, and refused (logged, the workers serve
+on) if it is invalid or changes what only a restart can (``restart_only``). Otherwise the copy
+becomes the one workers load, and each worker in turn gets a new one started beside it on the
+same sockets; once the new one listens, the old one drains as on SIGTERM. The sockets stay open
+throughout, so no connection is refused, and the old worker finishes what it accepted.
 
 Each worker writes to a pipe: one byte once it listens, then one a second from its event loop.
 One of the first workers that exits before its first byte (bad DSN) is a start-up failure, and
@@ -31,7 +38,9 @@ hold an exclusive lock on it (one open file, inherited): a directory is removed 
 supervisor is gone and the kernel has dropped the lock, which happens when the last process
 holding it dies, however it dies. The lock keeps the directory of workers still draining after
 their supervisor was killed; the PID keeps it in the moment between making and locking it. A
-PID taken over by another program only delays the removal.
+PID taken over by another program only delays the removal; a directory named after the new
+supervisor's own PID (PID 1 again, in a restarted container) is a leftover, its lock alone
+deciding. Those locked directories name the addresses their draining workers still hold.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from pathlib import Path
 
 from prometheus_client import multiprocess
 
-from proxy import config, embedded, errors, metrics, server, shared_port
+from proxy import config, embedded, errors, logs, metrics, server, shared_port
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +86,11 @@ EXIT_START_FAILED = 3
 _RESTART_PAUSE = 1.0  # a worker that dies this soon after it listened is restarted after a pause
 _MAX_RESTART_PAUSE = 30.0
 _KILL_MARGIN = 10.0  # past shutdown_timeout, a worker that has not exited is killed
+_LISTEN_POLL = 0.05  # seconds between two looks at a reload's new worker, until it listens
 _HOME_PREFIX = "dedup-proxy-"
 _HOME_NAME = re.compile(re.escape(_HOME_PREFIX) + r"([1-9][0-9]*)-[^-]+")  # mkdtemp's suffix
+SNAPSHOT = "config.yaml"  # in the private directory: the configuration every worker loads
+ADDRESSES = "addresses"  # in the private directory: the addresses held (shared_port.Holder)
 
 
 @dataclass(slots=True)
@@ -132,18 +144,23 @@ class Supervisor:
         dsn: str | None,
         stopping: asyncio.Event,
         timeout: float,
+        config_path: str,
+        hangup: asyncio.Event,
     ) -> None:
         self.cfg = cfg
-        self.snapshot = home / "config.yaml"
+        self.config_path = config_path  # the operator's file, read again on SIGHUP
+        self.snapshot = home / SNAPSHOT
         self.metrics_dir = home / "metrics"
         self.listeners = listeners  # the admin socket(s), and the first worker's public ones
         self.public: dict[int, tuple[socket.socket, ...]] = {1: listeners.public}
         self.lock = lock  # on home; every worker inherits it
         self.dsn = dsn
         self.stopping = stopping
+        self.hangup = hangup  # set by SIGHUP: reload
         self.timeout = timeout
         self.workers: dict[int, Worker] = {}
         self.failures: dict[int, int] = {}  # replacements in a row that did not start
+        self.retiring: set[asyncio.Task[None]] = set()  # workers draining after a reload
 
     async def run(self) -> int:
         watchdog = asyncio.ensure_future(self._watchdog())
@@ -167,6 +184,7 @@ class Supervisor:
                     for sock in sockets:
                         sock.close()
             await self._stop_all()
+            await asyncio.gather(*self.retiring)
             for worker in self.workers.values():
                 worker.close_pipes()
 
@@ -208,23 +226,122 @@ class Supervisor:
         self.workers[number] = Worker(number, process, replacement, beat_read, life_write)
 
     async def _watch(self) -> int:
-        """Until SIGTERM (0) or a worker failing at start-up (its exit code)."""
+        """Until SIGTERM (0) or a worker failing at start-up (its exit code); a reload at
+        each SIGHUP."""
         stop = asyncio.ensure_future(self.stopping.wait())
         try:
             while True:
+                hangup = asyncio.ensure_future(self.hangup.wait())
                 waits = {asyncio.ensure_future(w.process.wait()): w for w in self.workers.values()}
-                done, _ = await asyncio.wait([stop, *waits], return_when=asyncio.FIRST_COMPLETED)
-                for future in waits:
+                done, _ = await asyncio.wait(
+                    [stop, hangup, *waits], return_when=asyncio.FIRST_COMPLETED
+                )
+                for future in (hangup, *waits):
                     if future not in done:
                         future.cancel()
                 if stop in done:
                     return 0
-                for future in done:
-                    code = await self._replace(waits[future])
-                    if code is not None:
-                        return code
+                for future, worker in waits.items():
+                    if future in done:
+                        code = await self._replace(worker)
+                        if code is not None:
+                            return code
+                if hangup in done:
+                    self.hangup.clear()
+                    await self._reload()
         finally:
             stop.cancel()
+
+    async def _reload(self) -> None:
+        """SIGHUP: validate the file again, then replace the workers one at a time on the
+        sockets held here. A file that is not valid, or that changes what only a restart can
+        (``restart_only``), is refused and the running workers serve on."""
+        started = time.monotonic()
+        log.info("SIGHUP: reloading %s", self.config_path)
+        candidate = self.snapshot.with_name(f"next-{SNAPSHOT}")
+        try:
+            cfg = _snapshot(self.config_path, candidate)
+        except errors.ConfigError as exc:
+            log.error(
+                "reload refused, the running configuration serves on: %s",
+                errors.ConfigError(self.config_path, exc.problems),
+            )
+            return
+        except errors.ProxyError as exc:
+            log.error("reload refused, the running configuration serves on: %s", exc)
+            return
+        if changed := restart_only(self.cfg, cfg):
+            log.error(
+                "reload refused, the running configuration serves on: %s changed, which only "
+                "a restart applies (%s)",
+                ", ".join(changed), self.config_path,
+            )  # fmt: skip
+            return
+        candidate.replace(self.snapshot)  # what every worker started from now on loads
+        self.cfg = cfg
+        logs.setup(cfg.log)
+        for number in sorted(self.workers):
+            if self.stopping.is_set() or not await self._roll(number):
+                return
+        log.info(
+            "reloaded %s: %d workers replaced in %.1fs",
+            self.config_path, len(self.workers), time.monotonic() - started,
+        )  # fmt: skip
+
+    async def _roll(self, number: int) -> bool:
+        """Start a worker on ``number``'s sockets beside the one running there; once it
+        listens, the old one drains as on SIGTERM. The queue never closes: both hold it."""
+        old = self.workers[number]
+        await self._start(number, replacement=True)
+        new = self.workers[number]
+        deadline = time.monotonic() + self.timeout
+        while not new.listening:
+            if self.stopping.is_set():
+                self._retire(old)  # _stop_all stops the new one
+                return False
+            if new.process.returncode is not None or time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    new.process.kill()
+                code = await new.process.wait()
+                multiprocess.mark_process_dead(new.process.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
+                new.close_pipes()
+                self.workers[number] = old
+                log.error(
+                    "reload stopped: worker %d's replacement (pid %d) exited with code %s or "
+                    "did not listen within %gs; worker %d serves on, the workers before it "
+                    "run the new configuration and the ones after it the old one",
+                    number, new.process.pid, code, self.timeout, number,
+                )  # fmt: skip
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(new.process.wait(), _LISTEN_POLL)
+            new.take_beats()
+        self._retire(old)
+        log.info(
+            "worker %d (pid %d) replaced by pid %d for the reload; the old one drains",
+            number, old.process.pid, new.process.pid,
+        )  # fmt: skip
+        return True
+
+    def _retire(self, worker: Worker) -> None:
+        """SIGTERM a worker a reload replaced, and clean up after it once it has drained."""
+        with contextlib.suppress(ProcessLookupError):
+            worker.process.send_signal(signal.SIGTERM)
+        task = asyncio.ensure_future(self._drained(worker))
+        self.retiring.add(task)
+        task.add_done_callback(self.retiring.discard)
+
+    async def _drained(self, worker: Worker) -> None:
+        process = worker.process
+        try:
+            await asyncio.wait_for(process.wait(), self.cfg.shutdown_timeout + _KILL_MARGIN)
+        except TimeoutError:
+            log.error("worker pid %d did not stop; killing it", process.pid)
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+        multiprocess.mark_process_dead(process.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
+        worker.close_pipes()
 
     async def _watchdog(self) -> None:
         """Kill a worker whose event loop has not beaten for ``timeout`` seconds: ``_watch``
@@ -310,24 +427,30 @@ class Supervisor:
 
 
 async def supervise(cfg: config.Config, config_path: str) -> int:
-    """Run ``cfg.workers`` workers until SIGTERM; the embedded database, if any, outlives them.
+    """Run ``cfg.workers`` workers until SIGTERM, reloading ``config_path`` on SIGHUP; the
+    embedded database, if any, outlives them.
 
     ``cfg`` was read from ``config_path``; what runs is the copy of the file taken here, which
     is validated again (it would differ only if the file changed in between).
     """
     stopping = asyncio.Event()
+    hangup = asyncio.Event()
     loop = asyncio.get_running_loop()
     with contextlib.ExitStack() as cleanup:
-        # Before anything starts: a SIGTERM while the embedded server starts must still stop it.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stopping.set)
+        # Before anything starts: a SIGTERM while the embedded server starts must still stop
+        # it, and a SIGHUP then is a reload once the workers are up, not the end of the proxy.
+        for signum, event in ((signal.SIGTERM, stopping), (signal.SIGINT, stopping),
+                              (signal.SIGHUP, hangup)):  # fmt: skip
+            loop.add_signal_handler(signum, event.set)
             cleanup.callback(loop.remove_signal_handler, signum)
         timeout = _timeout()
-        home, lock = _private_directory()
+        home, lock, draining = _private_directory()
         cleanup.callback(shutil.rmtree, home, ignore_errors=True)
         cleanup.callback(os.close, lock)
-        cfg = _snapshot(config_path, home / "config.yaml")
+        cfg = _snapshot(config_path, home / SNAPSHOT)
         (home / "metrics").mkdir()
+        holder = shared_port.Holder(draining)
+        cleanup.callback(holder.close)
         db = embedded.EmbeddedPostgres(cfg.database.data_dir) if cfg.database.embedded else None
         try:
             dsn = None
@@ -335,10 +458,12 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
                 dsn = await asyncio.to_thread(db.start)
             if stopping.is_set():
                 return 0
-            listeners = server.bind_all(cfg)
+            listeners = server.bind_all(cfg, holder)
+            # For a supervisor started while these workers drain, after this one was killed.
+            (home / ADDRESSES).write_text("".join(f"{name}\n" for name in holder.names))
             code = await Supervisor(
                 cfg, home, listeners=listeners, lock=lock, dsn=dsn, stopping=stopping,
-                timeout=timeout,
+                timeout=timeout, config_path=config_path, hangup=hangup,
             ).run()  # fmt: skip
             log.info("all workers stopped")
             return code
@@ -347,13 +472,14 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
                 await asyncio.to_thread(db.stop)
 
 
-def _private_directory() -> tuple[Path, int]:
+def _private_directory() -> tuple[Path, int, set[str]]:
     """A directory only this user can read (mkdtemp's 0700): the configuration copy may hold
     secrets written into the file, and the workers' metrics files live beside it. With it, the
-    descriptor holding its lock; the directories earlier supervisors left are removed first."""
+    descriptor holding its lock, and the addresses that workers of killed supervisors still
+    drain on; the directories earlier supervisors left are removed first."""
     try:
         parent = Path(tempfile.gettempdir())
-        _remove_leftovers(parent)
+        draining = _remove_leftovers(parent)
         home = Path(tempfile.mkdtemp(prefix=f"{_HOME_PREFIX}{os.getpid()}-", dir=parent))
     except OSError as exc:  # a read-only root filesystem with no /tmp mounted
         raise errors.ProxyError(
@@ -362,15 +488,24 @@ def _private_directory() -> tuple[Path, int]:
         ) from exc
     lock = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new directory: no one else holds it
-    return home, lock
+    return home, lock, draining
 
 
-def _remove_leftovers(parent: Path) -> None:
+def _remove_leftovers(parent: Path) -> set[str]:
     """Remove this user's private directories in ``parent`` whose supervisor and workers are
-    all gone (see the module docstring)."""
+    all gone (see the module docstring); return the addresses of those whose workers still
+    drain.
+
+    A directory named after this process's PID is a leftover too: this supervisor has not made
+    its own yet, and an earlier one had the same PID (PID 1 in a restarted container, whose
+    ``/tmp`` outlives it). Its lock still keeps it while that one's workers drain."""
+    draining: set[str] = set()
     for path in parent.iterdir():
         name = _HOME_NAME.fullmatch(path.name)
-        if name is None or _running(int(name[1])):
+        if name is None:
+            continue
+        pid = int(name[1])
+        if pid != os.getpid() and _running(pid):
             continue
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -381,12 +516,15 @@ def _remove_leftovers(parent: Path) -> None:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # locked: a worker of that supervisor is still draining
+            with contextlib.suppress(OSError):
+                draining.update((path / ADDRESSES).read_text().splitlines())
             continue
         else:
             shutil.rmtree(path, ignore_errors=True)
             log.info("removed %s, left by a supervisor that was killed", path)
         finally:
             os.close(fd)
+    return draining
 
 
 def _running(pid: int) -> bool:
@@ -412,6 +550,26 @@ def _snapshot(config_path: str, copy: Path) -> config.Config:
     except OSError as exc:
         raise errors.ProxyError(f"cannot copy the configuration to {copy}: {exc}") from exc
     return config.load(copy)
+
+
+def restart_only(running: config.Config, new: config.Config) -> list[str]:
+    """The settings ``new`` changes that a reload cannot apply: the addresses (the sockets are
+    bound once), the number of workers (a socket each), and which database and table (during
+    the reload old and new workers serve side by side, and copies of an event must meet at one
+    table's row lock). A new password, pool size or timeout is applied."""
+    fixed = {
+        "listen": (running.listen, new.listen),
+        "admin.listen": (running.admin.listen, new.admin.listen),
+        "workers": (running.workers, new.workers),
+        "database.dsn": tuple(_server(c.database) for c in (running, new)),
+        "database.table": (running.database.table, new.database.table),
+    }
+    return [key for key, (was, now) in fixed.items() if was != now]
+
+
+def _server(db: config.DatabaseConfig) -> str:
+    """The database a configuration names, whatever its password."""
+    return f"embedded {db.data_dir}" if db.dsn is None else config.redact_dsn(db.dsn.reveal())
 
 
 def _timeout() -> float:

@@ -402,6 +402,21 @@ async def start_serve(
     return served
 
 
+def accepted_by(pid: int, port: int) -> set[int]:
+    """The client ports of the connections to ``port`` that process ``pid`` holds open."""
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    ports = set()
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        _, local, remote, state, *_, inode = line.split()[:10]
+        ours = f"socket:[{inode}]" in held
+        if ours and state == "01" and int(local.rpartition(":")[2], 16) == port:
+            ports.add(int(remote.rpartition(":")[2], 16))
+    return ports
+
+
 # --- raw HTTP/1.1 connections -------------------------------------------------------------
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]

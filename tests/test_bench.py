@@ -195,6 +195,17 @@ def test_the_balance_counts_each_workers_webhooks() -> None:
         assert row[-1].strip(" |") == "0"  # no errors
 
 
+def test_the_reload_run_answers_every_webhook() -> None:
+    """bench/reload.py --quick: a SIGHUP under load, every webhook answered, the route added."""
+    stdout = _script("bench/reload.py", "--quick", timeout=180)
+    cells = [line.strip("| ").split(" | ") for line in stdout.splitlines()]
+    rows = {row[0]: row[1] for row in cells if len(row) == 2}
+    assert rows["ended otherwise"] == "none"
+    assert rows["webhooks sent"] == rows["answered 200"]
+    assert "2 workers replaced" in rows["supervisor's line"]
+    assert rows["the added route, a copy sent twice"] == "duplicate"
+
+
 def test_the_ab_run_compares_two_checkouts() -> None:
     """bench/ab.py with this checkout as its own control: one round, every run error-free."""
     stdout = _script("bench/ab.py", "--control", str(ROOT), "--rounds", "1", "--duration", "1",

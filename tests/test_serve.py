@@ -18,12 +18,16 @@ from tests.helpers import (
     FakeUpstream,
     Serve,
     Served,
+    accepted_by,
     accepts,
     claimed,
     free_port,
+    open_stream,
+    read_answer,
     run_cli,
     run_python,
     wait_until,
+    webhook_request,
 )
 
 
@@ -66,6 +70,57 @@ async def test_sigterm_drains_in_flight_requests_then_exits_0(
     (request_line,) = [line for line in lines if line.get("event_id") == "evt_drain"]
     assert request_line["outcome"] == "processed"
     assert request_line["level"] == "info"
+
+
+async def test_a_connection_accepted_just_before_the_drain_is_answered(
+    proxy: Served, upstream: FakeUpstream
+) -> None:
+    """Its request is on the wire when the listener closes: aiohttp's drain closed every
+    connection with no request in hand, and that webhook was reset though it was accepted
+    (a reload drains every worker under traffic)."""
+    reader, writer = await open_stream(proxy.port)
+    client_port = writer.get_extra_info("sockname")[1]
+
+    async def accepted() -> bool:
+        return client_port in accepted_by(proxy.process.pid, proxy.port)
+
+    try:
+        await wait_until(accepted, "the proxy to accept the connection")
+        proxy.process.send_signal(signal.SIGTERM)
+        await wait_until(lambda: _refuses(proxy.port), "the listener to close")
+        writer.write(webhook_request("evt_late", b"Connection: close"))
+        answer = await read_answer(reader)
+    finally:
+        writer.close()
+    assert answer is not None
+    assert answer.status == 200
+    assert len(upstream.requests) == 1
+    assert await asyncio.wait_for(proxy.process.wait(), timeout=20) == 0
+
+
+async def test_a_kept_alive_connections_next_request_during_the_drain_is_answered(
+    proxy: Served, upstream: FakeUpstream
+) -> None:
+    """Under steady traffic a kept-alive connection's next request is on the wire when the drain
+    starts: it is answered, with ``Connection: close``, rather than reset with the idle ones."""
+    reader, writer = await open_stream(proxy.port)
+    try:
+        writer.write(webhook_request("evt_first"))
+        first = await read_answer(reader)
+        assert first is not None
+        assert first.status == 200
+        assert first.headers.get("connection") != "close"
+        proxy.process.send_signal(signal.SIGTERM)
+        await wait_until(lambda: _refuses(proxy.port), "the listener to close")
+        writer.write(webhook_request("evt_next"))
+        answer = await read_answer(reader)
+    finally:
+        writer.close()
+    assert answer is not None
+    assert answer.status == 200
+    assert answer.headers.get("connection") == "close"
+    assert len(upstream.requests) == 2
+    assert await asyncio.wait_for(proxy.process.wait(), timeout=20) == 0
 
 
 async def _refuses(port: int) -> bool:
@@ -129,3 +184,34 @@ def test_without_uvloop_a_failure_does_not_print_its_import_error_first(
         cli._run(fails())
     assert raised.value.__context__ is None
     assert "No module named" not in "".join(traceback.format_exception(raised.value))
+
+
+async def test_sighup_to_a_single_process_says_a_restart_applies_and_serves_on(
+    proxy: Served, upstream: FakeUpstream
+) -> None:
+    def logged(start: str) -> list[str]:
+        return [x["msg"] for x in proxy.lines() if x["msg"].startswith(start)]
+
+    settings = yaml.safe_load(proxy.config_file.read_text())
+    proxy.config_file.write_text(yaml.safe_dump({**settings, "claim_wait": "soon"}))
+    proxy.process.send_signal(signal.SIGHUP)
+
+    async def refused() -> bool:
+        return bool(logged("SIGHUP: not reloaded"))
+
+    await wait_until(refused, "the broken file's errors in the log")
+    assert f"invalid configuration in {proxy.config_file}:\n  claim_wait:" in logged("SIGHUP")[0]
+
+    proxy.config_file.write_text(yaml.safe_dump(settings))
+    proxy.process.send_signal(signal.SIGHUP)
+
+    async def said() -> bool:
+        return bool(logged(f"SIGHUP: {proxy.config_file} is valid"))
+
+    await wait_until(said, "the valid file's line in the log")
+    assert "restart the proxy to apply it" in logged(f"SIGHUP: {proxy.config_file}")[0]
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(f"{proxy.url}/webhooks/corvel", data=b'{"id": "evt_hup"}')
+        assert response.status == 200
+    assert proxy.process.returncode is None
+    assert len(upstream.requests) == 1

@@ -4,7 +4,7 @@ up; a dead or hung worker replaced without losing queued connections; drain."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -23,6 +23,7 @@ from tests.helpers import (
     Serve,
     Served,
     Stream,
+    accepted_by,
     claimed,
     free_port,
     open_stream,
@@ -372,21 +373,6 @@ async def _outcome(stream: Stream) -> str | None:
     return " ".join(filter(None, (str(answer.status), answer.headers.get("dedup-status"))))
 
 
-def _accepted(pid: int, port: int) -> set[int]:
-    """The client ports of the connections to ``port`` that process ``pid`` holds open."""
-    held = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(FileNotFoundError):
-            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-    ports = set()
-    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
-        _, local, remote, state, *_, inode = line.split()[:10]
-        ours = f"socket:[{inode}]" in held
-        if ours and state == "01" and int(local.rpartition(":")[2], 16) == port:
-            ports.add(int(remote.rpartition(":")[2], 16))
-    return ports
-
-
 def _queued(port: int) -> int:
     """Connections waiting in the accept queues of the listeners on ``port``, taken by no one."""
     waiting = 0
@@ -411,7 +397,7 @@ async def test_a_worker_killed_under_load_loses_only_the_connections_it_had_acce
     workers = proxy.workers()
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)  # from here on no worker accepts a connection
-    accepted = {pid: _accepted(pid, proxy.port) for pid in workers}
+    accepted = {pid: accepted_by(pid, proxy.port) for pid in workers}
     assert sorted(p for ports in accepted.values() for p in ports) == sorted(
         port for _, port in held.values()
     )
@@ -481,3 +467,173 @@ async def test_a_restarted_worker_runs_the_configuration_the_supervisor_started_
     await listening(proxy, 4)
     responses = await asyncio.gather(*(_post(proxy.url, f"evt_c{n}") for n in range(10)))
     assert [r.status for r in responses] == [200] * 10
+
+
+async def test_a_second_instance_on_a_taken_address_exits_naming_it(
+    supervised: Served, tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
+) -> None:
+    # SO_REUSEPORT would let a second supervisor of the same user join both ports' groups,
+    # and the kernel would split the webhooks and the scrapes between the two proxies.
+    public = f"127.0.0.1:{supervised.port}"
+    admin = f"127.0.0.1:{supervised.admin_port}"
+    for key, settings in (
+        ("listen", {"listen": public}),
+        ("admin.listen", {"admin": {"listen": admin}}),
+    ):
+        (tmp := tmp_path / key).mkdir()
+        code, text = await _run_to_exit(config_file(tmp, pg_dsn, table, **settings))
+        taken = public if key == "listen" else admin
+        assert code == 1, text
+        assert f"cannot listen on http://{taken} ({key}): Address already in use" in text
+        assert '"worker":' not in text
+    responses = await asyncio.gather(*(_post(supervised.url, f"evt_one_{n}") for n in range(10)))
+    assert [r.status for r in responses] == [200] * 10
+    assert len(upstream.requests) == 10
+
+
+@pytest.mark.skipif(not shared_port.balanced(), reason="SO_REUSEPORT balancing is Linux's")
+async def test_another_program_in_the_ports_group_stops_the_supervisor(
+    tmp_path: Path, pg_dsn: str, table: str
+) -> None:
+    """A program of the same user listening with SO_REUSEPORT (as nginx's ``reuseport`` does)
+    would let the supervisor's sockets join its group."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("0.0.0.0", 0))  # the wildcard: over 127.0.0.1 too
+        other.listen()
+        port = other.getsockname()[1]
+        path = config_file(tmp_path, pg_dsn, table, listen=f"127.0.0.1:{port}")
+        code, text = await _run_to_exit(path)
+
+    assert code == 1, text
+    assert f"cannot listen on http://127.0.0.1:{port} (listen): Address already in use" in text
+
+
+def test_a_directory_named_after_this_pid_is_a_leftover(tmp_path: Path) -> None:
+    """PID 1 in a restarted container: the killed supervisor had the PID of the new one."""
+    mine = tmp_path / f"dedup-proxy-{os.getpid()}-abcd1234"
+    (mine / "metrics").mkdir(parents=True)
+    (mine / "config.yaml").write_text("listen: 127.0.0.1:1\n")
+
+    draining = supervisor._remove_leftovers(tmp_path)
+    assert not mine.exists()
+    assert draining == set()
+
+
+def test_a_directory_named_after_this_pid_is_kept_while_its_workers_drain(
+    tmp_path: Path,
+) -> None:
+    mine = tmp_path / f"dedup-proxy-{os.getpid()}-abcd1234"
+    mine.mkdir()
+    (mine / supervisor.ADDRESSES).write_text("127.0.0.1 8080\n127.0.0.1 9090\n")
+    held = os.open(mine, os.O_RDONLY | os.O_DIRECTORY)  # as a draining worker holds it
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert supervisor._remove_leftovers(tmp_path) == {"127.0.0.1 8080", "127.0.0.1 9090"}
+        assert mine.exists()
+    finally:
+        os.close(held)
+    assert supervisor._remove_leftovers(tmp_path) == set()
+    assert not mine.exists()
+
+
+class _Traffic:
+    """Webhooks sent back to back, each on a new connection (so that every worker, old and
+    new, takes some), by ``lanes`` senders until ``stop``; every outcome kept."""
+
+    def __init__(self, url: str, lanes: int = 2) -> None:
+        self.url = url
+        self.outcomes: list[int | str] = []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._send(lane)) for lane in range(lanes)]
+
+    async def _send(self, lane: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                response = await asyncio.wait_for(_post(self.url, f"evt_t{lane}_{n}"), WITHIN)
+                self.outcomes.append(response.status)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.outcomes.append(repr(exc))
+            n += 1
+
+    async def until(self, count: int) -> None:
+        async def enough() -> bool:
+            return len(self.outcomes) >= count
+
+        await wait_until(enough, f"{count} webhooks answered", within=60)
+
+    async def stop(self) -> list[int | str]:
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        return self.outcomes
+
+
+def _logged(served: Served, start: str) -> list[dict[str, Any]]:
+    return [x for x in served.lines() if x["msg"].startswith(start)]
+
+
+async def _hangup(served: Served, start: str, count: int = 1) -> dict[str, Any]:
+    """SIGHUP the supervisor and wait for its ``count``-th line starting with ``start``."""
+    served.process.send_signal(signal.SIGHUP)
+
+    async def logged() -> bool:
+        return len(_logged(served, start)) >= count
+
+    await wait_until(logged, f"the supervisor to log {start!r}", within=60)
+    return _logged(served, start)[count - 1]
+
+
+async def _duplicate_on(url: str, path: str, event_id: str) -> str | None:
+    """The Dedup-Status of a second copy of ``event_id`` to ``path`` (None: not claimed)."""
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            async with session.post(url + path, data=json.dumps({"id": event_id})) as response:
+                assert response.status == 200
+                status = response.headers.get("Dedup-Status")
+    return status
+
+
+async def test_sighup_reloads_worker_by_worker_under_traffic(start: Serve) -> None:
+    proxy = await start()
+    settings = yaml.safe_load(proxy.config_file.read_text())
+    # Before the reload a path no route has is passed through, unclaimed.
+    assert await _duplicate_on(proxy.url, "/webhooks/added", "evt_before") is None
+    old_workers = proxy.workers()
+    traffic = _Traffic(proxy.url)
+    try:
+        await traffic.until(20)
+        settings["routes"].append(
+            {"name": "added", "path": "/webhooks/added", "event_id": "body:/id"}
+        )
+        proxy.config_file.write_text(yaml.safe_dump(settings))
+        reloaded = await _hangup(proxy, "reloaded")
+        answered = len(traffic.outcomes)
+        await traffic.until(answered + 20)  # the new workers serve the steady traffic
+
+        # A broken file is refused with its errors, and the running configuration serves on.
+        broken = {**settings, "claim_wait": "soon"}
+        proxy.config_file.write_text(yaml.safe_dump(broken))
+        refused = await _hangup(proxy, "reload refused")
+        # So is one that changes what only a restart applies.
+        proxy.config_file.write_text(yaml.safe_dump({**settings, "workers": 3}))
+        restart = await _hangup(proxy, "reload refused", count=2)
+        answered = len(traffic.outcomes)
+        await traffic.until(answered + 20)
+    finally:
+        outcomes = await traffic.stop()
+
+    assert len(outcomes) >= 60
+    assert outcomes == [200] * len(outcomes)  # no connection refused, no request dropped
+    assert "2 workers replaced" in reloaded["msg"]
+    assert f"invalid configuration in {proxy.config_file}:\n  claim_wait:" in refused["msg"]
+    assert "workers changed, which only a restart applies" in restart["msg"]
+    assert await _duplicate_on(proxy.url, "/webhooks/added", "evt_after") == "duplicate"
+
+    async def old_gone() -> bool:
+        return not any(_alive(pid) for pid in old_workers)
+
+    await wait_until(old_gone, "the replaced workers to drain and exit", within=30)
+    assert len(proxy.workers()) == 2
+    assert proxy.process.returncode is None
