@@ -22,6 +22,7 @@ from aiohttp import web
 from proxy import (
     config,
     database,
+    delivery,
     errors,
     event_ids,
     flights,
@@ -30,7 +31,6 @@ from proxy import (
     memory,
     metrics,
     paths,
-    redeliverer,
     replay,
     request_body,
     semantics,
@@ -187,7 +187,7 @@ class Cycle:
         except errors.EventIdMissing:
             if not route.config.forward_missing_id:
                 raise
-            return forwarder.relayed(await self._call()), "unclaimed"
+            return forwarder.relayed((await self._call()).relayed()), "unclaimed"
         route.semantics.refuse_in_flight(self.request.app[FLIGHTS], key)
         return await self._once(key)
 
@@ -274,16 +274,16 @@ class Cycle:
         tell the copies queued in this process: the answer and the outcome. Any other answer
         leaves the claim to be released on the way out."""
         line = self.line
-        try:
-            upstream = await self._call()
-        except errors.UpstreamFailed as exc:
-            if (kept := await self._failed(claim, exc)) is not None:
+        result = await self._call()
+        if result.failure is not None:
+            if (kept := await self._failed(claim, result)) is not None:
                 return kept
             await self._release(claim)
-            raise
+            raise result.failure
+        upstream = result.relayed()
         response = forwarder.relayed(upstream)
         if not upstream.ok:
-            kept = await self._keep(claim, database.Attempt(upstream.status, None))
+            kept = await self._keep(claim, result.attempt)
             if kept is None:
                 await self._release(claim)
             return kept or (response, "upstream_error")
@@ -308,23 +308,24 @@ class Cycle:
         return response, "processed"
 
     async def _failed(
-        self, claim: database.Claim, exc: errors.UpstreamFailed
+        self, claim: database.Claim, result: delivery.Result
     ) -> tuple[web.StreamResponse, str] | None:
-        """The app's answer did not come through: the answer if the delivery was kept for
-        redelivery; else None, and the failure is relayed."""
-        if exc.answered_2xx:
+        """No answer of the app's to relay (none came through, or a 410): the answer if the
+        delivery was kept for redelivery; else None, and the failure is relayed."""
+        failed = result.attempt
+        if result.taken:
             # The app did the work; only its answer cannot be held or relayed (over budget,
             # cut off, malformed after a 2xx status line). Keep the claim: the provider's
             # retry of this 502 is then a duplicate, not a second delivery.
-            self.line["upstream_status"] = exc.upstream_status
+            self.line["upstream_status"] = failed.status
             try:
                 await self._commit(claim, None)
-            except errors.CommitFailed as failed:
-                self.line["commit_error"] = failed.message
+            except errors.CommitFailed as exc:
+                self.line["commit_error"] = exc.message
             return None
-        kept = await self._keep(claim, database.Attempt(exc.upstream_status, exc.message))
-        if kept is not None:
-            self.line["error"] = exc.message  # kept: the line still says why the app failed
+        kept = await self._keep(claim, failed)
+        if kept is not None and failed.error is not None:
+            self.line["error"] = failed.error  # kept: the line still says why the app failed
         return kept
 
     async def _keep(
@@ -338,15 +339,15 @@ class Cycle:
         if route.redeliver is None:
             return None
         config_ = route.config
-        delivery = database.Delivery(
+        kept_delivery = database.Delivery(
             config_.name, config_.upstream, self.request.method, self.target, self.sent, self.body
         )
-        keep = redeliverer.keep(
-            config_, route.redeliver, attempt.status, claim.key.scope,
+        keep = delivery.keep(
+            config_, route.redeliver, attempt, claim.key.scope,
             route.semantics.signed_part(claim.key),
         )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
-        state, kept_as = await claim.queue(delivery, attempt, keep)
+        state, kept_as = await claim.queue(kept_delivery, attempt, keep)
         self.trace.end(span, {"dedup.kept": state})
         if state == database.FULL:
             line["inbox_full"] = True
@@ -399,31 +400,22 @@ class Cycle:
         await claim.release()
         self.trace.end(span)
 
-    async def _call(self) -> http1.Answer:
-        """The app's answer, read whole; its status and time on the log line."""
+    async def _call(self) -> delivery.Result:
+        """The attempt at the app (``delivery.attempt``); its status and time on the log line
+        when an answer came through."""
         route, line = self.route, self.line
         started = time.perf_counter()
-        client, trace = self.request.app[FORWARDER], self.trace
+        client = self.request.app[FORWARDER]
         outgoing = client.outgoing(self.request, self.target, self.body, line["request_id"])
-        span = trace.forwarding(
-            self.request.method, route.config.upstream, self.target, outgoing.headers
-        )
-        if route.redeliver is not None:
-            # Before the transport takes Host out; with the trace headers the app was sent (a
-            # redelivery links to this trace through them).
-            self.sent = tuple(outgoing.headers.items())
-        try:
-            upstream = await client.send(route.config.upstream, outgoing, self.reservation.answer)
-        except errors.UpstreamFailed as exc:
-            trace.failed(span, exc.code, exc.message)
-            raise
-        trace.answered(span, upstream.status, upstream.resend_count)
-        line["upstream_status"] = upstream.status
-        log_line.phase(line, "upstream_ms", route.meters.upstream_duration, started)
-        if upstream.status == 410:
-            # Standard Webhooks senders disable an endpoint that answers 410: never relay it.
-            raise errors.UpstreamUnavailable("upstream answered 410 Gone; relayed as 502")
-        return upstream
+        result = await delivery.attempt(
+            client, route.config.upstream, outgoing, self.reservation.answer, self.trace,
+            keeps=route.redeliver is not None,
+        )  # fmt: skip
+        self.sent = result.sent
+        if result.answer is not None:
+            line["upstream_status"] = result.answer.status
+            log_line.phase(line, "upstream_ms", route.meters.upstream_duration, started)
+        return result
 
     def _answer_to_store(self, upstream: http1.Answer) -> database.Answer | None:
         answer, skipped = replay.answer_to_store(self.route.config, upstream)

@@ -6,10 +6,11 @@ replica, shared out among its workers, at least one each). A lane takes the olde
 one else holds (``Inbox.take``: ``FOR UPDATE SKIP LOCKED``) and forwards it *while holding the
 row lock*, as the first delivery was forwarded while holding its claim: no two replicas send one
 event at once, and a replica killed mid-redelivery leaves the row as it was, due, for the next
-lane anywhere. The row's transaction ends with one step: ``delivered`` on a 2xx, else ``failed``
+lane anywhere. The attempt is ``delivery.attempt``, as a first delivery's is, and the row's
+transaction ends with ``delivery.record``'s one step: ``delivered`` on a 2xx, else ``failed``
 (the next attempt after the route's schedule, or dead past its ``for`` or on an answer
-retrying cannot fix: ``UNFIXABLE``). Starts are paced at ``redeliverer.rate`` per second per
-replica, so a recovering app is not swamped with the backlog.
+retrying cannot fix: ``delivery.UNFIXABLE``). Starts are paced at ``redeliverer.rate`` per
+second per replica, so a recovering app is not swamped with the backlog.
 
 On SIGTERM the lanes stop taking rows; a redelivery in flight finishes, or, past
 ``shutdown_timeout``, is cancelled, which rolls its row back: released, never lost.
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
-from proxy import database, errors, memory, metrics, tracing
+from proxy import database, delivery, errors, memory, metrics, tracing
 from proxy.config import inbox, routes
 from proxy.upstream import forwarder, transports
 
@@ -36,32 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The app's answers that retrying the same request cannot change: the request itself is wrong
-# (400, 422), too large (413, 414) or of a kind the app does not take (405, 411, 415). Anything
-# else (404 and 401/403 included: a deploy or a rotated secret) is tried again on schedule.
-UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
+# The log level of a redelivery's result.
+LEVELS = {"delivered": logging.INFO, "failed": logging.WARNING, "dead": logging.ERROR}
 # How often each worker reads its routes' inbox levels for the metrics.
 LEVEL_INTERVAL = 15.0
-
-
-def keep(
-    route: routes.RouteConfig,
-    settings: inbox.Redeliver,
-    status: int | None,
-    scope: str,
-    signed: str | None = None,
-) -> database.Keep:
-    """How a failed first delivery on ``route`` is kept (the app answered ``status``; its
-    claim is in ``scope``; ``signed``: its claim ID's signed part, see ``database.Keep``)."""
-    return database.Keep(
-        delay=settings.schedule[0],
-        until=settings.for_,
-        max_pending=settings.max_pending,
-        max_pending_bytes=settings.max_pending_bytes,
-        cap_scope=route.cap_scope(scope),
-        dead=status in UNFIXABLE,
-        signed=signed,
-    )
 
 
 class Redeliverer:
@@ -190,18 +169,18 @@ class Redeliverer:
     async def _redeliver(self, redelivery: database.Redelivery) -> bool:
         """Send it and record the attempt; False when it was postponed instead (rolled back:
         the lane pauses rather than take the same row again at once)."""
-        delivery = redelivery.delivery
-        route = self._routes.get(delivery.route)
+        kept = redelivery.delivery
+        route = self._routes.get(kept.route)
         # A route renamed since (its scope kept): its upstream as stored, the default schedule.
-        settings = inbox.Redeliver() if route is None else route.redeliver or inbox.Redeliver()
-        upstream = delivery.upstream if route is None else route.upstream
+        settings = None if route is None else route.redeliver
+        upstream = kept.upstream if route is None else route.upstream
         started = time.perf_counter()
         sent = await self._send(upstream, redelivery)
         if sent is None:
             return False  # no room in this worker's memory budget now: due as it was
-        status, error, trace = sent
+        result, trace = sent
         try:
-            await self._record(redelivery, settings, (status, error), trace, started)
+            await self._record(redelivery, settings, result, trace, started)
         except BaseException as exc:  # cancelled at shutdown_timeout: its spans end too
             trace.abort(exc)
             raise
@@ -210,41 +189,32 @@ class Redeliverer:
     async def _record(
         self,
         redelivery: database.Redelivery,
-        settings: inbox.Redeliver,
-        sent: tuple[int | None, str | None],
+        settings: inbox.Redeliver | None,
+        attempted: delivery.Result,
         trace: Trace,
         started: float,
     ) -> None:
-        """The attempt's outcome (the app's status, what went wrong), in its row (committed),
-        the metrics, the log and the trace."""
-        delivery = redelivery.delivery
-        status, error = sent
+        """The attempt's outcome (``delivery.record``), in its row (committed), the metrics,
+        the log and the trace."""
+        kept = redelivery.delivery
+        status, error = attempted.attempt.status, attempted.attempt.error
         took = round((time.perf_counter() - started) * 1000, 2)
         event_id = self.provider_id(redelivery)
-        fields = {"route": delivery.route, "scope": redelivery.scope, "event_id": event_id,
+        fields = {"route": kept.route, "scope": redelivery.scope, "event_id": event_id,
                   **({} if event_id == redelivery.event_id else {"claim_id": redelivery.event_id}),
                   "attempt": redelivery.failures + 1, "upstream_status": status,
                   "upstream_ms": took}  # fmt: skip
-        if status is not None and 200 <= status < 300:
-            await redelivery.delivered(status)
-            result, level = "delivered", logging.INFO
-        else:
-            failures = redelivery.failures + 1
-            state = await redelivery.failed(
-                database.Attempt(status, error), settings.delay(failures),
-                dead=status in UNFIXABLE,
-            )  # fmt: skip
-            dead = state == database.DEAD
-            result, level = ("dead", logging.ERROR) if dead else ("failed", logging.WARNING)
-            if error:
-                fields["error"] = error
-        self._meters.redeliveries.labels(delivery.route, result).inc()
+        result = await delivery.record(redelivery, settings, attempted)
+        level = LEVELS[result]
+        if error:
+            fields["error"] = error
+        self._meters.redeliveries.labels(kept.route, result).inc()
         fields["result"] = result
         trace.close(
             {"dedup.redelivery.result": result, "webhook.upstream_status": status or 0},
             None if result == "delivered" else error or f"the app answered {status}",
         )
-        log.log(level, "redelivery of %s %s: %s", delivery.route, event_id, result,
+        log.log(level, "redelivery of %s %s: %s", kept.route, event_id, result,
                 extra={"fields": fields})  # fmt: skip
 
     def provider_id(self, redelivery: database.Redelivery) -> str:
@@ -257,17 +227,16 @@ class Redeliverer:
 
     async def _send(
         self, upstream: str, redelivery: database.Redelivery
-    ) -> tuple[int | None, str | None, Trace] | None:
-        """The app's status (None: no answer), what went wrong, if anything, and the trace
-        begun for it; None when the body does not fit the worker's memory budget now (not
-        sent, not an attempt, not traced)."""
-        delivery = redelivery.delivery
+    ) -> tuple[delivery.Result, Trace] | None:
+        """The attempt (``delivery.attempt``) and the trace begun for it; None when the body
+        does not fit the worker's memory budget now (not sent, not an attempt, not traced)."""
+        kept = redelivery.delivery
         outgoing = transports.Request(
-            delivery.method, delivery.target, CIMultiDict(delivery.headers), delivery.body
+            kept.method, kept.target, CIMultiDict(kept.headers), kept.body
         )
         with self._budget.reservation() as reservation:
             try:
-                reservation.body(len(delivery.body))
+                reservation.body(len(kept.body))
             except errors.Overloaded as exc:
                 log.info("redelivery postponed: %s", exc.message)
                 return None
@@ -275,24 +244,17 @@ class Redeliverer:
             if self._tracing is not None:
                 event_id = self.provider_id(redelivery)
                 trace = self._tracing.redelivery(
-                    delivery.route, event_id, redelivery.failures + 1, delivery.headers,
+                    kept.route, event_id, redelivery.failures + 1, kept.headers,
                     None if event_id == redelivery.event_id else redelivery.event_id,
                 )  # fmt: skip
-            span = trace.forwarding(delivery.method, upstream, delivery.target, outgoing.headers)
             try:
-                answer = await self._client.send(upstream, outgoing, reservation.answer)
-            except errors.UpstreamFailed as exc:
-                trace.failed(span, exc.code, exc.message)
-                if exc.answered_2xx:
-                    return exc.upstream_status, None, trace  # the app took it; its answer broke
-                return exc.upstream_status, exc.message, trace
+                result = await delivery.attempt(
+                    self._client, upstream, outgoing, reservation.answer, trace
+                )
             except BaseException as exc:
                 trace.abort(exc)
                 raise
-        trace.answered(span, answer.status, answer.resend_count)
-        if answer.status == 410:
-            return 410, "upstream answered 410 Gone", trace
-        return answer.status, None, trace
+        return result, trace
 
     async def _levels(self) -> None:
         """Every LEVEL_INTERVAL, each route's inbox into the gauges."""

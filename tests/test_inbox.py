@@ -148,6 +148,27 @@ async def test_an_answer_retrying_cannot_fix_is_dead_at_once_and_an_operator_bri
     assert len(upstream.requests) == 2
 
 
+async def test_a_410_is_kept_and_recorded_alike_at_the_first_delivery_and_a_redelivery(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(2, status=410)  # the first delivery and the first redelivery
+    proxy = await make_proxy(routes=[route()], redeliverer=QUICK)
+
+    first = await proxy.post("/hooks", data=b'{"id": "evt_410"}')
+
+    # Kept, never relayed (a Standard Webhooks sender disables an endpoint answering 410), and
+    # the app's status said as it was, not as the 502 a route without redeliver answers.
+    assert (first.status, first.headers["Dedup-Status"]) == (202, "queued")
+    assert await first.json() == {"status": "queued", "event_id": "evt_410", "upstream_status": 410}
+    await wait_until(lambda: _state(pg_dsn, table, "evt_410", "delivered"), "delivered")
+    attempts = json.loads((await rows(pg_dsn, table))["evt_410"]["inbox_attempts"])
+    gone = {"status": 410, "error": "upstream answered 410 Gone"}
+    assert [{k: a.get(k) for k in gone} for a in attempts] == [
+        gone, gone, {"status": 200, "error": None}
+    ]  # fmt: skip
+    assert len(upstream.requests) == 3
+
+
 async def test_max_pending_bytes_counts_the_headers_a_kept_row_stores_not_only_its_body(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:

@@ -131,6 +131,27 @@ def test_a_closed_family_imports_only_itself_and_the_error_tree(
     assert {name: found for name, found in outside.items() if found} == {}
 
 
+def test_one_attempt_at_the_app_is_written_once_in_delivery() -> None:
+    """The first delivery (``pipeline``) and the redeliverer attempt through ``delivery``:
+    neither imports the other, and no module outside ``proxy.upstream`` but ``delivery`` sends
+    the app a request (calls a ``send`` method)."""
+    assert "proxy.delivery" in _internal("proxy.pipeline") & _internal("proxy.redeliverer")
+    assert "proxy.redeliverer" not in _internal("proxy.pipeline", ANNOTATED)
+    assert "proxy.pipeline" not in _internal("proxy.redeliverer", ANNOTATED)
+    senders = sorted(
+        name
+        for name, path in MODULES.items()
+        if not name.startswith("proxy.upstream")
+        and any(
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "send"
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        )
+    )
+    assert senders == ["proxy.delivery"]
+
+
 def test_the_configuration_family_is_read_only_through_its_face() -> None:
     """How YAML is walked and what the presets hold are ``proxy.config``'s own; the rest of the
     package imports ``proxy.config``, the route type it hands out (``routes``) and the parsers of

@@ -92,7 +92,7 @@ _EVIDENCE_LINES = 40
 DUPLICATE_ANSWERS = frozenset({"duplicate", "duplicate_queued"})
 # Dedup-Status saying the event is kept for redelivery (the proxy's own 202).
 KEPT_ANSWERS = frozenset({"queued", "dead_letter", "duplicate_queued"})
-# The app's answers the redeliverer gives up on at once (proxy.redeliverer.UNFIXABLE).
+# The app's answers the inbox gives up on at once (proxy.delivery.UNFIXABLE).
 UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
 REDELIVERER = "proxy.redeliverer"  # the logger of the redeliverer's lines
 # An answer the proxy timed out on can measure this much shorter at the app (the request's

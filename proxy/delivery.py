@@ -1,0 +1,144 @@
+"""One attempt at the app, a first delivery or a redelivery: send it, trace it, classify what
+came back into one ``Result``, and the inbox's policy for a failed one (kept pending or dead,
+when it is due again). The pipeline (a first delivery) and the redeliverer (a kept one) both
+attempt through ``attempt`` and keep or record through ``keep`` and ``record``, so an answer is
+decided the same on both paths (river's job executor runs every attempt, first or retry;
+procrastinate keeps its retry decision in ``retry.py``).
+
+What an attempt is wrapped in stays with its caller: the pipeline's claim, log line and HTTP
+answer; the redeliverer's row lock, memory reservation and log record. A caller that keeps a
+delivery the app was never sent (no ``Result``) keeps it with an ``Attempt`` of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from proxy import database, errors
+from proxy.config import inbox
+from proxy.upstream import http1, transports
+
+if TYPE_CHECKING:
+    from proxy import tracing
+    from proxy.config import routes
+    from proxy.tracing.spans import RequestTrace
+    from proxy.upstream import forwarder
+
+    Trace = tracing.NotTraced | RequestTrace
+
+# The app's answers that retrying the same request cannot change: the request itself is wrong
+# (400, 422), too large (413, 414) or of a kind the app does not take (405, 411, 415). Anything
+# else (404 and 401/403 included: a deploy or a rotated secret) is tried again on schedule.
+UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
+# Standard Webhooks senders disable an endpoint that answers 410: it is never relayed.
+GONE = "upstream answered 410 Gone"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What one attempt came to: the app's answer read whole (None: none came through), and,
+    when there is no answer to relay (none came through, or a 410), why (``failure``, what a
+    first delivery raises to answer 502)."""
+
+    answer: http1.Answer | None
+    failure: errors.UpstreamFailed | None = None
+    # What the app was sent, where it may be kept: the headers with the trace's, before the
+    # transport took Host out (what a redelivery sends again, linking to this trace).
+    sent: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def status(self) -> int | None:
+        """The app's status (None: no status line arrived)."""
+        if self.answer is not None:
+            return self.answer.status
+        return None if self.failure is None else self.failure.upstream_status
+
+    @property
+    def taken(self) -> bool:
+        """The app took the delivery: it answered 2xx (even if its answer broke after the
+        status line, and cannot be relayed)."""
+        status = self.status
+        return status is not None and 200 <= status < 300
+
+    @property
+    def attempt(self) -> database.Attempt:
+        """As the inbox records it: the status, and what went wrong (None when the app
+        answered, or took it)."""
+        if self.taken or self.failure is None:
+            return database.Attempt(self.status)
+        return database.Attempt(self.status, GONE if self.answer is not None else
+                                self.failure.message)  # fmt: skip
+
+    def relayed(self) -> http1.Answer:
+        """The answer to relay; raises the failure when there is none."""
+        if self.failure is not None:
+            raise self.failure
+        assert self.answer is not None
+        return self.answer
+
+
+async def attempt(
+    client: forwarder.Forwarder,
+    upstream: str,
+    outgoing: transports.Request,
+    reserve: http1.Reserve,
+    trace: Trace,
+    *,
+    keeps: bool = False,
+) -> Result:
+    """Send ``outgoing`` to the app at ``upstream`` (its answer held through ``reserve``),
+    traced as ``trace``'s CLIENT span; what came back, classified, with, if the delivery
+    ``keeps`` (it may be kept for redelivery), the headers it was sent. Only an
+    ``UpstreamFailed`` is a result; anything else (a cancellation) is the caller's to end its
+    trace with."""
+    span = trace.forwarding(outgoing.method, upstream, outgoing.target, outgoing.headers)
+    sent = tuple(outgoing.headers.items()) if keeps else ()
+    try:
+        answer = await client.send(upstream, outgoing, reserve)
+    except errors.UpstreamFailed as exc:
+        trace.failed(span, exc.code, exc.message)
+        return Result(None, exc, sent)
+    trace.answered(span, answer.status, answer.resend_count)
+    if answer.status == 410:
+        gone = errors.UpstreamUnavailable(f"{GONE}; relayed as 502", upstream_status=410)
+        return Result(answer, gone, sent)
+    return Result(answer, None, sent)
+
+
+def keep(
+    route: routes.RouteConfig,
+    settings: inbox.Redeliver,
+    attempt: database.Attempt,
+    scope: str,
+    signed: str | None = None,
+) -> database.Keep:
+    """How a delivery on ``route`` is kept for the redeliverer after ``attempt`` (its claim is
+    in ``scope``; ``signed``: its claim ID's signed part, see ``database.Keep``): dead at once
+    on an answer retrying cannot fix."""
+    return database.Keep(
+        delay=settings.schedule[0],
+        until=settings.for_,
+        max_pending=settings.max_pending,
+        max_pending_bytes=settings.max_pending_bytes,
+        cap_scope=route.cap_scope(scope),
+        dead=attempt.status in UNFIXABLE,
+        signed=signed,
+    )
+
+
+async def record(
+    redelivery: database.Redelivery, settings: inbox.Redeliver | None, result: Result
+) -> str:
+    """``result`` in a kept delivery's row, committed: "delivered" (the app took it), else
+    "failed" (due again on the route's schedule, ``settings``; None: the default one) or
+    "dead" (past its ``for``, or an answer retrying cannot fix)."""
+    failed = result.attempt
+    if result.taken and failed.status is not None:
+        await redelivery.delivered(failed.status)
+        return "delivered"
+    settings = settings or inbox.Redeliver()
+    state = await redelivery.failed(
+        failed, settings.delay(redelivery.failures + 1), dead=failed.status in UNFIXABLE
+    )
+    return "dead" if state == database.DEAD else "failed"
