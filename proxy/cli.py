@@ -288,15 +288,16 @@ async def _events(cfg: config.Config, args: argparse.Namespace) -> int:
         return await operations.list_events(cfg, route, args.since, args.limit)
     if action == "forget":
         return await operations.forget(cfg, route, args.event_ids, scope=args.scope)
-    if action in (database.PENDING, database.DEAD):
-        return await inbox_commands.listing(cfg, route, action, args.limit)
+    if action in (database.InboxState.PENDING, database.InboxState.DEAD):
+        return await inbox_commands.listing(cfg, route, database.InboxState(action), args.limit)
     if action == "show":
         return await inbox_commands.show(cfg, route, args.event_id, scope=args.scope,
                                          body=args.body)  # fmt: skip
     if action == "redeliver":
         return await inbox_commands.redeliver(
             cfg, route, args.event_ids, scope=args.scope, since=args.since,
-            every=database.DEAD if args.dead else database.PENDING if args.pending else None,
+            every=(database.InboxState.DEAD if args.dead else
+                   database.InboxState.PENDING if args.pending else None),
         )  # fmt: skip
     return await inbox_commands.discard(cfg, route, args.event_ids, scope=args.scope)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proxy import database, errors
-from proxy.config import inbox
+from proxy.config import redeliver
 from proxy.upstream import http1, transports
 
 if TYPE_CHECKING:
@@ -108,15 +108,15 @@ async def attempt(
 
 def keep(
     route: routes.RouteConfig,
-    settings: inbox.Redeliver,
+    settings: redeliver.Redeliver,
     attempt: database.Attempt,
     scope: str,
     signed: str | None = None,
-) -> database.Keep:
+) -> database.KeepPolicy:
     """How a delivery on ``route`` is kept for the redeliverer after ``attempt`` (its claim is
-    in ``scope``; ``signed``: its claim ID's signed part, see ``database.Keep``): dead at once
+    in ``scope``; ``signed``: its claim ID's signed part, see ``database.KeepPolicy``): dead at once
     on an answer retrying cannot fix."""
-    return database.Keep(
+    return database.KeepPolicy(
         delay=settings.schedule[0],
         until=settings.for_,
         max_pending=settings.max_pending,
@@ -128,7 +128,7 @@ def keep(
 
 
 async def record(
-    redelivery: database.Redelivery, settings: inbox.Redeliver | None, result: Result
+    redelivery: database.Redelivery, settings: redeliver.Redeliver | None, result: Result
 ) -> str:
     """``result`` in a kept delivery's row, committed: "delivered" (the app took it), else
     "failed" (due again on the route's schedule, ``settings``; None: the default one) or
@@ -137,8 +137,8 @@ async def record(
     if result.taken and failed.status is not None:
         await redelivery.delivered(failed.status)
         return "delivered"
-    settings = settings or inbox.Redeliver()
+    settings = settings or redeliver.Redeliver()
     state = await redelivery.failed(
         failed, settings.delay(redelivery.failures + 1), dead=failed.status in UNFIXABLE
     )
-    return "dead" if state == database.DEAD else "failed"
+    return "dead" if state == database.InboxState.DEAD else "failed"

@@ -76,7 +76,10 @@ A subclass's docstring is its default message.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Self
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from proxy import metrics
 
 
 class ProxyError(Exception):
@@ -134,7 +137,7 @@ class RequestError(ProxyError):
     code = "internal_error"
     retry_after: int | None = None
     # The request's outcome on its log line, in its Dedup-Status and in dedup_requests_total.
-    outcome = "rejected"
+    outcome: metrics.Outcome = "rejected"
     # Why the request was shed to protect the worker (dedup_shed_requests_total), if it was.
     shed: str | None = None
 
@@ -235,7 +238,7 @@ class KeyInProgress(RequestError):
 
     status = 409
     code = "idempotency_key_in_progress"
-    outcome = "in_progress"
+    outcome: metrics.Outcome = "in_progress"
 
 
 class KeyReused(RequestError):
@@ -243,7 +246,7 @@ class KeyReused(RequestError):
 
     status = 422
     code = "idempotency_key_reused"
-    outcome = "key_reused"
+    outcome: metrics.Outcome = "key_reused"
 
 
 class RequestTimeout(RequestError):
@@ -266,7 +269,7 @@ class StoreUnavailable(RequestError):
     status = 503
     code = "store_unavailable"
     retry_after = 5
-    outcome = "unavailable"
+    outcome: metrics.Outcome = "unavailable"
 
 
 class PoolExhausted(StoreUnavailable):
@@ -325,7 +328,7 @@ class NotPrepared(StoreUnavailable):
 class UpstreamFailed(RequestError):
     """The upstream's answer did not come through."""
 
-    outcome = "upstream_error"
+    outcome: metrics.Outcome = "upstream_error"
 
     def __init__(self, message: str | None = None, *, upstream_status: int | None = None) -> None:
         super().__init__(message)
@@ -363,7 +366,7 @@ class Overloaded(RequestError):
     status = 503
     code = "overloaded"
     retry_after = 5
-    outcome = "unavailable"
+    outcome: metrics.Outcome = "unavailable"
     shed = "memory"
 
 

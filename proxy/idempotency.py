@@ -38,22 +38,22 @@ class IdempotencyKeySemantics:
         # The route's other methods are pass-through traffic, unclaimed whatever they carry.
         return method in self.route.methods
 
-    def key(self, delivery: semantics.Delivery, query: str) -> tuple[str, database.Key]:
+    def key(self, cycle: semantics.Cycle, query: str) -> tuple[str, database.Key]:
         """The key, in the client's own scope, with the request's fingerprint as its digest;
         the event ID's errors named as the key's."""
         route = self.route
         try:
-            sent, event_type, digest = delivery.inspect(query)
+            sent, event_type, digest = cycle.inspect(query)
         except errors.EventIdMissing as exc:
             raise errors.KeyMissing(exc.message) from None
         except errors.EventIdInvalid as exc:
             if type(exc) is errors.EventIdInvalid:
                 raise errors.KeyInvalid(exc.message) from None
             raise
-        request = delivery.request
+        request = cycle.request
         event_id = key(sent, route.name)
-        scope = client_scope(delivery.scope, route.scope_from, request.headers, route.name)
-        digest = fingerprint(request.method, delivery.target, digest)
+        scope = client_scope(cycle.scope, route.scope_from, request.headers, route.name)
+        digest = fingerprint(request.method, cycle.target, digest)
         return event_id, database.Key(scope, event_id, event_type, digest)
 
     def refuse_in_flight(self, in_flight: flights.Flights, key: database.Key) -> None:

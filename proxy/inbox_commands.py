@@ -105,13 +105,17 @@ def _last(status: int | None, error: str | None) -> str:
 
 
 async def listing(
-    cfg: config.Config, route: str, state: str, limit: int, out: TextIO = sys.stdout
+    cfg: config.Config,
+    route: str,
+    state: inbox.InboxState,
+    limit: int,
+    out: TextIO = sys.stdout,
 ) -> int:
     """The oldest ``limit`` rows of the route (all its scopes) in ``state``, pending or dead."""
     scope = operations.route_scope(cfg, route)
     async with operations.open_store(cfg) as store:
         rows, total = await store.inbox.kept(scope, state, limit)
-    pending = state == inbox.PENDING
+    pending = state == inbox.InboxState.PENDING
     headers = (*_LISTED, *(("next_due",) if pending else ()), "body_bytes")
     operations.table(
         [
@@ -199,7 +203,7 @@ def describe(shown: inbox.Shown) -> str:
     return text.getvalue()
 
 
-def _request(delivery: inbox.Delivery, body_bytes: int | None, state: str | None) -> str:
+def _request(delivery: inbox.StoredRequest, body_bytes: int | None, state: str | None) -> str:
     lines = [
         f"request:     {delivery.method} {logs.printable(delivery.target)}",
         f"upstream:    {delivery.upstream}",
@@ -242,7 +246,7 @@ async def redeliver(
     event_ids: Sequence[str],
     *,
     scope: str | None = None,
-    every: str | None = None,
+    every: inbox.InboxState | None = None,
     since: float | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
@@ -265,7 +269,7 @@ async def redeliver(
         named = await operations.resolve(store, scope, event_ids)
         changed = await store.inbox.redeliver(
             scope, None if every else list(named.stored.values()), after,
-            found.redeliver.for_, every or inbox.DEAD,
+            found.redeliver.for_, every or inbox.InboxState.DEAD,
         )  # fmt: skip
     done = set(changed)
     if every:

@@ -50,7 +50,7 @@ class LogLine(TypedDict, total=False):
     inbox_full: bool  # redeliver: not kept, the route's inbox at its cap
     inbox_kept_as: str  # redeliver: not kept, its signed body kept already under this ID
     inbox_not_kept: bool  # redeliver: not kept, the database failed or refused to keep it
-    outcome: str  # one of metrics.OUTCOMES
+    outcome: metrics.Outcome
     error: str  # why the request was not carried through (the RequestError's message)
     shed: str  # "memory" or "pool": shed to protect the worker
     client_gone: bool  # the client went away before its answer was written
@@ -105,7 +105,7 @@ def finish(
     """Count the request and write its line, at the level of its outcome (a line that reports
     something wrong with a duplicate or a stored answer at warning level)."""
     line["status"] = response.status
-    outcome = line["outcome"]
+    outcome: str = line["outcome"]
     phase(line, "total_ms", meters.duration[outcome], started)
     meters.requests[outcome].inc()
     if line.get("mismatch"):

@@ -55,7 +55,7 @@ bound = webhooks.bound
 def _json(
     status: int,
     payload: dict[str, Any],
-    outcome: str,
+    outcome: metrics.Outcome,
     retry_after: int | None = None,
     extra: dict[str, str] | None = None,
 ) -> web.Response:
@@ -174,7 +174,7 @@ class Cycle:
         self.trace.finish(self.line)
         return response
 
-    async def _process(self) -> tuple[web.StreamResponse, str]:
+    async def _process(self) -> tuple[web.StreamResponse, metrics.Outcome]:
         """Read the body, then claim what it carries (or forward it unclaimed): the answer and
         the outcome."""
         route = self.route
@@ -217,7 +217,7 @@ class Cycle:
         event_id, event_type = route.extractor.extract(headers, query, self.body)
         return event_id, event_type, hashlib.sha256(self.body).digest()
 
-    async def _once(self, key: database.Key) -> tuple[web.StreamResponse, str]:
+    async def _once(self, key: database.Key) -> tuple[web.StreamResponse, metrics.Outcome]:
         """Take this event's turn in this process, then claim it; or, a copy here having just
         committed it, answer as a duplicate at once."""
         route = self.route
@@ -240,7 +240,7 @@ class Cycle:
 
     async def _claimed(
         self, key: database.Key, wait: float, flight: flights.Flight, started: float
-    ) -> tuple[web.StreamResponse, str]:
+    ) -> tuple[web.StreamResponse, metrics.Outcome]:
         """Claim ``key`` in the database, waiting at most ``wait`` on a copy's row lock; then
         forward (a new event) or settle it as a duplicate."""
         route, trace = self.route, self.trace
@@ -269,7 +269,7 @@ class Cycle:
 
     async def _forward(
         self, key: database.Key, claim: database.Claim, flight: flights.Flight
-    ) -> tuple[web.StreamResponse, str]:
+    ) -> tuple[web.StreamResponse, metrics.Outcome]:
         """Forward, then commit on a 2xx (with the answer to replay, where the route does) and
         tell the copies queued in this process: the answer and the outcome. Any other answer
         leaves the claim to be released on the way out."""
@@ -309,7 +309,7 @@ class Cycle:
 
     async def _failed(
         self, claim: database.Claim, result: delivery.Result
-    ) -> tuple[web.StreamResponse, str] | None:
+    ) -> tuple[web.StreamResponse, metrics.Outcome] | None:
         """No answer of the app's to relay (none came through, or a 410): the answer if the
         delivery was kept for redelivery; else None, and the failure is relayed."""
         failed = result.attempt
@@ -330,7 +330,7 @@ class Cycle:
 
     async def _keep(
         self, claim: database.Claim, attempt: database.Attempt
-    ) -> tuple[web.StreamResponse, str] | None:
+    ) -> tuple[web.StreamResponse, metrics.Outcome] | None:
         """On a route that redelivers: keep the failed delivery and answer 202 (the provider
         need not retry). None on any other route, or when it could not be kept (over the cap,
         its signed body kept already under another ID, or the database failed: marked on the
@@ -339,7 +339,7 @@ class Cycle:
         if route.redeliver is None:
             return None
         config_ = route.config
-        kept_delivery = database.Delivery(
+        stored = database.StoredRequest(
             config_.name, config_.upstream, self.request.method, self.target, self.sent, self.body
         )
         keep = delivery.keep(
@@ -347,29 +347,31 @@ class Cycle:
             route.semantics.signed_part(claim.key),
         )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
-        state, kept_as = await claim.queue(kept_delivery, attempt, keep)
+        state, kept_as = await claim.keep(stored, attempt, keep)
         self.trace.end(span, {"dedup.kept": state})
-        if state == database.FULL:
+        if state == database.NotKept.FULL:
             line["inbox_full"] = True
             route.meters.inbox_full.inc()
             return None
-        if state == database.KEPT_AS:
+        if state == database.NotKept.KEPT_AS:
             # The same signed body is kept already under another ID: a captured body re-sent
             # under a fresh ID (or one body sent as two events) is kept once, not once per ID.
             line["inbox_kept_as"] = kept_as or ""
             route.meters.inbox_replays.inc()
             return None
-        if state == database.NOT_KEPT:
+        if state == database.NotKept.FAILED:
             line["inbox_not_kept"] = True  # the database failed or refused: logged by the claim
             route.meters.inbox_keep_failures.inc()
             return None
-        outcome = "dead_letter" if state == database.DEAD else "queued"
+        outcome: metrics.Outcome = "dead_letter" if state == database.InboxState.DEAD else "queued"
         line["kept"] = state
         payload = {"status": outcome, "event_id": self.event_id,
                    "upstream_status": attempt.status}  # fmt: skip
         return _json(202, payload, outcome), outcome
 
-    def _kept_duplicate(self, kept: str, mismatch: bool) -> tuple[web.StreamResponse, str]:
+    def _kept_duplicate(
+        self, kept: database.InboxState, mismatch: bool
+    ) -> tuple[web.StreamResponse, metrics.Outcome]:
         """A copy of an event kept for redelivery: never forwarded (only the redeliverer
         forwards it), answered 202."""
         if mismatch:
@@ -426,7 +428,7 @@ class Cycle:
 
     def _duplicate(
         self, key: database.Key, mismatch: bool, stored: database.Answer | None
-    ) -> tuple[web.StreamResponse, str]:
+    ) -> tuple[web.StreamResponse, metrics.Outcome]:
         route = self.route
         route.semantics.duplicate(key, mismatch)
         if mismatch:

@@ -1,4 +1,4 @@
-"""The redeliverer: sends the deliveries the app failed (kept by ``Claim.queue``) again, until
+"""The redeliverer: sends the deliveries the app failed (kept by ``Claim.keep``) again, until
 the app takes them or the route's ``for`` runs out.
 
 It runs in every replica and every worker, a few lanes each (``redeliverer.concurrency`` per
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from multidict import CIMultiDict
 
 from proxy import database, delivery, errors, memory, metrics, tracing
-from proxy.config import inbox, routes
+from proxy.config import redeliver, routes
 from proxy.upstream import forwarder, transports
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Redeliverer:
         client: forwarder.Forwarder,
         configured: tuple[routes.RouteConfig, ...],
         *,
-        settings: inbox.RedelivererConfig,
+        settings: redeliver.RedelivererConfig,
         meters: metrics.Metrics,
         budget: memory.Budget,
         workers: int = 1,
@@ -189,7 +189,7 @@ class Redeliverer:
     async def _record(
         self,
         redelivery: database.Redelivery,
-        settings: inbox.Redeliver | None,
+        settings: redeliver.Redeliver | None,
         attempted: delivery.Result,
         trace: Trace,
         started: float,

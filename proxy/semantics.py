@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from proxy import database, errors, flights
 
 
-class Delivery(Protocol):
+class Cycle(Protocol):
     """One request as a route's semantics see it (``pipeline.Cycle`` is one)."""
 
     request: web.Request
@@ -34,7 +34,7 @@ class Semantics(Protocol):
     def handles(self, method: str) -> bool:
         """Whether a request with ``method`` is the route's to claim (else pass-through)."""
 
-    def key(self, delivery: Delivery, query: str) -> tuple[str, database.Key]:
+    def key(self, cycle: Cycle, query: str) -> tuple[str, database.Key]:
         """The event ID as the log line and the acknowledgement show it, and what the request
         claims; EventIdMissing (or a subclass) when it carries none."""
 

@@ -63,12 +63,12 @@ class WebhookSemantics:
     def handles(self, method: str) -> bool:
         return True  # a method the route does not take is answered 405
 
-    def key(self, delivery: semantics.Delivery, query: str) -> tuple[str, database.Key]:
-        event_id, event_type, digest = delivery.inspect(query)
+    def key(self, cycle: semantics.Cycle, query: str) -> tuple[str, database.Key]:
+        event_id, event_type, digest = cycle.inspect(query)
         if not self.bind_to_body:
-            return event_id, database.Key(delivery.scope, event_id, event_type, digest)
+            return event_id, database.Key(cycle.scope, event_id, event_type, digest)
         claimed = bound(event_id, query, digest)
-        return event_id, database.Key(delivery.scope, claimed, event_type, digest, event_id)
+        return event_id, database.Key(cycle.scope, claimed, event_type, digest, event_id)
 
     def refuse_in_flight(self, in_flight: flights.Flights, key: database.Key) -> None:
         pass  # a copy waits for its turn

@@ -107,11 +107,11 @@ async def test_nothing_after_the_claims_insert_is_bounded_by_claim_wait(
     async with store.claim(database.Key("s", "e1", "t", b"\x01" * 32)) as claim:
         assert claim.acquired
         if step == "queue":
-            delivery = database.Delivery("r", "http://127.0.0.1:9", "POST", "/", (), b"body")
-            keep = database.Keep(delay=60, until=3600, max_pending=10,
+            delivery = database.StoredRequest("r", "http://127.0.0.1:9", "POST", "/", (), b"body")
+            keep = database.KeepPolicy(delay=60, until=3600, max_pending=10,
                                  max_pending_bytes=10**6, cap_scope="s", dead=False)  # fmt: skip
-            queued = await claim.queue(delivery, database.Attempt(500), keep)
-            assert queued.state == database.PENDING
+            queued = await claim.keep(delivery, database.Attempt(500), keep)
+            assert queued.state == database.InboxState.PENDING
         else:
             answer = database.Answer(200, (("x", "y"),), b"ok") if "answer" in step else None
             done = await claim.commit(answer)

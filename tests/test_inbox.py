@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from proxy import database, errors, pipeline
-from proxy.config import inbox as inbox_config
+from proxy.config import redeliver
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -273,7 +273,7 @@ def test_a_pool_of_one_connection_is_refused_with_redeliver(proxy_config: Any) -
 
 def test_redeliver_true_takes_the_defaults(proxy_config: Any) -> None:
     cfg = proxy_config(routes=[{**route(), "redeliver": True}])
-    assert cfg.routes[0].redeliver == inbox_config.Redeliver()
+    assert cfg.routes[0].redeliver == redeliver.Redeliver()
     assert cfg.routes[0].redeliver.delay(1) == 10.0
     assert cfg.routes[0].redeliver.delay(99) == 6 * 3600.0
 
@@ -460,7 +460,9 @@ def test_a_header_kept_before_header_refused_is_redelivered_as_its_bytes() -> No
     """A value that is not UTF-8 is refused now (400), but a row kept before may hold one:
     JSON cannot hold it as text, so it is kept as its bytes in base64 and read back as them."""
     agent = b"caf\xe9".decode("utf-8", "surrogateescape")
-    kept = database.Delivery("hooks", "http://app", "POST", "/hooks", (("User-Agent", agent),), b"")
+    kept = database.StoredRequest(
+        "hooks", "http://app", "POST", "/hooks", (("User-Agent", agent),), b""
+    )
 
     assert '{"base64":"Y2Fm6Q=="}' in kept.encoded()
-    assert database.Delivery.decoded(kept.encoded(), b"") == kept
+    assert database.StoredRequest.decoded(kept.encoded(), b"") == kept

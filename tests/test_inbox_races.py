@@ -70,7 +70,7 @@ async def test_a_bulk_redeliver_passes_over_a_row_being_redelivered(
         assert taken is not None
         assert taken.event_id == "p1"
         changed = await asyncio.wait_for(
-            operators.redeliver("hooks", None, None, 86400.0, state="pending"), 5
+            operators.redeliver("hooks", None, None, 86400.0, state=inbox.InboxState.PENDING), 5
         )
 
     assert sorted(changed) == [("hooks", "p2"), ("hooks", "p3")]

@@ -29,7 +29,7 @@ _TABLE = ("dedup", "claims")
 _QUERIES = sql.for_table(".".join(_TABLE))
 # Not statements: the table's name, spelled and quoted; and the heads of the claim and of the
 # duplicate's check, whole statements only as the builders finish them (sampled in _BUILT).
-_NOT_STATEMENTS = {"table", "quoted", "insert", "duplicate_of", "queued_duplicate_of"}
+_NOT_STATEMENTS = {"table", "quoted", "insert", "duplicate_of", "kept_duplicate_of"}
 _DIGEST = b"\1" * 32
 _BUILT = {
     "claim": _QUERIES.claim(sql.begin(1, 1), "s", "e'1\\", "t", _DIGEST),

@@ -18,7 +18,7 @@ from urllib.parse import quote
 import yaml
 
 from proxy import errors, paths
-from proxy.config import inbox, reader, values
+from proxy.config import reader, redeliver, values
 from proxy.config import routes as routes_module
 from proxy.upstream import proxy_headers
 
@@ -180,7 +180,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     sweeper: SweeperConfig = field(default_factory=SweeperConfig)
-    redeliverer: inbox.RedelivererConfig = field(default_factory=inbox.RedelivererConfig)
+    redeliverer: redeliver.RedelivererConfig = field(default_factory=redeliver.RedelivererConfig)
     workers: int = 1  # processes on the listeners the supervisor binds once, each with its own pool
     # Paths that match no route: forwarded if under one of these prefixes; None: all of them.
     passthrough: tuple[str, ...] | None = None
@@ -331,7 +331,7 @@ def parse(raw: object, *, source: str = "<config>") -> Config:
             ),
             batch=r.value(sw, "batch", "sweeper", values.parse_positive_int, DEFAULT_SWEEP_BATCH),
         ),
-        redeliverer=inbox.parse_redeliverer(r, top.get("redeliverer")),
+        redeliverer=redeliver.parse_redeliverer(r, top.get("redeliverer")),
         workers=r.value(top, "workers", "", values.parse_positive_int, 1),
         passthrough=r.value(top, "passthrough", "", _passthrough, None),
         max_buffered=r.value(top, "max_buffered", "", values.parse_size, DEFAULT_MAX_BUFFERED),

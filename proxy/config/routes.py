@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import event_ids, paths, signatures
-from proxy.config import inbox, presets, reader, values, verify
+from proxy.config import presets, reader, redeliver, values, verify
 
 DEFAULT_RETENTION = 30 * 86400.0
 # The largest app answer stored for replay: TwiML and chat answers are a few KiB.
@@ -56,7 +56,7 @@ class RouteConfig:
     idempotency: bool = False
     scope_from: tuple[event_ids.Source, ...] = ()  # hashed into the scope: one key space per client
     # ``redeliver``: a failed delivery is kept and redelivered (``proxy.redeliverer``).
-    redeliver: inbox.Redeliver | None = None
+    redeliver: redeliver.Redeliver | None = None
 
     @property
     def id_signed(self) -> bool:
@@ -269,11 +269,11 @@ def _parse_route(
         ),
         replay_set_cookie=r.value(route, "replay_set_cookie", path, values.parse_bool, False),
         # A claim redelivered late must outlive the provider's copies: never past retention.
-        redeliver=inbox.parse_redeliver(
+        redeliver=redeliver.parse_redeliver(
             r,
             r.interpolate(route.get("redeliver"), f"{path}.redeliver"),
             f"{path}.redeliver",
-            default_for=min(inbox.DEFAULT_FOR, retention),
+            default_for=min(redeliver.DEFAULT_FOR, retention),
         ),
     )
     _check_options(r, route, path, route_config)

@@ -24,7 +24,7 @@ before there were names (procrastinate's job transitions are the model):
 - ``settle_duplicate(read_answer)``: a duplicate learns whether the event was first claimed with
   another body (a mismatch) and, with ``read_answer``, the answer stored with it; its
   transaction ends with the same round trip (or, reading the answer, the one before).
-- ``queue(delivery, attempt, keep)``: on a route that redelivers, the app failed: keep the
+- ``keep(request, attempt, policy)``: on a route that redelivers, the app failed: keep the
   delivery in the claim's row (pending, or dead) and commit, so the redeliverer takes it from
   there (``inbox``). Refused over the route's cap, or for a signed body kept already under
   another ID (a replay): the claim stays open, to be released.
@@ -35,6 +35,7 @@ before there were names (procrastinate's job transitions are the model):
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 from dataclasses import dataclass
@@ -47,13 +48,17 @@ log = logging.getLogger(__name__)
 
 GRANT_ANSWER_HINT = f"needs GRANT UPDATE ({', '.join(sql.ANSWER_COLUMNS)})"
 
-# A claim's states; each transition moves OPEN to one of the others, once.
-OPEN = "open"
-COMMITTED = "committed"
-SETTLED = "settled"
-RELEASED = "released"
-QUEUED = "queued"
-ABANDONED = "abandoned"
+
+class ClaimState(enum.StrEnum):
+    """A claim's states; each transition moves ``OPEN`` to one of the others, once."""
+
+    OPEN = "open"
+    COMMITTED = "committed"
+    SETTLED = "settled"
+    RELEASED = "released"
+    KEPT = "kept"
+    ABANDONED = "abandoned"
+
 
 # Stateless, so shared by every claim: no object made per COMMIT or ROLLBACK.
 _COMMIT_FAILED = pool.translated("COMMIT failed")
@@ -128,22 +133,23 @@ class Duplicate(NamedTuple):
 
     mismatch: bool
     answer: Answer | None
-    kept: str | None = None
+    kept: inbox.InboxState | None = None
 
 
-# What ``Claim.queue`` did: kept the delivery (committed) as pending or dead, or not (the
-# claim is still open): over the route's cap, its signed body kept already under another ID,
-# or the server refused or failed.
-FULL = "full"
-KEPT_AS = "kept_as"
-NOT_KEPT = "not_kept"
+class NotKept(enum.StrEnum):
+    """Why ``Claim.keep`` did not keep a delivery (the claim is still open): over the route's
+    cap, its signed body kept already under another ID, or the server refused or failed."""
+
+    FULL = "full"
+    KEPT_AS = "kept_as"
+    FAILED = "not_kept"
 
 
-class Queued(NamedTuple):
-    """What ``Claim.queue`` did (``state``: "pending", "dead", ``FULL``, ``KEPT_AS`` or
-    ``NOT_KEPT``) and, ``KEPT_AS``, the ID of the kept row that holds this signed body."""
+class Kept(NamedTuple):
+    """What ``Claim.keep`` did (``state``: the inbox's state it was kept in, or why it
+    was not) and, ``NotKept.KEPT_AS``, the ID of the kept row that holds this signed body."""
 
-    state: str
+    state: inbox.InboxState | NotKept
     kept_as: str | None = None
 
 
@@ -179,15 +185,15 @@ class Claim:
         self.acquired = acquired
         # The legacy form claimed with ``key.event_id`` (the upgrade window), or None.
         self.legacy = legacy
-        self.state = OPEN
+        self.state = ClaimState.OPEN
 
     @property
     def open(self) -> bool:
         """No step has ended the claim yet (its transaction is still open)."""
-        return self.state is OPEN
+        return self.state is ClaimState.OPEN
 
-    def _end(self, state: str) -> None:
-        if self.state is not OPEN:
+    def _end(self, state: ClaimState) -> None:
+        if self.state is not ClaimState.OPEN:
             raise RuntimeError(f"claim of {self.key.event_id!r} is {self.state} already")
         self.state = state
 
@@ -203,7 +209,7 @@ class Claim:
         """
         if not self.acquired:
             raise RuntimeError("a duplicate's claim cannot be committed")
-        self._end(COMMITTED)
+        self._end(ClaimState.COMMITTED)
         store, key = self._store, self.key
         statement = "COMMIT"
         if answer is not None:
@@ -252,41 +258,41 @@ class Claim:
             raise
         return COMMITTED_AS_ASKED
 
-    async def queue(
-        self, delivery: inbox.Delivery, attempt: inbox.Attempt, keep: inbox.Keep
-    ) -> Queued:
-        """Keep a delivery the app failed in the claim's row and COMMIT: "pending" (or "dead",
-        ``keep.dead``) once committed. ``FULL`` (the cap is reached), ``KEPT_AS`` (a kept row
-        under the cap holds this signed body already, under the ID it names: a replay) or
-        ``NOT_KEPT`` (the server refused, or failed; logged) leave the claim open, so the
+    async def keep(
+        self, request: inbox.StoredRequest, attempt: inbox.Attempt, policy: inbox.KeepPolicy
+    ) -> Kept:
+        """Keep a delivery the app failed in the claim's row and COMMIT: pending (or dead,
+        ``policy.dead``) once committed. ``NotKept``: ``FULL`` (the cap is reached), ``KEPT_AS``
+        (a kept row under the cap holds this signed body already, under the ID it names: a
+        replay) or ``FAILED`` (the server refused, or failed; logged) leave the claim open, so the
         failure is relayed and the claim released, as on a route that does not redeliver.
 
-        A COMMIT in doubt is ``NOT_KEPT``: the provider is told the failure, and its retry is
+        A COMMIT in doubt is ``NotKept.FAILED``: the provider is told the failure, and its retry is
         either a duplicate of the kept event (the COMMIT went through) or a new claim.
         """
         if not self.acquired:
-            raise RuntimeError("a duplicate's claim cannot be queued")
-        if self.state is not OPEN:
+            raise RuntimeError("a duplicate's claim cannot be kept")
+        if self.state is not ClaimState.OPEN:
             raise RuntimeError(f"claim of {self.key.event_id!r} is {self.state} already")
         key, store = self.key, self._store
         statements = store.inbox.statements
-        state = inbox.DEAD if keep.dead else inbox.PENDING
+        state = inbox.InboxState.DEAD if policy.dead else inbox.InboxState.PENDING
         kept_as = None
         try:
             with pool.translated("keeping the delivery failed", self.abandon):
                 if store.distributed:  # the claim's statement bound was for its INSERT only
                     await self._connection.execute(sql.UNBOUND, timeout=store.op_timeout)
                 status = await self._connection.execute(
-                    statements.queue, key.scope, key.event_id, state, delivery.encoded(),
-                    delivery.body, attempt.status, attempt.error, keep.delay, keep.until,
-                    keep.cap_scope, keep.max_pending, keep.max_pending_bytes, keep.signed,
+                    statements.keep, key.scope, key.event_id, state, request.encoded(),
+                    request.body, attempt.status, attempt.error, policy.delay, policy.until,
+                    policy.cap_scope, policy.max_pending, policy.max_pending_bytes, policy.signed,
                     timeout=store.op_timeout,
                 )  # fmt: skip
                 kept = status.rpartition(" ")[2] == "1"
-                if not kept and keep.signed is not None:
+                if not kept and policy.signed is not None:
                     # Not kept: over the cap, or a replay? A second read only when refused.
                     kept_as = await self._connection.fetchval(
-                        statements.kept_as, keep.cap_scope, keep.signed,
+                        statements.kept_as, policy.cap_scope, policy.signed,
                         timeout=store.op_timeout,
                     )  # fmt: skip
         except errors.StoreUnavailable as exc:
@@ -294,10 +300,10 @@ class Claim:
                 "the failed delivery of %s %s could not be kept for redelivery (%s): relaying "
                 "the failure", key.scope, key.event_id, exc.message,
             )  # fmt: skip
-            return Queued(NOT_KEPT)
+            return Kept(NotKept.FAILED)
         if not kept:
-            return Queued(FULL) if kept_as is None else Queued(KEPT_AS, kept_as)
-        self._end(QUEUED)
+            return Kept(NotKept.FULL) if kept_as is None else Kept(NotKept.KEPT_AS, kept_as)
+        self._end(ClaimState.KEPT)
         try:
             with _COMMIT_FAILED:
                 await self._connection.execute("COMMIT", timeout=store.op_timeout)
@@ -307,11 +313,11 @@ class Claim:
                 "the COMMIT keeping %s %s for redelivery failed, so it may not be kept: "
                 "relaying the failure (%r)", key.scope, key.event_id, exc.__cause__,
             )  # fmt: skip
-            return Queued(NOT_KEPT)
+            return Kept(NotKept.FAILED)
         except asyncio.CancelledError:
             self._discard()
             raise
-        return Queued(state)
+        return Kept(state)
 
     async def settle_duplicate(
         self, *, read_answer: bool = False, inbox: bool = False
@@ -332,7 +338,7 @@ class Claim:
         # (an earlier release's, or one made with both forms): it holds the digest and answer.
         first = self.legacy or key.event_id
         if not read_answer:
-            self._end(SETTLED)
+            self._end(ClaimState.SETTLED)
             status = await self._roll_back(
                 store.queries.duplicate(
                     key.scope, key.event_id, key.body_sha256, inbox=inbox, legacy=self.legacy
@@ -340,9 +346,9 @@ class Claim:
             )
             if inbox:
                 mismatch, kept = sql.duplicate_flags(status)
-                return Duplicate(mismatch, None, kept)
+                return Duplicate(mismatch, None, _inbox_state(kept))
             return Duplicate(status == "SELECT 1", None)
-        self._end(SETTLED)
+        self._end(ClaimState.SETTLED)
         if await self._roll_back("ROLLBACK") is None:
             raise errors.StoreUnavailable("reading the stored answer failed: rollback failed")
         try:
@@ -362,8 +368,8 @@ class Claim:
 
     async def release(self) -> None:
         """Roll back, unless a step ended the claim already."""
-        if self.state is OPEN:
-            self.state = RELEASED
+        if self.state is ClaimState.OPEN:
+            self.state = ClaimState.RELEASED
             await self._roll_back("ROLLBACK")
 
     async def _roll_back(self, statement: str) -> str | None:
@@ -385,9 +391,13 @@ class Claim:
 
     def abandon(self) -> None:
         """The connection failed mid-claim: close it rather than wait on it again."""
-        if self.state is OPEN:
-            self.state = ABANDONED
+        if self.state is ClaimState.OPEN:
+            self.state = ClaimState.ABANDONED
         self._discard()
 
     def _discard(self) -> None:
         pool.discard(self._connection)
+
+
+def _inbox_state(state: str | None) -> inbox.InboxState | None:
+    return None if state is None else inbox.InboxState(state)

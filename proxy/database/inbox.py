@@ -1,6 +1,6 @@
 """The inbox: deliveries the app failed, kept in their claim's row and redelivered through it.
 
-A route with ``redeliver`` does not roll its claim back when the app fails: ``Claim.queue``
+A route with ``redeliver`` does not roll its claim back when the app fails: ``Claim.keep``
 stores the delivery in the claim's row (state *pending*, or *dead* for an answer retrying cannot
 fix) in the claim's own transaction, and commits it. The row is the claim, so every copy of the
 event is a duplicate from then on. ``Inbox.take`` then hands a due row to the redeliverer
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import enum
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -34,9 +35,17 @@ from proxy.database import inbox_sql, pool, sql
 
 log = logging.getLogger(__name__)
 
-PENDING = "pending"
-DEAD = "dead"
-DELIVERED = "delivered"
+
+class InboxState(enum.StrEnum):
+    """A kept delivery\'s state, as ``inbox_state`` holds it (NULL: delivered at the first try;
+    see the module\'s docstring)."""
+
+    PENDING = "pending"
+    DEAD = "dead"
+    DELIVERED = "delivered"
+    DISCARDED = "discarded"
+
+
 COLUMNS = sql.INBOX_COLUMNS
 GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
 # An operator's redeliver or discard waits at most this for a row being redelivered now.
@@ -62,7 +71,7 @@ def _plainly(what: str) -> Iterator[None]:
 
 
 @dataclass(frozen=True, slots=True)
-class Delivery:
+class StoredRequest:
     """A delivery to keep: what the app is sent, as it was first sent (its headers filtered
     for the upstream already), and which route's settings redeliver it."""
 
@@ -85,7 +94,7 @@ class Delivery:
         )  # fmt: skip
 
     @classmethod
-    def decoded(cls, request: str | dict[str, Any], body: bytes) -> Delivery:
+    def decoded(cls, request: str | dict[str, Any], body: bytes) -> StoredRequest:
         fields = json.loads(request) if isinstance(request, str) else request
         return cls(
             fields["route"], fields["upstream"], fields["method"], _unwire(fields["target"]),
@@ -117,8 +126,8 @@ class Attempt:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Keep:
-    """How ``Claim.queue`` keeps a failed first delivery: the first wait, the deadline, the
+class KeepPolicy:
+    """How ``Claim.keep`` keeps a failed first delivery: the first wait, the deadline, the
     cap and the scope whose kept rows it counts (``cap_scope``, with its per-path ones: the
     route's, or on a route with per-tenant secrets the tenant's), whether the answer was one
     retrying cannot fix (dead at once), and, on a route whose claims are bound to what is
@@ -134,7 +143,7 @@ class Keep:
     signed: str | None = None
 
 
-class Kept(NamedTuple):
+class Listed(NamedTuple):
     """A pending or dead row, as ``events pending``/``dead`` list it."""
 
     scope: str
@@ -157,7 +166,7 @@ class Shown(NamedTuple):
     event_type: str | None
     received_at: datetime
     state: str | None
-    delivery: Delivery | None  # None once dropped (delivered, discarded)
+    delivery: StoredRequest | None  # None once dropped (delivered, discarded)
     body_bytes: int | None
     attempts: list[dict[str, Any]]
     due: datetime | None
@@ -192,7 +201,7 @@ class Redelivery:
         self._done = False
         self.scope: str = row["scope"]
         self.event_id: str = row["event_id"]
-        self.delivery = Delivery.decoded(row["inbox_request"], row["inbox_body"])
+        self.delivery = StoredRequest.decoded(row["inbox_request"], row["inbox_body"])
         self.failures: int = row["inbox_failures"]
         self._taken: datetime = row["taken"]  # now() in this transaction
 
@@ -200,7 +209,7 @@ class Redelivery:
         """The app answered 2xx: done, the body dropped, committed."""
         await self._end(self._inbox.statements.delivered, status)
 
-    async def failed(self, attempt: Attempt, delay: float, *, dead: bool) -> str:
+    async def failed(self, attempt: Attempt, delay: float, *, dead: bool) -> InboxState:
         """Record the attempt and schedule the next one ``delay`` from now (never past the
         deadline), or make the row dead (``dead``, or the deadline passed); the new state."""
         return await self._end(
@@ -208,17 +217,17 @@ class Redelivery:
             self._taken + timedelta(seconds=delay), dead, self._taken,
         )  # fmt: skip
 
-    async def _end(self, statement: str, *args: object) -> str:
+    async def _end(self, statement: str, *args: object) -> InboxState:
         if self._done:
             raise RuntimeError(f"redelivery of {self.event_id!r} ended already")
         self._done = True
         timeout = self._inbox.op_timeout
         with pool.translated("recording the redelivery failed", self._discard):
-            state: str = await self._connection.fetchval(
+            state: str | None = await self._connection.fetchval(
                 statement, self.scope, self.event_id, *args, timeout=timeout
             )
             await self._connection.execute("COMMIT", timeout=timeout)
-        return state or DELIVERED
+        return InboxState(state or InboxState.DELIVERED)
 
     async def release(self) -> None:
         if self._done:
@@ -303,7 +312,7 @@ class Inbox:
                 self.statements.due, scopes, CANDIDATES, offset, timeout=self.op_timeout
             )
 
-    async def kept(self, scope: str, state: str, limit: int) -> tuple[list[Kept], int]:
+    async def kept(self, scope: str, state: InboxState, limit: int) -> tuple[list[Listed], int]:
         """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""
         async with self._acquire() as connection:
             with _plainly("query failed"):
@@ -311,7 +320,7 @@ class Inbox:
                 total = len(rows)
                 if total == limit:
                     total = await connection.fetchval(self.statements.kept_count, scope, state)
-        return [Kept(*row) for row in rows], total
+        return [Listed(*row) for row in rows], total
 
     async def show(self, scope: str, event_id: str) -> Shown | None:
         async with self._acquire() as connection:
@@ -324,7 +333,7 @@ class Inbox:
         return Shown(
             row["scope"], row["event_id"], row["event_type"], row["received_at"],
             row["inbox_state"],
-            None if request is None else Delivery.decoded(request, row["inbox_body"] or b""),
+            None if request is None else StoredRequest.decoded(request, row["inbox_body"] or b""),
             row["body_bytes"],
             [] if attempts is None else json.loads(attempts),
             row["inbox_due"], row["inbox_until"], row["inbox_changed"],
@@ -336,7 +345,7 @@ class Inbox:
         event_ids: list[str] | None,
         since: datetime | None,
         for_: float,
-        state: str = DEAD,
+        state: InboxState = InboxState.DEAD,
     ) -> list[tuple[str, str]]:
         """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``) pending
         and due now, with ``for_`` seconds of the schedule again: the (scope, event ID)s it

@@ -47,7 +47,7 @@ class Statements:
     quoted: str
 
     @property
-    def queue(self) -> str:
+    def keep(self) -> str:
         # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8 delay,
         # $9 until, $10 the cap's scope, $11 max count, $12 max bytes, $13 the claim's signed
         # part or NULL. Under the cap only: the kept rows of the cap's scope and its per-path
@@ -77,7 +77,7 @@ class Statements:
     @property
     def kept_as(self) -> str:
         # $1 the cap's scope, $2 a claim's signed part: the ID a kept row of that cap holds
-        # this signed body under (why ``queue`` did not keep it). Locks nothing.
+        # this signed body under (why ``keep`` did not keep it). Locks nothing.
         return (
             f"SELECT event_id FROM {self.quoted} WHERE {_CAPPED.format(scope='$1')} "
             f"AND {_SIGNED.format(part='$2::text')} LIMIT 1"

@@ -154,7 +154,7 @@ class Queries:
     privileges: str
     insert: str
     duplicate_of: str
-    queued_duplicate_of: str
+    kept_duplicate_of: str
     answer: str
     sweep_lock: str
     sweep: str
@@ -253,17 +253,17 @@ class Queries:
                 return f"{self.duplicate_of}{first} AND body_sha256 <> {_digest(body_sha256)}"
             flags = (
                 f"coalesce((SELECT (body_sha256 <> {_digest(body_sha256)})::int "
-                f"FROM {self.quoted} WHERE {first}), 0) + coalesce((SELECT 0{QUEUED_FLAGS} "
+                f"FROM {self.quoted} WHERE {first}), 0) + coalesce((SELECT 0{KEPT_FLAGS} "
                 f"FROM {self.quoted} WHERE {where}), 0)"
             )
             return f"ROLLBACK; SELECT FROM generate_series(1, {flags})"
         if inbox:
             mismatch = f"(coalesce(body_sha256 <> {_digest(body_sha256)}, false))::int"
-            return f"{self.queued_duplicate_of}{mismatch}{QUEUED_FLAGS}) WHERE {where}"
+            return f"{self.kept_duplicate_of}{mismatch}{KEPT_FLAGS}) WHERE {where}"
         return f"{self.duplicate_of}{where} AND body_sha256 <> {_digest(body_sha256)}"
 
 
-QUEUED_FLAGS = " + CASE inbox_state WHEN 'pending' THEN 2 WHEN 'dead' THEN 4 ELSE 0 END"
+KEPT_FLAGS = " + CASE inbox_state WHEN 'pending' THEN 2 WHEN 'dead' THEN 4 ELSE 0 END"
 
 
 def duplicate_flags(status: str | None) -> tuple[bool, str | None]:
@@ -352,7 +352,7 @@ def for_table(table: str) -> Queries:
         ),
         insert=f"INSERT INTO {quoted} (scope, event_id, event_type, body_sha256) VALUES ",
         duplicate_of=f"ROLLBACK; SELECT FROM {quoted} WHERE ",
-        queued_duplicate_of=f"ROLLBACK; SELECT FROM {quoted}, generate_series(1, ",
+        kept_duplicate_of=f"ROLLBACK; SELECT FROM {quoted}, generate_series(1, ",
         # $1 scope, $2 event ID, $3 this copy's body digest: a duplicate's stored answer.
         answer=(
             "SELECT coalesce(body_sha256 <> $3, false) AS mismatch, answer_status, answer_headers, "
