@@ -16,9 +16,8 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from proxy import errors, pipeline
+from proxy import app_keys, errors
 
-PROXY = web.AppKey("proxy", web.Application)
 # Within connections.MARGIN, beside the listeners, the loop's own descriptors and the public
 # listener's refusals; refused admin connections are closed at once, not left to linger.
 MAX_CONNECTIONS = 16
@@ -35,10 +34,10 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     """Ready to take webhooks: not draining, and a claim can commit (the database answers and
     takes writes, the claim table is there and the role holds its grants)."""
-    proxy = request.app[PROXY]
-    if proxy[pipeline.DRAINING].is_set():
+    proxy = request.app[app_keys.PROXY]
+    if proxy[app_keys.DRAINING].is_set():
         return web.json_response({"status": "draining"}, status=503)
-    store = proxy.get(pipeline.STORE)
+    store = proxy.get(app_keys.STORE)
     if store is None:
         return web.json_response({"status": "starting"}, status=503)
     try:
@@ -52,8 +51,8 @@ async def readyz(request: web.Request) -> web.Response:
 
 def create_admin_app(proxy: web.Application) -> web.Application:
     admin = web.Application()
-    admin[PROXY] = proxy
-    meters = proxy[pipeline.METRICS]
+    admin[app_keys.PROXY] = proxy
+    meters = proxy[app_keys.METRICS]
     exposition = make_aiohttp_handler(meters.exposition_registry())
 
     async def metrics(request: web.Request) -> web.StreamResponse:

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import hdrs, web, web_urldispatcher
 
 from proxy import (
+    app_keys,
     config,
     database,
     embedded,
@@ -35,10 +36,6 @@ from proxy.upstream import forwarder, proxy_headers
 
 log = logging.getLogger(__name__)
 
-CONFIG = web.AppKey("config", config.Config)
-DSN = web.AppKey("dsn", str)
-TRACING = web.AppKey("tracing", tracing.Tracing)
-
 
 def runner_options(cfg: config.Config) -> dict[str, Any]:
     """Server settings both `serve` and the tests use.
@@ -55,34 +52,19 @@ def runner_options(cfg: config.Config) -> dict[str, Any]:
 
 
 async def _database(app: web.Application) -> AsyncIterator[None]:
-    settings = app[CONFIG].database
+    settings = app[app_keys.CONFIG].database
     if settings.dsn is not None:
-        app[DSN] = settings.dsn.reveal()
+        app[app_keys.DSN] = settings.dsn.reveal()
         yield
         return
     server = embedded.EmbeddedPostgres(settings.data_dir)
-    app[DSN] = await asyncio.to_thread(server.start)
+    app[app_keys.DSN] = await asyncio.to_thread(server.start)
     try:
         yield
     finally:
         await asyncio.to_thread(server.stop)
 
 
-class Start:
-    """How the claim store's start ended, for ``serve``: ``failed`` is set, with ``error``, when
-    it cannot succeed (the table or the grants are wrong, or the database did not answer
-    within ``database.start_timeout``); ``serve`` then drains and exits 1."""
-
-    def __init__(self) -> None:
-        self.failed = asyncio.Event()
-        self.error: errors.ProxyError | None = None
-
-    def fail(self, error: errors.ProxyError) -> None:
-        self.error = error
-        self.failed.set()
-
-
-START = web.AppKey("start", Start)
 # Between two tries of a start during an outage: from START_RETRY_BASE doubling up to
 # START_RETRY_MAX, each a random part of it (jitter), so replicas started together spread out.
 START_RETRY_BASE = 0.5
@@ -93,12 +75,15 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     """The claim store, started before the public listener opens. A database that does not
     answer does not stop the start: the proxy listens (liveness up, readiness and webhooks 503
     with the reason) and tries again with a back-off until ``database.start_timeout``."""
-    cfg = app[CONFIG]
+    cfg = app[app_keys.CONFIG]
     store = database.Store.create(
-        app[DSN], cfg.database, claim_wait=cfg.claim_wait, upstream_timeout=cfg.upstream.timeout
+        app[app_keys.DSN],
+        cfg.database,
+        claim_wait=cfg.claim_wait,
+        upstream_timeout=cfg.upstream.timeout,
     )
-    app[pipeline.STORE] = store
-    app[pipeline.METRICS].watch_pool(
+    app[app_keys.STORE] = store
+    app[app_keys.METRICS].watch_pool(
         store.pool_stats, lambda: None if store.replication is None else store.replication.waits
     )
     # The answer columns are added only when a route replays: the ALTER TABLE that adds them
@@ -127,8 +112,9 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
                 exc.message, config.values.format_duration(cfg.database.start_timeout),
             )  # fmt: skip
             later = _start_later(
-                store, app[START], cfg.database, began, answers=replay, kept=kept, bound=bound
-            )
+                store, app[app_keys.START], cfg.database, began, answers=replay, kept=kept,
+                bound=bound,
+            )  # fmt: skip
             retrying = asyncio.create_task(later, name="database-start")
         yield
     finally:
@@ -142,7 +128,7 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
 
 async def _start_later(
     store: database.Store,
-    start: Start,
+    start: app_keys.Start,
     settings: config.DatabaseConfig,
     began: float,
     *,
@@ -201,7 +187,7 @@ async def _metrics(app: web.Application) -> AsyncIterator[None]:
     """With workers, each writes its metrics to its files every second (a scrape answered by
     another worker cannot ask it), and once more when it stops; a scrape of this worker
     writes them first (admin.py)."""
-    meters = app[pipeline.METRICS]
+    meters = app[app_keys.METRICS]
     if not meters.multiprocess:
         yield
         return
@@ -222,8 +208,8 @@ async def _metrics(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
-    cfg = app[CONFIG]
-    sweeper = retention.Sweeper(app[pipeline.STORE], cfg.routes, cfg.sweeper, app[pipeline.METRICS])
+    cfg = app[app_keys.CONFIG]
+    sweeper = retention.Sweeper(app[app_keys.STORE], cfg.routes, cfg.sweeper, app[app_keys.METRICS])
     async with _running(sweeper.run(), "retention-sweeper"):
         yield
 
@@ -232,16 +218,16 @@ async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
     """With a route that redelivers: this worker's lanes, from start-up to the drain. On
     SIGTERM they take no more rows; at the end of the drain, a redelivery still in flight past
     ``shutdown_timeout`` is cancelled (its row rolled back: released for the next try)."""
-    cfg = app[CONFIG]
+    cfg = app[app_keys.CONFIG]
     lanes = redeliverer.Redeliverer(
-        app[pipeline.STORE], app[pipeline.FORWARDER], cfg.routes, settings=cfg.redeliverer,
-        meters=app[pipeline.METRICS], budget=app[pipeline.BUDGET], workers=cfg.workers,
-        traces=app[TRACING],
+        app[app_keys.STORE], app[app_keys.FORWARDER], cfg.routes, settings=cfg.redeliverer,
+        meters=app[app_keys.METRICS], budget=app[app_keys.BUDGET], workers=cfg.workers,
+        traces=app[app_keys.TRACING],
     )  # fmt: skip
     if not lanes.configured:
         yield
         return
-    draining = app[pipeline.DRAINING]
+    draining = app[app_keys.DRAINING]
 
     async def stop_on_drain() -> None:
         await draining.wait()
@@ -264,7 +250,7 @@ async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _forwarder(app: web.Application) -> AsyncIterator[None]:
-    cfg = app[CONFIG]
+    cfg = app[app_keys.CONFIG]
     client = forwarder.Forwarder(
         cfg.upstream.timeout,
         preserve_host=cfg.upstream.preserve_host,
@@ -276,7 +262,7 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
         upstreams={cfg.upstream.url, *(route.upstream for route in cfg.routes)},
         trusted_proxies=proxy_headers.TrustedProxies(cfg.trusted_proxies),
     )
-    app[pipeline.FORWARDER] = client
+    app[app_keys.FORWARDER] = client
     try:
         yield
     finally:
@@ -286,11 +272,11 @@ async def _forwarder(app: web.Application) -> AsyncIterator[None]:
 async def _tracing(app: web.Application) -> AsyncIterator[None]:
     """Spans from start-up to the end of the drain (first in, last out: the drain's requests
     are traced), then what is queued exported within tracing.SHUTDOWN_TIMEOUT."""
-    app[TRACING].open()
+    app[app_keys.TRACING].open()
     try:
         yield
     finally:
-        await app[TRACING].close()
+        await app[app_keys.TRACING].close()
 
 
 async def _close_after_chunked(request: web.BaseRequest, response: web.StreamResponse) -> None:
@@ -368,15 +354,15 @@ def create_app(cfg: config.Config) -> web.Application:
     """Build the proxy application for ``cfg``; resources open when it starts."""
     app = web.Application()
     app.on_response_prepare.extend([_close_after_chunked, request_body.close_unread])
-    app[CONFIG] = cfg
-    app[pipeline.FLIGHTS] = flights.Flights()
-    meters = app[pipeline.METRICS] = metrics.Metrics()
-    app[pipeline.DRAINING] = asyncio.Event()
-    app.on_response_prepare.append(_close_when_draining(app[pipeline.DRAINING]))
-    app[START] = Start()
-    shared = app[pipeline.BUDGET] = memory.Budget(cfg.max_buffered)
+    app[app_keys.CONFIG] = cfg
+    app[app_keys.FLIGHTS] = flights.Flights()
+    meters = app[app_keys.METRICS] = metrics.Metrics()
+    app[app_keys.DRAINING] = asyncio.Event()
+    app.on_response_prepare.append(_close_when_draining(app[app_keys.DRAINING]))
+    app[app_keys.START] = app_keys.Start()
+    shared = app[app_keys.BUDGET] = memory.Budget(cfg.max_buffered)
     meters.watch_buffered(lambda: shared.held)
-    traces = app[TRACING] = tracing.Tracing(
+    traces = app[app_keys.TRACING] = tracing.Tracing(
         tracing.wanted(os.environ), proxy_headers.TrustedProxies(cfg.trusted_proxies),
         cfg.database.table, meters.count_spans,
     )  # fmt: skip

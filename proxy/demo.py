@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from proxy import app, config, database, embedded, errors, logs, pipeline
+from proxy import app, app_keys, config, database, embedded, errors, logs
 
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
@@ -278,7 +278,7 @@ async def _run(args: argparse.Namespace) -> int:
                 await web.SockSite(app_runner, app_sock).start()
                 await proxy_runner.setup()
                 await web.SockSite(proxy_runner, proxy_sock).start()
-                store = proxy_runner.app[pipeline.STORE]
+                store = proxy_runner.app[app_keys.STORE]
                 await _clear(store, cfg.routes[0].scope)
                 burst = await _fire(url, ids, args.copies, rng)
                 claims = await _claims(store)

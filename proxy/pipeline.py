@@ -9,7 +9,6 @@ facts the error carries, and where each request's canonical log line (``log_line
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import time
@@ -20,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy import (
+    app_keys,
     config,
     database,
     delivery,
@@ -39,17 +39,6 @@ from proxy import (
 )
 from proxy.config import routes
 from proxy.upstream import forwarder, http1, proxy_headers
-
-STORE = web.AppKey("store", database.Store)
-FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
-FLIGHTS = web.AppKey("flights", flights.Flights)
-METRICS = web.AppKey("metrics", metrics.Metrics)
-DRAINING = web.AppKey("draining", asyncio.Event)
-BUDGET = web.AppKey("budget", memory.Budget)
-
-# Their homes are request_body and webhooks; importable from here as before.
-read_body = request_body.read
-bound = webhooks.bound
 
 
 def _json(
@@ -156,7 +145,7 @@ class Cycle:
                 raise errors.MethodNotAllowed(
                     f"route {route.config.name!r} takes {', '.join(methods)}", methods
                 )
-            with request.app[BUDGET].reservation() as reservation:
+            with request.app[app_keys.BUDGET].reservation() as reservation:
                 self.reservation = reservation
                 response, outcome = await self._process()
                 self.line["outcome"] = outcome
@@ -188,7 +177,7 @@ class Cycle:
             if not route.config.forward_missing_id:
                 raise
             return forwarder.relayed((await self._call()).relayed()), "unclaimed"
-        route.semantics.refuse_in_flight(self.request.app[FLIGHTS], key)
+        route.semantics.refuse_in_flight(self.request.app[app_keys.FLIGHTS], key)
         return await self._once(key)
 
     def _key(self) -> database.Key:
@@ -222,7 +211,7 @@ class Cycle:
         committed it, answer as a duplicate at once."""
         route = self.route
         started = time.perf_counter()
-        turn = self.request.app[FLIGHTS].turn((key.scope, key.event_id), route.claim_wait)
+        turn = self.request.app[app_keys.FLIGHTS].turn((key.scope, key.event_id), route.claim_wait)
         async with turn as flight:
             if flight.committed_sha256 is not None:
                 # A copy in this process just committed this event: no database round trip.
@@ -245,7 +234,7 @@ class Cycle:
         forward (a new event) or settle it as a duplicate."""
         route, trace = self.route, self.trace
         span = trace.database("claim", "INSERT")
-        async with self.request.app[STORE].claim(key, wait) as claim:
+        async with self.request.app[app_keys.STORE].claim(key, wait) as claim:
             log_line.phase(self.line, "claim_ms", route.meters.claim_wait, started)
             trace.end(span, {"dedup.acquired": claim.acquired})
             if claim.acquired:
@@ -407,7 +396,7 @@ class Cycle:
         when an answer came through."""
         route, line = self.route, self.line
         started = time.perf_counter()
-        client = self.request.app[FORWARDER]
+        client = self.request.app[app_keys.FORWARDER]
         outgoing = client.outgoing(self.request, self.target, self.body, line["request_id"])
         result = await delivery.attempt(
             client, route.config.upstream, outgoing, self.reservation.answer, self.trace,
@@ -465,14 +454,22 @@ class Cycle:
     def _refuse(self, exc: errors.RequestError) -> web.Response:
         """The answer to a request that could not be carried through, noted and counted."""
         line, route = self.line, self.route
-        line["outcome"] = exc.outcome
-        line["error"] = exc.message
         if isinstance(exc, errors.BodyTooLarge):
             route.meters.oversized.inc()  # the operator's to fix: max_body is too small
         if exc.shed is not None:
             line["shed"] = exc.shed
             route.shed[exc.shed].inc()
-        return error_response(exc, problem=route.semantics.problem)
+        return refusal(line, exc, problem=route.semantics.problem)
+
+
+def refusal(
+    line: log_line.LogLine, exc: errors.RequestError, *, problem: bool = False
+) -> web.Response:
+    """The answer to a request that could not be carried through (``error_response``), its
+    outcome and why on its log line: every refusal, on a route or not, is written here."""
+    line["outcome"] = exc.outcome
+    line["error"] = exc.message
+    return error_response(exc, problem=problem)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -510,20 +507,18 @@ def make_dispatcher(
                     )
                 raise errors.NotRouted()
         except errors.RequestError as exc:
-            line = log_line.start(request, None, None)
-            trace = traces.begin(request, None, None, line)
-            line["outcome"] = exc.outcome
-            line["error"] = exc.message
-            refusal = error_response(exc)
-            log_line.finish(route_meters, line, started, refusal)
-            trace.finish(line)
-            return refusal
+            refused: errors.RequestError | None = exc
+        else:
+            refused = None
+        # Not a route's: pass-through, or refused before it was one.
         line = log_line.start(request, None, None)
         trace = traces.begin(request, None, None, line)
         response: web.StreamResponse
         try:
-            with request.app[BUDGET].reservation() as reservation:
-                response = await request.app[FORWARDER].relay(
+            if refused is not None:
+                raise refused
+            with request.app[app_keys.BUDGET].reservation() as reservation:
+                response = await request.app[app_keys.FORWARDER].relay(
                     request,
                     upstream if match is None else match.route.config.upstream,
                     target.path + target.query,
@@ -535,9 +530,7 @@ def make_dispatcher(
                 )
             line["outcome"] = "passthrough"
         except errors.RequestError as exc:
-            line["outcome"] = exc.outcome
-            line["error"] = exc.message
-            response = error_response(exc)
+            response = refusal(line, exc)
         except BaseException as exc:
             trace.abort(exc)
             raise

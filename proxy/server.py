@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from aiohttp import http_parser, web
 
-from proxy import admin, app, config, connections, errors, pipeline, shared_port
+from proxy import admin, app, app_keys, config, connections, errors, shared_port
 from proxy.config import routes
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ async def serve(
         await server.main_loop()
     finally:
         await server.shutdown()
-    if (failure := server.proxy[app.START].error) is not None:
+    if (failure := server.proxy[app_keys.START].error) is not None:
         raise failure
     log.info("stopped")
 
@@ -279,7 +279,7 @@ class _Server:
 
     async def _start_public(self) -> None:
         await self.runner.setup()
-        shed = self.proxy[pipeline.METRICS].shed.labels("connections").inc
+        shed = self.proxy[app_keys.METRICS].shed.labels("connections").inc
         public = self.handed.public if self.handed else bind(self.cfg.listen)
         self.sockets += public
         for sock in public:
@@ -293,17 +293,17 @@ class _Server:
             self.adopter.start()
 
     async def main_loop(self) -> None:
-        """Until a signal, or a start the database let fail (``app.Start``): then ``/readyz``
+        """Until a signal, or a start the database let fail (``app_keys.Start``): then ``/readyz``
         turns 503 before ``shutdown`` closes anything."""
         waits = [asyncio.ensure_future(self.stop.wait()),
-                 asyncio.ensure_future(self.proxy[app.START].failed.wait())]  # fmt: skip
+                 asyncio.ensure_future(self.proxy[app_keys.START].failed.wait())]  # fmt: skip
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for wait in waits:
                 wait.cancel()
-        self.proxy[pipeline.DRAINING].set()
-        self.proxy[pipeline.METRICS].draining.set(1)
+        self.proxy[app_keys.DRAINING].set()
+        self.proxy[app_keys.METRICS].draining.set(1)
         self._leave_siblings()
         log.info("draining: no new connections, waiting up to %gs", self.cfg.shutdown_timeout)
 

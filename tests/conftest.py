@@ -29,7 +29,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy import app, config, embedded
+from proxy import app, app_keys, config, embedded
 from proxy.upstream import forwarder
 from tests import helpers
 from tests.helpers import FakeUpstream, Handler, MakeProxy, RawServer, Serve, Served, Stream
@@ -179,7 +179,7 @@ class ProxyTestServer(TestServer):
 
     async def _make_runner(self, **kwargs: Any) -> web.BaseRunner:
         # The runner serve uses (app.Runner), with the options serve gives it.
-        return app.Runner(self.app, **{**kwargs, **app.runner_options(self.app[app.CONFIG])})
+        return app.Runner(self.app, **{**kwargs, **app.runner_options(self.app[app_keys.CONFIG])})
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import procs
-from proxy import admin, app, config, pipeline, retention
+from proxy import admin, app, app_keys, config, retention
 
 WITHIN = 10.0  # the default bound on every wait for the proxy (an answer, a close, a start)
 MIB = 1024 * 1024
@@ -163,7 +163,7 @@ async def claimed(dsn: str, table: str) -> list[tuple[str, str, str | None]]:
 
 def held(client: TestClient[Any, Any]) -> int:
     """The bytes the proxy's memory budget holds now."""
-    return client.app[pipeline.BUDGET].held
+    return client.app[app_keys.BUDGET].held
 
 
 async def start_up(cfg: config.Config) -> None:
@@ -196,10 +196,10 @@ async def scrape(
 
 def sweeper_of(proxy: TestClient[Any, Any]) -> retention.Sweeper:
     """A retention sweeper over the proxy's own store and configuration."""
-    cfg = proxy.app[app.CONFIG]
+    cfg = proxy.app[app_keys.CONFIG]
     return retention.Sweeper(
-        proxy.app[pipeline.STORE], cfg.routes, cfg.sweeper,
-        proxy.app[pipeline.METRICS],
+        proxy.app[app_keys.STORE], cfg.routes, cfg.sweeper,
+        proxy.app[app_keys.METRICS],
     )  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from proxy import config, embedded, errors, logs, pipeline
+from proxy import app_keys, config, embedded, errors, logs
 from tests.helpers import FakeUpstream, MakeProxy, admin_client, scrape
 
 
@@ -95,7 +95,7 @@ async def test_health_and_readiness(
         await asyncio.to_thread(server.start)
         assert (await client.get("/readyz")).status == 200
 
-        proxy.app[pipeline.DRAINING].set()
+        proxy.app[app_keys.DRAINING].set()
         draining = await client.get("/readyz")
         assert (draining.status, await draining.json()) == (503, {"status": "draining"})
     finally:

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy import pipeline
+from proxy import app_keys
 from tests.helpers import FakeUpstream, MakeProxy, claimed, connection, event, held, wait_until
 
 KIB = 1024
@@ -23,7 +23,7 @@ def sized(event_id: str, size: int) -> bytes:
 
 
 def shed(client: TestClient[Any, Any], reason: str) -> float:
-    meters = client.app[pipeline.METRICS]
+    meters = client.app[app_keys.METRICS]
     value: float = meters.shed.labels(reason)._value.get()
     return value
 

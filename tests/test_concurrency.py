@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy import pipeline
+from proxy import app_keys
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -27,7 +27,7 @@ def post(client: TestClient[Any, Any], event_id: str) -> asyncio.Task[Any]:
 
 
 async def wait_for_local_copies(client: TestClient[Any, Any], event_id: str, count: int) -> None:
-    flights = client.app[pipeline.FLIGHTS]
+    flights = client.app[app_keys.FLIGHTS]
 
     async def arrived() -> bool:
         return flights.waiting(("corvel", event_id)) >= count
@@ -40,7 +40,7 @@ class CountingClaims:
 
     def __init__(self, client: TestClient[Any, Any]) -> None:
         self.claims = 0
-        store = client.app[pipeline.STORE]
+        store = client.app[app_keys.STORE]
         claim = store.claim
 
         def counted(key: Any, wait: float | None = None) -> Any:
@@ -95,7 +95,7 @@ async def test_a_copy_that_waited_on_another_replica_still_compares_bodies(
 
     assert [r.headers.get("Dedup-Status") for r in responses] == [None, "duplicate"]
     # The comparison runs after the waiting copy's ROLLBACK, so it sees the owner's row.
-    registry = replica_b.app[pipeline.METRICS].registry
+    registry = replica_b.app[app_keys.METRICS].registry
     assert registry.get_sample_value("dedup_payload_mismatches_total", {"route": "corvel"}) == 1
     assert len(upstream.requests) == 1
 

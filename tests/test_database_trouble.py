@@ -14,7 +14,7 @@ import asyncpg
 import pytest
 import yaml
 
-from proxy import embedded, errors, pipeline
+from proxy import app_keys, embedded, errors
 from proxy.database import pool
 from tests.faults.relay import Relay
 from tests.helpers import (
@@ -60,7 +60,7 @@ async def test_readiness_fails_on_a_read_only_primary_and_its_connections_are_dr
     proxy = await make_proxy(database={"dsn": dsn, "pool_size": 2})
     admin = await admin_client(aiohttp_client, proxy)
     assert (await admin.get("/readyz")).status == 200
-    opened = proxy.app[pipeline.STORE].pool_stats().opened
+    opened = proxy.app[app_keys.STORE].pool_stats().opened
 
     await read_only(dsn, True)
     ready = await admin.get("/readyz")
@@ -75,7 +75,7 @@ async def test_readiness_fails_on_a_read_only_primary_and_its_connections_are_dr
     assert webhook.headers["Retry-After"] == "5"
     assert upstream.requests == []  # refused before the app: nothing forwarded unclaimed
     # The connections that met the read-only server are not lent again.
-    assert proxy.app[pipeline.STORE].pool_stats().open < 2
+    assert proxy.app[app_keys.STORE].pool_stats().open < 2
 
     await read_only(dsn, False)
     await asyncio.sleep(pool.BACKOFF_MAX)  # whatever back-off the failures started
@@ -83,7 +83,7 @@ async def test_readiness_fails_on_a_read_only_primary_and_its_connections_are_dr
     after = await proxy.post("/webhooks/corvel", data=event("on-read-only"))
     assert after.status == 200
     assert [row[1] for row in await claimed(dsn, table)] == ["on-read-only"]
-    assert proxy.app[pipeline.STORE].pool_stats().opened > opened
+    assert proxy.app[app_keys.STORE].pool_stats().opened > opened
 
 
 async def test_a_replica_started_on_a_read_only_primary_opens_the_upgrade_window_unrecorded(
@@ -99,7 +99,7 @@ async def test_a_replica_started_on_a_read_only_primary_opens_the_upgrade_window
 
     proxy = await make_proxy(database={"dsn": dsn}, routes=[github_route()])
 
-    store = proxy.app[pipeline.STORE]
+    store = proxy.app[app_keys.STORE]
     assert store.started.is_set()
     assert list(store.windows) == ["github"]
 
@@ -111,7 +111,7 @@ async def test_a_database_refusing_writes_is_not_met_with_a_new_session_per_webh
     dsn = own_server.start()
     proxy = await make_proxy(database={"dsn": dsn, "pool_size": 2})
     admin = await admin_client(aiohttp_client, proxy)
-    store = proxy.app[pipeline.STORE]
+    store = proxy.app[app_keys.STORE]
     before = store.pool_stats()
     await read_only(dsn, True)
 

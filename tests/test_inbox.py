@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy import database, errors, pipeline
+from proxy import app_keys, database, errors
 from proxy.config import redeliver
 from tests.helpers import (
     FakeUpstream,
@@ -141,7 +141,7 @@ async def test_an_answer_retrying_cannot_fix_is_dead_at_once_and_an_operator_bri
     copy = await proxy.post("/hooks", data=b'{"id": "evt_4"}')
     assert (await copy.json())["kept"] == "dead"
 
-    store = proxy.app[pipeline.STORE]
+    store = proxy.app[app_keys.STORE]
     changed = await store.inbox.redeliver("hooks", ["evt_4"], None, 3600.0)
     assert changed == [("hooks", "evt_4")]
     await wait_until(lambda: _state(pg_dsn, table, "evt_4", "delivered"), "delivered")
@@ -215,7 +215,7 @@ async def test_over_the_cap_the_failure_is_relayed_and_the_claim_released(
     assert [a.status for a in answers] == [202, 202, 503]
     assert await answers[2].text() == "answer 2"  # the app's own answer, relayed
     assert sorted(await rows(pg_dsn, table)) == ["c0", "c1"]  # c2 released, as without an inbox
-    registry = proxy.app[pipeline.METRICS].registry
+    registry = proxy.app[app_keys.METRICS].registry
     assert registry.get_sample_value("dedup_inbox_full_total", {"route": "hooks"}) == 1
     # The provider's retry of c2 is claimed anew.
     assert (await proxy.post("/hooks", data=b'{"id": "c2"}')).status == 503

@@ -22,7 +22,7 @@ from urllib.parse import urlencode
 import pytest
 from aiohttp import web
 
-from proxy import pipeline
+from proxy import app_keys
 from tests.helpers import FakeUpstream, MakeProxy, event, fetch, stripe_headers
 
 GITHUB_SECRET = "inbox caps test secret"
@@ -65,7 +65,7 @@ async def kept_rows(dsn: str, table: str) -> list[tuple[str, str]]:
 
 
 def counted(proxy: Any, metric: str, route: str) -> float | None:
-    registry = proxy.app[pipeline.METRICS].registry
+    registry = proxy.app[app_keys.METRICS].registry
     value: float | None = registry.get_sample_value(metric, {"route": route})
     return value
 

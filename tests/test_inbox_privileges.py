@@ -8,7 +8,7 @@ import json
 import pytest
 from aiohttp import web
 
-from proxy import config, errors, pipeline
+from proxy import app_keys, config, errors
 from proxy.database import inbox, sql
 from tests.helpers import FakeUpstream, MakeProxy, execute, fetch, start_up, wait_until
 from tests.roles import DOCUMENTED, INBOX, limited_role
@@ -94,7 +94,7 @@ async def test_a_grant_revoked_while_running_relays_the_failure_and_counts_it(
 
         assert (answer.status, await answer.text()) == (503, "down")  # relayed, as without
         assert await fetch(pg_dsn, f'SELECT event_id FROM "{schema}"') == []  # released
-        registry = proxy.app[pipeline.METRICS].registry
+        registry = proxy.app[app_keys.METRICS].registry
         labels = {"route": "hooks"}
         assert registry.get_sample_value("dedup_inbox_keep_failures_total", labels) == 1
         assert registry.get_sample_value("dedup_inbox_full_total", labels) == 0

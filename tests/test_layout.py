@@ -152,6 +152,24 @@ def test_one_attempt_at_the_app_is_written_once_in_delivery() -> None:
     assert senders == ["proxy.delivery"]
 
 
+def test_the_applications_keys_are_in_one_module_below_their_readers() -> None:
+    """Every ``web.AppKey`` is made in ``app_keys``, which imports none of the modules that
+    read them: the admin listener and the worker read the keys without the pipeline."""
+    makers = sorted(
+        name
+        for name, path in MODULES.items()
+        if any(
+            isinstance(node, ast.Attribute) and node.attr == "AppKey"
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        )
+    )
+    assert makers == ["proxy.app_keys"]
+    readers = {"proxy.app", "proxy.admin", "proxy.server", "proxy.pipeline"}
+    assert all("proxy.app_keys" in _internal(name) for name in readers)
+    assert _internal("proxy.app_keys", ANNOTATED) & readers == set()
+    assert "proxy.pipeline" not in _internal("proxy.admin") | _internal("proxy.server")
+
+
 def test_the_configuration_family_is_read_only_through_its_face() -> None:
     """How YAML is walked and what the presets hold are ``proxy.config``'s own; the rest of the
     package imports ``proxy.config``, the route type it hands out (``routes``) and the parsers of

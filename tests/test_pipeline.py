@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from proxy import pipeline
+from proxy import app_keys
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -199,7 +199,7 @@ async def test_body_over_max_body_gives_413(
     assert upstream.requests == []
     assert await claimed(pg_dsn, table) == []
     # Counted on their own: unlike other refusals, a 413 is the operator's to fix.
-    registry = client.app[pipeline.METRICS].registry
+    registry = client.app[app_keys.METRICS].registry
     assert registry.get_sample_value("dedup_oversized_bodies_total", {"route": "corvel"}) == 2
 
 
@@ -210,7 +210,7 @@ async def test_the_apps_own_413_is_relayed_but_not_counted_as_over_max_body(
     client = await make_proxy()
     response = await client.post("/webhooks/corvel", data=event("evt_413"))
     assert (response.status, await response.text()) == (413, "too big for the app")
-    registry = client.app[pipeline.METRICS].registry
+    registry = client.app[app_keys.METRICS].registry
     assert registry.get_sample_value("dedup_oversized_bodies_total", {"route": "corvel"}) == 0
 
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import admin, database, errors, pipeline
+from proxy import admin, app_keys, database, errors
 from proxy.database import sql
 from tests.helpers import (
     FakeUpstream,
@@ -56,7 +56,7 @@ async def test_the_documented_grants_are_enough_for_the_retention_sweep(
             f"UPDATE \"{schema}\" SET received_at = now() - interval '3 days' "
             "WHERE event_id <> 'e4'",
         )
-        store = proxy.app[pipeline.STORE]
+        store = proxy.app[app_keys.STORE]
         sweeper = sweeper_of(proxy)
 
         removed = await sweeper.sweep()
@@ -151,7 +151,7 @@ async def test_the_grants_the_docs_name_for_replay_replay_the_answer(
     assert await again.read() == await first.read() == b"processed\x00bytes"
     assert again.headers["Idempotent-Replayed"] == "true"
     assert len(upstream.requests) == 1
-    registry = proxy.app[pipeline.METRICS].registry
+    registry = proxy.app[app_keys.METRICS].registry
     assert registry.get_sample_value("dedup_replays_total", {"route": "twiml"}) == 1
     assert removed == {"twiml": 0, "short": 0}
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from proxy import cli, config, errors, pipeline, webhooks
+from proxy import app_keys, cli, config, errors, webhooks
 from tests.helpers import (
     STRIPE_SECRET,
     FakeUpstream,
@@ -122,12 +122,12 @@ async def test_github_preset_keys_by_hook_and_delivery(
     assert [await deliver("111"), await deliver("222"), await deliver("111")] == [200] * 3
 
     # One delivery GUID, two hooks: two events; the third call is a duplicate. The claims are
-    # bound to the signed body (the GUID is not signed: see pipeline.bound).
+    # bound to the signed body (the GUID is not signed: see webhooks.bound).
     sha = hashlib.sha256(body).digest()
     assert len(upstream.requests) == 2
     assert await claimed(pg_dsn, table) == [
-        ("github", pipeline.bound("111:72d3162e-cc78-11e3-81ab-4c9367dc0958", "", sha), "ping"),
-        ("github", pipeline.bound("222:72d3162e-cc78-11e3-81ab-4c9367dc0958", "", sha), "ping"),
+        ("github", webhooks.bound("111:72d3162e-cc78-11e3-81ab-4c9367dc0958", "", sha), "ping"),
+        ("github", webhooks.bound("222:72d3162e-cc78-11e3-81ab-4c9367dc0958", "", sha), "ping"),
     ]
 
 
@@ -402,7 +402,7 @@ async def test_a_github_payload_over_the_global_max_body_is_accepted(
     assert response.status == 200
     assert len(upstream.requests) == 1
     assert upstream.requests[0].body == body
-    bound = pipeline.bound("111:d-large", "", hashlib.sha256(body).digest())
+    bound = webhooks.bound("111:d-large", "", hashlib.sha256(body).digest())
     assert await claimed(pg_dsn, table) == [("github", bound, "push")]
 
 
@@ -495,7 +495,7 @@ async def test_a_signed_body_resent_under_another_id_is_logged(
         (logging.WARNING, "forged-2", "e1"),
         (logging.INFO, "e3", None),
     ]
-    registry = client.app[pipeline.METRICS].registry
+    registry = client.app[app_keys.METRICS].registry
     assert registry.get_sample_value("dedup_reused_bodies_total", {"route": "shopify"}) == 1
 
 

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import config, database, errors, pipeline, replay
+from proxy import app_keys, config, database, errors, replay
 from proxy.database import sql
 from tests.helpers import (
     FakeUpstream,
@@ -178,7 +178,7 @@ async def test_an_answer_over_replay_max_body_is_relayed_and_its_duplicates_ackn
     (line,) = [r for r in caplog.records if hasattr(r, "fields")]
     assert line.levelno == logging.WARNING
     assert line.fields["replay_skipped"] == "answer of 100 bytes over replay_max_body"
-    registry = client.app[pipeline.METRICS].registry
+    registry = client.app[app_keys.METRICS].registry
     assert registry.get_sample_value("dedup_replay_skipped_total", {"route": "corvel"}) == 1
     assert registry.get_sample_value("dedup_replays_total", {"route": "corvel"}) == 0
 
@@ -203,7 +203,7 @@ async def test_replays_are_counted_and_logged(
         await client.post("/webhooks/corvel", data=b'{"id": "evt_n"}')
     (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]
     assert (line["outcome"], line["replayed"]) == ("duplicate", True)
-    registry = client.app[pipeline.METRICS].registry
+    registry = client.app[app_keys.METRICS].registry
     assert registry.get_sample_value("dedup_replays_total", {"route": "corvel"}) == 1
 
 
@@ -380,4 +380,4 @@ async def test_an_ack_route_sharing_a_scope_never_gets_the_replay_routes_answer_
 
 def in_flight(client: Any, count: int) -> bool:
     """Whether ``count`` requests for one event are in this process's single-flight."""
-    return client.app[pipeline.FLIGHTS].waiting(("shared", "e1")) >= count
+    return client.app[app_keys.FLIGHTS].waiting(("shared", "e1")) >= count

@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from proxy import errors, tracing, webhooks
+from proxy import app_keys, errors, tracing, webhooks
 from proxy.upstream import proxy_headers
 from tests.helpers import (
     FakeUpstream,
@@ -402,9 +402,8 @@ async def test_off_the_trace_headers_reach_the_app_as_they_came(
 
 
 def tracing_key() -> Any:
-    from proxy import app
 
-    return app.TRACING
+    return app_keys.TRACING
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from urllib.parse import urlencode
 
 from aiohttp import web
 
-from proxy import pipeline
+from proxy import webhooks
 from tests.helpers import FakeUpstream, MakeProxy, claimed
 
 TOKEN = "12345678901234567890123456789012"
@@ -30,7 +30,7 @@ def twilio_route(**extra: Any) -> dict[str, Any]:
 
 
 def claim_id(token: str, query: str, body: bytes) -> str:
-    return pipeline.bound(token, query, hashlib.sha256(body).digest())
+    return webhooks.bound(token, query, hashlib.sha256(body).digest())
 
 
 def twilio_headers(query: str, params: dict[str, str], token: str = "idem-1") -> dict[str, str]:
@@ -70,7 +70,7 @@ async def test_twilio_call_is_verified_over_public_url_and_query_and_replayed(
     assert again.headers["Idempotent-Replayed"] == "true"
     assert moved.status == 401
     assert upstream.bodies() == [body]
-    # Bound to what is signed: the token is not (see pipeline.bound).
+    # Bound to what is signed: the token is not (see webhooks.bound).
     assert await claimed(pg_dsn, table) == [("twilio", claim_id("idem-1", query, body), None)]
 
 

@@ -1,0 +1,41 @@
+"""The application's keys (aiohttp's typed ``web.AppKey``): what ``app`` puts on the
+application at its start and the handler (``pipeline``), the admin listener (``admin``) and the
+worker (``server``) read of it, in one module below all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from proxy import config, database, errors, flights, memory, metrics, tracing
+from proxy.upstream import forwarder
+
+
+class Start:
+    """How the claim store's start ended, for ``serve``: ``failed`` is set, with ``error``, when
+    it cannot succeed (the table or the grants are wrong, or the database did not answer
+    within ``database.start_timeout``); ``serve`` then drains and exits 1."""
+
+    def __init__(self) -> None:
+        self.failed = asyncio.Event()
+        self.error: errors.ProxyError | None = None
+
+    def fail(self, error: errors.ProxyError) -> None:
+        self.error = error
+        self.failed.set()
+
+
+CONFIG = web.AppKey("config", config.Config)
+DSN = web.AppKey("dsn", str)
+TRACING = web.AppKey("tracing", tracing.Tracing)
+START = web.AppKey("start", Start)
+STORE = web.AppKey("store", database.Store)
+FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
+FLIGHTS = web.AppKey("flights", flights.Flights)
+METRICS = web.AppKey("metrics", metrics.Metrics)
+DRAINING = web.AppKey("draining", asyncio.Event)
+BUDGET = web.AppKey("budget", memory.Budget)
+# On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
+PROXY = web.AppKey("proxy", web.Application)
