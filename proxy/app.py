@@ -100,6 +100,7 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     app[pipeline.METRICS].watch_pool(
         store.pool_stats, lambda: None if store.replication is None else store.replication.waits
     )
+    app[pipeline.METRICS].watch_grants(database.DEGRADED, lambda: store.degraded)
     # The answer columns are added only when a route replays: the ALTER TABLE that adds them
     # waits on every claim in flight (docs/deployment.md, "Upgrades"). A missing grant refuses
     # the start, rather than fail every sweep or every stored answer later.

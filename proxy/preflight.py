@@ -1,6 +1,7 @@
 """``dedup-proxy check --database``: whether ``serve`` would work against the database.
 
-One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), whether the
+One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), the USAGE on
+the claim table's schema (without it nothing else about the table can be read), whether the
 server takes writes and its COMMITs wait for a standby, the claim table and its columns, the
 privileges the configured routes need (the ones ``serve`` verifies at start-up), on a Citus
 coordinator how the table is distributed, and what can be told of a connection pooler in
@@ -39,13 +40,17 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
         dsn = cfg.database.dsn
         where = "embedded" if dsn is None else operations.server_of(dsn.reveal())
         report(True, f"connect: {where} as {user}, PostgreSQL {version}")
-        await _check_writes(store, report)
-        await _check_table(cfg, store, report)
-        distribution = await store.distribution()
-        if distribution is not None:
-            report(*citus_line(cfg.database.table, distribution))
-            if not distribution.conforming:
-                report(False, CITUS_NOT_CONFORMING)
+        if unusable := await store.missing_usage():
+            # Every statement naming the table would be refused, or find no table.
+            report(False, f"schema: {unusable}")
+        else:
+            await _check_writes(store, report)
+            await _check_table(cfg, store, report)
+            distribution = await store.distribution()
+            if distribution is not None:
+                report(*citus_line(cfg.database.table, distribution))
+                if not distribution.conforming:
+                    report(False, CITUS_NOT_CONFORMING)
         await _check_pooler(store, report)
     return 1 if failed else 0
 

@@ -3,6 +3,7 @@ server that checks passwords, a closed port and a real PgBouncer; its output and
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,49 @@ async def test_a_missing_grant_is_named(tmp_path: Path, pg_dsn: str, schema: str
         f"FAIL privileges: role {role} lacks privileges: GRANT UPDATE (answer_status, "
         f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate: replay stores '
         "the app's answer)"
+    )
+
+
+@pytest.fixture
+async def walled(pg_dsn: str, table: str) -> AsyncIterator[str]:
+    """The claim table in a schema of its own (``schema.table``), as its owner made it."""
+    await execute(pg_dsn, f'CREATE SCHEMA "{table}"; {sql.for_table(f"{table}.claims").schema}')
+    yield f"{table}.claims"
+    await execute(pg_dsn, f'DROP SCHEMA "{table}" CASCADE')
+
+
+async def test_a_schema_without_usage_is_named_with_its_grant(
+    tmp_path: Path, pg_dsn: str, walled: str
+) -> None:
+    """The documented grants on the table, none on its schema: every statement naming the
+    table is refused ('permission denied for schema'); check names the GRANT, which is enough."""
+    schema = walled.partition(".")[0]
+    async with limited_role(pg_dsn, walled, DOCUMENTED, ANSWERS) as (role, dsn):
+        code, out, err = await check_database(tmp_path, dsn, walled)
+        assert (code, err) == (1, "")
+        assert out.splitlines()[1:] == [
+            f"FAIL schema: role {role} lacks USAGE on schema {schema}, without which it can "
+            f"reach no table there: GRANT USAGE ON SCHEMA {schema} TO {role}",
+            "ok   pooler: none (a direct connection to PostgreSQL)",
+        ]
+        await execute(pg_dsn, f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+        code, out, err = await check_database(tmp_path, dsn, walled)
+    assert (code, err) == (0, ""), out
+
+
+async def test_a_schema_on_search_path_without_usage_is_named_not_called_missing(
+    tmp_path: Path, pg_dsn: str, walled: str
+) -> None:
+    """The table named without its schema, found through the role's search_path: a schema
+    without USAGE is left out of the search, and the table seemed not to exist."""
+    schema = walled.partition(".")[0]
+    async with limited_role(pg_dsn, walled, DOCUMENTED) as (role, dsn):
+        await execute(pg_dsn, f'ALTER ROLE {role} SET search_path = "{schema}"')
+        code, out, _ = await check_database(tmp_path, dsn, "claims", routes=ROUTES[:1])
+    assert code == 1
+    assert out.splitlines()[1] == (
+        f"FAIL schema: role {role} lacks USAGE on schema {schema}, without which it can "
+        f"reach no table there: GRANT USAGE ON SCHEMA {schema} TO {role}"
     )
 
 

@@ -27,6 +27,7 @@ from proxy.database.inbox import DEAD, PENDING, Attempt, Delivery, Keep, Kept, R
 from proxy.database.pool import dsn_hosts, host_named, translated
 from proxy.database.store import (
     DDL_LOCK_WAIT,
+    DEGRADED,
     PRIVILEGES,
     Distribution,
     Event,
@@ -40,6 +41,7 @@ from proxy.database.store import (
 __all__ = [
     "DDL_LOCK_WAIT",
     "DEAD",
+    "DEGRADED",
     "FULL",
     "GRANT_ANSWER_HINT",
     "NOT_KEPT",
