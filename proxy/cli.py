@@ -214,9 +214,12 @@ def _load(args: argparse.Namespace) -> config.Config | None:
             file=sys.stderr,
         )
         return None
+    # Only serve verifies signatures, and check shows what it would verify with: the other
+    # commands (stats, migrate, events) run where the signing secrets may not be set.
+    verifies = args.command in ("serve", "check")
     try:
-        cfg = config.load(args.config)
-        if args.command in ("serve", "check"):
+        cfg = config.load(args.config, secrets=verifies)
+        if verifies:
             tracing.summary(os.environ)  # the OTEL_* variables: refused before starting
     except errors.ConfigError as exc:
         print(exc, file=sys.stderr)
