@@ -291,7 +291,7 @@ class Store:
             dsn, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
             operator=operator,
         )  # fmt: skip
-        with translated(unreachable):
+        with translated(unreachable, connecting=settings.connect_timeout):
             await store._pool.fill()
         await store.notice_distribution()
         store.started.set()
@@ -327,7 +327,7 @@ class Store:
         the routes need (retrying does not fix that), StoreUnavailable when it does not answer
         (retrying may)."""
         try:
-            with translated("cannot connect to PostgreSQL"):
+            with translated("cannot connect to PostgreSQL", connecting=self.op_timeout):
                 await self._pool.fill()
             try:
                 await self.ensure_schema(answers=answers, kept=kept)
@@ -689,7 +689,7 @@ class Store:
                 f"no free database connection within {self._settings.pool_timeout:g}s "
                 f"(pool_size {self._settings.pool_size})"
             ) from exc
-        with translated("cannot connect to PostgreSQL"):
+        with translated("cannot connect to PostgreSQL", connecting=self.op_timeout):
             connection: Connection = await self._pool.take()
         return connection
 
