@@ -158,14 +158,16 @@ def _describe(cfg: config.Config, source: str) -> str:
             + ("/{" + "}/{".join(route.pattern.params) + "}" if route.scoped_by_path else ""),
             verify,
             f"retention {values.format_duration(route.retention)}",
-            f"max_body {route.max_body}",
+            f"max_body {values.format_size(route.max_body)}",
             f"preset {route.preset}" if route.preset else "",
             "no ID: forwarded unclaimed" if route.forward_missing_id else "",
             "idempotency-key" if route.idempotency else "",
             f"per client ({' + '.join(map(str, route.scope_from))}, hashed)"
             if route.scope_from
             else "",
-            f"duplicates replayed (up to {route.replay_max_body} bytes)" if route.replay else "",
+            f"duplicates replayed (up to {values.format_size(route.replay_max_body)})"
+            if route.replay
+            else "",
             _redelivered(route),
         ]
         lines.append(

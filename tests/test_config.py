@@ -12,7 +12,7 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy import cli, config, errors, event_ids, signatures
-from proxy.config import routes, verify
+from proxy.config import routes, values, verify
 
 UPSTREAM = "http://127.0.0.1:3000"
 PASSWORD = "hunter2-not-for-logs"
@@ -274,6 +274,15 @@ def test_non_finite_duration_is_rejected(value: float) -> None:
 )
 def test_sizes(value: object, size: int) -> None:
     assert config.parse(with_route(max_body=value)).routes[0].max_body == size
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [(2**20, "1MiB"), (512 * 1024, "512KiB"), (10**6, "1MB"), (1500, "1500B"), (3 * 2**30, "3GiB")],
+)
+def test_sizes_are_printed_as_configured(size: int, text: str) -> None:
+    assert values.format_size(size) == text
+    assert values.parse_size(text) == size
 
 
 @pytest.mark.parametrize("value", ["1.5MiB", "10 megabytes", "MiB", "-1KiB", 1.5, True])
@@ -882,12 +891,12 @@ def test_check_prints_routes_without_the_password(
     assert (
         "  POST /webhooks/stripe -> http://127.0.0.1:3000  [stripe]\n"
         "       id body:/id, type body:/type, scope stripe, NOT VERIFIED, retention 30d,"
-        " max_body 1048576\n"
+        " max_body 1MiB\n"
     ) in out
     assert (
         "  POST /webhooks/github -> http://127.0.0.1:4000  [github]\n"
         "       id header:X-GitHub-Delivery, scope github, NOT VERIFIED, retention 30d,"
-        " max_body 1048576\n"
+        " max_body 1MiB\n"
     ) in out
     assert PASSWORD not in out + err
     assert err == ""

@@ -88,6 +88,15 @@ def parse_size(value: object) -> int:
     return size
 
 
+def format_size(size: int) -> str:
+    """A byte count as configured: ``1MiB``, ``512KiB``, ``10MB`` (the largest unit it is a whole
+    number of, binary first), else ``1500B``."""
+    for unit in ("GiB", "MiB", "KiB", "GB", "MB", "KB"):
+        if size >= _SIZE_UNITS[unit] and size % _SIZE_UNITS[unit] == 0:
+            return f"{size // _SIZE_UNITS[unit]}{unit}"
+    return f"{size}B"
+
+
 def parse_listen(value: object) -> tuple[str, int]:
     host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
     bracketed = host.startswith("[") == host.endswith("]")
