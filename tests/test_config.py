@@ -645,9 +645,9 @@ def test_tenant_secrets_give_each_tenant_its_own_verifier(monkeypatch: pytest.Mo
 
     verifier(("ACME", "eu")).verify(github_signature("acme-eu-secret", body), body, 0)
     verifier(("globex", "US")).verify(github_signature("globex-old", body), body, 0)
-    for values, secret in [(("globex", "eu"), "acme-eu-secret"), (("acme", "us"), "globex-new")]:
+    for params, secret in [(("globex", "eu"), "acme-eu-secret"), (("acme", "us"), "globex-new")]:
         with pytest.raises(errors.SignatureInvalid):
-            verifier(values).verify(github_signature(secret, body), body, 0)
+            verifier(params).verify(github_signature(secret, body), body, 0)
     assert route.scope_for(("ACME", "eu")) == "stripe/acme/eu"
     assert not [s for s in ("acme-eu-secret", "globex-new") if s in repr(route)]
 
@@ -1044,4 +1044,20 @@ def test_an_unknown_preset_is_one_problem() -> None:
 
     (problem,) = problems_of(raw)
     assert problem.startswith("routes[0].preset: must be one of stripe, github, ")
-    assert problem.endswith("got 'strpe'")
+    assert problem.endswith("got 'strpe': did you mean 'stripe'?")
+
+
+@pytest.mark.parametrize(("written", "hint"), [("githib", "github"), ("Shopfy", "shopify")])
+def test_a_misspelt_preset_is_refused_with_the_nearest_one(written: str, hint: str) -> None:
+    (problem,) = problems_of(with_route(event_id=None, preset=written))
+    assert problem.endswith(f"got {written!r}: did you mean {hint!r}?")
+
+
+@pytest.mark.parametrize("written", ["GitHub", "Github", "GITHUB"])
+def test_a_preset_is_named_in_any_case(written: str) -> None:
+    (route,) = config.parse(with_route(event_id=None, preset=written)).routes
+    assert route.preset == "github"
+    assert (
+        route.event_id
+        == config.parse(with_route(event_id=None, preset="github")).routes[0].event_id
+    )
