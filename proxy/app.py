@@ -343,7 +343,7 @@ def _direct(
 def create_app(cfg: config.Config) -> web.Application:
     """Build the proxy application for ``cfg``; resources open when it starts."""
     app = web.Application()
-    app.on_response_prepare.append(_close_after_chunked)
+    app.on_response_prepare.extend([_close_after_chunked, pipeline.name_the_server])
     app[CONFIG] = cfg
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()

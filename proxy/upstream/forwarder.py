@@ -152,7 +152,14 @@ def _head(status_line: str, headers: CIMultiDict[str]) -> bytes:
 
 
 class _AsSent(web.StreamResponse):
-    """Writes its head itself when aiohttp's writer could not write it exactly."""
+    """Writes its head itself when aiohttp's writer could not write it exactly; adds no
+    ``Server`` field to an answer the app sent without one (aiohttp would add its own)."""
+
+    async def _prepare_headers(self) -> None:
+        named = hdrs.SERVER in self._headers
+        await super()._prepare_headers()
+        if not named:
+            del self._headers[hdrs.SERVER]
 
     async def _write_headers(self) -> None:
         request, writer, headers = self._req, self._payload_writer, self._headers
@@ -181,6 +188,10 @@ class RelayedResponse(_AsSent, web.Response):
 
 class RelayedStreamResponse(_AsSent):
     """The app's answer to a pass-through request, streamed."""
+
+
+# The app's answers, as opposed to the proxy's own.
+RELAYED = (RelayedResponse, RelayedStreamResponse)
 
 
 class _PausingBody:
