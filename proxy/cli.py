@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also connect to the database and check the claim table, the role's privileges "
         "and any pooler in between (exit status 1 if a check fails): the step before a rollout",
     )
+    check.add_argument(
+        "--upstream",
+        action="store_true",
+        help="also connect to each route's app (exit status 1 if one takes no connection): "
+        "where the app runs, as in the proxy's pod, not in a migrate Job",
+    )
     command("stats", "claims per route: rows, oldest, newest, retention")
     command("schema", "print the claim table's DDL (for create_schema: false deployments)")
     command("migrate", "create or upgrade the claim table")
@@ -264,15 +270,22 @@ def _operate_command(cfg: config.Config, args: argparse.Namespace) -> int:
 
 def _check(cfg: config.Config, args: argparse.Namespace) -> int:
     """The configuration as resolved; an embedded server that could not start is a
-    configuration error here too, as for ``serve``; with ``--database``, the preflight."""
+    configuration error here too, as for ``serve``; with ``--database``, the preflight, with
+    ``--upstream`` each app's connection."""
     print(logs.mask(_describe(cfg, args.config)))
     if cfg.database.dsn is None and (problem := embedded.missing()):
         print(f"dedup-proxy check: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    if not args.database:
-        return 0
-    print("database:")
-    return _operate_command(cfg, args)
+    failed = 0
+    if args.database:
+        print("database:")
+        failed = _operate_command(cfg, args)
+        if failed == EXIT_CONFIG:
+            return failed
+    if args.upstream:
+        print("upstream:")
+        failed = max(failed, asyncio.run(preflight.upstreams(cfg)))
+    return failed
 
 
 async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:

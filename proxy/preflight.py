@@ -1,4 +1,5 @@
-"""``dedup-proxy check --database``: whether ``serve`` would work against the database.
+"""``dedup-proxy check --database`` and ``--upstream``: whether ``serve`` would work against
+the database, and whether the apps it forwards to take connections.
 
 One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), the USAGE on
 the claim table's schema (without it nothing else about the table can be read), whether the
@@ -17,8 +18,11 @@ from collections.abc import Callable
 from typing import TextIO
 
 from proxy import config, database, errors, logs, operations
+from proxy.upstream import forwarder
 
 Report = Callable[[bool, str], None]
+# How long ``upstreams`` waits for each app's connection, at most (a connect, not a request).
+UPSTREAM_CONNECT_WAIT = 5.0
 
 
 async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
@@ -153,3 +157,22 @@ async def _check_pooler(store: database.Store, report: Report) -> None:
             "pooler: one is in between (PgBouncer?); its pool mode can't be told from a "
             "client, but transactions work: transaction or session pooling, both fine",
         )
+
+
+async def upstreams(cfg: config.Config, out: TextIO = sys.stdout) -> int:
+    """One line per upstream URL: whether it takes a connection (and a TLS handshake), with
+    the routes (and the pass-through traffic) sent there; 1 if one does not. A connect only:
+    no request is sent, so nothing reaches the app's handlers."""
+    sent: dict[str, list[str]] = {}
+    for route in cfg.routes:
+        sent.setdefault(route.upstream, []).append(route.name)
+    if cfg.passthrough != ():
+        sent.setdefault(cfg.upstream.url, []).append("pass-through")
+    within = min(cfg.upstream.timeout, UPSTREAM_CONNECT_WAIT)
+    failed = False
+    for url, names in sent.items():
+        problem = await forwarder.reach(url, within)
+        failed = failed or bool(problem)
+        what = problem or "takes connections"
+        out.write(f"{'FAIL' if problem else 'ok  '} {url} ({', '.join(names)}): {what}\n")
+    return 1 if failed else 0

@@ -13,7 +13,7 @@ import yaml
 
 from proxy import database, embedded, preflight
 from proxy.database import sql
-from tests.helpers import execute, free_port, run_cli, run_python
+from tests.helpers import FakeUpstream, execute, free_port, run_cli, run_python
 from tests.pgbouncer import pgbouncer
 from tests.roles import ANSWERS, DOCUMENTED, as_role, limited_role
 
@@ -230,6 +230,35 @@ async def test_through_pgbouncer_the_pooler_is_seen(
         "ok   pooler: one is in between (PgBouncer?); its pool mode can't be told from a "
         "client, but transactions work: transaction or session pooling, both fine"
     )
+
+
+async def test_check_upstream_connects_to_each_app(tmp_path: Path, upstream: FakeUpstream) -> None:
+    """One line per app, with the routes sent there; a connect only, no request."""
+    closed = free_port()
+    path = tmp_path / "config.yaml"
+    settings: dict[str, Any] = {
+        "upstream": {"url": upstream.url},
+        "database": {"dsn": f"postgresql://dedup:{PASSWORD}@127.0.0.1:9/claims"},
+        "routes": [
+            {"name": "stripe", "path": "/stripe", "event_id": "body:/id"},
+            {"name": "github", "path": "/github", "event_id": "body:/id",
+             "upstream": f"http://127.0.0.1:{closed}"},
+        ],
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(settings))
+
+    code, out, err = await run_cli("check", "--upstream", "--config", str(path))
+
+    assert (code, err) == (1, "")
+    assert out.partition("upstream:\n")[2].splitlines() == [
+        f"ok   {upstream.url} (stripe, pass-through): takes connections",
+        f"FAIL http://127.0.0.1:{closed} (github): upstream refused the connection: nothing "
+        "listens there",
+    ]
+    assert upstream.requests == []
+    settings["routes"].pop()
+    path.write_text(yaml.safe_dump(settings))
+    assert (await run_cli("check", "--upstream", "--config", str(path)))[0] == 0
 
 
 async def test_check_refuses_an_embedded_database_without_its_package(tmp_path: Path) -> None:

@@ -225,6 +225,25 @@ def relayed(answer: http1.Answer) -> RelayedResponse:
     )
 
 
+async def reach(url: str, within: float, ssl: ssl_module.SSLContext | None = None) -> str:
+    """Whether the app at ``url`` takes a connection within ``within`` seconds (and, for
+    https://, completes the TLS handshake with ``ssl``, by default the system's trusted CAs):
+    "" if it does, else why not, in words (``check --upstream``)."""
+    parts = urlsplit(url)
+    secure = parts.scheme == "https"
+    host, port = parts.hostname or "", parts.port or (443 if secure else 80)
+    tls = (ssl or ssl_module.create_default_context()) if secure else None
+    try:
+        async with asyncio.timeout(within):
+            _, writer = await asyncio.open_connection(host, port, ssl=tls)
+    except TimeoutError:
+        return f"no connection within {within:g}s"
+    except OSError as exc:  # ssl.SSLError among them: a certificate not trusted
+        return http1.failure(exc)
+    writer.close()
+    return ""
+
+
 class Forwarder:
     """The transports to the upstream(s), one per base URL, shared by every request.
 
