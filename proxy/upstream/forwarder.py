@@ -11,7 +11,9 @@ it as surrogate escapes, and aiohttp's server writer would drop those (its C ser
 Python one raises), so a response made from the app's answer writes its own head when it holds
 anything but ASCII. Relied on, private: ``StreamResponse._write_headers`` is where aiohttp
 writes the head, and ``StreamWriter._headers_buf``/``_headers_written`` hold it until the first
-body write, as ``StreamWriter.write_headers`` leaves them.
+body write, as ``StreamWriter.write_headers`` leaves them; ``StreamResponse._prepare_headers`` is
+where aiohttp adds its own ``Server`` field, which an answer the app sent without one does not
+get.
 """
 
 from __future__ import annotations
