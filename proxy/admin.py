@@ -52,6 +52,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 def create_admin_app(proxy: web.Application) -> web.Application:
     admin = web.Application()
+    admin.on_response_prepare.append(pipeline.name_the_server)
     admin[PROXY] = proxy
     meters = proxy[pipeline.METRICS]
     exposition = make_aiohttp_handler(meters.exposition_registry())

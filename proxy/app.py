@@ -101,6 +101,7 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     app[pipeline.METRICS].watch_pool(
         store.pool_stats, lambda: None if store.replication is None else store.replication.waits
     )
+    app[pipeline.METRICS].watch_grants(database.DEGRADED, lambda: store.degraded)
     # The answer columns are added only when a route replays: the ALTER TABLE that adds them
     # waits on every claim in flight (docs/deployment.md, "Upgrades"). A missing grant refuses
     # the start, rather than fail every sweep or every stored answer later.
@@ -367,7 +368,9 @@ def _direct(
 def create_app(cfg: config.Config) -> web.Application:
     """Build the proxy application for ``cfg``; resources open when it starts."""
     app = web.Application()
-    app.on_response_prepare.extend([_close_after_chunked, request_body.close_unread])
+    app.on_response_prepare.extend(
+        [_close_after_chunked, request_body.close_unread, pipeline.name_the_server]
+    )
     app[CONFIG] = cfg
     app[pipeline.FLIGHTS] = flights.Flights()
     meters = app[pipeline.METRICS] = metrics.Metrics()

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from proxy import (
     config,
@@ -482,6 +482,16 @@ class Cycle:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The Server field of the proxy's own answers: the product, no versions (nginx's server_tokens
+# off, Envoy's server_name); the app's answers carry the app's own, or none.
+SERVER_NAME = "dedup-proxy"
+
+
+async def name_the_server(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Name the proxy in the ``Server`` field of its own answers (an ``on_response_prepare``
+    hook), instead of aiohttp's Python and aiohttp versions."""
+    if not isinstance(response, forwarder.RELAYED):
+        response.headers[hdrs.SERVER] = SERVER_NAME
 
 
 def make_dispatcher(

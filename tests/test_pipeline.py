@@ -420,6 +420,32 @@ async def test_the_apps_failures_are_logged_at_warning_level(
     assert lines == [("WARNING", "upstream_error")] * 3
 
 
+async def test_each_outcome_is_logged_at_its_level(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A duplicate absorbed is the product (info, as a processed webhook); a scanner's 404 or
+    405 is noise for warning-level alerting (info); a webhook refused on a route stays a
+    warning (its provider will not retry a 4xx)."""
+    client = await make_proxy(passthrough=["/api"])
+
+    with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
+        await client.post("/webhooks/corvel", data=b'{"id": "evt_lv"}')
+        await client.post("/webhooks/corvel", data=b'{"id": "evt_lv"}')
+        await client.get("/wp-login.php")
+        await client.get("/webhooks/corvel")
+        await client.post("/webhooks/corvel", data=b'{"no_id": 1}')
+
+    lines = [(r.levelname, r.fields["outcome"], r.fields["status"])
+             for r in caplog.records if hasattr(r, "fields")]  # fmt: skip
+    assert lines == [
+        ("INFO", "processed", 200),
+        ("INFO", "duplicate", 200),
+        ("INFO", "rejected", 404),
+        ("INFO", "rejected", 405),
+        ("WARNING", "rejected", 400),
+    ]
+
+
 async def test_a_request_body_the_provider_cuts_off_is_400_and_never_forwarded(
     make_proxy: MakeProxy,
     upstream: FakeUpstream,

@@ -32,6 +32,7 @@ from proxy.database.pool import dsn_hosts, host_named, translated
 from proxy.database.sql import BOUND_DIGITS
 from proxy.database.store import (
     DDL_LOCK_WAIT,
+    DEGRADED,
     PRIVILEGES,
     Distribution,
     Event,
@@ -47,6 +48,7 @@ __all__ = [
     "BOUND_DIGITS",
     "DDL_LOCK_WAIT",
     "DEAD",
+    "DEGRADED",
     "FULL",
     "GRANT_ANSWER_HINT",
     "KEPT_AS",
