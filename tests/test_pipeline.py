@@ -3,11 +3,11 @@ module of their own covers (a new event, the app's non-2xx, an unreachable or sl
 duplicate, an unusable event ID, a COMMIT that fails, a body over ``max_body`` or cut off by the
 provider, pass-through).
 
-The other rows, by module: a malformed or cut-short answer ``test_client``, ``test_obs_text``;
+The other rows, by module: a malformed or cut-short answer ``test_http1``, ``test_obs_text``;
 replay ``test_replay``; signatures ``test_providers``, ``test_signatures``; idempotency keys
 ``test_idempotency``; copies in flight and ``claim_wait`` ``test_concurrency``; the database or
-its pool unavailable ``test_claims``; the reconciled COMMIT ``test_ambiguous_commit``; an
-upstream 410 ``test_reliability``; ``max_buffered`` ``test_budget``, ``test_unread_clients``;
+its pool unavailable ``test_store``; the reconciled COMMIT ``test_ambiguous_commit``; an
+upstream 410 ``test_reliability``; ``max_buffered`` ``test_memory``, ``test_unread_clients``;
 ``max_connections`` ``test_connections``; slow bodies ``test_slow_bodies``,
 ``test_hostile_http``; path variants and methods ``test_paths``.
 """
