@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from proxy import app_keys, errors
+from proxy.upstream import forwarder
 
 # Within connections.MARGIN, beside the listeners, the loop's own descriptors and the public
 # listener's refusals; refused admin connections are closed at once, not left to linger.
@@ -51,6 +52,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 def create_admin_app(proxy: web.Application) -> web.Application:
     admin = web.Application()
+    admin.on_response_prepare.append(forwarder.name_the_server)
     admin[app_keys.PROXY] = proxy
     meters = proxy[app_keys.METRICS]
     exposition = make_aiohttp_handler(meters.exposition_registry())

@@ -86,6 +86,7 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     app[app_keys.METRICS].watch_pool(
         store.pool_stats, lambda: None if store.replication is None else store.replication.waits
     )
+    app[app_keys.METRICS].watch_grants(database.DEGRADED, lambda: store.degraded)
     # The answer columns are added only when a route replays: the ALTER TABLE that adds them
     # waits on every claim in flight (docs/deployment.md, "Upgrades"). A missing grant refuses
     # the start, rather than fail every sweep or every stored answer later.
@@ -353,7 +354,9 @@ def _direct(
 def create_app(cfg: config.Config) -> web.Application:
     """Build the proxy application for ``cfg``; resources open when it starts."""
     app = web.Application()
-    app.on_response_prepare.extend([_close_after_chunked, request_body.close_unread])
+    app.on_response_prepare.extend(
+        [_close_after_chunked, request_body.close_unread, forwarder.name_the_server]
+    )
     app[app_keys.CONFIG] = cfg
     app[app_keys.FLIGHTS] = flights.Flights()
     meters = app[app_keys.METRICS] = metrics.Metrics()

@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also connect to the database and check the claim table, the role's privileges "
         "and any pooler in between (exit status 1 if a check fails): the step before a rollout",
     )
+    check.add_argument(
+        "--upstream",
+        action="store_true",
+        help="also connect to each route's app (exit status 1 if one takes no connection): "
+        "where the app runs, as in the proxy's pod, not in a migrate Job",
+    )
     command("stats", "claims per route: rows, oldest, newest, retention")
     command("schema", "print the claim table's DDL (for create_schema: false deployments)")
     command("migrate", "create or upgrade the claim table")
@@ -158,14 +164,16 @@ def _describe(cfg: config.Config, source: str) -> str:
             + ("/{" + "}/{".join(route.pattern.params) + "}" if route.scoped_by_path else ""),
             verify,
             f"retention {values.format_duration(route.retention)}",
-            f"max_body {route.max_body}",
+            f"max_body {values.format_size(route.max_body)}",
             f"preset {route.preset}" if route.preset else "",
             "no ID: forwarded unclaimed" if route.forward_missing_id else "",
             "idempotency-key" if route.idempotency else "",
             f"per client ({' + '.join(map(str, route.scope_from))}, hashed)"
             if route.scope_from
             else "",
-            f"duplicates replayed (up to {route.replay_max_body} bytes)" if route.replay else "",
+            f"duplicates replayed (up to {values.format_size(route.replay_max_body)})"
+            if route.replay
+            else "",
             _redelivered(route),
         ]
         lines.append(
@@ -214,9 +222,12 @@ def _load(args: argparse.Namespace) -> config.Config | None:
             file=sys.stderr,
         )
         return None
+    # Only serve verifies signatures, and check shows what it would verify with: the other
+    # commands (stats, migrate, events) run where the signing secrets may not be set.
+    verifies = args.command in ("serve", "check")
     try:
-        cfg = config.load(args.config)
-        if args.command in ("serve", "check"):
+        cfg = config.load(args.config, secrets=verifies)
+        if verifies:
             tracing.summary(os.environ)  # the OTEL_* variables: refused before starting
     except errors.ConfigError as exc:
         print(exc, file=sys.stderr)
@@ -259,15 +270,22 @@ def _operate_command(cfg: config.Config, args: argparse.Namespace) -> int:
 
 def _check(cfg: config.Config, args: argparse.Namespace) -> int:
     """The configuration as resolved; an embedded server that could not start is a
-    configuration error here too, as for ``serve``; with ``--database``, the preflight."""
+    configuration error here too, as for ``serve``; with ``--database``, the preflight, with
+    ``--upstream`` each app's connection."""
     print(logs.mask(_describe(cfg, args.config)))
     if cfg.database.dsn is None and (problem := embedded.missing()):
         print(f"dedup-proxy check: {problem}", file=sys.stderr)
         return EXIT_CONFIG
-    if not args.database:
-        return 0
-    print("database:")
-    return _operate_command(cfg, args)
+    failed = 0
+    if args.database:
+        print("database:")
+        failed = _operate_command(cfg, args)
+        if failed == EXIT_CONFIG:
+            return failed
+    if args.upstream:
+        print("upstream:")
+        failed = max(failed, asyncio.run(preflight.upstreams(cfg)))
+    return failed
 
 
 async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:

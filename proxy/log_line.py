@@ -60,9 +60,10 @@ class LogLine(TypedDict, total=False):
 
 Phase = Literal["claim_ms", "upstream_ms", "commit_ms", "total_ms"]
 
+# A duplicate absorbed is the proxy's product, and its line the one record that the copy came
+# and was not forwarded (the claim's row holds the first delivery only): info, as a processed
+# webhook (docs/operations.md, "Logs").
 _LEVELS = {
-    "duplicate": logging.DEBUG,
-    "duplicate_queued": logging.DEBUG,
     # The app failed; the delivery is kept, for the redeliverer (or, dead, for an operator).
     "queued": logging.WARNING,
     "dead_letter": logging.ERROR,
@@ -76,6 +77,9 @@ _LEVELS = {
     # above must see an app outage.
     "upstream_error": logging.WARNING,
 }
+# Refusals of a path no route takes (404) or of a method a route does not (405): scanners and
+# browsers, not a provider's webhooks; at warning, alerting would see mostly noise.
+_UNROUTED = (404, 405)
 
 
 def start(request: web.Request, route: str | None, scope: str | None) -> LogLine:
@@ -124,4 +128,6 @@ def finish(
     ):
         outcome = "mismatch"
     level = _LEVELS.get(outcome, logging.INFO)
+    if outcome == "rejected" and line["status"] in _UNROUTED:
+        level = logging.INFO
     logs.line(log, level, f"{line['method']} {line['path']} -> {outcome}", line)

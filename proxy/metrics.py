@@ -438,6 +438,20 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livemax",
         )
+        # The grants besides the claim's (database.DEGRADED): read at start and at every
+        # readiness check, which they do not fail.
+        self.grant_missing = Gauge(
+            "dedup_database_grant_missing",
+            "1 while the role lacks a grant the routes need besides the claim's own (delete: "
+            "the retention sweep and events forget; update_answers: on_duplicate: replay; "
+            "update_inbox: redeliver), as of the last readiness check: /readyz stays 200, and "
+            "only that part fails.",
+            ["grant"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self._grants: Sequence[str] = ()
+        self._missing_grants: Callable[[], Sequence[str]] | None = None
 
     def route(self, name: str) -> RouteMeters:
         """The metric children of one route (``""``: pass-through)."""
@@ -482,6 +496,13 @@ class Metrics:
         self._pool_stats = stats
         self._replication = replicated
 
+    def watch_grants(self, grants: Sequence[str], missing: Callable[[], Sequence[str]]) -> None:
+        """Read which of ``grants`` the role lacks at every ``flush``."""
+        for grant in grants:
+            self.grant_missing.labels(grant).set(0)
+        self._grants = grants
+        self._missing_grants = missing
+
     def watch_buffered(self, held: Callable[[], int]) -> None:
         """Read the bytes held against max_buffered at every ``flush``."""
         self._buffered = held
@@ -507,6 +528,10 @@ class Metrics:
             self.commits_replicated.set(1 if waits else 0)
         if self._buffered is not None:
             self.buffered.set(self._buffered())
+        if self._missing_grants is not None:
+            missing = self._missing_grants()
+            for grant in self._grants:
+                self.grant_missing.labels(grant).set(1 if grant in missing else 0)
 
     def exposition_registry(self) -> CollectorRegistry:
         """What ``/metrics`` serves: this registry, or every worker's values added up."""

@@ -30,15 +30,13 @@ async def open_store(cfg: config.Config) -> AsyncIterator[database.Store]:
     else:
         dsn = cfg.database.dsn.reveal()
     try:
-        timeout = cfg.database.connect_timeout
         store = await database.Store.open(
             dsn,
             cfg.database,
             claim_wait=cfg.claim_wait,
             upstream_timeout=cfg.upstream.timeout,
             operator=True,
-            unreachable=f"cannot connect to PostgreSQL at {server_of(dsn)} within {timeout:g}s "
-            "(database.connect_timeout)",
+            unreachable=f"cannot connect to PostgreSQL at {server_of(dsn)}",
         )
         try:
             yield store

@@ -1,6 +1,8 @@
-"""``dedup-proxy check --database``: whether ``serve`` would work against the database.
+"""``dedup-proxy check --database`` and ``--upstream``: whether ``serve`` would work against
+the database, and whether the apps it forwards to take connections.
 
-One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), whether the
+One line per check, ``ok`` or ``FAIL``: the connection (as ``serve`` makes it), the USAGE on
+the claim table's schema (without it nothing else about the table can be read), whether the
 server takes writes and its COMMITs wait for a standby, the claim table and its columns, the
 privileges the configured routes need (the ones ``serve`` verifies at start-up), on a Citus
 coordinator how the table is distributed, and what can be told of a connection pooler in
@@ -16,8 +18,11 @@ from collections.abc import Callable
 from typing import TextIO
 
 from proxy import config, database, errors, logs, operations
+from proxy.upstream import forwarder
 
 Report = Callable[[bool, str], None]
+# How long ``upstreams`` waits for each app's connection, at most (a connect, not a request).
+UPSTREAM_CONNECT_WAIT = 5.0
 
 
 async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
@@ -39,13 +44,17 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
         dsn = cfg.database.dsn
         where = "embedded" if dsn is None else operations.server_of(dsn.reveal())
         report(True, f"connect: {where} as {user}, PostgreSQL {version}")
-        await _check_writes(store, report)
-        await _check_table(cfg, store, report)
-        distribution = await store.distribution()
-        if distribution is not None:
-            report(*citus_line(cfg.database.table, distribution))
-            if not distribution.conforming:
-                report(False, CITUS_NOT_CONFORMING)
+        if unusable := await store.missing_usage():
+            # Every statement naming the table would be refused, or find no table.
+            report(False, f"schema: {unusable}")
+        else:
+            await _check_writes(store, report)
+            await _check_table(cfg, store, report)
+            distribution = await store.distribution()
+            if distribution is not None:
+                report(*citus_line(cfg.database.table, distribution))
+                if not distribution.conforming:
+                    report(False, CITUS_NOT_CONFORMING)
         await _check_pooler(store, report)
     return 1 if failed else 0
 
@@ -148,3 +157,22 @@ async def _check_pooler(store: database.Store, report: Report) -> None:
             "pooler: one is in between (PgBouncer?); its pool mode can't be told from a "
             "client, but transactions work: transaction or session pooling, both fine",
         )
+
+
+async def upstreams(cfg: config.Config, out: TextIO = sys.stdout) -> int:
+    """One line per upstream URL: whether it takes a connection (and a TLS handshake), with
+    the routes (and the pass-through traffic) sent there; 1 if one does not. A connect only:
+    no request is sent, so nothing reaches the app's handlers."""
+    sent: dict[str, list[str]] = {}
+    for route in cfg.routes:
+        sent.setdefault(route.upstream, []).append(route.name)
+    if cfg.passthrough != ():
+        sent.setdefault(cfg.upstream.url, []).append("pass-through")
+    within = min(cfg.upstream.timeout, UPSTREAM_CONNECT_WAIT)
+    failed = False
+    for url, names in sent.items():
+        problem = await forwarder.reach(url, within)
+        failed = failed or bool(problem)
+        what = problem or "takes connections"
+        out.write(f"{'FAIL' if problem else 'ok  '} {url} ({', '.join(names)}): {what}\n")
+    return 1 if failed else 0

@@ -419,6 +419,26 @@ class TenantSignatures:
         _fail("no secret is configured for this path's tenant")
 
 
+@dataclass(frozen=True, slots=True)
+class SecretsUnread:
+    """The verifier of a route whose secrets were not read (``config.load(secrets=False)``, for
+    the commands that verify nothing): it describes the scheme as the real one would, and
+    refuses every request, so that it fails closed if it is ever asked."""
+
+    scheme: str
+    headers: tuple[str, ...]
+    signed_headers: frozenset[str]
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        _fail("the signing secrets were not read")
+
+
+# A secret every scheme takes (Standard Webhooks': base64 after whsec_), for ``Settings.unread``.
+_ANY_SECRET = "whsec_c2VjcmV0"
+
+
 def _public_url(value: str) -> str:
     """``scheme://host[:port]/path`` as Twilio was told it; ValueError otherwise."""
     parts = urllib.parse.urlsplit(value)
@@ -501,6 +521,11 @@ class Settings:
     encoding: str = ""
     prefix: str = ""
     public_url: str = ""
+
+    def unread(self) -> SecretsUnread:
+        """The verifier of these settings without their secrets (``SecretsUnread``)."""
+        shape = self.verifier([_ANY_SECRET])
+        return SecretsUnread(shape.scheme, shape.headers, shape.signed_headers)
 
     def verifier(self, secrets: Sequence[str]) -> Verifier:
         """The verifier with ``secrets``; ValueError messages complete "routes[0].verify: …"."""

@@ -1,7 +1,8 @@
 """What the failover tests share (``test_failover.py``, ``test_auto_failover.py``): the app that
 records each call, the provider that sends every event twice and retries a ``503`` until it is
 answered 2xx (faster than the ``Retry-After: 5`` a real one honours, so that the moment the proxy
-reaches the new primary shows), and the judgement of what reached the app again.
+reaches the new primary shows), what a run measured (``Outcome``), and the judgement of what
+reached the app again.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import asyncio
 import contextlib
 import json
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -158,6 +160,39 @@ def reforwarded(
             straddles = first.arrived < kill_end and answer.answered >= kill_start
             (inside if straddles else outside).append(name)
     return outside, inside
+
+
+class Kill(Protocol):
+    """A run's timeline, as far as every test reads it: when the primary's kill began and ended
+    (time.monotonic())."""
+
+    kill_start: float
+    kill_end: float
+
+
+T = TypeVar("T", bound=Kill)
+
+
+@dataclass
+class Outcome(Generic[T]):
+    """What a failover run measured, on its nemesis's own timeline."""
+
+    answers: list[Answer]
+    calls: list[Call]
+    timeline: T
+    rows: int
+    log_outcomes: Counter[str]
+    proxy_exited: bool  # the proxy ran on, never restarted, through the failover
+
+    def reforwarded(self) -> tuple[list[str], list[str]]:
+        """Events forwarded again after an acknowledged first call: outside the window, and
+        straddling the kill (``reforwarded``)."""
+        t = self.timeline
+        return reforwarded(self.answers, self.calls, t.kill_start, t.kill_end)
+
+    def first_2xx(self, sent_from: float) -> float | None:
+        """When the first 2xx was answered to a send made at ``sent_from`` or later."""
+        return min((a.answered for a in self.answers if a.ok and a.sent >= sent_from), default=None)
 
 
 def assert_answered_as_documented(answers: list[Answer], events: int) -> None:

@@ -32,11 +32,14 @@ def as_role(dsn: str, role: str, password: str) -> str:
 async def limited_role(
     dsn: str, table: str, *grants: str, password: str = "s3cret-pw"
 ) -> AsyncIterator[tuple[str, str]]:
-    """A login role holding ``grants`` on ``table`` (which must exist) and nothing else:
-    (its name, a DSN that connects as it). Dropped afterwards."""
+    """A login role holding ``grants`` on ``table`` (which must exist; ``schema.name`` or a
+    name on search_path) and nothing else: (its name, a DSN that connects as it). Dropped
+    afterwards, with any USAGE a test gave it on the table's schema."""
     role = f"dedup_{uuid.uuid4().hex[:10]}"
+    schema, _, name = table.rpartition(".")
+    quoted = f'"{schema}"."{name}"' if schema else f'"{table}"'
     script = [f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"]
-    script += [f'GRANT {grant} ON "{table}" TO {role}' for grant in grants]
+    script += [f"GRANT {grant} ON {quoted} TO {role}" for grant in grants]
     await execute(dsn, "; ".join(script))
     try:
         yield role, as_role(dsn, role, password)
@@ -46,5 +49,7 @@ async def limited_role(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             # REVOKE rather than DROP OWNED, which PostgreSQL 15 allows only a member of the
             # role (CI's role there has CREATEROLE, not superuser).
-            f"WHERE usename = '{role}'; REVOKE ALL ON \"{table}\" FROM {role}; DROP ROLE {role}",
+            f"WHERE usename = '{role}'; REVOKE ALL ON {quoted} FROM {role}; "
+            + (f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}; ' if schema else "")
+            + f"DROP ROLE {role}",
         )

@@ -32,14 +32,12 @@ import yaml
 from tests import auto_failover
 from tests.failover_traffic import (
     PATH,
-    Answer,
     App,
-    Call,
+    Outcome,
     Provider,
     assert_answered_as_documented,
     record,
     recording_app,
-    reforwarded,
 )
 from tests.helpers import serve_settings, start_serve
 
@@ -87,58 +85,41 @@ async def nemesis(formation: auto_failover.Formation, t0: float) -> Timeline:
     return timeline
 
 
-@dataclass
-class Outcome:
-    """What the run measured; ``figures`` are what the test prints and records."""
+def figures(outcome: Outcome[Timeline], events: int) -> dict[str, Any]:
+    """What the test prints and records."""
+    t = outcome.timeline
+    first_2xx = outcome.first_2xx(t.kill_end)
 
-    answers: list[Answer]
-    calls: list[Call]
-    timeline: Timeline
-    rows: int
-    log_outcomes: Counter[str]
-    proxy_exited: bool  # the proxy ran on, never restarted, through the failover
+    def to_first_2xx(since: float) -> float | None:
+        return None if first_2xx is None else round(first_2xx - since, 2)
 
-    def reforwarded(self) -> tuple[list[str], list[str]]:
-        """Events forwarded again after an acknowledged first call: outside the window, and
-        straddling the kill (``failover_traffic.reforwarded``)."""
-        t = self.timeline
-        return reforwarded(self.answers, self.calls, t.kill_start, t.kill_end)
-
-    def figures(self, events: int) -> dict[str, Any]:
-        t = self.timeline
-        after_kill = [a.answered for a in self.answers if a.ok and a.sent >= t.kill_end]
-        first_2xx = min(after_kill, default=None)
-
-        def to_first_2xx(since: float) -> float | None:
-            return None if first_2xx is None else round(first_2xx - since, 2)
-
-        outside, inside = self.reforwarded()
-        statuses = Counter(str(a.status or a.error) for a in self.answers)
-        return {
-            "test": "auto_failover",
-            "engine": "pg_auto_failover",
-            "synchronous": True,
-            "events": events,
-            "sends": len(self.answers),
-            "answers": dict(sorted(statuses.items())),
-            "answers_503": sum(a.status == 503 for a in self.answers),
-            "kill_to_promoted_s": round(t.promoted - t.kill_start, 2),
-            "kill_to_first_2xx_s": to_first_2xx(t.kill_start),
-            "promoted_to_first_2xx_s": to_first_2xx(t.promoted),
-            "reforwarded_acknowledged": len(outside),
-            "reforwarded_straddling_the_kill": len(inside),
-            "app_calls": len(self.calls),
-            "claims_on_new_primary": self.rows,
-            "killed": t.killed,
-            "new_primary": t.new_primary,
-            "proxy_log_outcomes": dict(sorted(self.log_outcomes.items())),
-            "monitor_settings": auto_failover.MONITOR_SETTINGS,
-            "keeper_settings": auto_failover.KEEPER_SETTINGS,
-            "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        }
+    outside, inside = outcome.reforwarded()
+    statuses = Counter(str(a.status or a.error) for a in outcome.answers)
+    return {
+        "test": "auto_failover",
+        "engine": "pg_auto_failover",
+        "synchronous": True,
+        "events": events,
+        "sends": len(outcome.answers),
+        "answers": dict(sorted(statuses.items())),
+        "answers_503": sum(a.status == 503 for a in outcome.answers),
+        "kill_to_promoted_s": round(t.promoted - t.kill_start, 2),
+        "kill_to_first_2xx_s": to_first_2xx(t.kill_start),
+        "promoted_to_first_2xx_s": to_first_2xx(t.promoted),
+        "reforwarded_acknowledged": len(outside),
+        "reforwarded_straddling_the_kill": len(inside),
+        "app_calls": len(outcome.calls),
+        "claims_on_new_primary": outcome.rows,
+        "killed": t.killed,
+        "new_primary": t.new_primary,
+        "proxy_log_outcomes": dict(sorted(outcome.log_outcomes.items())),
+        "monitor_settings": auto_failover.MONITOR_SETTINGS,
+        "keeper_settings": auto_failover.KEEPER_SETTINGS,
+        "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
-async def run_failover(tmp_path: Path, recorder: tuple[App, str], events: int) -> Outcome:
+async def run_failover(tmp_path: Path, recorder: tuple[App, str], events: int) -> Outcome[Timeline]:
     """The formation, the proxy on it, the provider and the nemesis; the formation removed."""
     app, app_url = recorder
     with auto_failover.formation(tmp_path / "formation") as formation:
@@ -177,13 +158,13 @@ async def test_pg_auto_failover_promotes_the_standby_and_the_proxy_follows_witho
 ) -> None:
     events = int((BEFORE_KILL + AFTER_KILL) * RATE)
     outcome = await run_failover(tmp_path, recorder, events)
-    figures = outcome.figures(events)
-    record(figures)
+    measured = figures(outcome, events)
+    record(measured)
 
     assert outcome.timeline.new_primary != outcome.timeline.killed
     assert not outcome.proxy_exited
     assert_answered_as_documented(outcome.answers, events)
-    reached = figures["kill_to_first_2xx_s"]
+    reached = measured["kill_to_first_2xx_s"]
     assert reached is not None, "no 2xx after the kill"
     assert reached <= REACH_WITHIN
     outside, _ = outcome.reforwarded()

@@ -12,7 +12,7 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy import cli, config, errors, event_ids, signatures
-from proxy.config import routes, verify
+from proxy.config import routes, values, verify
 
 UPSTREAM = "http://127.0.0.1:3000"
 PASSWORD = "hunter2-not-for-logs"
@@ -274,6 +274,15 @@ def test_non_finite_duration_is_rejected(value: float) -> None:
 )
 def test_sizes(value: object, size: int) -> None:
     assert config.parse(with_route(max_body=value)).routes[0].max_body == size
+
+
+@pytest.mark.parametrize(
+    ("size", "text"),
+    [(2**20, "1MiB"), (512 * 1024, "512KiB"), (10**6, "1MB"), (1500, "1500B"), (3 * 2**30, "3GiB")],
+)
+def test_sizes_are_printed_as_configured(size: int, text: str) -> None:
+    assert values.format_size(size) == text
+    assert values.parse_size(text) == size
 
 
 @pytest.mark.parametrize("value", ["1.5MiB", "10 megabytes", "MiB", "-1KiB", 1.5, True])
@@ -636,9 +645,9 @@ def test_tenant_secrets_give_each_tenant_its_own_verifier(monkeypatch: pytest.Mo
 
     verifier(("ACME", "eu")).verify(github_signature("acme-eu-secret", body), body, 0)
     verifier(("globex", "US")).verify(github_signature("globex-old", body), body, 0)
-    for values, secret in [(("globex", "eu"), "acme-eu-secret"), (("acme", "us"), "globex-new")]:
+    for params, secret in [(("globex", "eu"), "acme-eu-secret"), (("acme", "us"), "globex-new")]:
         with pytest.raises(errors.SignatureInvalid):
-            verifier(values).verify(github_signature(secret, body), body, 0)
+            verifier(params).verify(github_signature(secret, body), body, 0)
     assert route.scope_for(("ACME", "eu")) == "stripe/acme/eu"
     assert not [s for s in ("acme-eu-secret", "globex-new") if s in repr(route)]
 
@@ -882,12 +891,12 @@ def test_check_prints_routes_without_the_password(
     assert (
         "  POST /webhooks/stripe -> http://127.0.0.1:3000  [stripe]\n"
         "       id body:/id, type body:/type, scope stripe, NOT VERIFIED, retention 30d,"
-        " max_body 1048576\n"
+        " max_body 1MiB\n"
     ) in out
     assert (
         "  POST /webhooks/github -> http://127.0.0.1:4000  [github]\n"
         "       id header:X-GitHub-Delivery, scope github, NOT VERIFIED, retention 30d,"
-        " max_body 1048576\n"
+        " max_body 1MiB\n"
     ) in out
     assert PASSWORD not in out + err
     assert err == ""
@@ -1035,4 +1044,20 @@ def test_an_unknown_preset_is_one_problem() -> None:
 
     (problem,) = problems_of(raw)
     assert problem.startswith("routes[0].preset: must be one of stripe, github, ")
-    assert problem.endswith("got 'strpe'")
+    assert problem.endswith("got 'strpe': did you mean 'stripe'?")
+
+
+@pytest.mark.parametrize(("written", "hint"), [("githib", "github"), ("Shopfy", "shopify")])
+def test_a_misspelt_preset_is_refused_with_the_nearest_one(written: str, hint: str) -> None:
+    (problem,) = problems_of(with_route(event_id=None, preset=written))
+    assert problem.endswith(f"got {written!r}: did you mean {hint!r}?")
+
+
+@pytest.mark.parametrize("written", ["GitHub", "Github", "GITHUB"])
+def test_a_preset_is_named_in_any_case(written: str) -> None:
+    (route,) = config.parse(with_route(event_id=None, preset=written)).routes
+    assert route.preset == "github"
+    assert (
+        route.event_id
+        == config.parse(with_route(event_id=None, preset="github")).routes[0].event_id
+    )

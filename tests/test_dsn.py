@@ -322,3 +322,58 @@ def test_the_password_file_goes_into_the_dsn_percent_encoded(tmp_path: Path) -> 
     assert cfg.database.dsn.reveal() == "postgresql://dedup:p%40ss%23word%2F%2B%3D@db:5432/app"
     assert "word" not in repr(cfg)
     assert logs.mask(f"x {cfg.database.dsn.reveal()} y") == "x postgresql://dedup:***@db:5432/app y"
+
+
+def libpq(server: PasswordServer, password: str) -> str:
+    """A libpq key=value DSN for ``password``'s role, its password single-quoted and escaped."""
+    socket = server.socket_query.removeprefix("?host=")
+    quoted = password.replace("\\", "\\\\").replace("'", "\\'")
+    return f"host={socket} user={server.roles[password]} password='{quoted}' dbname=postgres"
+
+
+@pytest.mark.parametrize("password", PASSWORDS)
+async def test_a_libpq_key_value_dsn_connects_through_the_proxy(
+    password: str, password_server: PasswordServer, make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    await deduplicates(make_proxy, upstream, dsn=libpq(password_server, password))
+
+
+@pytest.mark.parametrize("password", PASSWORDS)
+async def test_check_masks_the_password_of_a_libpq_dsn(
+    password: str, password_server: PasswordServer, tmp_path: Path
+) -> None:
+    path = config_file(tmp_path, {"dsn": libpq(password_server, password)})
+
+    code, out, err = await run_cli("check", "--config", str(path))
+
+    assert code == 0, err
+    assert f"postgresql://{password_server.roles[password]}:***@/postgres?host=/" in out
+    assert_not_shown(password, out + err)
+    assert_not_shown(password, logs.mask(libpq(password_server, password)))
+
+
+@pytest.mark.parametrize(
+    ("dsn", "url"),
+    [
+        ("host=db port=5432 user=app password=s3cret dbname=events sslmode=require",
+         "postgresql://app:s3cret@db:5432/events?sslmode=require"),
+        ("host = db user=app password='Zq9x''s' dbname=events",
+         None),
+        ("host=a,b port=5432 user=app dbname=events target_session_attrs=read-write",
+         "postgresql://app@a:5432,b:5432/events?target_session_attrs=read-write"),
+        ("host=::1 user=app password='a b\\'c' dbname=events",
+         "postgresql://app:a%20b%27c@[::1]/events"),
+    ],
+)  # fmt: skip
+def test_a_libpq_dsn_becomes_the_url_asyncpg_reads(dsn: str, url: str | None) -> None:
+    if url is None:
+        with pytest.raises(ValueError, match="libpq's key=value pairs") as refused:
+            values.parse_dsn(dsn)
+        assert "Zq9x" not in str(refused.value)
+    else:
+        assert values.parse_dsn(dsn) == url
+
+
+def test_a_libpq_keyword_asyncpg_does_not_read_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match=r"'connect_timeout' .*database\.connect_timeout"):
+        values.parse_dsn("host=db user=app password=s3cret connect_timeout=10")

@@ -34,14 +34,12 @@ import yaml
 from tests import replication
 from tests.failover_traffic import (
     PATH,
-    Answer,
     App,
-    Call,
+    Outcome,
     Provider,
     assert_answered_as_documented,
     record,
     recording_app,
-    reforwarded,
 )
 from tests.helpers import serve_settings, start_serve
 
@@ -96,56 +94,39 @@ async def nemesis(pair: replication.Pair, t0: float, *, cut: bool) -> Timeline:
     return timeline
 
 
-@dataclass
-class Outcome:
-    """What a failover run measured; ``figures`` are what the test prints and records."""
+def figures(outcome: Outcome[Timeline], *, synchronous: bool, events: int) -> dict[str, Any]:
+    """What a test prints and records."""
+    t = outcome.timeline
+    first_2xx = outcome.first_2xx(t.promote_start)
 
-    answers: list[Answer]
-    calls: list[Call]
-    timeline: Timeline
-    rows: int
-    log_outcomes: Counter[str]
-    proxy_exited: bool  # the proxy ran on, never restarted, through the failover
+    def to_first_2xx(since: float) -> float | None:
+        return None if first_2xx is None else round(first_2xx - since, 2)
 
-    def reforwarded(self) -> tuple[list[str], list[str]]:
-        """Events forwarded again after an acknowledged first call: outside the window, and
-        straddling the kill (``failover_traffic.reforwarded``)."""
-        t = self.timeline
-        return reforwarded(self.answers, self.calls, t.kill_start, t.kill_end)
-
-    def figures(self, *, synchronous: bool, events: int) -> dict[str, Any]:
-        t = self.timeline
-        after_promote = [a.answered for a in self.answers if a.ok and a.sent >= t.promote_start]
-        first_2xx = min(after_promote, default=None)
-
-        def to_first_2xx(since: float) -> float | None:
-            return None if first_2xx is None else round(first_2xx - since, 2)
-
-        outside, inside = self.reforwarded()
-        statuses = Counter(str(a.status or a.error) for a in self.answers)
-        return {
-            "test": "failover",
-            "synchronous": synchronous,
-            "cut_before_kill_s": None if t.cut is None else round(t.kill_start - t.cut, 2),
-            "events": events,
-            "sends": len(self.answers),
-            "answers": dict(sorted(statuses.items())),
-            "answers_503": sum(a.status == 503 for a in self.answers),
-            "promote_s": round(t.promote_end - t.promote_start, 2),
-            "promote_to_first_2xx_s": to_first_2xx(t.promote_start),
-            "kill_to_first_2xx_s": to_first_2xx(t.kill_start),
-            "reforwarded_acknowledged": len(outside),
-            "reforwarded_straddling_the_kill": len(inside),
-            "app_calls": len(self.calls),
-            "claims_on_new_primary": self.rows,
-            "proxy_log_outcomes": dict(sorted(self.log_outcomes.items())),
-            "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        }
+    outside, inside = outcome.reforwarded()
+    statuses = Counter(str(a.status or a.error) for a in outcome.answers)
+    return {
+        "test": "failover",
+        "synchronous": synchronous,
+        "cut_before_kill_s": None if t.cut is None else round(t.kill_start - t.cut, 2),
+        "events": events,
+        "sends": len(outcome.answers),
+        "answers": dict(sorted(statuses.items())),
+        "answers_503": sum(a.status == 503 for a in outcome.answers),
+        "promote_s": round(t.promote_end - t.promote_start, 2),
+        "promote_to_first_2xx_s": to_first_2xx(t.promote_start),
+        "kill_to_first_2xx_s": to_first_2xx(t.kill_start),
+        "reforwarded_acknowledged": len(outside),
+        "reforwarded_straddling_the_kill": len(inside),
+        "app_calls": len(outcome.calls),
+        "claims_on_new_primary": outcome.rows,
+        "proxy_log_outcomes": dict(sorted(outcome.log_outcomes.items())),
+        "at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
 
 
 async def fail_over(
     tmp_path: Path, app: tuple[App, str], *, synchronous: bool, cut: bool
-) -> tuple[Outcome, dict[str, Any]]:
+) -> tuple[Outcome[Timeline], dict[str, Any]]:
     """One run: the pair, the proxy on it, the provider and the nemesis; the figures recorded."""
     recorder, app_url = app
     events = int((BEFORE_KILL + AFTER_KILL) * RATE)
@@ -172,12 +153,14 @@ async def fail_over(
             await served.kill()
         rows = int(pair.primary.sql(f"SELECT count(*) FROM {TABLE}", database="dedup"))
     outcome = Outcome(answers, recorder.calls, timeline, rows, log_outcomes, exited)
-    figures = outcome.figures(synchronous=synchronous, events=events)
-    record(figures)
-    return outcome, figures
+    measured = figures(outcome, synchronous=synchronous, events=events)
+    record(measured)
+    return outcome, measured
 
 
-def assert_the_proxy_rode_it_out(outcome: Outcome, figures: dict[str, Any], events: int) -> None:
+def assert_the_proxy_rode_it_out(
+    outcome: Outcome[Timeline], figures: dict[str, Any], events: int
+) -> None:
     """No restart; only 2xx, or 503 with Retry-After; every copy acknowledged in the end; the
     new primary reached within the bound."""
     assert not outcome.proxy_exited

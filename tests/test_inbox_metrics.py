@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import admin, redeliverer
-from tests.helpers import FakeUpstream, MakeProxy, execute, wait_until
+from tests.helpers import FakeUpstream, MakeProxy, execute, scrape, wait_until
 
 QUICK = {"poll": "100ms", "rate": 1000}
 LATER = ["1h"]  # no redelivery within a test unless its row is made due
@@ -55,13 +54,7 @@ class Scraper:
         return cls(await aiohttp_client(admin.create_admin_app(proxy.app)))
 
     async def samples(self) -> Samples:
-        response = await self._client.get("/metrics")
-        assert response.status == 200
-        found = {}
-        for family in text_string_to_metric_families(await response.text()):
-            for sample in family.samples:
-                found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-        return found
+        return await scrape(self._client)
 
     async def value(self, name: str, **labels: str) -> float | None:
         """The sample's value; None when ``/metrics`` does not have it."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import multidict
 import pytest
 import yaml
 
@@ -241,6 +242,69 @@ async def test_cli_events_exit_codes_and_help(config_file: Path) -> None:
         assert command in out
     code, out, _ = await run_cli("events", "forget", "--help")
     assert "forwarded to the app again" in out
+
+
+async def test_read_only_commands_need_no_signing_secrets(
+    tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
+) -> None:
+    """stats, migrate and events run where the routes' signing secrets are not set (a migrate
+    Job, a kubectl exec); serve and check, which verify or show what they verify with, refuse."""
+    unset = "DEDUP_TEST_NEVER_SET_SECRET"
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": upstream.url},
+                "database": {"dsn": pg_dsn, "table": table},
+                "routes": [
+                    {"name": "gh", "path": "/gh", "preset": "github",
+                     "verify": {"secret": f"${{{unset}}}"},
+                     "redeliver": {"schedule": ["1h"], "for": "1d"}},
+                    {"name": "t", "path": "/t/{tenant}", "event_id": "body:/id",
+                     "verify": {"scheme": "stripe", "tenant_secrets": {"acme": f"${{{unset}}}"}}},
+                ],
+            }
+        )
+    )  # fmt: skip
+    ran = {
+        " ".join(command): await run_cli(*command, "--config", str(path))
+        for command in (
+            ("migrate",),
+            ("stats",),
+            ("events", "list", "--route", "gh"),
+            ("events", "pending", "--route", "gh"),
+        )
+    }
+    refused = [await run_cli(command, "--config", str(path)) for command in ("check", "serve")]
+
+    assert {command: (code, err) for command, (code, _, err) in ran.items()} == {
+        command: (0, "") for command in ran
+    }
+    for code, out, err in refused:
+        assert (code, out) == (2, "")
+        assert f"routes[0].verify.secret: environment variable {unset} is not set" in err
+        assert f"routes[1].verify.tenant_secrets.acme: environment variable {unset} is not set" in (
+            err
+        )
+
+
+def test_a_configuration_without_secrets_refuses_every_signature() -> None:
+    """The verifiers of a configuration read without its secrets describe the scheme as with
+    them (what the event ID's form depends on) and fail closed."""
+    raw = {
+        "upstream": {"url": "http://127.0.0.1:9"},
+        "database": {"dsn": "embedded"},
+        "routes": [{"name": "gh", "path": "/gh", "preset": "github",
+                    "verify": {"secret": "${DEDUP_TEST_NEVER_SET_SECRET}"}}],
+    }  # fmt: skip
+    (verified,) = config.parse(raw, secrets=False).routes
+    assert verified.verify is not None
+    assert (verified.verify.scheme, verified.id_signed) == ("github", False)
+    assert verified.verify.headers == ("X-Hub-Signature-256",)
+    with pytest.raises(errors.SignatureInvalid, match="the signing secrets were not read"):
+        verified.verify.verify(
+            multidict.CIMultiDict({"X-Hub-Signature-256": "sha256=00"}), b"{}", 0.0
+        )
 
 
 async def test_cli_reports_an_unreachable_database(tmp_path: Path) -> None:

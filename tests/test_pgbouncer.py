@@ -118,7 +118,7 @@ async def test_a_replayed_signed_body_is_kept_once_through_pgbouncer(
     ]
 
     assert [a.status for a in answers] == [202, 503, 503]
-    rows = await fetch(pg_dsn, f'SELECT inbox_state FROM "{table}"')
+    rows = await fetch(pg_dsn, f"SELECT inbox_state FROM \"{table}\" WHERE scope <> '~id-forms'")
     assert [r["inbox_state"] for r in rows] == ["pending"]
 
 

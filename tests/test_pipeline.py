@@ -3,11 +3,11 @@ module of their own covers (a new event, the app's non-2xx, an unreachable or sl
 duplicate, an unusable event ID, a COMMIT that fails, a body over ``max_body`` or cut off by the
 provider, pass-through).
 
-The other rows, by module: a malformed or cut-short answer ``test_client``, ``test_obs_text``;
+The other rows, by module: a malformed or cut-short answer ``test_http1``, ``test_obs_text``;
 replay ``test_replay``; signatures ``test_providers``, ``test_signatures``; idempotency keys
 ``test_idempotency``; copies in flight and ``claim_wait`` ``test_concurrency``; the database or
-its pool unavailable ``test_claims``; the reconciled COMMIT ``test_ambiguous_commit``; an
-upstream 410 ``test_reliability``; ``max_buffered`` ``test_budget``, ``test_unread_clients``;
+its pool unavailable ``test_store``; the reconciled COMMIT ``test_ambiguous_commit``; an
+upstream 410 ``test_reliability``; ``max_buffered`` ``test_memory``, ``test_unread_clients``;
 ``max_connections`` ``test_connections``; slow bodies ``test_slow_bodies``,
 ``test_hostile_http``; path variants and methods ``test_paths``.
 """
@@ -418,6 +418,32 @@ async def test_the_apps_failures_are_logged_at_warning_level(
     assert [failed.status, refused.status, passed.status] == [500, 502, 502]
     lines = [(r.levelname, r.fields["outcome"]) for r in caplog.records if hasattr(r, "fields")]
     assert lines == [("WARNING", "upstream_error")] * 3
+
+
+async def test_each_outcome_is_logged_at_its_level(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A duplicate absorbed is the product (info, as a processed webhook); a scanner's 404 or
+    405 is noise for warning-level alerting (info); a webhook refused on a route stays a
+    warning (its provider will not retry a 4xx)."""
+    client = await make_proxy(passthrough=["/api"])
+
+    with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
+        await client.post("/webhooks/corvel", data=b'{"id": "evt_lv"}')
+        await client.post("/webhooks/corvel", data=b'{"id": "evt_lv"}')
+        await client.get("/wp-login.php")
+        await client.get("/webhooks/corvel")
+        await client.post("/webhooks/corvel", data=b'{"no_id": 1}')
+
+    lines = [(r.levelname, r.fields["outcome"], r.fields["status"])
+             for r in caplog.records if hasattr(r, "fields")]  # fmt: skip
+    assert lines == [
+        ("INFO", "processed", 200),
+        ("INFO", "duplicate", 200),
+        ("INFO", "rejected", 404),
+        ("INFO", "rejected", 405),
+        ("WARNING", "rejected", 400),
+    ]
 
 
 async def test_a_request_body_the_provider_cuts_off_is_400_and_never_forwarded(

@@ -3,6 +3,8 @@ server that checks passwords, a closed port and a real PgBouncer; its output and
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import yaml
 
 from proxy import database, embedded, preflight
 from proxy.database import sql
-from tests.helpers import execute, free_port, run_cli, run_python
+from tests.helpers import FakeUpstream, execute, free_port, run_cli, run_python
 from tests.pgbouncer import pgbouncer
 from tests.roles import ANSWERS, DOCUMENTED, as_role, limited_role
 
@@ -90,9 +92,45 @@ async def test_a_wrong_password_fails_the_connection_and_is_never_printed(
     assert code == 1
     (line,) = out.splitlines()
     assert line.startswith("FAIL connect: cannot connect to PostgreSQL at ")
-    assert "within 5s (database.connect_timeout)" in line
-    assert f'password authentication failed for user "{role}"' in line
+    assert line.endswith(
+        f': authentication failed: password authentication failed for user "{role}"'
+    )
     assert "not-the-Pa55word" not in out + err
+
+
+async def test_a_wrong_database_name_is_said_so(tmp_path: Path, pg_dsn: str, table: str) -> None:
+    wrong = pg_dsn.replace("/postgres?", "/no_such_db?")
+    assert wrong != pg_dsn
+    code, out, _ = await check_database(tmp_path, wrong, table)
+    assert code == 1
+    (line,) = out.splitlines()
+    assert line.startswith("FAIL connect: cannot connect to PostgreSQL at ")
+    assert line.endswith(': no such database: database "no_such_db" does not exist')
+
+
+async def test_a_server_that_never_answers_is_a_timeout(tmp_path: Path) -> None:
+    """A listener that accepts and says nothing (a hung server, a proxy that drops the
+    traffic): the one failure that is about database.connect_timeout."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        dsn = f"postgresql://dedup:{PASSWORD}@127.0.0.1:{port}/claims"
+        code, out, _ = await check_database(tmp_path, dsn, "t", connect_timeout="1s")
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert code == 1
+    assert out.splitlines() == [
+        f"FAIL connect: cannot connect to PostgreSQL at 127.0.0.1:{port}: no answer within 1s "
+        "(database.connect_timeout)"
+    ]
 
 
 async def test_a_missing_grant_is_named(tmp_path: Path, pg_dsn: str, schema: str) -> None:
@@ -103,6 +141,49 @@ async def test_a_missing_grant_is_named(tmp_path: Path, pg_dsn: str, schema: str
         f"FAIL privileges: role {role} lacks privileges: GRANT UPDATE (answer_status, "
         f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate: replay stores '
         "the app's answer)"
+    )
+
+
+@pytest.fixture
+async def walled(pg_dsn: str, table: str) -> AsyncIterator[str]:
+    """The claim table in a schema of its own (``schema.table``), as its owner made it."""
+    await execute(pg_dsn, f'CREATE SCHEMA "{table}"; {sql.for_table(f"{table}.claims").schema}')
+    yield f"{table}.claims"
+    await execute(pg_dsn, f'DROP SCHEMA "{table}" CASCADE')
+
+
+async def test_a_schema_without_usage_is_named_with_its_grant(
+    tmp_path: Path, pg_dsn: str, walled: str
+) -> None:
+    """The documented grants on the table, none on its schema: every statement naming the
+    table is refused ('permission denied for schema'); check names the GRANT, which is enough."""
+    schema = walled.partition(".")[0]
+    async with limited_role(pg_dsn, walled, DOCUMENTED, ANSWERS) as (role, dsn):
+        code, out, err = await check_database(tmp_path, dsn, walled)
+        assert (code, err) == (1, "")
+        assert out.splitlines()[1:] == [
+            f"FAIL schema: role {role} lacks USAGE on schema {schema}, without which it can "
+            f"reach no table there: GRANT USAGE ON SCHEMA {schema} TO {role}",
+            "ok   pooler: none (a direct connection to PostgreSQL)",
+        ]
+        await execute(pg_dsn, f"GRANT USAGE ON SCHEMA {schema} TO {role}")
+        code, out, err = await check_database(tmp_path, dsn, walled)
+    assert (code, err) == (0, ""), out
+
+
+async def test_a_schema_on_search_path_without_usage_is_named_not_called_missing(
+    tmp_path: Path, pg_dsn: str, walled: str
+) -> None:
+    """The table named without its schema, found through the role's search_path: a schema
+    without USAGE is left out of the search, and the table seemed not to exist."""
+    schema = walled.partition(".")[0]
+    async with limited_role(pg_dsn, walled, DOCUMENTED) as (role, dsn):
+        await execute(pg_dsn, f'ALTER ROLE {role} SET search_path = "{schema}"')
+        code, out, _ = await check_database(tmp_path, dsn, "claims", routes=ROUTES[:1])
+    assert code == 1
+    assert out.splitlines()[1] == (
+        f"FAIL schema: role {role} lacks USAGE on schema {schema}, without which it can "
+        f"reach no table there: GRANT USAGE ON SCHEMA {schema} TO {role}"
     )
 
 
@@ -127,16 +208,15 @@ async def test_a_missing_table_and_column_are_named(
     )
 
 
-async def test_an_unreachable_port_names_host_port_and_timeout(tmp_path: Path) -> None:
+async def test_a_closed_port_names_host_port_and_the_refusal(tmp_path: Path) -> None:
     port = free_port()
     dsn = f"postgresql://dedup:{PASSWORD}@127.0.0.1:{port}/claims"
     code, out, err = await check_database(tmp_path, dsn, "t", connect_timeout="2s")
     assert (code, err) == (1, "")
-    (line,) = out.splitlines()
-    assert line.startswith(
-        f"FAIL connect: cannot connect to PostgreSQL at 127.0.0.1:{port} within 2s "
-        "(database.connect_timeout): "
-    )
+    assert out.splitlines() == [
+        f"FAIL connect: cannot connect to PostgreSQL at 127.0.0.1:{port}: connection refused: "
+        "nothing listens on that port"
+    ]
     assert PASSWORD not in out
 
 
@@ -150,6 +230,35 @@ async def test_through_pgbouncer_the_pooler_is_seen(
         "ok   pooler: one is in between (PgBouncer?); its pool mode can't be told from a "
         "client, but transactions work: transaction or session pooling, both fine"
     )
+
+
+async def test_check_upstream_connects_to_each_app(tmp_path: Path, upstream: FakeUpstream) -> None:
+    """One line per app, with the routes sent there; a connect only, no request."""
+    closed = free_port()
+    path = tmp_path / "config.yaml"
+    settings: dict[str, Any] = {
+        "upstream": {"url": upstream.url},
+        "database": {"dsn": f"postgresql://dedup:{PASSWORD}@127.0.0.1:9/claims"},
+        "routes": [
+            {"name": "stripe", "path": "/stripe", "event_id": "body:/id"},
+            {"name": "github", "path": "/github", "event_id": "body:/id",
+             "upstream": f"http://127.0.0.1:{closed}"},
+        ],
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(settings))
+
+    code, out, err = await run_cli("check", "--upstream", "--config", str(path))
+
+    assert (code, err) == (1, "")
+    assert out.partition("upstream:\n")[2].splitlines() == [
+        f"ok   {upstream.url} (stripe, pass-through): takes connections",
+        f"FAIL http://127.0.0.1:{closed} (github): upstream refused the connection: nothing "
+        "listens there",
+    ]
+    assert upstream.requests == []
+    settings["routes"].pop()
+    path.write_text(yaml.safe_dump(settings))
+    assert (await run_cli("check", "--upstream", "--config", str(path)))[0] == 0
 
 
 async def test_check_refuses_an_embedded_database_without_its_package(tmp_path: Path) -> None:

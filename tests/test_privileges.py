@@ -113,6 +113,23 @@ async def test_a_route_without_delete_refuses_to_start_naming_the_grant(
     )
 
 
+async def test_a_schema_without_usage_refuses_to_start_naming_the_grant(
+    proxy_config: Any, pg_dsn: str, table: str
+) -> None:
+    await execute(pg_dsn, f'CREATE SCHEMA "{table}"; {sql.for_table(f"{table}.claims").schema}')
+    try:
+        async with limited_role(pg_dsn, f"{table}.claims", DOCUMENTED) as (role, dsn):
+            settings = {"dsn": dsn, "table": f"{table}.claims", "create_schema": False}
+            with pytest.raises(errors.NotPrepared) as refused:
+                await start_up(proxy_config(routes=[SWEPT], database=settings))
+    finally:
+        await execute(pg_dsn, f'DROP SCHEMA "{table}" CASCADE')
+    assert refused.value.message == (
+        f"table {table}.claims: role {role} lacks USAGE on schema {table}, without which it "
+        f"can reach no table there: GRANT USAGE ON SCHEMA {table} TO {role}"
+    )
+
+
 async def test_serve_refuses_to_start_in_one_line_without_a_traceback(
     tmp_path: Path, pg_dsn: str, schema: str, upstream: FakeUpstream
 ) -> None:
@@ -176,12 +193,8 @@ async def test_an_answer_the_role_may_no_longer_store_is_a_warning_and_counted(
         again = await proxy.post("/twiml", data=b'{"id": "SM2"}')
         scraped = await (await probe.get("/metrics")).text()
 
-    assert ready.status == 503
-    assert (await ready.json())["reason"] == (
-        f"table {schema}: role {role} lacks privileges: GRANT UPDATE (answer_status, "
-        f'answer_headers, answer_body) ON "{schema}" TO {role} (on_duplicate: replay stores '
-        "the app's answer)"
-    )
+    # The claims go on: not an outage, only the answers are not stored.
+    assert (ready.status, await ready.json()) == (200, {"status": "ready"})
     assert first.status == 200
     # The claim was committed, without its answer: the duplicate is acknowledged, not
     # forwarded again, and not replayed.
@@ -203,3 +216,54 @@ async def test_an_answer_the_role_may_no_longer_store_is_a_warning_and_counted(
         for s in family.samples
     }
     assert counted[("dedup_answer_store_failures_total", "twiml")] == 1
+    missing = {s.labels["grant"]: s.value for family in text_string_to_metric_families(scraped)
+               for s in family.samples if s.name == "dedup_database_grant_missing"}  # fmt: skip
+    assert missing == {"delete": 0, "update_answers": 1, "update_inbox": 0}
+
+
+async def test_a_revoked_delete_keeps_readyz_up_and_is_logged_and_measured(
+    make_proxy: MakeProxy,
+    aiohttp_client: Any,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    schema: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DELETE serves the sweep and forget, not a claim: a role without it any more keeps
+    taking webhooks; the sweep fails, the log says which GRANT, the gauge says it until then."""
+
+    def missing(scraped: str) -> dict[str, float]:
+        return {
+            s.labels["grant"]: s.value
+            for family in text_string_to_metric_families(scraped)
+            for s in family.samples
+            if s.name == "dedup_database_grant_missing"
+        }
+
+    async with limited_role(pg_dsn, schema, DOCUMENTED) as (role, dsn):
+        proxy = await make_proxy(routes=[SWEPT], **limited(dsn))
+        probe = await aiohttp_client(admin.create_admin_app(proxy.app))
+        assert (await probe.get("/readyz")).status == 200
+        before = missing(await (await probe.get("/metrics")).text())
+        await execute(pg_dsn, f'REVOKE DELETE ON "{schema}" FROM {role}')
+
+        with caplog.at_level(logging.INFO):
+            ready = await probe.get("/readyz")
+            posted = await proxy.post("/short", data=b'{"id": "d1"}')
+        revoked = missing(await (await probe.get("/metrics")).text())
+        with pytest.raises(errors.PermissionDenied):
+            await sweeper_of(proxy).sweep()
+        await execute(pg_dsn, f'GRANT DELETE ON "{schema}" TO {role}')
+        assert (await probe.get("/readyz")).status == 200
+        again = missing(await (await probe.get("/metrics")).text())
+
+    assert (ready.status, await ready.json()) == (200, {"status": "ready"})
+    assert posted.status == 200
+    assert before == again == {"delete": 0, "update_answers": 0, "update_inbox": 0}
+    assert revoked == {"delete": 1, "update_answers": 0, "update_inbox": 0}
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.getMessage() == (
+        f'table {schema}: role {role} lacks privileges: GRANT DELETE ON "{schema}" TO {role} '
+        "(DELETE: the retention sweep and events forget); claims go on, and only what needs it "
+        "fails until it is granted (dedup_database_grant_missing)"
+    )

@@ -182,7 +182,7 @@ async def test_duplicate_with_another_body_is_answered_200_and_logged_as_mismatc
     assert len(upstream.requests) == 1
     lines = [(r.levelno, r.fields) for r in caplog.records if hasattr(r, "fields")]
     assert [(level, f.get("mismatch", False)) for level, f in lines] == [
-        (logging.DEBUG, False),
+        (logging.INFO, False),
         (logging.WARNING, True),
     ]
 
@@ -491,7 +491,7 @@ async def test_a_signed_body_resent_under_another_id_is_logged(
     lines = [(r.levelno, r.fields) for r in caplog.records if hasattr(r, "fields")]
     assert [(level, f["event_id"], f.get("body_claimed_as")) for level, f in lines] == [
         (logging.INFO, "e1", None),
-        (logging.DEBUG, "e1", None),
+        (logging.INFO, "e1", None),
         (logging.WARNING, "forged-2", "e1"),
         (logging.INFO, "e3", None),
     ]

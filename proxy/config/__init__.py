@@ -245,8 +245,10 @@ def _passthrough(value: object) -> tuple[str, ...] | None:
     return tuple(prefixes)
 
 
-def load(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a config file; raise ConfigError listing every problem."""
+def load(path: str | os.PathLike[str], *, secrets: bool = True) -> Config:
+    """Read and validate a config file; raise ConfigError listing every problem. Without
+    ``secrets`` the routes' signing secrets are not read (their ``${VAR}`` may be unset) and
+    their verifiers refuse every request: for the commands that verify nothing."""
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -262,12 +264,12 @@ def load(path: str | os.PathLike[str]) -> Config:
         # PyYAML's constructors let these through for e.g. `2001-13-01`, `!!timestamp x`,
         # 5000-digit integers or deep nesting.
         raise errors.ConfigError(source, [f"not valid YAML: {exc!r}"]) from exc
-    return parse(raw, source=source)
+    return parse(raw, source=source, secrets=secrets)
 
 
-def parse(raw: object, *, source: str = "<config>") -> Config:
-    """Validate an already-parsed YAML document."""
-    r = reader.Reader()
+def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Config:
+    """Validate an already-parsed YAML document (``secrets``: as ``load``)."""
+    r = reader.Reader(secrets=secrets)
     top = r.mapping(raw, "", TOP_KEYS)
     listen = r.value(top, "listen", "", _listen, _listen(DEFAULT_LISTEN))
     up = r.mapping(

@@ -7,6 +7,7 @@ facts are unverified.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 DAY = 86400.0
@@ -112,3 +113,15 @@ PRESETS: dict[str, Preset] = {
         event_id=("body:/id",), event_type="body:/event_type", scheme=None, retention=4 * DAY
     ),
 }
+
+
+def parse_name(value: object) -> str:
+    """A preset's name in any case (``GitHub`` is ``github``, as the provider spells itself);
+    ValueError naming the nearest preset for a misspelt one, never picking it: a route signed
+    and keyed as another provider's would refuse or mis-key every webhook."""
+    name = value.lower() if isinstance(value, str) else ""
+    if name in PRESETS:
+        return name
+    close = difflib.get_close_matches(name, PRESETS, n=1)
+    hint = f": did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"must be one of {', '.join(PRESETS)}; got {value!r}{hint}")

@@ -14,10 +14,13 @@ T = TypeVar("T")
 
 
 class Reader:
-    """Walks the parsed YAML, interpolating and validating, and collects every problem."""
+    """Walks the parsed YAML, interpolating and validating, and collects every problem. Without
+    ``secrets``, the values read as secrets (``strings(secret=True)``) are taken as written:
+    their ``${VAR}`` is not looked up, so an unset one is no problem."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, secrets: bool = True) -> None:
         self.problems: list[str] = []
+        self.secrets = secrets
 
     def problem(self, path: str, message: str) -> None:
         self.problems.append(f"{path}: {message}" if path else message)
@@ -66,8 +69,11 @@ class Reader:
             return None
         return self.value(section, key, path, parse, None)
 
-    def strings(self, section: Mapping[str, Any], key: str, path: str) -> list[str] | None:
-        """A string or a list of strings (each interpolated); None, reported, if absent."""
+    def strings(
+        self, section: Mapping[str, Any], key: str, path: str, *, secret: bool = False
+    ) -> list[str] | None:
+        """A string or a list of strings (each interpolated, unless ``secret`` and this reader
+        leaves secrets unread); None, reported, if absent."""
         where = join(path, key)
         raw = section.get(key)
         items = [raw] if isinstance(raw, str) else raw
@@ -75,6 +81,8 @@ class Reader:
             self.problem(where, "must be a string or a non-empty list of strings")
             return None
         spelled = [f"{where}[{n}]" for n in range(len(items))] if isinstance(raw, list) else [where]
+        if secret and not self.secrets:
+            return list(items)
         resolved = [self.interpolate(item, at) for item, at in zip(items, spelled, strict=True)]
         for item, at in zip(resolved, spelled, strict=True):
             if item == "":

@@ -218,7 +218,7 @@ def _parse_route(
 ) -> RouteConfig | None:
     """One route, each absent key its default; None if it has no name, path or event ID (each
     reported). The keys are read in a fixed order, which is the order of the problems."""
-    preset_name = r.value(route, "preset", path, values.parse_choice(*presets.PRESETS), None)
+    preset_name = r.value(route, "preset", path, presets.parse_name, None)
     preset = presets.PRESETS.get(preset_name or "")
     bad_preset = preset is None and route.get("preset") is not None
     name = r.required(route, "name", path, values.parse_name)

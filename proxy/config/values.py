@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from proxy import event_ids
 
@@ -88,6 +88,15 @@ def parse_size(value: object) -> int:
     return size
 
 
+def format_size(size: int) -> str:
+    """A byte count as configured: ``1MiB``, ``512KiB``, ``10MB`` (the largest unit it is a whole
+    number of, binary first), else ``1500B``."""
+    for unit in ("GiB", "MiB", "KiB", "GB", "MB", "KB"):
+        if size >= _SIZE_UNITS[unit] and size % _SIZE_UNITS[unit] == 0:
+            return f"{size // _SIZE_UNITS[unit]}{unit}"
+    return f"{size}B"
+
+
 def parse_listen(value: object) -> tuple[str, int]:
     host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
     bracketed = host.startswith("[") == host.endswith("]")
@@ -108,8 +117,67 @@ def parse_http_url(value: object) -> str:
     return str(value).rstrip("/")
 
 
+# libpq's "key=value" form: a keyword, "=", and a value single-quoted (\\ and \' escaped) or
+# a run without spaces (backslash escapes too), separated by spaces.
+_LIBPQ_PAIR = re.compile(
+    r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(?:'((?:[^'\\]|\\.)*)'|((?:[^\s'\\]|\\.)*))"
+)
+# The libpq keywords asyncpg reads, besides those that become the URL's parts: any other it would
+# send to the server as a setting, where libpq refuses it as an invalid connection option.
+_LIBPQ_QUERY = ("passfile", "sslmode", "sslcert", "sslkey", "sslrootcert", "sslcrl", "sslpassword",
+                "sslnegotiation", "ssl_min_protocol_version", "ssl_max_protocol_version",
+                "target_session_attrs", "krbsrvname", "gsslib", "service")  # fmt: skip
+_LIBPQ_HINTS = {
+    "connect_timeout": "set database.connect_timeout instead",
+    "application_name": "the proxy names its connections dedup-proxy (dedup-proxy-cli)",
+}
+
+
+def libpq_url(text: str) -> str:
+    """A libpq ``key=value`` DSN (``host=db port=5432 user=app password=… dbname=events``) as
+    the postgresql:// URL asyncpg reads, every part percent-encoded; ValueError, never quoting
+    a value (the password), for what cannot be read or converted."""
+    pairs: dict[str, str] = {}
+    position, end = 0, len(text.rstrip())
+    while position < end:
+        match = _LIBPQ_PAIR.match(text, position)
+        if match is None or match.end() == position:
+            raise ValueError(
+                "must be 'embedded', a postgresql:// URL or libpq's key=value pairs "
+                "(a value with spaces in single quotes)"
+            )
+        raw = match[2] if match[2] is not None else match[3]
+        pairs[match[1]] = re.sub(r"\\(.)", r"\1", raw)
+        position = match.end()
+    for key in pairs:
+        if key not in (*_LIBPQ_QUERY, "host", "port", "user", "password", "dbname"):
+            hint = _LIBPQ_HINTS.get(key, "the proxy's driver, asyncpg, does not read it")
+            raise ValueError(f"libpq keyword {key!r} is not supported here: {hint}")
+    user = quote(pairs.pop("user", ""), safe="")
+    password = pairs.pop("password", None)
+    userinfo = user + ("" if password is None else ":" + quote(password, safe=""))
+    hosts = pairs.get("host", "").split(",") if pairs.get("host") else []
+    ports = pairs.get("port", "").split(",") if pairs.get("port") else []
+    authority = ""
+    if hosts and not any(host.startswith("/") for host in hosts):
+        if len(ports) not in (0, 1, len(hosts)):
+            raise ValueError(f"libpq port: {len(ports)} port numbers for {len(hosts)} hosts")
+        ports = ports * len(hosts) if len(ports) == 1 else ports or [""] * len(hosts)
+        authority = ",".join(
+            (f"[{host}]" if ":" in host else quote(host, safe=".-")) + (f":{port}" if port else "")
+            for host, port in zip(hosts, ports, strict=True)
+        )
+        pairs.pop("host")
+        pairs.pop("port", None)
+    database = quote(pairs.pop("dbname", ""), safe="")
+    query = "&".join(f"{key}={quote(value, safe='/,')}" for key, value in pairs.items())
+    at = "@" if userinfo else ""
+    return f"postgresql://{userinfo}{at}{authority}/{database}" + (f"?{query}" if query else "")
+
+
 def parse_dsn(value: object) -> str | None:
-    """``embedded`` (None) or a postgresql:// URL that asyncpg reads as written.
+    """``embedded`` (None), a postgresql:// URL that asyncpg reads as written, or libpq's
+    ``key=value`` pairs (converted to such a URL by ``libpq_url``).
 
     asyncpg splits the URL where a browser would: a raw '/', '?' or '#' in the password ends the
     host part early (and the rest is read as a port, a database or a query), a raw '@' moves the
@@ -117,6 +185,8 @@ def parse_dsn(value: object) -> str | None:
     """
     if value == EMBEDDED:
         return None
+    if isinstance(value, str) and "://" not in value and "=" in value:
+        value = libpq_url(value)
     scheme, sep, rest = value.partition("://") if isinstance(value, str) else ("", "", "")
     if not isinstance(value, str) or not sep or scheme.lower() not in ("postgres", "postgresql"):
         raise ValueError("must be 'embedded' or a postgresql:// URL")

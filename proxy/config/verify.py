@@ -4,7 +4,8 @@ from. Apart from routes because it is the one part of a route that handles secre
 its own (on a templated path a secret is per tenant unless ``shared_secret`` says otherwise) and
 its own problem paths; routes hands it the few route facts it needs (the preset, the path's
 pattern, whether the scope is explicit) and gets back a ``signatures.Verifier``. It imports
-nothing from routes, which imports it.
+nothing from routes, which imports it. A reader that leaves secrets unread (the commands that
+verify nothing) gets verifiers that describe the scheme and refuse every request.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _parse_secrets(
         if not any(difflib.get_close_matches(str(name), secret_keys, n=1) for name in section):
             r.problem(f"{path}.secret", "is required (or secrets: a list, or tenant_secrets)")
         return None
-    secrets = r.strings(section, key, path)
+    secrets = r.strings(section, key, path, secret=True)
     shared = r.value(section, "shared_secret", path, values.parse_bool, False)
     templated = pattern is not None and bool(pattern.params)
     if "shared_secret" in section and pattern is not None and not templated:
@@ -160,7 +161,7 @@ def _parse_tenants(
     spelled: dict[str, str] = {}
     for name in raw:
         where = reader.join(path, str(name))
-        secrets = r.strings(raw, name, path)
+        secrets = r.strings(raw, name, path, secret=True)
         try:
             tenant = tenant_of(pattern.parse_values(name)) if pattern else None
         except ValueError as exc:
@@ -188,6 +189,8 @@ def _verifier(
     ``secrets[1]``; ``path`` itself under tenant_secrets), not as signatures numbers it."""
     if checked is None or secrets is None:
         return None
+    if not r.secrets:
+        return checked.unread()
     try:
         return checked.verifier(secrets)
     except ValueError as exc:

@@ -39,6 +39,7 @@ from proxy.database.pool import dsn_hosts, host_named, translated
 from proxy.database.sql import BOUND_DIGITS
 from proxy.database.store import (
     DDL_LOCK_WAIT,
+    DEGRADED,
     PRIVILEGES,
     Distribution,
     Event,
@@ -53,6 +54,7 @@ from proxy.database.store import (
 __all__ = [
     "BOUND_DIGITS",
     "DDL_LOCK_WAIT",
+    "DEGRADED",
     "GRANT_ANSWER_HINT",
     "PRIVILEGES",
     "Answer",

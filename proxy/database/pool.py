@@ -30,6 +30,7 @@ import asyncio
 import logging
 import os
 import random
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
@@ -85,22 +86,29 @@ _READ_ONLY = asyncpg.ReadOnlySQLTransactionError
 _STATE_CLASH = "cannot switch to state"
 
 
-def translated(what: str, on_error: Callable[[], object] | None = None) -> Translation:
+def translated(
+    what: str, on_error: Callable[[], object] | None = None, *, connecting: float | None = None
+) -> Translation:
     """A block whose database errors raise StoreUnavailable("<what>: <the error>"), or the
     subclass naming a refusal (LockTimeout, TableMissing, PermissionDenied); for any other
-    error, after ``on_error`` (closing a connection left in doubt)."""
-    return Translation(what, on_error)
+    error, after ``on_error`` (closing a connection left in doubt). A block ``connecting``
+    (its ``connect_timeout``) says what failed in words: timed out, refused, authentication,
+    no such database."""
+    return Translation(what, on_error, connecting)
 
 
 class Translation:
     """``translated``'s context manager; a class, not a generator, which would cost several
     times as much on every claim."""
 
-    __slots__ = ("_on_error", "_what")
+    __slots__ = ("_connecting", "_on_error", "_what")
 
-    def __init__(self, what: str, on_error: Callable[[], object] | None) -> None:
+    def __init__(
+        self, what: str, on_error: Callable[[], object] | None, connecting: float | None = None
+    ) -> None:
         self._what = what
         self._on_error = on_error
+        self._connecting = connecting
 
     def __enter__(self) -> None:
         return None
@@ -109,7 +117,8 @@ class Translation:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if isinstance(exc, DB_ERRORS):
-            detail = _described(exc)
+            timeout = self._connecting
+            detail = _described(exc) if timeout is None else _refusal(exc, timeout)
             for refusal, mapped in _REFUSALS:
                 if isinstance(exc, refusal):
                     raise mapped(f"{self._what}: {detail}") from exc
@@ -268,12 +277,30 @@ def host_named(host: tuple[str, int]) -> str:
     return f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
 
 
+# What a connect's failure means, in the words the operator acts on (a firewall, a port, a
+# password, a name), the first match of each; "{exc}" is the error's own text.
+_CONNECT_FAILURES: tuple[tuple[type[BaseException], str], ...] = (
+    (asyncpg.TargetServerAttributeNotMatched,
+     "takes no writes (a standby, or read-only), and target_session_attrs asks for them"),
+    (asyncpg.InvalidPasswordError, "authentication failed: {exc}"),
+    # pg_hba.conf, or a role that may not log in
+    (asyncpg.InvalidAuthorizationSpecificationError, "login refused: {exc}"),
+    (asyncpg.InvalidCatalogNameError, "no such database: {exc}"),
+    (ConnectionRefusedError, "connection refused: nothing listens on that port"),
+    (socket.gaierror, "host not found: {exc}"),
+    (FileNotFoundError, "no server socket there: {exc}"),
+)  # fmt: skip
+
+
 def _refusal(exc: BaseException, timeout: float) -> str:
-    """Why one host gave no connection, in words."""
+    """Why a connect failed (each host of a multi-host DSN for itself), in words."""
     if isinstance(exc, TimeoutError):
         return f"no answer within {timeout:g}s (database.connect_timeout)"
-    if isinstance(exc, asyncpg.TargetServerAttributeNotMatched):
-        return "takes no writes (a standby, or read-only), and target_session_attrs asks for them"
+    if isinstance(exc, HostsRefused):
+        return str(exc)  # each host's reason, worded here already
+    for kind, words in _CONNECT_FAILURES:
+        if isinstance(exc, kind):
+            return words.format(exc=exc)
     return _described(exc)
 
 

@@ -151,6 +151,7 @@ class Queries:
     schema_steps: tuple[str, ...]
     schema_lock: str
     schema_missing: str
+    schema_usage: str
     privileges: str
     insert: str
     duplicate_of: str
@@ -323,6 +324,24 @@ def for_table(table: str) -> Queries:
             "         AND attname = 'inbox_changed' AND NOT attisdropped) AS inbox,"
             f" to_regclass({_literal(schema + dot + inbox_index)}) IS NOT NULL AS inbox_index,"
             f" to_regclass({_literal(schema + dot + index)}) IS NOT NULL AS index"
+        ),
+        # The claim table's schema and whether the role may use it (USAGE): without, every
+        # statement naming the table fails ('permission denied for schema'), and a name looked
+        # up through search_path skips the schema, so that the table seems missing. The
+        # catalogs are readable all the same: the schema named, or else the first schema on
+        # search_path holding a relation of that name. No row: neither is there.
+        schema_usage=(
+            "SELECT quote_ident(n.nspname) AS schema, quote_ident(current_user) AS role,"
+            " has_schema_privilege(n.oid, 'USAGE') AS usage FROM "
+            + (
+                f"pg_namespace AS n WHERE n.nspname = {_literal(schema)}"
+                if schema
+                else "unnest(string_to_array(current_setting('search_path'), ','))"
+                " WITH ORDINALITY AS p(entry, position) JOIN pg_namespace AS n"
+                " ON n.nspname = replace(btrim(btrim(p.entry), '\"'), '$user', current_user)"
+                " WHERE EXISTS (SELECT FROM pg_class AS c WHERE c.relnamespace = n.oid"
+                f" AND c.relname = {_literal(name)}) ORDER BY p.position LIMIT 1"
+            )
         ),
         # What the role (through PgBouncer: the server's) may do with the table, in one
         # statement that takes no lock; NULLs when the table or the answer columns are missing.

@@ -37,6 +37,13 @@ PRIVILEGES = {
     "INSERT": "the claim itself",
     "DELETE": "the retention sweep and events forget",
 }
+# What a claim cannot be made without, which readiness requires (``Store.check``); the other
+# grants the routes need (DELETE for the sweep and forget, UPDATE for a replayed answer or a
+# kept delivery) failing only their own part, their absence is reported (``degraded``), not
+# made an outage.
+CLAIM_PATH = ("SELECT", "INSERT")
+# The grants besides CLAIM_PATH, as ``Store.degraded`` and dedup_database_grant_missing name them.
+DEGRADED = ("delete", "update_answers", "update_inbox")
 # How long the DDL may wait for the claim table's lock. ALTER TABLE queues behind every claim in
 # flight, and every new claim queues behind it: a short wait that fails bounds that stall.
 DDL_LOCK_WAIT = 5.0
@@ -194,10 +201,31 @@ async def apply_schema(
         ) from None
 
 
-def _lacking(row: pool.Record, queries: sql.Queries, *, answers: bool, kept: bool = False) -> str:
-    """The GRANTs a row of ``queries.privileges`` says the role lacks, and why ("" if none)."""
+def _unusable(row: pool.Record | None) -> str:
+    """The GRANT a row of ``queries.schema_usage`` says the role lacks on the claim table's
+    schema ("" if none)."""
+    if row is None or row["usage"]:
+        return ""
+    schema, role = row["schema"], row["role"]
+    return (
+        f"role {role} lacks USAGE on schema {schema}, without which it can reach no table "
+        f"there: GRANT USAGE ON SCHEMA {schema} TO {role}"
+    )
+
+
+def _lacking(
+    row: pool.Record,
+    queries: sql.Queries,
+    *,
+    answers: bool,
+    kept: bool = False,
+    needed: Sequence[str] = tuple(PRIVILEGES),
+) -> str:
+    """The GRANTs a row of ``queries.privileges`` says the role lacks, and why ("" if none):
+    of ``needed`` on the table, UPDATE of the answer columns with ``answers``, of the inbox's
+    with ``kept``."""
     role, table = row["role"], queries.quoted
-    lacking = [name for name in PRIVILEGES if not row[name.lower()]]
+    lacking = [name for name in needed if not row[name.lower()]]
     grants = []
     if lacking:
         why = "; ".join(f"{name}: {PRIVILEGES[name]}" for name in lacking)
@@ -254,6 +282,8 @@ class Store:
         self.started = asyncio.Event()
         self.start_problem = "connecting to PostgreSQL"
         self.replication: Replication | None = None  # read by every check
+        # The grants of DEGRADED the role lacks, as of the last check.
+        self.degraded: tuple[str, ...] = ()
         # A redelivery's transaction has a claim's bounds.
         self.inbox = inbox.Inbox(self.queries.quoted, self._connection, self._begin,
                                  settings.connect_timeout)  # fmt: skip
@@ -282,7 +312,7 @@ class Store:
             dsn, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
             operator=operator,
         )  # fmt: skip
-        with translated(unreachable):
+        with translated(unreachable, connecting=settings.connect_timeout):
             await store._pool.fill()
         await store.notice_distribution()
         store.started.set()
@@ -321,7 +351,7 @@ class Store:
         the routes need (retrying does not fix that), StoreUnavailable when it does not answer
         (retrying may)."""
         try:
-            with translated("cannot connect to PostgreSQL"):
+            with translated("cannot connect to PostgreSQL", connecting=self.op_timeout):
                 await self._pool.fill()
             try:
                 await self.ensure_schema(answers=answers, kept=kept)
@@ -452,6 +482,8 @@ class Store:
         flight and block every new one, so a replica restarting under traffic would stall all.
         """
         table = self._settings.table
+        if unusable := await self.missing_usage():
+            raise errors.NotPrepared(f"table {table}: {unusable}")
         async with self._connection() as connection:
             with translated(f"cannot prepare table {table}"):
                 row = await connection.fetchrow(self.queries.schema_missing)
@@ -480,9 +512,10 @@ class Store:
     async def check(self) -> None:
         """Raise StoreUnavailable unless a claim can commit: the database answers and takes
         writes (``ReadOnly``: a standby, or read-only), the claim table exists and the role
-        still holds the privileges ``check_privileges`` verified; one statement, which also
-        reads whether COMMITs wait for a standby (``replication``). ``Starting`` until
-        ``start`` has succeeded."""
+        still holds what a claim needs (CLAIM_PATH); one statement, which also reads whether
+        COMMITs wait for a standby (``replication``) and which other grants ``check_privileges``
+        verified the role lacks now (``degraded``). ``Starting`` until ``start`` has
+        succeeded."""
         if not self.started.is_set():
             raise errors.Starting(f"starting: {self.start_problem}")
         async with self._connection() as connection:
@@ -497,8 +530,32 @@ class Store:
             self.replication = Replication(row["synchronous_commit"], row["standby_names"])
         if row is None or not row["table"]:
             raise errors.StoreUnavailable(f"table {self._settings.table} does not exist")
-        if problem := _lacking(row, self.queries, answers=self._answers, kept=self._kept):
+        if problem := _lacking(row, self.queries, answers=False, needed=CLAIM_PATH):
             raise errors.StoreUnavailable(f"table {self._settings.table}: {problem}")
+        self._notice_degraded(row)
+
+    def _notice_degraded(self, row: pool.Record) -> None:
+        """Read which grants besides the claim's the role lacks now (``degraded``), and log a
+        change: a warning naming the GRANTs when one went missing, info when all are back."""
+        missing = (
+            not row["delete"],
+            self._answers and row["answer"] is False,
+            self._kept and row["inbox"] is False,
+        )
+        degraded = tuple(name for name, lacks in zip(DEGRADED, missing, strict=True) if lacks)
+        if degraded == self.degraded:
+            return
+        self.degraded = degraded
+        table = self._settings.table
+        if degraded:
+            problem = _lacking(row, self.queries, answers=self._answers, kept=self._kept,
+                               needed=("DELETE",))  # fmt: skip
+            log.warning(
+                "table %s: %s; claims go on, and only what needs it fails until it is granted "
+                "(dedup_database_grant_missing)", table, problem,
+            )  # fmt: skip
+        else:
+            log.info("table %s: the role holds every grant the routes need again", table)
 
     async def facts(self) -> tuple[str, Replication]:
         """(why a claim cannot commit here, "" if it can; whether COMMITs wait for a standby),
@@ -642,6 +699,13 @@ class Store:
                 user = await connection.fetchval("SELECT current_user")
             return user, pool.server_version(connection)
 
+    async def missing_usage(self) -> str:
+        """The USAGE on the claim table's schema the role lacks, as the GRANT that gives it
+        ("" when it has it, or there is no such schema)."""
+        async with self._connection() as connection:
+            with translated("reading the role's privileges failed"):
+                return _unusable(await connection.fetchrow(self.queries.schema_usage))
+
     async def missing_schema(self, *, answers: bool, kept: bool = False) -> str:
         """What the claim table lacks ("" when nothing), see ``missing_schema``."""
         async with self._connection() as connection:
@@ -713,7 +777,7 @@ class Store:
                 f"no free database connection within {self._settings.pool_timeout:g}s "
                 f"(pool_size {self._settings.pool_size})"
             ) from exc
-        with translated("cannot connect to PostgreSQL"):
+        with translated("cannot connect to PostgreSQL", connecting=self.op_timeout):
             connection: Connection = await self._pool.take()
         return connection
 

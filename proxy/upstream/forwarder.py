@@ -14,7 +14,10 @@ it as surrogate escapes, and aiohttp's server writer would drop those (its C ser
 Python one raises), so a response made from the app's answer writes its own head when it holds
 anything but ASCII. Relied on, private: ``StreamResponse._write_headers`` is where aiohttp
 writes the head, and ``StreamWriter._headers_buf``/``_headers_written`` hold it until the first
-body write, as ``StreamWriter.write_headers`` leaves them.
+body write, as ``StreamWriter.write_headers`` leaves them; ``StreamResponse._prepare_headers`` is
+where aiohttp adds its own ``Server`` field, which an answer the app sent without one does not
+get. The proxy's own answers, every one not ``RELAYED``, say ``Server: dedup-proxy``
+(``name_the_server``, on the proxy's and the admin listener's applications).
 """
 
 from __future__ import annotations
@@ -177,7 +180,14 @@ def _head(status_line: str, headers: CIMultiDict[str]) -> bytes:
 
 
 class _AsSent(web.StreamResponse):
-    """Writes its head itself when aiohttp's writer could not write it exactly."""
+    """Writes its head itself when aiohttp's writer could not write it exactly; adds no
+    ``Server`` field to an answer the app sent without one (aiohttp would add its own)."""
+
+    async def _prepare_headers(self) -> None:
+        named = hdrs.SERVER in self._headers
+        await super()._prepare_headers()
+        if not named:
+            del self._headers[hdrs.SERVER]
 
     async def _write_headers(self) -> None:
         request, writer, headers = self._req, self._payload_writer, self._headers
@@ -206,6 +216,22 @@ class RelayedResponse(_AsSent, web.Response):
 
 class RelayedStreamResponse(_AsSent):
     """The app's answer to a pass-through request, streamed."""
+
+
+# The app's answers, as opposed to the proxy's own.
+RELAYED = (RelayedResponse, RelayedStreamResponse)
+
+
+# The Server field of the proxy's own answers: the product, no versions (nginx's server_tokens
+# off, Envoy's server_name); the app's answers carry the app's own, or none.
+SERVER_NAME = "dedup-proxy"
+
+
+async def name_the_server(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """Name the proxy in the ``Server`` field of its own answers (an ``on_response_prepare``
+    hook), instead of aiohttp's Python and aiohttp versions."""
+    if not isinstance(response, RELAYED):
+        response.headers[hdrs.SERVER] = SERVER_NAME
 
 
 class _PausingBody:
@@ -254,6 +280,25 @@ def relayed(answer: http1.Answer) -> RelayedResponse:
     return RelayedResponse(
         status=answer.status, reason=answer.reason, headers=answer.headers, body=answer.body
     )
+
+
+async def reach(url: str, within: float, ssl: ssl_module.SSLContext | None = None) -> str:
+    """Whether the app at ``url`` takes a connection within ``within`` seconds (and, for
+    https://, completes the TLS handshake with ``ssl``, by default the system's trusted CAs):
+    "" if it does, else why not, in words (``check --upstream``)."""
+    parts = urlsplit(url)
+    secure = parts.scheme == "https"
+    host, port = parts.hostname or "", parts.port or (443 if secure else 80)
+    tls = (ssl or ssl_module.create_default_context()) if secure else None
+    try:
+        async with asyncio.timeout(within):
+            _, writer = await asyncio.open_connection(host, port, ssl=tls)
+    except TimeoutError:
+        return f"no connection within {within:g}s"
+    except OSError as exc:  # ssl.SSLError among them: a certificate not trusted
+        return http1.failure(exc)
+    writer.close()
+    return ""
 
 
 class Forwarder:

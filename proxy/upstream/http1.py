@@ -30,6 +30,7 @@ import asyncio
 import logging
 import os
 import re
+import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
@@ -444,6 +445,19 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def failure(exc: BaseException) -> str:
+    """Why the app could not be reached, in words: the log line's error and the last column of
+    ``events pending`` (never a Python repr, which that column would cut mid-way)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "upstream refused the connection: nothing listens there"
+    if isinstance(exc, ConnectionResetError):
+        return "upstream reset the connection"
+    if isinstance(exc, socket.gaierror):
+        return f"upstream host not found: {exc.strerror or exc}"
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"upstream failed: {text or type(exc).__name__}"
+
+
 class Client:
     """Keep-alive connections to the app, per origin, reused most recently used first, at most
     ``connections`` of them in use at once."""
@@ -517,7 +531,7 @@ class Client:
                 upstream_status=exc.status,
             ) from None
         except OSError as exc:
-            raise errors.UpstreamUnavailable(f"upstream failed: {exc!r}") from exc
+            raise errors.UpstreamUnavailable(failure(exc)) from exc
 
     async def _exchange(
         self,

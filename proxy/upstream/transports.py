@@ -101,8 +101,9 @@ def translated(timeout: float, status: int | None = None) -> Iterator[None]:
             f"upstream did not answer within {timeout:g}s", upstream_status=status
         ) from exc
     except (aiohttp.ClientError, OSError) as exc:
+        cause = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc
         raise errors.UpstreamUnavailable(
-            f"upstream failed: {exc!r}",
+            http1.failure(cause),
             upstream_status=status if status is not None else _broken_head_status(exc),
         ) from exc
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,101 +21,80 @@ from tests.faults import campaign, checker
 from tests.faults.relay import Relay
 
 
+@dataclass(frozen=True)
+class Short:
+    """A campaign short enough for CI, and what shows that its nemesis really hurt: every kind
+    of action in ``kinds`` taken at least once, and deliveries counted under each of ``hurt``
+    (``Report.deliveries``); on a route that redelivers (``inbox``), deliveries kept and then
+    redelivered to the app."""
+
+    minutes: float
+    events: int
+    database: str = "plain"
+    inbox: bool = False
+    kinds: tuple[str, ...] = campaign.KINDS
+    hurt: tuple[str, ...] = ("failed", "indeterminate")
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(170)
-async def test_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    "short",
+    [
+        pytest.param(
+            Short(minutes=0.6, events=500), marks=pytest.mark.timeout(170), id="every-kind-of-fault"
+        ),
+        # A provider that never retries, in front of a route that redelivers: nothing is lost.
+        pytest.param(
+            Short(minutes=0.4, events=300, inbox=True, hurt=()),
+            marks=pytest.mark.timeout(120),
+            id="inbox",
+        ),
+        # Link faults between the replicas and PgBouncer, PostgreSQL restarting behind it.
+        pytest.param(
+            Short(minutes=0.4, events=300, database="pgbouncer"),
+            marks=pytest.mark.timeout(120),
+            id="pgbouncer",
+        ),
+        # A failover in the first seconds, its standby rebuilt, and every other kind of fault:
+        # no acknowledged event is lost.
+        pytest.param(
+            Short(
+                minutes=0.5,
+                events=300,
+                database="failover",
+                kinds=(*campaign.kinds_of("failover"), "promote", "rebuild"),
+                hurt=("failed",),
+            ),
+            marks=pytest.mark.timeout(150),
+            id="failovers",
+        ),
+    ],
+)
+async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
+    tmp_path: Path, short: Short
 ) -> None:
     seed = os.environ.get("DEDUP_CAMPAIGN_SEED")
     report = await campaign.run_campaign(
-        minutes=0.6,
+        minutes=short.minutes,
         replicas=3,
         seed=int(seed) if seed else None,
-        events=500,
+        events=short.events,
         workdir=tmp_path,
+        inbox=short.inbox,
+        database=short.database,
         say=print,
     )
     table = checker.format_report(report)
     print(table)
 
     # The campaign proves something only if the nemesis really hurt.
-    assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.KINDS), table
-    assert report.deliveries["failed"] > 0, table
-    assert report.deliveries["indeterminate"] > 0, table
-    assert not report.violations, table
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-async def test_short_inbox_campaign_delivers_every_accepted_event_though_nothing_is_retried(
-    tmp_path: Path,
-) -> None:
-    seed = os.environ.get("DEDUP_CAMPAIGN_SEED")
-    report = await campaign.run_campaign(
-        minutes=0.4,
-        replicas=3,
-        seed=int(seed) if seed else None,
-        events=300,
-        workdir=tmp_path,
-        inbox=True,
-        say=print,
-    )
-    table = checker.format_report(report)
-    print(table)
-
-    assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.KINDS), table
-    assert report.inbox is not None
-    # It proves something only if deliveries were kept and then redelivered to the app.
-    assert report.inbox.kept > 0, table
-    assert report.inbox.redeliveries_acted > 0, table
-    assert report.inbox.lost == 0, table
-    assert not report.violations, table
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-async def test_short_campaign_through_pgbouncer_keeps_the_invariant(tmp_path: Path) -> None:
-    seed = os.environ.get("DEDUP_CAMPAIGN_SEED")
-    report = await campaign.run_campaign(
-        minutes=0.4,
-        replicas=3,
-        seed=int(seed) if seed else None,
-        events=300,
-        workdir=tmp_path,
-        database="pgbouncer",
-        say=print,
-    )
-    table = checker.format_report(report)
-    print(table)
-
-    # Link faults between the replicas and PgBouncer, PostgreSQL restarting behind it.
-    assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.KINDS), table
-    assert report.deliveries["failed"] > 0, table
-    assert report.deliveries["indeterminate"] > 0, table
-    assert not report.violations, table
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-async def test_short_campaign_with_failovers_loses_no_acknowledged_event(tmp_path: Path) -> None:
-    seed = os.environ.get("DEDUP_CAMPAIGN_SEED")
-    report = await campaign.run_campaign(
-        minutes=0.5,
-        replicas=3,
-        seed=int(seed) if seed else None,
-        events=300,
-        workdir=tmp_path,
-        database="failover",
-        say=print,
-    )
-    table = checker.format_report(report)
-    print(table)
-
-    # A failover in the first seconds, its standby rebuilt, and every other kind of fault.
-    assert all(report.actions.get(kind, 0) >= 1 for kind in campaign.kinds_of("failover")), table
-    assert report.actions.get("promote", 0) >= 1, table
-    assert report.actions.get("rebuild", 0) >= 1, table
-    assert report.deliveries["failed"] > 0, table
+    assert all(report.actions.get(kind, 0) >= 1 for kind in short.kinds), table
+    assert all(report.deliveries[counted] > 0 for counted in short.hurt), table
+    if short.inbox:
+        assert report.inbox is not None
+        assert report.inbox.kept > 0, table
+        assert report.inbox.redeliveries_acted > 0, table
+        assert report.inbox.lost == 0, table
     assert not report.violations, table
 
 
