@@ -76,10 +76,16 @@ A subclass's docstring is its default message.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Self
+from typing import Literal, Self
 
-if TYPE_CHECKING:
-    from proxy import metrics
+# A request's outcome: on its log line (``log_line.LogLine``), in the Dedup-Status of the
+# proxy's own answers, and as dedup_requests_total's label (``metrics.OUTCOMES``). An error's
+# is one of them (``RequestError.outcome``).
+Outcome = Literal[
+    "processed", "duplicate", "upstream_error", "rejected", "unavailable", "passthrough",
+    "unclaimed", "ambiguous_commit", "commit_not_sent", "in_progress", "key_reused", "queued",
+    "dead_letter", "duplicate_queued",
+]  # fmt: skip
 
 
 class ProxyError(Exception):
@@ -137,7 +143,7 @@ class RequestError(ProxyError):
     code = "internal_error"
     retry_after: int | None = None
     # The request's outcome on its log line, in its Dedup-Status and in dedup_requests_total.
-    outcome: metrics.Outcome = "rejected"
+    outcome: Outcome = "rejected"
     # Why the request was shed to protect the worker (dedup_shed_requests_total), if it was.
     shed: str | None = None
 
@@ -238,7 +244,7 @@ class KeyInProgress(RequestError):
 
     status = 409
     code = "idempotency_key_in_progress"
-    outcome: metrics.Outcome = "in_progress"
+    outcome: Outcome = "in_progress"
 
 
 class KeyReused(RequestError):
@@ -246,7 +252,7 @@ class KeyReused(RequestError):
 
     status = 422
     code = "idempotency_key_reused"
-    outcome: metrics.Outcome = "key_reused"
+    outcome: Outcome = "key_reused"
 
 
 class RequestTimeout(RequestError):
@@ -269,7 +275,7 @@ class StoreUnavailable(RequestError):
     status = 503
     code = "store_unavailable"
     retry_after = 5
-    outcome: metrics.Outcome = "unavailable"
+    outcome: Outcome = "unavailable"
 
 
 class PoolExhausted(StoreUnavailable):
@@ -328,7 +334,7 @@ class NotPrepared(StoreUnavailable):
 class UpstreamFailed(RequestError):
     """The upstream's answer did not come through."""
 
-    outcome: metrics.Outcome = "upstream_error"
+    outcome: Outcome = "upstream_error"
 
     def __init__(self, message: str | None = None, *, upstream_status: int | None = None) -> None:
         super().__init__(message)
@@ -366,7 +372,7 @@ class Overloaded(RequestError):
     status = 503
     code = "overloaded"
     retry_after = 5
-    outcome: metrics.Outcome = "unavailable"
+    outcome: Outcome = "unavailable"
     shed = "memory"
 
 

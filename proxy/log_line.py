@@ -15,7 +15,7 @@ from typing import Literal, Required, TypedDict
 
 from aiohttp import hdrs, web
 
-from proxy import logs, metrics
+from proxy import errors, logs, metrics
 
 log = logging.getLogger("proxy.pipeline")
 
@@ -50,7 +50,7 @@ class LogLine(TypedDict, total=False):
     inbox_full: bool  # redeliver: not kept, the route's inbox at its cap
     inbox_kept_as: str  # redeliver: not kept, its signed body kept already under this ID
     inbox_not_kept: bool  # redeliver: not kept, the database failed or refused to keep it
-    outcome: metrics.Outcome
+    outcome: errors.Outcome
     error: str  # why the request was not carried through (the RequestError's message)
     shed: str  # "memory" or "pool": shed to protect the worker
     client_gone: bool  # the client went away before its answer was written

@@ -22,23 +22,18 @@ import os
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import proxy
+from proxy import errors
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-# A request's outcome: on its log line (``log_line.LogLine``), in the Dedup-Status of the
-# proxy's own answers, and as dedup_requests_total's label.
-Outcome = Literal[
-    "processed", "duplicate", "upstream_error", "rejected", "unavailable", "passthrough",
-    "unclaimed", "ambiguous_commit", "commit_not_sent", "in_progress", "key_reused", "queued",
-    "dead_letter", "duplicate_queued",
-]  # fmt: skip
-OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
+# Every outcome (``errors.Outcome``), each request counted under one.
+OUTCOMES: tuple[errors.Outcome, ...] = get_args(errors.Outcome)
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

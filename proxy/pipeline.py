@@ -44,7 +44,7 @@ from proxy.upstream import forwarder, http1, proxy_headers
 def _json(
     status: int,
     payload: dict[str, Any],
-    outcome: metrics.Outcome,
+    outcome: errors.Outcome,
     retry_after: int | None = None,
     extra: dict[str, str] | None = None,
 ) -> web.Response:
@@ -163,7 +163,7 @@ class Cycle:
         self.trace.finish(self.line)
         return response
 
-    async def _process(self) -> tuple[web.StreamResponse, metrics.Outcome]:
+    async def _process(self) -> tuple[web.StreamResponse, errors.Outcome]:
         """Read the body, then claim what it carries (or forward it unclaimed): the answer and
         the outcome."""
         route = self.route
@@ -206,7 +206,7 @@ class Cycle:
         event_id, event_type = route.extractor.extract(headers, query, self.body)
         return event_id, event_type, hashlib.sha256(self.body).digest()
 
-    async def _once(self, key: database.Key) -> tuple[web.StreamResponse, metrics.Outcome]:
+    async def _once(self, key: database.Key) -> tuple[web.StreamResponse, errors.Outcome]:
         """Take this event's turn in this process, then claim it; or, a copy here having just
         committed it, answer as a duplicate at once."""
         route = self.route
@@ -229,7 +229,7 @@ class Cycle:
 
     async def _claimed(
         self, key: database.Key, wait: float, flight: flights.Flight, started: float
-    ) -> tuple[web.StreamResponse, metrics.Outcome]:
+    ) -> tuple[web.StreamResponse, errors.Outcome]:
         """Claim ``key`` in the database, waiting at most ``wait`` on a copy's row lock; then
         forward (a new event) or settle it as a duplicate."""
         route, trace = self.route, self.trace
@@ -258,7 +258,7 @@ class Cycle:
 
     async def _forward(
         self, key: database.Key, claim: database.Claim, flight: flights.Flight
-    ) -> tuple[web.StreamResponse, metrics.Outcome]:
+    ) -> tuple[web.StreamResponse, errors.Outcome]:
         """Forward, then commit on a 2xx (with the answer to replay, where the route does) and
         tell the copies queued in this process: the answer and the outcome. Any other answer
         leaves the claim to be released on the way out."""
@@ -298,7 +298,7 @@ class Cycle:
 
     async def _failed(
         self, claim: database.Claim, result: delivery.Result
-    ) -> tuple[web.StreamResponse, metrics.Outcome] | None:
+    ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """No answer of the app's to relay (none came through, or a 410): the answer if the
         delivery was kept for redelivery; else None, and the failure is relayed."""
         failed = result.attempt
@@ -319,7 +319,7 @@ class Cycle:
 
     async def _keep(
         self, claim: database.Claim, attempt: database.Attempt
-    ) -> tuple[web.StreamResponse, metrics.Outcome] | None:
+    ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """On a route that redelivers: keep the failed delivery and answer 202 (the provider
         need not retry). None on any other route, or when it could not be kept (over the cap,
         its signed body kept already under another ID, or the database failed: marked on the
@@ -352,7 +352,7 @@ class Cycle:
             line["inbox_not_kept"] = True  # the database failed or refused: logged by the claim
             route.meters.inbox_keep_failures.inc()
             return None
-        outcome: metrics.Outcome = "dead_letter" if state == database.InboxState.DEAD else "queued"
+        outcome: errors.Outcome = "dead_letter" if state == database.InboxState.DEAD else "queued"
         line["kept"] = state
         payload = {"status": outcome, "event_id": self.event_id,
                    "upstream_status": attempt.status}  # fmt: skip
@@ -360,7 +360,7 @@ class Cycle:
 
     def _kept_duplicate(
         self, kept: database.InboxState, mismatch: bool
-    ) -> tuple[web.StreamResponse, metrics.Outcome]:
+    ) -> tuple[web.StreamResponse, errors.Outcome]:
         """A copy of an event kept for redelivery: never forwarded (only the redeliverer
         forwards it), answered 202."""
         if mismatch:
@@ -417,7 +417,7 @@ class Cycle:
 
     def _duplicate(
         self, key: database.Key, mismatch: bool, stored: database.Answer | None
-    ) -> tuple[web.StreamResponse, metrics.Outcome]:
+    ) -> tuple[web.StreamResponse, errors.Outcome]:
         route = self.route
         route.semantics.duplicate(key, mismatch)
         if mismatch:
