@@ -162,11 +162,11 @@ async def show(
     if not body:
         out.write(describe(shown))
         return 0
-    if shown.delivery is None or shown.body_bytes is None:
+    if shown.request is None or shown.body_bytes is None:
         print(f"no body kept: {scope} {event_id} ({_state(shown)})", file=sys.stderr)
         return 1
     target = raw if raw is not None else sys.stdout.buffer
-    target.write(shown.delivery.body)
+    target.write(shown.request.body)
     target.flush()
     return 0
 
@@ -193,8 +193,8 @@ def describe(shown: inbox.Shown) -> str:
     text = io.StringIO()
     for name, value in fields:
         text.write(f"{name + ':':<13}{value}\n")
-    if shown.delivery is not None:
-        text.write(_request(shown.delivery, shown.body_bytes, shown.state))
+    if shown.request is not None:
+        text.write(_request(shown.request, shown.body_bytes, shown.state))
     elif shown.state is None:
         text.write("request:     not kept (delivered at the first try)\n")
     else:

@@ -169,11 +169,11 @@ class Redeliverer:
     async def _redeliver(self, redelivery: database.Redelivery) -> bool:
         """Send it and record the attempt; False when it was postponed instead (rolled back:
         the lane pauses rather than take the same row again at once)."""
-        kept = redelivery.delivery
-        route = self._routes.get(kept.route)
+        stored = redelivery.request
+        route = self._routes.get(stored.route)
         # A route renamed since (its scope kept): its upstream as stored, the default schedule.
         settings = None if route is None else route.redeliver
-        upstream = kept.upstream if route is None else route.upstream
+        upstream = stored.upstream if route is None else route.upstream
         started = time.perf_counter()
         sent = await self._send(upstream, redelivery)
         if sent is None:
@@ -196,11 +196,11 @@ class Redeliverer:
     ) -> None:
         """The attempt's outcome (``delivery.record``), in its row (committed), the metrics,
         the log and the trace."""
-        kept = redelivery.delivery
+        stored = redelivery.request
         status, error = attempted.attempt.status, attempted.attempt.error
         took = round((time.perf_counter() - started) * 1000, 2)
         event_id = self.provider_id(redelivery)
-        fields = {"route": kept.route, "scope": redelivery.scope, "event_id": event_id,
+        fields = {"route": stored.route, "scope": redelivery.scope, "event_id": event_id,
                   **({} if event_id == redelivery.event_id else {"claim_id": redelivery.event_id}),
                   "attempt": redelivery.failures + 1, "upstream_status": status,
                   "upstream_ms": took}  # fmt: skip
@@ -208,19 +208,19 @@ class Redeliverer:
         level = LEVELS[result]
         if error:
             fields["error"] = error
-        self._meters.redeliveries.labels(kept.route, result).inc()
+        self._meters.redeliveries.labels(stored.route, result).inc()
         fields["result"] = result
         trace.close(
             {"dedup.redelivery.result": result, "webhook.upstream_status": status or 0},
             None if result == "delivered" else error or f"the app answered {status}",
         )
-        log.log(level, "redelivery of %s %s: %s", kept.route, event_id, result,
+        log.log(level, "redelivery of %s %s: %s", stored.route, event_id, result,
                 extra={"fields": fields})  # fmt: skip
 
     def provider_id(self, redelivery: database.Redelivery) -> str:
         """The redelivered event's ID as the provider sent it: on a route whose claims are
         bound (or a route renamed since), without the digest its claim's ID carries."""
-        route = self._routes.get(redelivery.delivery.route)
+        route = self._routes.get(redelivery.request.route)
         if route is not None and not route.binds_claims:
             return redelivery.event_id
         return database.unbound(redelivery.event_id)
@@ -230,13 +230,13 @@ class Redeliverer:
     ) -> tuple[delivery.Result, Trace] | None:
         """The attempt (``delivery.attempt``) and the trace begun for it; None when the body
         does not fit the worker's memory budget now (not sent, not an attempt, not traced)."""
-        kept = redelivery.delivery
+        stored = redelivery.request
         outgoing = transports.Request(
-            kept.method, kept.target, CIMultiDict(kept.headers), kept.body
+            stored.method, stored.target, CIMultiDict(stored.headers), stored.body
         )
         with self._budget.reservation() as reservation:
             try:
-                reservation.body(len(kept.body))
+                reservation.body(len(stored.body))
             except errors.Overloaded as exc:
                 log.info("redelivery postponed: %s", exc.message)
                 return None
@@ -244,7 +244,7 @@ class Redeliverer:
             if self._tracing is not None:
                 event_id = self.provider_id(redelivery)
                 trace = self._tracing.redelivery(
-                    kept.route, event_id, redelivery.failures + 1, kept.headers,
+                    stored.route, event_id, redelivery.failures + 1, stored.headers,
                     None if event_id == redelivery.event_id else redelivery.event_id,
                 )  # fmt: skip
             try:

@@ -166,7 +166,7 @@ class Shown(NamedTuple):
     event_type: str | None
     received_at: datetime
     state: str | None
-    delivery: StoredRequest | None  # None once dropped (delivered, discarded)
+    request: StoredRequest | None  # None once dropped (delivered, discarded)
     body_bytes: int | None
     attempts: list[dict[str, Any]]
     due: datetime | None
@@ -192,8 +192,8 @@ class Redelivery:
     """A due row, its lock held until one named step ends its transaction (or the ``async
     with`` of ``Inbox.take`` rolls it back)."""
 
-    __slots__ = ("_connection", "_done", "_inbox", "_taken", "delivery", "event_id", "failures",
-                 "scope")  # fmt: skip
+    __slots__ = ("_connection", "_done", "_inbox", "_taken", "event_id", "failures",
+                 "request", "scope")  # fmt: skip
 
     def __init__(self, inbox: Inbox, connection: pool.Connection, row: pool.Record) -> None:
         self._inbox = inbox
@@ -201,7 +201,7 @@ class Redelivery:
         self._done = False
         self.scope: str = row["scope"]
         self.event_id: str = row["event_id"]
-        self.delivery = StoredRequest.decoded(row["inbox_request"], row["inbox_body"])
+        self.request = StoredRequest.decoded(row["inbox_request"], row["inbox_body"])
         self.failures: int = row["inbox_failures"]
         self._taken: datetime = row["taken"]  # now() in this transaction
 
