@@ -430,25 +430,25 @@ def _run(main: Coroutine[Any, Any, T]) -> T:
 
 def _serve(args: argparse.Namespace) -> int:
     cfg = _load(args, secrets=True)
-    worker = supervisor.worker_number()
-    logs.setup(cfg.log, worker=worker)
-    if worker is None and cfg.workers > 1:
-        return _run(supervisor.supervise(cfg, args.config))
-    if worker is not None:
-        cfg = supervisor.worker_config(cfg)
+    worker = supervisor.WorkerEnvironment.from_environ()  # None but in a supervisor's worker
+    logs.setup(cfg.log, worker=None if worker is None else worker.number)
+    if worker is None:
+        if cfg.workers > 1:
+            return _run(supervisor.supervise(cfg, args.config))
+        _run(server.serve(cfg, config_path=args.config))
+        return 0
     try:
         _run(
             server.serve(
-                cfg,
-                worker=worker,
-                on_listening=supervisor.report_listening,
-                lifeline=supervisor.lifeline(),
+                worker.config(cfg),
+                worker=worker.number,
+                handed=worker.listeners,
+                on_listening=worker.report_listening,
+                lifeline=worker.lifeline,
                 config_path=args.config,
             )
         )
     except (errors.StartTimedOut, errors.NotPrepared) as exc:
-        if worker is None:
-            raise
         # Possibly after listening (a start during an outage): the supervisor stops every
         # worker on this status, rather than start another to wait again.
         log.error("cannot start: %s", exc)
