@@ -1,13 +1,16 @@
-"""The ``dedup-proxy`` command.
+"""The ``dedup-proxy`` command: its parsers, each with its action attached, and the one path
+every command takes (``execute_command``: the action, then the exit ladder).
 
 Exit codes: 0 success; 1 the proxy could not start or failed (database unreachable…);
-2 usage or configuration error. Configuration problems go to stderr, without a traceback.
+2 usage or configuration error; 130 Ctrl-C. Usage and configuration problems go to stderr,
+without a traceback; ``serve`` logs its failures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -33,9 +36,13 @@ from proxy.config import routes, values
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# A command's action (``execute_command`` runs it), and an operator command's work.
+Action = Callable[[argparse.Namespace], int]
+Operation = Callable[[config.Config, argparse.Namespace], Coroutine[Any, Any, int]]
 
 EXIT_FAILURE = 1
-EXIT_CONFIG = 2
+EXIT_USAGE = 2  # a usage or configuration error, as argparse's own
+EXIT_INTERRUPTED = 130
 CONFIG_ENV = "DEDUP_PROXY_CONFIG"
 
 
@@ -49,6 +56,9 @@ def _config_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """Every command's parser, each with its action attached (``func``: ``execute_command``
+    runs it) and how it says a failure (``starts``: it runs the proxy, so a failure is that it
+    cannot start; ``logged``: in the log it sets up, not on stderr)."""
     parser = argparse.ArgumentParser(
         prog="dedup-proxy",
         description="A sidecar reverse proxy that forwards each webhook event to your app once, "
@@ -59,14 +69,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, text: str) -> argparse.ArgumentParser:
+    def command(
+        name: str,
+        text: str,
+        func: Action | None = None,  # none for events: each of its actions has its own
+        *,
+        starts: bool = False,
+        logged: bool = False,
+    ) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
+        if func is not None:
+            sub.set_defaults(func=func, starts=starts, logged=logged)
         if name != "demo":
             _config_option(sub)
         return sub
 
-    command("serve", "run the proxy")
-    check = command("check", "validate the configuration and print the resolved routes")
+    command("serve", "run the proxy", _serve, starts=True, logged=True)
+    check = command("check", "validate the configuration and print the resolved routes", _check)
     check.add_argument(
         "--database",
         action="store_true",
@@ -79,42 +98,144 @@ def _parser() -> argparse.ArgumentParser:
         help="also connect to each route's app (exit status 1 if one takes no connection): "
         "where the app runs, as in the proxy's pod, not in a migrate Job",
     )
-    command("stats", "claims per route: rows, oldest, newest, retention")
-    command("schema", "print the claim table's DDL (for create_schema: false deployments)")
-    command("migrate", "create or upgrade the claim table")
-    demo.add_arguments(command("demo", "see the proxy absorb duplicates, in one command"))
+    command(
+        "stats",
+        "claims per route: rows, oldest, newest, retention",
+        _operator(lambda cfg, args: operations.stats(cfg)),
+    )
+    command("schema", "print the claim table's DDL (for create_schema: false deployments)", _schema)
+    command(
+        "migrate",
+        "create or upgrade the claim table",
+        _operator(lambda cfg, args: operations.migrate(cfg)),
+    )
+    demo.add_arguments(
+        command("demo", "see the proxy absorb duplicates, in one command", demo.main, starts=True)
+    )
     events = command(
         "events",
         "list recent claims or forget some; inspect, redeliver or discard the deliveries "
         "a route with redeliver kept",
     )
-    actions = events.add_subparsers(dest="action", required=True, metavar="ACTION")
-    listing = actions.add_parser("list", help="recent claims of a route, newest first")
-    listing.add_argument("--route", required=True, help="route name from the configuration")
+    _event_actions(events.add_subparsers(dest="action", required=True, metavar="ACTION"))
+    return parser
+
+
+def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The parsers of ``events``' actions, each with ``--route``, then its own arguments, then
+    ``--config``, and its action attached."""
+    scope_help = "the event's scope, for a route scoped by its path (events pending shows it)"
+    built = []
+
+    def action(
+        name: str, text: str, func: Operation, description: str | None = None
+    ) -> argparse.ArgumentParser:
+        sub = actions.add_parser(name, help=text, description=description)
+        sub.set_defaults(func=_operator(func), starts=False, logged=False)
+        sub.add_argument("--route", required=True, help="route name from the configuration")
+        built.append(sub)
+        return sub
+
+    listing = action(
+        "list",
+        "recent claims of a route, newest first",
+        lambda cfg, args: operations.list_events(cfg, args.route, args.since, args.limit),
+    )
     listing.add_argument(
         "--since", type=_duration, help="only claims newer than this (e.g. 1h, 30m, 2d)"
     )
     listing.add_argument(
         "--limit", type=_positive, default=50, help="at most this many (default 50)"
     )
-    forgetting = actions.add_parser(
+    forgetting = action(
         "forget",
-        help="release claims so a manual redelivery from the provider goes through",
-        description="Delete the claims of these event IDs in the route's scope. The next "
+        "release claims so a manual redelivery from the provider goes through",
+        lambda cfg, args: operations.forget(cfg, args.route, args.event_ids, scope=args.scope),
+        "Delete the claims of these event IDs in the route's scope. The next "
         "delivery of each is forwarded to the app again.",
     )
-    forgetting.add_argument("--route", required=True, help="route name from the configuration")
     forgetting.add_argument(
         "--scope", help="the claims' scope, for a route scoped by its path (events list shows it)"
     )
     forgetting.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
-    for sub in (
-        listing,
-        forgetting,
-        *inbox_commands.add_arguments(actions, positive=_positive, duration=_duration),
+    for state, text in (
+        (
+            database.InboxState.PENDING,
+            "deliveries the app failed, waiting for a redelivery, oldest first",
+        ),
+        (
+            database.InboxState.DEAD,
+            "deliveries the redeliverer gave up on (or the app refused), oldest first",
+        ),
     ):
+        kept = action(
+            state,
+            text,
+            lambda cfg, args: inbox_commands.listing(cfg, args.route, args.state, args.limit),
+            text,
+        )
+        kept.set_defaults(state=state)
+        kept.add_argument(
+            "--limit", type=_positive, default=50, help="at most this many (default 50)"
+        )
+    showing = action(
+        "show",
+        "one event: its state, the request kept and every attempt",
+        lambda cfg, args: inbox_commands.show(
+            cfg, args.route, args.event_id, scope=args.scope, body=args.body
+        ),
+        "one event: its state, the request kept and every attempt",
+    )
+    showing.add_argument("--scope", help=scope_help)
+    showing.add_argument(
+        "--body", action="store_true", help="write only the kept body, as sent, to stdout"
+    )
+    showing.add_argument("event_id", metavar="EVENT_ID")
+    redelivering = action(
+        "redeliver",
+        "make pending or dead deliveries due now, for a running proxy to redeliver",
+        lambda cfg, args: inbox_commands.redeliver(
+            cfg, args.route, args.event_ids, scope=args.scope, every=args.every, since=args.since
+        ),
+        "Make these pending or dead deliveries (or, with --dead or --pending, all of the "
+        "route's in that state) due now, with the route's whole redeliver.for again. A running "
+        "proxy's redeliverer sends them; this command sends nothing.",
+    )
+    redelivering.add_argument("--scope", help=scope_help + "; with --dead or --pending, narrows it")
+    every = redelivering.add_mutually_exclusive_group()
+    every.add_argument(
+        "--dead",
+        action="store_const",
+        dest="every",
+        const=database.InboxState.DEAD,
+        help="every dead delivery of the route, not given IDs",
+    )
+    every.add_argument(
+        "--pending",
+        action="store_const",
+        dest="every",
+        const=database.InboxState.PENDING,
+        help="every pending delivery of the route now, not at its next due time (the app is "
+        "back after an outage)",
+    )
+    redelivering.add_argument(
+        "--since",
+        type=_duration,
+        help="with --dead or --pending: only those that became so within this (e.g. 1h)",
+    )
+    redelivering.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
+    discarding = action(
+        "discard",
+        "drop pending or dead deliveries for good; their claims stay",
+        lambda cfg, args: inbox_commands.discard(cfg, args.route, args.event_ids, scope=args.scope),
+        "Drop these pending or dead deliveries and their bodies; they are not redelivered. "
+        "Their claims stay, so the provider's copies are still answered as duplicates: to let "
+        "a copy through to the app instead, use events forget.",
+    )
+    discarding.add_argument("--scope", help=scope_help)
+    discarding.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
+    for sub in built:
         _config_option(sub)
-    return parser
 
 
 def _positive(text: str) -> int:
@@ -199,88 +320,86 @@ def _redelivered(route: routes.RouteConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "demo":
-        return demo.main(args)
-    if args.command == "schema":
-        return _schema(args)
-    cfg = _load(args)
-    if cfg is None:
-        return EXIT_CONFIG
-    if args.command == "check":
-        return _check(cfg, args)
-    if args.command == "serve":
-        return _serve(cfg, args.config)
-    return _operate_command(cfg, args)
+    return execute_command(_parser().parse_args(argv))
 
 
-def _load(args: argparse.Namespace) -> config.Config | None:
-    """The configuration ``--config`` names; None once the reason it cannot be had is said."""
-    if not args.config:
-        print(
-            f"dedup-proxy {args.command}: no configuration; pass --config FILE or set {CONFIG_ENV}",
-            file=sys.stderr,
-        )
-        return None
-    # Only serve verifies signatures, and check shows what it would verify with: the other
-    # commands (stats, migrate, events) run where the signing secrets may not be set.
-    verifies = args.command in ("serve", "check")
+def execute_command(args: argparse.Namespace) -> int:
+    """The one path of every command: the action attached to its parser (``args.func``), and
+    the exit ladder for what it lets out."""
+    return _exit_status(args, functools.partial(args.func, args))
+
+
+def _exit_status(args: argparse.Namespace, action: Callable[[], int]) -> int:
+    """The exit ladder: ``action``'s exit status, or the one of the error it raised, said once.
+
+    A usage or configuration error is the operator's, on stderr: exit status 2. A failure
+    while running is said as the command says failures (``_failed``): exit status 2 for an
+    embedded server that cannot start, 1 for anything else, 130 for Ctrl-C."""
     try:
-        cfg = config.load(args.config, secrets=verifies)
-        if verifies:
-            tracing.summary(os.environ)  # the OTEL_* variables: refused before starting
+        return action()
     except errors.ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return None
-    return cfg
+        print(exc, file=sys.stderr)  # names the file and lists its problems, a line each
+        return EXIT_USAGE
+    except errors.UsageError as exc:
+        print(f"{_name(args)}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except errors.EmbeddedDatabaseError as exc:
+        _failed(args, str(exc))
+        return EXIT_USAGE
+    except errors.ProxyError as exc:
+        _failed(args, f"cannot start: {exc}" if args.starts else str(exc))
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        _failed(args, "interrupted")
+        return EXIT_INTERRUPTED
 
 
-def _schema(args: argparse.Namespace) -> int:
-    """The DDL for the configured claim table; without a configuration, the default table's."""
-    table = config.DEFAULT_TABLE
-    if args.config:
-        cfg = _load(args)
-        if cfg is None:
-            return EXIT_CONFIG
-        table = cfg.database.table
-    print(database.schema_sql(table), end="")
-    return 0
+def _failed(args: argparse.Namespace, text: str) -> None:
+    """A failure said: in the log for ``serve`` (JSON where the logs are collected), else on
+    stderr after the command's name."""
+    if args.logged:
+        log.error("%s", text)
+    else:
+        print(f"{_name(args)}: {text}", file=sys.stderr)
 
 
 def _name(args: argparse.Namespace) -> str:
     return " ".join(filter(None, ("dedup-proxy", args.command, getattr(args, "action", None))))
 
 
-def _operate_command(cfg: config.Config, args: argparse.Namespace) -> int:
-    try:
-        return asyncio.run(_operate(cfg, args))
-    except errors.ConfigError as exc:
-        if exc.source.startswith("--"):  # a command-line argument, not the file
-            print(f"{_name(args)}: {'; '.join(exc.problems)}", file=sys.stderr)
-        else:
-            print(exc, file=sys.stderr)
-        return EXIT_CONFIG
-    except errors.EmbeddedDatabaseError as exc:
-        print(f"{_name(args)}: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
-    except errors.ProxyError as exc:
-        print(f"{_name(args)}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+def _load(args: argparse.Namespace, *, secrets: bool = False) -> config.Config:
+    """The configuration ``--config`` names; with ``secrets`` (for serve, and check, which
+    shows what it would verify with) the signing secrets and the ``OTEL_*`` variables too: the
+    other commands run where those may not be set."""
+    if not args.config:
+        raise errors.UsageError(f"no configuration; pass --config FILE or set {CONFIG_ENV}")
+    cfg = config.load(args.config, secrets=secrets)
+    if secrets:
+        tracing.summary(os.environ)  # the OTEL_* variables: refused before starting
+    return cfg
 
 
-def _check(cfg: config.Config, args: argparse.Namespace) -> int:
+def _schema(args: argparse.Namespace) -> int:
+    """The DDL for the configured claim table; without a configuration, the default table's."""
+    table = _load(args).database.table if args.config else config.DEFAULT_TABLE
+    print(database.schema_sql(table), end="")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
     """The configuration as resolved; an embedded server that could not start is a
-    configuration error here too, as for ``serve``; with ``--database``, the preflight, with
-    ``--upstream`` each app's connection."""
+    configuration error here too, as for ``serve``; with ``--database``, the preflight (a
+    failure there is said and the upstreams still checked), with ``--upstream`` each app's
+    connection."""
+    cfg = _load(args, secrets=True)
     print(logs.mask(_describe(cfg, args.config)))
     if cfg.database.dsn is None and (problem := embedded.missing()):
-        print(f"dedup-proxy check: {problem}", file=sys.stderr)
-        return EXIT_CONFIG
+        raise errors.EmbeddedDatabaseError(problem)
     failed = 0
     if args.database:
         print("database:")
-        failed = _operate_command(cfg, args)
-        if failed == EXIT_CONFIG:
+        failed = _exit_status(args, lambda: _operate(preflight.preflight(cfg)))
+        if failed == EXIT_USAGE:
             return failed
     if args.upstream:
         print("upstream:")
@@ -288,36 +407,17 @@ def _check(cfg: config.Config, args: argparse.Namespace) -> int:
     return failed
 
 
-async def _operate(cfg: config.Config, args: argparse.Namespace) -> int:
+def _operator(operation: Operation) -> Action:
+    """An operator command's action: ``operation`` over the configuration loaded without the
+    signing secrets."""
+    return lambda args: _operate(operation(_load(args), args))
+
+
+def _operate(operation: Coroutine[Any, Any, int]) -> int:
+    """An operator command's work, on an event loop of its own."""
     # The embedded server's "one machine only" warning is for `serve`, not for every command.
     logging.getLogger("proxy.embedded").setLevel(logging.ERROR)
-    if args.command == "check":
-        return await preflight.preflight(cfg)
-    if args.command == "stats":
-        return await operations.stats(cfg)
-    if args.command == "migrate":
-        return await operations.migrate(cfg)
-    return await _events(cfg, args)
-
-
-async def _events(cfg: config.Config, args: argparse.Namespace) -> int:
-    route, action = args.route, args.action
-    if action == "list":
-        return await operations.list_events(cfg, route, args.since, args.limit)
-    if action == "forget":
-        return await operations.forget(cfg, route, args.event_ids, scope=args.scope)
-    if action in (database.InboxState.PENDING, database.InboxState.DEAD):
-        return await inbox_commands.listing(cfg, route, database.InboxState(action), args.limit)
-    if action == "show":
-        return await inbox_commands.show(cfg, route, args.event_id, scope=args.scope,
-                                         body=args.body)  # fmt: skip
-    if action == "redeliver":
-        return await inbox_commands.redeliver(
-            cfg, route, args.event_ids, scope=args.scope, since=args.since,
-            every=(database.InboxState.DEAD if args.dead else
-                   database.InboxState.PENDING if args.pending else None),
-        )  # fmt: skip
-    return await inbox_commands.discard(cfg, route, args.event_ids, scope=args.scope)
+    return asyncio.run(operation)
 
 
 def _run(main: Coroutine[Any, Any, T]) -> T:
@@ -334,32 +434,29 @@ def _run(main: Coroutine[Any, Any, T]) -> T:
     return run(main)
 
 
-def _serve(cfg: config.Config, config_path: str) -> int:
-    worker = supervisor.worker_number()
-    logs.setup(cfg.log, worker=worker)
+def _serve(args: argparse.Namespace) -> int:
+    cfg = _load(args, secrets=True)
+    worker = supervisor.WorkerEnvironment.from_environ()  # None but in a supervisor's worker
+    logs.setup(cfg.log, worker=None if worker is None else worker.number)
+    if worker is None:
+        if cfg.workers > 1:
+            return _run(supervisor.supervise(cfg, args.config))
+        _run(server.serve(cfg, config_path=args.config))
+        return 0
     try:
-        if worker is None and cfg.workers > 1:
-            return _run(supervisor.supervise(cfg, config_path))
-        if worker is not None:
-            cfg = supervisor.worker_config(cfg)
         _run(
             server.serve(
-                cfg,
-                worker=worker,
-                on_listening=supervisor.report_listening,
-                lifeline=supervisor.lifeline(),
-                config_path=config_path,
+                worker.config(cfg),
+                worker=worker.number,
+                handed=worker.listeners,
+                on_listening=worker.report_listening,
+                lifeline=worker.lifeline,
+                config_path=args.config,
             )
         )
-    except errors.EmbeddedDatabaseError as exc:
-        log.error("%s", exc)
-        return EXIT_CONFIG
     except (errors.StartTimedOut, errors.NotPrepared) as exc:
-        # Possibly after listening (a start during an outage): a worker's supervisor stops
-        # every worker on this code, rather than start another to wait again.
+        # Possibly after listening (a start during an outage): the supervisor stops every
+        # worker on this status, rather than start another to wait again.
         log.error("cannot start: %s", exc)
-        return EXIT_FAILURE if worker is None else supervisor.EXIT_START_FAILED
-    except errors.ProxyError as exc:
-        log.error("cannot start: %s", exc)
-        return EXIT_FAILURE
+        return supervisor.EXIT_START_FAILED
     return 0

@@ -19,6 +19,7 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
 
     * ProxyError
       x ConfigError                 start-up; lists every problem at once
+      x UsageError                  a command-line argument the configuration refuses
       x EmbeddedDatabaseError       the embedded PostgreSQL could not be started
       x UnsafeRuntime               aiohttp's C HTTP parser is not in use
       x ListenFailed                a listener's address is taken or not allowed
@@ -107,6 +108,12 @@ class ConfigError(ProxyError):
         self.problems = tuple(problems)
         lines = "\n".join(f"  {problem}" for problem in self.problems)
         super().__init__(f"invalid configuration in {source}:\n{lines}")
+
+
+class UsageError(ProxyError):
+    """A command-line argument the configuration refuses (an unknown route, a scope not the
+    route's), or arguments that do not go together: the CLI's usage error, exit status 2, as
+    argparse's own."""
 
 
 class EmbeddedDatabaseError(ProxyError):

@@ -8,10 +8,9 @@ proxy's redeliverer sends them.
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO, TextIO
 
@@ -23,71 +22,6 @@ from proxy.database import inbox
 MASKED_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 LAST_ERROR_WIDTH = 60
 _LISTED = ("received_at", "scope", "event_id", "event_type", "attempts", "last")
-
-
-def add_arguments(
-    actions: argparse._SubParsersAction[argparse.ArgumentParser],
-    *,
-    positive: Callable[[str], int],
-    duration: Callable[[str], float],
-) -> list[argparse.ArgumentParser]:
-    """The parsers of the inbox's ``events`` actions, each with ``--route`` (``cli`` adds
-    ``--config``); ``positive`` and ``duration`` parse the CLI's counts and durations."""
-    scope_help = "the event's scope, for a route scoped by its path (events pending shows it)"
-
-    def action(name: str, text: str, description: str | None = None) -> argparse.ArgumentParser:
-        sub = actions.add_parser(name, help=text, description=description or text)
-        sub.add_argument("--route", required=True, help="route name from the configuration")
-        return sub
-
-    pending = action("pending", "deliveries the app failed, waiting for a redelivery, oldest first")
-    dead = action(
-        "dead", "deliveries the redeliverer gave up on (or the app refused), oldest first"
-    )
-    for listing in (pending, dead):
-        listing.add_argument(
-            "--limit", type=positive, default=50, help="at most this many (default 50)"
-        )
-    showing = action("show", "one event: its state, the request kept and every attempt")
-    showing.add_argument("--scope", help=scope_help)
-    showing.add_argument(
-        "--body", action="store_true", help="write only the kept body, as sent, to stdout"
-    )
-    showing.add_argument("event_id", metavar="EVENT_ID")
-    redelivering = action(
-        "redeliver",
-        "make pending or dead deliveries due now, for a running proxy to redeliver",
-        "Make these pending or dead deliveries (or, with --dead or --pending, all of the "
-        "route's in that state) due now, with the route's whole redeliver.for again. A running "
-        "proxy's redeliverer sends them; this command sends nothing.",
-    )
-    redelivering.add_argument("--scope", help=scope_help + "; with --dead or --pending, narrows it")
-    every = redelivering.add_mutually_exclusive_group()
-    every.add_argument(
-        "--dead", action="store_true", help="every dead delivery of the route, not given IDs"
-    )
-    every.add_argument(
-        "--pending",
-        action="store_true",
-        help="every pending delivery of the route now, not at its next due time (the app is "
-        "back after an outage)",
-    )
-    redelivering.add_argument(
-        "--since",
-        type=duration,
-        help="with --dead or --pending: only those that became so within this (e.g. 1h)",
-    )
-    redelivering.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
-    discarding = action(
-        "discard",
-        "drop pending or dead deliveries for good; their claims stay",
-        "Drop these pending or dead deliveries and their bodies; they are not redelivered. "
-        "Their claims stay, so the provider's copies are still answered as duplicates: to let "
-        "a copy through to the app instead, use events forget.",
-    )
-    discarding.add_argument("--scope", help=scope_help)
-    discarding.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
-    return [pending, dead, showing, redelivering, discarding]
 
 
 def _when(value: datetime | None) -> str:
@@ -255,13 +189,11 @@ async def redeliver(
     again. Exit 1 if an ID was not pending or dead (or its body is gone)."""
     found = operations.route_of(cfg, route)
     if bool(event_ids) == (every is not None):
-        raise errors.ConfigError("--dead", ["give event IDs, --dead or --pending: one of them"])
+        raise errors.UsageError("give event IDs, --dead or --pending: one of them")
     if since is not None and every is None:
-        raise errors.ConfigError("--since", ["--since goes with --dead or --pending only"])
+        raise errors.UsageError("--since goes with --dead or --pending only")
     if found.redeliver is None:
-        raise errors.ConfigError(
-            "--route", [f"route {route!r} has no redeliver: nothing would redeliver it"]
-        )
+        raise errors.UsageError(f"route {route!r} has no redeliver: nothing would redeliver it")
     narrowed = operations.narrowed_scope if every else operations.exact_scope
     scope = narrowed(found, scope)
     after = datetime.now(UTC) - timedelta(seconds=since) if since is not None else None

@@ -62,7 +62,7 @@ def route_of(cfg: config.Config, name: str) -> routes.RouteConfig:
         if route.name == name:
             return route
     known = ", ".join(route.name for route in cfg.routes)
-    raise errors.ConfigError("--route", [f"unknown route {name!r} (routes: {known})"])
+    raise errors.UsageError(f"unknown route {name!r} (routes: {known})")
 
 
 def route_scope(cfg: config.Config, name: str) -> str:
@@ -76,7 +76,7 @@ def _in_scope(scope: str, base: str) -> bool:
 def narrowed_scope(route: routes.RouteConfig, scope: str | None) -> str:
     """``--scope`` if it is one of the route's, else the route's own (which holds them all)."""
     if scope is not None and not _in_scope(scope, route.scope):
-        raise errors.ConfigError("--scope", [f"{scope!r} is not a scope of route {route.name!r}"])
+        raise errors.UsageError(f"{scope!r} is not a scope of route {route.name!r}")
     return scope or route.scope
 
 
@@ -84,12 +84,8 @@ def exact_scope(route: routes.RouteConfig, scope: str | None) -> str:
     """The one scope a command on single events works in: ``--scope``, which a route scoped
     by its path needs (its own scope holds no events, only its per-path ones)."""
     if scope is None and route.scoped_by_path:
-        raise errors.ConfigError(
-            "--scope",
-            [
-                f"route {route.name!r} scopes claims by its path: give --scope "
-                "(events list shows it)"
-            ],
+        raise errors.UsageError(
+            f"route {route.name!r} scopes claims by its path: give --scope (events list shows it)"
         )
     return narrowed_scope(route, scope)
 

@@ -7,8 +7,9 @@ on.
 
 A single process binds its listeners itself. A worker of ``workers: N`` is handed them: the
 supervisor binds them and passes the listening sockets down as inherited file descriptors, named
-in ``LISTEN_FDS_ENV`` (as systemd's socket activation does with ``LISTEN_FDS``), and holds them
-for its whole life, so no accept queue dies with a worker. On Linux each worker has a public
+in the worker's environment (``supervisor.WorkerEnvironment``, as systemd's socket activation
+does with ``LISTEN_FDS``), and holds them for its whole life, so no accept queue dies with a
+worker. On Linux each worker has a public
 socket of its own in one ``SO_REUSEPORT`` group, and adopts what waits too long in a sibling's
 (``shared_port``); elsewhere they share one. The public listener admits connections through
 ``connections`` (the per-worker connection bound), and so does the admin listener (one socket
@@ -33,7 +34,6 @@ from proxy.config import routes
 
 log = logging.getLogger(__name__)
 
-LISTEN_FDS_ENV = "DEDUP_PROXY_LISTEN_FDS"  # in a worker: "public:5,admin:6,sibling:7", inherited
 BACKLOG = 128  # aiohttp's default; per public socket (one per worker on Linux)
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -57,9 +57,21 @@ class Listeners:
     def filenos(self) -> tuple[int, ...]:
         return tuple(sock.fileno() for _, sock in self._named())
 
-    def environ(self) -> str:
-        """The ``LISTEN_FDS_ENV`` value naming these sockets (inherited under the same numbers)."""
+    def named_fds(self) -> str:
+        """These sockets by role and descriptor ("public:5,admin:6,sibling:7"), for a worker that
+        inherits them under the same numbers (``from_named_fds``)."""
         return ",".join(f"{role}:{sock.fileno()}" for role, sock in self._named())
+
+    @classmethod
+    def from_named_fds(cls, value: str) -> Listeners:
+        """In a worker: the sockets ``named_fds`` named in its supervisor."""
+        named = [item.partition(":") for item in value.split(",")]
+        sockets = [(role, socket.socket(fileno=int(fd))) for role, _, fd in named]
+        return cls(
+            public=tuple(s for role, s in sockets if role == "public"),
+            admin=tuple(s for role, s in sockets if role == "admin"),
+            siblings=tuple(s for role, s in sockets if role == "sibling"),
+        )
 
     def close(self) -> None:
         for _, sock in self._named():
@@ -124,24 +136,11 @@ def bind_all(cfg: config.Config, holder: shared_port.Holder) -> Listeners:
         raise
 
 
-def inherited() -> Listeners | None:
-    """In a worker: the sockets its supervisor bound, taken from the environment."""
-    value = os.environ.pop(LISTEN_FDS_ENV, None)
-    if not value:
-        return None
-    named = [item.partition(":") for item in value.split(",")]
-    sockets = [(role, socket.socket(fileno=int(fd))) for role, _, fd in named]
-    return Listeners(
-        public=tuple(s for role, s in sockets if role == "public"),
-        admin=tuple(s for role, s in sockets if role == "admin"),
-        siblings=tuple(s for role, s in sockets if role == "sibling"),
-    )
-
-
 async def serve(
     cfg: config.Config,
     *,
     worker: int | None = None,
+    handed: Listeners | None = None,
     on_listening: Callable[[], None] | None = None,
     lifeline: int | None = None,
     config_path: str | None = None,
@@ -150,11 +149,12 @@ async def serve(
     closes (new connections are refused), in-flight requests finish and commit (bounded by
     ``shutdown_timeout``), the pool closes, and the admin listener goes last.
 
-    A ``worker`` (one of ``workers: N``) serves the sockets its supervisor bound (see
-    ``inherited``); a single process binds its own, the admin listener before the database pool
-    starts and the public one once it has. Each worker keeps at most ``max_connections``
-    client connections open (see ``connections``)."""
-    handed = inherited() if worker is not None else None
+    A ``worker`` (one of ``workers: N``) serves the sockets its supervisor bound (``handed``),
+    says it listens (``on_listening``) and drains when its supervisor is gone (end-of-file on
+    ``lifeline``): what ``supervisor.WorkerEnvironment`` read. A single process binds its own
+    sockets, the admin listener before the database pool starts and the public one once it
+    has. Each worker keeps at most ``max_connections`` client connections open (see
+    ``connections``)."""
     if http_parser.HttpRequestParser is not getattr(http_parser, "HttpRequestParserC", None):
         raise errors.UnsafeRuntime()
     server = _Server(cfg, worker=worker, handed=handed, lifeline=lifeline, config_path=config_path)

@@ -4,19 +4,20 @@ Each worker is a whole proxy (``dedup-proxy serve`` in a child process, with its
 and database pool). Nothing about claims changes: copies of an event that reach two workers
 meet at PostgreSQL's row lock, exactly as copies on two replicas do.
 
-The supervisor serves nothing itself. It binds the listeners and hands the sockets down
-(``server.LISTEN_FDS_ENV``): on Linux a public socket per worker in one ``SO_REUSEPORT`` group,
-so that the kernel spreads connections over the workers, each worker also holding its siblings'
-sockets to adopt what waits in a stuck one's queue (``shared_port``); elsewhere one public
-socket for all. The admin socket is shared. The supervisor holds every socket until it stops,
-and a replacement worker gets the socket of the one it replaces: a worker that dies takes only
-the connections it had accepted, never ones still waiting in a queue. It copies the
-configuration file into a private directory and validates the copy; every worker, a
-replacement started hours later too, loads that copy, so an edit on disk reaches none of them
-before a reload or a restart. It starts the embedded PostgreSQL when there is one, gives the
-workers a shared directory for their metrics, forwards SIGTERM/SIGINT so they drain, and
-restarts a worker that dies while serving. No other process may join its ports
-(``shared_port.Holder``).
+The supervisor serves nothing itself. It binds the listeners and hands the sockets down: on
+Linux a public socket per worker in one ``SO_REUSEPORT`` group, so that the kernel spreads
+connections over the workers, each worker also holding its siblings' sockets to adopt what waits
+in a stuck one's queue (``shared_port``); elsewhere one public socket for all. What a worker is
+handed (its number, its sockets, its two pipes, the embedded server's DSN) is one
+``WorkerEnvironment``, written into its environment here and read there once. The admin socket
+is shared. The supervisor holds every socket until it stops, and a replacement worker gets the
+socket of the one it replaces: a worker that dies takes only the connections it had accepted,
+never ones still waiting in a queue. It copies the configuration file into a private directory
+and validates the copy; every worker, a replacement started hours later too, loads that copy, so
+an edit on disk reaches none of them before a reload or a restart. It starts the embedded
+PostgreSQL when there is one, gives the workers a shared directory for their metrics, forwards
+SIGTERM/SIGINT so they drain, and restarts a worker that dies while serving. No other process
+may join its ports (``shared_port.Holder``).
 
 SIGHUP reloads: the file is copied and validated again, and refused (logged, the workers serve
 on) if it is invalid or changes what only a restart can (``restart_only``). Otherwise the copy
@@ -59,6 +60,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,9 +71,10 @@ from proxy import config, embedded, errors, logs, metrics, server, shared_port
 log = logging.getLogger(__name__)
 
 WORKER_ENV = "DEDUP_PROXY_WORKER"  # set in a worker: its number, from 1
-DSN_ENV = "DEDUP_PROXY_WORKER_DSN"  # set in a worker when the supervisor runs the embedded server
+LISTEN_FDS_ENV = "DEDUP_PROXY_LISTEN_FDS"  # its sockets: "public:5,admin:6,sibling:7", inherited
 BEAT_ENV = "DEDUP_PROXY_WORKER_BEAT_FD"  # the pipe a worker writes its heartbeat to
 LIFELINE_ENV = "DEDUP_PROXY_WORKER_LIFELINE_FD"  # end-of-file on it: the supervisor is gone
+DSN_ENV = "DEDUP_PROXY_WORKER_DSN"  # set in a worker when the supervisor runs the embedded server
 TIMEOUT_ENV = "DEDUP_PROXY_WORKER_TIMEOUT"  # seconds without a heartbeat before a worker is killed
 BEAT_INTERVAL = 1.0
 # gunicorn's default, well above a healthy worker's longest stall: the parses of the worst-case
@@ -91,6 +94,67 @@ _HOME_PREFIX = "dedup-proxy-"
 _HOME_NAME = re.compile(re.escape(_HOME_PREFIX) + r"([1-9][0-9]*)-[^-]+")  # mkdtemp's suffix
 SNAPSHOT = "config.yaml"  # in the private directory: the configuration every worker loads
 ADDRESSES = "addresses"  # in the private directory: the addresses held (shared_port.Holder)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerEnvironment:
+    """What the supervisor hands a worker in its environment: written by ``to_environ`` when it
+    starts one, read by ``from_environ`` once in the worker, as it starts serving."""
+
+    number: int  # from 1
+    listeners: server.Listeners | None  # the sockets it serves, bound by the supervisor
+    beat: int | None  # the pipe it writes a byte to once it listens, then one a second
+    lifeline: int | None  # end-of-file on this pipe: the supervisor is gone
+    dsn: str | None = None  # the supervisor's embedded server, if it runs one
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables a worker started with them finds these in (the descriptors passed to
+        it under the same numbers)."""
+        values = {
+            WORKER_ENV: self.number,
+            LISTEN_FDS_ENV: None if self.listeners is None else self.listeners.named_fds(),
+            BEAT_ENV: self.beat,
+            LIFELINE_ENV: self.lifeline,
+            DSN_ENV: self.dsn,
+        }
+        return {name: str(value) for name, value in values.items() if value is not None}
+
+    @classmethod
+    def from_environ(
+        cls, environ: MutableMapping[str, str] = os.environ
+    ) -> WorkerEnvironment | None:
+        """This process's, taken out of ``environ``; None if no supervisor started it."""
+        number, fds, beat, lifeline, dsn = (
+            environ.pop(name, None)
+            for name in (WORKER_ENV, LISTEN_FDS_ENV, BEAT_ENV, LIFELINE_ENV, DSN_ENV)
+        )
+        if not (number and number.isdigit()):
+            return None
+        return cls(
+            number=int(number),
+            listeners=server.Listeners.from_named_fds(fds) if fds else None,
+            beat=_descriptor(beat),
+            lifeline=_descriptor(lifeline),
+            dsn=dsn,
+        )
+
+    def config(self, cfg: config.Config) -> config.Config:
+        """The worker's configuration: the supervisor's embedded database instead of its own."""
+        if self.dsn is None or not cfg.database.embedded:
+            return cfg
+        database = dataclasses.replace(cfg.database, dsn=config.Secret(self.dsn))
+        return dataclasses.replace(cfg, database=database)
+
+    def report_listening(self) -> None:
+        """Tell the supervisor that the listeners are up, then, once a second from the event
+        loop, that the loop still turns."""
+        if self.beat is not None:
+            os.set_blocking(self.beat, False)
+            _beat(asyncio.get_running_loop(), self.beat)
+
+
+def _descriptor(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isdigit() else None
 
 
 @dataclass(slots=True)
@@ -200,17 +264,13 @@ class Supervisor:
 
     async def _start(self, number: int, *, replacement: bool) -> None:
         listeners = self._listeners(number)
-        env = dict(os.environ)
-        env[WORKER_ENV] = str(number)
-        env[metrics.MULTIPROC_ENV] = str(self.metrics_dir)
-        env[server.LISTEN_FDS_ENV] = listeners.environ()
-        if self.dsn is not None:
-            env[DSN_ENV] = self.dsn
         beat_read, beat_write = os.pipe()
         life_read, life_write = os.pipe()
         os.set_blocking(beat_read, False)
-        env[BEAT_ENV] = str(beat_write)
-        env[LIFELINE_ENV] = str(life_read)
+        handed = WorkerEnvironment(
+            number=number, listeners=listeners, beat=beat_write, lifeline=life_read, dsn=self.dsn
+        )
+        env = {**os.environ, metrics.MULTIPROC_ENV: str(self.metrics_dir), **handed.to_environ()}
         try:
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "proxy", "serve", "--config", str(self.snapshot),
@@ -588,21 +648,6 @@ def _timeout() -> float:
     return timeout
 
 
-def worker_number() -> int | None:
-    """This process's number if the supervisor started it, else None."""
-    value = os.environ.get(WORKER_ENV)
-    return int(value) if value and value.isdigit() else None
-
-
-def report_listening() -> None:
-    """In a worker: tell the supervisor that the listeners are up, then, once a second from the
-    event loop, that the loop still turns (no-op elsewhere)."""
-    fd = os.environ.pop(BEAT_ENV, None)
-    if fd is not None and fd.isdigit():
-        os.set_blocking(int(fd), False)
-        _beat(asyncio.get_running_loop(), int(fd))
-
-
 def _beat(loop: asyncio.AbstractEventLoop, fd: int) -> None:
     try:
         os.write(fd, b".")
@@ -612,18 +657,3 @@ def _beat(loop: asyncio.AbstractEventLoop, fd: int) -> None:
         os.close(fd)
         return
     loop.call_later(BEAT_INTERVAL, _beat, loop, fd)
-
-
-def lifeline() -> int | None:
-    """In a worker: the pipe that reaches end-of-file when the supervisor dies."""
-    fd = os.environ.pop(LIFELINE_ENV, None)
-    return int(fd) if fd is not None and fd.isdigit() else None
-
-
-def worker_config(cfg: config.Config) -> config.Config:
-    """A worker's configuration: the supervisor's embedded database instead of its own."""
-    dsn = os.environ.get(DSN_ENV)
-    if dsn is None or not cfg.database.embedded:
-        return cfg
-    database = dataclasses.replace(cfg.database, dsn=config.Secret(dsn))
-    return dataclasses.replace(cfg, database=database)

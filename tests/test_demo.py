@@ -30,13 +30,8 @@ NUMBERS = {
     "once": r"app saw each event: +exactly once after success \((\d+)/",
     "claims": r"claims in PostgreSQL: +(\d+) ",
 }
-RUN_DEMO = (
-    "import argparse, sys\n"
-    "from proxy import demo\n"
-    "parser = argparse.ArgumentParser()\n"
-    "demo.add_arguments(parser)\n"
-    "sys.exit(demo.main(parser.parse_args(sys.argv[1:])))\n"
-)
+# ``dedup-proxy demo``, in a script a test can add a line in front of.
+RUN_DEMO = "import sys\nfrom proxy import cli\nsys.exit(cli.main(['demo', *sys.argv[1:]]))\n"
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import hashlib
 import io
+import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -242,6 +244,46 @@ async def test_cli_events_exit_codes_and_help(config_file: Path) -> None:
         assert command in out
     code, out, _ = await run_cli("events", "forget", "--help")
     assert "forwarded to the app again" in out
+
+
+async def test_ctrl_c_while_a_command_waits_exits_130_in_one_line(
+    tmp_path: Path, upstream: FakeUpstream
+) -> None:
+    """Ctrl-C while a command waits for the database: said in a line, exit status 130."""
+    connected = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connected.set()  # and never answers the client's startup message
+        await reader.read()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": upstream.url},
+                "database": {"dsn": f"postgresql://u@127.0.0.1:{port}/db",
+                             "connect_timeout": "60s"},
+                "routes": [{"name": "corvel", "path": "/c", "event_id": "body:/id"}],
+            }
+        )
+    )  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "events", "list", "--route", "corvel", "-c", str(path),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        await asyncio.wait_for(connected.wait(), 30)
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(process.communicate(), 30)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        server.close()
+    assert (process.returncode, out, err) == (130, b"", b"dedup-proxy events list: interrupted\n")
 
 
 async def test_read_only_commands_need_no_signing_secrets(

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 import proxy
-from proxy import config, shared_port, supervisor
+from proxy import config, server, shared_port, supervisor
 from tests.helpers import (
     FakeUpstream,
     Serve,
@@ -508,6 +508,28 @@ async def test_another_program_in_the_ports_group_stops_the_supervisor(
 
     assert code == 1, text
     assert f"cannot listen on http://127.0.0.1:{port} (listen): Address already in use" in text
+
+
+def test_a_worker_reads_what_its_supervisor_handed_it_once() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = listener.getsockname()
+    handed = supervisor.WorkerEnvironment(
+        number=2, listeners=server.Listeners(public=(listener,), admin=()), beat=7, lifeline=8,
+        dsn="postgresql://u@db/events",
+    )  # fmt: skip
+    environ = {"PATH": "/usr/bin", **handed.to_environ()}
+    read = supervisor.WorkerEnvironment.from_environ(environ)
+    listener.detach()  # the worker's socket owns the descriptor now, as in a worker
+    assert read is not None
+    assert read.listeners is not None
+    with read.listeners.public[0] as public:
+        assert public.getsockname() == address
+    assert (read.number, read.beat, read.lifeline, read.dsn, read.listeners.admin) == (
+        2, 7, 8, "postgresql://u@db/events", ()
+    )  # fmt: skip
+    # Taken out as it is read: nothing the worker starts sees them.
+    assert environ == {"PATH": "/usr/bin"}
+    assert supervisor.WorkerEnvironment.from_environ(environ) is None
 
 
 def test_a_directory_named_after_this_pid_is_a_leftover(tmp_path: Path) -> None:
