@@ -108,9 +108,14 @@ class Provider:
         return t0 + n / self.rate + copy * self.copy_after
 
     async def _deliver(
-        self, session: aiohttp.ClientSession, url: str, n: int, copy: int, at: float,
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        n: int,
+        copy: int,
+        at: float,
         out: list[Answer],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Send copy ``copy`` of event ``n`` at ``at``, again on every 503 until a 2xx
         (bounded); any other answer ends it."""
         await asyncio.sleep(max(0.0, at - time.monotonic()))
@@ -125,9 +130,14 @@ class Provider:
                 ) as response:
                     await response.read()
                     answer = Answer(
-                        send, event_id, copy, sent, time.monotonic(), response.status,
+                        send,
+                        event_id,
+                        copy,
+                        sent,
+                        time.monotonic(),
+                        response.status,
                         response.headers.get("Retry-After"),
-                    )  # fmt: skip
+                    )
             except (aiohttp.ClientError, TimeoutError) as exc:
                 answer = Answer(send, event_id, copy, sent, time.monotonic(), None, None, repr(exc))
             out.append(answer)

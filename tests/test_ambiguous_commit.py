@@ -129,9 +129,14 @@ async def test_commit_in_doubt_is_reconciled(
 
 @pytest.mark.parametrize("sent", [False, True])
 async def test_a_commit_never_sent_is_told_apart_from_one_in_doubt(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, sent: bool,
-    aiohttp_client: Any, caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    sent: bool,
+    aiohttp_client: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     relay = OneWayRelay(pg_dsn)
     await relay.start()
     upstream.gate = asyncio.Event()

@@ -128,10 +128,13 @@ async def run_failover(tmp_path: Path, recorder: tuple[App, str], events: int) -
         # pg_auto_failover's default, which the no-re-forwarding assertion rests on.
         assert primary.sql("SHOW synchronous_standby_names") != ""
         settings = serve_settings(
-            app_url, formation.dsn(), TABLE,
-            upstream={"timeout": "5s"}, claim_wait="2s",
+            app_url,
+            formation.dsn(),
+            TABLE,
+            upstream={"timeout": "5s"},
+            claim_wait="2s",
             database={"connect_timeout": "1s", "pool_timeout": "1s", "pool_size": 4},
-        )  # fmt: skip
+        )
         config_file = tmp_path / "config.yaml"
         config_file.write_text(yaml.safe_dump(settings))
         served = await start_serve(config_file, tmp_path / "serve.log")

@@ -94,10 +94,11 @@ async def test_nothing_after_the_claims_insert_is_bounded_by_claim_wait(
 ) -> None:
     store.set_distributed(distributed)
     await _sleep_in(
-        pg_dsn, table,
+        pg_dsn,
+        table,
         "CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON {t} DEFERRABLE INITIALLY "
         "DEFERRED FOR EACH ROW EXECUTE FUNCTION {f}()",
-    )  # fmt: skip
+    )
     await fetch(
         pg_dsn,
         f'CREATE TRIGGER slow_update AFTER UPDATE ON "{table}" FOR EACH ROW '
@@ -108,8 +109,14 @@ async def test_nothing_after_the_claims_insert_is_bounded_by_claim_wait(
         assert claim.acquired
         if step == "queue":
             delivery = database.StoredRequest("r", "http://127.0.0.1:9", "POST", "/", (), b"body")
-            keep = database.KeepPolicy(delay=60, until=3600, max_pending=10,
-                                 max_pending_bytes=10**6, cap_scope="s", dead=False)  # fmt: skip
+            keep = database.KeepPolicy(
+                delay=60,
+                until=3600,
+                max_pending=10,
+                max_pending_bytes=10**6,
+                cap_scope="s",
+                dead=False,
+            )
             queued = await claim.keep(delivery, database.Attempt(500), keep)
             assert queued.state == database.InboxState.PENDING
         else:

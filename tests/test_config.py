@@ -789,9 +789,20 @@ def test_listen(listen: str, host: str, port: int, text: str) -> None:
 
 @pytest.mark.parametrize(
     "listen",
-    ["8080", ":8080", "host:", "host:http", "host:65536", "host:-1", "[]:80", 8080, "host:0",
-     "[::1:8080", "host:\u00b2"],
-)  # fmt: skip
+    [
+        "8080",
+        ":8080",
+        "host:",
+        "host:http",
+        "host:65536",
+        "host:-1",
+        "[]:80",
+        8080,
+        "host:0",
+        "[::1:8080",
+        "host:\u00b2",
+    ],
+)
 def test_bad_listen(listen: object) -> None:
     assert problems_of(raw_config(listen=listen)) == (
         f"listen: must be host:port, port 1-65535, IPv6 as [::1]:port; got {listen!r}",

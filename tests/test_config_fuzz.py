@@ -263,8 +263,16 @@ def test_any_file_gives_a_config_or_a_config_error(config_file: Path, text: str)
 
 # Valid values and what they mean: (as written in YAML, expected parsed value).
 DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
-SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "KiB": 2**10, "MB": 10**6, "MiB": 2**20,
-              "GB": 10**9, "GiB": 2**30}  # fmt: skip
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "KiB": 2**10,
+    "MB": 10**6,
+    "MiB": 2**20,
+    "GB": 10**9,
+    "GiB": 2**30,
+}
 UNSET = "DEDUP_PROXY_FUZZ_UNSET"
 
 durations = st.one_of(

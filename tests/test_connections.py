@@ -66,8 +66,11 @@ async def test_idle_connections_make_room_for_a_webhook_the_longest_waiting_firs
     assert await status(half_1, webhook_request("evt_half_1").removeprefix(HEAD)) == 200
     assert await status(kept_2, webhook_request("evt_kept_2_again")) == 200
     assert [json.loads(r.body)["id"] for r in upstream.requests][3:] == [
-        "evt_first", "evt_second", "evt_half_1", "evt_kept_2_again"
-    ]  # fmt: skip
+        "evt_first",
+        "evt_second",
+        "evt_half_1",
+        "evt_kept_2_again",
+    ]
     assert await shed_so_far(served) == shed + 2
     reports = [x for x in served.lines() if x["msg"].startswith("max_connections (6) reached")]
     assert reports

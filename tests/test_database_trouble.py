@@ -53,9 +53,12 @@ async def alter_system(dsn: str, change: str) -> None:
 
 
 async def test_readiness_fails_on_a_read_only_primary_and_its_connections_are_dropped(
-    make_proxy: MakeProxy, upstream: FakeUpstream, own_server: embedded.EmbeddedPostgres,
-    aiohttp_client: Any, table: str,
-) -> None:  # fmt: skip
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    own_server: embedded.EmbeddedPostgres,
+    aiohttp_client: Any,
+    table: str,
+) -> None:
     dsn = own_server.start()
     proxy = await make_proxy(database={"dsn": dsn, "pool_size": 2})
     admin = await admin_client(aiohttp_client, proxy)
@@ -105,9 +108,11 @@ async def test_a_replica_started_on_a_read_only_primary_opens_the_upgrade_window
 
 
 async def test_a_database_refusing_writes_is_not_met_with_a_new_session_per_webhook(
-    make_proxy: MakeProxy, upstream: FakeUpstream, own_server: embedded.EmbeddedPostgres,
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    own_server: embedded.EmbeddedPostgres,
     aiohttp_client: Any,
-) -> None:  # fmt: skip
+) -> None:
     dsn = own_server.start()
     proxy = await make_proxy(database={"dsn": dsn, "pool_size": 2})
     admin = await admin_client(aiohttp_client, proxy)
@@ -130,9 +135,12 @@ async def test_a_database_refusing_writes_is_not_met_with_a_new_session_per_webh
 
 
 async def test_the_gauge_and_check_say_whether_commits_wait_for_a_standby(
-    make_proxy: MakeProxy, own_server: embedded.EmbeddedPostgres, aiohttp_client: Any,
-    tmp_path: Path, table: str,
-) -> None:  # fmt: skip
+    make_proxy: MakeProxy,
+    own_server: embedded.EmbeddedPostgres,
+    aiohttp_client: Any,
+    tmp_path: Path,
+    table: str,
+) -> None:
     dsn = own_server.start()
     proxy = await make_proxy(database={"dsn": dsn, "pool_size": 2})
     admin = await admin_client(aiohttp_client, proxy)
@@ -195,10 +203,11 @@ async def test_serve_started_during_an_outage_listens_then_serves_once_the_datab
         messages = [line["msg"] for line in served.lines()]
         assert any(
             m.startswith("the database does not answer (cannot connect to PostgreSQL: ")
-            and m.endswith("listening anyway, and trying again for up to 5m "
-                           "(database.start_timeout)")
+            and m.endswith(
+                "listening anyway, and trying again for up to 5m (database.start_timeout)"
+            )
             for m in messages
-        ), messages  # fmt: skip
+        ), messages
         assert any(m.startswith("the database answered after ") for m in messages), messages
     finally:
         await relay.close()
@@ -286,8 +295,10 @@ def test_the_back_off_grows_to_its_bound_with_jitter() -> None:
 @pytest.mark.parametrize(
     ("dsn", "hosts"),
     [
-        ("postgresql://u:p@h1:5432,h2:5433/db?target_session_attrs=read-write",
-         [("h1", 5432), ("h2", 5433)]),
+        (
+            "postgresql://u:p@h1:5432,h2:5433/db?target_session_attrs=read-write",
+            [("h1", 5432), ("h2", 5433)],
+        ),
         ("postgresql://u:p@h1/db", [("h1", 5432)]),
         ("postgresql://u@[::1]:5433,[fd00::2]/db", [("::1", 5433), ("fd00::2", 5432)]),
         ("postgresql://u@h1,h2/db?port=5433", [("h1", 5433), ("h2", 5433)]),
@@ -295,7 +306,7 @@ def test_the_back_off_grows_to_its_bound_with_jitter() -> None:
         ("postgresql://u@/db?host=/a,/b&port=5433", [("/a", 5433), ("/b", 5433)]),
         ("postgresql://u@h1/db?host=/a,/b", [("h1", 5432)]),  # the URL's host wins, as asyncpg's
     ],
-)  # fmt: skip
+)
 def test_the_hosts_of_a_dsn_are_read_as_asyncpg_reads_them(
     dsn: str, hosts: list[tuple[str, int]]
 ) -> None:

@@ -123,9 +123,12 @@ async def test_the_first_rollouts_grants_are_what_migrate_and_the_proxys_role_ne
     for who, block in sql_blocks("5. Migrate, then check the proxy's role"):
         await execute(dsn(who), names.sql(block))
     code, out, err = await run_cli(
-        "check", "--database", "--config", str(config_file),
+        "check",
+        "--database",
+        "--config",
+        str(config_file),
         env=role_env(names, names.proxy, tmp_path),
-    )  # fmt: skip
+    )
 
     assert code == 0, out + err
     assert re.search(rf"^ok +connect: .* as {names.proxy}\b", out, re.M), out

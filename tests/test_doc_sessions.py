@@ -189,9 +189,12 @@ class Stack:
     async def start(self) -> None:
         with self.logs[1].open("wb") as log:
             app = await asyncio.create_subprocess_exec(
-                sys.executable, str(ROOT / "examples" / "upstream.py"), str(self.app_port),
-                stdout=log, stderr=asyncio.subprocess.STDOUT,
-            )  # fmt: skip
+                sys.executable,
+                str(ROOT / "examples" / "upstream.py"),
+                str(self.app_port),
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+            )
         self.processes.append(app)
         await wait_until(lambda: accepts(self.app_port), "the example app to listen", within=30)
         served = await start_serve(self.config, self.logs[0], env=self.env, cwd=ROOT)

@@ -355,16 +355,21 @@ async def test_check_masks_the_password_of_a_libpq_dsn(
 @pytest.mark.parametrize(
     ("dsn", "url"),
     [
-        ("host=db port=5432 user=app password=s3cret dbname=events sslmode=require",
-         "postgresql://app:s3cret@db:5432/events?sslmode=require"),
-        ("host = db user=app password='Zq9x''s' dbname=events",
-         None),
-        ("host=a,b port=5432 user=app dbname=events target_session_attrs=read-write",
-         "postgresql://app@a:5432,b:5432/events?target_session_attrs=read-write"),
-        ("host=::1 user=app password='a b\\'c' dbname=events",
-         "postgresql://app:a%20b%27c@[::1]/events"),
+        (
+            "host=db port=5432 user=app password=s3cret dbname=events sslmode=require",
+            "postgresql://app:s3cret@db:5432/events?sslmode=require",
+        ),
+        ("host = db user=app password='Zq9x''s' dbname=events", None),
+        (
+            "host=a,b port=5432 user=app dbname=events target_session_attrs=read-write",
+            "postgresql://app@a:5432,b:5432/events?target_session_attrs=read-write",
+        ),
+        (
+            "host=::1 user=app password='a b\\'c' dbname=events",
+            "postgresql://app:a%20b%27c@[::1]/events",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_libpq_dsn_becomes_the_url_asyncpg_reads(dsn: str, url: str | None) -> None:
     if url is None:
         with pytest.raises(ValueError, match="libpq's key=value pairs") as refused:

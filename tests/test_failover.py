@@ -132,10 +132,13 @@ async def fail_over(
     events = int((BEFORE_KILL + AFTER_KILL) * RATE)
     with replication.pair(tmp_path / "pg", synchronous=synchronous) as pair:
         settings = serve_settings(
-            app_url, pair.dsn(), TABLE,
-            upstream={"timeout": "5s"}, claim_wait="2s",
+            app_url,
+            pair.dsn(),
+            TABLE,
+            upstream={"timeout": "5s"},
+            claim_wait="2s",
             database={"connect_timeout": "1s", "pool_timeout": "1s", "pool_size": 4},
-        )  # fmt: skip
+        )
         config_file = tmp_path / "config.yaml"
         config_file.write_text(yaml.safe_dump(settings))
         served = await start_serve(config_file, tmp_path / "serve.log")

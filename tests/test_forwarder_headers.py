@@ -240,10 +240,25 @@ def _filtered_step_by_step(
 
 
 _NAMES = st.sampled_from(
-    [*HOP_BY_HOP_NAMES, "connection", "Host", "HOST", "Expect", "Content-Length", "X-Event_Id",
-     "X-Forwarded-For", "x-forwarded-host", "X-Forwarded-Proto", "Forwarded", "X-Real-IP",
-     "Stripe-Signature", "X-Custom", "x-custom", "Accept"]
-)  # fmt: skip
+    [
+        *HOP_BY_HOP_NAMES,
+        "connection",
+        "Host",
+        "HOST",
+        "Expect",
+        "Content-Length",
+        "X-Event_Id",
+        "X-Forwarded-For",
+        "x-forwarded-host",
+        "X-Forwarded-Proto",
+        "Forwarded",
+        "X-Real-IP",
+        "Stripe-Signature",
+        "X-Custom",
+        "x-custom",
+        "Accept",
+    ]
+)
 _VALUES = st.sampled_from(["1", "x-custom", "close, X-Custom", "keep-alive", "a, b", " Accept "])
 
 

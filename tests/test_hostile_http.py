@@ -341,9 +341,12 @@ async def test_trailer_field_does_not_leak_into_the_next_request_on_the_connecti
     ],
 )
 async def test_a_trailer_does_not_leak_when_aiohttp_answers_the_chunked_request_itself(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
     first_headers: tuple[bytes, ...],
-) -> None:  # fmt: skip
+) -> None:
     client = await make_proxy()
     first = webhook(
         *first_headers,
@@ -467,9 +470,11 @@ def expecting(line: bytes, *headers: bytes, length: int = len(SMUGGLED)) -> byte
     send it."""
     lines = b"".join(header + b"\r\n" for header in headers)
     return (
-        line + b"\r\nHost: proxy.test\r\nExpect: 100-continue\r\n" + lines
+        line
+        + b"\r\nHost: proxy.test\r\nExpect: 100-continue\r\n"
+        + lines
         + b"Content-Length: %d\r\n\r\n" % length
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize(

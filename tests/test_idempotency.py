@@ -83,9 +83,12 @@ async def test_a_missing_or_malformed_key_is_400(
 
 
 async def test_two_clients_with_the_same_key_are_two_requests(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
     caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+) -> None:
     upstream.respond = created
     client = await make_proxy(routes=[api_route()])
     with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
@@ -181,11 +184,15 @@ def test_idempotency_key_route_defaults_and_problems() -> None:
                 **base,
                 "routes": [
                     api_route(methods=["POST", "PUT"], on_duplicate="ack"),
-                    {"name": "hook", "path": "/hook", "event_id": "body:/id",
-                     "scope_from": "header:Authorization"},
+                    {
+                        "name": "hook",
+                        "path": "/hook",
+                        "event_id": "body:/id",
+                        "scope_from": "header:Authorization",
+                    },
                 ],
             }
-        )  # fmt: skip
+        )
     assert info.value.problems == (
         "routes[0].methods: idempotency-key routes claim POST or PATCH, not ['PUT']",
         "routes[0].on_duplicate: idempotency-key routes always replay the first answer",
@@ -235,16 +242,23 @@ def test_idempotency_key_route_option_problems(extra: dict[str, Any], problem: s
     ],
 )
 async def test_a_connection_header_naming_the_key_or_the_scope_header_is_400(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
-    connection: str, code: str,
-) -> None:  # fmt: skip
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    connection: str,
+    code: str,
+) -> None:
     client = await make_proxy(routes=[api_route()])
     response = await client.post(
         "/payments",
         data=PAYMENT,
-        headers={"Authorization": "Bearer alice", "Idempotency-Key": "k-hop",
-                 "Connection": connection},
-    )  # fmt: skip
+        headers={
+            "Authorization": "Bearer alice",
+            "Idempotency-Key": "k-hop",
+            "Connection": connection,
+        },
+    )
     assert response.status == 400
     assert response.content_type == "application/problem+json"
     problem = await response.json()

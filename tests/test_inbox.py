@@ -164,8 +164,10 @@ async def test_a_410_is_kept_and_recorded_alike_at_the_first_delivery_and_a_rede
     attempts = json.loads((await rows(pg_dsn, table))["evt_410"]["inbox_attempts"])
     gone = {"status": 410, "error": "upstream answered 410 Gone"}
     assert [{k: a.get(k) for k in gone} for a in attempts] == [
-        gone, gone, {"status": 200, "error": None}
-    ]  # fmt: skip
+        gone,
+        gone,
+        {"status": 200, "error": None},
+    ]
     assert len(upstream.requests) == 3
 
 
@@ -426,10 +428,13 @@ async def test_check_says_how_a_route_redelivers(tmp_path: Any, pg_dsn: str) -> 
     config_file = tmp_path / "config.yaml"
     config_file.write_text(
         json.dumps(
-            {"upstream": {"url": "http://127.0.0.1:9"}, "database": {"dsn": pg_dsn},
-             "routes": [route(schedule=["500ms", "10s", "2h"], **{"for": "3d"})]}
+            {
+                "upstream": {"url": "http://127.0.0.1:9"},
+                "database": {"dsn": pg_dsn},
+                "routes": [route(schedule=["500ms", "10s", "2h"], **{"for": "3d"})],
+            }
         )
-    )  # fmt: skip
+    )
     code, out, _ = await run_cli("check", "--config", str(config_file))
     assert code == 0
     assert "failures kept, redelivered after 500ms/10s/2h for 3d" in out

@@ -263,8 +263,10 @@ async def test_one_tenant_filling_its_cap_leaves_another_tenants_failures_kept(
     assert acme == [202, 202, 503]  # acme's own cap
     assert globex == 202
     assert await kept_rows(pg_dsn, table) == [
-        ("tenants/acme", "pending"), ("tenants/acme", "pending"), ("tenants/globex", "pending"),
-    ]  # fmt: skip
+        ("tenants/acme", "pending"),
+        ("tenants/acme", "pending"),
+        ("tenants/globex", "pending"),
+    ]
     assert counted(proxy, "dedup_inbox_full_total", "tenants") == 1
 
 
@@ -282,8 +284,9 @@ async def test_max_pending_bytes_is_per_tenant_too(
     assert acme == [202, 503]
     assert globex == 202
     assert [scope for scope, _ in await kept_rows(pg_dsn, table)] == [
-        "tenants/acme", "tenants/globex",
-    ]  # fmt: skip
+        "tenants/acme",
+        "tenants/globex",
+    ]
 
 
 async def test_a_templated_route_without_tenant_secrets_keeps_one_cap_for_every_path(

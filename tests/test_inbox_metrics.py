@@ -75,10 +75,14 @@ class Scraper:
 
     async def levels(self, route: str = "hooks") -> dict[str, float | None]:
         samples = await self.samples()
-        names = {"pending": "dedup_inbox_pending", "bytes": "dedup_inbox_pending_bytes",
-                 "dead": "dedup_inbox_dead", "oldest": "dedup_inbox_oldest_pending_seconds",
-                 "overdue": "dedup_inbox_overdue_seconds",
-                 "oldest_dead": "dedup_inbox_oldest_dead_seconds"}  # fmt: skip
+        names = {
+            "pending": "dedup_inbox_pending",
+            "bytes": "dedup_inbox_pending_bytes",
+            "dead": "dedup_inbox_dead",
+            "oldest": "dedup_inbox_oldest_pending_seconds",
+            "overdue": "dedup_inbox_overdue_seconds",
+            "oldest_dead": "dedup_inbox_oldest_dead_seconds",
+        }
         return {key: samples.get((name, (("route", route),))) for key, name in names.items()}
 
     async def until(self, what: str, check: Any, within: float = BACK) -> None:
@@ -196,9 +200,11 @@ async def test_the_levels_are_each_routes_pending_count_bytes_dead_and_oldest_ag
     metrics = await Scraper.of(aiohttp_client, proxy)
 
     async def empty(m: Scraper) -> bool:
-        return await m.levels() == await m.levels("tenants") == {
-            "pending": 0, "bytes": 0, "dead": 0, "oldest": 0, "overdue": 0, "oldest_dead": 0
-        }  # fmt: skip
+        return (
+            await m.levels()
+            == await m.levels("tenants")
+            == {"pending": 0, "bytes": 0, "dead": 0, "oldest": 0, "overdue": 0, "oldest_dead": 0}
+        )
 
     await metrics.until("the empty inboxes' levels", empty)
     bodies = [b'{"id": "p1"}', b'{"id": "p2", "padding": "' + b"x" * 1000 + b'"}']

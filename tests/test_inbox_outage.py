@@ -102,9 +102,12 @@ class App:
         self.in_flight[event] += 1
         self.most[event] = max(self.most[event], self.in_flight[event])
         call = Call(
-            event, request.headers.get("X-Request-ID", ""), self.ports.index(port),
-            time.monotonic(), self.in_flight[event] > 1,
-        )  # fmt: skip
+            event,
+            request.headers.get("X-Request-ID", ""),
+            self.ports.index(port),
+            time.monotonic(),
+            self.in_flight[event] > 1,
+        )
         self.calls.append(call)
         try:
             if call.arrived < self.recovers_at:

@@ -99,9 +99,10 @@ async def test_a_second_lane_takes_the_next_due_row_while_the_first_is_held(
 
 
 async def test_past_a_page_of_held_rows_a_lane_takes_the_next_page(
-    two: tuple[asyncpg.Connection, asyncpg.Connection], table: str,
+    two: tuple[asyncpg.Connection, asyncpg.Connection],
+    table: str,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """The rows being redelivered are the oldest due ones until they end: with more of them
     held than a take reads at once (here 1), the next page is read rather than none taken."""
     monkeypatch.setattr(inbox, "CANDIDATES", 1)

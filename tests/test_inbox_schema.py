@@ -55,10 +55,13 @@ async def test_a_redelivering_route_needs_the_inbox_columns_which_migrate_adds(
     config_file = tmp_path / "config.yaml"
     config_file.write_text(
         yaml.safe_dump(
-            {"upstream": {"url": "http://127.0.0.1:9"}, "routes": [KEPT],
-             "database": {"dsn": pg_dsn, "table": table, "create_schema": False}}
+            {
+                "upstream": {"url": "http://127.0.0.1:9"},
+                "routes": [KEPT],
+                "database": {"dsn": pg_dsn, "table": table, "create_schema": False},
+            }
         )
-    )  # fmt: skip
+    )
     code, out, err = await run_cli("migrate", "--config", str(config_file))
     assert (code, out) == (0, f"schema applied: table {table}\n"), err
     await start_up(cfg)

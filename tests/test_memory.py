@@ -133,8 +133,16 @@ async def _true(value: bool) -> bool:
     return value
 
 
-@pytest.mark.parametrize("ending", ["hung-up client", "body too slow", "upstream refused",
-                                    "pool exhausted", "claim wait exceeded"])  # fmt: skip
+@pytest.mark.parametrize(
+    "ending",
+    [
+        "hung-up client",
+        "body too slow",
+        "upstream refused",
+        "pool exhausted",
+        "claim wait exceeded",
+    ],
+)
 async def test_the_reservation_is_given_back_however_the_request_ends(
     make_proxy: MakeProxy, upstream: FakeUpstream, ending: str
 ) -> None:

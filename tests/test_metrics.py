@@ -34,8 +34,9 @@ def test_timings_flushed_read_as_the_same_observations_made_one_by_one(
     batches: list[list[float]],
 ) -> None:
     held, direct = CollectorRegistry(), CollectorRegistry()
-    timings = metrics.Timings(Histogram("t", "", ["route"], buckets=BUCKETS, registry=held)
-                              .labels("r"))  # fmt: skip
+    timings = metrics.Timings(
+        Histogram("t", "", ["route"], buckets=BUCKETS, registry=held).labels("r")
+    )
     reference = Histogram("t", "", ["route"], buckets=BUCKETS, registry=direct).labels("r")
     for batch in batches:
         for value in batch:

@@ -77,15 +77,29 @@ async def test_forget_takes_the_id_as_the_provider_sent_it_on_a_bound_route(
     takes the ID as GitHub sent it (and as stored), lists the claims of an ID whose body
     differed rather than pick one, and reads no '%', '_' or '\\' in an ID as a pattern."""
     config_file = tmp_path / "config.yaml"
-    config_file.write_text(yaml.safe_dump({
-        "upstream": {"url": upstream.url}, "database": {"dsn": pg_dsn, "table": table},
-        "routes": [github_route()],
-    }))  # fmt: skip
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": upstream.url},
+                "database": {"dsn": pg_dsn, "table": table},
+                "routes": [github_route()],
+            }
+        )
+    )
     proxy = await make_proxy(routes=[github_route()])
     body, other = b'{"n": 1}', b'{"n": 2}'
     # GitHub's ID is the hook's and the delivery's, '%' escaped ("1:p%25"), as logged.
-    sent = [("d-1", body), ("x_", body), ("xy", body), ("p%", body), ("pq25", body),
-            ("b\\", body), ("b", body), ("two", body), ("two", other)]  # fmt: skip
+    sent = [
+        ("d-1", body),
+        ("x_", body),
+        ("xy", body),
+        ("p%", body),
+        ("pq25", body),
+        ("b\\", body),
+        ("b", body),
+        ("two", body),
+        ("two", other),
+    ]
     for delivery, content in sent:
         await proxy.post(
             "/webhooks/github", data=content, headers=github_headers(content, delivery)
@@ -205,9 +219,16 @@ async def test_schema_and_migrate_for_create_schema_false(
         pg_dsn, "SELECT column_name FROM information_schema.columns WHERE table_name = $1", table
     )
     assert {c["column_name"] for c in columns} == {
-        "scope", "event_id", "event_type", "received_at", "body_sha256", "answer_status",
-        "answer_headers", "answer_body", *database.inbox.COLUMNS,
-    }  # fmt: skip
+        "scope",
+        "event_id",
+        "event_type",
+        "received_at",
+        "body_sha256",
+        "answer_status",
+        "answer_headers",
+        "answer_body",
+        *database.inbox.COLUMNS,
+    }
     code, _, _ = await run_cli("migrate", "--config", str(config_file))
     assert code == 0  # idempotent
 
@@ -220,8 +241,9 @@ async def test_cli_events_exit_codes_and_help(config_file: Path) -> None:
         2,
         "dedup-proxy events list: unknown route 'nope' (routes: corvel, gh)\n",
     )
-    code, _, err = await run_cli("events", "list", "--route", "corvel", "--limit", "-5",
-                                 "-c", str(config_file))  # fmt: skip
+    code, _, err = await run_cli(
+        "events", "list", "--route", "corvel", "--limit", "-5", "-c", str(config_file)
+    )
     assert code == 2  # a usage error, before any database
     assert "argument --limit: must be a whole number, 1 or more; got '-5'" in err
 
@@ -264,16 +286,27 @@ async def test_ctrl_c_while_a_command_waits_exits_130_in_one_line(
         yaml.safe_dump(
             {
                 "upstream": {"url": upstream.url},
-                "database": {"dsn": f"postgresql://u@127.0.0.1:{port}/db",
-                             "connect_timeout": "60s"},
+                "database": {
+                    "dsn": f"postgresql://u@127.0.0.1:{port}/db",
+                    "connect_timeout": "60s",
+                },
                 "routes": [{"name": "corvel", "path": "/c", "event_id": "body:/id"}],
             }
         )
-    )  # fmt: skip
+    )
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "events", "list", "--route", "corvel", "-c", str(path),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "proxy",
+        "events",
+        "list",
+        "--route",
+        "corvel",
+        "-c",
+        str(path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         await asyncio.wait_for(connected.wait(), 30)
         process.send_signal(signal.SIGINT)
@@ -299,15 +332,23 @@ async def test_read_only_commands_need_no_signing_secrets(
                 "upstream": {"url": upstream.url},
                 "database": {"dsn": pg_dsn, "table": table},
                 "routes": [
-                    {"name": "gh", "path": "/gh", "preset": "github",
-                     "verify": {"secret": f"${{{unset}}}"},
-                     "redeliver": {"schedule": ["1h"], "for": "1d"}},
-                    {"name": "t", "path": "/t/{tenant}", "event_id": "body:/id",
-                     "verify": {"scheme": "stripe", "tenant_secrets": {"acme": f"${{{unset}}}"}}},
+                    {
+                        "name": "gh",
+                        "path": "/gh",
+                        "preset": "github",
+                        "verify": {"secret": f"${{{unset}}}"},
+                        "redeliver": {"schedule": ["1h"], "for": "1d"},
+                    },
+                    {
+                        "name": "t",
+                        "path": "/t/{tenant}",
+                        "event_id": "body:/id",
+                        "verify": {"scheme": "stripe", "tenant_secrets": {"acme": f"${{{unset}}}"}},
+                    },
                 ],
             }
         )
-    )  # fmt: skip
+    )
     ran = {
         " ".join(command): await run_cli(*command, "--config", str(path))
         for command in (
@@ -336,9 +377,15 @@ def test_a_configuration_without_secrets_refuses_every_signature() -> None:
     raw = {
         "upstream": {"url": "http://127.0.0.1:9"},
         "database": {"dsn": "embedded"},
-        "routes": [{"name": "gh", "path": "/gh", "preset": "github",
-                    "verify": {"secret": "${DEDUP_TEST_NEVER_SET_SECRET}"}}],
-    }  # fmt: skip
+        "routes": [
+            {
+                "name": "gh",
+                "path": "/gh",
+                "preset": "github",
+                "verify": {"secret": "${DEDUP_TEST_NEVER_SET_SECRET}"},
+            }
+        ],
+    }
     (verified,) = config.parse(raw, secrets=False).routes
     assert verified.verify is not None
     assert (verified.verify.scheme, verified.id_signed) == ("github", False)
@@ -383,10 +430,13 @@ async def test_events_of_a_route_scoped_by_its_path(
     path = tmp_path / "config.yaml"
     path.write_text(
         yaml.safe_dump(
-            {"upstream": {"url": upstream.url}, "database": {"dsn": pg_dsn, "table": table},
-             "routes": routes}
+            {
+                "upstream": {"url": upstream.url},
+                "database": {"dsn": pg_dsn, "table": table},
+                "routes": routes,
+            }
         )
-    )  # fmt: skip
+    )
 
     listed = await run_cli("events", "list", "--route", "t", "--config", str(path))
     unscoped = await run_cli("events", "forget", "--route", "t", "e1", "--config", str(path))
@@ -396,8 +446,9 @@ async def test_events_of_a_route_scoped_by_its_path(
     stats = await run_cli("stats", "--config", str(path))
 
     assert sorted(line.split()[1] for line in listed[1].splitlines()[1:-1]) == [
-        "t/acme", "t/globex",
-    ]  # fmt: skip
+        "t/acme",
+        "t/globex",
+    ]
     assert unscoped[0] == 2
     assert "give --scope" in unscoped[2]
     assert (forgotten[0], forgotten[1]) == (0, "forgotten: t/acme e1\n")

@@ -85,16 +85,23 @@ async def send(
 
 @pytest.mark.parametrize(("template", "expected"), VARIANTS)
 async def test_a_forged_event_on_a_path_variant_never_reaches_the_app(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
-    template: str, expected: str,
-) -> None:  # fmt: skip
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    template: str,
+    expected: str,
+) -> None:
     client = await make_proxy(routes=ROUTES)
     forged = event("evt_forged")
 
     status, _, body = await send(
-        client, "POST", variant(template, "stripe"), forged,
+        client,
+        "POST",
+        variant(template, "stripe"),
+        forged,
         {**stripe_headers(forged, secret="whsec_not_the_right_one")},
-    )  # fmt: skip
+    )
 
     assert (status, json.loads(body)["error"]) == (
         (401, "signature_invalid") if expected == "route" else (400, "path_refused")
@@ -105,9 +112,13 @@ async def test_a_forged_event_on_a_path_variant_never_reaches_the_app(
 
 @pytest.mark.parametrize(("template", "expected"), VARIANTS)
 async def test_a_second_copy_on_a_path_variant_is_a_duplicate_or_refused(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
-    template: str, expected: str,
-) -> None:  # fmt: skip
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    template: str,
+    expected: str,
+) -> None:
     client = await make_proxy(routes=ROUTES)
     body = b'{"id": "evt_seen"}'
     first = await client.post("/webhooks/corvel", data=body)
@@ -180,14 +191,22 @@ async def test_the_tenant_in_a_templated_path_is_part_of_the_scope(
 
     answers = [
         await send(client, "POST", path, body, {})
-        for path in ("/hooks/acme", "/hooks/globex", "/HOOKS/ACME/", "/hooks/acme%2Fx",
-                     "/hooks/ac;me", "/hooks/%61cme")
-    ]  # fmt: skip
+        for path in (
+            "/hooks/acme",
+            "/hooks/globex",
+            "/HOOKS/ACME/",
+            "/hooks/acme%2Fx",
+            "/hooks/ac;me",
+            "/hooks/%61cme",
+        )
+    ]
 
     assert [status for status, _, _ in answers] == [200, 200, 200, 400, 400, 200]
     assert [headers.get("dedup-status") for _, headers, _ in answers[:3]] == [
-        None, None, "duplicate",
-    ]  # fmt: skip
+        None,
+        None,
+        "duplicate",
+    ]
     assert [r.path_qs for r in upstream.requests] == ["/hooks/acme", "/hooks/globex"]
     assert await claimed(pg_dsn, table) == [
         ("tenants/acme", "42", None),

@@ -57,8 +57,12 @@ async def test_duplicates_failures_and_the_sweeper_work_through_pgbouncer(
     odd = await proxy.post("/webhooks/corvel", data=event("c\\'\\\\x"))
 
     assert [first.status, again.status, failed.status, retried.status, odd.status] == [
-        200, 200, 500, 200, 200,
-    ]  # fmt: skip
+        200,
+        200,
+        500,
+        200,
+        200,
+    ]
     assert again.headers["Dedup-Status"] == "duplicate"
     assert "Dedup-Status" not in retried.headers
     assert len(upstream.requests) == 4
@@ -75,11 +79,16 @@ async def test_the_inbox_keeps_locks_and_redelivers_through_pgbouncer(
     LOCKED by two proxies and redelivered once: nothing of it needs session state."""
     upstream.respond = lambda n: web.Response(status=503 if n < 3 else 200)
     kept = {
-        "name": "kept", "path": "/kept", "event_id": "body:/id",
+        "name": "kept",
+        "path": "/kept",
+        "event_id": "body:/id",
         "redeliver": {"schedule": ["300ms"], "for": "1d"},
-    }  # fmt: skip
-    settings = {"routes": [kept], "redeliverer": {"poll": "100ms", "concurrency": 2},
-                "database": {"dsn": bouncer}}  # fmt: skip
+    }
+    settings = {
+        "routes": [kept],
+        "redeliverer": {"poll": "100ms", "concurrency": 2},
+        "database": {"dsn": bouncer},
+    }
     proxies = [await make_proxy(**settings) for _ in range(2)]
 
     answers = [await proxies[n % 2].post("/kept", data=event(f"k{n}")) for n in range(3)]
@@ -104,9 +113,12 @@ async def test_a_replayed_signed_body_is_kept_once_through_pgbouncer(
     upstream.respond = lambda n: web.Response(status=503)
     secret = "bouncer github secret"
     github = {
-        "name": "github", "path": "/github", "preset": "github", "verify": {"secret": secret},
+        "name": "github",
+        "path": "/github",
+        "preset": "github",
+        "verify": {"secret": secret},
         "redeliver": {"schedule": ["1h"], "for": "1d"},
-    }  # fmt: skip
+    }
     proxy = await make_proxy(routes=[github], database={"dsn": bouncer})
     body = b'{"action": "opened", "number": 1}'
     signature = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()

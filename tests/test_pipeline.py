@@ -157,9 +157,14 @@ async def test_upstream_timeout_gives_504_and_no_claim(
     ],
 )
 async def test_unusable_event_id_gives_400_and_nothing_forwarded(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, body: bytes,
-    reason: str, caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    body: bytes,
+    reason: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     client = await make_proxy()
 
     response = await client.post("/webhooks/corvel", data=body)
@@ -435,8 +440,11 @@ async def test_each_outcome_is_logged_at_its_level(
         await client.get("/webhooks/corvel")
         await client.post("/webhooks/corvel", data=b'{"no_id": 1}')
 
-    lines = [(r.levelname, r.fields["outcome"], r.fields["status"])
-             for r in caplog.records if hasattr(r, "fields")]  # fmt: skip
+    lines = [
+        (r.levelname, r.fields["outcome"], r.fields["status"])
+        for r in caplog.records
+        if hasattr(r, "fields")
+    ]
     assert lines == [
         ("INFO", "processed", 200),
         ("INFO", "duplicate", 200),

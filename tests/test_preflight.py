@@ -241,10 +241,14 @@ async def test_check_upstream_connects_to_each_app(tmp_path: Path, upstream: Fak
         "database": {"dsn": f"postgresql://dedup:{PASSWORD}@127.0.0.1:9/claims"},
         "routes": [
             {"name": "stripe", "path": "/stripe", "event_id": "body:/id"},
-            {"name": "github", "path": "/github", "event_id": "body:/id",
-             "upstream": f"http://127.0.0.1:{closed}"},
+            {
+                "name": "github",
+                "path": "/github",
+                "event_id": "body:/id",
+                "upstream": f"http://127.0.0.1:{closed}",
+            },
         ],
-    }  # fmt: skip
+    }
     path.write_text(yaml.safe_dump(settings))
 
     code, out, err = await run_cli("check", "--upstream", "--config", str(path))

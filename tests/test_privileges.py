@@ -216,8 +216,12 @@ async def test_an_answer_the_role_may_no_longer_store_is_a_warning_and_counted(
         for s in family.samples
     }
     assert counted[("dedup_answer_store_failures_total", "twiml")] == 1
-    missing = {s.labels["grant"]: s.value for family in text_string_to_metric_families(scraped)
-               for s in family.samples if s.name == "dedup_database_grant_missing"}  # fmt: skip
+    missing = {
+        s.labels["grant"]: s.value
+        for family in text_string_to_metric_families(scraped)
+        for s in family.samples
+        if s.name == "dedup_database_grant_missing"
+    }
     assert missing == {"delete": 0, "update_answers": 1, "update_inbox": 0}
 
 

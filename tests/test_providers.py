@@ -289,14 +289,22 @@ async def test_refuses_to_start_without_the_c_http_parser(tmp_path: Path) -> Non
     assert "Traceback" not in stdout + stderr
 
 
-@pytest.mark.parametrize(("preset", "signed_set", "claimed_set"), [
-    ("standard-webhooks", "svix", "webhook"),
-    ("svix", "webhook", "svix"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("preset", "signed_set", "claimed_set"),
+    [
+        ("standard-webhooks", "svix", "webhook"),
+        ("svix", "webhook", "svix"),
+    ],
+)
 async def test_a_signed_message_resent_under_a_forged_id_is_refused(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
-    preset: str, signed_set: str, claimed_set: str,
-) -> None:  # fmt: skip
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    preset: str,
+    signed_set: str,
+    claimed_set: str,
+) -> None:
     secret = "whsec_" + base64.b64encode(b"standard-webhooks-test-key").decode()
     client = await make_proxy(
         routes=[{"name": "sw", "path": "/sw", "preset": preset, "verify": {"secret": secret}}]
@@ -427,10 +435,15 @@ SHOPIFY_SECRET = "shpss_test_secret"
 @pytest.mark.parametrize(
     ("preset", "signed"),
     [
-        ("stripe", True), ("paddle", True), ("slack", True), ("standard-webhooks", True),
-        ("svix", True), ("github", False), ("shopify", False),
+        ("stripe", True),
+        ("paddle", True),
+        ("slack", True),
+        ("standard-webhooks", True),
+        ("svix", True),
+        ("github", False),
+        ("shopify", False),
     ],
-)  # fmt: skip
+)
 def test_which_presets_sign_the_event_id(preset: str, signed: bool) -> None:
     secret = "whsec_" + base64.b64encode(b"k" * 24).decode()
     cfg = config.parse(

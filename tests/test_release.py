@@ -45,8 +45,11 @@ def test_the_version_is_semantic() -> None:
 def test_version_flag_prints_the_version() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "proxy", "--version"],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"dedup-proxy {proxy.__version__}\n"
 
@@ -82,8 +85,11 @@ def test_the_manifests_run_the_versions_image() -> None:
             if not isinstance(document, dict):
                 continue
             if document.get("kind") == "Kustomization":
-                tags += [image["newTag"] for image in document.get("images", [])
-                         if image["name"] == IMAGE]  # fmt: skip
+                tags += [
+                    image["newTag"]
+                    for image in document.get("images", [])
+                    if image["name"] == IMAGE
+                ]
                 continue
             pod = (document.get("spec") or {}).get("template", {}).get("spec", {})
             for container in pod.get("containers", []) + pod.get("initContainers", []):

@@ -140,8 +140,12 @@ async def test_the_sweep_covers_the_per_path_scopes_of_a_templated_route(
         {"name": "tx", "path": "/tx", "event_id": "body:/id", "retention": "7d"},
     ]
     proxy = await make_proxy(routes=routes)
-    for path, event_id in (("/hooks/a", "old"), ("/hooks/b", "old2"), ("/hooks/a", "new"),
-                           ("/tx", "old3")):  # fmt: skip
+    for path, event_id in (
+        ("/hooks/a", "old"),
+        ("/hooks/b", "old2"),
+        ("/hooks/a", "new"),
+        ("/tx", "old3"),
+    ):
         assert (await proxy.post(path, data=f'{{"id": "{event_id}"}}'.encode())).status == 200
     for event_id in ("old", "old2", "old3"):
         await age(pg_dsn, table, event_id, 3)

@@ -50,9 +50,10 @@ async def test_the_proxys_own_answers_name_it_without_versions(
     relayed = await exchange(proxy, webhook("evt_1"))
     duplicate = await exchange(proxy, webhook("evt_1"))
     refused = await exchange(
-        proxy, b"POST /webhooks/corvel HTTP/1.1\r\nHost: p\r\nConnection: close\r\n"
+        proxy,
+        b"POST /webhooks/corvel HTTP/1.1\r\nHost: p\r\nConnection: close\r\n"
         b"Content-Length: 2\r\n\r\n{}",
-    )  # fmt: skip
+    )
     probe = await aiohttp_client(admin.create_admin_app(proxy.app))
     health = await probe.get("/healthz")
 

@@ -677,8 +677,10 @@ def test_a_tenants_secret_verifies_for_that_tenant_only(scheme: str) -> None:
     assert reasons == ["no signature matches", no_tenant, no_tenant]
     alone = build(scheme)
     assert (tenants.scheme, tenants.headers, tenants.signed_headers) == (
-        alone.scheme, alone.headers, alone.signed_headers,
-    )  # fmt: skip
+        alone.scheme,
+        alone.headers,
+        alone.signed_headers,
+    )
     shown = repr(tenants)
     assert not [s for s in (SECRET, OLD, repr(standard_key(SECRET))) if s in shown]
 

@@ -45,14 +45,36 @@ _BUILT = {
 }
 # The claim path works on one row, as does any statement named "…_one"; the operators' commands
 # on the rows they name by key.
-_ONE_ROW = {"claim", "commit_answer", "answer", "duplicate", "queue", "delivered", "failed",
-            "show", "take"}  # fmt: skip
+_ONE_ROW = {
+    "claim",
+    "commit_answer",
+    "answer",
+    "duplicate",
+    "queue",
+    "delivered",
+    "failed",
+    "show",
+    "take",
+}
 _NAMED_ROWS = {"forget", "redeliver", "discard"}
 _KEYS = ("scope", "event_id")
-_NOT_IMMUTABLE = {"now", "clock_timestamp", "statement_timestamp", "transaction_timestamp",
-                  "timeofday", "random", "nextval", "currval", "setval"}  # fmt: skip
-_SESSION_LOCKS = {"pg_advisory_lock", "pg_advisory_lock_shared", "pg_try_advisory_lock",
-                  "pg_try_advisory_lock_shared"}  # fmt: skip
+_NOT_IMMUTABLE = {
+    "now",
+    "clock_timestamp",
+    "statement_timestamp",
+    "transaction_timestamp",
+    "timeofday",
+    "random",
+    "nextval",
+    "currval",
+    "setval",
+}
+_SESSION_LOCKS = {
+    "pg_advisory_lock",
+    "pg_advisory_lock_shared",
+    "pg_try_advisory_lock",
+    "pg_try_advisory_lock_shared",
+}
 
 
 def _statements() -> dict[str, str]:
@@ -62,8 +84,12 @@ def _statements() -> dict[str, str]:
     fields = [f.name for f in dataclasses.fields(sql.Queries) if f.name not in _NOT_STATEMENTS]
     properties = [n for n, m in vars(inbox_sql.Statements).items() if isinstance(m, property)]
     texts = {name: getattr(_QUERIES, name) for name in fields}
-    steps = {f"{name}[{i}]": step for name, value in texts.items() if isinstance(value, tuple)
-             for i, step in enumerate(value)}  # fmt: skip
+    steps = {
+        f"{name}[{i}]": step
+        for name, value in texts.items()
+        if isinstance(value, tuple)
+        for i, step in enumerate(value)
+    }
     return (
         {f"Queries.{name}": text for name, text in texts.items() if isinstance(text, str)}
         | {f"Queries.{name}": text for name, text in steps.items()}
@@ -129,8 +155,9 @@ def _over(node: object, table: tuple[str | None, str]) -> bool:
         relations = list(node.fromClause or ())
     else:
         return False
-    return any(isinstance(r, ast.RangeVar) and (r.schemaname, r.relname) == table
-               for r in relations)  # fmt: skip
+    return any(
+        isinstance(r, ast.RangeVar) and (r.schemaname, r.relname) == table for r in relations
+    )
 
 
 def _not_immutable(node: ast.Node) -> list[str]:
@@ -221,31 +248,69 @@ def test_every_builder_is_sampled_and_every_skipped_field_exists() -> None:
 @pytest.mark.parametrize(
     ("name", "text", "rule"),
     [
-        pytest.param("take", "SELECT scope FROM t WHERE inbox_state = 'pending' LIMIT 1 "
-                     "FOR UPDATE SKIP LOCKED", "rule 1", id="multi-shard-skip-locked"),
-        pytest.param("all", "UPDATE t SET a = 1 WHERE (scope, event_id) IN (SELECT scope, "
-                     "event_id FROM t WHERE scope = $1 OR event_id = $2 FOR UPDATE)", "rule 1",
-                     id="for-update-in-subquery"),
-        pytest.param("failed", "UPDATE t SET a = CASE WHEN x THEN now() END "
-                     "WHERE scope = $1 AND event_id = $2", "rule 2", id="now-in-case"),
-        pytest.param("failed", "UPDATE t SET a = CASE WHEN x THEN $3::timestamptz + "
-                     "make_interval(secs => $4) END WHERE scope = $1 AND event_id = $2", "rule 2",
-                     id="time-arithmetic-in-case"),
-        pytest.param("sweep", "DELETE FROM t WHERE coalesce(d, current_timestamp) < $1",
-                     "rule 2", id="current-timestamp-in-coalesce"),
-        pytest.param("show", "SELECT a FROM t WHERE scope = $1 AND event_id = ANY($2)",
-                     "rule 3", id="one-row-by-any"),
-        pytest.param("claim", "INSERT INTO t (scope, event_id) VALUES ('s', 'e') "
-                     "ON CONFLICT (event_id, scope) DO NOTHING", "rule 4", id="conflict-keys"),
+        pytest.param(
+            "take",
+            "SELECT scope FROM t WHERE inbox_state = 'pending' LIMIT 1 FOR UPDATE SKIP LOCKED",
+            "rule 1",
+            id="multi-shard-skip-locked",
+        ),
+        pytest.param(
+            "all",
+            "UPDATE t SET a = 1 WHERE (scope, event_id) IN (SELECT scope, "
+            "event_id FROM t WHERE scope = $1 OR event_id = $2 FOR UPDATE)",
+            "rule 1",
+            id="for-update-in-subquery",
+        ),
+        pytest.param(
+            "failed",
+            "UPDATE t SET a = CASE WHEN x THEN now() END WHERE scope = $1 AND event_id = $2",
+            "rule 2",
+            id="now-in-case",
+        ),
+        pytest.param(
+            "failed",
+            "UPDATE t SET a = CASE WHEN x THEN $3::timestamptz + "
+            "make_interval(secs => $4) END WHERE scope = $1 AND event_id = $2",
+            "rule 2",
+            id="time-arithmetic-in-case",
+        ),
+        pytest.param(
+            "sweep",
+            "DELETE FROM t WHERE coalesce(d, current_timestamp) < $1",
+            "rule 2",
+            id="current-timestamp-in-coalesce",
+        ),
+        pytest.param(
+            "show",
+            "SELECT a FROM t WHERE scope = $1 AND event_id = ANY($2)",
+            "rule 3",
+            id="one-row-by-any",
+        ),
+        pytest.param(
+            "claim",
+            "INSERT INTO t (scope, event_id) VALUES ('s', 'e') "
+            "ON CONFLICT (event_id, scope) DO NOTHING",
+            "rule 4",
+            id="conflict-keys",
+        ),
         pytest.param("schema_lock", "SELECT pg_advisory_lock(1)", "rule 5", id="session-lock"),
-        pytest.param("take", "SELECT a FROM t WHERE scope = $1 AND event_id = $2::text "
-                     "AND b FOR UPDATE SKIP LOCKED", None, id="router-skip-locked-passes"),
-        pytest.param("forget", "DELETE FROM t WHERE scope = $1 AND event_id = ANY($2::text[])",
-                     None, id="operator-any-passes"),
-        pytest.param("sweep_lock", "SELECT pg_try_advisory_xact_lock(1)", None,
-                     id="transaction-lock-passes"),
+        pytest.param(
+            "take",
+            "SELECT a FROM t WHERE scope = $1 AND event_id = $2::text AND b FOR UPDATE SKIP LOCKED",
+            None,
+            id="router-skip-locked-passes",
+        ),
+        pytest.param(
+            "forget",
+            "DELETE FROM t WHERE scope = $1 AND event_id = ANY($2::text[])",
+            None,
+            id="operator-any-passes",
+        ),
+        pytest.param(
+            "sweep_lock", "SELECT pg_try_advisory_xact_lock(1)", None, id="transaction-lock-passes"
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_checker_reports_each_refused_shape(name: str, text: str, rule: str | None) -> None:
     """The checker can fail: each known-bad shape (over a table ``t``) is reported under its
     rule; the accepted forms (a router FOR UPDATE, ANY for an operator, a transaction's advisory

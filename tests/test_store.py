@@ -123,9 +123,12 @@ async def test_database_outage_fails_closed_then_recovers_without_restart(
 
 
 async def test_pool_exhaustion_gives_503_after_pool_timeout(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str,
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
     caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+) -> None:
     upstream.gate = asyncio.Event()
     client = await make_proxy(database={"pool_size": 1, "pool_timeout": "300ms"})
     first = asyncio.create_task(client.post("/webhooks/corvel", data=event("holds-the-pool")))

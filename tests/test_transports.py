@@ -48,8 +48,10 @@ async def test_a_webhook_and_its_answer_cross_byte_exact(
     assert response.headers["X-Upstream"] == "yes"
     [received] = upstream.requests
     assert (received.method, received.path_qs, received.body) == (
-        "POST", "/webhooks/corvel?attempt=1", body,
-    )  # fmt: skip
+        "POST",
+        "/webhooks/corvel?attempt=1",
+        body,
+    )
     assert received.headers["x-custom"] == ["a"]
     assert "x-hop" not in received.headers
     assert received.headers["x-forwarded-for"] == ["127.0.0.1"]
@@ -268,8 +270,10 @@ async def test_the_request_is_sent_once_more_on_a_new_connection_not_another_idl
 
     assert (await send(proxy, app)).body == b"2"
     # One idle connection tried (closed under the request), then a new one: not the other idle.
-    assert sorted(app.requests) in ([(0, 0), (0, 1), (1, 0), (2, 0)],
-                                    [(0, 0), (1, 0), (1, 1), (2, 0)])  # fmt: skip
+    assert sorted(app.requests) in (
+        [(0, 0), (0, 1), (1, 0), (2, 0)],
+        [(0, 0), (1, 0), (1, 1), (2, 0)],
+    )
 
 
 async def test_the_request_is_sent_once_more_at_most(raw_app: Any, make_forwarder: Any) -> None:

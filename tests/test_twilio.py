@@ -127,8 +127,13 @@ def test_long_published_example_vector() -> None:
 
 def test_library_computes_the_published_example(twilio: ModuleType) -> None:
     url = "https://mycompany.com/myapp.php?foo=1&bar=2"
-    params = {"CallSid": "CA1234567890ABCDE", "Caller": "+12349013030", "Digits": "1234",
-              "From": "+12349013030", "To": "+18005551212"}  # fmt: skip
+    params = {
+        "CallSid": "CA1234567890ABCDE",
+        "Caller": "+12349013030",
+        "Digits": "1234",
+        "From": "+12349013030",
+        "To": "+18005551212",
+    }
     assert library_sign(twilio, url, params, "12345") == "0/KCTR6DLpKmkAf8muzZqo1nDgQ="
 
 
@@ -186,9 +191,9 @@ def test_repeated_parameters_are_signed_sorted_by_value_once_each(twilio: Module
     body = b"MediaUrl=b&To=%2B1&MediaUrl=a&MediaUrl=b"
     params = form(body)
     signature = library_sign(twilio, full(), params)
-    assert signature == library_sign(twilio, full(), MultiDict([("MediaUrl", "a"),
-                                                                  ("MediaUrl", "b"),
-                                                                  ("To", "+1")]))  # fmt: skip
+    assert signature == library_sign(
+        twilio, full(), MultiDict([("MediaUrl", "a"), ("MediaUrl", "b"), ("To", "+1")])
+    )
     verify(signature, body)
     verify(signature, b"To=%2B1&MediaUrl=a&MediaUrl=b")
     assert refused(signature, b"To=%2B1&MediaUrl=b") == "no signature matches"
@@ -332,14 +337,16 @@ def test_unsupported_algorithm_is_refused_as_the_library_refuses_it(twilio: Modu
 _text = st.text(alphabet=st.sampled_from("aZ09 +-_.~%&=?#/é😀"), min_size=0, max_size=8)
 _pairs = st.lists(st.tuples(_text, _text), max_size=5)
 _queries = st.sampled_from(["", QUERY, "a=%20b&c=d+e", "x", "bodySHA256=abc&y=1", "q=%2F/?"])
-_urls = st.sampled_from([
-    URL,
-    "https://hooks.example.com:443/twilio/voice",
-    "https://Hooks.Example.com:8443/twilio/voice",
-    "http://hooks.example.com/twilio",
-    "https://hooks.example.com",
-    "https://hooks.example.com/a;b/c%20d",
-])  # fmt: skip
+_urls = st.sampled_from(
+    [
+        URL,
+        "https://hooks.example.com:443/twilio/voice",
+        "https://Hooks.Example.com:8443/twilio/voice",
+        "http://hooks.example.com/twilio",
+        "https://hooks.example.com",
+        "https://hooks.example.com/a;b/c%20d",
+    ]
+)
 
 
 def resent(pairs: list[tuple[str, str]], other: list[tuple[str, str]], change: str) -> bytes:

@@ -131,8 +131,13 @@ async def test_a_replayed_answer_that_is_not_read_stays_counted_too(
 ) -> None:
     app = await large_answers(aiohttp_server, FakeUpstream())
     app.respond = lambda n: web.Response(body=LARGE[:MIB])
-    route = {"name": "corvel", "path": "/webhooks/corvel", "event_id": "body:/id",
-             "on_duplicate": "replay", "replay_max_body": "1MiB"}  # fmt: skip
+    route = {
+        "name": "corvel",
+        "path": "/webhooks/corvel",
+        "event_id": "body:/id",
+        "on_duplicate": "replay",
+        "replay_max_body": "1MiB",
+    }
     client = await make_proxy(upstream={"url": app.url}, max_buffered="1536KiB", routes=[route])
     first = await client.post("/webhooks/corvel", data=b'{"id": "evt_r"}')
     assert (first.status, len(await first.read())) == (200, MIB)

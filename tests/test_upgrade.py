@@ -53,8 +53,9 @@ def old_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     session: run with this environment's dependencies, as its own ``proxy`` package."""
     found = subprocess.run(
         ["git", "-C", str(ROOT), "cat-file", "-e", f"{OLD_RELEASE}^{{commit}}"],
-        capture_output=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        check=False,
+    )
     if found.returncode != 0:
         pytest.fail(
             f"commit {OLD_RELEASE} (release 0.1.0) is not in this clone: the upgrade test needs "
@@ -121,40 +122,68 @@ async def test_release_0_1_0_and_this_one_on_one_table_process_a_delivery_and_it
 
 
 def shopify_route() -> dict[str, Any]:
-    return {"name": "shopify", "path": "/webhooks/shopify", "preset": "shopify",
-            "verify": {"secret": SHOPIFY_SECRET}}  # fmt: skip
+    return {
+        "name": "shopify",
+        "path": "/webhooks/shopify",
+        "preset": "shopify",
+        "verify": {"secret": SHOPIFY_SECRET},
+    }
 
 
 def shopify_headers(body: bytes, event_id: str) -> dict[str, str]:
     mac = hmac.new(SHOPIFY_SECRET.encode(), body, hashlib.sha256).digest()
-    return {"X-Shopify-Hmac-Sha256": base64.b64encode(mac).decode(),
-            "X-Shopify-Event-Id": event_id, "X-Shopify-Topic": "orders/paid"}  # fmt: skip
+    return {
+        "X-Shopify-Hmac-Sha256": base64.b64encode(mac).decode(),
+        "X-Shopify-Event-Id": event_id,
+        "X-Shopify-Topic": "orders/paid",
+    }
 
 
 def twilio_route() -> dict[str, Any]:
-    return {"name": "twilio", "path": "/twilio/sms", "preset": "twilio",
-            "verify": {"secret": TWILIO_TOKEN, "public_url": TWILIO_URL}}  # fmt: skip
+    return {
+        "name": "twilio",
+        "path": "/twilio/sms",
+        "preset": "twilio",
+        "verify": {"secret": TWILIO_TOKEN, "public_url": TWILIO_URL},
+    }
 
 
 def twilio_headers(body: bytes, token: str) -> dict[str, str]:
     params = dict(pair.split("=", 1) for pair in body.decode().split("&"))
     signed = TWILIO_URL + "".join(k + v for k, v in sorted(params.items()))
     mac = hmac.new(TWILIO_TOKEN.encode(), signed.encode(), hashlib.sha1).digest()
-    return {"X-Twilio-Signature": base64.b64encode(mac).decode(),
-            "I-Twilio-Idempotency-Token": token,
-            "Content-Type": "application/x-www-form-urlencoded"}  # fmt: skip
+    return {
+        "X-Twilio-Signature": base64.b64encode(mac).decode(),
+        "I-Twilio-Idempotency-Token": token,
+        "Content-Type": "application/x-www-form-urlencoded",
+    }
 
 
 # (route, path, body, headers for (body, the provider's ID), the ID as the proxy keys it)
 Provider = tuple[dict[str, Any], str, bytes, Callable[[bytes, str], dict[str, str]], str]
 PROVIDERS: dict[str, Provider] = {
-    "github": (github_route(), "/webhooks/github", json.dumps({"n": 1}).encode(),
-               github_headers, "1:{}"),
-    "shopify": (shopify_route(), "/webhooks/shopify", json.dumps({"id": 7}).encode(),
-                shopify_headers, "{}"),
-    "twilio": (twilio_route(), "/twilio/sms",
-               urlencode({"MessageSid": "SM1", "Body": "hi"}).encode(), twilio_headers, "{}"),
-}  # fmt: skip
+    "github": (
+        github_route(),
+        "/webhooks/github",
+        json.dumps({"n": 1}).encode(),
+        github_headers,
+        "1:{}",
+    ),
+    "shopify": (
+        shopify_route(),
+        "/webhooks/shopify",
+        json.dumps({"id": 7}).encode(),
+        shopify_headers,
+        "{}",
+    ),
+    "twilio": (
+        twilio_route(),
+        "/twilio/sms",
+        urlencode({"MessageSid": "SM1", "Body": "hi"}).encode(),
+        twilio_headers,
+        "{}",
+    ),
+}
 
 
 def old_claim(table: str, scope: str, event_id: str, body: bytes, answer: bytes | None) -> str:
@@ -196,9 +225,10 @@ async def test_inside_the_window_either_form_is_a_duplicate_of_the_other(
     assert old_copy == []  # a conflict: 0.1.0 answers it as a duplicate
     assert len(upstream.requests) == 1
     rows = await fetch(
-        pg_dsn, f"""SELECT event_id, answer_body FROM "{table}" WHERE scope = $1 ORDER BY 1""",
+        pg_dsn,
+        f"""SELECT event_id, answer_body FROM "{table}" WHERE scope = $1 ORDER BY 1""",
         route["name"],
-    )  # fmt: skip
+    )
     bound = webhooks.bound(keyed.format("e-2"), "", hashlib.sha256(body).digest())
     assert [row["event_id"] for row in rows] == [keyed.format("e-1"), keyed.format("e-2"), bound]
     if replays:  # in both rows: 0.1.0 replays it from the legacy one
@@ -216,8 +246,11 @@ async def test_forget_inside_the_window_forgets_both_forms(
     the manual redelivery it is for goes through inside the window too."""
     route, path, body, headers, _ = PROVIDERS["github"]
     await make_proxy(routes=[route])
-    await execute(pg_dsn, f"""DELETE FROM "{table}" WHERE scope = '~id-forms';"""
-                  + old_claim(table, "github", "1:before", body, None))  # fmt: skip
+    await execute(
+        pg_dsn,
+        f"""DELETE FROM "{table}" WHERE scope = '~id-forms';"""
+        + old_claim(table, "github", "1:before", body, None),
+    )
     proxy = await make_proxy(routes=[route])
     await proxy.post(path, data=body, headers=headers(body, "e-1"))
     out = io.StringIO()
@@ -258,9 +291,13 @@ async def test_a_new_route_has_no_window_and_the_window_ends_one_retention_on(
     rows = await fetch(pg_dsn, f"""SELECT event_id FROM "{table}" WHERE scope = 'github'""")
     digest = hashlib.sha256(body).digest()
     assert sorted(row["event_id"] for row in rows) == sorted(
-        [webhooks.bound("1:e-1", "", digest), "1:e-2", webhooks.bound("1:e-2", "", digest),
-         webhooks.bound("1:e-3", "", digest)]
-    )  # fmt: skip
+        [
+            webhooks.bound("1:e-1", "", digest),
+            "1:e-2",
+            webhooks.bound("1:e-2", "", digest),
+            webhooks.bound("1:e-3", "", digest),
+        ]
+    )
 
 
 async def test_two_copies_in_flight_inside_the_window_reach_the_app_once(
@@ -270,8 +307,11 @@ async def test_two_copies_in_flight_inside_the_window_reach_the_app_once(
     on the first's legacy row, then is its duplicate (no deadlock, no second delivery)."""
     route, path, body, headers, _ = PROVIDERS["github"]
     await make_proxy(routes=[route])
-    await execute(pg_dsn, f"""DELETE FROM "{table}" WHERE scope = '~id-forms';"""
-                  + old_claim(table, "github", "1:before", body, None))  # fmt: skip
+    await execute(
+        pg_dsn,
+        f"""DELETE FROM "{table}" WHERE scope = '~id-forms';"""
+        + old_claim(table, "github", "1:before", body, None),
+    )
     proxy = await make_proxy(routes=[route])
     other = await make_proxy(routes=[route])  # another replica
     upstream.gate = asyncio.Event()

@@ -514,9 +514,12 @@ def test_a_worker_reads_what_its_supervisor_handed_it_once() -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     address = listener.getsockname()
     handed = supervisor.WorkerEnvironment(
-        number=2, listeners=server.Listeners(public=(listener,), admin=()), beat=7, lifeline=8,
+        number=2,
+        listeners=server.Listeners(public=(listener,), admin=()),
+        beat=7,
+        lifeline=8,
         dsn="postgresql://u@db/events",
-    )  # fmt: skip
+    )
     environ = {"PATH": "/usr/bin", **handed.to_environ()}
     read = supervisor.WorkerEnvironment.from_environ(environ)
     listener.detach()  # the worker's socket owns the descriptor now, as in a worker
@@ -525,8 +528,12 @@ def test_a_worker_reads_what_its_supervisor_handed_it_once() -> None:
     with read.listeners.public[0] as public:
         assert public.getsockname() == address
     assert (read.number, read.beat, read.lifeline, read.dsn, read.listeners.admin) == (
-        2, 7, 8, "postgresql://u@db/events", ()
-    )  # fmt: skip
+        2,
+        7,
+        8,
+        "postgresql://u@db/events",
+        (),
+    )
     # Taken out as it is read: nothing the worker starts sees them.
     assert environ == {"PATH": "/usr/bin"}
     assert supervisor.WorkerEnvironment.from_environ(environ) is None

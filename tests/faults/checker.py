@@ -444,9 +444,14 @@ class _Event:
         self, records: Records, kind: str, message: str, actions: Iterable[Action] = ()
     ) -> Violation:
         evidence = _evidence(
-            records, self.event_id, self.calls, self.deliveries, self.logs, actions,
+            records,
+            self.event_id,
+            self.calls,
+            self.deliveries,
+            self.logs,
+            actions,
             self.redeliveries,
-        )  # fmt: skip
+        )
         return Violation(kind, self.event_id, message, evidence)
 
 

@@ -443,9 +443,16 @@ def _inbox(
 
 def _kept(delivery: str, replica: str, start: float, app_status: int | None) -> checker.Delivery:
     return checker.Delivery(
-        delivery, "e", replica, "nemesis", start, start + 0.02, 202,
-        dedup_status="queued", upstream_status=app_status,
-    )  # fmt: skip
+        delivery,
+        "e",
+        replica,
+        "nemesis",
+        start,
+        start + 0.02,
+        202,
+        dedup_status="queued",
+        upstream_status=app_status,
+    )
 
 
 def _answered(
@@ -458,9 +465,16 @@ def _answered(
 def test_checker_inbox_accepts_a_kept_event_redelivered_once_and_its_queued_copies() -> None:
     calls = [_answered(_call("d1", "r1", 1.0), 503), _call("d1", "r2", 2.0)]
     copy = checker.Delivery(
-        "d2", "e", "r3", "nemesis", 1.1, 1.12, 202, duplicate=True,
+        "d2",
+        "e",
+        "r3",
+        "nemesis",
+        1.1,
+        1.12,
+        202,
+        duplicate=True,
         dedup_status="duplicate_queued",
-    )  # fmt: skip
+    )
     report, violations = checker.check(_inbox(calls, [_kept("d1", "r1", 1.0, 503), copy]))
     assert violations == []
     assert report.inbox is not None
@@ -514,9 +528,15 @@ def test_checker_inbox_explains_a_redelivery_the_proxy_logged_unanswered() -> No
         _call("d1", "r3", 6.0),
     ]
     attempt = {
-        "logger": checker.REDELIVERER, "event_id": "e", "replica": "r2", "at": 4.05,
-        "attempt": 2, "upstream_status": None, "result": "failed", "error": "timed out",
-    }  # fmt: skip
+        "logger": checker.REDELIVERER,
+        "event_id": "e",
+        "replica": "r2",
+        "at": 4.05,
+        "attempt": 2,
+        "upstream_status": None,
+        "result": "failed",
+        "error": "timed out",
+    }
     report, violations = checker.check(
         _inbox(calls, [_kept("d1", "r1", 1.0, 503)], logs=(attempt,))
     )
