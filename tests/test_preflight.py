@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -99,7 +100,8 @@ async def test_a_wrong_password_fails_the_connection_and_is_never_printed(
 
 
 async def test_a_wrong_database_name_is_said_so(tmp_path: Path, pg_dsn: str, table: str) -> None:
-    wrong = pg_dsn.replace("/postgres?", "/no_such_db?")
+    # The embedded server's DSN or DEDUP_PROXY_TEST_DSN (CI's PostgreSQL 15): another database.
+    wrong = urlsplit(pg_dsn)._replace(path="/no_such_db").geturl()
     assert wrong != pg_dsn
     code, out, _ = await check_database(tmp_path, wrong, table)
     assert code == 1
