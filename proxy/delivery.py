@@ -112,12 +112,15 @@ def keep(
     attempt: database.Attempt,
     scope: str,
     signed: str | None = None,
+    *,
+    due_now: bool = False,
 ) -> database.KeepPolicy:
     """How a delivery on ``route`` is kept for the redeliverer after ``attempt`` (its claim is
     in ``scope``; ``signed``: its claim ID's signed part, see ``database.KeepPolicy``): dead at once
-    on an answer retrying cannot fix."""
+    on an answer retrying cannot fix; due after the schedule's first wait, or at once
+    (``due_now``: it was not sent)."""
     return database.KeepPolicy(
-        delay=settings.schedule[0],
+        delay=0.0 if due_now else settings.schedule[0],
         until=settings.for_,
         max_pending=settings.max_pending,
         max_pending_bytes=settings.max_pending_bytes,

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from proxy import (
     app_keys,
+    app_limit,
     config,
     database,
     delivery,
@@ -39,6 +40,14 @@ from proxy import (
 )
 from proxy.config import routes
 from proxy.upstream import forwarder, http1, proxy_headers
+
+# Why a new event was kept without being sent (``Cycle._keep_unsent``), as its inbox row's
+# first attempt records it.
+UNSENT = {
+    "limit": "not sent: the limit at the app was reached (upstream.concurrency)",
+    "paused": "not sent: the route is paused",
+    "retry_after": "not sent: the app asked to wait (Retry-After)",
+}
 
 
 def _json(
@@ -104,7 +113,8 @@ class Route:
         )
         self.extractor = event_ids.Extractor(route.name, route.event_id, route.event_type)
         self.redeliver = route.redeliver  # None: a failure is relayed, the claim released
-        self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
+        self.pool_timeout = cfg.database.pool_timeout  # the longest a request waits for room
+        self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool", "limit")}
 
 
 class Cycle:
@@ -176,9 +186,20 @@ class Cycle:
         except errors.EventIdMissing:
             if not route.config.forward_missing_id:
                 raise
-            return forwarder.relayed((await self._call()).relayed()), "unclaimed"
+            return await self._unclaimed()
         route.semantics.refuse_in_flight(self.request.app[app_keys.FLIGHTS], key)
         return await self._once(key)
+
+    async def _unclaimed(self) -> tuple[web.StreamResponse, errors.Outcome]:
+        """Forward a request without an event ID, unclaimed (a handshake), in its turn at the
+        app."""
+        room = self.request.app[app_keys.ROOM]
+        await self._wait_for_room(room)
+        try:
+            result = await self._call()
+        finally:
+            room.leave()
+        return forwarder.relayed(result.relayed()), "unclaimed"
 
     def _key(self) -> database.Key:
         """What this request claims; its event ID and type on the log line."""
@@ -231,22 +252,32 @@ class Cycle:
         self, key: database.Key, wait: float, flight: flights.Flight, started: float
     ) -> tuple[web.StreamResponse, errors.Outcome]:
         """Claim ``key`` in the database, waiting at most ``wait`` on a copy's row lock; then
-        forward (a new event) or settle it as a duplicate."""
+        forward it (a new event, with room at the app), keep it for the redeliverer (a new
+        event the app has no room for, on a route that redelivers), or settle it as a
+        duplicate."""
         route, trace = self.route, self.trace
-        span = trace.database("claim", "INSERT")
-        async with self.request.app[app_keys.STORE].claim(key, wait) as claim:
-            log_line.phase(self.line, "claim_ms", route.meters.claim_wait, started)
-            trace.end(span, {"dedup.acquired": claim.acquired})
-            if claim.acquired:
-                other = route.semantics.claimed_as(key, self.event_id)
-                if other is not None:
-                    self.line["body_claimed_as"] = other
-                return await self._forward(key, claim, flight)
-            span = trace.database("settle_duplicate", "ROLLBACK")
-            mismatch, stored, kept = await claim.settle_duplicate(
-                read_answer=route.config.replay, inbox=route.redeliver is not None
-            )
-            trace.end(span)
+        room = self.request.app[app_keys.ROOM]
+        kept_for = await self._enter(room)  # None: a place at the app is this request's
+        try:
+            span = trace.database("claim", "INSERT")
+            async with self.request.app[app_keys.STORE].claim(key, wait) as claim:
+                log_line.phase(self.line, "claim_ms", route.meters.claim_wait, started)
+                trace.end(span, {"dedup.acquired": claim.acquired})
+                if claim.acquired:
+                    other = route.semantics.claimed_as(key, self.event_id)
+                    if other is not None:
+                        self.line["body_claimed_as"] = other
+                    if kept_for is not None:
+                        return await self._keep_unsent(claim, kept_for)
+                    return await self._forward(key, claim, flight)
+                span = trace.database("settle_duplicate", "ROLLBACK")
+                mismatch, stored, kept = await claim.settle_duplicate(
+                    read_answer=route.config.replay, inbox=route.redeliver is not None
+                )
+                trace.end(span)
+        finally:
+            if kept_for is None:
+                room.leave()
         if kept is not None:
             return self._kept_duplicate(kept, mismatch)
         if not mismatch:
@@ -255,6 +286,48 @@ class Cycle:
             flight.committed_sha256 = key.body_sha256
             flight.answer = stored
         return self._duplicate(key, mismatch, stored)
+
+    async def _enter(self, room: app_limit.Room) -> str | None:
+        """Take a place at the app (``app_limit``) before claiming, since a claim holds its
+        connection for as long as the app works on it: None once taken. A route that
+        redelivers does not wait for one: why the delivery is kept instead ("limit"). Any other
+        route waits its turn up to pool_timeout, then AppBusy (its provider retries)."""
+        route = self.route
+        if route.redeliver is not None:
+            return None if room.try_enter() else "limit"
+        await self._wait_for_room(room)
+        return None
+
+    async def _wait_for_room(self, room: app_limit.Room) -> None:
+        """A place at the app, waited for up to pool_timeout; else AppBusy."""
+        if not await room.enter(self.route.pool_timeout):
+            raise errors.AppBusy(
+                f"no room at the app within {self.route.pool_timeout:g}s: {room.size} "
+                "requests at it already (upstream.concurrency, this worker's share)"
+            )
+
+    async def _keep_unsent(
+        self, claim: database.Claim, reason: str
+    ) -> tuple[web.StreamResponse, errors.Outcome]:
+        """Keep a new event the app was not sent (``reason``: why, as ``metrics.KEPT_REASONS``),
+        due at once, and answer 202: the redeliverer sends it when the app has room, oldest
+        first. When it cannot be kept, the claim is released and the provider told to retry:
+        503."""
+        client = self.request.app[app_keys.FORWARDER]
+        outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
+        self.sent = tuple(outgoing.headers.items())
+        attempt = database.Attempt(None, UNSENT[reason])
+        kept = await self._keep(claim, attempt, reason=reason)
+        if kept is not None:
+            return kept
+        await self._release(claim)
+        if self.line.get("inbox_not_kept"):
+            raise errors.StoreUnavailable("keeping the delivery for the redeliverer failed")
+        raise errors.AppBusy(
+            f"{UNSENT[reason]}, and it could not be kept: "
+            + ("its signed body is kept already" if self.line.get("inbox_kept_as") is not None
+               else "the inbox is full (redeliver.max_pending, max_pending_bytes)")
+        )  # fmt: skip
 
     async def _forward(
         self, key: database.Key, claim: database.Claim, flight: flights.Flight
@@ -318,12 +391,13 @@ class Cycle:
         return kept
 
     async def _keep(
-        self, claim: database.Claim, attempt: database.Attempt
+        self, claim: database.Claim, attempt: database.Attempt, *, reason: str = "failed"
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
-        """On a route that redelivers: keep the failed delivery and answer 202 (the provider
-        need not retry). None on any other route, or when it could not be kept (over the cap,
-        its signed body kept already under another ID, or the database failed: marked on the
-        line and counted), so the failure is relayed."""
+        """On a route that redelivers: keep the delivery and answer 202 (the provider need not
+        retry); ``reason``: why (``metrics.KEPT_REASONS``: the app failed it, or it was not
+        sent, then due at once). None on any other route, or when it could not be kept (over
+        the cap, its signed body kept already under another ID, or the database failed: marked
+        on the line and counted), so the failure is relayed."""
         route, line = self.route, self.line
         if route.redeliver is None:
             return None
@@ -333,7 +407,7 @@ class Cycle:
         )
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,
-            route.semantics.signed_part(claim.key),
+            route.semantics.signed_part(claim.key), due_now=reason != "failed",
         )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
         state, kept_as = await claim.keep(stored, attempt, keep)
@@ -354,8 +428,13 @@ class Cycle:
             return None
         outcome: errors.Outcome = "dead_letter" if state == database.InboxState.DEAD else "queued"
         line["kept"] = state
-        payload = {"status": outcome, "event_id": self.event_id,
-                   "upstream_status": attempt.status}  # fmt: skip
+        route.meters.kept[reason].inc()
+        payload: dict[str, Any] = {"status": outcome, "event_id": self.event_id}
+        if reason == "failed":
+            payload["upstream_status"] = attempt.status
+        else:
+            line["kept_for"] = reason
+            payload["kept_for"] = reason
         return _json(202, payload, outcome), outcome
 
     def _kept_duplicate(

@@ -259,6 +259,15 @@ class Inbox:
         self.distributed = distributed
         self._begin = begin
 
+    async def due(self, scopes: list[str]) -> bool:
+        """Whether a row of ``scopes`` is due (one cheap indexed read, locking nothing)."""
+        async with self._acquire() as connection:
+            with pool.translated("looking for due redeliveries failed"):
+                rows = await connection.fetch(
+                    self.statements.due, scopes, 1, 0, timeout=self.op_timeout
+                )
+        return bool(rows)
+
     @contextlib.asynccontextmanager
     async def take(self, scopes: list[str]) -> AsyncIterator[Redelivery | None]:
         """The oldest due row of ``scopes`` (routes' scopes) no one else holds, locked until its
