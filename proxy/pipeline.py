@@ -45,9 +45,15 @@ from proxy.upstream import forwarder, http1, proxy_headers
 # first attempt records it.
 UNSENT = {
     "limit": "not sent: the limit at the app was reached (upstream.concurrency)",
+    "deadline": "not sent: the route's hand_off had passed before the app could be sent it",
     "paused": "not sent: the route is paused",
     "retry_after": "not sent: the app asked to wait (Retry-After)",
 }
+
+
+# After a hand-off, how long past upstream.timeout its row waits before a lane may take it:
+# time for the attempt's result to be written.
+HAND_OFF_MARGIN = 5.0
 
 
 def _json(
@@ -113,6 +119,14 @@ class Route:
         )
         self.extractor = event_ids.Extractor(route.name, route.event_id, route.event_type)
         self.redeliver = route.redeliver  # None: a failure is relayed, the claim released
+        # A hand-off at or past upstream.timeout never comes: the app's answer, or its
+        # timeout, comes first. A delivery handed off is due again only after its lease, by
+        # when the attempt has ended either way.
+        hand_off = route.hand_off
+        self.hand_off = (
+            hand_off if hand_off is not None and hand_off < cfg.upstream.timeout else None
+        )
+        self.lease = cfg.upstream.timeout + HAND_OFF_MARGIN
         self.pool_timeout = cfg.database.pool_timeout  # the longest a request waits for room
         self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool", "limit")}
 
@@ -123,7 +137,7 @@ class Cycle:
 
     __slots__ = (
         "body", "event_id", "line", "request", "reservation", "route", "scope", "sent",
-        "started", "target", "trace", "verifier",
+        "started", "target", "trace", "turn", "verifier",
     )  # fmt: skip
 
     reservation: memory.Reservation  # set once the request is in the budget (``run``)
@@ -161,7 +175,8 @@ class Cycle:
                 self.line["outcome"] = outcome
                 # Written while the reservation holds: an answer its client does not read
                 # stays counted in max_buffered until it is written (or send_timeout ends it).
-                await self._write(response)
+                if not response.prepared:  # (a hand-off wrote its answer already)
+                    await self._write(response)
         except errors.RequestError as exc:
             response = self._refuse(exc)
         except BaseException as exc:  # cancelled at the end of a drain: its spans end too
@@ -233,6 +248,7 @@ class Cycle:
         route = self.route
         started = time.perf_counter()
         turn = self.request.app[app_keys.FLIGHTS].turn((key.scope, key.event_id), route.claim_wait)
+        self.turn = turn
         async with turn as flight:
             if flight.committed_sha256 is not None:
                 # A copy in this process just committed this event: no database round trip.
@@ -313,9 +329,7 @@ class Cycle:
         due at once, and answer 202: the redeliverer sends it when the app has room, oldest
         first. When it cannot be kept, the claim is released and the provider told to retry:
         503."""
-        client = self.request.app[app_keys.FORWARDER]
-        outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
-        self.sent = tuple(outgoing.headers.items())
+        self.sent = self._unsent_headers()
         attempt = database.Attempt(None, UNSENT[reason])
         kept = await self._keep(claim, attempt, reason=reason)
         if kept is not None:
@@ -336,7 +350,9 @@ class Cycle:
         tell the copies queued in this process: the answer and the outcome. Any other answer
         leaves the claim to be released on the way out."""
         line = self.line
-        result = await self._call()
+        result, handed = await self._attempt(claim)
+        if handed is not None:
+            return handed
         if result.failure is not None:
             if (kept := await self._failed(claim, result)) is not None:
                 return kept
@@ -369,6 +385,58 @@ class Cycle:
         flight.answer = done.stored(answer)
         return response, "processed"
 
+    async def _attempt(
+        self, claim: database.Claim
+    ) -> tuple[delivery.Result, tuple[web.StreamResponse, errors.Outcome] | None]:
+        """The attempt at the app; on a route with a hand_off, the delivery handed off if the
+        attempt has not ended by then (the answer already given, the result recorded: see
+        ``_hand_off``), or kept unsent if the hand_off passed before it could start."""
+        route = self.route
+        if route.hand_off is None:
+            return await self._call(), None
+        after = route.hand_off - (time.perf_counter() - self.started)
+        if after <= 0:
+            return delivery.Result(None), await self._keep_unsent(claim, "deadline")
+        result, handed = await delivery.handing_off(
+            self._call(), after, functools.partial(self._hand_off, claim)
+        )
+        if handed is not None:
+            await self._after_hand_off(claim, result)
+        return result, handed
+
+    async def _hand_off(
+        self, claim: database.Claim
+    ) -> tuple[web.StreamResponse, errors.Outcome] | None:
+        """The app has not answered by the route's hand_off: keep the delivery (committed),
+        due only after the lease, let the copies queued here go on (they find it kept), and
+        answer the provider 202 now, while the attempt goes on. None: it could not be kept,
+        and the attempt's end is waited for as on any route."""
+        route = self.route
+        self.sent = self._unsent_headers()
+        attempt = database.Attempt(None, f"handed off: no answer within {route.hand_off:g}s")
+        kept = await self._keep(claim, attempt, reason="deadline", delay=route.lease)
+        if kept is None:
+            return None
+        self.turn.let_go()
+        response = kept[0]
+        response.force_close()  # this connection is busy until the attempt ends
+        await self._write(response)
+        return kept
+
+    async def _after_hand_off(self, claim: database.Claim, result: delivery.Result) -> None:
+        """The attempt of a delivery handed off ended: its result in its row (delivered; or
+        failed, due on the route's schedule), as a redelivery's is (``delivery.record``). If
+        that fails, the row stays due at its lease's end, and is sent again then."""
+        route, line = self.route, self.line
+        handed = database.HandedOff(
+            self.request.app[app_keys.STORE].inbox, claim.key.scope, claim.key.event_id
+        )
+        try:
+            line["handed_off"] = await delivery.record(handed, route.redeliver, result)
+        except errors.StoreUnavailable as exc:
+            line["handed_off"] = "unrecorded"
+            line["commit_error"] = exc.message
+
     async def _failed(
         self, claim: database.Claim, result: delivery.Result
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
@@ -390,8 +458,19 @@ class Cycle:
             self.line["error"] = failed.error  # kept: the line still says why the app failed
         return kept
 
+    def _unsent_headers(self) -> tuple[tuple[str, str], ...]:
+        """The headers the app is sent, for a delivery kept before its attempt ended."""
+        client = self.request.app[app_keys.FORWARDER]
+        outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
+        return tuple(outgoing.headers.items())
+
     async def _keep(
-        self, claim: database.Claim, attempt: database.Attempt, *, reason: str = "failed"
+        self,
+        claim: database.Claim,
+        attempt: database.Attempt,
+        *,
+        reason: str = "failed",
+        delay: float | None = None,
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """On a route that redelivers: keep the delivery and answer 202 (the provider need not
         retry); ``reason``: why (``metrics.KEPT_REASONS``: the app failed it, or it was not
@@ -407,7 +486,8 @@ class Cycle:
         )
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,
-            route.semantics.signed_part(claim.key), due_now=reason != "failed",
+            route.semantics.signed_part(claim.key),
+            delay=0.0 if reason != "failed" and delay is None else delay,
         )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
         state, kept_as = await claim.keep(stored, attempt, keep)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
+from datetime import datetime
 from typing import Any
 
 import aiohttp
@@ -191,3 +192,94 @@ async def _state(dsn: str, table: str, event_id: str, state: str) -> bool:
 async def _none_pending(dsn: str, table: str) -> bool:
     rows = await fetch(dsn, f"SELECT count(*) AS n FROM \"{table}\" WHERE inbox_state = 'pending'")
     return rows[0]["n"] == 0
+
+
+HANDED = {**KEPT, "hand_off": "300ms"}
+
+
+async def test_an_app_slower_than_the_hand_off_the_provider_is_answered_and_the_app_sees_it_once(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    proxy = await make_proxy(routes=[HANDED], redeliverer=QUICK)
+    first = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "slow"}'))
+    copy_here = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "slow"}'))
+
+    answer = await asyncio.wait_for(first, 10)  # answered while the app still works on it
+
+    assert answer.status == 202
+    assert await answer.json() == {"status": "queued", "event_id": "slow", "kept_for": "deadline"}
+    assert answer.headers["Connection"] == "close"
+    assert len(upstream.requests) == 1
+    # A copy queued in this process, and one arriving now: duplicates of a kept event.
+    for copy in (await copy_here, await proxy.post("/hooks", data=b'{"id": "slow"}')):
+        assert (copy.status, copy.headers["Dedup-Status"]) == (202, "duplicate_queued")
+    row = await _row(pg_dsn, table, "slow")
+    assert row["inbox_state"] == "pending"
+    assert row["due_in"] > 9  # its lease: upstream.timeout (5 s) + 5 s from the hand-off
+    upstream.gate.set()
+    await wait_until(lambda: _state(pg_dsn, table, "slow", "delivered"), "the answer recorded")
+    await asyncio.sleep(0.5)  # a lane would have sent it by now, had it been due
+    assert len(upstream.requests) == 1
+    attempts = json.loads((await _row(pg_dsn, table, "slow"))["inbox_attempts"])
+    assert [(a["status"], a["error"]) for a in attempts] == [
+        (None, "handed off: no answer within 0.3s"),
+        (200, None),
+    ]
+
+
+async def test_an_app_that_fails_after_the_hand_off_leaves_the_delivery_pending_on_schedule(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
+    proxy = await make_proxy(routes=[HANDED], redeliverer=QUICK)
+    first = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "fails"}'))
+    assert (await asyncio.wait_for(first, 10)).status == 202
+    upstream.gate.set()
+
+    await wait_until(lambda: _state(pg_dsn, table, "fails", "delivered"), "the redelivery")
+
+    assert len(upstream.requests) == 2
+    attempts = json.loads((await _row(pg_dsn, table, "fails"))["inbox_attempts"])
+    assert [a["status"] for a in attempts] == [None, 503, 200]
+
+
+async def test_kill_9_during_a_hand_off_loses_nothing_and_sends_again_only_after_its_lease(
+    serve: Serve, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    settings = {"upstream": {"timeout": "2s"}, "routes": [HANDED], "redeliverer": QUICK}
+    served = await serve(**settings)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{served.url}/hooks", data=b'{"id": "k9"}') as answer,
+    ):
+        assert answer.status == 202
+    await served.kill()  # SIGKILL while the app still works on it
+    handed = await _row(pg_dsn, table, "k9")
+    assert handed["inbox_state"] == "pending"
+    upstream.gate.set()  # the app finishes the first attempt; no one records it
+    upstream.gate = None
+
+    await serve(**settings)
+    await wait_until(lambda: _state(pg_dsn, table, "k9", "delivered"), "the lease to end", 30)
+
+    assert len(upstream.requests) == 2  # the first attempt, and one after the lease
+    delivered = await _row(pg_dsn, table, "k9")
+    attempts = json.loads(delivered["inbox_attempts"])
+    assert [a["status"] for a in attempts] == [None, 200]
+    # Due no sooner than upstream.timeout (2 s) + 5 s after the hand-off.
+    sent_again = datetime.fromisoformat(attempts[1]["at"])
+    handed_at = datetime.fromisoformat(attempts[0]["at"])
+    assert (sent_again - handed_at).total_seconds() >= 7
+
+
+async def _row(dsn: str, table: str, event_id: str) -> Any:
+    rows = await fetch(
+        dsn,
+        f"SELECT inbox_state, inbox_attempts, extract(epoch FROM inbox_due - now()) AS due_in "
+        f'FROM "{table}" WHERE event_id = $1',
+        event_id,
+    )
+    return rows[0]
