@@ -361,7 +361,7 @@ class Cycle:
         upstream = result.relayed()
         response = forwarder.relayed(upstream)
         if not upstream.ok:
-            kept = await self._keep(claim, result.attempt)
+            kept = await self._keep_failed(claim, result)
             if kept is None:
                 await self._release(claim)
             return kept or (response, "upstream_error")
@@ -453,10 +453,21 @@ class Cycle:
             except errors.CommitFailed as exc:
                 self.line["commit_error"] = exc.message
             return None
-        kept = await self._keep(claim, failed)
+        kept = await self._keep_failed(claim, result)
         if kept is not None and failed.error is not None:
             self.line["error"] = failed.error  # kept: the line still says why the app failed
         return kept
+
+    async def _keep_failed(
+        self, claim: database.Claim, result: delivery.Result
+    ) -> tuple[web.StreamResponse, errors.Outcome] | None:
+        """Keep a delivery the app failed (``_keep``): due after the schedule's first wait, or
+        after the app's ``Retry-After`` if it asked for longer."""
+        retry_after = result.retry_after()
+        if retry_after is None:
+            return await self._keep(claim, result.attempt)
+        delay = max(retry_after, self.route.redeliver.schedule[0]) if self.route.redeliver else None
+        return await self._keep(claim, result.attempt, reason="retry_after", delay=delay)
 
     def _unsent_headers(self) -> tuple[tuple[str, str], ...]:
         """The headers the app is sent, for a delivery kept before its attempt ended."""
@@ -487,7 +498,7 @@ class Cycle:
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,
             route.semantics.signed_part(claim.key),
-            delay=0.0 if reason != "failed" and delay is None else delay,
+            delay=0.0 if reason in UNSENT and delay is None else delay,
         )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
         state, kept_as = await claim.keep(stored, attempt, keep)
@@ -510,9 +521,9 @@ class Cycle:
         line["kept"] = state
         route.meters.kept[reason].inc()
         payload: dict[str, Any] = {"status": outcome, "event_id": self.event_id}
-        if reason == "failed":
+        if attempt.status is not None:
             payload["upstream_status"] = attempt.status
-        else:
+        if reason != "failed":
             line["kept_for"] = reason
             payload["kept_for"] = reason
         return _json(202, payload, outcome), outcome

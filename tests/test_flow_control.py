@@ -8,14 +8,16 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
-from proxy import errors
+from proxy import delivery, errors
+from proxy.upstream import http1
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -283,3 +285,45 @@ async def _row(dsn: str, table: str, event_id: str) -> Any:
         event_id,
     )
     return rows[0]
+
+
+async def test_an_apps_503_with_retry_after_keeps_the_delivery_due_no_earlier(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: (
+        web.Response(status=503, headers={"Retry-After": "4"}) if n == 0 else web.Response()
+    )
+    proxy = await make_proxy(routes=[KEPT], redeliverer=QUICK)
+
+    answer = await proxy.post("/hooks", data=b'{"id": "busy"}')
+
+    assert answer.status == 202
+    assert await answer.json() == {
+        "status": "queued", "event_id": "busy", "upstream_status": 503, "kept_for": "retry_after"
+    }  # fmt: skip
+    assert (await _row(pg_dsn, table, "busy"))["due_in"] > 3  # not the schedule's 200 ms
+    await wait_until(lambda: _state(pg_dsn, table, "busy", "delivered"), "the redelivery", 15)
+    attempts = json.loads((await _row(pg_dsn, table, "busy"))["inbox_attempts"])
+    assert [a["status"] for a in attempts] == [503, 200]
+    waited = datetime.fromisoformat(attempts[1]["at"]) - datetime.fromisoformat(attempts[0]["at"])
+    assert waited.total_seconds() >= 4
+
+
+@pytest.mark.parametrize(
+    ("status", "value", "seconds"),
+    [
+        (503, "4", 4.0),
+        (429, "120", 120.0),
+        (503, "Wed, 21 Oct 2015 07:28:10 GMT", 10.0),  # an HTTP-date, 10 s after "now"
+        (503, "999999", 3600.0),  # capped
+        (503, "soon", None),
+        (503, "-1", None),
+        (500, "4", None),  # only 429 and 503 say when to come back
+    ],
+)
+def test_retry_after_is_read_from_a_429_or_503_as_seconds_or_a_date(
+    status: int, value: str, seconds: float | None
+) -> None:
+    answer = http1.Answer(status, "", CIMultiDict({"Retry-After": value}), b"")
+    now = datetime(2015, 10, 21, 7, 28, 0, tzinfo=UTC).timestamp()
+    assert delivery.Result(answer).retry_after(now) == seconds
