@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from proxy import (
     __version__,
+    app_limit,
     config,
     database,
     demo,
@@ -265,7 +266,7 @@ def _describe(cfg: config.Config, source: str) -> str:
     lines = [
         f"configuration OK: {source}",
         f"listen:      {cfg.listen}",
-        f"upstream:    {cfg.upstream.url} (timeout {cfg.upstream.timeout:g}s)",
+        f"upstream:    {cfg.upstream.url} (timeout {cfg.upstream.timeout:g}s, {_limit(cfg)})",
         f"database:    {dsn}, table {db.table}, pool {db.pool_size}",
         f"claim_wait:  {cfg.claim_wait:g}s   shutdown_timeout: {cfg.shutdown_timeout:g}s",
         f"tracing:     {tracing.summary(os.environ)}",
@@ -310,13 +311,27 @@ def _describe(cfg: config.Config, source: str) -> str:
     return "\n".join(lines)
 
 
+def _limit(cfg: config.Config) -> str:
+    """The limit at the app, as ``check`` shows it."""
+    keeps = any(route.redeliver for route in cfg.routes)
+    each = app_limit.share(
+        cfg.upstream.concurrency, cfg.workers, cfg.database.pool_size, keeps=keeps
+    )
+    if cfg.upstream.concurrency is None:
+        return f"at most {each} at once per worker: what the pool allows"
+    return f"at most {cfg.upstream.concurrency} at once per replica, {each} per worker"
+
+
 def _redelivered(route: routes.RouteConfig) -> str:
     """How a route's failed deliveries are kept and sent again ("" when they are not)."""
     if route.redeliver is None:
         return ""
     schedule = "/".join(values.format_duration(s) for s in route.redeliver.schedule)
     within = values.format_duration(route.redeliver.for_)
-    return f"failures kept, redelivered after {schedule} for {within}"
+    hand_off = (
+        f", handed off after {values.format_duration(route.hand_off)}" if route.hand_off else ""
+    )
+    return f"failures kept, redelivered after {schedule} for {within}{hand_off}"
 
 
 def main(argv: list[str] | None = None) -> int:
