@@ -176,11 +176,13 @@ def keep(
     signed: str | None = None,
     *,
     delay: float | None = None,
+    attempted: bool = True,
 ) -> database.KeepPolicy:
     """How a delivery on ``route`` is kept for the redeliverer after ``attempt`` (its claim is
     in ``scope``; ``signed``: its claim ID's signed part, see ``database.KeepPolicy``): dead at once
     on an answer retrying cannot fix; due after ``delay`` (None: the schedule's first wait; 0 for
-    one not sent, a lease for one handed off)."""
+    one not sent, a lease for one handed off); ``attempted``: False for one kept before its
+    attempt ended (``attempt`` is then not recorded)."""
     return database.KeepPolicy(
         delay=settings.schedule[0] if delay is None else delay,
         until=settings.for_,
@@ -189,6 +191,7 @@ def keep(
         cap_scope=route.cap_scope(scope),
         dead=attempt.status in UNFIXABLE,
         signed=signed,
+        attempted=attempted,
     )
 
 

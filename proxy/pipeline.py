@@ -330,8 +330,7 @@ class Cycle:
         first. When it cannot be kept, the claim is released and the provider told to retry:
         503."""
         self.sent = self._unsent_headers()
-        attempt = database.Attempt(None, UNSENT[reason])
-        kept = await self._keep(claim, attempt, reason=reason)
+        kept = await self._keep(claim, database.Attempt(None), reason=reason, attempted=False)
         if kept is not None:
             return kept
         await self._release(claim)
@@ -413,8 +412,9 @@ class Cycle:
         and the attempt's end is waited for as on any route."""
         route = self.route
         self.sent = self._unsent_headers()
-        attempt = database.Attempt(None, f"handed off: no answer within {route.hand_off:g}s")
-        kept = await self._keep(claim, attempt, reason="deadline", delay=route.lease)
+        kept = await self._keep(
+            claim, database.Attempt(None), reason="deadline", delay=route.lease, attempted=False
+        )
         if kept is None:
             return None
         self.turn.let_go()
@@ -482,6 +482,7 @@ class Cycle:
         *,
         reason: str = "failed",
         delay: float | None = None,
+        attempted: bool = True,
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """On a route that redelivers: keep the delivery and answer 202 (the provider need not
         retry); ``reason``: why (``metrics.KEPT_REASONS``: the app failed it, or it was not
@@ -498,7 +499,7 @@ class Cycle:
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,
             route.semantics.signed_part(claim.key),
-            delay=0.0 if reason in UNSENT and delay is None else delay,
+            delay=0.0 if reason in UNSENT and delay is None else delay, attempted=attempted,
         )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
         state, kept_as = await claim.keep(stored, attempt, keep)

@@ -141,6 +141,8 @@ class KeepPolicy:
     cap_scope: str
     dead: bool
     signed: str | None = None
+    # False: kept before its attempt ended (not sent, or handed off): no attempt recorded.
+    attempted: bool = True
 
 
 class Listed(NamedTuple):

@@ -48,21 +48,23 @@ class Statements:
 
     @property
     def keep(self) -> str:
-        # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8 delay,
-        # $9 until, $10 the cap's scope, $11 max count, $12 max bytes, $13 the claim's signed
-        # part or NULL. Under the cap only: the kept rows of the cap's scope and its per-path
-        # ones (pending and dead: both hold requests), this one counted, each by what it
-        # stores (its headers as well as its body: the headers alone can be 1 MiB). And, on a
-        # route whose claims are bound to what is signed, only if none of those rows holds
-        # this signed body already under another ID (a replay: ``KEPT_AS``).
-        # Concurrent failures each see the others' uncommitted rows as absent, so the cap can
-        # be passed, and a body kept twice, by the deliveries failing at that moment (at most
-        # the pool's size).
+        # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8
+        # delay, $9 until, $10 the cap's scope, $11 max count, $12 max bytes, $13 the
+        # claim's signed part or NULL, $14 the attempts made (1; 0 for a delivery kept
+        # before its attempt ended: the array's element $14 is removed, so the attempt is
+        # recorded only if made). Under the cap only: the kept rows of the cap's scope and
+        # its per-path ones (pending and dead: both hold requests), this one counted, each
+        # by what it stores (its headers as well as its body: the headers alone can be 1
+        # MiB). And, on a route whose claims are bound to what is signed, only if none of
+        # those rows holds this signed body already under another ID (a replay:
+        # ``KEPT_AS``). Concurrent failures each see the others' uncommitted rows as absent,
+        # so the cap can be passed, and a body kept twice, by the deliveries failing at that
+        # moment (at most the pool's size).
         return (
             f"UPDATE {self.quoted} SET inbox_state = $3, inbox_request = $4::jsonb, "
             "inbox_body = $5::bytea, inbox_attempts = jsonb_build_array("
             + _ATTEMPT.format(status="$6", error="$7")
-            + "), inbox_failures = 1, "
+            + ") - $14::int, inbox_failures = $14::int, "
             # No due time for a dead row; the CASE reads no function (Citus runs none in one).
             "inbox_due = now() + make_interval(secs => "
             "CASE WHEN $3 = 'pending' THEN $8::float8 END), "
