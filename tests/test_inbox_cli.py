@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
+import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 import yaml
 from aiohttp import web
@@ -515,3 +519,170 @@ async def test_an_unknown_id_exits_1_and_a_missing_table_is_said(config_file: Pa
     ]
     code, out, _ = await cli(config_file, "discard", "--route", "hooks", "x")
     assert (code, out) == (1, "not found: hooks x\n")
+
+
+# Many dead rows of the route "hooks", as the proxy keeps them: e00000, e00001, …
+MANY_DEAD = (
+    'INSERT INTO "{table}" (scope, event_id, received_at, inbox_state, inbox_body, '
+    "inbox_request, inbox_attempts, inbox_failures, inbox_changed, inbox_until) "
+    "SELECT 'hooks', 'e' || lpad(n::text, 5, '0'), now() - interval '1 day', 'dead', 'BODY', "
+    '\'{{"route":"hooks","upstream":"http://127.0.0.1:9","method":"POST","target":"/hooks",'
+    '"headers":[]}}\', \'[{{"at":"2026-01-01T00:00:00+00:00","status":500,"error":null}}]\', '
+    "1, now() - interval '1 hour', now() FROM generate_series(0, {last}) AS n"
+)
+
+
+async def many_dead(config_file: Path, dsn: str, table: str, count: int) -> None:
+    code, _, err = await run_cli("migrate", "--config", str(config_file))
+    assert (code, err) == (0, "")
+    await execute(dsn, MANY_DEAD.format(table=table, last=count - 1))
+
+
+async def states(dsn: str, table: str) -> dict[str | None, int]:
+    """How many rows in each state, every row checked whole: a pending row made due by the
+    operator (no failure counted, due, the route's for again, its body kept), a dead row as it
+    was (one failure, not due)."""
+    rows = await fetch(
+        dsn,
+        f"SELECT inbox_state, inbox_failures, inbox_due IS NOT NULL AS due, "
+        f"inbox_until > now() + interval '23 hours' AS renewed, inbox_body IS NOT NULL AS body "
+        f'FROM "{table}"',
+    )
+    counts: dict[str | None, int] = {}
+    for found in rows:
+        whole = {
+            "pending": (0, True, True, True),
+            "dead": (1, False, False, True),
+            "discarded": (1, False, False, False),
+        }[found["inbox_state"]]
+        assert tuple(found)[1:] == whole, found  # never half changed
+        counts[found["inbox_state"]] = counts.get(found["inbox_state"], 0) + 1
+    return counts
+
+
+async def test_a_dry_run_counts_and_shows_the_first_rows_and_changes_nothing(
+    config_file: Path, pg_dsn: str, table: str
+) -> None:
+    await many_dead(config_file, pg_dsn, table, 3000)
+
+    for command in ("redeliver", "discard"):
+        code, out, err = await cli(config_file, command, "--route", "hooks", "--dead", "--dry-run")
+        assert (code, err) == (0, "")
+        lines = out.splitlines()
+        assert lines[0].split()[:3] == ["received_at", "scope", "event_id"]
+        assert [line.split()[2] for line in lines[1:-1]] == [f"e{n:05}" for n in range(10)]
+        assert lines[-1] == (
+            f"would {command} 3000 dead delivery(ies) in scope hooks (the first 10 above); "
+            "nothing changed (--dry-run)"
+        )
+    code, out, _ = await cli(
+        config_file, "redeliver", "--route", "hooks", "--dead", "--since", "10m", "--dry-run"
+    )
+    assert (code, out) == (
+        0,
+        "would redeliver 0 dead delivery(ies) in scope hooks; nothing changed (--dry-run)\n",
+    )
+    assert await states(pg_dsn, table) == {"dead": 3000}
+    code, _, err = await cli(config_file, "redeliver", "--route", "hooks", "e00001", "--dry-run")
+    assert (code, err) == (2, "dedup-proxy events redeliver: --dry-run goes with --dead or "
+                              "--pending only\n")  # fmt: skip
+
+
+async def test_a_bulk_redeliver_interrupted_by_ctrl_c_leaves_rows_whole_and_a_rerun_ends_it(
+    config_file: Path, pg_dsn: str, table: str
+) -> None:
+    """Ctrl-C while a batch is in flight: the batches before it committed, it rolled back
+    whole, every row is either changed or as it was; the same command again does the rest."""
+    await many_dead(config_file, pg_dsn, table, 3000)
+    # The fourth batch (e01500…) waits, mid-batch, at e01700 for a lock this test holds.
+    lock = 740_017
+    await execute(
+        pg_dsn,
+        f'CREATE FUNCTION "{table}_hold"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
+        f"PERFORM pg_advisory_xact_lock({lock}); RETURN NEW; END $$; "
+        f'CREATE TRIGGER hold BEFORE UPDATE ON "{table}" FOR EACH ROW '
+        f"WHEN (OLD.event_id = 'e01700') EXECUTE FUNCTION \"{table}_hold\"()",
+    )
+    holder = await asyncpg.connect(pg_dsn)
+    await holder.execute(f"SELECT pg_advisory_lock({lock})")
+    command = ("redeliver", "--route", "hooks", "--dead", "--config", str(config_file))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "events", *command,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+
+        async def waiting() -> bool:
+            rows = await holder.fetch(
+                "SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1",
+                lock,
+            )
+            return bool(rows)
+
+        await wait_until(waiting, "the fourth batch to wait at e01700", within=60)
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await holder.close()
+
+    print(err.decode())
+    assert process.returncode == 130
+    progress = err.decode().splitlines()
+    assert progress == [
+        "made due 500 of 3000",
+        "made due 1000 of 3000",
+        "made due 1500 of 3000",
+        "interrupted: made due 1500 of 3000, each batch committed whole; the rest are as they "
+        "were: run the same command again to continue",
+        "dedup-proxy events redeliver: interrupted",
+    ]
+    assert len(out.decode().splitlines()) == 1500
+    assert await states(pg_dsn, table) == {"pending": 1500, "dead": 1500}
+
+    await execute(pg_dsn, f'DROP TRIGGER hold ON "{table}"')
+    code, out_again, err_again = await cli(config_file, "redeliver", "--route", "hooks", "--dead")
+    assert code == 0
+    assert err_again.splitlines() == ["made due 500 of 1500", "made due 1000 of 1500",
+                                      "made due 1500 of 1500"]  # fmt: skip
+    lines = out_again.splitlines()
+    assert lines[0] == "redelivering: hooks e01500"
+    assert lines[-1] == (
+        "1500 delivery(ies) due now; the redeliverer takes them within its poll interval"
+    )
+    assert await states(pg_dsn, table) == {"pending": 3000}
+    # Those pending now were made due by the operator: a rerun of --pending passes them over.
+    code, out_again, _ = await cli(config_file, "redeliver", "--route", "hooks", "--pending")
+    assert (code, out_again) == (0, "no pending deliveries in scope hooks\n")
+
+
+async def test_discard_by_state_drops_the_routes_dead_ones_and_their_claims_stay(
+    keep: Keep, upstream: FakeUpstream, config_file: Path, pg_dsn: str, table: str
+) -> None:
+    proxy = await keep(["p1", "d1", "d2", "ok"], 503, 422, 422)
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET inbox_changed = now() - interval '2 hours' WHERE event_id = 'd2'",
+    )
+
+    code, out, err = await cli(
+        config_file, "discard", "--route", "hooks", "--dead", "--since", "1h"
+    )
+
+    assert (code, err) == (0, "discarded 1 of 1\n")
+    assert out.splitlines() == [
+        "discarded: hooks d1",
+        "1 dead delivery(ies) discarded in scope hooks",
+    ]
+    got = {r["event_id"]: r["inbox_state"] for r in await fetch(pg_dsn, f'SELECT * FROM "{table}"')}
+    assert got == {"p1": "pending", "d1": "discarded", "d2": "dead", "ok": None}
+    code, out, _ = await cli(config_file, "discard", "--route", "hooks", "--pending")
+    assert (code, out.splitlines()[-1]) == (0, "1 pending delivery(ies) discarded in scope hooks")
+    copy = await proxy.post("/hooks", data=b'{"id": "p1"}')
+    assert copy.headers["Dedup-Status"] == "duplicate"  # the claim stays
+    assert len(upstream.requests) == 4
+    code, _, err = await cli(config_file, "discard", "--route", "hooks", "--since", "1h", "d2")
+    assert (code, err) == (2, "dedup-proxy events discard: --since goes with --dead or --pending "
+                              "only\n")  # fmt: skip
