@@ -686,3 +686,126 @@ async def test_discard_by_state_drops_the_routes_dead_ones_and_their_claims_stay
     code, _, err = await cli(config_file, "discard", "--route", "hooks", "--since", "1h", "d2")
     assert (code, err) == (2, "dedup-proxy events discard: --since goes with --dead or --pending "
                               "only\n")  # fmt: skip
+
+
+async def test_pending_and_dead_without_route_list_every_route_and_json_is_one_document(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, routes: list[dict[str, Any]]
+) -> None:
+    upstream.respond = answering(503, 422)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    await proxy.post("/hooks", data=b'{"id": "p1", "type": "t.p1"}')
+    await proxy.post("/hooks", data=b'{"id": "d1"}')
+    await proxy.post("/t/acme", data=b'{"id": "a1"}')  # answered 200 by the app
+    await proxy.post("/down", data=b'{"id": "u1"}')
+
+    code, out, err = await cli(config_file, "pending")
+
+    assert (code, err) == (0, "")
+    assert [line.split()[1:3] for line in out.splitlines()[1:-1]] == [
+        ["hooks", "p1"], ["down", "u1"],
+    ]  # fmt: skip
+    assert out.splitlines()[-1] == "2 pending delivery(ies) in scope hooks, tenants, down, plain"
+    code, out, err = await cli(config_file, "pending", "--json", "--limit", "1")
+    assert (code, err) == (0, "")
+    document = json.loads(out)
+    assert (document["state"], document["total"]) == ("pending", 2)
+    assert document["scopes"] == ["hooks", "tenants", "down", "plain"]
+    (first,) = document["deliveries"]
+    assert first["received_at"].endswith("+00:00")
+    assert first["next_due"] > first["received_at"]
+    assert {k: v for k, v in first.items() if k not in ("received_at", "next_due")} == {
+        "scope": "hooks", "event_id": "p1", "event_type": "t.p1", "state": "pending",
+        "attempts": 1, "last_status": 503, "last_error": None, "body_bytes": 28,
+    }  # fmt: skip
+    code, out, _ = await cli(config_file, "dead", "--json")
+    assert [(d["event_id"], d["last_status"]) for d in json.loads(out)["deliveries"]] == [
+        ("d1", 422)
+    ]
+
+    code, out, _ = await cli(config_file, "list", "--route", "hooks", "--json")
+    document = json.loads(out)
+    assert (document["route"], document["scope"], document["total"]) == ("hooks", "hooks", 2)
+    assert {e["event_id"]: e["state"] for e in document["events"]} == {"p1": "pending",
+                                                                     "d1": "dead"}  # fmt: skip
+    code, out, _ = await cli(config_file, "list", "--route", "tenants")
+    assert out.splitlines()[1].split()[1:] == ["tenants/acme", "a1", "-", "-"]
+    code, out, _ = await run_cli("stats", "--json", "--config", str(config_file))
+    by_route = {r["route"]: r for r in json.loads(out)["routes"]}
+    assert {name: (r["rows"], r["pending"], r["dead"]) for name, r in by_route.items()} == {
+        "hooks": (2, 1, 1), "tenants": (1, 0, 0), "down": (1, 1, 0), "plain": (0, 0, 0),
+    }  # fmt: skip
+    assert by_route["plain"]["oldest"] is None
+    assert by_route["tenants"]["scope"] == "tenants/…"
+    code, out, _ = await run_cli("stats", "--config", str(config_file))
+    assert out.splitlines()[1].split()[:5] == ["hooks", "hooks", "2", "1", "1"]
+
+
+async def test_show_json_is_valid_json_for_hostile_bytes_and_masks_credentials(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    hostile = b"\xc2\x9b2J \xc2\x9d52;c;aGk=\xc2\x9c \xe2\x80\xaeevil"  # C1 CSI, OSC 52, U+202E
+    upstream.respond = answering(503)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    body = b'{"id": "t1"}'
+    async with connection(proxy) as (reader, writer):
+        writer.write(
+            b"POST /hooks?q=%E2%80%AE HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+            b"X-Evil: " + hostile + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )  # fmt: skip
+        answer = await read_answer(reader)
+    assert answer is not None
+    assert answer.status == 202
+    raw = '[["X-Raw", {"base64": "mzMxbQ=="}]]'  # b"\x9b31m": not UTF-8
+    headers = f"(inbox_request->'headers') || '{raw}'::jsonb"
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET inbox_request = jsonb_set(inbox_request, '{{headers}}', "
+        f"{headers}) WHERE event_id = 't1'",
+    )
+
+    code, out, err = await cli(config_file, "show", "--route", "hooks", "t1", "--json")
+
+    assert (code, err) == (0, "")
+    assert out.isascii()  # nothing a terminal could act on
+    shown = json.loads(out)
+    assert (shown["event_id"], shown["claim_id"], shown["state"]) == ("t1", "t1", "pending")
+    assert shown["request"]["target"] == "/hooks?q=%E2%80%AE"
+    values = {h["name"]: h for h in shown["request"]["headers"]}
+    assert values["X-Evil"]["value"] == hostile.decode()
+    assert values["X-Raw"]["value"] == {"base64": "mzMxbQ=="}
+    assert values["Authorization"] == {"name": "Authorization", "value": None,
+                                       "redacted_bytes": 13}  # fmt: skip
+    assert "s3cret" not in out
+    assert shown["request"]["body_bytes"] == len(body)
+    assert [a["status"] for a in shown["attempts"]] == [503]
+    # An event ID and type with escape sequences (ESC, BEL) inside, which the proxy refuses
+    # now but a row kept before, or by another deployment, may hold: JSON escapes them all.
+    evil_id, evil_type = "x\x1b]52;c;aGk=\x07", "t\x1b[2J\u202e"
+    copy = await asyncpg.connect(pg_dsn)
+    try:
+        await copy.execute(f'CREATE TEMP TABLE kept AS SELECT * FROM "{table}"')
+        await copy.execute(
+            "UPDATE kept SET event_id = $1, event_type = $2, received_at = now()",
+            evil_id, evil_type,
+        )  # fmt: skip
+        await copy.execute(f'INSERT INTO "{table}" SELECT * FROM kept')
+    finally:
+        await copy.close()
+    code, out, _ = await cli(config_file, "pending", "--json")
+    assert out.isascii()
+    assert [(d["event_id"], d["event_type"]) for d in json.loads(out)["deliveries"]] == [
+        ("t1", None), (evil_id, evil_type)
+    ]  # fmt: skip
+    code, out, _ = await cli(config_file, "pending")
+    assert "\x1b" not in out
+    assert "\x07" not in out
+    code, out, _ = await cli(config_file, "list", "--route", "hooks", "--json")
+    assert out.isascii()
+    assert {e["event_id"] for e in json.loads(out)["events"]} == {"t1", evil_id}
+    code, _, err = await cli(config_file, "show", "--route", "hooks", "t1", "--json", "--body")
+    assert (code, err) == (2, "dedup-proxy events show: --body and --json: one of them\n")
