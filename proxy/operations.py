@@ -152,8 +152,8 @@ def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO)
     cells = [[str(h) for h in headers], *[["" if v is None else str(v) for v in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
-        out.write("  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)))
-        out.write("\n")
+        line = "  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True))
+        out.write(line.rstrip() + "\n")
 
 
 async def list_events(
