@@ -142,7 +142,8 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         sub.add_argument(
             "--route",
             required=not every_route,
-            help="route name from the configuration" + ("; every route's if omitted" * every_route),
+            help="route name from the configuration"
+            + ("; without it, every route's" if every_route else ""),
         )
         built.append(sub)
         return sub

@@ -3,7 +3,9 @@
 
 Each opens a store of one connection (``operations.open_store``), as the other operator
 commands do. None sends anything to the app: ``redeliver`` makes rows due now, and a running
-proxy's redeliverer sends them.
+proxy's redeliverer sends them. ``redeliver`` and ``discard`` of every row in a state count
+first and change the rows in batches each committed on its own (``_bulk``); the listings and
+``show`` print one JSON document with ``--json``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from proxy.database import inbox
 # Signature headers are printed: they are the event's, and useless without the secret.
 MASKED_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 LAST_ERROR_WIDTH = 60
+_DUE_NOW = "delivery(ies) due now; the redeliverer takes them within its poll interval"
+# A bulk command's rows are changed this many at a time, each batch committed on its own.
+BATCH = 500
+# How many of the rows a dry run lists.
+SAMPLE = 10
 _LISTED = ("received_at", "scope", "event_id", "event_type", "attempts", "last")
 
 
@@ -248,82 +255,6 @@ def _attempts(attempts: Sequence[dict[str, Any]]) -> str:
     return f"attempts:    {len(attempts)}\n{indented}"
 
 
-async def redeliver(
-    cfg: config.Config,
-    route: str,
-    event_ids: Sequence[str],
-    *,
-    scope: str | None = None,
-    every: inbox.InboxState | None = None,
-    since: float | None = None,
-    dry_run: bool = False,
-    out: TextIO = sys.stdout,
-    err: TextIO = sys.stderr,
-) -> int:
-    """Make these deliveries (or, with ``every`` "dead" or "pending", all of the route's in
-    that state, changed at most ``since`` seconds ago: ``_bulk``) due now, with the route's
-    whole ``for`` again. Exit 1 if an ID was not pending or dead (or its body is gone)."""
-    found = operations.route_of(cfg, route)
-    _bulk_usage(event_ids, every, since, dry_run)
-    if found.redeliver is None:
-        raise errors.UsageError(f"route {route!r} has no redeliver: nothing would redeliver it")
-    for_ = found.redeliver.for_
-    if every:
-        selection = _selection(found, scope, every, since, again=True)
-        async with operations.open_store(cfg) as store:
-            return await _bulk(
-                store, selection, lambda keys: store.inbox.redeliver_batch(selection, keys, for_),
-                Verbs("redeliver", "redelivering", "made due"), dry_run=dry_run, out=out, err=err,
-            )  # fmt: skip
-    scope = operations.exact_scope(found, scope)
-    async with operations.open_store(cfg) as store:
-        named = await operations.resolve(store, scope, event_ids)
-        changed = await store.inbox.redeliver(scope, list(named.stored.values()), for_)
-    done = {key.event_id for key in changed}
-    named.report(event_ids, done, "redelivering", out)
-    out.write(f"{len(changed)} {_DUE_NOW}\n")
-    return 0 if named.all_done(done) else 1
-
-
-async def discard(
-    cfg: config.Config,
-    route: str,
-    event_ids: Sequence[str],
-    *,
-    scope: str | None = None,
-    every: inbox.InboxState | None = None,
-    since: float | None = None,
-    dry_run: bool = False,
-    out: TextIO = sys.stdout,
-    err: TextIO = sys.stderr,
-) -> int:
-    """Drop these pending or dead deliveries (or, with ``every``, all of the route's in that
-    state, changed at most ``since`` seconds ago: ``_bulk``) for good; their claims stay. Exit
-    1 if some were not pending or dead (or an ID named several claims, listed)."""
-    found = operations.route_of(cfg, route)
-    _bulk_usage(event_ids, every, since, dry_run)
-    if every:
-        selection = _selection(found, scope, every, since, again=False)
-        async with operations.open_store(cfg) as store:
-            return await _bulk(
-                store, selection, lambda keys: store.inbox.discard_batch(selection, keys),
-                Verbs("discard", "discarded", "discarded"), dry_run=dry_run, out=out, err=err,
-            )  # fmt: skip
-    scope = operations.exact_scope(found, scope)
-    async with operations.open_store(cfg) as store:
-        named = await operations.resolve(store, scope, event_ids)
-        discarded = await store.inbox.discard(scope, list(named.stored.values()))
-    named.report(event_ids, discarded, "discarded", out)
-    return 0 if named.all_done(discarded) else 1
-
-
-_DUE_NOW = "delivery(ies) due now; the redeliverer takes them within its poll interval"
-# A bulk command's rows are changed this many at a time, each batch committed on its own.
-BATCH = 500
-# How many of the rows a dry run lists.
-SAMPLE = 10
-
-
 class Verbs(NamedTuple):
     """How a bulk command says what it does: ``verb`` (a dry run's "would …"), ``did`` (each
     row's line on stdout) and ``progress`` (its progress lines on stderr)."""
@@ -416,3 +347,72 @@ async def _bulk(
     else:
         out.write(f"{done} {state} delivery(ies) discarded in scope {scope}\n")
     return 0
+
+
+async def redeliver(
+    cfg: config.Config,
+    route: str,
+    event_ids: Sequence[str],
+    *,
+    scope: str | None = None,
+    every: inbox.InboxState | None = None,
+    since: float | None = None,
+    dry_run: bool = False,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Make these deliveries (or, with ``every`` "dead" or "pending", all of the route's in
+    that state, changed at most ``since`` seconds ago: ``_bulk``) due now, with the route's
+    whole ``for`` again. Exit 1 if an ID was not pending or dead (or its body is gone)."""
+    found = operations.route_of(cfg, route)
+    _bulk_usage(event_ids, every, since, dry_run)
+    if found.redeliver is None:
+        raise errors.UsageError(f"route {route!r} has no redeliver: nothing would redeliver it")
+    for_ = found.redeliver.for_
+    if every:
+        selection = _selection(found, scope, every, since, again=True)
+        async with operations.open_store(cfg) as store:
+            return await _bulk(
+                store, selection, lambda keys: store.inbox.redeliver_batch(selection, keys, for_),
+                Verbs("redeliver", "redelivering", "made due"), dry_run=dry_run, out=out, err=err,
+            )  # fmt: skip
+    scope = operations.exact_scope(found, scope)
+    async with operations.open_store(cfg) as store:
+        named = await operations.resolve(store, scope, event_ids)
+        changed = await store.inbox.redeliver(scope, list(named.stored.values()), for_)
+    done = {key.event_id for key in changed}
+    named.report(event_ids, done, "redelivering", out)
+    out.write(f"{len(changed)} {_DUE_NOW}\n")
+    return 0 if named.all_done(done) else 1
+
+
+async def discard(
+    cfg: config.Config,
+    route: str,
+    event_ids: Sequence[str],
+    *,
+    scope: str | None = None,
+    every: inbox.InboxState | None = None,
+    since: float | None = None,
+    dry_run: bool = False,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """Drop these pending or dead deliveries (or, with ``every``, all of the route's in that
+    state, changed at most ``since`` seconds ago: ``_bulk``) for good; their claims stay. Exit
+    1 if some were not pending or dead (or an ID named several claims, listed)."""
+    found = operations.route_of(cfg, route)
+    _bulk_usage(event_ids, every, since, dry_run)
+    if every:
+        selection = _selection(found, scope, every, since, again=False)
+        async with operations.open_store(cfg) as store:
+            return await _bulk(
+                store, selection, lambda keys: store.inbox.discard_batch(selection, keys),
+                Verbs("discard", "discarded", "discarded"), dry_run=dry_run, out=out, err=err,
+            )  # fmt: skip
+    scope = operations.exact_scope(found, scope)
+    async with operations.open_store(cfg) as store:
+        named = await operations.resolve(store, scope, event_ids)
+        discarded = await store.inbox.discard(scope, list(named.stored.values()))
+    named.report(event_ids, discarded, "discarded", out)
+    return 0 if named.all_done(discarded) else 1

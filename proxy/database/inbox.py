@@ -388,7 +388,7 @@ class Inbox:
     async def selected(self, selection: Selection, after: Key | None, limit: int) -> list[Listed]:
         """The first ``limit`` rows of ``selection`` past ``after``, in key order; locks
         nothing."""
-        last = after or Key(None, None)  # type: ignore[arg-type]
+        last = after or (None, None)
         async with self._acquire() as connection:
             with _plainly("query failed"):
                 rows = await connection.fetch(
