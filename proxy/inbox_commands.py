@@ -26,8 +26,6 @@ from proxy.database import inbox
 MASKED_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 LAST_ERROR_WIDTH = 60
 _DUE_NOW = "delivery(ies) due now; the redeliverer takes them within its poll interval"
-# A bulk command's rows are changed this many at a time, each batch committed on its own.
-BATCH = 500
 # How many of the rows a dry run lists.
 SAMPLE = 10
 _LISTED = ("received_at", "scope", "event_id", "event_type", "attempts", "last")
@@ -298,7 +296,7 @@ async def _bulk(
     err: TextIO,
 ) -> int:
     """``act`` over every row of ``selection``: counted first (with ``dry_run``, the count and
-    the first rows, and nothing changed), then ``BATCH`` rows at a time, each batch committed
+    the first rows, and nothing changed), then ``inbox.BATCH`` rows at a time, each batch committed
     on its own and followed by a progress line on stderr.
 
     Ctrl-C leaves each row changed or not (the batch in flight is rolled back whole), and the
@@ -323,7 +321,7 @@ async def _bulk(
     done = passed = 0
     after = None
     try:
-        while page := await store.inbox.selected(selection, after, BATCH):
+        while page := await store.inbox.selected(selection, after, inbox.BATCH):
             keys = [inbox.Key(row.scope, row.event_id) for row in page]
             changed = await act(keys)
             for key in changed:
@@ -379,7 +377,7 @@ async def redeliver(
     scope = operations.exact_scope(found, scope)
     async with operations.open_store(cfg) as store:
         named = await operations.resolve(store, scope, event_ids)
-        changed = await store.inbox.redeliver(scope, list(named.stored.values()), for_)
+        changed = await store.inbox.redeliver(scope, list(named.stored.values()), None, for_)
     done = {key.event_id for key in changed}
     named.report(event_ids, done, "redelivering", out)
     out.write(f"{len(changed)} {_DUE_NOW}\n")

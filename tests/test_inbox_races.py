@@ -69,12 +69,9 @@ async def test_a_bulk_redeliver_passes_over_a_row_being_redelivered(
     async with lanes.take(["hooks"]) as taken:  # a lane holds p1 while the app works on it
         assert taken is not None
         assert taken.event_id == "p1"
-        selection = inbox.Selection("hooks", inbox.InboxState.PENDING, None, again=True)
-        rows = await operators.selected(selection, None, 10)
         changed = await asyncio.wait_for(
-            operators.redeliver_batch(selection, [inbox.Key(r.scope, r.event_id) for r in rows],
-                                      86400.0), 5,
-        )  # fmt: skip
+            operators.redeliver("hooks", None, None, 86400.0, state=inbox.InboxState.PENDING), 5
+        )
 
     assert sorted(changed) == [("hooks", "p2"), ("hooks", "p3")]
 

@@ -416,7 +416,7 @@ def test_table_formatting() -> None:
     operations.table(rows, ("h1", "h2", "h3"), out)
     assert out.getvalue().splitlines() == [
         "h1          h2  h3",
-        "a               1 ",
+        "a               1",
         "long value  x   22",
     ]
 

@@ -52,6 +52,8 @@ GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
 OPERATOR_LOCK_WAIT = 5.0
 # How many of the oldest due rows a take reads at a time, to lock one of them (Inbox.take).
 CANDIDATES = 32
+# How many rows an operator's bulk command changes in one transaction (Inbox.redeliver_batch).
+BATCH = 500
 
 
 OUTDATED = (
@@ -365,11 +367,28 @@ class Inbox:
             row["inbox_due"], row["inbox_until"], row["inbox_changed"],
         )  # fmt: skip
 
-    async def redeliver(self, scope: str, event_ids: list[str], for_: float) -> list[Key]:
-        """Make these pending or dead rows pending and due now, with ``for_`` seconds of the
-        schedule again: the keys it changed."""
-        rows = await self._operate(self.statements.redeliver, scope, event_ids, for_)
-        return [Key(row["scope"], row["event_id"]) for row in rows]
+    async def redeliver(
+        self,
+        scope: str,
+        event_ids: list[str] | None,
+        since: datetime | None,
+        for_: float,
+        state: InboxState = InboxState.DEAD,
+    ) -> list[Key]:
+        """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``: every
+        page of ``selected``, each by ``redeliver_batch``) pending and due now, with ``for_``
+        seconds of the schedule again: the keys it changed."""
+        if event_ids is not None:
+            rows = await self._operate(self.statements.redeliver, scope, event_ids, for_)
+            return [Key(row["scope"], row["event_id"]) for row in rows]
+        selection = Selection(scope, state, since, again=True)
+        changed: list[Key] = []
+        after = None
+        while page := await self.selected(selection, after, BATCH):
+            keys = [Key(row.scope, row.event_id) for row in page]
+            changed += await self.redeliver_batch(selection, keys, for_)
+            after = keys[-1]
+        return changed
 
     async def discard(self, scope: str, event_ids: list[str]) -> set[str]:
         """Drop these pending or dead deliveries, keeping their claims: the IDs it changed."""
