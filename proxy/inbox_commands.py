@@ -177,7 +177,7 @@ def describe(shown: inbox.Shown) -> str:
     ]
     text = io.StringIO()
     for name, value in fields:
-        text.write(f"{name + ':':<13}{value}\n")
+        text.write(f"{name + ':':<13}{logs.printable(value)}\n")
     if shown.request is not None:
         text.write(_request(shown.request, shown.body_bytes, shown.state))
     elif shown.state is None:
@@ -325,7 +325,9 @@ async def _bulk(
             keys = [inbox.Key(row.scope, row.event_id) for row in page]
             changed = await act(keys)
             for key in changed:
-                out.write(f"{verbs.did}: {key.scope} {key.event_id}\n")
+                out.write(
+                    f"{verbs.did}: {logs.printable(key.scope)} {logs.printable(key.event_id)}\n"
+                )
             out.flush()
             done += len(changed)
             passed += len(keys) - len(changed)

@@ -804,6 +804,10 @@ async def test_show_json_is_valid_json_for_hostile_bytes_and_masks_credentials(
     code, out, _ = await cli(config_file, "pending")
     assert "\x1b" not in out
     assert "\x07" not in out
+    code, out, _ = await cli(config_file, "show", "--route", "hooks", evil_id)
+    assert code == 0
+    assert "event:       x\\u001b]52;c;aGk=\\u0007" in out.splitlines()
+    assert "\x1b" not in out
     code, out, _ = await cli(config_file, "list", "--route", "hooks", "--json")
     assert out.isascii()
     assert {e["event_id"] for e in json.loads(out)["events"]} == {"t1", evil_id}
