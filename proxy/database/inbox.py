@@ -52,6 +52,8 @@ GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
 OPERATOR_LOCK_WAIT = 5.0
 # How many of the oldest due rows a take reads at a time, to lock one of them (Inbox.take).
 CANDIDATES = 32
+# How many rows an operator's bulk command changes in one transaction (Inbox.redeliver_batch).
+BATCH = 500
 
 
 OUTDATED = (
@@ -88,8 +90,8 @@ class StoredRequest:
         bytes in base64, since JSON (and jsonb) can hold no lone surrogate."""
         return json.dumps(
             {"route": self.route, "upstream": self.upstream, "method": self.method,
-             "target": _wire(self.target),
-             "headers": [(name, _wire(value)) for name, value in self.headers]},
+             "target": wire(self.target),
+             "headers": [(name, wire(value)) for name, value in self.headers]},
             ensure_ascii=False, separators=(",", ":"),
         )  # fmt: skip
 
@@ -102,7 +104,9 @@ class StoredRequest:
         )  # fmt: skip
 
 
-def _wire(text: str) -> str | dict[str, str]:
+def wire(text: str) -> str | dict[str, str]:
+    """``text`` as JSON can hold it: itself, or ``{"base64": …}`` of its bytes when it holds
+    bytes that are not UTF-8 (surrogate escapes)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -158,6 +162,30 @@ class Listed(NamedTuple):
     body_bytes: int | None
     last_status: int | None
     last_error: str | None
+
+
+class Key(NamedTuple):
+    """A row's primary key."""
+
+    scope: str
+    event_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The rows an operator's bulk command acts on (``events redeliver``/``discard`` with
+    ``--dead`` or ``--pending``): ``scope``'s, its per-path ones included, in ``state``, changed
+    at or after ``since``, with their bodies. For a redelivery (``again``), not the pending rows
+    an operator made due and the redeliverer has not tried since: so the rows a run changed no
+    longer match, and a rerun after an interrupted one continues with what is left."""
+
+    scope: str
+    state: InboxState
+    since: datetime | None
+    again: bool
+
+    def arguments(self) -> tuple[object, ...]:
+        return (self.scope, self.state.value, self.since, self.again)
 
 
 class Shown(NamedTuple):
@@ -393,36 +421,74 @@ class Inbox:
         since: datetime | None,
         for_: float,
         state: InboxState = InboxState.DEAD,
-    ) -> list[tuple[str, str]]:
-        """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``) pending
-        and due now, with ``for_`` seconds of the schedule again: the (scope, event ID)s it
-        changed."""
-        if event_ids is None:
-            rows = await self._redeliver_all(scope, state, since, for_)
-        else:
+    ) -> list[Key]:
+        """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``: every
+        page of ``selected``, each by ``redeliver_batch``) pending and due now, with ``for_``
+        seconds of the schedule again: the keys it changed."""
+        if event_ids is not None:
             rows = await self._operate(self.statements.redeliver, scope, event_ids, for_)
-        return [(row["scope"], row["event_id"]) for row in rows]
+            return [Key(row["scope"], row["event_id"]) for row in rows]
+        selection = Selection(scope, state, since, again=True)
+        changed: list[Key] = []
+        after = None
+        while page := await self.selected(selection, after, BATCH):
+            keys = [Key(row.scope, row.event_id) for row in page]
+            changed += await self.redeliver_batch(selection, keys, for_)
+            after = keys[-1]
+        return changed
 
     async def discard(self, scope: str, event_ids: list[str]) -> set[str]:
         """Drop these pending or dead deliveries, keeping their claims: the IDs it changed."""
         rows = await self._operate(self.statements.discard, scope, event_ids)
         return {row["event_id"] for row in rows}
 
-    async def _redeliver_all(
-        self, scope: str, state: str, since: datetime | None, for_: float
-    ) -> list[pool.Record]:
-        """``scope``'s rows in ``state`` made due, one statement per row, each on its own (on
-        Citus, on its row's shard): a row being redelivered right now is passed over."""
-        statements = self.statements
+    async def selected_count(self, selection: Selection) -> int:
+        """How many rows ``selection`` holds now."""
         async with self._acquire() as connection:
             with _plainly("query failed"):
-                found = await connection.fetch(statements.redeliverable, scope, state, since)
-                changed: list[pool.Record] = []
-                for row in found:
-                    changed += await connection.fetch(
-                        statements.redeliver_one, row["scope"], row["event_id"], state, since,
-                        for_,
-                    )  # fmt: skip
+                count: int = await connection.fetchval(
+                    self.statements.selected_count, *selection.arguments()
+                )
+        return count
+
+    async def selected(self, selection: Selection, after: Key | None, limit: int) -> list[Listed]:
+        """The first ``limit`` rows of ``selection`` past ``after``, in key order; locks
+        nothing."""
+        last = after or (None, None)
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                rows = await connection.fetch(
+                    self.statements.selected, *selection.arguments(), *last, limit
+                )
+        return [Listed(*row) for row in rows]
+
+    async def redeliver_batch(
+        self, selection: Selection, keys: list[Key], for_: float
+    ) -> list[Key]:
+        """These rows of ``selection`` (a page of ``selected``), those still in it, made due
+        now with ``for_`` seconds of the schedule again, in one transaction: the keys it
+        changed. A row being redelivered right now is passed over."""
+        return await self._batch(
+            self.statements.redeliver_one, keys, selection.state.value, selection.since, for_
+        )
+
+    async def discard_batch(self, selection: Selection, keys: list[Key]) -> list[Key]:
+        """These rows of ``selection``, those still in it, discarded in one transaction: the
+        keys it changed. A row being redelivered right now is passed over."""
+        return await self._batch(
+            self.statements.discard_one, keys, selection.state.value, selection.since
+        )
+
+    async def _batch(self, statement: str, keys: list[Key], *args: object) -> list[Key]:
+        """``statement`` on each row, one statement per row (on Citus, on its row's shard),
+        all committed together or none: an interrupted batch changes nothing."""
+        changed: list[Key] = []
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                async with connection.transaction():
+                    for key in keys:
+                        rows = await connection.fetch(statement, *key, *args)
+                        changed += (Key(row["scope"], row["event_id"]) for row in rows)
         return changed
 
     async def _operate(self, statement: str, *args: object) -> list[pool.Record]:

@@ -7,7 +7,7 @@ DDL (``sql``).
 Shaped for a table distributed by ``event_id`` on Citus too (tests/test_sql_shapes.py pins
 it): a statement that locks rows names the one row it locks by its whole key, so that it runs on
 one shard (Citus runs no ``FOR UPDATE`` across shards); rows are found first by a statement
-that locks nothing (``due``, ``redeliverable``). An UPDATE's ``CASE`` reads the time as a
+that locks nothing (``due``, ``selected``). An UPDATE's ``CASE`` reads the time as a
 parameter, not ``now()`` (Citus evaluates no such function inside ``CASE`` in a modification).
 """
 
@@ -25,10 +25,25 @@ _AGAIN = (
     "inbox_state = 'pending', inbox_due = now(), inbox_until = now() + make_interval(secs => "
     "{until}), inbox_failures = 0, inbox_changed = now()"
 )
-# A row an operator's "redeliver --all" makes due again: in ``state``, changed since ``since``.
-_REDELIVERABLE = (
+# A row an operator's bulk command acts on (``Inbox.selected``): in ``state``, changed since
+# ``since``; and, when it redelivers (``again``), not a row an operator made due already and the
+# redeliverer has not tried since (no failure counted): a rerun after an interrupted run
+# continues with the rows that run left.
+_SELECTED = (
     "inbox_state = {state}::text AND inbox_body IS NOT NULL "
-    "AND ({since}::timestamptz IS NULL OR inbox_changed >= {since})"
+    "AND ({since}::timestamptz IS NULL OR inbox_changed >= {since}) "
+    "AND NOT ({again}::bool AND inbox_failures = 0)"
+)
+# A kept row as ``events pending``/``dead`` list it (``inbox.Listed``).
+_LISTED = (
+    "scope, event_id, event_type, received_at, inbox_state, "
+    "jsonb_array_length(inbox_attempts), inbox_due, octet_length(inbox_body), "
+    "(inbox_attempts -> -1 ->> 'status')::int, inbox_attempts -> -1 ->> 'error'"
+)
+# Discarded: the request and body dropped, the claim and its attempts kept.
+_DISCARDED = (
+    "inbox_state = 'discarded', inbox_body = NULL, inbox_request = NULL, inbox_due = NULL, "
+    "inbox_changed = now()"
 )
 # What a kept row stores of its request, counted against max_pending_bytes.
 _STORED = "coalesce(octet_length(inbox_request::text), 0) + coalesce(octet_length(inbox_body), 0)"
@@ -141,10 +156,7 @@ class Statements:
     def kept(self) -> str:
         # $1 scope, $2 state, $3 limit.
         return (
-            "SELECT scope, event_id, event_type, received_at, inbox_state, "
-            "jsonb_array_length(inbox_attempts), inbox_due, octet_length(inbox_body), "
-            "(inbox_attempts -> -1 ->> 'status')::int, "
-            f"inbox_attempts -> -1 ->> 'error' FROM {self.quoted} "
+            f"SELECT {_LISTED} FROM {self.quoted} "
             f"WHERE {sql.IN_SCOPE} AND inbox_state = $2 ORDER BY received_at LIMIT $3"
         )
 
@@ -172,33 +184,56 @@ class Statements:
         )
 
     @property
-    def redeliverable(self) -> str:
-        # $1 scope, $2 state ('dead' or 'pending'), $3 changed since or NULL: the rows
-        # ``redeliver_one`` makes due, one at a time. Locks nothing.
+    def selected(self) -> str:
+        # $1 scope, $2 state ('dead' or 'pending'), $3 changed since or NULL, $4 again (a
+        # redelivery), $5 and $6 the key of the last row of the page before or NULL, $7 how
+        # many: a page of the rows a bulk command acts on, in key order (on the primary key,
+        # so that a run ends however many rows it passes over). Locks nothing.
         return (
-            f"SELECT scope, event_id FROM {self.quoted} WHERE {sql.IN_SCOPE} "
-            f"AND {_REDELIVERABLE.format(state='$2', since='$3')}"
+            f"SELECT {_LISTED} FROM {self.quoted} WHERE {sql.IN_SCOPE} "
+            f"AND {_SELECTED.format(state='$2', since='$3', again='$4')} "
+            "AND ($5::text IS NULL OR (scope, event_id) > ($5::text, $6::text)) "
+            "ORDER BY scope, event_id LIMIT $7"
+        )
+
+    @property
+    def selected_count(self) -> str:
+        # $1 scope, $2 state, $3 changed since or NULL, $4 again: how many ``selected`` holds.
+        return (
+            f"SELECT count(*) FROM {self.quoted} WHERE {sql.IN_SCOPE} "
+            f"AND {_SELECTED.format(state='$2', since='$3', again='$4')}"
         )
 
     @property
     def redeliver_one(self) -> str:
         # $1 scope, $2 event ID, $3 state, $4 changed since or NULL, $5 for (seconds): one row
-        # of ``redeliverable``, if it still is. A row being redelivered right now is passed
-        # over: it needs no making due.
+        # of ``selected``, if it still is. A row being redelivered right now is passed over:
+        # it needs no making due.
         key = "scope = $1 AND event_id = $2"
         return (
             f"UPDATE {self.quoted} SET {_AGAIN.format(until='$5')} WHERE {key} "
-            f"AND {_REDELIVERABLE.format(state='$3', since='$4')} AND EXISTS (SELECT FROM "
-            f"{self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) RETURNING scope, event_id"
+            f"AND {_SELECTED.format(state='$3', since='$4', again='true')} AND EXISTS (SELECT "
+            f"FROM {self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) RETURNING scope, event_id"
+        )
+
+    @property
+    def discard_one(self) -> str:
+        # $1 scope, $2 event ID, $3 state, $4 changed since or NULL: one row of ``selected``
+        # discarded, if it still is. A row being redelivered right now is passed over (a
+        # rerun takes it if it is still pending then).
+        key = "scope = $1 AND event_id = $2"
+        return (
+            f"UPDATE {self.quoted} SET {_DISCARDED} WHERE {key} "
+            f"AND {_SELECTED.format(state='$3', since='$4', again='false')} AND EXISTS (SELECT "
+            f"FROM {self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) RETURNING scope, event_id"
         )
 
     @property
     def discard(self) -> str:
         # $1 scope, $2 event IDs. The claim stays (its copies are still duplicates).
         return (
-            f"UPDATE {self.quoted} SET inbox_state = 'discarded', inbox_body = NULL, "
-            "inbox_request = NULL, inbox_due = NULL, inbox_changed = now() "
-            "WHERE scope = $1 AND event_id = ANY($2) AND inbox_state IN ('pending', 'dead') "
+            f"UPDATE {self.quoted} SET {_DISCARDED} WHERE scope = $1 AND event_id = ANY($2) "
+            "AND inbox_state IN ('pending', 'dead') "
             "RETURNING event_id"
         )
 

@@ -412,7 +412,8 @@ def for_table(table: str) -> Queries:
         ),
         # $1 scope, $2 oldest received_at or NULL, $3 limit.
         events=(
-            f"SELECT scope, event_id, event_type, received_at FROM {quoted} WHERE {IN_SCOPE} "
+            "SELECT scope, event_id, event_type, received_at, inbox_state "
+            f"FROM {quoted} WHERE {IN_SCOPE} "
             "AND ($2::timestamptz IS NULL OR received_at >= $2) "
             "ORDER BY received_at DESC LIMIT $3"
         ),
@@ -436,7 +437,9 @@ def for_table(table: str) -> Queries:
             "AND left(event_id, length($2) + 1) = $2 || '~'))"
         ),
         stats=(
-            "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest "
+            "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest, "
+            "count(*) FILTER (WHERE inbox_state = 'pending') AS pending, "
+            "count(*) FILTER (WHERE inbox_state = 'dead') AS dead "
             f"FROM {quoted} GROUP BY scope"
         ),
         # The bound form's start, per route scope ($1): a row of ID_FORMS (docs/deployment.md,

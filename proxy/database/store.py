@@ -104,6 +104,7 @@ class Event(NamedTuple):
     event_id: str
     event_type: str | None
     received_at: datetime
+    state: str | None  # the inbox's (inbox.InboxState); None: not kept, delivered at once
 
 
 class Distribution(NamedTuple):
@@ -139,12 +140,15 @@ def _resolved(given: str, rows: list[str]) -> Resolved:
 
 
 class ScopeStats(NamedTuple):
-    """The claims of one scope: how many, the oldest and the newest."""
+    """The claims of one scope: how many, the oldest and the newest; how many the inbox holds
+    pending and dead."""
 
     scope: str
     rows: int
     oldest: datetime
     newest: datetime
+    pending: int
+    dead: int
 
 
 def schema_sql(table: str) -> str:
@@ -639,7 +643,7 @@ class Store:
         return {row["event_id"] for row in rows}
 
     async def stats(self) -> list[ScopeStats]:
-        """Per scope: how many claims, the oldest and the newest."""
+        """Per scope: how many claims, the oldest and the newest, how many pending and dead."""
         async with self._connection() as connection:
             with _plainly_missing(), translated("query failed"):
                 rows = await connection.fetch(self.queries.stats)
