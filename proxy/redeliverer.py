@@ -10,7 +10,9 @@ lane anywhere. The attempt is ``delivery.attempt``, as a first delivery's is, an
 transaction ends with ``delivery.record``'s one step: ``delivered`` on a 2xx, else ``failed``
 (the next attempt after the route's schedule, or dead past its ``for`` or on an answer
 retrying cannot fix: ``delivery.UNFIXABLE``). Starts are paced at ``redeliverer.rate`` per
-second per replica, so a recovering app is not swamped with the backlog.
+second per replica, so a recovering app is not swamped with the backlog. A lane takes no row
+of a route scope held (``holds``: an operator's ``events pause``, the app's Retry-After) on any
+replica; the hold ended, the next poll takes its rows again, at ``rate``.
 
 On SIGTERM the lanes stop taking rows; a redelivery in flight finishes, or, past
 ``shutdown_timeout``, is cancelled, which rolls its row back: released, never lost.
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 from multidict import CIMultiDict
 
 from proxy import database, delivery, errors, memory, metrics, tracing
+from proxy import holds as route_holds
 from proxy.config import redeliver, routes
 from proxy.upstream import forwarder, transports
 
@@ -57,8 +60,10 @@ class Redeliverer:
         budget: memory.Budget,
         workers: int = 1,
         traces: tracing.Tracing | None = None,
+        holds: route_holds.Holds | None = None,
     ) -> None:
         self._store = store
+        self._holds = holds
         self._tracing = traces
         self._client = client
         self._routes = {route.name: route for route in configured if route.redeliver}
@@ -156,8 +161,12 @@ class Redeliverer:
                 await self._stopping.wait()
 
     async def redeliver_one(self) -> bool:
-        """Redeliver the oldest due row, if one is: whether one was sent."""
-        async with self._store.inbox.take(self._scopes) as redelivery:
+        """Redeliver the oldest due row of a scope not held (``holds``), if one is: whether one
+        was sent."""
+        scopes = self._scopes if self._holds is None else self._holds.unheld(self._scopes)
+        if not scopes:
+            return False
+        async with self._store.inbox.take(scopes) as redelivery:
             if redelivery is None:
                 return False
             self.in_flight += 1

@@ -1,9 +1,9 @@
 """The inbox's statements (``database.inbox``), built once per claim table: keeping a failed
 delivery in its claim's row under its cap (a signed body once), taking a due row ``FOR UPDATE
 SKIP LOCKED``, the two ends of a redelivery, the operators' commands, the metrics' levels and
-the dead rows' sweep; and the route holds' rows (``database.holds``, in scope ``sql.HOLDS``,
-one per route scope, in the inbox's columns). Every value is a parameter; the columns are added by the claim table's
-DDL (``sql``).
+the dead rows' sweep; and the route holds' rows (``database.holds``: in scope ``sql.HOLDS``,
+one per route scope, in the inbox's columns). Every value is a parameter; the columns are
+added by the claim table's DDL (``sql``).
 
 Shaped for a table distributed by ``event_id`` on Citus too (tests/test_sql_shapes.py pins
 it): a statement that locks rows names the one row it locks by its whole key, so that it runs on
