@@ -191,9 +191,11 @@ async def forget(
 
 
 async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
-    """Per route: rows, oldest and newest claim."""
+    """Per route: rows, oldest and newest claim; then a line per route scope held (``events
+    pause``, the app's Retry-After)."""
     async with open_store(cfg) as store:
         rows = await store.stats()
+        held = await _holds(store)
 
     def when(value: datetime | None) -> str:
         return value.isoformat(timespec="seconds") if value else "-"
@@ -212,7 +214,28 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
             )
         )
     table(lines, ("route", "scope", "rows", "oldest", "newest", "retention"), out)
+    for scope, hold in sorted(held.items()):
+        out.write(f"held: {describe_hold(scope, hold)}\n")
     return 0
+
+
+async def _holds(store: database.Store) -> dict[str, database.Hold]:
+    """The holds in force, for ``stats``: none on a table that predates the inbox."""
+    try:
+        return await store.holds.active()
+    except errors.TableMissing:
+        return {}
+
+
+def describe_hold(scope: str, hold: database.Hold) -> str:
+    """A hold in one line: its scope, kind, who set it, since and until when, and why."""
+
+    def when(at: float) -> str:
+        return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+
+    until = "until resumed" if hold.until is None else f"until {when(hold.until)}"
+    note = f": {hold.note}" if hold.note else ""
+    return f"scope {scope} {hold.reason} by {hold.by} since {when(hold.since)}, {until}{note}"
 
 
 async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:
