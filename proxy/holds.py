@@ -28,8 +28,11 @@ RETRY_AFTER_BY = "proxy"
 # A Retry-After the copy shows a hold for within this much is not written again: an app that
 # answers 503 with Retry-After to every webhook costs one write per second or so, not one each.
 SLACK = 1.0
+# A read of the holds waits for a free pool connection, rather than yield to the requests, once
+# this many polls passed without one: a pause must reach a worker that is always busy.
+YIELD_POLLS = 5
 
-__all__ = ["RETRY_AFTER_BY", "Hold", "HoldKind", "Holds"]
+__all__ = ["RETRY_AFTER_BY", "SLACK", "YIELD_POLLS", "Hold", "HoldKind", "Holds"]
 
 
 class Holds:
@@ -50,7 +53,9 @@ class Holds:
         self._poll = poll
         self._meters = meters
         self._holds: dict[str, Hold] = {}
+        self._unwritten: dict[str, Hold] = {}  # Retry-After holds the database did not take
         self._failing = False
+        self._read_at = time.monotonic()  # the last read that succeeded
         self.read = asyncio.Event()  # set once the holds were read
         if meters is not None:  # at 0 from the start
             for route in self._routes:
@@ -60,6 +65,8 @@ class Holds:
     def held(self, scope: str) -> Hold | None:
         """``scope``'s hold in force now (a per-path scope, "github/acme", is held with its
         route's scope), or None."""
+        if not self._holds:  # the common case, on every webhook
+            return None
         hold = self._holds.get(scope.partition("/")[0])
         if hold is None or not hold.held_at(time.time()):
             return None
@@ -93,7 +100,8 @@ class Holds:
                 return current
             hold = Hold(reason=HoldKind.RETRY_AFTER, until=now + seconds, since=now,
                         by=RETRY_AFTER_BY, asked_until=now + seconds)  # fmt: skip
-        self._holds[scope] = hold
+            self._unwritten[scope] = hold
+        self._holds = {**self._holds, scope: hold}
         self._measure()
         return hold
 
@@ -109,9 +117,14 @@ class Holds:
 
     async def refresh(self) -> None:
         """Read the holds now; the gauges with them. A database that does not answer leaves
-        the copy as it was (each hold ending at its end)."""
+        the copy as it was (each hold ending at its end), and so does a pool with no connection
+        free: the requests come first, as for the redeliverer, for up to ``YIELD_POLLS`` polls."""
+        yielding = time.monotonic() - self._read_at < YIELD_POLLS * self._poll
+        if yielding and self._store.pool_exhausted():
+            self._measure()
+            return
         try:
-            self._holds = await self._store.holds.active(self._scopes)
+            read = await self._store.holds.active(self._scopes)
         except errors.StoreUnavailable as exc:
             if not self._failing:
                 log.warning("reading the route holds failed, keeping the last read: %s",
@@ -121,8 +134,21 @@ class Holds:
             if self._failing:
                 log.info("the route holds are read again")
             self._failing = False
+            self._read_at = time.monotonic()
+            self._holds = self._with_unwritten(read)
             self.read.set()
         self._measure()
+
+    def _with_unwritten(self, read: dict[str, Hold]) -> dict[str, Hold]:
+        """``read``, and the holds this worker could not write that end later, until their
+        end."""
+        now = time.time()
+        self._unwritten = {s: h for s, h in self._unwritten.items() if h.held_at(now)}
+        for scope, hold in self._unwritten.items():
+            other = read.get(scope)
+            if other is None or (other.until is not None and other.until < (hold.until or 0)):
+                read[scope] = hold
+        return read
 
     def _measure(self) -> None:
         meters = self._meters

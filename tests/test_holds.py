@@ -14,7 +14,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy import app_keys, database, operations
+from proxy import app_keys, database, holds, operations
 from proxy.database import HoldKind
 from tests.helpers import (
     FakeUpstream,
@@ -22,6 +22,7 @@ from tests.helpers import (
     Serve,
     execute,
     fetch,
+    free_port,
     run_cli,
     sweeper_of,
     wait_until,
@@ -283,3 +284,22 @@ async def test_a_pause_from_one_process_holds_every_worker_of_every_other(
     await wait_until(lambda: all_delivered(pg_dsn, table, 4), "every event delivered")
     bodies = sorted(json.loads(body)["id"] for body in upstream.bodies())
     assert bodies == sorted([f"s{n}" for n in range(4)] * 2)
+
+
+async def test_a_retry_after_the_database_does_not_take_holds_this_worker_until_its_end(
+    proxy_config: Any,
+) -> None:
+    cfg = proxy_config(routes=[ROUTE])
+    down = f"postgresql://dedup@127.0.0.1:{free_port()}/dedup"  # nothing listens there
+    store = database.Store.create(down, cfg.database, claim_wait=1, upstream_timeout=1)
+    copy = holds.Holds(store, cfg.routes, poll=0.1)
+    try:
+        hold = await copy.hold_for_retry_after("hooks", 3600)
+        assert hold is not None
+        assert hold.reason == "retry_after"
+        assert copy.held("hooks") == hold
+        await copy.refresh()  # fails: the copy keeps it
+        assert copy.held("hooks") == hold
+        assert copy.unheld(["hooks", "other"]) == ["other"]
+    finally:
+        await store.close()
