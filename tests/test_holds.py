@@ -14,8 +14,9 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy import app_keys, database, holds, operations
+from proxy import app_keys, database, errors, holds, operations
 from proxy.database import HoldKind
+from tests import roles
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -303,3 +304,30 @@ async def test_a_retry_after_the_database_does_not_take_holds_this_worker_until_
         assert copy.unheld(["hooks", "other"]) == ["other"]
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("inbox", [True, False], ids=["inbox-grant", "no-inbox-grant"])
+async def test_the_documented_grants_pause_and_resume_and_the_apps_hold_names_its_grant(
+    tmp_path: Path, proxy_config: Any, pg_dsn: str, table: str, upstream: FakeUpstream, inbox: bool
+) -> None:
+    async with operations.open_store(proxy_config(routes=[ROUTE])) as store:
+        await store.migrate()
+    grants = (roles.DOCUMENTED, *([roles.INBOX] if inbox else []))
+    async with roles.limited_role(pg_dsn, table, *grants) as (_, dsn):
+        config_file = write_config(tmp_path / "role.yaml", dsn, table, upstream)
+        for _ in range(2):  # the second replaces the first's row
+            code, _, err = await events(config_file, "pause", "--route", "hooks", "--for", "1h")
+            assert (code, err) == (0, "")
+        code, out, _ = await run_cli("stats", "--config", str(config_file))
+        assert "held: scope hooks paused" in out
+
+        role_config = proxy_config(routes=[ROUTE], database={"dsn": dsn})
+        async with operations.open_store(role_config) as store:
+            if inbox:
+                held = await store.holds.hold_at_least("hooks", 60, by="proxy", note="503")
+                assert held.reason == "paused"
+            else:
+                with pytest.raises(errors.PermissionDenied, match=r"GRANT UPDATE \(inbox_state"):
+                    await store.holds.hold_at_least("hooks", 60, by="proxy", note="503")
+        code, _, err = await events(config_file, "resume", "--route", "hooks")
+        assert (code, err) == (0, "")

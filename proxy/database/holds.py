@@ -2,17 +2,19 @@
 
 A hold is a row of the claim table, in the reserved scope ``sql.HOLDS`` (no route's: routes'
 scopes are letters, digits, '_', '.' and '-'), keyed by the route scope it holds, as the upgrade
-window's rows are in ``sql.ID_FORMS``: no new table, and no grant beyond the inbox's (INSERT,
-and UPDATE of the inbox's columns, which hold its kind, end, start, and who and why). Every
-statement that reads routes' rows names their scopes, so the retention sweep, the listings,
-the counts and the redeliverer never see it; on Citus the row is one row of the table like any
-other (distributed by ``event_id``, the route scope), written by its whole key.
+window's rows are in ``sql.ID_FORMS``: no new table, and no grant beyond the documented ones
+(a pause and a resume delete the row and insert it anew: SELECT, INSERT, DELETE; a hold for the
+app's Retry-After changes it, with the inbox's UPDATE). Its kind, end, start, and who and why
+are in the inbox's columns. Every statement that reads routes' rows names their scopes, so the
+retention sweep, the listings, the counts and the redeliverer never see it; on Citus the row
+is one row of the table like any other (distributed by ``event_id``, the route scope), written
+by its whole key.
 
 Two kinds: ``paused`` (an operator's ``events pause``, with an end or none) and
 ``retry_after`` (the app answered 429 or 503 with ``Retry-After``). ``hold`` sets a hold,
 whatever held before; ``hold_at_least`` never shortens a hold and never turns a pause into
-another kind; ``release`` ends it now. The row stays after its end, which says who held the
-scope last; a hold is in force while its end is ahead (or it has none).
+another kind; ``release`` ends it now (deletes the row). A hold is in force while its end is
+ahead (or it has none); the row of one that ended stays until the next hold replaces it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -29,6 +32,8 @@ from typing import Any
 from proxy import errors
 from proxy.database import inbox_sql, pool, sql
 
+log = logging.getLogger(__name__)
+
 Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
 
 OUTDATED = (
@@ -36,8 +41,8 @@ OUTDATED = (
     "'dedup-proxy migrate'"
 )
 GRANT_HINT = (
-    f"a hold is kept in the inbox's columns: the role needs INSERT on the table and "
-    f"GRANT UPDATE ({', '.join(sql.INBOX_COLUMNS)}) on it, as a route with redeliver does"
+    "a pause and a resume need SELECT, INSERT and DELETE on the table, and a hold for the "
+    f"app's Retry-After also GRANT UPDATE ({', '.join(sql.INBOX_COLUMNS)}), as redeliver does"
 )
 
 
@@ -91,9 +96,8 @@ class RouteHolds:
         async with self._acquire() as connection:
             with _writing("holding the route failed"):
                 async with connection.transaction():
-                    status = await connection.execute(statements.hold_row, *args)
-                    if status != "INSERT 0 1":
-                        await connection.execute(statements.hold_one, *args)
+                    await connection.execute(statements.unhold_one, scope)
+                    await connection.execute(statements.hold_row, *args)
         return await self._read(scope)
 
     async def hold_at_least(self, scope: str, seconds: float, *, by: str, note: str) -> Hold:
@@ -114,11 +118,13 @@ class RouteHolds:
 
     async def release(self, scope: str, *, by: str) -> HoldKind | None:
         """End ``scope``'s hold now; the kind it was (None: it held none)."""
-        released = json.dumps({"released_by": by})
         async with self._acquire() as connection:
             with _writing("releasing the route failed"):
-                kind = await connection.fetchval(self.statements.release_one, scope, released)
-        return None if kind is None else HoldKind(kind)
+                row = await connection.fetchrow(self.statements.unhold_one, scope)
+        if row is None or not row["held"]:
+            return None
+        log.info("route scope %s released by %s (it was %s)", scope, by, row["inbox_state"])
+        return HoldKind(row["inbox_state"])
 
     async def active(self, scopes: Sequence[str] | None = None) -> dict[str, Hold]:
         """The holds in force of these route scopes (None: of all), by scope."""

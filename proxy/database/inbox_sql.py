@@ -233,8 +233,9 @@ class Statements:
     # The route holds (``database.holds``): a row in scope sql.HOLDS keyed by the route scope
     # ($1), its kind in inbox_state, its end in inbox_until (NULL: none), the end asked for in
     # inbox_due, since when in inbox_changed and who and why in inbox_request. The INSERT makes
-    # the row once (DO NOTHING, as Citus needs); an UPDATE on its whole key changes it. Every
-    # end is now() + $3 seconds (NULL: no end), outside any CASE.
+    # the row (DO NOTHING, as Citus needs); a pause or a resume deletes it first, and the app's
+    # Retry-After changes it by an UPDATE on its whole key. Every end is now() + $3 seconds
+    # (NULL: no end), outside any CASE.
 
     @property
     def hold_row(self) -> str:
@@ -248,13 +249,12 @@ class Statements:
         )
 
     @property
-    def hold_one(self) -> str:
-        # The same parameters: the hold, whatever the row held (an operator's pause).
-        end = "now() + make_interval(secs => $3::float8)"
+    def unhold_one(self) -> str:
+        # $1 route scope: the row gone (an operator's pause replaces it, a resume ends it, with
+        # the grants every role has: no UPDATE); its kind, and whether it held still.
         return (
-            f"UPDATE {self.quoted} SET inbox_state = $2, inbox_until = {end}, inbox_due = {end}, "
-            f"inbox_changed = now(), inbox_request = $4::jsonb WHERE scope = '{sql.HOLDS}' "
-            "AND event_id = $1"
+            f"DELETE FROM {self.quoted} WHERE scope = '{sql.HOLDS}' AND event_id = $1 "
+            "RETURNING inbox_state, (inbox_until IS NULL OR inbox_until > now()) AS held"
         )
 
     @property
@@ -276,17 +276,6 @@ class Statements:
             f"UPDATE {self.quoted} SET inbox_until = {end}, inbox_due = {end}, "
             f"inbox_request = $4::jsonb WHERE scope = '{sql.HOLDS}' AND event_id = $1 "
             f"AND inbox_state = $2 AND inbox_until < {end}"
-        )
-
-    @property
-    def release_one(self) -> str:
-        # $1 route scope, $2 who (jsonb, added to the row's): the hold ends now, the row kept
-        # (who held it and why, until the next hold); its kind, if it held.
-        return (
-            f"UPDATE {self.quoted} SET inbox_until = now(), inbox_changed = now(), "
-            "inbox_request = inbox_request || $2::jsonb "
-            f"WHERE scope = '{sql.HOLDS}' AND event_id = $1 "
-            "AND (inbox_until IS NULL OR inbox_until > now()) RETURNING inbox_state"
         )
 
     @property
