@@ -9,7 +9,7 @@ import asyncio
 
 from aiohttp import web
 
-from proxy import config, database, errors, flights, holds, memory, metrics, tracing
+from proxy import app_limit, config, database, errors, flights, holds, memory, metrics, tracing
 from proxy.upstream import forwarder
 
 
@@ -39,5 +39,6 @@ HOLDS = web.AppKey("holds", holds.Holds)
 METRICS = web.AppKey("metrics", metrics.Metrics)
 DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", memory.Budget)
+ROOM = web.AppKey("room", app_limit.Room)
 # On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
 PROXY = web.AppKey("proxy", web.Application)

@@ -293,6 +293,6 @@ async def resume(
     wait = values.format_duration(cfg.redeliverer.poll)
     out.write(
         f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
-        f"proxy redelivers its pending deliveries again within {wait}, at redeliverer.rate\n"
+        f"proxy redelivers its pending deliveries again within {wait}, at the limit at the app\n"
     )
     return 0

@@ -31,6 +31,7 @@ from proxy.database.claim import (
 from proxy.database.holds import Hold, HoldKind, RouteHolds
 from proxy.database.inbox import (
     Attempt,
+    HandedOff,
     InboxState,
     KeepPolicy,
     Listed,
@@ -68,6 +69,7 @@ __all__ = [
     "Distribution",
     "Duplicate",
     "Event",
+    "HandedOff",
     "Hold",
     "HoldKind",
     "InboxState",
