@@ -257,6 +257,16 @@ async def test_a_pause_from_one_process_holds_every_worker_of_every_other(
     settings = {"routes": [ROUTE], "workers": 2, "redeliverer": QUICK}
     first, second = await serve(**settings), await serve(**settings)
     config_file = write_config(tmp_path / "cli.yaml", pg_dsn, table, upstream)
+
+    async def ready() -> bool:  # the supervisor listens before its workers made the table
+        async with aiohttp.ClientSession() as session:
+            for served in (first, second):
+                async with session.get(f"{served.admin_url}/readyz") as answer:
+                    if answer.status != 200:
+                        return False
+        return True
+
+    await wait_until(ready, "both proxies ready", within=30)
     upstream.respond = failing(4)
     code, _, err = await events(config_file, "pause", "--route", "hooks", "--for", "1h")
     assert (code, err) == (0, "")
