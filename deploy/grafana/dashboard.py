@@ -258,6 +258,48 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
         ),
     ),
     (
+        "Flow control",
+        (
+            Panel(
+                title="At the app against the limit",
+                description="Webhooks at the app now (first deliveries and redeliveries, not "
+                "pass-through) against upstream.concurrency: at the limit, a redeliver route keeps "
+                "what arrives and other routes wait their turn.",
+                unit="short",
+                targets=(
+                    Target(expr=f"sum(dedup_app_in_flight{{{INSTANCE}}})", legend="at the app"),
+                    Target(expr=f"sum(dedup_app_limit{{{INSTANCE}}})", legend="limit"),
+                ),
+            ),
+            Panel(
+                title="Kept by reason",
+                description="Deliveries kept for the redeliverer (202): failed (the app failed "
+                "it), limit (no room at the app), deadline (no answer by the route's hand_off), "
+                "paused, retry_after. Alert: DedupAppOverflow.",
+                unit="ops",
+                stack=True,
+                targets=(
+                    Target(
+                        expr=rate("dedup_inbox_kept_total", ROUTE, "route, reason"),
+                        legend="{{route}} {{reason}}",
+                    ),
+                ),
+            ),
+            Panel(
+                title="Waits for room",
+                description="Webhooks of routes without redeliver, and redeliveries, that waited "
+                "for room at the app.",
+                unit="ops",
+                targets=(
+                    Target(
+                        expr=f"sum(rate(dedup_app_waits_total{{{INSTANCE}}}[$__rate_interval]))",
+                        legend="waits",
+                    ),
+                ),
+            ),
+        ),
+    ),
+    (
         "Inbox (redeliver)",
         (
             Panel(
