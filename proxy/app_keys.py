@@ -9,7 +9,7 @@ import asyncio
 
 from aiohttp import web
 
-from proxy import app_limit, config, database, errors, flights, memory, metrics, tracing
+from proxy import app_limit, config, database, errors, flights, holds, memory, metrics, tracing
 from proxy.upstream import forwarder
 
 
@@ -34,6 +34,8 @@ START = web.AppKey("start", Start)
 STORE = web.AppKey("store", database.Store)
 FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
 FLIGHTS = web.AppKey("flights", flights.Flights)
+# This worker's copy of the route holds: ``held(scope)`` answers without a database round trip.
+HOLDS = web.AppKey("holds", holds.Holds)
 METRICS = web.AppKey("metrics", metrics.Metrics)
 DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", memory.Budget)

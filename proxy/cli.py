@@ -247,6 +247,7 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         "the app instead, use events forget." + _BULK,
     )
     _bulk_options(discarding, scope_help, "")
+    _hold_actions(action)
     for sub in built:
         _config_option(sub)
 
@@ -295,6 +296,33 @@ def _json_option(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--json", action="store_true", help="print one JSON document (docs/operations.md)"
     )
+
+
+def _hold_actions(action: Callable[..., argparse.ArgumentParser]) -> None:
+    """``events pause`` and ``resume`` (``inbox_commands``)."""
+    pausing = action(
+        "pause",
+        "hold a route's redeliveries on every replica, until resumed or for a while",
+        lambda cfg, args: inbox_commands.pause(
+            cfg, args.route, for_=args.for_, note=args.reason, by=args.by
+        ),
+        "Hold the route's redeliveries on every running proxy (a maintenance window, a bad "
+        "deploy). A route without redeliver answers its webhooks 503 with Retry-After "
+        "meanwhile. dedup-proxy stats lists the routes held.",
+    )
+    pausing.add_argument(
+        "--for", dest="for_", type=_duration, help="end the pause after this (e.g. 2h)"
+    )
+    pausing.add_argument("--reason", help="why, shown with the hold")
+    pausing.add_argument("--by", help="who pauses (default: the OS user)")
+    resuming = action(
+        "resume",
+        "end a route's hold (a pause, or the app's Retry-After) on every replica",
+        lambda cfg, args: inbox_commands.resume(cfg, args.route, by=args.by),
+        "End the route's hold: every running proxy redelivers its pending deliveries again, "
+        "within the limit at the app. Exit status 1 if it was not held.",
+    )
+    resuming.add_argument("--by", help="who resumes (default: the OS user)")
 
 
 def _positive(text: str) -> int:

@@ -1,5 +1,7 @@
 """The inbox's operator commands: ``events pending``, ``dead``, ``show``, ``redeliver`` and
-``discard``, over the rows a route with ``redeliver`` keeps (``proxy.database.inbox``).
+``discard``, over the rows a route with ``redeliver`` keeps (``proxy.database.inbox``); and
+``events pause`` and ``resume``, which hold and release a route's scope on every replica
+(``proxy.database.holds``).
 
 Each opens a store of one connection (``operations.open_store``), as the other operator
 commands do. None sends anything to the app: ``redeliver`` makes rows due now, and a running
@@ -11,14 +13,16 @@ first and change the rows in batches each committed on its own (``_bulk``); the 
 from __future__ import annotations
 
 import asyncio
+import getpass
 import io
+import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO, NamedTuple, TextIO
 
 from proxy import config, database, errors, logs, operations
-from proxy.config import routes
+from proxy.config import routes, values
 from proxy.database import inbox
 
 # Their values are credentials of the sender's session, not of the event: masked in ``show``.
@@ -416,3 +420,59 @@ async def discard(
         discarded = await store.inbox.discard(scope, list(named.stored.values()))
     named.report(event_ids, discarded, "discarded", out)
     return 0 if named.all_done(discarded) else 1
+
+
+def operator() -> str:
+    """Who runs this command, as a hold records it: the OS user."""
+    try:
+        return getpass.getuser()
+    except OSError:  # no USER and no passwd entry (a container's arbitrary UID)
+        return f"uid {os.getuid()}"
+
+
+async def pause(
+    cfg: config.Config,
+    route: str,
+    *,
+    for_: float | None = None,
+    note: str | None = None,
+    by: str | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Hold the route's scope on every replica, for ``for_`` seconds (None: until resumed),
+    replacing any hold it had."""
+    found = operations.route_of(cfg, route)
+    who = by or operator()
+    async with operations.open_store(cfg) as store:
+        hold = await store.holds.hold(found.scope, for_, by=who, note=note)
+    out.write(f"paused: {operations.describe_hold(found.scope, hold)}\n")
+    sharing = [r.name for r in cfg.routes if r.scope == found.scope and r.name != found.name]
+    if sharing:
+        out.write(f"routes {', '.join(sharing)} share scope {found.scope}: held too\n")
+    if found.redeliver is None:
+        out.write(
+            f"route {found.name} has no redeliver: while paused its webhooks are answered 503 "
+            "with Retry-After, and the provider sends them again later\n"
+        )
+    wait = values.format_duration(cfg.redeliverer.poll)
+    out.write(f"every running proxy holds it within {wait} (redeliverer.poll)\n")
+    return 0
+
+
+async def resume(
+    cfg: config.Config, route: str, *, by: str | None = None, out: TextIO = sys.stdout
+) -> int:
+    """End the route scope's hold (a pause, or the app's Retry-After) on every replica. Exit 1
+    if it held none."""
+    found = operations.route_of(cfg, route)
+    async with operations.open_store(cfg) as store:
+        was = await store.holds.release(found.scope, by=by or operator())
+    if was is None:
+        print(f"not held: route {found.name} (scope {found.scope})", file=sys.stderr)
+        return 1
+    wait = values.format_duration(cfg.redeliverer.poll)
+    out.write(
+        f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
+        f"proxy redelivers its pending deliveries again within {wait}, at the limit at the app\n"
+    )
+    return 0

@@ -234,9 +234,11 @@ class RouteStats(NamedTuple):
 
 
 async def stats(cfg: config.Config, out: TextIO = sys.stdout, *, as_json: bool = False) -> int:
-    """Per route: rows, pending and dead deliveries, oldest and newest claim, retention."""
+    """Per route: rows, pending and dead deliveries, oldest and newest claim, retention; then
+    a line per route scope held (``events pause``, the app's Retry-After)."""
     async with open_store(cfg) as store:
         rows = await store.stats()
+        held = await _holds(store)
     summary = []
     for route in cfg.routes:
         mine = [r for r in rows if in_scope(r.scope, route.scope)]
@@ -258,6 +260,10 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout, *, as_json: bool =
              "dead": r.dead, "oldest": timestamp(r.oldest), "newest": timestamp(r.newest),
              "retention_seconds": r.retention}
             for r in summary
+        ], "held": [
+            {"scope": scope, "reason": hold.reason, "by": hold.by, "since": hold.since,
+             "until": hold.until, "note": hold.note}
+            for scope, hold in sorted(held.items())
         ]}))  # fmt: skip
         return 0
 
@@ -273,7 +279,28 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout, *, as_json: bool =
         ("route", "scope", "rows", "pending", "dead", "oldest", "newest", "retention"),
         out,
     )  # fmt: skip
+    for scope, hold in sorted(held.items()):
+        out.write(f"held: {describe_hold(scope, hold)}\n")
     return 0
+
+
+async def _holds(store: database.Store) -> dict[str, database.Hold]:
+    """The holds in force, for ``stats``: none on a table that predates the inbox."""
+    try:
+        return await store.holds.active()
+    except errors.TableMissing:
+        return {}
+
+
+def describe_hold(scope: str, hold: database.Hold) -> str:
+    """A hold in one line: its scope, kind, who set it, since and until when, and why."""
+
+    def when(at: float) -> str:
+        return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+
+    until = "until resumed" if hold.until is None else f"until {when(hold.until)}"
+    note = f": {hold.note}" if hold.note else ""
+    return f"scope {scope} {hold.reason} by {hold.by} since {when(hold.since)}, {until}{note}"
 
 
 async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:

@@ -1,8 +1,9 @@
 """The inbox's statements (``database.inbox``), built once per claim table: keeping a failed
 delivery in its claim's row under its cap (a signed body once), taking a due row ``FOR UPDATE
 SKIP LOCKED``, the two ends of a redelivery, the operators' commands, the metrics' levels and
-the dead rows' sweep. Every value is a parameter; the columns are added by the claim table's
-DDL (``sql``).
+the dead rows' sweep; and the route holds' rows (``database.holds``: in scope ``sql.HOLDS``,
+one per route scope, in the inbox's columns). Every value is a parameter; the columns are
+added by the claim table's DDL (``sql``).
 
 Shaped for a table distributed by ``event_id`` on Citus too (tests/test_sql_shapes.py pins
 it): a statement that locks rows names the one row it locks by its whole key, so that it runs on
@@ -264,4 +265,66 @@ class Statements:
             f"DELETE FROM {self.quoted} WHERE (scope, event_id) IN ("
             f"  SELECT scope, event_id FROM {self.quoted} WHERE {sql.IN_SCOPE} AND {dead} "
             f"   LIMIT $3) AND {dead}"
+        )
+
+    # The route holds (``database.holds``): a row in scope sql.HOLDS keyed by the route scope
+    # ($1), its kind in inbox_state, its end in inbox_until (NULL: none), the end asked for in
+    # inbox_due, since when in inbox_changed and who and why in inbox_request. The INSERT makes
+    # the row (DO NOTHING, as Citus needs); a pause or a resume deletes it first, and the app's
+    # Retry-After changes it by an UPDATE on its whole key. Every end is now() + $3 seconds
+    # (NULL: no end), outside any CASE.
+
+    @property
+    def hold_row(self) -> str:
+        # $1 route scope, $2 kind, $3 seconds or NULL, $4 who and why (jsonb): the hold, if the
+        # scope has no row yet; "INSERT 0 1" if it had none.
+        end = "now() + make_interval(secs => $3::float8)"
+        return (
+            f"INSERT INTO {self.quoted} (scope, event_id, event_type, inbox_state, inbox_until, "
+            f"inbox_due, inbox_changed, inbox_request) VALUES ('{sql.HOLDS}', $1, 'hold', $2, "
+            f"{end}, {end}, now(), $4::jsonb) ON CONFLICT (scope, event_id) DO NOTHING"
+        )
+
+    @property
+    def unhold_one(self) -> str:
+        # $1 route scope: the row gone (an operator's pause replaces it, a resume ends it, with
+        # the grants every role has: no UPDATE); its kind, and whether it held still.
+        return (
+            f"DELETE FROM {self.quoted} WHERE scope = '{sql.HOLDS}' AND event_id = $1 "
+            "RETURNING inbox_state, (inbox_until IS NULL OR inbox_until > now()) AS held"
+        )
+
+    @property
+    def renew_hold_one(self) -> str:
+        # The same parameters, $3 never NULL: the hold, from now, if the row's has ended.
+        end = "now() + make_interval(secs => $3::float8)"
+        return (
+            f"UPDATE {self.quoted} SET inbox_state = $2, inbox_until = {end}, inbox_due = {end}, "
+            f"inbox_changed = now(), inbox_request = $4::jsonb WHERE scope = '{sql.HOLDS}' "
+            "AND event_id = $1 AND inbox_until <= now()"
+        )
+
+    @property
+    def extend_hold_one(self) -> str:
+        # The same parameters: a hold of the same kind ($2) that ends sooner ends then instead,
+        # since when it holds unchanged. A pause is never made shorter nor another kind.
+        end = "now() + make_interval(secs => $3::float8)"
+        return (
+            f"UPDATE {self.quoted} SET inbox_until = {end}, inbox_due = {end}, "
+            f"inbox_request = $4::jsonb WHERE scope = '{sql.HOLDS}' AND event_id = $1 "
+            f"AND inbox_state = $2 AND inbox_until < {end}"
+        )
+
+    @property
+    def holds(self) -> str:
+        # $1 route scopes, or NULL for all: the holds in force, their times as seconds from now
+        # (the database's clock: each proxy adds them to its own).
+        return (
+            "SELECT event_id AS scope, inbox_state AS kind, inbox_request AS request, "
+            "extract(epoch FROM inbox_until - now())::float8 AS ends_in, "
+            "extract(epoch FROM inbox_due - now())::float8 AS asked_in, "
+            "extract(epoch FROM now() - inbox_changed)::float8 AS held_for "
+            f"FROM {self.quoted} WHERE scope = '{sql.HOLDS}' "
+            "AND ($1::text[] IS NULL OR event_id = ANY($1::text[])) "
+            "AND (inbox_until IS NULL OR inbox_until > now())"
         )

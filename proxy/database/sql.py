@@ -32,6 +32,9 @@ COMMIT_WITHOUT_ANSWER = f"ROLLBACK TO SAVEPOINT {_ANSWER_SAVEPOINT}; COMMIT"
 # The scope of the rows that record since when a route's claims are bound (``Store.start``):
 # no route's scope (names are letters, digits, '_', '.', '-'), so never swept nor listed.
 ID_FORMS = "~id-forms"
+# The scope of the rows that hold a route scope's redeliveries (``database.holds``): one row per
+# route scope held or once held, likewise never a route's, so never swept, listed or counted.
+HOLDS = "~holds"
 # A claim bound to what is signed (``webhooks.bound``): the event ID, '~' and this many
 # lower-case hex digits of a digest of the query and body.
 BOUND_DIGITS = 32
