@@ -261,8 +261,11 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout, *, as_json: bool =
              "retention_seconds": r.retention}
             for r in summary
         ], "held": [
-            {"scope": scope, "reason": hold.reason, "by": hold.by, "since": hold.since,
-             "until": hold.until, "note": hold.note}
+            {"scope": scope, "reason": hold.reason, "by": hold.by,
+             "since": timestamp(datetime.fromtimestamp(hold.since, UTC)),
+             "until": None if hold.until is None
+                      else timestamp(datetime.fromtimestamp(hold.until, UTC)),
+             "note": hold.note}
             for scope, hold in sorted(held.items())
         ]}))  # fmt: skip
         return 0
