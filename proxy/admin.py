@@ -9,7 +9,8 @@ requests at a time, so it needs few connections and none for long. Each process 
 ``MAX_CONNECTIONS`` of them (``connections.ConnectionLimit``, the one waiting longest for a
 request closed to make room), and closes one that has not sent a whole request within
 ``KEEPALIVE`` seconds of connecting or of its previous answer: otherwise idle admin connections
-could take the descriptors that ``connections.MARGIN`` keeps for the proxy's own files, and webhooks would fail for want of one.
+could take the descriptors that ``connections.MARGIN`` keeps for the proxy's own files, and
+webhooks would fail for want of one.
 """
 
 from __future__ import annotations
