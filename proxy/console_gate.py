@@ -121,7 +121,8 @@ async def _checked(
             )
     if credential is not None:
         request[OPERATOR] = credential
-    if request.method not in ("GET", "HEAD"):
+    # A method or path the console has no route for is answered so (405, 404) by the router.
+    if request.method not in ("GET", "HEAD") and request.match_info.http_exception is None:
         if not settings.actions or credential is None:
             raise web.HTTPForbidden(text="the console's actions are off: it only shows\n")
         if not same_origin(request):
