@@ -5,10 +5,10 @@ Every console answer carries a strict Content-Security-Policy (no script at all,
 console's own stylesheet only, no frame may hold it) and the headers that go with it. With
 ``admin.console.credentials`` set, every page asks for HTTP Basic credentials: the name is who
 the action log names. An action (a POST; no GET changes anything) must come from a page of the
-console itself: its ``Origin`` is the console's, ``Sec-Fetch-Site`` (where the browser sends it)
-says ``same-origin``, and the form carries a token bound to the operator's credential (an HMAC
-keyed by the password, so the same in every worker and after a restart, and unknown to a page
-of another origin).
+console itself: ``Sec-Fetch-Site`` (where the browser sends it) says ``same-origin``, its
+``Origin`` is the console's (``same_origin``), and the form carries a token bound to the
+operator's credential (an HMAC keyed by the password, so the same in every worker and after a
+restart, and unknown to a page of another origin).
 """
 
 from __future__ import annotations
@@ -82,13 +82,16 @@ def authenticate(
 
 
 def same_origin(request: web.Request) -> bool:
-    """Whether a POST comes from a page of the console's own origin: ``Origin`` (which every
-    browser sends on a POST) names this host, and ``Sec-Fetch-Site``, where sent, agrees."""
-    fetch_site = request.headers.get("Sec-Fetch-Site")
-    if fetch_site is not None and fetch_site != "same-origin":
-        return False
+    """Whether a POST comes from a page of the console's own origin. ``Sec-Fetch-Site``, which
+    no page can set, says so where the browser sends it; the console's ``no-referrer`` policy
+    then makes Chromium send ``Origin: null``, so that ``Origin`` may be this host or null.
+    Without it, ``Origin`` (every browser sends it on a POST) must name this host."""
     origin = request.headers.get("Origin")
-    return origin is not None and origin == f"{request.scheme}://{request.host}"
+    own = f"{request.scheme}://{request.host}"
+    fetch_site = request.headers.get("Sec-Fetch-Site")
+    if fetch_site is not None:
+        return fetch_site == "same-origin" and origin in (own, "null")
+    return origin == own
 
 
 def guard(settings: console_config.ConsoleConfig) -> Callable[..., Awaitable[web.StreamResponse]]:

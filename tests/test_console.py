@@ -1,7 +1,8 @@
 """The operator console on the admin listener (``proxy.console``, ``proxy.console_gate``), through
 aiohttp's test client over a real PostgreSQL: the pages with kept deliveries the proxy made from
 real webhooks, the headers on every answer, escaping, the credential, the checks on an action
-(origin, token) and the read-only default. The browser's view of it is tests/test_console_browser.py.
+(origin, token) and the read-only default. The browser's view of it is in
+tests/test_console_browser.py.
 """
 
 from __future__ import annotations
@@ -93,17 +94,24 @@ async def test_the_pages_show_what_the_proxy_kept(
     assert numbers[3:] == ["3", "1", "0", "2", "0"]
 
     listed = await page(admin, "/console/events")
-    assert "evt_pending" in listed and "evt_dead" in listed and "evt_ok" not in listed
+    assert "evt_pending" in listed
+    assert "evt_dead" in listed
+    assert "evt_ok" not in listed
     dead = await page(admin, "/console/events?state=dead")
-    assert "evt_dead" in dead and "evt_pending" not in dead
+    assert "evt_dead" in dead
+    assert "evt_pending" not in dead
     by_body = await page(admin, "/console/events?body=data.object.customer%3Dcus_123")
-    assert "evt_pending" in by_body and "evt_dead" not in by_body
+    assert "evt_pending" in by_body
+    assert "evt_dead" not in by_body
     by_type = await page(admin, "/console/events?event_type=invoice.failed")
-    assert "evt_dead" in by_type and "evt_pending" not in by_type
+    assert "evt_dead" in by_type
+    assert "evt_pending" not in by_type
 
     shown = await page(admin, "/console/event?scope=hooks&id=evt_pending")
-    assert "POST /hooks" in shown and "&#34;customer&#34;: &#34;cus_123&#34;" in shown
-    assert "Stripe-Signature" in shown and "ab" * 32 not in shown  # masked
+    assert "POST /hooks" in shown
+    assert "&#34;customer&#34;: &#34;cus_123&#34;" in shown
+    assert "Stripe-Signature" in shown
+    assert "ab" * 32 not in shown
     assert "503" in shown  # the attempt
 
     found = await page(admin, "/console/lookup?id=evt_ok")
@@ -133,7 +141,7 @@ async def test_pages_page_by_keyset_newest_first(
 async def test_every_answer_carries_the_policy_headers(
     make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
 ) -> None:
-    proxy, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
+    _proxy, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
     answers = [
         admin.get("/console/", headers=basic()),
         admin.get("/console/console.css", headers=basic()),
@@ -150,7 +158,8 @@ async def test_every_answer_carries_the_policy_headers(
             for name, value in console_gate.HEADERS.items():
                 assert response.headers.get(name) == value, (response.url, name)
     assert statuses == [200, 200, 404, 400, 401, 403, 405]
-    assert "script-src 'none'" in console_gate.CSP and "frame-ancestors 'none'" in console_gate.CSP
+    assert "script-src 'none'" in console_gate.CSP
+    assert "frame-ancestors 'none'" in console_gate.CSP
 
 
 async def test_what_a_sender_sent_is_shown_as_text(
@@ -166,7 +175,8 @@ async def test_what_a_sender_sent_is_shown_as_text(
         await page(admin, "/console/events", params={"event_type": HOSTILE}),
     ]
     for html in pages:
-        assert "<script" not in html and "<img" not in html
+        assert "<script" not in html
+        assert "<img" not in html
         assert "&lt;script&gt;window.pwned=1&lt;/script&gt;" in html
 
 
@@ -177,7 +187,8 @@ async def test_read_only_by_default_no_request_changes_anything(
     failing(upstream)
     await send(proxy, "evt_1")
     html = await page(admin, "/console/event?scope=hooks&id=evt_1")
-    assert 'method="post"' not in html and "Read-only" in html
+    assert 'method="post"' not in html
+    assert "Read-only" in html
     for path in ("/console/redeliver", "/console/discard", "/console/bulk"):
         async with admin.post(path, data={"scope": "hooks", "id": "evt_1"}) as response:
             assert response.status in (403, 405)
@@ -212,6 +223,8 @@ async def test_an_action_needs_the_origin_and_the_token(
     refused = [
         ({}, fields),  # no Origin
         ({"Origin": "http://evil.example"}, fields),
+        ({"Origin": "null"}, fields),  # null only where Sec-Fetch-Site says same-origin
+        ({"Origin": "null", "Sec-Fetch-Site": "same-site"}, fields),
         ({"Origin": origin, "Sec-Fetch-Site": "cross-site"}, fields),
         ({"Origin": origin}, {**fields, "csrf": "0" * 64}),
         ({"Origin": origin}, {k: v for k, v in fields.items() if k != "csrf"}),
@@ -295,9 +308,11 @@ def test_masked_headers_show_a_prefix_only() -> None:
 
 def test_a_body_is_pretty_printed_up_to_its_cap() -> None:
     text, cut = console.pretty_body(b'{"a":{"b":1}}')
-    assert text == '{\n  "a": {\n    "b": 1\n  }\n}' and not cut
+    assert text == '{\n  "a": {\n    "b": 1\n  }\n}'
+    assert not cut
     text, cut = console.pretty_body(b"x" * (console.BODY_CAP + 1))
-    assert len(text) == console.BODY_CAP and cut
+    assert len(text) == console.BODY_CAP
+    assert cut
     assert console.pretty_body(b"\xff<b>")[0] == "\ufffd<b>"
 
 
