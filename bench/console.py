@@ -122,8 +122,9 @@ async def serve(dsn: str, table: str, workdir: Path) -> tuple[asyncio.subprocess
     raise SystemExit(f"serve did not become ready: {(workdir / 'serve.log').read_text()}")
 
 
-async def measure(url: str, rounds: int) -> list[tuple[str, float, int]]:
+async def measure(url: str, rounds: int, kept: int) -> list[tuple[str, float, int]]:
     console = f"{url}/console/"
+    middle = f"{kept // 2:08}"
     pages = {
         "overview": "",
         "kept, newest page": "events",
@@ -133,10 +134,10 @@ async def measure(url: str, rounds: int) -> list[tuple[str, float, int]]:
         "kept, since 1 day": "events?since=" + time.strftime(
             "%Y-%m-%dT%H:%M", time.gmtime(time.time() - 86400)),
         "kept, body key": "events?body=data.object.customer%3Dcus_7",
-        "kept, by ID": "events?event_id=evt_00050000",
-        "event": "event?scope=hooks&id=evt_00050000",
-        "lookup, kept": "lookup?id=evt_00050000",
-        "lookup, first try": "lookup?id=ok_00050000",
+        "kept, by ID": f"events?event_id=evt_{middle}",
+        "event": f"event?scope=hooks&id=evt_{middle}",
+        "lookup, kept": f"lookup?id=evt_{middle}",
+        "lookup, first try": f"lookup?id=ok_{middle}",
         "lookup, missing": "lookup?id=nothing",
     }  # fmt: skip
     results = []
@@ -182,7 +183,7 @@ async def run(args: argparse.Namespace) -> None:
             print(f"filled {args.kept} kept rows and {args.delivered} delivered at the first "
                   f"try in {time.perf_counter() - started:.1f}s")  # fmt: skip
             process, url = await serve(dsn, table, workdir)
-            results = await measure(url, args.rounds)
+            results = await measure(url, args.rounds, args.kept)
             print(f"{'page':<24}{'median ms':>10}{'bytes':>9}")
             for name, ms, size in results:
                 print(f"{name:<24}{ms:>10.1f}{size:>9}")

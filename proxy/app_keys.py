@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import jinja2
 from aiohttp import web
 
 from proxy import config, database, errors, flights, memory, metrics, tracing
@@ -39,3 +40,6 @@ DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", memory.Budget)
 # On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
 PROXY = web.AppKey("proxy", web.Application)
+# On the console's (``console``): its settings and its page templates.
+CONSOLE = web.AppKey("console", config.console.ConsoleConfig)
+CONSOLE_TEMPLATES = web.AppKey("console_templates", jinja2.Environment)

@@ -31,7 +31,6 @@ import jinja2
 from aiohttp import web
 
 from proxy import app_keys, console_gate, database, errors, logs
-from proxy.config import console as console_config
 from proxy.config import routes as routes_module
 from proxy.database import inbox
 
@@ -55,8 +54,6 @@ _DONE = {"redelivered": "Made due now: the redeliverer sends it within its poll 
          "discarded": "Discarded: the body is dropped, the claim stays.",
          "unchanged": "Nothing changed: the event is not pending or dead (any more)."}  # fmt: skip
 
-SETTINGS = web.AppKey("console_settings", console_config.ConsoleConfig)
-TEMPLATES = web.AppKey("console_templates", jinja2.Environment)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,9 +186,9 @@ def _state(state: str | None) -> str:
 
 
 def _render(request: web.Request, name: str, status: int = 200, **context: Any) -> web.Response:
-    settings = request.app[SETTINGS]
+    settings = request.app[app_keys.CONSOLE]
     operator = request.get(console_gate.OPERATOR)
-    template = request.app[TEMPLATES].get_template(name)
+    template = request.app[app_keys.CONSOLE_TEMPLATES].get_template(name)
     html = template.render(
         actions=settings.actions and operator is not None,
         operator=operator.name if operator else "",
@@ -438,8 +435,8 @@ def create_console_app(proxy: web.Application) -> web.Application:
     settings = proxy[app_keys.CONFIG].admin.console
     console = web.Application(middlewares=[console_gate.guard(settings), _errors])
     console[app_keys.PROXY] = proxy
-    console[SETTINGS] = settings
-    console[TEMPLATES] = templates()
+    console[app_keys.CONSOLE] = settings
+    console[app_keys.CONSOLE_TEMPLATES] = templates()
     console.router.add_get("/", overview)
     console.router.add_get("/events", events)
     console.router.add_get("/event", event)
