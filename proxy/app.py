@@ -19,6 +19,7 @@ from aiohttp import hdrs, web, web_urldispatcher
 
 from proxy import (
     app_keys,
+    app_limit,
     config,
     database,
     embedded,
@@ -222,8 +223,8 @@ async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
     cfg = app[app_keys.CONFIG]
     lanes = redeliverer.Redeliverer(
         app[app_keys.STORE], app[app_keys.FORWARDER], cfg.routes, settings=cfg.redeliverer,
-        meters=app[app_keys.METRICS], budget=app[app_keys.BUDGET], workers=cfg.workers,
-        traces=app[app_keys.TRACING],
+        meters=app[app_keys.METRICS], budget=app[app_keys.BUDGET], room=app[app_keys.ROOM],
+        workers=cfg.workers, traces=app[app_keys.TRACING],
     )  # fmt: skip
     if not lanes.configured:
         yield
@@ -365,6 +366,13 @@ def create_app(cfg: config.Config) -> web.Application:
     app[app_keys.START] = app_keys.Start()
     shared = app[app_keys.BUDGET] = memory.Budget(cfg.max_buffered)
     meters.watch_buffered(lambda: shared.held)
+    room = app[app_keys.ROOM] = app_limit.Room(
+        app_limit.share(
+            cfg.upstream.concurrency, cfg.workers, cfg.database.pool_size,
+            keeps=any(route.redeliver for route in cfg.routes),
+        )
+    )  # fmt: skip
+    meters.watch_room(room)
     traces = app[app_keys.TRACING] = tracing.Tracing(
         tracing.wanted(os.environ), proxy_headers.TrustedProxies(cfg.trusted_proxies),
         cfg.database.table, meters.count_spans,

@@ -10,7 +10,7 @@ import asyncio
 import jinja2
 from aiohttp import web
 
-from proxy import config, database, errors, flights, memory, metrics, tracing
+from proxy import app_limit, config, database, errors, flights, memory, metrics, tracing
 from proxy.upstream import forwarder
 
 
@@ -38,6 +38,7 @@ FLIGHTS = web.AppKey("flights", flights.Flights)
 METRICS = web.AppKey("metrics", metrics.Metrics)
 DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", memory.Budget)
+ROOM = web.AppKey("room", app_limit.Room)
 # On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
 PROXY = web.AppKey("proxy", web.Application)
 # On the console's (``console``): its settings and its page templates.

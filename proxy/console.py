@@ -55,7 +55,6 @@ _DONE = {"redelivered": "Made due now: the redeliverer sends it within its poll 
          "unchanged": "Nothing changed: the event is not pending or dead (any more)."}  # fmt: skip
 
 
-
 @dataclass(frozen=True, slots=True)
 class Filters:
     """The kept deliveries' filters, as the page's query string gives them."""

@@ -12,8 +12,11 @@ delivery the app was never sent (no ``Result``) keeps it with an ``Attempt`` of 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from proxy import database, errors
 from proxy.config import redeliver
@@ -31,6 +34,8 @@ if TYPE_CHECKING:
 # (400, 422), too large (413, 414) or of a kind the app does not take (405, 411, 415). Anything
 # else (404 and 401/403 included: a deploy or a rotated secret) is tried again on schedule.
 UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
+T = TypeVar("T")
+
 # Standard Webhooks senders disable an endpoint that answers 410: it is never relayed.
 GONE = "upstream answered 410 Gone"
 
@@ -106,18 +111,51 @@ async def attempt(
     return Result(answer, None, sent)
 
 
+async def handing_off(
+    attempting: Awaitable[Result],
+    after: float,
+    hand_off: Callable[[], Coroutine[Any, Any, T | None]],
+) -> tuple[Result, T | None]:
+    """Await ``attempting``; if it has not ended ``after`` seconds from now, run ``hand_off``
+    meanwhile (the delivery kept and its sender answered, while the attempt goes on): the
+    result, and what the hand-off returned (None: it did not happen, or did not keep it). A
+    timer, not a task, until the hand-off is due: most attempts end well before it."""
+    loop = asyncio.get_running_loop()
+    handing: asyncio.Task[T | None] | None = None
+
+    def start() -> None:
+        nonlocal handing
+        handing = loop.create_task(hand_off())
+
+    timer = loop.call_later(after, start)
+    try:
+        result = await attempting
+    except BaseException:
+        timer.cancel()
+        if handing is not None:  # cancelled (a drain past its timeout): the hand-off too
+            handing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handing
+        raise
+    timer.cancel()
+    return result, None if handing is None else await handing
+
+
 def keep(
     route: routes.RouteConfig,
     settings: redeliver.Redeliver,
     attempt: database.Attempt,
     scope: str,
     signed: str | None = None,
+    *,
+    delay: float | None = None,
 ) -> database.KeepPolicy:
     """How a delivery on ``route`` is kept for the redeliverer after ``attempt`` (its claim is
     in ``scope``; ``signed``: its claim ID's signed part, see ``database.KeepPolicy``): dead at once
-    on an answer retrying cannot fix."""
+    on an answer retrying cannot fix; due after ``delay`` (None: the schedule's first wait; 0 for
+    one not sent, a lease for one handed off)."""
     return database.KeepPolicy(
-        delay=settings.schedule[0],
+        delay=settings.schedule[0] if delay is None else delay,
         until=settings.for_,
         max_pending=settings.max_pending,
         max_pending_bytes=settings.max_pending_bytes,
@@ -127,9 +165,20 @@ def keep(
     )
 
 
-async def record(
-    redelivery: database.Redelivery, settings: redeliver.Redeliver | None, result: Result
-) -> str:
+class Recorded(Protocol):
+    """A kept delivery whose attempt ``record`` writes: a redelivery (its row locked), or a
+    delivery handed off (its row due only after its lease)."""
+
+    failures: int  # the failed attempts so far, for the schedule
+
+    async def delivered(self, status: int) -> None: ...
+
+    async def failed(
+        self, attempt: database.Attempt, delay: float, *, dead: bool
+    ) -> database.InboxState: ...
+
+
+async def record(redelivery: Recorded, settings: redeliver.Redeliver | None, result: Result) -> str:
     """``result`` in a kept delivery's row, committed: "delivered" (the app took it), else
     "failed" (due again on the route's schedule, ``settings``; None: the default one) or
     "dead" (past its ``for``, or an answer retrying cannot fix)."""

@@ -63,6 +63,9 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
           + NotPrepared             503  the table or the grants are not what routes need
         + Overloaded                503  the request does not fit max_buffered
                                          (outcome unavailable, shed: memory)
+        + AppBusy                   503  no room at the app (upstream.concurrency) within
+                                         pool_timeout, on a route that cannot keep it
+                                         (outcome unavailable, shed: limit)
         + UpstreamFailed                 the app's answer did not come through (outcome
                                          upstream_error); carries .upstream_status (the status
                                          line, if it came)
@@ -381,6 +384,16 @@ class Overloaded(RequestError):
     retry_after = 5
     outcome: Outcome = "unavailable"
     shed = "memory"
+
+
+class AppBusy(RequestError):
+    """The app has as many requests as upstream.concurrency allows; try again later."""
+
+    status = 503
+    code = "app_busy"
+    retry_after = 5
+    outcome: Outcome = "unavailable"
+    shed = "limit"
 
 
 class UpstreamTimeout(UpstreamFailed):

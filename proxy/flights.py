@@ -57,13 +57,14 @@ class Turn:
     """``Flights.turn``'s context. A class rather than a generator-based context manager: it
     is on every webhook's path (bench/RESULTS.md)."""
 
-    __slots__ = ("_flight", "_flights", "_key", "_within")
+    __slots__ = ("_flight", "_flights", "_key", "_let_go", "_within")
 
     def __init__(self, flights: dict[Key, Flight], key: Key, within: float) -> None:
         self._flights = flights
         self._key = key
         self._within = within
         self._flight: Flight | None = None
+        self._let_go = False
 
     async def __aenter__(self) -> Flight:
         flight = self._flights.setdefault(self._key, Flight())
@@ -86,7 +87,14 @@ class Turn:
     async def __aexit__(self, *exc_info: object) -> None:
         flight, self._flight = self._flight, None
         if flight is not None:
-            self._leave(flight, locked=True)
+            self._leave(flight, locked=not self._let_go)
+
+    def let_go(self) -> None:
+        """Let the next local copy take its turn now, before this block ends: the event is
+        committed (kept at its hand-off), and the copies find it so in the database."""
+        if self._flight is not None and not self._let_go:
+            self._let_go = True
+            self._flight.lock.release()
 
     def _leave(self, flight: Flight, *, locked: bool) -> None:
         if locked:

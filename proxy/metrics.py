@@ -28,12 +28,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import proxy
-from proxy import errors
+from proxy import app_limit, errors
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # Every outcome (``errors.Outcome``), each request counted under one.
 OUTCOMES: tuple[errors.Outcome, ...] = get_args(errors.Outcome)
+# Why a delivery was kept for the redeliverer (dedup_inbox_kept_total's reason).
+KEPT_REASONS = ("failed", "limit", "deadline", "paused", "retry_after")
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -148,6 +150,7 @@ class RouteMeters:
     inbox_full: Any
     inbox_replays: Any
     inbox_keep_failures: Any
+    kept: dict[str, Any]  # why (KEPT_REASONS) -> counter
     upstream_duration: Timings
     claim_wait: Timings
     commit_duration: Timings
@@ -166,6 +169,7 @@ class Metrics:
         self._connects_counted = (0, 0, 0)
         self._replication: Callable[[], bool | None] | None = None
         self._buffered: Callable[[], int] | None = None
+        self._room: app_limit.Room | None = None  # read at every flush (and its waits so far)
         self._held: list[Tally | Timings | Durations | Level] = []
         self.build_info = Gauge(
             "dedup_build_info",
@@ -262,6 +266,7 @@ class Metrics:
             ["route"],
             registry=self.registry,
         )
+        self._flow_meters()
         self.redeliveries = Counter(
             "dedup_redeliveries",
             "Redeliveries of kept deliveries by result: delivered (a 2xx), failed (tried "
@@ -448,6 +453,38 @@ class Metrics:
         self._grants: Sequence[str] = ()
         self._missing_grants: Callable[[], Sequence[str]] | None = None
 
+    def _flow_meters(self) -> None:
+        """The inbox's keeps by why, and the limit at the app."""
+        self.inbox_kept = Counter(
+            "dedup_inbox_kept",
+            "Deliveries kept for the redeliverer (answered 202), by why: failed (the app "
+            "failed it), limit (the limit at the app was reached: upstream.concurrency), pool "
+            "(no database connection for a claim held at the app), deadline (the app had not "
+            "answered by the route's hand_off), paused (the route is paused), retry_after "
+            "(the app asked to wait, with Retry-After).",
+            ["route", "reason"],
+            registry=self.registry,
+        )
+        self.app_in_flight = Gauge(
+            "dedup_app_in_flight",
+            "Requests at the app now, first deliveries and redeliveries (not pass-through): "
+            "at most dedup_app_limit.",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.app_limit = Gauge(
+            "dedup_app_limit",
+            "The limit at the app: upstream.concurrency (per replica, as the sum of its "
+            "workers' shares), or what the pool allows when it is not set.",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
+        self.app_waits = Counter(
+            "dedup_app_waits",
+            "Requests and redeliveries that waited for room at the app (the limit reached).",
+            registry=self.registry,
+        )
+
     def route(self, name: str) -> RouteMeters:
         """The metric children of one route (``""``: pass-through)."""
         meters = RouteMeters(
@@ -463,6 +500,7 @@ class Metrics:
             inbox_full=self.inbox_full.labels(name),
             inbox_replays=self.inbox_replays.labels(name),
             inbox_keep_failures=self.inbox_keep_failures.labels(name),
+            kept={reason: self.inbox_kept.labels(name, reason) for reason in KEPT_REASONS},
             upstream_duration=Timings(self.upstream_duration.labels(name)),
             claim_wait=Timings(self.claim_wait.labels(name)),
             commit_duration=Timings(self.commit_duration.labels(name)),
@@ -491,6 +529,12 @@ class Metrics:
         self._pool_stats = stats
         self._replication = replicated
 
+    def watch_room(self, room: app_limit.Room) -> None:
+        """Read the limit at the app at every ``flush``."""
+        self._room = room
+        self._room_waited = room.waited
+        self.app_limit.set(room.size)
+
     def watch_grants(self, grants: Sequence[str], missing: Callable[[], Sequence[str]]) -> None:
         """Read which of ``grants`` the role lacks at every ``flush``."""
         for grant in grants:
@@ -508,25 +552,35 @@ class Metrics:
         for held in self._held:
             held.flush()
         if self._pool_stats is not None:
-            size, idle, *counted = self._pool_stats()
-            self.pool_size.set(size)
-            self.pool_in_use.set(size - idle)
-            if counted:
-                for result, now, before in zip(
-                    ("opened", "failed", "backed_off"), counted, self._connects_counted,
-                    strict=True,
-                ):  # fmt: skip
-                    if now > before:
-                        self.connects.labels(result).inc(now - before)
-                self._connects_counted = (counted[0], counted[1], counted[2])
+            self._flush_pool(self._pool_stats())
         if self._replication is not None and (waits := self._replication()) is not None:
             self.commits_replicated.set(1 if waits else 0)
         if self._buffered is not None:
             self.buffered.set(self._buffered())
+        if self._room is not None:
+            self._flush_room(self._room)
         if self._missing_grants is not None:
             missing = self._missing_grants()
             for grant in self._grants:
                 self.grant_missing.labels(grant).set(1 if grant in missing else 0)
+
+    def _flush_pool(self, stats: Sequence[int]) -> None:
+        size, idle, *counted = stats
+        self.pool_size.set(size)
+        self.pool_in_use.set(size - idle)
+        if counted:
+            for result, now, before in zip(
+                ("opened", "failed", "backed_off"), counted, self._connects_counted, strict=True
+            ):
+                if now > before:
+                    self.connects.labels(result).inc(now - before)
+            self._connects_counted = (counted[0], counted[1], counted[2])
+
+    def _flush_room(self, room: app_limit.Room) -> None:
+        self.app_in_flight.set(room.in_flight)
+        if room.waited > self._room_waited:
+            self.app_waits.inc(room.waited - self._room_waited)
+            self._room_waited = room.waited
 
     def exposition_registry(self) -> CollectorRegistry:
         """What ``/metrics`` serves: this registry, or every worker's values added up."""

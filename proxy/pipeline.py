@@ -20,6 +20,7 @@ from aiohttp import web
 
 from proxy import (
     app_keys,
+    app_limit,
     config,
     database,
     delivery,
@@ -39,6 +40,20 @@ from proxy import (
 )
 from proxy.config import routes
 from proxy.upstream import forwarder, http1, proxy_headers
+
+# Why a new event was kept without being sent (``Cycle._keep_unsent``), as its inbox row's
+# first attempt records it.
+UNSENT = {
+    "limit": "not sent: the limit at the app was reached (upstream.concurrency)",
+    "deadline": "not sent: the route's hand_off had passed before the app could be sent it",
+    "paused": "not sent: the route is paused",
+    "retry_after": "not sent: the app asked to wait (Retry-After)",
+}
+
+
+# After a hand-off, how long past upstream.timeout its row waits before a lane may take it:
+# time for the attempt's result to be written.
+HAND_OFF_MARGIN = 5.0
 
 
 def _json(
@@ -104,7 +119,16 @@ class Route:
         )
         self.extractor = event_ids.Extractor(route.name, route.event_id, route.event_type)
         self.redeliver = route.redeliver  # None: a failure is relayed, the claim released
-        self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool")}
+        # A hand-off at or past upstream.timeout never comes: the app's answer, or its
+        # timeout, comes first. A delivery handed off is due again only after its lease, by
+        # when the attempt has ended either way.
+        hand_off = route.hand_off
+        self.hand_off = (
+            hand_off if hand_off is not None and hand_off < cfg.upstream.timeout else None
+        )
+        self.lease = cfg.upstream.timeout + HAND_OFF_MARGIN
+        self.pool_timeout = cfg.database.pool_timeout  # the longest a request waits for room
+        self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool", "limit")}
 
 
 class Cycle:
@@ -113,7 +137,7 @@ class Cycle:
 
     __slots__ = (
         "body", "event_id", "line", "request", "reservation", "route", "scope", "sent",
-        "started", "target", "trace", "verifier",
+        "started", "target", "trace", "turn", "verifier",
     )  # fmt: skip
 
     reservation: memory.Reservation  # set once the request is in the budget (``run``)
@@ -151,7 +175,8 @@ class Cycle:
                 self.line["outcome"] = outcome
                 # Written while the reservation holds: an answer its client does not read
                 # stays counted in max_buffered until it is written (or send_timeout ends it).
-                await self._write(response)
+                if not response.prepared:  # (a hand-off wrote its answer already)
+                    await self._write(response)
         except errors.RequestError as exc:
             response = self._refuse(exc)
         except BaseException as exc:  # cancelled at the end of a drain: its spans end too
@@ -176,9 +201,20 @@ class Cycle:
         except errors.EventIdMissing:
             if not route.config.forward_missing_id:
                 raise
-            return forwarder.relayed((await self._call()).relayed()), "unclaimed"
+            return await self._unclaimed()
         route.semantics.refuse_in_flight(self.request.app[app_keys.FLIGHTS], key)
         return await self._once(key)
+
+    async def _unclaimed(self) -> tuple[web.StreamResponse, errors.Outcome]:
+        """Forward a request without an event ID, unclaimed (a handshake), in its turn at the
+        app."""
+        room = self.request.app[app_keys.ROOM]
+        await self._wait_for_room(room)
+        try:
+            result = await self._call()
+        finally:
+            room.leave()
+        return forwarder.relayed(result.relayed()), "unclaimed"
 
     def _key(self) -> database.Key:
         """What this request claims; its event ID and type on the log line."""
@@ -212,6 +248,7 @@ class Cycle:
         route = self.route
         started = time.perf_counter()
         turn = self.request.app[app_keys.FLIGHTS].turn((key.scope, key.event_id), route.claim_wait)
+        self.turn = turn
         async with turn as flight:
             if flight.committed_sha256 is not None:
                 # A copy in this process just committed this event: no database round trip.
@@ -231,22 +268,32 @@ class Cycle:
         self, key: database.Key, wait: float, flight: flights.Flight, started: float
     ) -> tuple[web.StreamResponse, errors.Outcome]:
         """Claim ``key`` in the database, waiting at most ``wait`` on a copy's row lock; then
-        forward (a new event) or settle it as a duplicate."""
+        forward it (a new event, with room at the app), keep it for the redeliverer (a new
+        event the app has no room for, on a route that redelivers), or settle it as a
+        duplicate."""
         route, trace = self.route, self.trace
-        span = trace.database("claim", "INSERT")
-        async with self.request.app[app_keys.STORE].claim(key, wait) as claim:
-            log_line.phase(self.line, "claim_ms", route.meters.claim_wait, started)
-            trace.end(span, {"dedup.acquired": claim.acquired})
-            if claim.acquired:
-                other = route.semantics.claimed_as(key, self.event_id)
-                if other is not None:
-                    self.line["body_claimed_as"] = other
-                return await self._forward(key, claim, flight)
-            span = trace.database("settle_duplicate", "ROLLBACK")
-            mismatch, stored, kept = await claim.settle_duplicate(
-                read_answer=route.config.replay, inbox=route.redeliver is not None
-            )
-            trace.end(span)
+        room = self.request.app[app_keys.ROOM]
+        kept_for = await self._enter(room)  # None: a place at the app is this request's
+        try:
+            span = trace.database("claim", "INSERT")
+            async with self.request.app[app_keys.STORE].claim(key, wait) as claim:
+                log_line.phase(self.line, "claim_ms", route.meters.claim_wait, started)
+                trace.end(span, {"dedup.acquired": claim.acquired})
+                if claim.acquired:
+                    other = route.semantics.claimed_as(key, self.event_id)
+                    if other is not None:
+                        self.line["body_claimed_as"] = other
+                    if kept_for is not None:
+                        return await self._keep_unsent(claim, kept_for)
+                    return await self._forward(key, claim, flight)
+                span = trace.database("settle_duplicate", "ROLLBACK")
+                mismatch, stored, kept = await claim.settle_duplicate(
+                    read_answer=route.config.replay, inbox=route.redeliver is not None
+                )
+                trace.end(span)
+        finally:
+            if kept_for is None:
+                room.leave()
         if kept is not None:
             return self._kept_duplicate(kept, mismatch)
         if not mismatch:
@@ -256,6 +303,46 @@ class Cycle:
             flight.answer = stored
         return self._duplicate(key, mismatch, stored)
 
+    async def _enter(self, room: app_limit.Room) -> str | None:
+        """Take a place at the app (``app_limit``) before claiming, since a claim holds its
+        connection for as long as the app works on it: None once taken. A route that
+        redelivers does not wait for one: why the delivery is kept instead ("limit"). Any other
+        route waits its turn up to pool_timeout, then AppBusy (its provider retries)."""
+        route = self.route
+        if route.redeliver is not None:
+            return None if room.try_enter() else "limit"
+        await self._wait_for_room(room)
+        return None
+
+    async def _wait_for_room(self, room: app_limit.Room) -> None:
+        """A place at the app, waited for up to pool_timeout; else AppBusy."""
+        if not await room.enter(self.route.pool_timeout):
+            raise errors.AppBusy(
+                f"no room at the app within {self.route.pool_timeout:g}s: {room.size} "
+                "requests at it already (upstream.concurrency, this worker's share)"
+            )
+
+    async def _keep_unsent(
+        self, claim: database.Claim, reason: str
+    ) -> tuple[web.StreamResponse, errors.Outcome]:
+        """Keep a new event the app was not sent (``reason``: why, as ``metrics.KEPT_REASONS``),
+        due at once, and answer 202: the redeliverer sends it when the app has room, oldest
+        first. When it cannot be kept, the claim is released and the provider told to retry:
+        503."""
+        self.sent = self._unsent_headers()
+        attempt = database.Attempt(None, UNSENT[reason])
+        kept = await self._keep(claim, attempt, reason=reason)
+        if kept is not None:
+            return kept
+        await self._release(claim)
+        if self.line.get("inbox_not_kept"):
+            raise errors.StoreUnavailable("keeping the delivery for the redeliverer failed")
+        raise errors.AppBusy(
+            f"{UNSENT[reason]}, and it could not be kept: "
+            + ("its signed body is kept already" if self.line.get("inbox_kept_as") is not None
+               else "the inbox is full (redeliver.max_pending, max_pending_bytes)")
+        )  # fmt: skip
+
     async def _forward(
         self, key: database.Key, claim: database.Claim, flight: flights.Flight
     ) -> tuple[web.StreamResponse, errors.Outcome]:
@@ -263,7 +350,9 @@ class Cycle:
         tell the copies queued in this process: the answer and the outcome. Any other answer
         leaves the claim to be released on the way out."""
         line = self.line
-        result = await self._call()
+        result, handed = await self._attempt(claim)
+        if handed is not None:
+            return handed
         if result.failure is not None:
             if (kept := await self._failed(claim, result)) is not None:
                 return kept
@@ -296,6 +385,58 @@ class Cycle:
         flight.answer = done.stored(answer)
         return response, "processed"
 
+    async def _attempt(
+        self, claim: database.Claim
+    ) -> tuple[delivery.Result, tuple[web.StreamResponse, errors.Outcome] | None]:
+        """The attempt at the app; on a route with a hand_off, the delivery handed off if the
+        attempt has not ended by then (the answer already given, the result recorded: see
+        ``_hand_off``), or kept unsent if the hand_off passed before it could start."""
+        route = self.route
+        if route.hand_off is None:
+            return await self._call(), None
+        after = route.hand_off - (time.perf_counter() - self.started)
+        if after <= 0:
+            return delivery.Result(None), await self._keep_unsent(claim, "deadline")
+        result, handed = await delivery.handing_off(
+            self._call(), after, functools.partial(self._hand_off, claim)
+        )
+        if handed is not None:
+            await self._after_hand_off(claim, result)
+        return result, handed
+
+    async def _hand_off(
+        self, claim: database.Claim
+    ) -> tuple[web.StreamResponse, errors.Outcome] | None:
+        """The app has not answered by the route's hand_off: keep the delivery (committed),
+        due only after the lease, let the copies queued here go on (they find it kept), and
+        answer the provider 202 now, while the attempt goes on. None: it could not be kept,
+        and the attempt's end is waited for as on any route."""
+        route = self.route
+        self.sent = self._unsent_headers()
+        attempt = database.Attempt(None, f"handed off: no answer within {route.hand_off:g}s")
+        kept = await self._keep(claim, attempt, reason="deadline", delay=route.lease)
+        if kept is None:
+            return None
+        self.turn.let_go()
+        response = kept[0]
+        response.force_close()  # this connection is busy until the attempt ends
+        await self._write(response)
+        return kept
+
+    async def _after_hand_off(self, claim: database.Claim, result: delivery.Result) -> None:
+        """The attempt of a delivery handed off ended: its result in its row (delivered; or
+        failed, due on the route's schedule), as a redelivery's is (``delivery.record``). If
+        that fails, the row stays due at its lease's end, and is sent again then."""
+        route, line = self.route, self.line
+        handed = database.HandedOff(
+            self.request.app[app_keys.STORE].inbox, claim.key.scope, claim.key.event_id
+        )
+        try:
+            line["handed_off"] = await delivery.record(handed, route.redeliver, result)
+        except errors.StoreUnavailable as exc:
+            line["handed_off"] = "unrecorded"
+            line["commit_error"] = exc.message
+
     async def _failed(
         self, claim: database.Claim, result: delivery.Result
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
@@ -317,13 +458,25 @@ class Cycle:
             self.line["error"] = failed.error  # kept: the line still says why the app failed
         return kept
 
+    def _unsent_headers(self) -> tuple[tuple[str, str], ...]:
+        """The headers the app is sent, for a delivery kept before its attempt ended."""
+        client = self.request.app[app_keys.FORWARDER]
+        outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
+        return tuple(outgoing.headers.items())
+
     async def _keep(
-        self, claim: database.Claim, attempt: database.Attempt
+        self,
+        claim: database.Claim,
+        attempt: database.Attempt,
+        *,
+        reason: str = "failed",
+        delay: float | None = None,
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
-        """On a route that redelivers: keep the failed delivery and answer 202 (the provider
-        need not retry). None on any other route, or when it could not be kept (over the cap,
-        its signed body kept already under another ID, or the database failed: marked on the
-        line and counted), so the failure is relayed."""
+        """On a route that redelivers: keep the delivery and answer 202 (the provider need not
+        retry); ``reason``: why (``metrics.KEPT_REASONS``: the app failed it, or it was not
+        sent, then due at once). None on any other route, or when it could not be kept (over
+        the cap, its signed body kept already under another ID, or the database failed: marked
+        on the line and counted), so the failure is relayed."""
         route, line = self.route, self.line
         if route.redeliver is None:
             return None
@@ -334,6 +487,7 @@ class Cycle:
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,
             route.semantics.signed_part(claim.key),
+            delay=0.0 if reason != "failed" and delay is None else delay,
         )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
         state, kept_as = await claim.keep(stored, attempt, keep)
@@ -354,8 +508,13 @@ class Cycle:
             return None
         outcome: errors.Outcome = "dead_letter" if state == database.InboxState.DEAD else "queued"
         line["kept"] = state
-        payload = {"status": outcome, "event_id": self.event_id,
-                   "upstream_status": attempt.status}  # fmt: skip
+        route.meters.kept[reason].inc()
+        payload: dict[str, Any] = {"status": outcome, "event_id": self.event_id}
+        if reason == "failed":
+            payload["upstream_status"] = attempt.status
+        else:
+            line["kept_for"] = reason
+            payload["kept_for"] = reason
         return _json(202, payload, outcome), outcome
 
     def _kept_duplicate(

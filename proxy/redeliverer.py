@@ -2,15 +2,19 @@
 the app takes them or the route's ``for`` runs out.
 
 It runs in every replica and every worker, a few lanes each (``redeliverer.concurrency`` per
-replica, shared out among its workers, at least one each). A lane takes the oldest due row no
-one else holds (``Inbox.take``: ``FOR UPDATE SKIP LOCKED``) and forwards it *while holding the
-row lock*, as the first delivery was forwarded while holding its claim: no two replicas send one
-event at once, and a replica killed mid-redelivery leaves the row as it was, due, for the next
-lane anywhere. The attempt is ``delivery.attempt``, as a first delivery's is, and the row's
-transaction ends with ``delivery.record``'s one step: ``delivered`` on a 2xx, else ``failed``
-(the next attempt after the route's schedule, or dead past its ``for`` or on an answer
-retrying cannot fix: ``delivery.UNFIXABLE``). Starts are paced at ``redeliverer.rate`` per
-second per replica, so a recovering app is not swamped with the backlog.
+replica, shared out among its workers, at least one each; by default as many as the limit at the
+app lets in). A lane first waits for a place at the app (``app_limit.Room``, shared with the
+first deliveries: while it waits, newcomers are kept rather than sent, so the oldest goes
+first), then takes the oldest due row no one else holds (``Inbox.take``: ``FOR UPDATE SKIP
+LOCKED``) and forwards it *while holding the row lock*, as the first delivery was forwarded
+while holding its claim: no two replicas send one event at once, and a replica killed mid-
+redelivery leaves the row as it was, due, for the next lane anywhere. The attempt is
+``delivery.attempt``, as a first delivery's is, and the row's transaction ends with
+``delivery.record``'s one step: ``delivered`` on a 2xx, else ``failed`` (the next attempt after
+the route's schedule, or dead past its ``for`` or on an answer retrying cannot fix:
+``delivery.UNFIXABLE``). Starts may be paced at ``redeliverer.rate`` per second per replica; the
+limit at the app bounds them anyway. While nothing is due, one lane per worker looks every
+``poll`` and wakes the others when it finds work.
 
 On SIGTERM the lanes stop taking rows; a redelivery in flight finishes, or, past
 ``shutdown_timeout``, is cancelled, which rolls its row back: released, never lost.
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
-from proxy import database, delivery, errors, memory, metrics, tracing
+from proxy import app_limit, database, delivery, errors, memory, metrics, tracing
 from proxy.config import redeliver, routes
 from proxy.upstream import forwarder, transports
 
@@ -55,6 +59,7 @@ class Redeliverer:
         settings: redeliver.RedelivererConfig,
         meters: metrics.Metrics,
         budget: memory.Budget,
+        room: app_limit.Room,
         workers: int = 1,
         traces: tracing.Tracing | None = None,
     ) -> None:
@@ -69,10 +74,14 @@ class Redeliverer:
             for result in ("delivered", "failed", "dead"):
                 meters.redeliveries.labels(name, result)
         self._budget = budget
-        # Each lane holds a pool connection while it redelivers: one is always left to requests.
-        self.lanes = max(1, min(settings.concurrency // workers, store.pool_size - 1))
-        self._interval = workers / settings.rate  # between two starts in this worker
+        self._room = room
+        # Each lane holds a pool connection while it redelivers, and a place at the app.
+        lanes = room.size if settings.concurrency is None else settings.concurrency // workers
+        self.lanes = max(1, min(lanes, room.size))
+        # Between two starts in this worker (0: unpaced).
+        self._interval = 0.0 if settings.rate is None else workers / settings.rate
         self._next_start = 0.0
+        self._found_work = asyncio.Event()  # pulsed when a lane redelivered: the others look
         self._stopping = asyncio.Event()
         self._stopped_at: float | None = None  # monotonic, when ``stop`` was first called
         self._failed_since: float | None = None  # when redeliveries began to fail, if they do
@@ -104,10 +113,14 @@ class Redeliverer:
             return
         async with asyncio.TaskGroup() as group:
             for lane in range(self.lanes):
-                group.create_task(self._lane(), name=f"redeliverer-{lane}")
+                group.create_task(self._lane(lane == 0), name=f"redeliverer-{lane}")
             group.create_task(self._levels(), name="redeliverer-levels")
 
-    async def _lane(self) -> None:
+    async def _lane(self, looks: bool) -> None:
+        """Redeliver while rows are due; when none is, the lane that ``looks`` looks again every
+        ``poll``, and the others rest until a lane finds work. A lane takes its place at the app
+        only once it knows a row is due: a place held to look would turn newcomers away."""
+        busy = False  # the last turn redelivered: likely more are due
         while not self._stopping.is_set():
             await self._paced()
             if self._stopping.is_set():
@@ -117,21 +130,59 @@ class Redeliverer:
                 # them (and, shed, answer the provider 503).
                 await self._pause(self._settings.poll)
                 continue
-            try:
-                redelivered = await self.redeliver_one()
-            except errors.StoreUnavailable as exc:
-                self._failing(exc.message)
-                redelivered = False
-            except Exception:
-                # A bug must not end the lane: the row is rolled back, and tried again later.
-                log.exception("redelivery failed, trying again in %gs", self._settings.poll)
-                redelivered = False
-            else:
-                if self._failed_since is not None:
-                    log.info("redeliveries resume: the database answers again")
-                    self._failed_since = None
-            if not redelivered:
+            if busy or await self._due():
+                busy = await self._in_turn()
+            if busy:
+                self._found_work.set()
+                self._found_work.clear()  # set() woke every lane resting now
+            elif looks:
                 await self._pause(self._settings.poll)
+            else:
+                await self._rest()
+
+    async def _due(self) -> bool:
+        """Whether a row of this worker's routes is due (a read that locks nothing)."""
+        try:
+            return await self._store.inbox.due(self._scopes)
+        except errors.StoreUnavailable as exc:
+            self._failing(exc.message)
+            return False
+
+    async def _in_turn(self) -> bool:
+        """Redeliver one due row in a place at the app, waited for (``LANE_WAIT`` at most):
+        whether one was sent."""
+        if not await self._room.enter(app_limit.LANE_WAIT):
+            return False  # the app is busy with first deliveries: look again
+        try:
+            return await self._redeliver_safely()
+        finally:
+            self._room.leave()
+
+    async def _redeliver_safely(self) -> bool:
+        """``redeliver_one``, a failure logged rather than ending the lane."""
+        try:
+            redelivered = await self.redeliver_one()
+        except errors.StoreUnavailable as exc:
+            self._failing(exc.message)
+            return False
+        except Exception:
+            # A bug must not end the lane: the row is rolled back, and tried again later.
+            log.exception("redelivery failed, trying again in %gs", self._settings.poll)
+            return False
+        if self._failed_since is not None:
+            log.info("redeliveries resume: the database answers again")
+            self._failed_since = None
+        return redelivered
+
+    async def _rest(self) -> None:
+        """Until a lane redelivers something, or stop."""
+        found = asyncio.ensure_future(self._found_work.wait())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait([found, stopping], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            found.cancel()
+            stopping.cancel()
 
     def _failing(self, message: str) -> None:
         """Warn once when redeliveries start failing (the database away), not at every poll."""
@@ -144,6 +195,8 @@ class Redeliverer:
 
     async def _paced(self) -> None:
         """Wait for this lane's turn under ``rate`` (shared by the lanes: one event loop)."""
+        if not self._interval:
+            return
         now = time.monotonic()
         start = max(now, self._next_start)
         self._next_start = start + self._interval

@@ -29,6 +29,7 @@ from playwright.async_api import Error as PlaywrightError
 from tests.helpers import FakeUpstream, Serve, Served, fetch, wait_until
 
 CHROMIUM = Path("/usr/bin/chromium")
+INSTALLED = CHROMIUM.exists()
 pytestmark = pytest.mark.timeout(240)
 
 PASSWORD = "correct-horse-battery-staple"
@@ -82,7 +83,7 @@ async def snapshot(dsn: str, table: str) -> list[tuple[Any, ...]]:
 
 @pytest.fixture
 async def browser() -> AsyncIterator[Browser]:
-    if not CHROMIUM.exists():
+    if not INSTALLED:
         pytest.fail("the console's browser tests need Chromium: apt-get install chromium")
     async with async_playwright() as playwright:
         launched = await playwright.chromium.launch(executable_path=str(CHROMIUM))

@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import yaml
 
-from proxy import errors, paths
+from proxy import app_limit, errors, paths
 from proxy.config import console, reader, redeliver, values
 from proxy.config import routes as routes_module
 from proxy.upstream import proxy_headers
@@ -128,6 +128,9 @@ class UpstreamConfig:
     timeout: float = DEFAULT_UPSTREAM_TIMEOUT
     preserve_host: bool = True
     keepalive: float = DEFAULT_UPSTREAM_KEEPALIVE
+    # At most this many requests at the app at once, per replica (``app_limit``); None: as many
+    # as each worker's pool allows.
+    concurrency: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -268,13 +271,42 @@ def load(path: str | os.PathLike[str], *, secrets: bool = True) -> Config:
     return parse(raw, source=source, secrets=secrets)
 
 
+def _check_room(r: reader.Reader, config: Config) -> None:
+    """``upstream.concurrency`` shared out among the workers must fit each worker's pool, less
+    the connections kept for short transactions (``app_limit``)."""
+    concurrency, workers = config.upstream.concurrency, config.workers
+    if concurrency is None:
+        return
+    if concurrency < workers:
+        r.problem(
+            "upstream.concurrency",
+            f"is per replica, shared out among its {workers} workers: it must be at least "
+            f"{workers}, got {concurrency}",
+        )
+        return
+    keeps = any(route.redeliver for route in config.routes)
+    pool_size = config.database.pool_size
+    room = app_limit.room_for(pool_size, keeps=keeps)
+    if concurrency // workers > room:
+        kept = f", less {app_limit.reserve(pool_size)} kept for short transactions" if keeps else ""
+        r.problem(
+            "upstream.concurrency",
+            f"{concurrency} shared out among {workers} worker(s) is {concurrency // workers} "
+            f"each, more than database.pool_size {pool_size} allows at the app{kept} ({room}): "
+            f"raise pool_size to {pool_size + concurrency // workers - room} or lower "
+            "concurrency",
+        )
+
+
 def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Config:
     """Validate an already-parsed YAML document (``secrets``: as ``load``)."""
     r = reader.Reader(secrets=secrets)
     top = r.mapping(raw, "", TOP_KEYS)
     listen = r.value(top, "listen", "", _listen, _listen(DEFAULT_LISTEN))
     up = r.mapping(
-        top.get("upstream"), "upstream", ("url", "timeout", "preserve_host", "keepalive")
+        top.get("upstream"),
+        "upstream",
+        ("url", "timeout", "preserve_host", "keepalive", "concurrency"),
     )
     upstream = UpstreamConfig(
         url=r.required(up, "url", "upstream", values.parse_http_url) or "",
@@ -283,6 +315,7 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
         keepalive=r.value(
             up, "keepalive", "upstream", values.parse_duration, DEFAULT_UPSTREAM_KEEPALIVE
         ),
+        concurrency=r.value(up, "concurrency", "upstream", values.parse_positive_int, None),
     )
     db = r.mapping(top.get("database"), "database", DATABASE_KEYS)
     if top.get("database") is None:
@@ -357,6 +390,7 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
             "must be at least 2 with a route that redelivers: a redelivery holds a connection "
             "while the app works on it, and one is always left to requests",
         )
+    _check_room(r, config)
     if config.workers > MAX_WORKERS:
         r.problem("workers", f"must be at most {MAX_WORKERS}, got {config.workers}")
     if config.admin.listen.port == config.listen.port:

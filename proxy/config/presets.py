@@ -13,6 +13,9 @@ from dataclasses import dataclass
 DAY = 86400.0
 HOUR = 3600.0
 MIB = 1024 * 1024
+# The share of a provider's deadline after which a route with ``redeliver`` keeps the delivery
+# and answers, if the app has not: the rest is the network's and the keep's margin.
+HAND_OFF_SHARE = 0.7
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +39,10 @@ class Preset:
     # The route's default on_duplicate: "replay" where the provider acts on the answer's body
     # (Twilio's TwiML), so a duplicate needs the first answer, not an acknowledgement.
     on_duplicate: str | None = None
+    # How long the provider waits for the answer before it counts the delivery failed (its
+    # documented delivery timeout; None: not published). A route with ``redeliver`` hands off
+    # at ``HAND_OFF_SHARE`` of it by default (``routes.RouteConfig.hand_off``).
+    deadline: float | None = None
 
 
 PRESETS: dict[str, Preset] = {
@@ -52,6 +59,7 @@ PRESETS: dict[str, Preset] = {
         scheme="github",
         retention=4 * DAY,
         max_body=25 * MIB,
+        deadline=10.0,  # 30 s on GitHub Enterprise Server 3.7 and later
     ),
     # 8 retries over 4 hours; X-Shopify-Event-Id is Shopify's documented deduplication key.
     "shopify": Preset(
@@ -59,6 +67,7 @@ PRESETS: dict[str, Preset] = {
         event_type="header:X-Shopify-Topic",
         scheme="shopify",
         retention=DAY,
+        deadline=5.0,  # for the whole request, connecting included
     ),
     # Svix's schedule spans about 28 hours.
     "standard-webhooks": Preset(
@@ -66,12 +75,14 @@ PRESETS: dict[str, Preset] = {
         event_type="body:/type",
         scheme="standard-webhooks",
         retention=2 * DAY,
+        deadline=15.0,  # the spec recommends 15 to 30 s to senders: the shorter
     ),
     "svix": Preset(
         event_id=("header:svix-id",),
         event_type="body:/type",
         scheme="standard-webhooks",
         retention=2 * DAY,
+        deadline=15.0,
     ),
     # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
     # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
@@ -82,6 +93,7 @@ PRESETS: dict[str, Preset] = {
         retention=DAY,
         forward_missing_id=True,
         claim_wait=2.0,
+        deadline=3.0,
     ),
     # Whether a retry is re-signed with a fresh ts is unverified; if it is not, a 5-minute
     # window would refuse every retry and lose the event. A replay inside the retention window
@@ -92,6 +104,7 @@ PRESETS: dict[str, Preset] = {
         scheme="paddle",
         retention=4 * DAY,
         tolerance=4 * DAY,
+        deadline=5.0,
     ),
     # Twilio retries only within one callback's own time budget (the URL fragment's rc/tt
     # overrides; how long at most is unverified): a day is a wide margin. The idempotency token
@@ -103,11 +116,17 @@ PRESETS: dict[str, Preset] = {
         scheme="twilio",
         retention=DAY,
         on_duplicate="replay",
+        deadline=15.0,  # connecting included
     ),
     # Square signs the notification URL + body and PayPal uses RSA certificates: neither is
     # verified by the proxy (yet), so those presets set only the key.
+    # Square's 10 s is unverified (its pages disagree); Stripe and PayPal publish none.
     "square": Preset(
-        event_id=("body:/event_id",), event_type="body:/type", scheme=None, retention=4 * DAY
+        event_id=("body:/event_id",),
+        event_type="body:/type",
+        scheme=None,
+        retention=4 * DAY,
+        deadline=10.0,
     ),
     "paypal": Preset(
         event_id=("body:/id",), event_type="body:/event_type", scheme=None, retention=4 * DAY

@@ -23,8 +23,6 @@ DEFAULT_DEAD_RETENTION = 30 * 86400.0
 MAX_DURATION = 366 * 86400.0
 REDELIVER_KEYS = ("schedule", "for", "max_pending", "max_pending_bytes", "dead_retention")
 
-DEFAULT_CONCURRENCY = 2
-DEFAULT_RATE = 10.0
 DEFAULT_POLL = 1.0
 REDELIVERER_KEYS = ("concurrency", "rate", "poll")
 
@@ -46,10 +44,12 @@ class Redeliver:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RedelivererConfig:
-    """Per replica (shared out among its workers): redeliveries at once, and per second."""
+    """Per replica (shared out among its workers): redeliveries at once (None: as many as the
+    limit at the app lets in, ``upstream.concurrency``), and started per second (None:
+    unpaced, as fast as the app's room frees)."""
 
-    concurrency: int = DEFAULT_CONCURRENCY
-    rate: float = DEFAULT_RATE
+    concurrency: int | None = None
+    rate: float | None = None
     poll: float = DEFAULT_POLL
 
 
@@ -109,10 +109,8 @@ def parse_redeliver(
 def parse_redeliverer(r: reader.Reader, raw: object) -> RedelivererConfig:
     section = r.mapping(raw, "redeliverer", REDELIVERER_KEYS)
     return RedelivererConfig(
-        concurrency=r.value(
-            section, "concurrency", "redeliverer", values.parse_positive_int, DEFAULT_CONCURRENCY
-        ),
-        rate=r.value(section, "rate", "redeliverer", _rate, DEFAULT_RATE),
+        concurrency=r.value(section, "concurrency", "redeliverer", values.parse_positive_int, None),
+        rate=r.value(section, "rate", "redeliverer", _rate, None),
         poll=r.value(
             section, "poll", "redeliverer", values.parse_duration_upto(60.0), DEFAULT_POLL
         ),

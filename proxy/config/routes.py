@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +18,11 @@ MAX_REPLAY_MAX_BODY = 1024 * 1024
 IDEMPOTENCY_KEY = "header:Idempotency-Key"
 IDEMPOTENCY_METHODS = ("POST", "PATCH")
 IDEMPOTENCY_RETENTION = 86400.0
+MAX_HAND_OFF = 3600.0
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
               "max_body", "verify", "retention", "missing_id", "methods", "on_duplicate",
               "replay_max_body", "replay_set_cookie", "claim_wait", "semantics",
-              "scope_from", "redeliver")  # fmt: skip
+              "scope_from", "redeliver", "hand_off")  # fmt: skip
 _SEMANTICS = values.parse_choice("webhook", "idempotency-key")
 _MISSING_ID = values.parse_choice("reject", "forward")
 _ON_DUPLICATE = values.parse_choice("ack", "replay")
@@ -57,6 +59,10 @@ class RouteConfig:
     scope_from: tuple[event_ids.Source, ...] = ()  # hashed into the scope: one key space per client
     # ``redeliver``: a failed delivery is kept and redelivered (``proxy.redeliverer``).
     redeliver: redeliver.Redeliver | None = None
+    # With ``redeliver``: if the app has not answered this long after the request arrived, the
+    # delivery is kept (committed) and the provider answered 202 before its deadline, while the
+    # proxy goes on waiting for the app. None: never.
+    hand_off: float | None = None
 
     @property
     def id_signed(self) -> bool:
@@ -155,6 +161,7 @@ class _Defaults:
     on_duplicate: str
     claim_wait: float | None  # None: the global claim_wait
     max_claim_wait: float  # the global claim_wait, which a route's may only shorten
+    hand_off: float | None = None  # with redeliver: the preset's deadline's share
 
 
 def _defaults(
@@ -186,6 +193,7 @@ def _defaults(
         on_duplicate=preset.on_duplicate or on_duplicate,
         claim_wait=min(preset.claim_wait, inherited.claim_wait) if preset.claim_wait else None,
         max_claim_wait=inherited.claim_wait,
+        hand_off=round(preset.deadline * presets.HAND_OFF_SHARE, 3) if preset.deadline else None,
     )
 
 
@@ -275,7 +283,15 @@ def _parse_route(
             f"{path}.redeliver",
             default_for=min(redeliver.DEFAULT_FOR, retention),
         ),
+        hand_off=r.value(route, "hand_off", path, _hand_off, defaults.hand_off),
     )
+    if route_config.redeliver is None and route_config.hand_off is not None:
+        if "hand_off" in route:
+            r.problem(
+                f"{path}.hand_off",
+                "only with redeliver: handing off keeps the delivery for the redeliverer",
+            )
+        route_config = dataclasses.replace(route_config, hand_off=None)
     _check_options(r, route, path, route_config)
     if name is None or pattern is None or event_id is None:
         return None
@@ -311,6 +327,13 @@ def _check_options(
     if route_config.replay_max_body > MAX_REPLAY_MAX_BODY:
         r.problem(f"{path}.replay_max_body", f"must be at most {MAX_REPLAY_MAX_BODY} (1MiB)")
     _check_redeliver(r, path, route_config)
+
+
+def _hand_off(value: object) -> float | None:
+    """A duration, or ``off``/``false`` (never)."""
+    if value is False or (isinstance(value, str) and value.lower() in ("off", "false")):
+        return None
+    return values.parse_duration_upto(MAX_HAND_OFF)(value)
 
 
 def _check_redeliver(r: reader.Reader, path: str, route: RouteConfig) -> None:

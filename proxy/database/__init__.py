@@ -28,6 +28,7 @@ from proxy.database.claim import (
 )
 from proxy.database.inbox import (
     Attempt,
+    HandedOff,
     InboxState,
     KeepPolicy,
     Listed,
@@ -65,6 +66,7 @@ __all__ = [
     "Distribution",
     "Duplicate",
     "Event",
+    "HandedOff",
     "InboxState",
     "KeepPolicy",
     "Kept",

@@ -28,7 +28,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from proxy import errors
@@ -292,6 +292,42 @@ class Redelivery:
         pool.discard(self._connection)
 
 
+class HandedOff:
+    """A delivery kept at its hand-off (``Claim.keep`` with a lease for its delay) whose first
+    attempt went on: its result, written in its row without a lock, since no lane takes the row
+    before its lease ends. Its first attempt's failure is the schedule's first (``failures``
+    0: the hand-off is no attempt of the app's)."""
+
+    failures = 0
+
+    def __init__(self, inbox: Inbox, scope: str, event_id: str) -> None:
+        self._inbox = inbox
+        self.scope = scope
+        self.event_id = event_id
+
+    async def delivered(self, status: int) -> None:
+        """The app took it: delivered, the body dropped."""
+        await self._update(self._inbox.statements.delivered, status)
+
+    async def failed(self, attempt: Attempt, delay: float, *, dead: bool) -> InboxState:
+        """The app failed it: due ``delay`` from now (or dead)."""
+        now = datetime.now(UTC)
+        state = await self._update(
+            self._inbox.statements.failed, attempt.status, attempt.error,
+            now + timedelta(seconds=delay), dead, now,
+        )  # fmt: skip
+        return InboxState(state or InboxState.PENDING)
+
+    async def _update(self, statement: str, *args: object) -> str | None:
+        inbox = self._inbox
+        async with inbox._acquire() as connection:
+            with pool.translated("recording the handed-off delivery's answer failed"):
+                state: str | None = await connection.fetchval(
+                    statement, self.scope, self.event_id, *args, timeout=inbox.op_timeout
+                )
+        return state
+
+
 class Inbox:
     """The inbox's operations over the store's connections (``Store.inbox``)."""
 
@@ -307,6 +343,15 @@ class Inbox:
         not, and the BEGIN (``sql.begin``) of a redelivery there."""
         self.distributed = distributed
         self._begin = begin
+
+    async def due(self, scopes: list[str]) -> bool:
+        """Whether a row of ``scopes`` is due (one cheap indexed read, locking nothing)."""
+        async with self._acquire() as connection:
+            with pool.translated("looking for due redeliveries failed"):
+                rows = await connection.fetch(
+                    self.statements.due, scopes, 1, 0, timeout=self.op_timeout
+                )
+        return bool(rows)
 
     @contextlib.asynccontextmanager
     async def take(self, scopes: list[str]) -> AsyncIterator[Redelivery | None]:

@@ -1,0 +1,285 @@
+"""Flow control (``app_limit``): the app gets at most ``upstream.concurrency`` requests at once;
+on a route with ``redeliver`` what is over the limit is kept (202) and sent when there is room,
+on any other route it waits its turn, then 503. Real PostgreSQL; the burst across real
+``serve`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from datetime import datetime
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy import errors
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    Serve,
+    fetch,
+    github_headers,
+    github_route,
+    wait_until,
+)
+
+KEPT = {"name": "hooks", "path": "/hooks", "event_id": "body:/id",
+        "redeliver": {"schedule": ["200ms"], "for": "1d"}}  # fmt: skip
+PLAIN = {"name": "plain", "path": "/plain", "event_id": "body:/id"}
+QUICK = {"poll": "100ms"}
+
+
+class SlowApp:
+    """An app that takes ``delay`` per webhook: records each body it took and the most
+    requests it had at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.now = 0
+        self.peak = 0
+        self.took: list[bytes] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.now -= 1
+        self.took.append(body)
+        return web.Response(text="ok")
+
+
+async def slow_app(aiohttp_server: Any, delay: float) -> tuple[SlowApp, str]:
+    app = SlowApp(delay)
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", app.handle)
+    server = await aiohttp_server(application)
+    return app, str(server.make_url("")).rstrip("/")
+
+
+async def test_over_the_limit_a_redeliver_route_keeps_the_delivery_and_sends_it_when_there_is_room(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    proxy = await make_proxy(
+        routes=[KEPT], upstream={"concurrency": 1}, redeliverer=QUICK, log={"level": "info"}
+    )
+    first = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "evt_1"}'))
+    await wait_until(lambda: _count(upstream, 1), "the first delivery at the app")
+
+    second = await proxy.post("/hooks", data=b'{"id": "evt_2"}')
+
+    assert second.status == 202  # kept at once, not waited on, not refused
+    assert second.headers["Dedup-Status"] == "queued"
+    assert await second.json() == {"status": "queued", "event_id": "evt_2", "kept_for": "limit"}
+    assert len(upstream.requests) == 1  # the app was not sent it: it had no room
+    copy = await proxy.post("/hooks", data=b'{"id": "evt_2"}')
+    assert (copy.status, copy.headers["Dedup-Status"]) == (202, "duplicate_queued")
+    upstream.gate.set()
+    assert (await first).status == 200
+    await wait_until(lambda: _count(upstream, 2), "the kept delivery sent when there was room")
+    await wait_until(lambda: _state(pg_dsn, table, "evt_2", "delivered"), "delivered")
+    assert [r.body for r in upstream.requests] == [b'{"id": "evt_1"}', b'{"id": "evt_2"}']
+    row = (await fetch(pg_dsn, f'SELECT inbox_attempts FROM "{table}" WHERE event_id = $1',
+                       "evt_2"))[0]  # fmt: skip
+    attempts = json.loads(row["inbox_attempts"])
+    assert [(a["status"], a["error"]) for a in attempts] == [
+        (None, "not sent: the limit at the app was reached (upstream.concurrency)"),
+        (200, None),
+    ]
+
+
+async def test_over_the_limit_another_route_waits_its_turn_then_is_refused_503(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    upstream.gate = asyncio.Event()
+    proxy = await make_proxy(
+        routes=[PLAIN], upstream={"concurrency": 1}, database={"pool_timeout": "300ms"}
+    )
+    first = asyncio.ensure_future(proxy.post("/plain", data=b'{"id": "a"}'))
+    await wait_until(lambda: _count(upstream, 1), "the first delivery at the app")
+
+    refused = await proxy.post("/plain", data=b'{"id": "b"}')
+
+    assert refused.status == 503
+    assert refused.headers["Retry-After"] == "5"
+    assert (await refused.json())["error"] == errors.AppBusy.code
+    # Waiting its turn: sent once the first is answered, within the wait.
+    waiting = asyncio.ensure_future(proxy.post("/plain", data=b'{"id": "c"}'))
+    await asyncio.sleep(0.1)
+    assert len(upstream.requests) == 1
+    upstream.gate.set()
+    assert (await first).status == 200
+    assert (await waiting).status == 200
+    assert [r.body for r in upstream.requests] == [b'{"id": "a"}', b'{"id": "c"}']
+
+
+def test_the_limit_is_per_replica_shared_out_among_workers_and_fits_the_pool(
+    proxy_config: Any,
+) -> None:
+    with pytest.raises(errors.ConfigError) as refused:
+        proxy_config(routes=[KEPT], upstream={"concurrency": 1}, workers=2)
+    assert "upstream.concurrency: is per replica, shared out among its 2 workers" in str(
+        refused.value
+    )
+    with pytest.raises(errors.ConfigError) as refused:
+        proxy_config(routes=[KEPT], upstream={"concurrency": 8}, database={"pool_size": 4})
+    assert (
+        "upstream.concurrency: 8 shared out among 1 worker(s) is 8 each, more than "
+        "database.pool_size 4 allows at the app, less 1 kept for short transactions (3): "
+        "raise pool_size to 9 or lower concurrency"
+    ) in str(refused.value)
+    assert proxy_config(routes=[KEPT], upstream={"concurrency": 3}).upstream.concurrency == 3
+
+
+async def test_a_burst_ten_times_what_the_app_takes_from_a_sender_that_never_retries(
+    serve: Serve, aiohttp_server: Any, pg_dsn: str, table: str, tmp_path: Any
+) -> None:
+    """2 replicas of 2 workers, 4 at the app per replica: 80 GitHub deliveries sent at once,
+    each once. Every one is accepted (200 or 202), the app has at most 8 at once, and takes
+    each exactly once."""
+    app, url = await slow_app(aiohttp_server, delay=0.3)
+    settings = {
+        "upstream": {"url": url, "timeout": "30s", "concurrency": 4},
+        "workers": 2,
+        "routes": [github_route(redeliver={"schedule": ["1s"], "for": "1d"})],
+        "redeliverer": QUICK,
+    }
+    replicas = [await serve(**settings), await serve(**settings)]
+    bodies = [json.dumps({"n": n}).encode() for n in range(80)]
+
+    async def deliver(session: aiohttp.ClientSession, n: int) -> int:
+        replica = replicas[n % 2]
+        headers = github_headers(bodies[n], f"d-{n}")
+        async with session.post(f"{replica.url}/webhooks/github", data=bodies[n],
+                                headers=headers) as answer:  # fmt: skip
+            return answer.status
+
+    async with aiohttp.ClientSession() as session:
+        statuses = await asyncio.gather(*(deliver(session, n) for n in range(80)))
+
+    answered = Counter(statuses)
+    assert set(answered) <= {200, 202}, answered  # nothing refused
+    assert answered[202] > 0  # the burst was over the limit
+    await wait_until(lambda: _all_taken(app, 80), "every event at the app", within=60)
+    await wait_until(lambda: _none_pending(pg_dsn, table), "the inbox drained", within=30)
+    assert sorted(app.took) == sorted(bodies)  # each exactly once
+    assert app.peak <= 8
+    samples = [await replica.metrics() for replica in replicas]
+    kept = sum(s['dedup_inbox_kept_total{reason="limit",route="github"}'] for s in samples)
+    assert kept == answered[202]
+    assert [s["dedup_app_limit"] for s in samples] == [4, 4]
+
+
+async def _count(upstream: FakeUpstream, n: int) -> bool:
+    return len(upstream.requests) >= n
+
+
+async def _all_taken(app: SlowApp, n: int) -> bool:
+    return len(app.took) >= n
+
+
+async def _state(dsn: str, table: str, event_id: str, state: str) -> bool:
+    rows = await fetch(dsn, f'SELECT inbox_state FROM "{table}" WHERE event_id = $1', event_id)
+    return bool(rows) and rows[0]["inbox_state"] == state
+
+
+async def _none_pending(dsn: str, table: str) -> bool:
+    rows = await fetch(dsn, f"SELECT count(*) AS n FROM \"{table}\" WHERE inbox_state = 'pending'")
+    return rows[0]["n"] == 0
+
+
+HANDED = {**KEPT, "hand_off": "300ms"}
+
+
+async def test_an_app_slower_than_the_hand_off_the_provider_is_answered_and_the_app_sees_it_once(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    proxy = await make_proxy(routes=[HANDED], redeliverer=QUICK)
+    first = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "slow"}'))
+    copy_here = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "slow"}'))
+
+    answer = await asyncio.wait_for(first, 10)  # answered while the app still works on it
+
+    assert answer.status == 202
+    assert await answer.json() == {"status": "queued", "event_id": "slow", "kept_for": "deadline"}
+    assert answer.headers["Connection"] == "close"
+    assert len(upstream.requests) == 1
+    # A copy queued in this process, and one arriving now: duplicates of a kept event.
+    for copy in (await copy_here, await proxy.post("/hooks", data=b'{"id": "slow"}')):
+        assert (copy.status, copy.headers["Dedup-Status"]) == (202, "duplicate_queued")
+    row = await _row(pg_dsn, table, "slow")
+    assert row["inbox_state"] == "pending"
+    assert row["due_in"] > 9  # its lease: upstream.timeout (5 s) + 5 s from the hand-off
+    upstream.gate.set()
+    await wait_until(lambda: _state(pg_dsn, table, "slow", "delivered"), "the answer recorded")
+    await asyncio.sleep(0.5)  # a lane would have sent it by now, had it been due
+    assert len(upstream.requests) == 1
+    attempts = json.loads((await _row(pg_dsn, table, "slow"))["inbox_attempts"])
+    assert [(a["status"], a["error"]) for a in attempts] == [
+        (None, "handed off: no answer within 0.3s"),
+        (200, None),
+    ]
+
+
+async def test_an_app_that_fails_after_the_hand_off_leaves_the_delivery_pending_on_schedule(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
+    proxy = await make_proxy(routes=[HANDED], redeliverer=QUICK)
+    first = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "fails"}'))
+    assert (await asyncio.wait_for(first, 10)).status == 202
+    upstream.gate.set()
+
+    await wait_until(lambda: _state(pg_dsn, table, "fails", "delivered"), "the redelivery")
+
+    assert len(upstream.requests) == 2
+    attempts = json.loads((await _row(pg_dsn, table, "fails"))["inbox_attempts"])
+    assert [a["status"] for a in attempts] == [None, 503, 200]
+
+
+async def test_kill_9_during_a_hand_off_loses_nothing_and_sends_again_only_after_its_lease(
+    serve: Serve, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.gate = asyncio.Event()
+    settings = {"upstream": {"timeout": "2s"}, "routes": [HANDED], "redeliverer": QUICK}
+    served = await serve(**settings)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{served.url}/hooks", data=b'{"id": "k9"}') as answer,
+    ):
+        assert answer.status == 202
+    await served.kill()  # SIGKILL while the app still works on it
+    handed = await _row(pg_dsn, table, "k9")
+    assert handed["inbox_state"] == "pending"
+    upstream.gate.set()  # the app finishes the first attempt; no one records it
+    upstream.gate = None
+
+    await serve(**settings)
+    await wait_until(lambda: _state(pg_dsn, table, "k9", "delivered"), "the lease to end", 30)
+
+    assert len(upstream.requests) == 2  # the first attempt, and one after the lease
+    delivered = await _row(pg_dsn, table, "k9")
+    attempts = json.loads(delivered["inbox_attempts"])
+    assert [a["status"] for a in attempts] == [None, 200]
+    # Due no sooner than upstream.timeout (2 s) + 5 s after the hand-off.
+    sent_again = datetime.fromisoformat(attempts[1]["at"])
+    handed_at = datetime.fromisoformat(attempts[0]["at"])
+    assert (sent_again - handed_at).total_seconds() >= 7
+
+
+async def _row(dsn: str, table: str, event_id: str) -> Any:
+    rows = await fetch(
+        dsn,
+        f"SELECT inbox_state, inbox_attempts, extract(epoch FROM inbox_due - now()) AS due_in "
+        f'FROM "{table}" WHERE event_id = $1',
+        event_id,
+    )
+    return rows[0]
