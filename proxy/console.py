@@ -147,7 +147,15 @@ def _cursor(query: Mapping[str, str]) -> tuple[datetime, str] | None:
 
 
 def _when(value: datetime | None) -> str:
-    return "" if value is None else value.astimezone(UTC).isoformat(timespec="seconds")
+    """A time as the pages show it: UTC, to the second (the column headers say UTC)."""
+    return "" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _attempt_at(value: object) -> str:
+    try:
+        return _when(datetime.fromisoformat(str(value)))
+    except ValueError:
+        return str(value)
 
 
 def _age(seconds: float | None) -> str:
@@ -280,7 +288,7 @@ async def event(request: web.Request) -> web.Response:
     body, cut = pretty_body(delivery.body) if delivery is not None else ("", False)
     headers = [(name, masked(name, value)) for name, value in delivery.headers] if delivery else []
     attempts = [
-        {"at": str(a.get("at", "")), "status": a.get("status"), "error": a.get("error") or ""}
+        {"at": _attempt_at(a.get("at")), "status": a.get("status"), "error": a.get("error") or ""}
         for a in shown.attempts
     ]
     route = _route_of(request.app[app_keys.PROXY][app_keys.CONFIG].routes, shown.scope)
