@@ -347,3 +347,30 @@ def test_actions_need_a_credential_and_passwords_stay_out_of_repr(tmp_path: Any)
     )
     assert [c.name for c in cfg.admin.console.credentials] == ["alice", "bob"]
     assert PASSWORD not in repr(cfg)
+
+
+async def test_credentials_without_actions_guard_a_read_only_console(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client, console={"credentials": OPERATOR})
+    failing(upstream, 422)
+    await send(proxy, "evt_1")
+    async with admin.get("/console/events") as response:
+        assert response.status == 401
+    html = await page(admin, "/console/event?scope=hooks&id=evt_1", headers=basic())
+    assert "Signed in as alice: read-only" in html
+    assert 'method="post"' not in html
+    headers = {**basic(), "Origin": f"http://{admin.host}:{admin.port}"}
+    token = console_gate.csrf_token(config.console.Credential(name="alice", password=PASSWORD))
+    data = {"scope": "hooks", "id": "evt_1", "csrf": token}
+    async with admin.post("/console/redeliver", data=data, headers=headers) as response:
+        assert response.status == 403
+    assert await state(pg_dsn, table, "evt_1") == "dead"
+
+
+async def test_the_console_can_be_turned_off(make_proxy: MakeProxy, aiohttp_client: Any) -> None:
+    _, admin = await start(make_proxy, aiohttp_client, console={"enabled": False})
+    async with admin.get("/console/") as response:
+        assert response.status == 404
+    async with admin.get("/healthz") as response:
+        assert response.status == 200
