@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import jinja2
 from aiohttp import web
 
 from proxy import app_limit, config, database, errors, flights, holds, memory, metrics, tracing
@@ -42,3 +43,6 @@ BUDGET = web.AppKey("budget", memory.Budget)
 ROOM = web.AppKey("room", app_limit.Room)
 # On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
 PROXY = web.AppKey("proxy", web.Application)
+# On the console's (``console``): its settings and its page templates.
+CONSOLE = web.AppKey("console", config.console.ConsoleConfig)
+CONSOLE_TEMPLATES = web.AppKey("console_templates", jinja2.Environment)

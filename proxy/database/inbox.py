@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import enum
 import json
 import logging
@@ -213,6 +214,54 @@ class Level(NamedTuple):
     oldest_pending: float | None  # seconds since the oldest pending event was received
     most_overdue: float | None  # seconds the most overdue pending row is past its due time
     oldest_dead: float | None  # seconds since the oldest dead row became dead
+
+
+class Hour(NamedTuple):
+    """A route's claims received in the last hour, by what became of them (the console)."""
+
+    received: int
+    first_try: int  # delivered at the first try
+    redelivered: int
+    pending: int
+    dead: int
+    discarded: int
+
+
+class Found(NamedTuple):
+    """A claim of an ID as the provider sent it, on some route (the console's lookup)."""
+
+    scope: str
+    event_id: str
+    event_type: str | None
+    received_at: datetime
+    state: str | None  # None: delivered at the first try
+
+
+Criteria = inbox_sql.Criteria
+# The console's body filter reads at most this many rows holding the value's bytes per page,
+# checking each one's JSON path: past it, the page ends early and the next one goes on.
+BROWSE_SCAN = 2000
+
+
+def body_matches(body: bytes, path: tuple[str, ...], value: str) -> bool:
+    """Whether ``body`` is JSON with ``value`` at ``path`` (object keys, or list indexes in
+    digits): a string equal to it, or a number, boolean or null spelled as it."""
+    try:
+        node: Any = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    for key in path:
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return False
+    if isinstance(node, str):
+        return node == value
+    if isinstance(node, dict | list):
+        return False
+    return json.dumps(node) == value
 
 
 Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
@@ -523,3 +572,63 @@ class Inbox:
                     self.statements.sweep_dead, scope, retention, batch, timeout=self.op_timeout
                 )
         return int(status.split()[-1])
+
+    # The operator console (``proxy.console``)
+
+    async def browse(
+        self, criteria: Criteria, body_path: tuple[str, ...] = (), body_value: str = ""
+    ) -> tuple[list[Listed], tuple[datetime, str] | None]:
+        """A page of the kept rows ``criteria`` select, newest first, and the cursor of the next
+        page (None: this was the last). With ``criteria.body_bytes``, only the rows whose body
+        is JSON holding ``body_value`` at ``body_path``, read ``BROWSE_SCAN`` rows at most: a
+        page may then be short, or empty, with a next one."""
+        rows: list[Listed] = []
+        scanned = 0
+        cursor = criteria
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                while True:
+                    statement, args = self.statements.browse(cursor)
+                    batch = await connection.fetch(statement, *args, timeout=self.op_timeout)
+                    for row in batch:
+                        if criteria.body_bytes is None or body_matches(
+                            row["inbox_body"] or b"", body_path, body_value
+                        ):
+                            rows.append(Listed(*tuple(row)[:10]))
+                    if len(batch) < cursor.limit:
+                        return rows[: criteria.limit], None
+                    last = batch[-1]
+                    scanned += len(batch)
+                    if len(rows) >= criteria.limit or scanned >= BROWSE_SCAN:
+                        break
+                    cursor = dataclasses.replace(
+                        cursor, after=(last["received_at"], last["event_id"])
+                    )
+        if len(rows) > criteria.limit:
+            rows = rows[: criteria.limit]
+            return rows, (rows[-1].received_at, rows[-1].event_id)
+        return rows, (last["received_at"], last["event_id"])
+
+    async def hour(self, scope: str) -> Hour:
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                row = await connection.fetchrow(
+                    self.statements.hour, scope, timeout=self.op_timeout
+                )
+        assert row is not None
+        return Hour(*row)
+
+    async def lookup(self, scopes: list[str], scoped: list[str], event_id: str) -> list[Found]:
+        """The claims of ``event_id`` (as the provider sent it, or as stored) in ``scopes``, and
+        in the per-path scopes of ``scoped``, newest first."""
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                rows = await connection.fetch(
+                    self.statements.lookup, scopes, event_id, timeout=self.op_timeout
+                )
+                if scoped:
+                    rows += await connection.fetch(
+                        self.statements.lookup_scoped, scoped, event_id, timeout=self.op_timeout
+                    )
+        found = [Found(*row) for row in rows]
+        return sorted(found, key=lambda f: f.received_at, reverse=True)

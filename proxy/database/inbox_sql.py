@@ -1,9 +1,9 @@
 """The inbox's statements (``database.inbox``), built once per claim table: keeping a failed
 delivery in its claim's row under its cap (a signed body once), taking a due row ``FOR UPDATE
-SKIP LOCKED``, the two ends of a redelivery, the operators' commands, the metrics' levels and
-the dead rows' sweep; and the route holds' rows (``database.holds``: in scope ``sql.HOLDS``,
-one per route scope, in the inbox's columns). Every value is a parameter; the columns are
-added by the claim table's DDL (``sql``).
+SKIP LOCKED``, the two ends of a redelivery, the operators' commands, the metrics' levels,
+the dead rows' sweep and the operator console's reads; and the route holds' rows
+(``database.holds``: in scope ``sql.HOLDS``, one per route scope, in the inbox's columns).
+Every value is a parameter; the columns are added by the claim table's DDL (``sql``).
 
 Shaped for a table distributed by ``event_id`` on Citus too (tests/test_sql_shapes.py pins
 it): a statement that locks rows names the one row it locks by its whole key, so that it runs on
@@ -15,6 +15,7 @@ parameter, not ``now()`` (Citus evaluates no such function inside ``CASE`` in a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from proxy.database import sql
 
@@ -328,3 +329,111 @@ class Statements:
             "AND ($1::text[] IS NULL OR event_id = ANY($1::text[])) "
             "AND (inbox_until IS NULL OR inbox_until > now())"
         )
+
+    # The operator console's reads (``Inbox.browse``, ``hour``, ``lookup``). Lock nothing.
+
+    @property
+    def hour(self) -> str:
+        # $1 scope: the claims received in the last hour, by what became of them (the
+        # received_at index's range).
+        return (
+            "SELECT count(*) AS received, "
+            "count(*) FILTER (WHERE inbox_state IS NULL) AS first_try, "
+            "count(*) FILTER (WHERE inbox_state = 'delivered') AS redelivered, "
+            "count(*) FILTER (WHERE inbox_state = 'pending') AS pending, "
+            "count(*) FILTER (WHERE inbox_state = 'dead') AS dead, "
+            "count(*) FILTER (WHERE inbox_state = 'discarded') AS discarded "
+            f"FROM {self.quoted} WHERE {sql.IN_SCOPE} "
+            "AND received_at > now() - interval '1 hour'"
+        )
+
+    def browse(self, criteria: Criteria) -> tuple[str, list[object]]:
+        """The kept rows ``criteria`` select, newest first, past its cursor (keyset paging
+        on (received_at, event_id)): the statement and its parameters. Only the conditions
+        asked for are in it, so that each shape gets a plan of its own."""
+        args: list[object] = []
+
+        def param(value: object, cast: str = "") -> str:
+            args.append(value)
+            return f"${len(args)}{cast}"
+
+        where = ["inbox_state IS NOT NULL"]
+        if criteria.scope is not None:
+            where.append(sql.IN_SCOPE.replace("$1", param(criteria.scope, "::text")))
+        if criteria.state is not None:
+            where.append(f"inbox_state = {param(criteria.state, '::text')}")
+        if criteria.since is not None:
+            where.append(f"received_at >= {param(criteria.since, '::timestamptz')}")
+        if criteria.until is not None:
+            where.append(f"received_at < {param(criteria.until, '::timestamptz')}")
+        if criteria.event_id is not None:
+            given = param(criteria.event_id, "::text")
+            where.append(
+                f"(event_id = {given} OR (left(event_id, length({given}) + 1) = {given} || '~' "
+                f"AND length(event_id) = length({given}) + {1 + sql.BOUND_DIGITS}))"
+            )
+        if criteria.event_type is not None:
+            where.append(f"event_type = {param(criteria.event_type, '::text')}")
+        if criteria.body_bytes is not None:
+            # The value's bytes somewhere in the body: the JSON path is checked on the rows
+            # this finds (``Inbox.browse``), since a kept body need not be JSON at all.
+            where.append(f"position({param(criteria.body_bytes, '::bytea')} in inbox_body) > 0")
+        if criteria.after is not None:
+            at, event_id = criteria.after
+            where.append(
+                f"(received_at, event_id) < ({param(at, '::timestamptz')}, "
+                f"{param(event_id, '::text')})"
+            )
+        body = ", inbox_body" if criteria.body_bytes is not None else ""
+        statement = (
+            "SELECT scope, event_id, event_type, received_at, inbox_state, "
+            "coalesce(jsonb_array_length(inbox_attempts), 0), inbox_due, "
+            "octet_length(inbox_body), (inbox_attempts -> -1 ->> 'status')::int, "
+            f"inbox_attempts -> -1 ->> 'error'{body} FROM {self.quoted} "
+            f"WHERE {' AND '.join(where)} ORDER BY received_at DESC, event_id DESC "
+            f"LIMIT {param(criteria.limit, '::int')}"
+        )
+        return statement, args
+
+    @property
+    def lookup(self) -> str:
+        # $1 the routes' scopes, $2 an ID as the provider sent it: its claims in those scopes,
+        # as stored or bound to a body ("$2~" and the digest), by the primary key.
+        return (
+            "SELECT scope, event_id, event_type, received_at, inbox_state "
+            f"FROM {self.quoted} WHERE scope = ANY($1::text[]) AND {_NAMED} "
+            "ORDER BY received_at DESC LIMIT 50"
+        )
+
+    @property
+    def lookup_scoped(self) -> str:
+        # $1 the scopes of routes with per-path (or per-client) scopes, $2 an ID: its claims in
+        # their per-path scopes. Their names are not known ahead, so this reads the table.
+        return (
+            "SELECT scope, event_id, event_type, received_at, inbox_state "
+            f"FROM {self.quoted} WHERE split_part(scope, '/', 1) = ANY($1::text[]) "
+            f"AND position('/' in scope) > 0 AND {_NAMED} ORDER BY received_at DESC LIMIT 50"
+        )
+
+
+# $2 an ID as an operator gave it: that row, and its rows bound to a body (``sql``'s resolve).
+_NAMED = (
+    f"(event_id = $2 OR (event_id >= $2 || '~' AND event_id <= $2 || '~{'f' * sql.BOUND_DIGITS}' "
+    "AND left(event_id, length($2) + 1) = $2 || '~'))"
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Criteria:
+    """What the console's kept deliveries are filtered by (None: any), its page size and
+    cursor: the (received_at, event_id) of the last row of the page before."""
+
+    scope: str | None = None
+    state: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    event_id: str | None = None
+    event_type: str | None = None
+    body_bytes: bytes | None = None  # the body holds these bytes (``Inbox.browse``)
+    after: tuple[datetime, str] | None = None
+    limit: int = 50
