@@ -306,11 +306,18 @@ class Cycle:
     async def _enter(self, room: app_limit.Room) -> str | None:
         """Take a place at the app (``app_limit``) before claiming, since a claim holds its
         connection for as long as the app works on it: None once taken. A route that
-        redelivers does not wait for one: why the delivery is kept instead ("limit"). Any other
-        route waits its turn up to pool_timeout, then AppBusy (its provider retries)."""
+        redelivers does not wait for one: why the delivery is kept instead ("limit"; or, its
+        route held, "paused" or "retry_after"). Any other route waits its turn up to
+        pool_timeout, then AppBusy; held, it is refused at once (RoutePaused). Their providers
+        retry."""
         route = self.route
+        hold = self.request.app[app_keys.HOLDS].held(self.scope)
         if route.redeliver is not None:
+            if hold is not None:
+                return hold.reason  # paused, or the app asked to wait: kept, sent after
             return None if room.try_enter() else "limit"
+        if hold is not None:
+            raise errors.RoutePaused.holding(route.config.name, hold)
         await self._wait_for_room(room)
         return None
 
@@ -436,6 +443,11 @@ class Cycle:
         except errors.StoreUnavailable as exc:
             line["handed_off"] = "unrecorded"
             line["commit_error"] = exc.message
+        retry_after = result.retry_after()
+        if retry_after is not None:
+            await self.request.app[app_keys.HOLDS].hold_for_retry_after(
+                route.config.scope, retry_after
+            )
 
     async def _failed(
         self, claim: database.Claim, result: delivery.Result
@@ -462,11 +474,15 @@ class Cycle:
         self, claim: database.Claim, result: delivery.Result
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """Keep a delivery the app failed (``_keep``): due after the schedule's first wait, or
-        after the app's ``Retry-After`` if it asked for longer."""
+        after the app's ``Retry-After`` if it asked for longer, which then holds the route's
+        redeliveries as long (``holds``)."""
+        route = self.route
         retry_after = result.retry_after()
-        if retry_after is None:
+        if retry_after is None or route.redeliver is None:
             return await self._keep(claim, result.attempt)
-        delay = max(retry_after, self.route.redeliver.schedule[0]) if self.route.redeliver else None
+        # Its redeliveries, and the route's, wait as long on every replica.
+        await self.request.app[app_keys.HOLDS].hold_for_retry_after(route.config.scope, retry_after)
+        delay = max(retry_after, route.redeliver.schedule[0])
         return await self._keep(claim, result.attempt, reason="retry_after", delay=delay)
 
     def _unsent_headers(self) -> tuple[tuple[str, str], ...]:

@@ -277,6 +277,10 @@ class Redeliverer:
                   "attempt": redelivery.failures + 1, "upstream_status": status,
                   "upstream_ms": took}  # fmt: skip
         result = await delivery.record(redelivery, settings, attempted)
+        retry_after = attempted.retry_after()
+        if retry_after is not None and self._holds is not None:
+            # The app asked to wait: the route's other redeliveries wait as long, everywhere.
+            await self._holds.hold_for_retry_after(redelivery.scope, retry_after)
         level = LEVELS[result]
         if error:
             fields["error"] = error

@@ -119,7 +119,7 @@ async def test_hold_at_least_never_shortens_a_hold_nor_turns_a_pause_into_anothe
 async def test_a_pause_holds_the_redeliverer_and_resume_sends_each_event_once(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, config_file: Path
 ) -> None:
-    upstream.respond = failing(3)
+    upstream.respond = failing(1)
     proxy = await make_proxy(routes=[ROUTE, PLAIN], redeliverer=QUICK)
     copy = proxy.app[app_keys.HOLDS]
     code, out, err = await events(config_file, "pause", "--route", "hooks", "--reason", "deploy")
@@ -131,16 +131,26 @@ async def test_a_pause_holds_the_redeliverer_and_resume_sends_each_event_once(
     for n in range(3):
         answer = await proxy.post("/hooks", data=json.dumps({"id": f"e{n}"}))
         assert answer.status == 202
+        assert (await answer.json())["kept_for"] == "paused"  # kept, due now, not sent
     await asyncio.sleep(WATCH)
-    assert len(upstream.requests) == 3  # the first deliveries only: nothing redelivered
+    assert upstream.requests == []  # the app gets nothing while the route is paused
     assert set((await states(pg_dsn, table)).values()) == {"pending"}
+    # A route without redeliver cannot keep: its webhooks are refused, its provider retries.
+    code, _, _ = await events(config_file, "pause", "--route", "plain")
+    assert code == 0
+    await wait_until(lambda: _held(copy, "plain"), "the worker to see the second pause")
+    refused = await proxy.post("/plain", data=json.dumps({"id": "p1"}))
+    assert refused.status == 503
+    assert (await refused.json())["error"] == "route_paused"
+    assert refused.headers["Retry-After"] == "60"
+    assert upstream.requests == []
 
     code, out, err = await events(config_file, "resume", "--route", "hooks")
     assert (code, err) == (0, "")
     assert out.startswith("resumed: route hooks (scope hooks), paused until now")
     await wait_until(lambda: all_delivered(pg_dsn, table, 3), "every event delivered")
     bodies = sorted(json.loads(body)["id"] for body in upstream.bodies())
-    assert bodies == ["e0", "e0", "e1", "e1", "e2", "e2"]  # each failed once, then sent once
+    assert bodies == ["e0", "e0", "e1", "e2"]  # the first failed once; then each sent once
 
 
 async def _held(copy: Any, scope: str) -> bool:
@@ -180,9 +190,11 @@ async def test_the_apps_retry_after_holds_every_worker_at_once_and_is_stored(
     assert copy.held("hooks") == hold  # at once, no poll needed
     assert copy.held("hooks/acme") == hold  # a per-path scope with its route's
 
-    assert (await proxy.post("/hooks", data=b'{"id": "ra"}')).status == 202
+    answer = await proxy.post("/hooks", data=b'{"id": "ra"}')
+    assert answer.status == 202
+    assert (await answer.json())["kept_for"] == "retry_after"  # the app asked to wait: kept
     await asyncio.sleep(WATCH)
-    assert len(upstream.requests) == 1
+    assert upstream.requests == []
     (row,) = await fetch(
         pg_dsn, f"SELECT inbox_state, inbox_request FROM \"{table}\" WHERE scope = '~holds'"
     )
@@ -281,13 +293,14 @@ async def test_a_pause_from_one_process_holds_every_worker_of_every_other(
 
     # Each worker reads the holds every 100 ms; a kept event is due 200 ms after it is kept.
     await wait_until(seen, "both proxies to report the pause")
+    await asyncio.sleep(0.3)  # three polls: every worker has read it (the gauge is any one's)
     async with aiohttp.ClientSession() as session:
         for n in range(4):
             url = (first if n % 2 else second).url
             async with session.post(f"{url}/hooks", data=json.dumps({"id": f"s{n}"})) as answer:
-                assert answer.status == 202
+                assert answer.status == 202  # kept while paused, not sent
     await asyncio.sleep(WATCH)
-    assert len(upstream.requests) == 4
+    assert upstream.requests == []
     assert set((await states(pg_dsn, table)).values()) == {"pending"}
 
     code, _, _ = await events(config_file, "resume", "--route", "hooks")
