@@ -41,8 +41,8 @@ from proxy import (
 from proxy.config import routes
 from proxy.upstream import forwarder, http1, proxy_headers
 
-# Why a new event was kept without being sent (``Cycle._keep_unsent``), as its inbox row's
-# first attempt records it.
+# Why a new event was kept without being sent (``Cycle._keep_unsent``), as the refusal says
+# when it could not be kept either.
 UNSENT = {
     "limit": "not sent: the limit at the app was reached (upstream.concurrency)",
     "deadline": "not sent: the route's hand_off had passed before the app could be sent it",
@@ -538,8 +538,8 @@ class Cycle:
         line["kept"] = state
         route.meters.kept[reason].inc()
         payload: dict[str, Any] = {"status": outcome, "event_id": self.event_id}
-        if attempt.status is not None:
-            payload["upstream_status"] = attempt.status
+        if attempted:
+            payload["upstream_status"] = attempt.status  # null: no answer came
         if reason != "failed":
             line["kept_for"] = reason
             payload["kept_for"] = reason
