@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable
 
 # The longest a redeliverer's lane waits for room before it looks again.
 LANE_WAIT = 5.0
@@ -51,13 +52,20 @@ class Room:
     """At most ``size`` requests at the app at once in this worker; the others wait in order
     of arrival, or are kept without waiting (``try_enter``)."""
 
-    __slots__ = ("_waiters", "in_flight", "size", "waited")
+    __slots__ = ("_waiters", "in_flight", "on_overflow", "size", "waited")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.in_flight = 0
         self.waited = 0  # how many entered after a wait (for the metrics)
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Told when a delivery is kept for want of a place (the redeliverer's lanes wake).
+        self.on_overflow: Callable[[], None] | None = None
+
+    def overflowed(self) -> None:
+        """A delivery was kept for want of a place: whoever sends kept ones should look now."""
+        if self.on_overflow is not None:
+            self.on_overflow()
 
     @property
     def full(self) -> bool:

@@ -339,6 +339,8 @@ class Cycle:
         self.sent = self._unsent_headers()
         kept = await self._keep(claim, database.Attempt(None), reason=reason, attempted=False)
         if kept is not None:
+            if reason == "limit":
+                self.request.app[app_keys.ROOM].overflowed()  # due now: the lanes look
             return kept
         await self._release(claim)
         if self.line.get("inbox_not_kept"):

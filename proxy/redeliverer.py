@@ -89,6 +89,8 @@ class Redeliverer:
         self._interval = 0.0 if settings.rate is None else workers / settings.rate
         self._next_start = 0.0
         self._found_work = asyncio.Event()  # pulsed when a lane redelivered: the others look
+        self._look_now = asyncio.Event()  # set by ``wake``: the looking lane looks at once
+        room.on_overflow = self.wake
         self._stopping = asyncio.Event()
         self._stopped_at: float | None = None  # monotonic, when ``stop`` was first called
         self._failed_since: float | None = None  # when redeliveries began to fail, if they do
@@ -104,6 +106,7 @@ class Redeliverer:
         if self._stopped_at is None:
             self._stopped_at = time.monotonic()
         self._stopping.set()
+        self._look_now.set()
         return self._stopped_at
 
     async def run(self) -> None:
@@ -132,20 +135,30 @@ class Redeliverer:
             await self._paced()
             if self._stopping.is_set():
                 return
-            if self._store.pool_exhausted():
-                # The requests come first: a lane waiting for a connection would take one from
-                # them (and, shed, answer the provider 503).
-                await self._pause(self._settings.poll)
-                continue
+            # (No yielding to the requests for a connection: a lane at the app holds a place
+            # in the room, which leaves the pool's reserve to the requests' short work.)
             if busy or await self._due():
                 busy = await self._in_turn()
             if busy:
-                self._found_work.set()
-                self._found_work.clear()  # set() woke every lane resting now
+                self.wake()
             elif looks:
-                await self._pause(self._settings.poll)
+                await self._look_later()
             else:
                 await self._rest()
+
+    def wake(self) -> None:
+        """Work is due (a lane redelivered, or a delivery was kept for want of room at the
+        app): every lane resting looks now, and so does the looking one."""
+        self._found_work.set()
+        self._found_work.clear()  # set() woke every lane resting now
+        self._look_now.set()
+
+    async def _look_later(self) -> None:
+        """The looking lane's wait: ``poll``, or less if woken."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._settings.poll):
+                await self._look_now.wait()
+        self._look_now.clear()
 
     async def _due(self) -> bool:
         """Whether a row of this worker's routes not held is due (a read that locks nothing;
