@@ -236,3 +236,31 @@ def test_the_inbox_replay_probe_counts_the_rows_one_captured_body_keeps(pg_dsn: 
     assert "5 replays of one captured body answered: 1 x 202, 4 x 422" in lines
     assert "a genuine failure afterwards answered: 202 (kept)" in lines
     assert "then tenant globex's failure answered: 202 (kept)" in lines
+
+
+def test_the_burst_over_a_slow_app_is_all_accepted_each_event_once_within_the_limit(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """bench/burst.py --quick: ten times the limit at the app, GitHub deliveries each sent once
+    on a ``redeliver`` route across 2 workers: none refused, each event at the app exactly
+    once, never more than ``upstream.concurrency`` there at once, the overflow kept."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "burst.py"), "--quick", "--dsn", pg_dsn,
+         "--json", str(tmp_path / "burst.json")],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=180, check=False,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = json.loads((tmp_path / "burst.json").read_text(encoding="utf-8"))
+    burst, figures = found["burst"], found["figures"]
+    size = burst["times"] * burst["concurrency"]
+    assert figures["refused"] == 0, figures["statuses"]
+    assert set(figures["statuses"]) <= {"200", "202"}
+    assert sum(figures["statuses"].values()) == size
+    assert figures["app_calls"] == figures["app_events"] == size
+    assert figures["events_more_than_once"] == 0
+    assert figures["pending_after"] == 0
+    assert 0 < figures["peak_at_app"] <= burst["concurrency"]
+    # The burst went over the limit, and each delivery answered 202 was kept by it.
+    assert figures["kept_limit"] == figures["statuses"].get("202", 0) > 0
+    assert "| drain: last at the app - end of sending |" in done.stdout
