@@ -87,6 +87,9 @@ class Figures:
     drain_after_sending: float = 0.0
     predicted_drain: float = 0.0
     kept_limit: float = 0.0
+    kept: list[str] = field(default_factory=list)  # the deliveries answered 202
+    first_kept_at_app: float = 0.0  # when the redeliverer sent the first of them
+    kept_rate: float = 0.0  # kept deliveries at the app per second, from then on
     pending_after: int = -1
 
 
@@ -100,9 +103,11 @@ class App:
         self.peak = 0
         self.calls: collections.Counter[str] = collections.Counter()
         self.last_done = 0.0
+        self.arrived: dict[str, float] = {}  # each delivery's first arrival
 
     async def handle(self, request: web.Request) -> web.Response:
         await request.read()
+        self.arrived.setdefault(request.headers.get("X-GitHub-Delivery", "?"), time.monotonic())
         self.now += 1
         self.peak = max(self.peak, self.now)
         try:
@@ -178,6 +183,10 @@ async def run(burst: Burst, dsn: str, workdir: Path, *, keep: bool = False) -> F
         result.app_events = len(app.calls)
         result.events_more_than_once = sum(1 for n in app.calls.values() if n > 1)
         result.last_at_app = app.last_done - started
+        if kept := [app.arrived[d] for d in result.kept if d in app.arrived]:
+            result.first_kept_at_app = min(kept) - started
+            span = result.last_at_app - result.first_kept_at_app
+            result.kept_rate = len(kept) / span if span > 0 else 0.0
         result.drain_after_sending = result.last_at_app - result.sending_ended
         result.predicted_drain = burst.predicted_drain
         result.kept_limit = await _metric(f"http://{admin}/metrics", KEPT_LIMIT)
@@ -246,6 +255,7 @@ async def _send(burst: Burst, url: str) -> tuple[float, Figures]:
     figures = Figures(sending_ended=sending_ended, last_answer=max(a[3] for a in answers))
     figures.statuses = dict(sorted(collections.Counter(a[1] for a in answers).items()))
     figures.refused = sum(n for status, n in figures.statuses.items() if status[0] != "2")
+    figures.kept = [f"burst-{a[0]}" for a in answers if a[1] == "202"]
     accepted = [a for a in answers if a[1].startswith("2")]
     tenth = max(1, len(answers) // 10)
     for label, chosen in (
@@ -320,6 +330,9 @@ def table(burst: Burst, figures: Figures) -> str:
         ("at the app", f"{figures.app_calls:,} calls for {figures.app_events:,} events, "
                        f"{figures.events_more_than_once} more than once"),
         ("kept by the limit", f"{figures.kept_limit:,.0f}"),
+        ("the first kept one at the app; kept ones at the app a second from then",
+         f"{figures.first_kept_at_app:.2f} s; {figures.kept_rate:.1f}/s "
+         f"({figures.kept_rate * burst.app_time / burst.concurrency:.0%} of C ÷ T)"),
         ("sending ended, last answer, last at the app",
          f"{figures.sending_ended:.2f} s, {figures.last_answer:.2f} s, "
          f"{figures.last_at_app:.2f} s"),
