@@ -93,12 +93,13 @@ class Bench:
         self, name: str, upstream: procs.Service, pool: int, workers: int = 1, log: str = "info",
         *, env: dict[str, str] | None = None, stripe_secret: str = "",
         concurrency: int | None = None, routes: list[dict[str, Any]] | None = None,
+        timeout: str = "30s",
     ) -> procs.Service:  # fmt: skip
         port = procs.free_port()
         config_file = self.workdir / f"{name}.yaml"
         config: dict[str, Any] = {
             "listen": f"127.0.0.1:{port}",
-            "upstream": {"url": f"http://127.0.0.1:{upstream.port}", "timeout": "30s"},
+            "upstream": {"url": f"http://127.0.0.1:{upstream.port}", "timeout": timeout},
             "database": {"dsn": self.dsn, "table": TABLE, "pool_size": pool},
             "max_body": "2MiB",  # the 1 MiB body runs
             "shutdown_timeout": "5s",
