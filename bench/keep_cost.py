@@ -1,15 +1,16 @@
 """What a delivery kept by the limit at the app costs, against a forwarded one, side by side.
 
     python bench/keep_cost.py [--rounds 4] [--duration 5] [--workers 2] [--pool 40]
-                              [--connections 32,1] [--out FILE]
+                              [--connections 32,1] [--grow] [--out FILE]
 
 Two proxies on the same embedded PostgreSQL and the same ``redeliver`` route: one forwards
 to a fast app under a limit it never reaches (``upstream.concurrency`` 64); the other has
 ``upstream.concurrency`` = its workers (one place each), taken by a request its app never
 answers, so that every webhook wrk sends it is kept by the limit (the short keep transaction:
-claim, the row's UPDATE, COMMIT, answered 202). Each round runs wrk (new event IDs) against
-each, the order reversed every other round, and reports CPU per webhook (the proxy and
-PostgreSQL), throughput and latency, and kept ÷ forwarded. Loopback only; every load run is
+claim, the row's UPDATE, COMMIT, answered 202), each kept run from an empty inbox unless
+``--grow``. Each round runs wrk (new event IDs) against each, the order reversed every other
+round, and reports CPU per webhook (the proxy and PostgreSQL), throughput and latency, and
+kept ÷ forwarded. Loopback only; every load run is
 bounded; every process started is stopped by PID.
 """
 
@@ -35,7 +36,7 @@ if __package__ in (None, ""):
 import yaml
 
 from bench import loads, procs, report
-from bench.run import SCOPE, Bench, Settings, prepare_database
+from bench.run import SCOPE, TABLE, Bench, Settings, prepare_database
 
 LIMIT = 64  # the forwarding proxy's: above what c32 sends
 KEPT_LIMIT = 'dedup_inbox_kept_total{reason="limit",route="kept"}'
@@ -91,6 +92,13 @@ def _hold(request: urllib.request.Request) -> None:
         answer.read()
 
 
+def empty_the_inbox(bench: Bench) -> None:
+    """Delete the rows the last kept run kept, and VACUUM: the keep's cap counts the route's
+    kept rows (``inbox_sql.Statements.keep``), so each run starts from the same backlog."""
+    bench.sql(f"DELETE FROM {TABLE} WHERE scope = 'kept' AND inbox_state = 'pending'")
+    bench.sql(f"VACUUM {TABLE}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -98,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--pool", type=int, default=40, help="database.pool_size per worker")
     parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
+    parser.add_argument("--grow", action="store_true", help="keep the kept rows from run to "
+                        "run (default: each kept run starts with an empty inbox)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     parser.add_argument("--json", type=Path, help="also write the runs as JSON here")
     args = parser.parse_args(argv)
@@ -126,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 order = ("forwarded", "kept") if round_ % 2 else ("kept", "forwarded")
                 for name in order:
                     proxy, app, counters = runs[name]
+                    if name == "kept" and not args.grow:
+                        empty_the_inbox(bench)
                     label = f"{name} c{connections} (round {round_})"
                     results[name, connections, round_] = bench._record("", loads.wrk(
                         label, f"http://127.0.0.1:{proxy.port}/hook", connections=connections,
@@ -144,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
         f"{args.workers} workers, pool {args.pool} each; a redeliver route; forwarded: "
         f"upstream.concurrency {LIMIT}, kept: {args.workers} (each place held); "
-        f"{kept_total:,.0f} kept by the limit in all\n\n{_table(results)}\n"
+        f"{kept_total:,.0f} kept by the limit in all; each kept run started with "
+        f"{'the rows the runs before it kept' if args.grow else 'an empty inbox'}\n\n"
+        f"{_table(results)}\n"
     )
     print(text)
     if args.out is not None:
