@@ -1,7 +1,7 @@
 """A burst ten times what the app can take, from a sender that never retries: flow control's figure.
 
     python bench/burst.py [--quick] [--dsn DSN] [--concurrency 16] [--app-time 0.2]
-                          [--times 10] [--rate 400] [--workers 2] [--json FILE]
+                          [--times 10] [--rate 400] [--workers 2] [--lanes N] [--json FILE]
 
 Starts a stand-in app that takes ``--app-time`` per webhook and counts how many it has at once,
 then ``dedup-proxy serve`` (``--workers`` workers, ``upstream.concurrency`` C) on a GitHub route
@@ -59,6 +59,7 @@ class Burst:
     workers: int
     pool: int
     poll: str  # redeliverer.poll
+    lanes: int | None = None  # redeliverer.concurrency (None: the default, the limit)
 
     @property
     def size(self) -> int:
@@ -141,7 +142,8 @@ def proxy_config(burst: Burst, *, app_url: str, dsn: str, table: str) -> dict[st
         "database": {"dsn": dsn, "table": table, "pool_size": burst.pool},
         "log": {"level": "info", "format": "json"},
         "workers": burst.workers,
-        "redeliverer": {"poll": burst.poll},
+        "redeliverer": {"poll": burst.poll}
+        | ({} if burst.lanes is None else {"concurrency": burst.lanes}),
         "routes": [
             {
                 "name": ROUTE,
@@ -318,7 +320,8 @@ def table(burst: Burst, figures: Figures) -> str:
         ("burst", f"{burst.size:,} GitHub deliveries at {burst.rate:g}/s, each sent once; "
                   f"the app takes {burst.app_time * 1000:g} ms, upstream.concurrency "
                   f"{burst.concurrency} ({burst.workers} workers, pool {burst.pool} each): "
-                  f"the app takes {burst.concurrency / burst.app_time:g}/s"),
+                  f"the app takes {burst.concurrency / burst.app_time:g}/s; "
+                  f"{burst.lanes or burst.concurrency} redeliverer lanes"),
         ("answers by status", statuses),
         ("refused", f"{figures.refused}"),
         ("accepted latency p50, p99: all", pair("all")),
@@ -362,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, help="database.pool_size per worker (the default "
                         "10, or enough for C ÷ workers and its fifth for short keeps)")  # fmt: skip
     parser.add_argument("--poll", default="1s", help="redeliverer.poll (the default 1s)")
+    parser.add_argument("--lanes", type=int, help="redeliverer.concurrency (default: the limit)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the table and work directory")
     args = parser.parse_args(argv)
@@ -375,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         pool=args.pool or max(10, share + max(1, share // 4) + 1),
         poll=args.poll,
+        lanes=args.lanes,
     )
     workdir = Path(tempfile.mkdtemp(prefix="dedup-burst-"))
     database = None
