@@ -264,3 +264,15 @@ def test_the_burst_over_a_slow_app_is_all_accepted_each_event_once_within_the_li
     # The burst went over the limit, and each delivery answered 202 was kept by it.
     assert figures["kept_limit"] == figures["statuses"].get("202", 0) > 0
     assert "| drain: last at the app - end of sending |" in done.stdout
+
+
+def test_the_keep_cost_run_keeps_every_webhook_on_one_proxy_and_forwards_on_the_other() -> None:
+    """bench/keep_cost.py, one round: the proxy whose places at the app are held kept every
+    webhook (its app got none), the other forwarded each once; no errors (it checks both)."""
+    stdout = _script("bench/keep_cost.py", "--rounds", "1", "--duration", "1",
+                     "--connections", "32", timeout=180)  # fmt: skip
+    kept = re.search(r"; ([\d,]+) kept by the limit in all", stdout)
+    assert kept is not None, stdout
+    assert int(kept[1].replace(",", "")) > 0
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 32 | 1 |")]
+    assert len(rows) == 1
