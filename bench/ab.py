@@ -1,12 +1,15 @@
 """A/B: this checkout's proxy against another checkout's, side by side in one run.
 
     python bench/ab.py --control DIR [--rounds 4] [--duration 5] [--workers 1] [--out FILE]
+                       [--concurrency-a N] [--concurrency-b N]
 
 ``DIR`` is another checkout (``git worktree add DIR <commit>``): its ``proxy`` package runs
 as the control. Both proxies serve the same app and embedded PostgreSQL with the same
-configuration; each round runs wrk (new event IDs) against each at c32 and then c1, the order
-reversed every other round (ABBA), and reports each one's CPU per webhook and throughput, and
-B ÷ A per round. The figure of each lever in bench/RESULTS.md comes from one such run.
+configuration, but for ``upstream.concurrency`` (``--concurrency-a``, ``--concurrency-b``:
+with ``--control .``, what the limit at the app costs). Each round runs wrk (new event IDs)
+against each at c32 and then c1, the order reversed every other round (ABBA), and reports
+each one's CPU per webhook and throughput, and B ÷ A per round. The figure of each lever in
+bench/RESULTS.md comes from one such run.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, default=16)
     parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    for name in ("a", "b"):
+        what = f"{name.upper()}'s upstream.concurrency (default unset)"
+        parser.add_argument(f"--concurrency-{name}", type=int, help=what)
     args = parser.parse_args(argv)
     loads.wrk_path()
     settings = Settings(seconds=args.duration, pool=args.pool, warmup=2, rounds=args.rounds)
@@ -45,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         prepare_database(bench)
         app = bench.start_upstream("app")
         control = checkout_env(args.control)
+        limits = {"A": args.concurrency_a, "B": args.concurrency_b}
         proxies = {
-            "A": bench.start_proxy("a", app, args.pool, workers=args.workers, env=control),
-            "B": bench.start_proxy("b", app, args.pool, workers=args.workers),
-        }
+            name: bench.start_proxy(name.lower(), app, args.pool, workers=args.workers,
+                                    env=env, concurrency=limits[name])
+            for name, env in (("A", control), ("B", None))
+        }  # fmt: skip
         for name, proxy in proxies.items():
             bench.wrk("", f"warm-up {name}", proxy, app, 32, seconds=settings.warmup)
         for round_ in range(1, args.rounds + 1):
@@ -66,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = report.machine()
     text = (
         f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
-        f"{args.workers} worker(s), pool {args.pool}; A = {args.control}, B = this checkout\n\n"
+        f"{args.workers} worker(s), pool {args.pool}; A = {args.control}, B = this checkout"
+        f"; upstream.concurrency A {args.concurrency_a}, B {args.concurrency_b}\n\n"
         f"{_table(results)}\n"
     )
     print(text)

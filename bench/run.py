@@ -62,6 +62,7 @@ class Settings:
     keep: bool = False
     rounds: int = 2
     headline_only: bool = False
+    concurrency: int | None = None  # the headline proxies' upstream.concurrency (per replica)
 
 
 class Bench:
@@ -91,12 +92,14 @@ class Bench:
     def start_proxy(
         self, name: str, upstream: procs.Service, pool: int, workers: int = 1, log: str = "info",
         *, env: dict[str, str] | None = None, stripe_secret: str = "",
+        concurrency: int | None = None, routes: list[dict[str, Any]] | None = None,
+        timeout: str = "30s",
     ) -> procs.Service:  # fmt: skip
         port = procs.free_port()
         config_file = self.workdir / f"{name}.yaml"
         config: dict[str, Any] = {
             "listen": f"127.0.0.1:{port}",
-            "upstream": {"url": f"http://127.0.0.1:{upstream.port}", "timeout": "30s"},
+            "upstream": {"url": f"http://127.0.0.1:{upstream.port}", "timeout": timeout},
             "database": {"dsn": self.dsn, "table": TABLE, "pool_size": pool},
             "max_body": "2MiB",  # the 1 MiB body runs
             "shutdown_timeout": "5s",
@@ -108,6 +111,10 @@ class Bench:
         if stripe_secret:  # Stripe's preset and signature check, on the same scope
             config["routes"] = [{"name": SCOPE, "path": "/hook", "preset": "stripe",
                                  "verify": {"secrets": [stripe_secret]}}]  # fmt: skip
+        if routes is not None:
+            config["routes"] = routes
+        if concurrency is not None:  # the limit at the app, per replica
+            config["upstream"]["concurrency"] = concurrency
         if "admin" in {f.name for f in dataclasses.fields(proxy_config.Config)}:
             # Each proxy's admin listener (metrics, health) on a port of its own.
             config["admin"] = {"listen": f"127.0.0.1:{procs.free_port()}"}
@@ -358,9 +365,10 @@ def headline(bench: Bench, fast: procs.Service) -> None:
     the same order each time, so that the spread shows how far one run can be trusted."""
     s = bench.settings
     workers = 2
-    proxy = bench.start_proxy("proxy-headline", fast, s.pool, workers=workers)
+    proxy = bench.start_proxy("proxy-headline", fast, s.pool, workers=workers,
+                              concurrency=s.concurrency)  # fmt: skip
     stripe = bench.start_proxy("stripe-headline", fast, s.pool, workers=workers,
-                               stripe_secret=STRIPE_SECRET)  # fmt: skip
+                               stripe_secret=STRIPE_SECRET, concurrency=s.concurrency)  # fmt: skip
     naive = bench.start_naive("naive-headline", fast, s.pool, workers=workers)
     signed = {"mode": "stripe", "stripe_secret": STRIPE_SECRET}
     if s.warmup:
@@ -518,6 +526,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the headline table")
     parser.add_argument("--headline-only", action="store_true",
                         help="only the headline table (the A/B loop while optimising)")  # fmt: skip
+    parser.add_argument("--concurrency", type=int, help="the headline proxies' "
+                        "upstream.concurrency, per replica (default unset)")  # fmt: skip
     return parser
 
 
@@ -537,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         keep=args.keep,
         rounds=args.rounds,
         headline_only=args.headline_only,
+        concurrency=args.concurrency,
     )
     out = args.out or (None if args.quick else ROOT / "bench" / "RESULTS.md")
     command = shlex.join(["python", "bench/run.py", *(sys.argv[1:] if argv is None else argv)])

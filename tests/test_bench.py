@@ -250,3 +250,43 @@ def test_the_console_bench_fetches_every_page(pg_dsn: str) -> None:
     names = [line[:24].strip() for line in done.stdout.splitlines()[2:]]
     assert names[:2] == ["overview", "kept, newest page"]
     assert "kept, page 100" in names
+
+
+def test_the_burst_over_a_slow_app_is_all_accepted_each_event_once_within_the_limit(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """bench/burst.py --quick: ten times the limit at the app, GitHub deliveries each sent once
+    on a ``redeliver`` route across 2 workers: none refused, each event at the app exactly
+    once, never more than ``upstream.concurrency`` there at once, the overflow kept."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "burst.py"), "--quick", "--dsn", pg_dsn,
+         "--json", str(tmp_path / "burst.json")],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=180, check=False,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = json.loads((tmp_path / "burst.json").read_text(encoding="utf-8"))
+    burst, figures = found["burst"], found["figures"]
+    size = burst["times"] * burst["concurrency"]
+    assert figures["refused"] == 0, figures["statuses"]
+    assert set(figures["statuses"]) <= {"200", "202"}
+    assert sum(figures["statuses"].values()) == size
+    assert figures["app_calls"] == figures["app_events"] == size
+    assert figures["events_more_than_once"] == 0
+    assert figures["pending_after"] == 0
+    assert 0 < figures["peak_at_app"] <= burst["concurrency"]
+    # The burst went over the limit, and each delivery answered 202 was kept by it.
+    assert figures["kept_limit"] == figures["statuses"].get("202", 0) > 0
+    assert "| drain: last at the app - end of sending |" in done.stdout
+
+
+def test_the_keep_cost_run_keeps_every_webhook_on_one_proxy_and_forwards_on_the_other() -> None:
+    """bench/keep_cost.py, one round: the proxy whose places at the app are held kept every
+    webhook (its app got none), the other forwarded each once; no errors (it checks both)."""
+    stdout = _script("bench/keep_cost.py", "--rounds", "1", "--duration", "1",
+                     "--connections", "32", timeout=180)  # fmt: skip
+    kept = re.search(r"; ([\d,]+) kept by the limit in all", stdout)
+    assert kept is not None, stdout
+    assert int(kept[1].replace(",", "")) > 0
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 32 | 1 |")]
+    assert len(rows) == 1

@@ -1,0 +1,218 @@
+"""What a delivery kept by the limit at the app costs, against a forwarded one, side by side.
+
+    python bench/keep_cost.py [--rounds 4] [--duration 5] [--workers 2] [--pool 40]
+                              [--connections 32,1] [--grow] [--out FILE]
+
+Two proxies on the same embedded PostgreSQL and the same ``redeliver`` route: one forwards
+to a fast app under a limit it never reaches (``upstream.concurrency`` 64); the other has
+``upstream.concurrency`` = its workers (one place each), taken by a request its app never
+answers, so that every webhook wrk sends it is kept by the limit (the short keep transaction:
+claim, the row's UPDATE, COMMIT, answered 202), each kept run from an empty inbox unless
+``--grow``. Each round runs wrk (new event IDs) against each, the order reversed every other
+round, and reports CPU per webhook (the proxy and PostgreSQL), throughput and latency, and
+kept ÷ forwarded. Loopback only; every load run is
+bounded; every process started is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import yaml
+
+from bench import loads, procs, report
+from bench.run import SCOPE, TABLE, Bench, Settings, prepare_database
+
+LIMIT = 64  # the forwarding proxy's: above what c32 sends
+KEPT_LIMIT = 'dedup_inbox_kept_total{reason="limit",route="kept"}'
+
+
+def route(name: str) -> dict[str, Any]:
+    """The redeliver route, its scope its own: the forwarding proxy's redeliverer must not
+    take the rows the other one keeps (replicas on one scope share their inbox)."""
+    return {"name": name, "path": "/hook", "event_id": "body:/id",
+            "redeliver": {"max_pending": 1_000_000, "max_pending_bytes": "4GiB"}}  # fmt: skip
+
+
+class Held(loads.Upstream):
+    """The app that never answers: no call is expected during a run, so nothing to wait for."""
+
+    def settle(self, expected: int, within: float = 10.0) -> dict[str, int]:
+        return self.stats()
+
+
+def admin_url(bench: Bench, name: str) -> str:
+    config = yaml.safe_load((bench.workdir / f"{name}.yaml").read_text())
+    return f"http://{config['admin']['listen']}"
+
+
+def metric(url: str, sample: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name == sample:
+            return float(value)
+    return 0.0
+
+
+def fill_the_app(bench: Bench, kept: procs.Service, workers: int) -> None:
+    """Send webhooks, each on a connection of its own that stays open (a daemon thread each),
+    until every worker's one place is taken by one the held app never answers
+    (dedup_app_in_flight = workers); the others are kept and answered at once. Bounded."""
+    url = admin_url(bench, "kept")
+    for n in range(200):
+        if metric(url, "dedup_app_in_flight") >= workers:
+            return
+        body = json.dumps({"id": f"held-{bench.run_id()}-{n}"}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{kept.port}/hook", data=body)
+        threading.Thread(target=_hold, args=(request,), daemon=True).start()
+        time.sleep(0.1)
+    raise RuntimeError("the held app's places are not all taken after 200 webhooks")
+
+
+def _hold(request: urllib.request.Request) -> None:
+    """One webhook, waited for until the proxy stops (then the connection's error is moot)."""
+    with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=3600) as answer:
+        answer.read()
+
+
+def empty_the_inbox(bench: Bench) -> None:
+    """Delete the rows the last kept run kept, and VACUUM: the keep's cap counts the route's
+    kept rows (``inbox_sql.Statements.keep``), so each run starts from the same backlog."""
+    bench.sql(f"DELETE FROM {TABLE} WHERE scope = 'kept' AND inbox_state = 'pending'")
+    bench.sql(f"VACUUM {TABLE}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--duration", type=int, default=5, help="seconds per load run")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--pool", type=int, default=40, help="database.pool_size per worker")
+    parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
+    parser.add_argument("--grow", action="store_true", help="keep the kept rows from run to "
+                        "run (default: each kept run starts with an empty inbox)")  # fmt: skip
+    parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    parser.add_argument("--json", type=Path, help="also write the runs as JSON here")
+    args = parser.parse_args(argv)
+    loads.wrk_path()
+    settings = Settings(seconds=args.duration, pool=args.pool, warmup=2, rounds=args.rounds)
+    workdir = Path(tempfile.mkdtemp(prefix="dedup-keep-cost-"))
+    bench = Bench(settings, workdir)
+    results: dict[tuple[str, int, int], loads.Result] = {}
+    try:
+        prepare_database(bench)
+        fast = bench.start_upstream("app")
+        held = bench.start_upstream("app-held", delay=86_400)
+        forwarded = bench.start_proxy("forwarded", fast, args.pool, workers=args.workers,
+                                      concurrency=LIMIT, routes=[route(SCOPE)])  # fmt: skip
+        # Its app's time-out past the run's end: the places stay taken throughout.
+        kept = bench.start_proxy("kept", held, args.pool, workers=args.workers, timeout="1h",
+                                 concurrency=args.workers, routes=[route("kept")])  # fmt: skip
+        fill_the_app(bench, kept, args.workers)
+        bench.wrk("", "warm-up forwarded", forwarded, fast, 32, seconds=settings.warmup)
+        runs = {
+            "forwarded": (forwarded, fast, loads.Upstream(fast.port)),
+            "kept": (kept, held, Held(held.port)),
+        }
+        for round_ in range(1, args.rounds + 1):
+            for connections in (int(c) for c in args.connections.split(",")):
+                order = ("forwarded", "kept") if round_ % 2 else ("kept", "forwarded")
+                for name in order:
+                    proxy, app, counters = runs[name]
+                    if name == "kept" and not args.grow:
+                        empty_the_inbox(bench)
+                    label = f"{name} c{connections} (round {round_})"
+                    results[name, connections, round_] = bench._record("", loads.wrk(
+                        label, f"http://127.0.0.1:{proxy.port}/hook", connections=connections,
+                        seconds=settings.seconds, probes=bench.probes(proxy=proxy, upstream=app),
+                        upstream=counters, run_id=bench.run_id(),
+                    ))  # fmt: skip
+        kept_total = metric(admin_url(bench, "kept"), KEPT_LIMIT)
+    finally:
+        bench.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    _check(results)
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "bench/keep_cost.py", *given])
+    machine = report.machine()
+    text = (
+        f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
+        f"{args.workers} workers, pool {args.pool} each; a redeliver route; forwarded: "
+        f"upstream.concurrency {LIMIT}, kept: {args.workers} (each place held); "
+        f"{kept_total:,.0f} kept by the limit in all; each kept run started with "
+        f"{'the rows the runs before it kept' if args.grow else 'an empty inbox'}\n\n"
+        f"{_table(results)}\n"
+    )
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text, encoding="utf-8")
+    if args.json is not None:
+        runs_json = {f"{n} c{c} r{r}": _figures(result) for (n, c, r), result in results.items()}
+        args.json.write_text(json.dumps(runs_json, indent=2), encoding="utf-8")
+    return 0
+
+
+def _check(results: dict[tuple[str, int, int], loads.Result]) -> None:
+    """Every kept run reached no app; every forwarded one reached it once per webhook."""
+    for (name, _, _), result in results.items():
+        calls = result.upstream.get("calls", -1)
+        expected = 0 if name == "kept" else result.uniques
+        if calls != expected or result.errors:
+            raise RuntimeError(f"{result.label}: {calls} app calls, {result.errors} errors")
+
+
+def _figures(result: loads.Result) -> dict[str, Any]:
+    return {"rate": result.rate, "p50_ms": result.p50_ms, "p99_ms": result.p99_ms,
+            "proxy_us": result.cpu_us("proxy"), "postgres_us": result.cpu_us("postgres"),
+            "errors": result.errors, "sent": result.sent}  # fmt: skip
+
+
+def _table(results: dict[tuple[str, int, int], loads.Result]) -> str:
+    lines = [
+        "| connections | round | forwarded: webhooks/s, p50, p99 ms, CPU µs proxy, PostgreSQL "
+        "| kept: webhooks/s, p50, p99 ms, CPU µs proxy, PostgreSQL | proxy CPU kept ÷ forwarded "
+        "| PostgreSQL CPU kept ÷ forwarded | throughput kept ÷ forwarded |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(r: loads.Result) -> str:
+        return (f"{r.rate:,.0f}, {r.p50_ms:.2f}, {r.p99_ms:.2f}, {r.cpu_us('proxy'):.0f}, "
+                f"{r.cpu_us('postgres'):.0f}")  # fmt: skip
+
+    for connections in sorted({c for _, c, _ in results}, reverse=True):
+        cpu, pg, rate = [], [], []
+        for round_ in sorted({r for _, c, r in results if c == connections}):
+            f, k = results["forwarded", connections, round_], results["kept", connections, round_]
+            cpu.append(k.cpu_us("proxy") / f.cpu_us("proxy"))
+            pg.append(k.cpu_us("postgres") / f.cpu_us("postgres"))
+            rate.append(k.rate / f.rate)
+            lines.append(f"| {connections} | {round_} | {cell(f)} | {cell(k)} | {cpu[-1]:.3f} | "
+                         f"{pg[-1]:.3f} | {rate[-1]:.3f} |")  # fmt: skip
+        lines.append(
+            f"| **{connections}** | **median** | | | **{statistics.median(cpu):.3f}** "
+            f"({min(cpu):.3f} to {max(cpu):.3f}) | **{statistics.median(pg):.3f}** "
+            f"({min(pg):.3f} to {max(pg):.3f}) | **{statistics.median(rate):.3f}** "
+            f"({min(rate):.3f} to {max(rate):.3f}) |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
