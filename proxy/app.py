@@ -210,6 +210,67 @@ async def _metrics(app: web.Application) -> AsyncIterator[None]:
         meters.flush()
 
 
+def _receipt_databases(
+    cfg: config.Config, claim_dsn: str
+) -> tuple[dict[str, database.Receipts], dict[database.Receipts, float]]:
+    """Each route with ``receipt``'s receipts' database (one per DSN: the claim database's when
+    it names none), and how long each keeps a receipt (its routes' longest retention)."""
+    by_dsn: dict[str, database.Receipts] = {}
+    routes_: dict[str, database.Receipts] = {}
+    retention: dict[database.Receipts, float] = {}
+    for route in cfg.routes:
+        if route.receipt is None:
+            continue
+        dsn = route.receipt.dsn or claim_dsn
+        receipts = by_dsn.get(dsn)
+        if receipts is None:
+            receipts = by_dsn[dsn] = database.Receipts(
+                dsn, connect_timeout=cfg.database.connect_timeout,
+                op_timeout=cfg.database.connect_timeout,
+            )  # fmt: skip
+        routes_[route.name] = receipts
+        retention[receipts] = max(retention.get(receipts, 0.0), route.retention)
+    return routes_, retention
+
+
+async def _tend_receipts(cfg: config.Config, retention: dict[database.Receipts, float]) -> None:
+    """Make the receipts' tables (``create_schema``; else say they are missing), then sweep
+    them every ``sweeper.interval``."""
+    for receipts in retention:
+        try:
+            if cfg.database.create_schema:
+                await receipts.migrate()
+            elif await receipts.missing():
+                log.error("the receipts' table or function is missing: run dedup-proxy migrate "
+                          "(routes with receipt)")  # fmt: skip
+        except errors.StoreUnavailable as exc:
+            log.warning("the receipts' database is not ready yet: %s", exc.message)
+    while True:
+        await asyncio.sleep(cfg.sweeper.interval)
+        for receipts, keep_for in retention.items():
+            try:
+                await receipts.sweep(keep_for, cfg.sweeper.batch)
+            except errors.StoreUnavailable as exc:
+                log.warning("sweeping receipts failed: %s", exc.message)
+
+
+async def _receipts(app: web.Application) -> AsyncIterator[None]:
+    """The receipts' databases of the routes with ``receipt`` (one connection each, opened
+    when first asked: ``database.receipts``), made and swept in the background."""
+    cfg = app[app_keys.CONFIG]
+    app[app_keys.RECEIPTS], retention = _receipt_databases(cfg, app[app_keys.DSN])
+    if not retention:
+        yield
+        return
+    try:
+        async with _running(_tend_receipts(cfg, retention), "receipts"):
+            yield
+    finally:
+        for receipts in retention:
+            with contextlib.suppress(Exception):
+                await receipts.close()
+
+
 async def _sweeper(app: web.Application) -> AsyncIterator[None]:
     cfg = app[app_keys.CONFIG]
     sweeper = retention.Sweeper(app[app_keys.STORE], cfg.routes, cfg.sweeper, app[app_keys.METRICS])
@@ -237,6 +298,7 @@ async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
         app[app_keys.STORE], app[app_keys.FORWARDER], cfg.routes, settings=cfg.redeliverer,
         meters=app[app_keys.METRICS], budget=app[app_keys.BUDGET], room=app[app_keys.ROOM],
         workers=cfg.workers, traces=app[app_keys.TRACING], holds=app[app_keys.HOLDS],
+        receipts_=app[app_keys.RECEIPTS],
     )  # fmt: skip
     if not lanes.configured:
         yield
@@ -390,7 +452,17 @@ def create_app(cfg: config.Config) -> web.Application:
         cfg.database.table, meters.count_spans,
     )  # fmt: skip
     app.cleanup_ctx.extend(
-        [_tracing, _database, _claim_store, _metrics, _forwarder, _sweeper, _holds, _redeliverer]
+        [
+            _tracing,
+            _database,
+            _claim_store,
+            _metrics,
+            _forwarder,
+            _sweeper,
+            _receipts,
+            _holds,
+            _redeliverer,
+        ]
     )
     # Every request, whatever its path: routing happens on the normalized path (paths.py),
     # not in aiohttp's router, which matches before any middleware could normalize it.

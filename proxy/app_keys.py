@@ -41,6 +41,8 @@ METRICS = web.AppKey("metrics", metrics.Metrics)
 DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", memory.Budget)
 ROOM = web.AppKey("room", app_limit.Room)
+# The receipts' databases (``database.receipts``), by the name of each route with ``receipt``.
+RECEIPTS = web.AppKey("receipts", dict[str, database.Receipts])
 # On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
 PROXY = web.AppKey("proxy", web.Application)
 # On the console's (``console``): its settings and its page templates.

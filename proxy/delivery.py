@@ -201,20 +201,30 @@ class Recorded(Protocol):
 
     failures: int  # the failed attempts so far, for the schedule
 
-    async def delivered(self, status: int) -> None: ...
+    async def delivered(self, status: int | None) -> None: ...
 
     async def failed(
         self, attempt: database.Attempt, delay: float, *, dead: bool
     ) -> database.InboxState: ...
 
 
-async def record(redelivery: Recorded, settings: redeliver.Redeliver | None, result: Result) -> str:
+async def record(
+    redelivery: Recorded,
+    settings: redeliver.Redeliver | None,
+    result: Result,
+    written: Callable[[], Awaitable[bool | None]] | None = None,
+) -> str:
     """``result`` in a kept delivery's row, committed: "delivered" (the app took it), else
     "failed" (due again on the route's schedule, ``settings``; None: the default one; never
     before the app's ``Retry-After``) or "dead" (past its ``for``, or an answer retrying
-    cannot fix)."""
+    cannot fix). On a route with ``receipt``, a failure is first settled by the app's receipt
+    (``written``): written, the delivery is "delivered" (the app's effect committed)."""
     failed = result.attempt
     if result.taken and failed.status is not None:
+        await redelivery.delivered(failed.status)
+        return "delivered"
+    if written is not None and await written():
+        # The app committed its receipt: the effect is done, whatever its answer said.
         await redelivery.delivered(failed.status)
         return "delivered"
     settings = settings or redeliver.Redeliver()

@@ -49,6 +49,7 @@ class LogLine(TypedDict, total=False):
     kept: str  # redeliver: kept for redelivery as "pending" or "dead" (or a copy of one)
     kept_for: str  # redeliver: kept without being sent, why (limit, paused, retry_after...)
     handed_off: str  # hand_off: what the app's answer came to after it (delivered, failed...)
+    receipt: str  # receipt: what a look at the app's receipt found (written, absent, ...)
     inbox_full: bool  # redeliver: not kept, the route's inbox at its cap
     inbox_kept_as: str  # redeliver: not kept, its signed body kept already under this ID
     inbox_not_kept: bool  # redeliver: not kept, the database failed or refused to keep it

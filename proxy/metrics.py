@@ -36,6 +36,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 OUTCOMES: tuple[errors.Outcome, ...] = get_args(errors.Outcome)
 # Why a delivery was kept for the redeliverer (dedup_inbox_kept_total's reason).
 KEPT_REASONS = ("failed", "limit", "deadline", "paused", "retry_after")
+# What a look at a receipt found (dedup_receipts_total's result).
+RECEIPT_RESULTS = ("written", "absent", "undecided", "missing")
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -151,6 +153,7 @@ class RouteMeters:
     inbox_replays: Any
     inbox_keep_failures: Any
     kept: dict[str, Any]  # why (KEPT_REASONS) -> counter
+    receipts: dict[str, Any]  # RECEIPT_RESULTS -> counter
     upstream_duration: Timings
     claim_wait: Timings
     commit_duration: Timings
@@ -491,6 +494,16 @@ class Metrics:
             ["route", "reason"],
             registry=self.registry,
         )
+        self.receipts = Counter(
+            "dedup_receipts",
+            "Looks at the app's receipts (routes with receipt), by what they found: written (in "
+            "doubt, the app had committed: settled as processed, not sent again), absent (in "
+            "doubt, it had not and will not), undecided (its transaction still open after "
+            "receipt.wait, or the receipts' database did not answer), missing (a 2xx without "
+            "a receipt: the app does not write them; checked at most every 10 s per worker).",
+            ["route", "result"],
+            registry=self.registry,
+        )
         self.app_in_flight = Gauge(
             "dedup_app_in_flight",
             "Requests at the app now, first deliveries and redeliveries (not pass-through): "
@@ -528,6 +541,7 @@ class Metrics:
             inbox_replays=self.inbox_replays.labels(name),
             inbox_keep_failures=self.inbox_keep_failures.labels(name),
             kept={reason: self.inbox_kept.labels(name, reason) for reason in KEPT_REASONS},
+            receipts={result: self.receipts.labels(name, result) for result in RECEIPT_RESULTS},
             upstream_duration=Timings(self.upstream_duration.labels(name)),
             claim_wait=Timings(self.claim_wait.labels(name)),
             commit_duration=Timings(self.commit_duration.labels(name)),

@@ -307,7 +307,22 @@ def describe_hold(scope: str, hold: database.Hold) -> str:
 
 
 async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:
+    """The claim table; and, with a route that has ``receipt``, the receipts' table and
+    function in each receipts' database."""
     async with open_store(cfg) as store:
         await store.migrate()
-    out.write(f"schema applied: table {cfg.database.table}\n")
+        out.write(f"schema applied: table {cfg.database.table}\n")
+        claim_dsn = store.dsn
+    places = {route.receipt.dsn or claim_dsn for route in cfg.routes if route.receipt}
+    for dsn in sorted(places):
+        receipts = database.Receipts(
+            dsn, connect_timeout=cfg.database.connect_timeout,
+            op_timeout=cfg.database.connect_timeout,
+        )  # fmt: skip
+        try:
+            await receipts.migrate()
+        finally:
+            await receipts.close()
+        where = "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn)
+        out.write(f"schema applied: receipts ({database.receipts.TABLE}) in {where}\n")
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -39,7 +40,10 @@ from proxy import (
     webhooks,
 )
 from proxy.config import routes
+from proxy.database import receipts
 from proxy.upstream import forwarder, http1, proxy_headers
+
+log = logging.getLogger(__name__)
 
 # Why a new event was kept without being sent (``Cycle._keep_unsent``), as the refusal says
 # when it could not be kept either.
@@ -50,6 +54,11 @@ UNSENT = {
     "retry_after": "not sent: the app asked to wait (Retry-After)",
 }
 
+
+# On a route with receipt: the header naming what the app writes in its transaction.
+RECEIPT_HEADER = "Dedup-Receipt"
+# How often, at most, a worker checks that a 2xx on a route with receipt came with one.
+RECEIPT_CHECK_EVERY = 10.0
 
 # After a hand-off, how long past upstream.timeout its row waits before a lane may take it:
 # time for the attempt's result to be written.
@@ -128,7 +137,18 @@ class Route:
         )
         self.lease = cfg.upstream.timeout + HAND_OFF_MARGIN
         self.pool_timeout = cfg.database.pool_timeout  # the longest a request waits for room
+        self.table = cfg.database.table
+        self._receipt_checked = float("-inf")
         self.shed = {reason: meters.shed.labels(reason) for reason in ("memory", "pool", "limit")}
+
+    def receipt_check_due(self) -> bool:
+        """Whether to check that this 2xx came with a receipt: at most every
+        RECEIPT_CHECK_EVERY seconds (one read; the happy path costs nothing else)."""
+        now = time.monotonic()
+        if now - self._receipt_checked < RECEIPT_CHECK_EVERY:
+            return False
+        self._receipt_checked = now
+        return True
 
 
 class Cycle:
@@ -136,8 +156,8 @@ class Cycle:
     ``RequestResponseCycle``): what it carries, and the log line it fills in."""
 
     __slots__ = (
-        "body", "event_id", "line", "request", "reservation", "route", "scope", "sent",
-        "started", "target", "trace", "turn", "verifier",
+        "body", "event_id", "line", "receipt", "request", "reservation", "route", "scope",
+        "sent", "started", "target", "trace", "turn", "verifier",
     )  # fmt: skip
 
     reservation: memory.Reservation  # set once the request is in the budget (``run``)
@@ -157,6 +177,7 @@ class Cycle:
         self.event_id = ""  # as the request carried it (``semantics.Semantics.key``)
         # What the app was sent, on a route that redelivers: what is kept if it fails.
         self.sent: tuple[tuple[str, str], ...] = ()
+        self.receipt: str | None = None  # on a route with receipt: its key, once claimed
 
     async def run(self) -> web.StreamResponse:
         """The request's answer, written, counted and logged."""
@@ -283,6 +304,8 @@ class Cycle:
                     other = route.semantics.claimed_as(key, self.event_id)
                     if other is not None:
                         self.line["body_claimed_as"] = other
+                    if route.config.receipt is not None:
+                        self.receipt = receipts.key(route.table, key.scope, key.event_id)
                     if kept_for is not None:
                         return await self._keep_unsent(claim, kept_for)
                     return await self._forward(key, claim, flight)
@@ -357,10 +380,11 @@ class Cycle:
         """Forward, then commit on a 2xx (with the answer to replay, where the route does) and
         tell the copies queued in this process: the answer and the outcome. Any other answer
         leaves the claim to be released on the way out."""
-        line = self.line
         result, handed = await self._attempt(claim)
         if handed is not None:
             return handed
+        if not result.taken and (settled := await self._settled_by_receipt(claim)) is not None:
+            return settled
         if result.failure is not None:
             if (kept := await self._failed(claim, result)) is not None:
                 return kept
@@ -373,6 +397,19 @@ class Cycle:
             if kept is None:
                 await self._release(claim)
             return kept or (response, "upstream_error")
+        return await self._processed(key, claim, flight, response, upstream)
+
+    async def _processed(
+        self,
+        key: database.Key,
+        claim: database.Claim,
+        flight: flights.Flight,
+        response: web.StreamResponse,
+        upstream: http1.Answer,
+    ) -> tuple[web.StreamResponse, errors.Outcome]:
+        """The app answered 2xx: COMMIT (with the answer to replay, where the route does) and
+        tell the copies queued in this process."""
+        line = self.line
         answer = self._answer_to_store(upstream)
         try:
             done = await self._commit(claim, answer)
@@ -391,7 +428,61 @@ class Cycle:
             line["reconciled"] = True  # re-claimed on another connection, without the answer
         flight.committed_sha256 = key.body_sha256
         flight.answer = done.stored(answer)
+        if self.receipt is not None and self.route.receipt_check_due():
+            await self._check_receipt_written()
         return response, "processed"
+
+    async def _written(self) -> bool | None:
+        """Whether the app committed this delivery's receipt (``database.receipts``): True,
+        False, None (undecided); counted and on the log line."""
+        route = self.route
+        receipts_ = self.request.app[app_keys.RECEIPTS][route.config.name]
+        assert self.receipt is not None
+        assert route.config.receipt is not None
+        written = await receipts_.written(self.receipt, route.config.receipt.wait)
+        result = {True: "written", False: "absent", None: "undecided"}[written]
+        self.line["receipt"] = result
+        route.meters.receipts[result].inc()
+        return written
+
+    async def _settled_by_receipt(
+        self, claim: database.Claim
+    ) -> tuple[web.StreamResponse, errors.Outcome] | None:
+        """On a route with ``receipt``, an attempt that did not come back 2xx: if the app
+        committed its receipt (a second attempt failing on the first's receipt, an answer
+        lost or late), its effect is done: the claim is committed and the provider answered
+        200, the event never sent again. None otherwise (absent, or undecided: the delivery is
+        failed as on any route; a later attempt cannot commit a second receipt)."""
+        if self.receipt is None or not await self._written():
+            return None
+        try:
+            await self._commit(claim, None)
+        except errors.CommitFailed as exc:
+            self.line["commit_error"] = exc.message  # its next copy is settled by the receipt
+        payload = {"status": "processed", "event_id": self.event_id, "receipt": "written"}
+        return _json(200, payload, "processed"), "processed"
+
+    async def _check_receipt_written(self) -> None:
+        """A route that asks for receipts whose app answered 2xx without writing one says so
+        (a warning, ``dedup_receipts_total{result="missing"}``): otherwise the doubt it was
+        meant to settle would be settled as "not done", and the event sent again."""
+        route = self.route
+        receipts_ = self.request.app[app_keys.RECEIPTS][route.config.name]
+        assert self.receipt is not None
+        try:
+            committed = await receipts_.committed(self.receipt)
+        except errors.StoreUnavailable as exc:
+            log.warning("checking a receipt failed: %s", exc.message)
+            return
+        if not committed:
+            self.line["receipt"] = "missing"
+            route.meters.receipts["missing"].inc()
+            log.warning(
+                "route %s asks for receipts, but the app answered %s 2xx without writing one "
+                "(Dedup-Receipt: SELECT dedup_receipt($1) in its transaction): doubtful "
+                "outcomes of this route are settled as not done, and sent again",
+                route.config.name, self.event_id,
+            )  # fmt: skip
 
     async def _attempt(
         self, claim: database.Claim
@@ -440,8 +531,9 @@ class Cycle:
         handed = database.HandedOff(
             self.request.app[app_keys.STORE].inbox, claim.key.scope, claim.key.event_id
         )
+        written = None if self.receipt is None else self._written
         try:
-            line["handed_off"] = await delivery.record(handed, route.redeliver, result)
+            line["handed_off"] = await delivery.record(handed, route.redeliver, result, written)
         except errors.StoreUnavailable as exc:
             line["handed_off"] = "unrecorded"
             line["commit_error"] = exc.message
@@ -491,6 +583,8 @@ class Cycle:
         """The headers the app is sent, for a delivery kept before its attempt ended."""
         client = self.request.app[app_keys.FORWARDER]
         outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
+        if self.receipt is not None:
+            outgoing.headers[RECEIPT_HEADER] = self.receipt
         return tuple(outgoing.headers.items())
 
     async def _keep(
@@ -587,6 +681,8 @@ class Cycle:
         started = time.perf_counter()
         client = self.request.app[app_keys.FORWARDER]
         outgoing = client.outgoing(self.request, self.target, self.body, line["request_id"])
+        if self.receipt is not None:
+            outgoing.headers[RECEIPT_HEADER] = self.receipt
         result = await delivery.attempt(
             client, route.config.upstream, outgoing, self.reservation.answer, self.trace,
             keeps=route.redeliver is not None,

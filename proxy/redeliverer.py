@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
@@ -37,6 +38,7 @@ from multidict import CIMultiDict
 from proxy import app_limit, database, delivery, errors, memory, metrics, tracing
 from proxy import holds as route_holds
 from proxy.config import redeliver, routes
+from proxy.database import receipts
 from proxy.upstream import forwarder, transports
 
 if TYPE_CHECKING:
@@ -68,9 +70,11 @@ class Redeliverer:
         workers: int = 1,
         traces: tracing.Tracing | None = None,
         holds: route_holds.Holds | None = None,
+        receipts_: dict[str, database.Receipts] | None = None,
     ) -> None:
         self._store = store
         self._holds = holds
+        self._receipts = receipts_ or {}  # by route name: the routes with receipt
         self._tracing = traces
         self._client = client
         self._routes = {route.name: route for route in configured if route.redeliver}
@@ -289,7 +293,9 @@ class Redeliverer:
                   **({} if event_id == redelivery.event_id else {"claim_id": redelivery.event_id}),
                   "attempt": redelivery.failures + 1, "upstream_status": status,
                   "upstream_ms": took}  # fmt: skip
-        result = await delivery.record(redelivery, settings, attempted)
+        result = await delivery.record(
+            redelivery, settings, attempted, self._receipt_probe(stored.route, redelivery)
+        )
         retry_after = attempted.retry_after()
         if retry_after is not None and self._holds is not None:
             # The app asked to wait: the route's other redeliveries wait as long, everywhere.
@@ -305,6 +311,28 @@ class Redeliverer:
         )
         log.log(level, "redelivery of %s %s: %s", stored.route, event_id, result,
                 extra={"fields": fields})  # fmt: skip
+
+    def _receipt_probe(
+        self, name: str, redelivery: database.Redelivery
+    ) -> Callable[[], Awaitable[bool | None]] | None:
+        """On a route with ``receipt``: what settles a failed redelivery by the app's receipt
+        (``delivery.record``)."""
+        route = self._routes.get(name)
+        receipts_ = self._receipts.get(name)
+        if route is None or route.receipt is None or receipts_ is None:
+            return None
+        wait = route.receipt.wait
+        key = receipts.key(self._store.table, redelivery.scope, redelivery.event_id)
+        counters = self._meters.receipts
+
+        async def written() -> bool | None:
+            found = await receipts_.written(key, wait)
+            counters.labels(
+                name, {True: "written", False: "absent", None: "undecided"}[found]
+            ).inc()
+            return found
+
+        return written
 
     def provider_id(self, redelivery: database.Redelivery) -> str:
         """The redelivered event's ID as the provider sent it: on a route whose claims are

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy import event_ids, paths, signatures
@@ -19,13 +19,25 @@ IDEMPOTENCY_KEY = "header:Idempotency-Key"
 IDEMPOTENCY_METHODS = ("POST", "PATCH")
 IDEMPOTENCY_RETENTION = 86400.0
 MAX_HAND_OFF = 3600.0
+DEFAULT_RECEIPT_WAIT = 2.0
+RECEIPT_KEYS = ("dsn", "wait")
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
               "max_body", "verify", "retention", "missing_id", "methods", "on_duplicate",
               "replay_max_body", "replay_set_cookie", "claim_wait", "semantics",
-              "scope_from", "redeliver", "hand_off")  # fmt: skip
+              "scope_from", "redeliver", "hand_off", "receipt")  # fmt: skip
 _SEMANTICS = values.parse_choice("webhook", "idempotency-key")
 _MISSING_ID = values.parse_choice("reject", "forward")
 _ON_DUPLICATE = values.parse_choice("ack", "replay")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Receipt:
+    """``receipt``: the app is sent ``Dedup-Receipt`` and writes it in its own transaction;
+    kept in the claim database (``dsn`` None) or the app's own. ``wait``: how long a probe
+    waits on an app transaction still open."""
+
+    dsn: str | None = field(default=None, repr=False)
+    wait: float = DEFAULT_RECEIPT_WAIT
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +75,8 @@ class RouteConfig:
     # delivery is kept (committed) and the provider answered 202 before its deadline, while the
     # proxy goes on waiting for the app. None: never.
     hand_off: float | None = None
+    # ``receipt``: the app writes a receipt in its own transaction (``database.receipts``).
+    receipt: Receipt | None = None
 
     @property
     def id_signed(self) -> bool:
@@ -284,6 +298,7 @@ def _parse_route(
             default_for=min(redeliver.DEFAULT_FOR, retention),
         ),
         hand_off=r.value(route, "hand_off", path, _hand_off, defaults.hand_off),
+        receipt=_receipt(r, r.interpolate(route.get("receipt"), f"{path}.receipt"), path),
     )
     if route_config.redeliver is None and route_config.hand_off is not None:
         if "hand_off" in route:
@@ -329,6 +344,33 @@ def _check_options(
     _check_redeliver(r, path, route_config)
 
 
+def _receipt(r: reader.Reader, raw: object, path: str) -> Receipt | None:
+    """``receipt: true`` (in the claim database), ``false``/absent, or ``{dsn, wait}``."""
+    if raw is None:
+        return None
+    if isinstance(raw, str | bool):
+        try:
+            return Receipt() if values.parse_bool(raw) else None
+        except ValueError:
+            r.problem(f"{path}.receipt", "must be true, false or a mapping of dsn, wait")
+            return None
+    section: dict[str, Any] = r.mapping(raw, f"{path}.receipt", RECEIPT_KEYS)
+    return Receipt(
+        dsn=r.value(section, "dsn", f"{path}.receipt", _receipt_dsn, None),
+        wait=r.value(
+            section, "wait", f"{path}.receipt", values.parse_duration_upto(60.0),
+            DEFAULT_RECEIPT_WAIT,
+        ),
+    )  # fmt: skip
+
+
+def _receipt_dsn(value: object) -> str:
+    dsn = values.parse_dsn(value)
+    if dsn is None:
+        raise ValueError("must be a postgresql:// URL (the app's database), not embedded")
+    return dsn
+
+
 def _hand_off(value: object) -> float | None:
     """A duration, or ``off``/``false`` (never)."""
     if value is False or (isinstance(value, str) and value.lower() in ("off", "false")):
@@ -338,6 +380,8 @@ def _hand_off(value: object) -> float | None:
 
 def _check_redeliver(r: reader.Reader, path: str, route: RouteConfig) -> None:
     """Only where the sender acts on no answer but the 2xx, and kept as long as it retries."""
+    if route.receipt is not None and route.idempotency:
+        r.problem(f"{path}.receipt", "only on webhook routes, not semantics: idempotency-key")
     if route.redeliver is None:
         return
     if route.idempotency or route.replay:

@@ -40,6 +40,7 @@ from proxy.database.inbox import (
     StoredRequest,
 )
 from proxy.database.pool import dsn_hosts, host_named, translated
+from proxy.database.receipts import Receipts
 from proxy.database.sql import BOUND_DIGITS
 from proxy.database.store import (
     DDL_LOCK_WAIT,
@@ -78,6 +79,7 @@ __all__ = [
     "Key",
     "Listed",
     "NotKept",
+    "Receipts",
     "Redelivery",
     "Resolved",
     "RouteHolds",

@@ -284,7 +284,7 @@ class Redelivery:
         self.failures: int = row["inbox_failures"]
         self._taken: datetime = row["taken"]  # now() in this transaction
 
-    async def delivered(self, status: int) -> None:
+    async def delivered(self, status: int | None) -> None:
         """The app answered 2xx: done, the body dropped, committed."""
         await self._end(self._inbox.statements.delivered, status)
 
@@ -335,7 +335,7 @@ class HandedOff:
         self.scope = scope
         self.event_id = event_id
 
-    async def delivered(self, status: int) -> None:
+    async def delivered(self, status: int | None) -> None:
         """The app took it: delivered, the body dropped."""
         await self._update(self._inbox.statements.delivered, status)
 

@@ -188,6 +188,19 @@ def open_connection(
     return connection
 
 
+def connect_one(dsn: str, *, timeout: float) -> Awaitable[Connection]:
+    """One connection outside any pool (the receipts' database, asked only when in doubt),
+    set up as ``open_connection``'s: nothing but ``application_name`` in the startup packet, no
+    statement cache (PgBouncer)."""
+    connection: Awaitable[Connection] = asyncpg.connect(
+        dsn,
+        timeout=timeout,
+        statement_cache_size=0,
+        server_settings={"application_name": APPLICATION_NAME},
+    )
+    return connection
+
+
 def dsn_hosts(dsn: str) -> list[tuple[str, int]]:
     """The (host, port) pairs a DSN names, in order, as asyncpg and libpq read them: the URL's
     ``host1:port1,host2:port2`` (a host without a port takes ``?port=``, else PGPORT, else 5432),

@@ -263,6 +263,8 @@ class Store:
     ) -> None:
         self._pool = connections
         self._connect = connect
+        self.dsn = ""  # the DSN it was opened with (``open``: an operator's command's store)
+        self.table = settings.table
         self._settings = settings
         self.queries = sql.for_table(settings.table)
         self.op_timeout = settings.connect_timeout
@@ -320,6 +322,7 @@ class Store:
             dsn, settings, claim_wait=claim_wait, upstream_timeout=upstream_timeout,
             operator=operator,
         )  # fmt: skip
+        store.dsn = dsn
         with translated(unreachable, connecting=settings.connect_timeout):
             await store._pool.fill()
         await store.notice_distribution()

@@ -1,0 +1,219 @@
+"""Receipts (``receipt``): an app that writes its effect and the receipt in one transaction has
+its effect once, whatever went wrong between it and the proxy. A real app on a real PostgreSQL:
+its ledger and the receipt commit together, or not at all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+from aiohttp import web
+
+from tests.helpers import MakeProxy, Serve, execute, fetch, wait_until
+
+ROUTE = {"name": "pay", "path": "/pay", "event_id": "body:/id", "receipt": True}
+# The receipts' table is shared by every test (one per database): each test's claim table
+# is its own, and a receipt's key names it.
+
+
+class LedgerApp:
+    """An app that credits an account in its own transaction, with the receipt: ``mode``
+    says what goes wrong after (or instead of) its COMMIT."""
+
+    def __init__(self, dsn: str, ledger: str) -> None:
+        self.dsn = dsn
+        self.ledger = ledger
+        self.mode = "ok"
+        self.calls = 0
+        self.committed = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.pool: asyncpg.Pool | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.calls += 1
+        body = await request.json()
+        receipt = request.headers["Dedup-Receipt"]
+        assert self.pool is not None
+        async with self.pool.acquire() as connection:
+            transaction = connection.transaction()
+            await transaction.start()
+            try:
+                await connection.execute(
+                    f'INSERT INTO "{self.ledger}" (event, amount) VALUES ($1, 100)', body["id"]
+                )
+                await connection.execute("SELECT dedup_receipt($1)", receipt)
+            except asyncpg.UniqueViolationError:
+                await transaction.rollback()  # a second receipt: the effect is done already
+                return web.Response(status=500, text="done already")
+            if self.mode == "rollback":
+                await transaction.rollback()
+                return web.Response(status=500, text="failed")
+            if self.mode == "open":  # answers before its COMMIT, then commits
+                response = web.Response(status=503, text="busy")
+                await response.prepare(request)
+                await response.write_eof()
+                await asyncio.sleep(0.5)
+                await transaction.commit()
+                self.committed.set()
+                return response
+            await transaction.commit()
+            self.committed.set()
+        if self.mode == "late":
+            await asyncio.sleep(3)  # past upstream.timeout
+        elif self.mode == "reset":
+            assert request.transport is not None
+            request.transport.abort()
+        elif self.mode == "hang":
+            await self.gate.wait()
+        return web.Response(text="credited")
+
+    async def credits(self, event: str) -> int:
+        rows = await fetch(self.dsn, f'SELECT count(*) AS n FROM "{self.ledger}" WHERE event = $1',
+                           event)  # fmt: skip
+        return int(rows[0]["n"])
+
+
+@pytest.fixture
+async def app(aiohttp_server: Any, pg_dsn: str, table: str) -> AsyncIterator[LedgerApp]:
+    ledger = f"{table}_ledger"
+    await execute(pg_dsn, f'CREATE TABLE "{ledger}" (event text, amount int)')
+    await execute(
+        pg_dsn,
+        "CREATE TABLE IF NOT EXISTS dedup_receipts (key text PRIMARY KEY, "
+        "written_at timestamptz NOT NULL DEFAULT now());"
+        "CREATE OR REPLACE FUNCTION dedup_receipt(receipt text) RETURNS void LANGUAGE sql AS "
+        "$$ INSERT INTO dedup_receipts (key) VALUES (receipt) $$",
+    )
+    ledger_app = LedgerApp(pg_dsn, ledger)
+    ledger_app.pool = await asyncpg.create_pool(pg_dsn, min_size=1, max_size=4)
+    application = web.Application()
+    application.router.add_post("/{tail:.*}", ledger_app.handle)
+    server = await aiohttp_server(application)
+    ledger_app.url = str(server.make_url("")).rstrip("/")  # type: ignore[attr-defined]
+    yield ledger_app
+    await ledger_app.pool.close()
+
+
+def settings(app: LedgerApp, **route: Any) -> dict[str, Any]:
+    return {
+        "routes": [{**ROUTE, **route}],
+        "upstream": {"url": app.url, "timeout": "1s"},  # type: ignore[attr-defined]
+    }
+
+
+@pytest.mark.parametrize(
+    ("mode", "first"),
+    [("late", 504), ("reset", 502)],
+    ids=["answer-after-upstream-timeout", "reset-after-commit"],
+)
+async def test_the_apps_answer_lost_after_its_commit_is_settled_by_the_receipt(
+    make_proxy: MakeProxy, app: LedgerApp, mode: str, first: int
+) -> None:
+    app.mode = mode
+    proxy = await make_proxy(**settings(app))
+
+    answer = await proxy.post("/pay", data=b'{"id": "p1"}')
+
+    # Without the receipt the provider would get `first` and send it again: the receipt says
+    # the app committed, so the claim is committed and the provider told so.
+    assert answer.status == 200, first
+    assert await answer.json() == {"status": "processed", "event_id": "p1", "receipt": "written"}
+    app.mode = "ok"
+    copy = await proxy.post("/pay", data=b'{"id": "p1"}')
+    assert copy.headers["Dedup-Status"] == "duplicate"
+    assert await app.credits("p1") == 1
+    assert app.calls == 1
+
+
+async def test_a_transaction_still_open_when_the_proxy_looks_is_waited_for(
+    make_proxy: MakeProxy, app: LedgerApp
+) -> None:
+    app.mode = "open"  # answers 503 before its COMMIT, commits 0.5 s later
+    proxy = await make_proxy(**settings(app))
+
+    answer = await proxy.post("/pay", data=b'{"id": "p2"}')
+
+    assert answer.status == 200  # the probe waited for the app's transaction, then saw it
+    assert await app.credits("p2") == 1
+
+
+async def test_a_transaction_rolled_back_is_not_done_and_the_next_copy_is_processed_once(
+    make_proxy: MakeProxy, app: LedgerApp
+) -> None:
+    app.mode = "rollback"
+    proxy = await make_proxy(**settings(app))
+
+    assert (await proxy.post("/pay", data=b'{"id": "p3"}')).status == 500
+    app.mode = "ok"
+    again = await proxy.post("/pay", data=b'{"id": "p3"}')
+
+    assert again.status == 200
+    assert await again.text() == "credited"
+    assert await app.credits("p3") == 1
+    assert app.calls == 2
+
+
+async def test_a_claim_lost_after_the_app_committed_is_settled_by_the_receipt_not_sent_twice(
+    make_proxy: MakeProxy, app: LedgerApp, pg_dsn: str, table: str
+) -> None:
+    """A failover to a standby that lacked the claim, or a COMMIT that never landed: the claim
+    is gone but the app's effect and its receipt are not. The next copy reaches the app, whose
+    second receipt fails with its transaction; the proxy then reads the first."""
+    proxy = await make_proxy(**settings(app, receipt={"dsn": pg_dsn}))
+    assert (await proxy.post("/pay", data=b'{"id": "p4"}')).status == 200
+    await execute(pg_dsn, f"DELETE FROM \"{table}\" WHERE event_id = 'p4'")  # the claim lost
+
+    copy = await proxy.post("/pay", data=b'{"id": "p4"}')
+
+    assert copy.status == 200
+    assert await copy.json() == {"status": "processed", "event_id": "p4", "receipt": "written"}
+    assert await app.credits("p4") == 1
+    assert app.calls == 2  # it reached the app, which refused to do it twice
+    third = await proxy.post("/pay", data=b'{"id": "p4"}')
+    assert third.headers["Dedup-Status"] == "duplicate"  # settled: committed as processed
+
+
+async def test_kill_9_after_the_app_committed_and_before_the_claims_commit_credits_once(
+    serve: Serve, app: LedgerApp, pg_dsn: str, table: str
+) -> None:
+    app.mode = "hang"  # committed, then its answer waits
+    config = settings(app)
+    config["upstream"]["timeout"] = "30s"
+    served = await serve(**config)
+    async with aiohttp.ClientSession() as session:
+        sent = asyncio.ensure_future(session.post(f"{served.url}/pay", data=b'{"id": "p5"}'))
+        await asyncio.wait_for(app.committed.wait(), 15)
+        await served.kill()  # the claim's transaction dies uncommitted
+        with pytest.raises(aiohttp.ClientError):
+            await sent
+        assert await fetch(pg_dsn, f"SELECT 1 FROM \"{table}\" WHERE event_id = 'p5'") == []
+        app.gate.set()
+        app.mode = "ok"
+        again = await serve(**config)
+        async with session.post(f"{again.url}/pay", data=b'{"id": "p5"}') as copy:
+            assert copy.status == 200
+            assert json.loads(await copy.text())["receipt"] == "written"
+    assert await app.credits("p5") == 1
+
+
+async def test_a_route_whose_app_writes_no_receipt_says_so(
+    make_proxy: MakeProxy, upstream: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await make_proxy(routes=[ROUTE])  # the fake app writes nothing
+    await wait_until(lambda: _receipts_ready(proxy), "the receipts' table")
+
+    assert (await proxy.post("/pay", data=b'{"id": "p6"}')).status == 200
+
+    assert any("asks for receipts, but the app answered" in r.getMessage() for r in caplog.records)
+
+
+async def _receipts_ready(proxy: Any) -> bool:
+    from proxy import app_keys
+
+    receipts = proxy.app[app_keys.RECEIPTS]["pay"]
+    return not await receipts.missing()
