@@ -12,7 +12,12 @@ With ``--inbox`` the route redelivers (``redeliver``, a schedule of seconds) and
 GitHub's: each event sent 1-3 times, a failure never retried, any 2xx (``queued`` and
 ``duplicate_queued`` included) taken as accepted. The settle phase then only waits until no row
 is pending and the app has every accepted event; an event whose every send failed was refused
-(the provider was told to retry), which the checker tells apart from a loss.
+(the provider was told to retry), which the checker tells apart from a loss. Flow control is
+set up as its user would (``Settings.with_inbox``): ``upstream.concurrency`` at what the pool
+allows, so a delivery over it is kept (``202``, ``kept_for: limit``); the route's ``hand_off``
+at 0.7 of ``upstream.timeout``, so one the app is slow on is kept at the hand-off (``kept_for:
+deadline``) while the attempt goes on; ``claim_wait`` past the hand-off, so a copy finds a slow
+delivery kept rather than still in flight.
 
 The database can be another set-up (``databases``), with the same checker and invariant:
 

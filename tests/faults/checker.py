@@ -44,7 +44,17 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
 - **A kept event is never forwarded again** but by the redeliverer: no copy's first forward
   starts after a delivery of the event was answered ``queued``, ``dead_letter`` or
   ``duplicate_queued``. A ``queued`` answer is the app's failure (its status in the answer, or
-  none: the app did not answer within ``upstream.timeout``).
+  none: the app did not answer within ``upstream.timeout``), unless it says ``kept_for``:
+  ``limit`` (the limit at the app was reached: never forwarded, so every call carrying its ID
+  is a redelivery, even one that starts before the provider read the 202), or ``deadline``
+  (the route's ``hand_off``: its forward was still at the app ``hand_off`` after it started
+  and went on after the 202; or, its line without ``handed_off``, it was never sent).
+- **A hand-off is no excuse.** The forward of a delivery kept at its hand-off goes on at the
+  app, and its result is recorded in the row, which no lane takes before its lease
+  (``upstream.timeout`` + 5 s) ends. A second call of the event beside it or after it is
+  exposed to the same windows as any forward (a fault on its replica, an answer after
+  ``upstream.timeout``), never to ``no_answer``; a kill of its replica during the wait, after
+  which the row is sent again at the lease's end, is counted as ``hand_off_kill``.
 - **Redeliveries are doubles only in the windows.** A call carrying a delivery's ID that is not
   that delivery's first forward is a redelivery, made by the replica whose port it reached.
   The windows are the same (a fault on *that* replica, or a PostgreSQL restart, from the call
@@ -53,6 +63,11 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
   forward was kept with no answer (``no_answer``: the proxy timed out, the app acted after).
 - **Nothing left behind.** After the settle phase no row is pending, and none is dead unless
   the app answered a status retrying cannot fix (the campaign's app never does).
+
+The report counts every failed send by why (the proxy's logged answer and its ``shed``
+reason, or ``claim_wait``), the refused ones apart, and among those the ones with no database
+fault on their replica near them (refused although the database answered); the kept
+deliveries by ``kept_for``; and per replica the most of its calls at the app at once.
 
 A call's replica is the one whose port of the app's it reached; a log line's ``at`` is its
 ``ts`` on the campaign's clock. All times are seconds on one monotonic clock (the campaign's).

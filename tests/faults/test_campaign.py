@@ -694,5 +694,31 @@ def test_checker_inbox_counts_every_failed_send_by_reason_and_the_peak_at_the_ap
     assert report.inbox.refused_reasons == {}
     assert report.inbox.failed_reasons == {"503 unavailable (shed: pool)": 1}
     assert report.inbox.peak_at_app == {"r1": 2, "r2": 1}
-    table = checker.format_report(report)
-    assert "every failed send by  503 unavailable (shed: pool) 1" in table.replace("   ", " ")
+    (row,) = [line for line in checker.format_report(report).splitlines() if "failed send" in line]
+    assert row.endswith("503 unavailable (shed: pool) 1")
+
+
+@pytest.mark.parametrize(
+    ("action", "healthy"),
+    [
+        (None, {"503 unavailable (shed: pool)": 1}),
+        (checker.Action("blackhole", "r1", 0.0, 0.5), {}),  # its pool still reconnecting
+        (checker.Action("pg_restart", "postgres", 1.0, 1.1), {}),
+        (checker.Action("blackhole", "r2", 0.0, 2.0), {"503 unavailable (shed: pool)": 1}),
+    ],
+)
+def test_checker_inbox_tells_refusals_with_the_database_away_from_the_others(
+    action: checker.Action | None, healthy: Mapping[str, int]
+) -> None:
+    shed = {"event_id": "e", "request_id": "d1", "outcome": "unavailable", "shed": "pool"}
+    records = replace(
+        _flow([], [_delivery("d1", "r1", 2.0, 503)], actions=(action,) if action else ()),
+        logs=({**shed, "replica": "r1"},),
+        inbox_states={},
+        claimed=frozenset(),
+    )
+    report, violations = checker.check(records)
+    assert violations == []
+    assert report.inbox is not None
+    assert report.inbox.refused_reasons == {"503 unavailable (shed: pool)": 1}
+    assert report.inbox.refused_healthy == healthy
