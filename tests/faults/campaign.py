@@ -91,6 +91,13 @@ _POLL = 0.05
 RESTART_WITHIN = 30.0  # a killed replica must listen again within this
 HAND_OFF_SHARE = 0.7  # of upstream.timeout, as the presets' hand_off is of the deadline
 INBOX_CLAIM_WAIT = 2.0  # past the hand_off (1.4 s) and its COMMIT
+# The inbox mode's limit at the app per replica, and the connections beside it for the short
+# transactions (a delivery kept, a copy settled, a hand-off's result, the redeliverer's reads),
+# by Little's law: while the app is slow every delivery is kept, some 25 a second per replica
+# here, each transaction up to 0.2 s on two shared cores. One connection (the fifth of a pool
+# of 4 the limit keeps free) was measured to shed 50 deliveries in 4 minutes (docs/guarantees.md).
+INBOX_CONCURRENCY = 3
+INBOX_SHORT_TRANSACTIONS = 5
 
 
 class CampaignError(Exception):
@@ -130,16 +137,19 @@ class Settings:
     hand_off: float | None = None
 
     def with_inbox(self) -> Settings:
-        """These settings in the inbox mode, with flow control as its user sets it up: the
-        limit at the app as high as the pool allows beside the connections kept for short
-        transactions (the fake app takes any number at once: the pool is what binds), a
-        hand_off at 0.7 of upstream.timeout, and claim_wait past it."""
-        hand_off = round(HAND_OFF_SHARE * self.upstream_timeout, 3)
+        """These settings in the inbox mode, with flow control as its user sets it up: a limit
+        at the app, a pool sized for it and for the short transactions beside it, a hand_off
+        at 0.7 of upstream.timeout, and claim_wait past it."""
+        concurrency = self.concurrency or INBOX_CONCURRENCY
+        pool_size = max(self.pool_size, concurrency + INBOX_SHORT_TRANSACTIONS)
+        if app_limit.room_for(pool_size, keeps=True) < concurrency:
+            raise CampaignError(f"pool_size {pool_size} has no room for {concurrency} at the app")
         return replace(
             self,
             inbox=True,
-            concurrency=self.concurrency or app_limit.room_for(self.pool_size, keeps=True),
-            hand_off=self.hand_off or hand_off,
+            concurrency=concurrency,
+            pool_size=pool_size,
+            hand_off=self.hand_off or round(HAND_OFF_SHARE * self.upstream_timeout, 3),
             claim_wait=max(self.claim_wait, INBOX_CLAIM_WAIT),
         )
 
@@ -907,8 +917,10 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
         f" ({limit} forwarded, the others kept for the limit)" if limit else ""
     )
     slow = settings.pool_timeout + 0.5
-    if slow >= settings.upstream_timeout:
-        raise CampaignError("the pool check needs upstream.timeout > pool_timeout + 0.5s")
+    if limit is not None and settings.hand_off is not None:
+        slow = (settings.pool_timeout + settings.hand_off) / 2  # answered before the hand-off
+    if not settings.pool_timeout < slow < min(settings.upstream_timeout, settings.hand_off or 60):
+        raise CampaignError("the pool check needs pool_timeout < hand_off < upstream.timeout")
     if unready := await wait_ready(c.replicas, 15.0):
         return checker.PostCheck(name, False, f"not ready (/readyz) within 15s: {unready}")
     c.app.fixed["health-"] = slow

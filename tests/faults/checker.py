@@ -47,8 +47,8 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
   none: the app did not answer within ``upstream.timeout``), unless it says ``kept_for``:
   ``limit`` (the limit at the app was reached: never forwarded, so every call carrying its ID
   is a redelivery, even one that starts before the provider read the 202), or ``deadline``
-  (the route's ``hand_off``: its forward was still at the app ``hand_off`` after it started
-  and went on after the 202; or, its line without ``handed_off``, it was never sent).
+  (the route's ``hand_off``: its forward was still at the app ``hand_off`` after the request
+  arrived and went on after the 202; or, its line without ``handed_off``, it was never sent).
 - **A hand-off is no excuse.** The forward of a delivery kept at its hand-off goes on at the
   app, and its result is recorded in the row, which no lane takes before its lease
   (``upstream.timeout`` + 5 s) ends. A second call of the event beside it or after it is
@@ -649,10 +649,10 @@ def _kept_unexplained(records: Records, event: _Event) -> Iterator[Violation]:
             continue
         own = [c for c in forwards if c.delivery_id == d.delivery_id]
         if d.kept_for == HANDED_OFF:
+            # hand_off runs from the request's arrival: its claim may have waited on a copy's.
             hand_off = records.hand_off
             failed = hand_off is not None and all(
-                c.end - c.start >= hand_off - TIMEOUT_SLACK and c.end >= d.end - TIMEOUT_SLACK
-                for c in own
+                c.end >= max(d.start + hand_off, d.end) - TIMEOUT_SLACK for c in own
             )
         elif d.kept_for is not None:
             failed = True
