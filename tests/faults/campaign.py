@@ -934,7 +934,7 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
     bad = [d for d in results if not _served(d, limit)]
     if limit is not None:
         for replica in c.replicas:
-            forwarded = [d for d in results if d.replica == replica.name and d.status == 200]
+            forwarded = [d for d in results if d.replica == replica.name and _forwarded(d)]
             if len(forwarded) < min(limit, settings.pool_size):
                 bad += [d for d in results if d.replica == replica.name and d not in bad]
     detail = "; ".join(
@@ -951,11 +951,19 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
     return checker.PostCheck(name, not bad, detail, evidence)
 
 
-def _served(delivery: checker.Delivery, limit: int | None) -> bool:
-    """Forwarded and answered 200; with a limit at the app, or kept for it."""
+def _forwarded(delivery: checker.Delivery) -> bool:
+    """Forwarded to the app: answered its 200, or kept at the hand-off while at the app (its
+    claim's wait and the app's answer together can pass the hand_off)."""
     if delivery.status == 200 and not delivery.duplicate:
         return True
-    return limit is not None and delivery.status == 202 and delivery.kept_for == "limit"
+    return delivery.status == 202 and delivery.kept_for == checker.HANDED_OFF
+
+
+def _served(delivery: checker.Delivery, limit: int | None) -> bool:
+    """Forwarded; with a limit at the app, or kept for it."""
+    if limit is None:
+        return delivery.status == 200 and not delivery.duplicate
+    return _forwarded(delivery) or (delivery.status == 202 and delivery.kept_for == "limit")
 
 
 async def _traffic(provider: Provider, events: Sequence[str], span: float) -> None:
