@@ -13,8 +13,9 @@ GitHub's: each event sent 1-3 times, a failure never retried, any 2xx (``queued`
 ``duplicate_queued`` included) taken as accepted. The settle phase then only waits until no row
 is pending and the app has every accepted event; an event whose every send failed was refused
 (the provider was told to retry), which the checker tells apart from a loss. Flow control is
-set up as its user would (``Settings.with_inbox``): ``upstream.concurrency`` at what the pool
-allows, so a delivery over it is kept (``202``, ``kept_for: limit``); the route's ``hand_off``
+set up as its user would (``Settings.with_inbox``): ``upstream.concurrency`` per replica, with a
+pool sized for it and for the short transactions beside it, so a delivery over the limit is
+kept (``202``, ``kept_for: limit``); the route's ``hand_off``
 at 0.7 of ``upstream.timeout``, so one the app is slow on is kept at the hand-off (``kept_for:
 deadline``) while the attempt goes on; ``claim_wait`` past the hand-off, so a copy finds a slow
 delivery kept rather than still in flight.
@@ -918,7 +919,7 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
     )
     slow = settings.pool_timeout + 0.5
     if limit is not None and settings.hand_off is not None:
-        slow = (settings.pool_timeout + settings.hand_off) / 2  # answered before the hand-off
+        slow = (settings.pool_timeout + settings.hand_off) / 2  # mostly before the hand-off
     if not settings.pool_timeout < slow < min(settings.upstream_timeout, settings.hand_off or 60):
         raise CampaignError("the pool check needs pool_timeout < hand_off < upstream.timeout")
     if unready := await wait_ready(c.replicas, 15.0):
