@@ -1,14 +1,16 @@
-"""The admin listener: ``/metrics``, ``/healthz`` and ``/readyz``, never on the public port.
+"""The admin listener: ``/metrics``, ``/healthz``, ``/readyz`` and the operator console
+(``/console/``, ``proxy.console``), never on the public port.
 
 It is a separate application bound to ``admin.listen`` (loopback by default) that reads the
 proxy application's state: its metrics registry, its claim store and whether it is draining.
 
-Its clients are a kubelet and one or two Prometheus servers, a few short requests at a time, so it
-needs few connections and none for long. Each process keeps at most ``MAX_CONNECTIONS`` of them
-(``connections.ConnectionLimit``, the one waiting longest for a request closed to make room), and
-closes one that has not sent a whole request within ``KEEPALIVE`` seconds of connecting or of its
-previous answer: otherwise idle admin connections could take the descriptors that
-``connections.MARGIN`` keeps for the proxy's own files, and webhooks would fail for want of one.
+Its clients are a kubelet, one or two Prometheus servers and an operator's browser, a few short
+requests at a time, so it needs few connections and none for long. Each process keeps at most
+``MAX_CONNECTIONS`` of them (``connections.ConnectionLimit``, the one waiting longest for a
+request closed to make room), and closes one that has not sent a whole request within
+``KEEPALIVE`` seconds of connecting or of its previous answer: otherwise idle admin connections
+could take the descriptors that ``connections.MARGIN`` keeps for the proxy's own files, and
+webhooks would fail for want of one.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from proxy import app_keys, errors
+from proxy import app_keys, console, errors
 from proxy.upstream import forwarder
 
 # Within connections.MARGIN, beside the listeners, the loop's own descriptors and the public
@@ -25,6 +27,8 @@ MAX_CONNECTIONS = 16
 # Below the usual scrape intervals (15 s and up), so a scraper holds nothing between scrapes; the
 # time a client has to send its headers too (aiohttp's keep-alive timer runs from the start).
 KEEPALIVE = 5.0
+# The console's forms are a few fields; nothing else here reads a body.
+MAX_BODY = 64 * 1024
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -50,8 +54,12 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
+async def _to_console(request: web.Request) -> web.Response:
+    raise web.HTTPMovedPermanently("/console/")
+
+
 def create_admin_app(proxy: web.Application) -> web.Application:
-    admin = web.Application()
+    admin = web.Application(client_max_size=MAX_BODY)
     admin.on_response_prepare.append(forwarder.name_the_server)
     admin[app_keys.PROXY] = proxy
     meters = proxy[app_keys.METRICS]
@@ -64,4 +72,7 @@ def create_admin_app(proxy: web.Application) -> web.Application:
     admin.router.add_get("/metrics", metrics)
     admin.router.add_get("/healthz", healthz)
     admin.router.add_get("/readyz", readyz)
+    if proxy[app_keys.CONFIG].admin.console.enabled:
+        admin.router.add_get("/console", _to_console)
+        admin.add_subapp("/console", console.create_console_app(proxy))
     return admin

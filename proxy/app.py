@@ -25,6 +25,7 @@ from proxy import (
     embedded,
     errors,
     flights,
+    holds,
     memory,
     metrics,
     pipeline,
@@ -216,6 +217,17 @@ async def _sweeper(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+async def _holds(app: web.Application) -> AsyncIterator[None]:
+    """This worker's copy of the route holds, read every ``redeliverer.poll`` from the store's
+    start to the end of the drain."""
+    cfg = app[app_keys.CONFIG]
+    copy = app[app_keys.HOLDS] = holds.Holds(
+        app[app_keys.STORE], cfg.routes, poll=cfg.redeliverer.poll, meters=app[app_keys.METRICS]
+    )
+    async with _running(copy.run(), "route-holds"):
+        yield
+
+
 async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
     """With a route that redelivers: this worker's lanes, from start-up to the drain. On
     SIGTERM they take no more rows; at the end of the drain, a redelivery still in flight past
@@ -224,7 +236,7 @@ async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
     lanes = redeliverer.Redeliverer(
         app[app_keys.STORE], app[app_keys.FORWARDER], cfg.routes, settings=cfg.redeliverer,
         meters=app[app_keys.METRICS], budget=app[app_keys.BUDGET], room=app[app_keys.ROOM],
-        workers=cfg.workers, traces=app[app_keys.TRACING],
+        workers=cfg.workers, traces=app[app_keys.TRACING], holds=app[app_keys.HOLDS],
     )  # fmt: skip
     if not lanes.configured:
         yield
@@ -378,7 +390,7 @@ def create_app(cfg: config.Config) -> web.Application:
         cfg.database.table, meters.count_spans,
     )  # fmt: skip
     app.cleanup_ctx.extend(
-        [_tracing, _database, _claim_store, _metrics, _forwarder, _sweeper, _redeliverer]
+        [_tracing, _database, _claim_store, _metrics, _forwarder, _sweeper, _holds, _redeliverer]
     )
     # Every request, whatever its path: routing happens on the normalized path (paths.py),
     # not in aiohttp's router, which matches before any middleware could normalize it.

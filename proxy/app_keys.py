@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
+import jinja2
 from aiohttp import web
 
-from proxy import app_limit, config, database, errors, flights, memory, metrics, tracing
+from proxy import app_limit, config, database, errors, flights, holds, memory, metrics, tracing
 from proxy.upstream import forwarder
 
 
@@ -34,9 +35,14 @@ START = web.AppKey("start", Start)
 STORE = web.AppKey("store", database.Store)
 FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
 FLIGHTS = web.AppKey("flights", flights.Flights)
+# This worker's copy of the route holds: ``held(scope)`` answers without a database round trip.
+HOLDS = web.AppKey("holds", holds.Holds)
 METRICS = web.AppKey("metrics", metrics.Metrics)
 DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", memory.Budget)
 ROOM = web.AppKey("room", app_limit.Room)
 # On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
 PROXY = web.AppKey("proxy", web.Application)
+# On the console's (``console``): its settings and its page templates.
+CONSOLE = web.AppKey("console", config.console.ConsoleConfig)
+CONSOLE_TEMPLATES = web.AppKey("console_templates", jinja2.Environment)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from proxy import (
     __version__,
+    app_limit,
     config,
     database,
     demo,
@@ -98,10 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also connect to each route's app (exit status 1 if one takes no connection): "
         "where the app runs, as in the proxy's pod, not in a migrate Job",
     )
-    command(
-        "stats",
-        "claims per route: rows, oldest, newest, retention",
-        _operator(lambda cfg, args: operations.stats(cfg)),
+    _json_option(
+        command(
+            "stats",
+            "claims per route: rows, pending and dead deliveries, oldest, newest, retention",
+            _operator(lambda cfg, args: operations.stats(cfg, as_json=args.json)),
+        )
     )
     command("schema", "print the claim table's DDL (for create_schema: false deployments)", _schema)
     command(
@@ -128,18 +131,30 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
     built = []
 
     def action(
-        name: str, text: str, func: Operation, description: str | None = None
+        name: str,
+        text: str,
+        func: Operation,
+        description: str | None = None,
+        *,
+        every_route: bool = False,
     ) -> argparse.ArgumentParser:
         sub = actions.add_parser(name, help=text, description=description)
         sub.set_defaults(func=_operator(func), starts=False, logged=False)
-        sub.add_argument("--route", required=True, help="route name from the configuration")
+        sub.add_argument(
+            "--route",
+            required=not every_route,
+            help="route name from the configuration"
+            + ("; without it, every route's" if every_route else ""),
+        )
         built.append(sub)
         return sub
 
     listing = action(
         "list",
         "recent claims of a route, newest first",
-        lambda cfg, args: operations.list_events(cfg, args.route, args.since, args.limit),
+        lambda cfg, args: operations.list_events(
+            cfg, args.route, args.since, args.limit, as_json=args.json
+        ),
     )
     listing.add_argument(
         "--since", type=_duration, help="only claims newer than this (e.g. 1h, 30m, 2d)"
@@ -147,6 +162,7 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
     listing.add_argument(
         "--limit", type=_positive, default=50, help="at most this many (default 50)"
     )
+    _json_option(listing)
     forgetting = action(
         "forget",
         "release claims so a manual redelivery from the provider goes through",
@@ -171,18 +187,22 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         kept = action(
             state,
             text,
-            lambda cfg, args: inbox_commands.listing(cfg, args.route, args.state, args.limit),
+            lambda cfg, args: inbox_commands.listing(
+                cfg, args.route, args.state, args.limit, as_json=args.json
+            ),
             text,
+            every_route=True,
         )
         kept.set_defaults(state=state)
         kept.add_argument(
             "--limit", type=_positive, default=50, help="at most this many (default 50)"
         )
+        _json_option(kept)
     showing = action(
         "show",
         "one event: its state, the request kept and every attempt",
         lambda cfg, args: inbox_commands.show(
-            cfg, args.route, args.event_id, scope=args.scope, body=args.body
+            cfg, args.route, args.event_id, scope=args.scope, body=args.body, as_json=args.json
         ),
         "one event: its state, the request kept and every attempt",
     )
@@ -190,19 +210,61 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
     showing.add_argument(
         "--body", action="store_true", help="write only the kept body, as sent, to stdout"
     )
+    _json_option(showing)
     showing.add_argument("event_id", metavar="EVENT_ID")
     redelivering = action(
         "redeliver",
         "make pending or dead deliveries due now, for a running proxy to redeliver",
         lambda cfg, args: inbox_commands.redeliver(
-            cfg, args.route, args.event_ids, scope=args.scope, every=args.every, since=args.since
+            cfg,
+            args.route,
+            args.event_ids,
+            scope=args.scope,
+            every=args.every,
+            since=args.since,
+            dry_run=args.dry_run,
         ),
         "Make these pending or dead deliveries (or, with --dead or --pending, all of the "
         "route's in that state) due now, with the route's whole redeliver.for again. A running "
-        "proxy's redeliverer sends them; this command sends nothing.",
+        "proxy's redeliverer sends them; this command sends nothing." + _BULK,
     )
-    redelivering.add_argument("--scope", help=scope_help + "; with --dead or --pending, narrows it")
-    every = redelivering.add_mutually_exclusive_group()
+    _bulk_options(redelivering, scope_help, "now, not at its next due time (the app is back)")
+    discarding = action(
+        "discard",
+        "drop pending or dead deliveries for good; their claims stay",
+        lambda cfg, args: inbox_commands.discard(
+            cfg,
+            args.route,
+            args.event_ids,
+            scope=args.scope,
+            every=args.every,
+            since=args.since,
+            dry_run=args.dry_run,
+        ),
+        "Drop these pending or dead deliveries (or, with --dead or --pending, all of the "
+        "route's in that state) and their bodies; they are not redelivered. Their claims stay, "
+        "so the provider's copies are still answered as duplicates: to let a copy through to "
+        "the app instead, use events forget." + _BULK,
+    )
+    _bulk_options(discarding, scope_help, "")
+    _hold_actions(action)
+    for sub in built:
+        _config_option(sub)
+
+
+_BULK = (
+    " With --dead or --pending, the rows are counted first (--dry-run: the count and the "
+    "first rows, and nothing changed), then changed in batches, each committed on its own, "
+    "with progress on stderr: Ctrl-C leaves each row changed or not, and the same command "
+    "again continues with the rest."
+)
+
+
+def _bulk_options(sub: argparse.ArgumentParser, scope_help: str, pending_help: str) -> None:
+    """``events redeliver``'s and ``discard``'s: the IDs, or every row of the route in a state
+    (``--dead``, ``--pending``, ``--since``, ``--dry-run``)."""
+    sub.add_argument("--scope", help=scope_help + "; with --dead or --pending, narrows it")
+    every = sub.add_mutually_exclusive_group()
     every.add_argument(
         "--dead",
         action="store_const",
@@ -215,27 +277,52 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         action="store_const",
         dest="every",
         const=database.InboxState.PENDING,
-        help="every pending delivery of the route now, not at its next due time (the app is "
-        "back after an outage)",
+        help=f"every pending delivery of the route{' ' + pending_help if pending_help else ''}",
     )
-    redelivering.add_argument(
+    sub.add_argument(
         "--since",
         type=_duration,
         help="with --dead or --pending: only those that became so within this (e.g. 1h)",
     )
-    redelivering.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
-    discarding = action(
-        "discard",
-        "drop pending or dead deliveries for good; their claims stay",
-        lambda cfg, args: inbox_commands.discard(cfg, args.route, args.event_ids, scope=args.scope),
-        "Drop these pending or dead deliveries and their bodies; they are not redelivered. "
-        "Their claims stay, so the provider's copies are still answered as duplicates: to let "
-        "a copy through to the app instead, use events forget.",
+    sub.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="with --dead or --pending: print how many and the first of them; change nothing",
     )
-    discarding.add_argument("--scope", help=scope_help)
-    discarding.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
-    for sub in built:
-        _config_option(sub)
+    sub.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
+
+
+def _json_option(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument(
+        "--json", action="store_true", help="print one JSON document (docs/operations.md)"
+    )
+
+
+def _hold_actions(action: Callable[..., argparse.ArgumentParser]) -> None:
+    """``events pause`` and ``resume`` (``inbox_commands``)."""
+    pausing = action(
+        "pause",
+        "hold a route's redeliveries on every replica, until resumed or for a while",
+        lambda cfg, args: inbox_commands.pause(
+            cfg, args.route, for_=args.for_, note=args.reason, by=args.by
+        ),
+        "Hold the route's redeliveries on every running proxy (a maintenance window, a bad "
+        "deploy). A route without redeliver answers its webhooks 503 with Retry-After "
+        "meanwhile. dedup-proxy stats lists the routes held.",
+    )
+    pausing.add_argument(
+        "--for", dest="for_", type=_duration, help="end the pause after this (e.g. 2h)"
+    )
+    pausing.add_argument("--reason", help="why, shown with the hold")
+    pausing.add_argument("--by", help="who pauses (default: the OS user)")
+    resuming = action(
+        "resume",
+        "end a route's hold (a pause, or the app's Retry-After) on every replica",
+        lambda cfg, args: inbox_commands.resume(cfg, args.route, by=args.by),
+        "End the route's hold: every running proxy redelivers its pending deliveries again, "
+        "within the limit at the app. Exit status 1 if it was not held.",
+    )
+    resuming.add_argument("--by", help="who resumes (default: the OS user)")
 
 
 def _positive(text: str) -> int:
@@ -265,7 +352,7 @@ def _describe(cfg: config.Config, source: str) -> str:
     lines = [
         f"configuration OK: {source}",
         f"listen:      {cfg.listen}",
-        f"upstream:    {cfg.upstream.url} (timeout {cfg.upstream.timeout:g}s)",
+        f"upstream:    {cfg.upstream.url} (timeout {cfg.upstream.timeout:g}s, {_limit(cfg)})",
         f"database:    {dsn}, table {db.table}, pool {db.pool_size}",
         f"claim_wait:  {cfg.claim_wait:g}s   shutdown_timeout: {cfg.shutdown_timeout:g}s",
         f"tracing:     {tracing.summary(os.environ)}",
@@ -310,13 +397,27 @@ def _describe(cfg: config.Config, source: str) -> str:
     return "\n".join(lines)
 
 
+def _limit(cfg: config.Config) -> str:
+    """The limit at the app, as ``check`` shows it."""
+    keeps = any(route.redeliver for route in cfg.routes)
+    each = app_limit.share(
+        cfg.upstream.concurrency, cfg.workers, cfg.database.pool_size, keeps=keeps
+    )
+    if cfg.upstream.concurrency is None:
+        return f"at most {each} at once per worker: what the pool allows"
+    return f"at most {cfg.upstream.concurrency} at once per replica, {each} per worker"
+
+
 def _redelivered(route: routes.RouteConfig) -> str:
     """How a route's failed deliveries are kept and sent again ("" when they are not)."""
     if route.redeliver is None:
         return ""
     schedule = "/".join(values.format_duration(s) for s in route.redeliver.schedule)
     within = values.format_duration(route.redeliver.for_)
-    return f"failures kept, redelivered after {schedule} for {within}"
+    hand_off = (
+        f", handed off after {values.format_duration(route.hand_off)}" if route.hand_off else ""
+    )
+    return f"failures kept, redelivered after {schedule} for {within}{hand_off}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -35,6 +37,12 @@ if TYPE_CHECKING:
 # else (404 and 401/403 included: a deploy or a rotated secret) is tried again on schedule.
 UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
 T = TypeVar("T")
+
+# The app's own back-pressure: a 429 or 503 may say when to come back (RFC 9110, 10.2.3). Capped,
+# since the wait holds the route's redeliveries on every replica: a typo in the app's header
+# must not stop them for a week.
+BACK_OFF = frozenset({429, 503})
+MAX_RETRY_AFTER = 3600.0
 
 # Standard Webhooks senders disable an endpoint that answers 410: it is never relayed.
 GONE = "upstream answered 410 Gone"
@@ -74,6 +82,25 @@ class Result:
             return database.Attempt(self.status)
         return database.Attempt(self.status, GONE if self.answer is not None else
                                 self.failure.message)  # fmt: skip
+
+    def retry_after(self, now: float | None = None) -> float | None:
+        """How long the app asked to be left alone: a 429 or 503 with ``Retry-After`` (seconds,
+        or an HTTP-date), at most ``MAX_RETRY_AFTER``; None when it did not say."""
+        answer = self.answer
+        if answer is None or answer.status not in BACK_OFF:
+            return None
+        value = answer.headers.get("Retry-After", "").strip()
+        if value.isascii() and value.isdigit():
+            seconds = float(value)
+        else:
+            try:
+                when = email.utils.parsedate_to_datetime(value)
+            except (TypeError, ValueError, IndexError):
+                return None
+            if when.tzinfo is None:
+                return None
+            seconds = when.timestamp() - (time.time() if now is None else now)
+        return max(0.0, min(seconds, MAX_RETRY_AFTER))
 
     def relayed(self) -> http1.Answer:
         """The answer to relay; raises the failure when there is none."""
@@ -149,11 +176,13 @@ def keep(
     signed: str | None = None,
     *,
     delay: float | None = None,
+    attempted: bool = True,
 ) -> database.KeepPolicy:
     """How a delivery on ``route`` is kept for the redeliverer after ``attempt`` (its claim is
     in ``scope``; ``signed``: its claim ID's signed part, see ``database.KeepPolicy``): dead at once
     on an answer retrying cannot fix; due after ``delay`` (None: the schedule's first wait; 0 for
-    one not sent, a lease for one handed off)."""
+    one not sent, a lease for one handed off); ``attempted``: False for one kept before its
+    attempt ended (``attempt`` is then not recorded)."""
     return database.KeepPolicy(
         delay=settings.schedule[0] if delay is None else delay,
         until=settings.for_,
@@ -162,6 +191,7 @@ def keep(
         cap_scope=route.cap_scope(scope),
         dead=attempt.status in UNFIXABLE,
         signed=signed,
+        attempted=attempted,
     )
 
 
@@ -180,14 +210,14 @@ class Recorded(Protocol):
 
 async def record(redelivery: Recorded, settings: redeliver.Redeliver | None, result: Result) -> str:
     """``result`` in a kept delivery's row, committed: "delivered" (the app took it), else
-    "failed" (due again on the route's schedule, ``settings``; None: the default one) or
-    "dead" (past its ``for``, or an answer retrying cannot fix)."""
+    "failed" (due again on the route's schedule, ``settings``; None: the default one; never
+    before the app's ``Retry-After``) or "dead" (past its ``for``, or an answer retrying
+    cannot fix)."""
     failed = result.attempt
     if result.taken and failed.status is not None:
         await redelivery.delivered(failed.status)
         return "delivered"
     settings = settings or redeliver.Redeliver()
-    state = await redelivery.failed(
-        failed, settings.delay(redelivery.failures + 1), dead=failed.status in UNFIXABLE
-    )
+    delay = max(settings.delay(redelivery.failures + 1), result.retry_after() or 0.0)
+    state = await redelivery.failed(failed, delay, dead=failed.status in UNFIXABLE)
     return "dead" if state == database.InboxState.DEAD else "failed"

@@ -66,6 +66,8 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
         + AppBusy                   503  no room at the app (upstream.concurrency) within
                                          pool_timeout, on a route that cannot keep it
                                          (outcome unavailable, shed: limit)
+          + RoutePaused             503  the route is held (events pause) and cannot keep
+                                         what arrives: it has no redeliver
         + UpstreamFailed                 the app's answer did not come through (outcome
                                          upstream_error); carries .upstream_status (the status
                                          line, if it came)
@@ -79,8 +81,9 @@ A subclass's docstring is its default message.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 # A request's outcome: on its log line (``log_line.LogLine``), in the Dedup-Status of the
 # proxy's own answers, and as dedup_requests_total's label (``metrics.OUTCOMES``). An error's
@@ -393,7 +396,24 @@ class AppBusy(RequestError):
     code = "app_busy"
     retry_after = 5
     outcome: Outcome = "unavailable"
-    shed = "limit"
+    shed: str | None = "limit"
+
+
+class RoutePaused(AppBusy):
+    """The route is paused; try again later."""
+
+    code = "route_paused"
+    shed = None
+
+    @classmethod
+    def holding(cls, route: str, hold: Any) -> RoutePaused:
+        """The refusal of a webhook on ``route`` while ``hold`` (a ``database.Hold``) holds it:
+        ``Retry-After`` its remaining time, from 5 s to a minute (the provider backs off on its
+        own past that)."""
+        left = 60.0 if hold.until is None else hold.until - time.time()
+        refusal = cls(f"route {route!r} is held ({hold.reason}; dedup-proxy events resume)")
+        refusal.retry_after = int(min(60.0, max(5.0, left)))
+        return refusal
 
 
 class UpstreamTimeout(UpstreamFailed):

@@ -1,26 +1,37 @@
 """The inbox's operator commands: ``events pending``, ``dead``, ``show``, ``redeliver`` and
-``discard``, over the rows a route with ``redeliver`` keeps (``proxy.database.inbox``).
+``discard``, over the rows a route with ``redeliver`` keeps (``proxy.database.inbox``); and
+``events pause`` and ``resume``, which hold and release a route's scope on every replica
+(``proxy.database.holds``).
 
 Each opens a store of one connection (``operations.open_store``), as the other operator
 commands do. None sends anything to the app: ``redeliver`` makes rows due now, and a running
-proxy's redeliverer sends them.
+proxy's redeliverer sends them. ``redeliver`` and ``discard`` of every row in a state count
+first and change the rows in batches each committed on its own (``_bulk``); the listings and
+``show`` print one JSON document with ``--json``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import getpass
 import io
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, BinaryIO, TextIO
+from typing import Any, BinaryIO, NamedTuple, TextIO
 
 from proxy import config, database, errors, logs, operations
+from proxy.config import routes, values
 from proxy.database import inbox
 
 # Their values are credentials of the sender's session, not of the event: masked in ``show``.
 # Signature headers are printed: they are the event's, and useless without the secret.
 MASKED_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 LAST_ERROR_WIDTH = 60
+_DUE_NOW = "delivery(ies) due now; the redeliverer takes them within its poll interval"
+# How many of the rows a dry run lists.
+SAMPLE = 10
 _LISTED = ("received_at", "scope", "event_id", "event_type", "attempts", "last")
 
 
@@ -40,22 +51,57 @@ def _last(status: int | None, error: str | None) -> str:
 
 async def listing(
     cfg: config.Config,
-    route: str,
+    route: str | None,
     state: inbox.InboxState,
     limit: int,
+    *,
+    as_json: bool = False,
     out: TextIO = sys.stdout,
 ) -> int:
-    """The oldest ``limit`` rows of the route (all its scopes) in ``state``, pending or dead."""
-    scope = operations.route_scope(cfg, route)
+    """The oldest ``limit`` rows in ``state``, pending or dead, of the route (all its scopes),
+    or of every route when ``route`` is None."""
+    scopes = _scopes(cfg, route)
+    rows: list[inbox.Listed] = []
+    total = 0
     async with operations.open_store(cfg) as store:
-        rows, total = await store.inbox.kept(scope, state, limit)
-    pending = state == inbox.InboxState.PENDING
+        for scope in scopes:
+            found, count = await store.inbox.kept(scope, state, limit)
+            rows += found
+            total += count
+    rows = sorted(rows, key=lambda r: (r.received_at, r.scope, r.event_id))[:limit]
+    if as_json:
+        out.write(operations.json_document({
+            "state": state.value, "scopes": scopes, "total": total,
+            "deliveries": [_listed_json(r) for r in rows],
+        }))  # fmt: skip
+        return 0
+    _table(rows, state == inbox.InboxState.PENDING, out)
+    what = f"{state} delivery(ies) in scope {', '.join(scopes) if scopes else '-'}"
+    if total > len(rows):
+        out.write(f"showing the {len(rows)} oldest of {total} {what}\n")
+    else:
+        out.write(f"{len(rows)} {what}\n")
+    return 0
+
+
+def _scopes(cfg: config.Config, route: str | None) -> list[str]:
+    """The route's scope, or every route's (each once, and none inside another's)."""
+    if route is not None:
+        return [operations.route_scope(cfg, route)]
+    every = list(dict.fromkeys(r.scope for r in cfg.routes))
+    return [s for s in every if not any(s != o and operations.in_scope(s, o) for o in every)]
+
+
+def _table(rows: Sequence[inbox.Listed], pending: bool, out: TextIO) -> None:
+    """Kept rows as ``events pending``/``dead`` list them, a line each."""
     headers = (*_LISTED, *(("next_due",) if pending else ()), "body_bytes")
     operations.table(
         [
             (
-                _when(r.received_at), r.scope, r.event_id, r.event_type or "-", r.attempts,
-                _last(r.last_status, r.last_error), *((_when(r.due),) if pending else ()),
+                _when(r.received_at), logs.printable(r.scope), logs.printable(r.event_id),
+                logs.printable(r.event_type or "-"), r.attempts,
+                logs.printable(_last(r.last_status, r.last_error)),
+                *((_when(r.due),) if pending else ()),
                 "-" if r.body_bytes is None else r.body_bytes,
             )
             for r in rows
@@ -63,12 +109,15 @@ async def listing(
         headers,
         out,
     )  # fmt: skip
-    what = f"{state} delivery(ies) in scope {scope}"
-    if total > len(rows):
-        out.write(f"showing the {len(rows)} oldest of {total} {what}\n")
-    else:
-        out.write(f"{len(rows)} {what}\n")
-    return 0
+
+
+def _listed_json(row: inbox.Listed) -> dict[str, Any]:
+    return {
+        "scope": row.scope, "event_id": row.event_id, "event_type": row.event_type,
+        "received_at": operations.timestamp(row.received_at), "state": row.state,
+        "attempts": row.attempts, "last_status": row.last_status, "last_error": row.last_error,
+        "next_due": operations.timestamp(row.due), "body_bytes": row.body_bytes,
+    }  # fmt: skip
 
 
 async def show(
@@ -78,13 +127,16 @@ async def show(
     *,
     scope: str | None = None,
     body: bool = False,
+    as_json: bool = False,
     out: TextIO = sys.stdout,
     raw: BinaryIO | None = None,
 ) -> int:
     """Everything stored about one event (its ID as the provider sent it or as stored,
     ``operations.resolve``); with ``body``, only its kept body, as sent (to ``raw``, stdout's
     bytes by default). Exit 1 if there is no such event (or no body), or the ID is several
-    (listed)."""
+    (listed). With ``as_json``, the event as one JSON document (``shown_json``)."""
+    if body and as_json:
+        raise errors.UsageError("--body and --json: one of them")
     scope = operations.exact_scope(operations.route_of(cfg, route), scope)
     async with operations.open_store(cfg) as store:
         found = await operations.resolve(store, scope, [event_id])
@@ -93,6 +145,9 @@ async def show(
     if shown is None:
         print(found.problems.get(event_id, f"not found: {scope} {event_id}"), file=sys.stderr)
         return 1
+    if as_json:
+        out.write(operations.json_document(shown_json(shown)))
+        return 0
     if not body:
         out.write(describe(shown))
         return 0
@@ -126,7 +181,7 @@ def describe(shown: inbox.Shown) -> str:
     ]
     text = io.StringIO()
     for name, value in fields:
-        text.write(f"{name + ':':<13}{value}\n")
+        text.write(f"{name + ':':<13}{logs.printable(value)}\n")
     if shown.request is not None:
         text.write(_request(shown.request, shown.body_bytes, shown.state))
     elif shown.state is None:
@@ -135,6 +190,34 @@ def describe(shown: inbox.Shown) -> str:
         text.write(f"request:     dropped ({shown.state}), headers and body\n")
     text.write(_attempts(shown.attempts))
     return text.getvalue()
+
+
+def shown_json(shown: inbox.Shown) -> dict[str, Any]:
+    """``events show --json``: what ``describe`` shows, with stable keys. The target and the
+    header values are strings, or ``{"base64": …}`` for one holding bytes that are not UTF-8
+    (as the inbox stores them); masked headers' values are ``null``, with their size."""
+    request = shown.request
+    return {
+        "event_id": database.unbound(shown.event_id), "claim_id": shown.event_id,
+        "scope": shown.scope, "event_type": shown.event_type,
+        "received_at": operations.timestamp(shown.received_at), "state": shown.state,
+        "next_due": operations.timestamp(shown.due), "until": operations.timestamp(shown.until),
+        "changed": operations.timestamp(shown.changed),
+        "request": None if request is None else {
+            "method": request.method, "target": inbox.wire(request.target),
+            "upstream": request.upstream, "route": request.route,
+            "headers": [_header_json(name, value) for name, value in request.headers],
+            "body_bytes": shown.body_bytes,
+        },
+        "attempts": shown.attempts,
+    }  # fmt: skip
+
+
+def _header_json(name: str, value: str) -> dict[str, Any]:
+    if name.lower() in MASKED_HEADERS:
+        size = len(value.encode("utf-8", "surrogateescape"))
+        return {"name": name, "value": None, "redacted_bytes": size}
+    return {"name": name, "value": inbox.wire(value)}
 
 
 def _request(delivery: inbox.StoredRequest, body_bytes: int | None, state: str | None) -> str:
@@ -174,6 +257,102 @@ def _attempts(attempts: Sequence[dict[str, Any]]) -> str:
     return f"attempts:    {len(attempts)}\n{indented}"
 
 
+class Verbs(NamedTuple):
+    """How a bulk command says what it does: ``verb`` (a dry run's "would …"), ``did`` (each
+    row's line on stdout) and ``progress`` (its progress lines on stderr)."""
+
+    verb: str
+    did: str
+    progress: str
+
+
+def _bulk_usage(
+    event_ids: Sequence[str], every: inbox.InboxState | None, since: float | None, dry_run: bool
+) -> None:
+    if bool(event_ids) == (every is not None):
+        raise errors.UsageError("give event IDs, --dead or --pending: one of them")
+    if since is not None and every is None:
+        raise errors.UsageError("--since goes with --dead or --pending only")
+    if dry_run and every is None:
+        raise errors.UsageError("--dry-run goes with --dead or --pending only")
+
+
+def _selection(
+    route: routes.RouteConfig,
+    scope: str | None,
+    state: inbox.InboxState,
+    since: float | None,
+    *,
+    again: bool,
+) -> inbox.Selection:
+    after = datetime.now(UTC) - timedelta(seconds=since) if since is not None else None
+    return inbox.Selection(operations.narrowed_scope(route, scope), state, after, again)
+
+
+async def _bulk(
+    store: database.Store,
+    selection: inbox.Selection,
+    act: Callable[[list[inbox.Key]], Awaitable[list[inbox.Key]]],
+    verbs: Verbs,
+    *,
+    dry_run: bool,
+    out: TextIO,
+    err: TextIO,
+) -> int:
+    """``act`` over every row of ``selection``: counted first (with ``dry_run``, the count and
+    the first rows, and nothing changed), then ``inbox.BATCH`` rows at a time, each batch committed
+    on its own and followed by a progress line on stderr.
+
+    Ctrl-C leaves each row changed or not (the batch in flight is rolled back whole), and the
+    rows changed no longer match ``selection``: the same command again continues with the
+    rest. Rows are paged by key, so a run ends even when it passes rows over (a row being
+    redelivered right now)."""
+    state, scope = selection.state, selection.scope
+    total = await store.inbox.selected_count(selection)
+    if dry_run:
+        sample = await store.inbox.selected(selection, None, SAMPLE)
+        if sample:
+            _table(sample, state == inbox.InboxState.PENDING, out)
+        shown = f" (the first {len(sample)} above)" if len(sample) < total else ""
+        out.write(
+            f"would {verbs.verb} {total} {state} delivery(ies) in scope {scope}{shown}; "
+            "nothing changed (--dry-run)\n"
+        )
+        return 0
+    if not total:
+        out.write(f"no {state} deliveries in scope {scope}\n")
+        return 0
+    done = passed = 0
+    after = None
+    try:
+        while page := await store.inbox.selected(selection, after, inbox.BATCH):
+            keys = [inbox.Key(row.scope, row.event_id) for row in page]
+            changed = await act(keys)
+            for key in changed:
+                out.write(
+                    f"{verbs.did}: {logs.printable(key.scope)} {logs.printable(key.event_id)}\n"
+                )
+            out.flush()
+            done += len(changed)
+            passed += len(keys) - len(changed)
+            err.write(f"{verbs.progress} {done} of {total}\n")
+            err.flush()
+            after = keys[-1]
+    except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels the command
+        err.write(
+            f"interrupted: {verbs.progress} {done} of {total}, each batch committed whole; "
+            "the rest are as they were: run the same command again to continue\n"
+        )
+        raise
+    if passed:
+        out.write(f"{passed} passed over: being redelivered at that moment, or no longer {state}\n")
+    if verbs.verb == "redeliver":
+        out.write(f"{done} {_DUE_NOW}\n")
+    else:
+        out.write(f"{done} {state} delivery(ies) discarded in scope {scope}\n")
+    return 0
+
+
 async def redeliver(
     cfg: config.Config,
     route: str,
@@ -182,41 +361,33 @@ async def redeliver(
     scope: str | None = None,
     every: inbox.InboxState | None = None,
     since: float | None = None,
+    dry_run: bool = False,
     out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
 ) -> int:
     """Make these deliveries (or, with ``every`` "dead" or "pending", all of the route's in
-    that state, changed at most ``since`` seconds ago) due now, with the route's whole ``for``
-    again. Exit 1 if an ID was not pending or dead (or its body is gone)."""
+    that state, changed at most ``since`` seconds ago: ``_bulk``) due now, with the route's
+    whole ``for`` again. Exit 1 if an ID was not pending or dead (or its body is gone)."""
     found = operations.route_of(cfg, route)
-    if bool(event_ids) == (every is not None):
-        raise errors.UsageError("give event IDs, --dead or --pending: one of them")
-    if since is not None and every is None:
-        raise errors.UsageError("--since goes with --dead or --pending only")
+    _bulk_usage(event_ids, every, since, dry_run)
     if found.redeliver is None:
         raise errors.UsageError(f"route {route!r} has no redeliver: nothing would redeliver it")
-    narrowed = operations.narrowed_scope if every else operations.exact_scope
-    scope = narrowed(found, scope)
-    after = datetime.now(UTC) - timedelta(seconds=since) if since is not None else None
+    for_ = found.redeliver.for_
+    if every:
+        selection = _selection(found, scope, every, since, again=True)
+        async with operations.open_store(cfg) as store:
+            return await _bulk(
+                store, selection, lambda keys: store.inbox.redeliver_batch(selection, keys, for_),
+                Verbs("redeliver", "redelivering", "made due"), dry_run=dry_run, out=out, err=err,
+            )  # fmt: skip
+    scope = operations.exact_scope(found, scope)
     async with operations.open_store(cfg) as store:
         named = await operations.resolve(store, scope, event_ids)
-        changed = await store.inbox.redeliver(
-            scope, None if every else list(named.stored.values()), after,
-            found.redeliver.for_, every or inbox.InboxState.DEAD,
-        )  # fmt: skip
-    done = set(changed)
-    if every:
-        for row in sorted(done):
-            out.write(f"redelivering: {row[0]} {row[1]}\n")
-        if not changed:
-            out.write(f"no {every} deliveries in scope {scope}\n")
-            return 0
-    else:
-        named.report(event_ids, {row[1] for row in done}, "redelivering", out)
-    out.write(
-        f"{len(changed)} delivery(ies) due now; the redeliverer takes them within its poll "
-        "interval\n"
-    )
-    return 0 if every or named.all_done({row[1] for row in done}) else 1
+        changed = await store.inbox.redeliver(scope, list(named.stored.values()), None, for_)
+    done = {key.event_id for key in changed}
+    named.report(event_ids, done, "redelivering", out)
+    out.write(f"{len(changed)} {_DUE_NOW}\n")
+    return 0 if named.all_done(done) else 1
 
 
 async def discard(
@@ -225,13 +396,83 @@ async def discard(
     event_ids: Sequence[str],
     *,
     scope: str | None = None,
+    every: inbox.InboxState | None = None,
+    since: float | None = None,
+    dry_run: bool = False,
     out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
 ) -> int:
-    """Drop these pending or dead deliveries for good; their claims stay. Exit 1 if some were
-    not pending or dead (or an ID named several claims, listed)."""
-    scope = operations.exact_scope(operations.route_of(cfg, route), scope)
+    """Drop these pending or dead deliveries (or, with ``every``, all of the route's in that
+    state, changed at most ``since`` seconds ago: ``_bulk``) for good; their claims stay. Exit
+    1 if some were not pending or dead (or an ID named several claims, listed)."""
+    found = operations.route_of(cfg, route)
+    _bulk_usage(event_ids, every, since, dry_run)
+    if every:
+        selection = _selection(found, scope, every, since, again=False)
+        async with operations.open_store(cfg) as store:
+            return await _bulk(
+                store, selection, lambda keys: store.inbox.discard_batch(selection, keys),
+                Verbs("discard", "discarded", "discarded"), dry_run=dry_run, out=out, err=err,
+            )  # fmt: skip
+    scope = operations.exact_scope(found, scope)
     async with operations.open_store(cfg) as store:
         named = await operations.resolve(store, scope, event_ids)
         discarded = await store.inbox.discard(scope, list(named.stored.values()))
     named.report(event_ids, discarded, "discarded", out)
     return 0 if named.all_done(discarded) else 1
+
+
+def operator() -> str:
+    """Who runs this command, as a hold records it: the OS user."""
+    try:
+        return getpass.getuser()
+    except OSError:  # no USER and no passwd entry (a container's arbitrary UID)
+        return f"uid {os.getuid()}"
+
+
+async def pause(
+    cfg: config.Config,
+    route: str,
+    *,
+    for_: float | None = None,
+    note: str | None = None,
+    by: str | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Hold the route's scope on every replica, for ``for_`` seconds (None: until resumed),
+    replacing any hold it had."""
+    found = operations.route_of(cfg, route)
+    who = by or operator()
+    async with operations.open_store(cfg) as store:
+        hold = await store.holds.hold(found.scope, for_, by=who, note=note)
+    out.write(f"paused: {operations.describe_hold(found.scope, hold)}\n")
+    sharing = [r.name for r in cfg.routes if r.scope == found.scope and r.name != found.name]
+    if sharing:
+        out.write(f"routes {', '.join(sharing)} share scope {found.scope}: held too\n")
+    if found.redeliver is None:
+        out.write(
+            f"route {found.name} has no redeliver: while paused its webhooks are answered 503 "
+            "with Retry-After, and the provider sends them again later\n"
+        )
+    wait = values.format_duration(cfg.redeliverer.poll)
+    out.write(f"every running proxy holds it within {wait} (redeliverer.poll)\n")
+    return 0
+
+
+async def resume(
+    cfg: config.Config, route: str, *, by: str | None = None, out: TextIO = sys.stdout
+) -> int:
+    """End the route scope's hold (a pause, or the app's Retry-After) on every replica. Exit 1
+    if it held none."""
+    found = operations.route_of(cfg, route)
+    async with operations.open_store(cfg) as store:
+        was = await store.holds.release(found.scope, by=by or operator())
+    if was is None:
+        print(f"not held: route {found.name} (scope {found.scope})", file=sys.stderr)
+        return 1
+    wait = values.format_duration(cfg.redeliverer.poll)
+    out.write(
+        f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
+        f"proxy redelivers its pending deliveries again within {wait}, at the limit at the app\n"
+    )
+    return 0

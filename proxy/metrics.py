@@ -453,8 +453,34 @@ class Metrics:
         self._grants: Sequence[str] = ()
         self._missing_grants: Callable[[], Sequence[str]] | None = None
 
+    def _hold_gauges(self) -> None:
+        # The route holds (proxy.holds), as this worker's copy of them sees them: the largest
+        # over the workers (a worker that has not read a new hold yet reports the old one).
+        self.route_held = Gauge(
+            "dedup_route_held",
+            "1 while the route's redeliveries are held (events pause: reason paused; the app's "
+            "429/503 with Retry-After: reason retry_after), else 0.",
+            ["route", "reason"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.route_held_seconds = Gauge(
+            "dedup_route_held_seconds",
+            "How long the route has been held (0: not held).",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self.route_hold_end = Gauge(
+            "dedup_route_hold_end_timestamp_seconds",
+            "When the route's hold ends, as asked for (0: not held, or held until resumed).",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+
     def _flow_meters(self) -> None:
-        """The inbox's keeps by why, and the limit at the app."""
+        """The inbox's keeps by why, the limit at the app, and the route holds."""
         self.inbox_kept = Counter(
             "dedup_inbox_kept",
             "Deliveries kept for the redeliverer (answered 202), by why: failed (the app "
@@ -484,6 +510,7 @@ class Metrics:
             "Requests and redeliveries that waited for room at the app (the limit reached).",
             registry=self.registry,
         )
+        self._hold_gauges()
 
     def route(self, name: str) -> RouteMeters:
         """The metric children of one route (``""``: pass-through)."""

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 from collections.abc import AsyncIterator, Collection, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple, TextIO
 
-from proxy import config, database, embedded, errors
+from proxy import config, database, embedded, errors, logs
 from proxy.config import routes, values
 
 
@@ -69,13 +70,13 @@ def route_scope(cfg: config.Config, name: str) -> str:
     return route_of(cfg, name).scope
 
 
-def _in_scope(scope: str, base: str) -> bool:
+def in_scope(scope: str, base: str) -> bool:
     return scope == base or scope.startswith(base + "/")
 
 
 def narrowed_scope(route: routes.RouteConfig, scope: str | None) -> str:
     """``--scope`` if it is one of the route's, else the route's own (which holds them all)."""
-    if scope is not None and not _in_scope(scope, route.scope):
+    if scope is not None and not in_scope(scope, route.scope):
         raise errors.UsageError(f"{scope!r} is not a scope of route {route.name!r}")
     return scope or route.scope
 
@@ -135,28 +136,56 @@ async def resolve(store: database.Store, scope: str, event_ids: Sequence[str]) -
     return Named(scope, stored, problems)
 
 
+def json_document(document: object) -> str:
+    """A command's ``--json`` output: one JSON document, ASCII only (every other character
+    escaped, so nothing in it reaches a terminal as a control)."""
+    return json.dumps(document, ensure_ascii=True, indent=2) + "\n"
+
+
+def timestamp(value: datetime | None) -> str | None:
+    """A time in ``--json`` output: ISO 8601 in UTC, to the microsecond; None stays None."""
+    return None if value is None else value.astimezone(UTC).isoformat()
+
+
 def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
     """A plain aligned text table."""
     cells = [[str(h) for h in headers], *[["" if v is None else str(v) for v in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
-        out.write("  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True)))
-        out.write("\n")
+        line = "  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True))
+        out.write(line.rstrip() + "\n")
 
 
 async def list_events(
-    cfg: config.Config, route: str, since: float | None, limit: int, out: TextIO = sys.stdout
+    cfg: config.Config,
+    route: str,
+    since: float | None,
+    limit: int,
+    out: TextIO = sys.stdout,
+    *,
+    as_json: bool = False,
 ) -> int:
     scope = route_scope(cfg, route)
     after = datetime.now(UTC) - timedelta(seconds=since) if since else None
     async with open_store(cfg) as store:
         rows, total = await store.events(scope, after, limit)
+    if as_json:
+        out.write(json_document({
+            "route": route, "scope": scope, "total": total,
+            "events": [
+                {"scope": r.scope, "event_id": r.event_id, "event_type": r.event_type,
+                 "received_at": timestamp(r.received_at), "state": r.state}
+                for r in rows
+            ],
+        }))  # fmt: skip
+        return 0
     table(
         [
-            (r.received_at.isoformat(timespec="seconds"), r.scope, r.event_id, r.event_type)
+            (r.received_at.isoformat(timespec="seconds"), logs.printable(r.scope),
+             logs.printable(r.event_id), logs.printable(r.event_type or "-"), r.state or "-")
             for r in rows
         ],
-        ("received_at", "scope", "event_id", "event_type"),
+        ("received_at", "scope", "event_id", "event_type", "state"),
         out,
     )  # fmt: skip
     if total > len(rows):
@@ -190,29 +219,91 @@ async def forget(
     return 0 if found.all_done(forgotten) else 1
 
 
-async def stats(cfg: config.Config, out: TextIO = sys.stdout) -> int:
-    """Per route: rows, oldest and newest claim."""
+class RouteStats(NamedTuple):
+    """A route's line of ``stats``: its claims, how many are pending and dead, the oldest and
+    newest, its retention."""
+
+    route: str
+    scope: str
+    rows: int
+    pending: int
+    dead: int
+    oldest: datetime | None
+    newest: datetime | None
+    retention: float
+
+
+async def stats(cfg: config.Config, out: TextIO = sys.stdout, *, as_json: bool = False) -> int:
+    """Per route: rows, pending and dead deliveries, oldest and newest claim, retention; then
+    a line per route scope held (``events pause``, the app's Retry-After)."""
     async with open_store(cfg) as store:
         rows = await store.stats()
+        held = await _holds(store)
+    summary = []
+    for route in cfg.routes:
+        mine = [r for r in rows if in_scope(r.scope, route.scope)]
+        summary.append(
+            RouteStats(
+                route.name,
+                route.scope + ("/…" if route.scoped_by_path else ""),
+                sum(r.rows for r in mine),
+                sum(r.pending for r in mine),
+                sum(r.dead for r in mine),
+                min((r.oldest for r in mine), default=None),
+                max((r.newest for r in mine), default=None),
+                route.retention,
+            )
+        )
+    if as_json:
+        out.write(json_document({"routes": [
+            {"route": r.route, "scope": r.scope, "rows": r.rows, "pending": r.pending,
+             "dead": r.dead, "oldest": timestamp(r.oldest), "newest": timestamp(r.newest),
+             "retention_seconds": r.retention}
+            for r in summary
+        ], "held": [
+            {"scope": scope, "reason": hold.reason, "by": hold.by,
+             "since": timestamp(datetime.fromtimestamp(hold.since, UTC)),
+             "until": None if hold.until is None
+                      else timestamp(datetime.fromtimestamp(hold.until, UTC)),
+             "note": hold.note}
+            for scope, hold in sorted(held.items())
+        ]}))  # fmt: skip
+        return 0
 
     def when(value: datetime | None) -> str:
         return value.isoformat(timespec="seconds") if value else "-"
 
-    lines = []
-    for route in cfg.routes:
-        mine = [r for r in rows if _in_scope(r.scope, route.scope)]
-        lines.append(
-            (
-                route.name,
-                route.scope + ("/…" if route.scoped_by_path else ""),
-                sum(r.rows for r in mine),
-                when(min((r.oldest for r in mine), default=None)),
-                when(max((r.newest for r in mine), default=None)),
-                values.format_duration(route.retention),
-            )
-        )
-    table(lines, ("route", "scope", "rows", "oldest", "newest", "retention"), out)
+    table(
+        [
+            (r.route, r.scope, r.rows, r.pending, r.dead, when(r.oldest), when(r.newest),
+             values.format_duration(r.retention))
+            for r in summary
+        ],
+        ("route", "scope", "rows", "pending", "dead", "oldest", "newest", "retention"),
+        out,
+    )  # fmt: skip
+    for scope, hold in sorted(held.items()):
+        out.write(f"held: {describe_hold(scope, hold)}\n")
     return 0
+
+
+async def _holds(store: database.Store) -> dict[str, database.Hold]:
+    """The holds in force, for ``stats``: none on a table that predates the inbox."""
+    try:
+        return await store.holds.active()
+    except errors.TableMissing:
+        return {}
+
+
+def describe_hold(scope: str, hold: database.Hold) -> str:
+    """A hold in one line: its scope, kind, who set it, since and until when, and why."""
+
+    def when(at: float) -> str:
+        return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+
+    until = "until resumed" if hold.until is None else f"until {when(hold.until)}"
+    note = f": {hold.note}" if hold.note else ""
+    return f"scope {scope} {hold.reason} by {hold.by} since {when(hold.since)}, {until}{note}"
 
 
 async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:

@@ -306,11 +306,18 @@ class Cycle:
     async def _enter(self, room: app_limit.Room) -> str | None:
         """Take a place at the app (``app_limit``) before claiming, since a claim holds its
         connection for as long as the app works on it: None once taken. A route that
-        redelivers does not wait for one: why the delivery is kept instead ("limit"). Any other
-        route waits its turn up to pool_timeout, then AppBusy (its provider retries)."""
+        redelivers does not wait for one: why the delivery is kept instead ("limit"; or, its
+        route held, "paused" or "retry_after"). Any other route waits its turn up to
+        pool_timeout, then AppBusy; held, it is refused at once (RoutePaused). Their providers
+        retry."""
         route = self.route
+        hold = self.request.app[app_keys.HOLDS].held(self.scope)
         if route.redeliver is not None:
+            if hold is not None:
+                return hold.reason  # paused, or the app asked to wait: kept, sent after
             return None if room.try_enter() else "limit"
+        if hold is not None:
+            raise errors.RoutePaused.holding(route.config.name, hold)
         await self._wait_for_room(room)
         return None
 
@@ -330,8 +337,7 @@ class Cycle:
         first. When it cannot be kept, the claim is released and the provider told to retry:
         503."""
         self.sent = self._unsent_headers()
-        attempt = database.Attempt(None, UNSENT[reason])
-        kept = await self._keep(claim, attempt, reason=reason)
+        kept = await self._keep(claim, database.Attempt(None), reason=reason, attempted=False)
         if kept is not None:
             return kept
         await self._release(claim)
@@ -361,7 +367,7 @@ class Cycle:
         upstream = result.relayed()
         response = forwarder.relayed(upstream)
         if not upstream.ok:
-            kept = await self._keep(claim, result.attempt)
+            kept = await self._keep_failed(claim, result)
             if kept is None:
                 await self._release(claim)
             return kept or (response, "upstream_error")
@@ -413,8 +419,9 @@ class Cycle:
         and the attempt's end is waited for as on any route."""
         route = self.route
         self.sent = self._unsent_headers()
-        attempt = database.Attempt(None, f"handed off: no answer within {route.hand_off:g}s")
-        kept = await self._keep(claim, attempt, reason="deadline", delay=route.lease)
+        kept = await self._keep(
+            claim, database.Attempt(None), reason="deadline", delay=route.lease, attempted=False
+        )
         if kept is None:
             return None
         self.turn.let_go()
@@ -436,6 +443,11 @@ class Cycle:
         except errors.StoreUnavailable as exc:
             line["handed_off"] = "unrecorded"
             line["commit_error"] = exc.message
+        retry_after = result.retry_after()
+        if retry_after is not None:
+            await self.request.app[app_keys.HOLDS].hold_for_retry_after(
+                route.config.scope, retry_after
+            )
 
     async def _failed(
         self, claim: database.Claim, result: delivery.Result
@@ -453,10 +465,25 @@ class Cycle:
             except errors.CommitFailed as exc:
                 self.line["commit_error"] = exc.message
             return None
-        kept = await self._keep(claim, failed)
+        kept = await self._keep_failed(claim, result)
         if kept is not None and failed.error is not None:
             self.line["error"] = failed.error  # kept: the line still says why the app failed
         return kept
+
+    async def _keep_failed(
+        self, claim: database.Claim, result: delivery.Result
+    ) -> tuple[web.StreamResponse, errors.Outcome] | None:
+        """Keep a delivery the app failed (``_keep``): due after the schedule's first wait, or
+        after the app's ``Retry-After`` if it asked for longer, which then holds the route's
+        redeliveries as long (``holds``)."""
+        route = self.route
+        retry_after = result.retry_after()
+        if retry_after is None or route.redeliver is None:
+            return await self._keep(claim, result.attempt)
+        # Its redeliveries, and the route's, wait as long on every replica.
+        await self.request.app[app_keys.HOLDS].hold_for_retry_after(route.config.scope, retry_after)
+        delay = max(retry_after, route.redeliver.schedule[0])
+        return await self._keep(claim, result.attempt, reason="retry_after", delay=delay)
 
     def _unsent_headers(self) -> tuple[tuple[str, str], ...]:
         """The headers the app is sent, for a delivery kept before its attempt ended."""
@@ -471,6 +498,7 @@ class Cycle:
         *,
         reason: str = "failed",
         delay: float | None = None,
+        attempted: bool = True,
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """On a route that redelivers: keep the delivery and answer 202 (the provider need not
         retry); ``reason``: why (``metrics.KEPT_REASONS``: the app failed it, or it was not
@@ -487,7 +515,7 @@ class Cycle:
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,
             route.semantics.signed_part(claim.key),
-            delay=0.0 if reason != "failed" and delay is None else delay,
+            delay=0.0 if reason in UNSENT and delay is None else delay, attempted=attempted,
         )  # fmt: skip
         span = self.trace.database("queue", "UPDATE")
         state, kept_as = await claim.keep(stored, attempt, keep)
@@ -510,9 +538,9 @@ class Cycle:
         line["kept"] = state
         route.meters.kept[reason].inc()
         payload: dict[str, Any] = {"status": outcome, "event_id": self.event_id}
-        if reason == "failed":
+        if attempt.status is not None:
             payload["upstream_status"] = attempt.status
-        else:
+        if reason != "failed":
             line["kept_for"] = reason
             payload["kept_for"] = reason
         return _json(202, payload, outcome), outcome

@@ -16,6 +16,10 @@ the route's schedule, or dead past its ``for`` or on an answer retrying cannot f
 limit at the app bounds them anyway. While nothing is due, one lane per worker looks every
 ``poll`` and wakes the others when it finds work.
 
+A lane looks at and takes no row of a route scope held (``holds``: an operator's ``events
+pause``, the app's Retry-After), on any replica; once the hold ends, the looking lane finds its
+rows due within ``poll``, and they go out at the limit at the app, oldest first.
+
 On SIGTERM the lanes stop taking rows; a redelivery in flight finishes, or, past
 ``shutdown_timeout``, is cancelled, which rolls its row back: released, never lost.
 """
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING
 from multidict import CIMultiDict
 
 from proxy import app_limit, database, delivery, errors, memory, metrics, tracing
+from proxy import holds as route_holds
 from proxy.config import redeliver, routes
 from proxy.upstream import forwarder, transports
 
@@ -62,8 +67,10 @@ class Redeliverer:
         room: app_limit.Room,
         workers: int = 1,
         traces: tracing.Tracing | None = None,
+        holds: route_holds.Holds | None = None,
     ) -> None:
         self._store = store
+        self._holds = holds
         self._tracing = traces
         self._client = client
         self._routes = {route.name: route for route in configured if route.redeliver}
@@ -141,9 +148,13 @@ class Redeliverer:
                 await self._rest()
 
     async def _due(self) -> bool:
-        """Whether a row of this worker's routes is due (a read that locks nothing)."""
+        """Whether a row of this worker's routes not held is due (a read that locks nothing;
+        none when every one is held)."""
+        scopes = self._unheld()
+        if not scopes:
+            return False
         try:
-            return await self._store.inbox.due(self._scopes)
+            return await self._store.inbox.due(scopes)
         except errors.StoreUnavailable as exc:
             self._failing(exc.message)
             return False
@@ -208,9 +219,17 @@ class Redeliverer:
             async with asyncio.timeout(seconds):
                 await self._stopping.wait()
 
+    def _unheld(self) -> list[str]:
+        """This worker's route scopes not held now (``holds``: no database round trip)."""
+        return self._scopes if self._holds is None else self._holds.unheld(self._scopes)
+
     async def redeliver_one(self) -> bool:
-        """Redeliver the oldest due row, if one is: whether one was sent."""
-        async with self._store.inbox.take(self._scopes) as redelivery:
+        """Redeliver the oldest due row of a scope not held (``holds``), if one is: whether one
+        was sent."""
+        scopes = self._unheld()
+        if not scopes:
+            return False
+        async with self._store.inbox.take(scopes) as redelivery:
             if redelivery is None:
                 return False
             self.in_flight += 1
@@ -258,6 +277,10 @@ class Redeliverer:
                   "attempt": redelivery.failures + 1, "upstream_status": status,
                   "upstream_ms": took}  # fmt: skip
         result = await delivery.record(redelivery, settings, attempted)
+        retry_after = attempted.retry_after()
+        if retry_after is not None and self._holds is not None:
+            # The app asked to wait: the route's other redeliveries wait as long, everywhere.
+            await self._holds.hold_for_retry_after(redelivery.scope, retry_after)
         level = LEVELS[result]
         if error:
             fields["error"] = error

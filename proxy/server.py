@@ -197,8 +197,9 @@ class _Server:
             shutdown_timeout=cfg.shutdown_timeout,
             **app.runner_options(cfg),
         )
-        # No lingering read: no admin route reads a body, and a connection that declares one
-        # and never sends it would hold the admin bound for aiohttp's 10 s of lingering.
+        # No lingering read: only the console's actions read a body (a small form, read before
+        # the answer), and a connection that declares one and never sends it would hold the
+        # admin bound for aiohttp's 10 s of lingering.
         self.admin_runner = web.AppRunner(
             admin.create_admin_app(self.proxy),
             access_log=None,

@@ -236,3 +236,17 @@ def test_the_inbox_replay_probe_counts_the_rows_one_captured_body_keeps(pg_dsn: 
     assert "5 replays of one captured body answered: 1 x 202, 4 x 422" in lines
     assert "a genuine failure afterwards answered: 202 (kept)" in lines
     assert "then tenant globex's failure answered: 202 (kept)" in lines
+
+
+def test_the_console_bench_fetches_every_page(pg_dsn: str) -> None:
+    """bench/console.py on a small inbox: every page answers 200 (it asserts so) and is
+    listed with its time and size."""
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.console", "--dsn", pg_dsn, "--kept", "6000",
+         "--delivered", "100", "--rounds", "1"],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    names = [line[:24].strip() for line in done.stdout.splitlines()[2:]]
+    assert names[:2] == ["overview", "kept, newest page"]
+    assert "kept, page 100" in names

@@ -5,10 +5,11 @@ continues one), or any such block that runs ``curl``. Each one is run: a fresh `
 process on ``config.example.yaml`` (its ports, database and table replaced by the test's) with
 the routes of the nearest YAML block above it in the same section added, in front of a fresh
 ``examples/upstream.py``; every command with the real ``curl``, ``localhost:8080`` pointed at
-that proxy and ``localhost:9901`` at its admin listener; its stdout compared with the lines
-under it. A block the test cannot run says so in an HTML comment just above it, ``<!-- not run:
-why -->``, which a test requires of every block it does not run: none is passed over in
-silence. ``<!-- session env: NAME=value … -->``
+that proxy and ``localhost:9901`` at its admin listener, or ``dedup-proxy`` (as ``python -m
+proxy``, its ``--config`` the proxy's, exit status 0 required); its stdout compared with the
+lines under it. A block the test cannot run says so in an HTML comment just above it,
+``<!-- not run: why -->``, which a test requires of every block it does not run: none is
+passed over in silence. ``<!-- session env: NAME=value … -->``
 there sets the proxy's environment (a secret the shown route reads).
 
 Normalisation, so that only what varies is let through:
@@ -36,7 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers import accepts, free_port, start_serve, wait_until
+from tests.helpers import accepts, free_port, run_cli, start_serve, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -213,6 +214,8 @@ class Stack:
             re.sub(r"localhost:(8080|9901)\b", lambda m: f"localhost:{ports[m[1]]}", arg)
             for arg in argv
         ]
+        if argv[0] == "dedup-proxy":
+            return await self.operate(command, argv[1:])
         assert argv[0] == "curl", f"line {command.line}: only curl runs here, not {argv[0]}"
         assert CURL is not None, "curl is not installed (.ci/run must install it)"
         curl = await asyncio.create_subprocess_exec(
@@ -221,6 +224,14 @@ class Stack:
         out, err = await asyncio.wait_for(curl.communicate(), timeout=30)
         assert curl.returncode == 0, f"line {command.line}: curl failed: {err.decode()}"
         return normalised(out.decode(), self.port, self.admin_port, self.app_port)
+
+    async def operate(self, command: Command, argv: list[str]) -> str:
+        """An operator command, on this proxy's configuration (``--config`` replaced)."""
+        assert "--config" in argv, f"line {command.line}: dedup-proxy without --config"
+        argv[argv.index("--config") + 1] = str(self.config)
+        code, out, err = await run_cli(*argv)
+        assert code == 0, f"line {command.line}: dedup-proxy exited {code}: {err}"
+        return normalised(out, self.port, self.admin_port, self.app_port)
 
 
 @pytest.fixture
@@ -235,13 +246,15 @@ async def stack(
         await running.stop()
 
 
-def _curl_only(session: Session) -> bool:
+def _runnable(session: Session) -> bool:
+    """Whether every command is one ``Stack.run`` runs: ``curl`` or ``dedup-proxy``."""
     return bool(session.commands) and all(
-        shlex.split(c.text, comments=True)[:1] == ["curl"] for c in session.commands
+        shlex.split(c.text, comments=True)[:1] in (["curl"], ["dedup-proxy"])
+        for c in session.commands
     )
 
 
-RUN = [s for s in ALL if s.not_run is None and _curl_only(s)]
+RUN = [s for s in ALL if s.not_run is None and _runnable(s)]
 SKIPPED = [s for s in ALL if s not in RUN]
 
 
@@ -263,7 +276,8 @@ async def test_the_session_answers_as_the_doc_shows(
 @pytest.mark.parametrize("session", SKIPPED, ids=[s.where for s in SKIPPED])
 def test_a_session_not_run_says_why(session: Session) -> None:
     assert session.not_run, (
-        f"{session.where}: a session the test cannot run (not curl only, or no output shown) "
+        f"{session.where}: a session the test cannot run (not curl and dedup-proxy only, or no "
+        "output shown) "
         "needs '<!-- not run: why -->' just above it"
     )
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
-from proxy import errors
+from proxy import delivery, errors
+from proxy.upstream import http1
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -88,10 +90,7 @@ async def test_over_the_limit_a_redeliver_route_keeps_the_delivery_and_sends_it_
     row = (await fetch(pg_dsn, f'SELECT inbox_attempts FROM "{table}" WHERE event_id = $1',
                        "evt_2"))[0]  # fmt: skip
     attempts = json.loads(row["inbox_attempts"])
-    assert [(a["status"], a["error"]) for a in attempts] == [
-        (None, "not sent: the limit at the app was reached (upstream.concurrency)"),
-        (200, None),
-    ]
+    assert [(a["status"], a["error"]) for a in attempts] == [(200, None)]  # one, not two
 
 
 async def test_over_the_limit_another_route_waits_its_turn_then_is_refused_503(
@@ -203,6 +202,7 @@ async def test_an_app_slower_than_the_hand_off_the_provider_is_answered_and_the_
     upstream.gate = asyncio.Event()
     proxy = await make_proxy(routes=[HANDED], redeliverer=QUICK)
     first = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "slow"}'))
+    await wait_until(lambda: _count(upstream, 1), "the first delivery at the app")
     copy_here = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "slow"}'))
 
     answer = await asyncio.wait_for(first, 10)  # answered while the app still works on it
@@ -222,10 +222,7 @@ async def test_an_app_slower_than_the_hand_off_the_provider_is_answered_and_the_
     await asyncio.sleep(0.5)  # a lane would have sent it by now, had it been due
     assert len(upstream.requests) == 1
     attempts = json.loads((await _row(pg_dsn, table, "slow"))["inbox_attempts"])
-    assert [(a["status"], a["error"]) for a in attempts] == [
-        (None, "handed off: no answer within 0.3s"),
-        (200, None),
-    ]
+    assert [(a["status"], a["error"]) for a in attempts] == [(200, None)]  # one, not two
 
 
 async def test_an_app_that_fails_after_the_hand_off_leaves_the_delivery_pending_on_schedule(
@@ -242,7 +239,7 @@ async def test_an_app_that_fails_after_the_hand_off_leaves_the_delivery_pending_
 
     assert len(upstream.requests) == 2
     attempts = json.loads((await _row(pg_dsn, table, "fails"))["inbox_attempts"])
-    assert [a["status"] for a in attempts] == [None, 503, 200]
+    assert [a["status"] for a in attempts] == [503, 200]
 
 
 async def test_kill_9_during_a_hand_off_loses_nothing_and_sends_again_only_after_its_lease(
@@ -268,18 +265,60 @@ async def test_kill_9_during_a_hand_off_loses_nothing_and_sends_again_only_after
     assert len(upstream.requests) == 2  # the first attempt, and one after the lease
     delivered = await _row(pg_dsn, table, "k9")
     attempts = json.loads(delivered["inbox_attempts"])
-    assert [a["status"] for a in attempts] == [None, 200]
+    assert [a["status"] for a in attempts] == [200]  # the first attempt's was never recorded
     # Due no sooner than upstream.timeout (2 s) + 5 s after the hand-off.
-    sent_again = datetime.fromisoformat(attempts[1]["at"])
-    handed_at = datetime.fromisoformat(attempts[0]["at"])
-    assert (sent_again - handed_at).total_seconds() >= 7
+    sent_again = datetime.fromisoformat(attempts[0]["at"])
+    assert (sent_again - delivered["received_at"]).total_seconds() >= 7
 
 
 async def _row(dsn: str, table: str, event_id: str) -> Any:
     rows = await fetch(
         dsn,
-        f"SELECT inbox_state, inbox_attempts, extract(epoch FROM inbox_due - now()) AS due_in "
+        "SELECT inbox_state, inbox_attempts, received_at, "
+        "extract(epoch FROM inbox_due - now()) AS due_in "
         f'FROM "{table}" WHERE event_id = $1',
         event_id,
     )
     return rows[0]
+
+
+async def test_an_apps_503_with_retry_after_keeps_the_delivery_due_no_earlier(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: (
+        web.Response(status=503, headers={"Retry-After": "4"}) if n == 0 else web.Response()
+    )
+    proxy = await make_proxy(routes=[KEPT], redeliverer=QUICK)
+
+    answer = await proxy.post("/hooks", data=b'{"id": "busy"}')
+
+    assert answer.status == 202
+    assert await answer.json() == {
+        "status": "queued", "event_id": "busy", "upstream_status": 503, "kept_for": "retry_after"
+    }  # fmt: skip
+    assert (await _row(pg_dsn, table, "busy"))["due_in"] > 3  # not the schedule's 200 ms
+    await wait_until(lambda: _state(pg_dsn, table, "busy", "delivered"), "the redelivery", 15)
+    attempts = json.loads((await _row(pg_dsn, table, "busy"))["inbox_attempts"])
+    assert [a["status"] for a in attempts] == [503, 200]
+    waited = datetime.fromisoformat(attempts[1]["at"]) - datetime.fromisoformat(attempts[0]["at"])
+    assert waited.total_seconds() >= 4
+
+
+@pytest.mark.parametrize(
+    ("status", "value", "seconds"),
+    [
+        (503, "4", 4.0),
+        (429, "120", 120.0),
+        (503, "Wed, 21 Oct 2015 07:28:10 GMT", 10.0),  # an HTTP-date, 10 s after "now"
+        (503, "999999", 3600.0),  # capped
+        (503, "soon", None),
+        (503, "-1", None),
+        (500, "4", None),  # only 429 and 503 say when to come back
+    ],
+)
+def test_retry_after_is_read_from_a_429_or_503_as_seconds_or_a_date(
+    status: int, value: str, seconds: float | None
+) -> None:
+    answer = http1.Answer(status, "", CIMultiDict({"Retry-After": value}), b"")
+    now = datetime(2015, 10, 21, 7, 28, 0, tzinfo=UTC).timestamp()
+    assert delivery.Result(answer).retry_after(now) == seconds

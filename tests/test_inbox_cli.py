@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
+import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 import yaml
 from aiohttp import web
@@ -515,3 +519,297 @@ async def test_an_unknown_id_exits_1_and_a_missing_table_is_said(config_file: Pa
     ]
     code, out, _ = await cli(config_file, "discard", "--route", "hooks", "x")
     assert (code, out) == (1, "not found: hooks x\n")
+
+
+# Many dead rows of the route "hooks", as the proxy keeps them: e00000, e00001, …
+MANY_DEAD = (
+    'INSERT INTO "{table}" (scope, event_id, received_at, inbox_state, inbox_body, '
+    "inbox_request, inbox_attempts, inbox_failures, inbox_changed, inbox_until) "
+    "SELECT 'hooks', 'e' || lpad(n::text, 5, '0'), now() - interval '1 day', 'dead', 'BODY', "
+    '\'{{"route":"hooks","upstream":"http://127.0.0.1:9","method":"POST","target":"/hooks",'
+    '"headers":[]}}\', \'[{{"at":"2026-01-01T00:00:00+00:00","status":500,"error":null}}]\', '
+    "1, now() - interval '1 hour', now() FROM generate_series(0, {last}) AS n"
+)
+
+
+async def many_dead(config_file: Path, dsn: str, table: str, count: int) -> None:
+    code, _, err = await run_cli("migrate", "--config", str(config_file))
+    assert (code, err) == (0, "")
+    await execute(dsn, MANY_DEAD.format(table=table, last=count - 1))
+
+
+async def states(dsn: str, table: str) -> dict[str | None, int]:
+    """How many rows in each state, every row checked whole: a pending row made due by the
+    operator (no failure counted, due, the route's for again, its body kept), a dead row as it
+    was (one failure, not due)."""
+    rows = await fetch(
+        dsn,
+        f"SELECT inbox_state, inbox_failures, inbox_due IS NOT NULL AS due, "
+        f"inbox_until > now() + interval '23 hours' AS renewed, inbox_body IS NOT NULL AS body "
+        f'FROM "{table}"',
+    )
+    counts: dict[str | None, int] = {}
+    for found in rows:
+        whole = {
+            "pending": (0, True, True, True),
+            "dead": (1, False, False, True),
+            "discarded": (1, False, False, False),
+        }[found["inbox_state"]]
+        assert tuple(found)[1:] == whole, found  # never half changed
+        counts[found["inbox_state"]] = counts.get(found["inbox_state"], 0) + 1
+    return counts
+
+
+async def test_a_dry_run_counts_and_shows_the_first_rows_and_changes_nothing(
+    config_file: Path, pg_dsn: str, table: str
+) -> None:
+    await many_dead(config_file, pg_dsn, table, 3000)
+
+    for command in ("redeliver", "discard"):
+        code, out, err = await cli(config_file, command, "--route", "hooks", "--dead", "--dry-run")
+        assert (code, err) == (0, "")
+        lines = out.splitlines()
+        assert lines[0].split()[:3] == ["received_at", "scope", "event_id"]
+        assert [line.split()[2] for line in lines[1:-1]] == [f"e{n:05}" for n in range(10)]
+        assert lines[-1] == (
+            f"would {command} 3000 dead delivery(ies) in scope hooks (the first 10 above); "
+            "nothing changed (--dry-run)"
+        )
+    code, out, _ = await cli(
+        config_file, "redeliver", "--route", "hooks", "--dead", "--since", "10m", "--dry-run"
+    )
+    assert (code, out) == (
+        0,
+        "would redeliver 0 dead delivery(ies) in scope hooks; nothing changed (--dry-run)\n",
+    )
+    assert await states(pg_dsn, table) == {"dead": 3000}
+    code, _, err = await cli(config_file, "redeliver", "--route", "hooks", "e00001", "--dry-run")
+    assert (code, err) == (2, "dedup-proxy events redeliver: --dry-run goes with --dead or "
+                              "--pending only\n")  # fmt: skip
+
+
+async def test_a_bulk_redeliver_interrupted_by_ctrl_c_leaves_rows_whole_and_a_rerun_ends_it(
+    config_file: Path, pg_dsn: str, table: str
+) -> None:
+    """Ctrl-C while a batch is in flight: the batches before it committed, it rolled back
+    whole, every row is either changed or as it was; the same command again does the rest."""
+    await many_dead(config_file, pg_dsn, table, 3000)
+    # The fourth batch (e01500…) waits, mid-batch, at e01700 for a lock this test holds.
+    lock = 740_017
+    await execute(
+        pg_dsn,
+        f'CREATE FUNCTION "{table}_hold"() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
+        f"PERFORM pg_advisory_xact_lock({lock}); RETURN NEW; END $$; "
+        f'CREATE TRIGGER hold BEFORE UPDATE ON "{table}" FOR EACH ROW '
+        f"WHEN (OLD.event_id = 'e01700') EXECUTE FUNCTION \"{table}_hold\"()",
+    )
+    holder = await asyncpg.connect(pg_dsn)
+    await holder.execute(f"SELECT pg_advisory_lock({lock})")
+    command = ("redeliver", "--route", "hooks", "--dead", "--config", str(config_file))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "events", *command,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+
+        async def waiting() -> bool:
+            rows = await holder.fetch(
+                "SELECT FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objid = $1",
+                lock,
+            )
+            return bool(rows)
+
+        await wait_until(waiting, "the fourth batch to wait at e01700", within=60)
+        process.send_signal(signal.SIGINT)
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        await holder.close()
+
+    print(err.decode())
+    assert process.returncode == 130
+    progress = err.decode().splitlines()
+    assert progress == [
+        "made due 500 of 3000",
+        "made due 1000 of 3000",
+        "made due 1500 of 3000",
+        "interrupted: made due 1500 of 3000, each batch committed whole; the rest are as they "
+        "were: run the same command again to continue",
+        "dedup-proxy events redeliver: interrupted",
+    ]
+    assert len(out.decode().splitlines()) == 1500
+    assert await states(pg_dsn, table) == {"pending": 1500, "dead": 1500}
+
+    await execute(pg_dsn, f'DROP TRIGGER hold ON "{table}"')
+    code, out_again, err_again = await cli(config_file, "redeliver", "--route", "hooks", "--dead")
+    assert code == 0
+    assert err_again.splitlines() == ["made due 500 of 1500", "made due 1000 of 1500",
+                                      "made due 1500 of 1500"]  # fmt: skip
+    lines = out_again.splitlines()
+    assert lines[0] == "redelivering: hooks e01500"
+    assert lines[-1] == (
+        "1500 delivery(ies) due now; the redeliverer takes them within its poll interval"
+    )
+    assert await states(pg_dsn, table) == {"pending": 3000}
+    # Those pending now were made due by the operator: a rerun of --pending passes them over.
+    code, out_again, _ = await cli(config_file, "redeliver", "--route", "hooks", "--pending")
+    assert (code, out_again) == (0, "no pending deliveries in scope hooks\n")
+
+
+async def test_discard_by_state_drops_the_routes_dead_ones_and_their_claims_stay(
+    keep: Keep, upstream: FakeUpstream, config_file: Path, pg_dsn: str, table: str
+) -> None:
+    proxy = await keep(["p1", "d1", "d2", "ok"], 503, 422, 422)
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET inbox_changed = now() - interval '2 hours' WHERE event_id = 'd2'",
+    )
+
+    code, out, err = await cli(
+        config_file, "discard", "--route", "hooks", "--dead", "--since", "1h"
+    )
+
+    assert (code, err) == (0, "discarded 1 of 1\n")
+    assert out.splitlines() == [
+        "discarded: hooks d1",
+        "1 dead delivery(ies) discarded in scope hooks",
+    ]
+    got = {r["event_id"]: r["inbox_state"] for r in await fetch(pg_dsn, f'SELECT * FROM "{table}"')}
+    assert got == {"p1": "pending", "d1": "discarded", "d2": "dead", "ok": None}
+    code, out, _ = await cli(config_file, "discard", "--route", "hooks", "--pending")
+    assert (code, out.splitlines()[-1]) == (0, "1 pending delivery(ies) discarded in scope hooks")
+    copy = await proxy.post("/hooks", data=b'{"id": "p1"}')
+    assert copy.headers["Dedup-Status"] == "duplicate"  # the claim stays
+    assert len(upstream.requests) == 4
+    code, _, err = await cli(config_file, "discard", "--route", "hooks", "--since", "1h", "d2")
+    assert (code, err) == (2, "dedup-proxy events discard: --since goes with --dead or --pending "
+                              "only\n")  # fmt: skip
+
+
+async def test_pending_and_dead_without_route_list_every_route_and_json_is_one_document(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, routes: list[dict[str, Any]]
+) -> None:
+    upstream.respond = answering(503, 422)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    await proxy.post("/hooks", data=b'{"id": "p1", "type": "t.p1"}')
+    await proxy.post("/hooks", data=b'{"id": "d1"}')
+    await proxy.post("/t/acme", data=b'{"id": "a1"}')  # answered 200 by the app
+    await proxy.post("/down", data=b'{"id": "u1"}')
+
+    code, out, err = await cli(config_file, "pending")
+
+    assert (code, err) == (0, "")
+    assert [line.split()[1:3] for line in out.splitlines()[1:-1]] == [
+        ["hooks", "p1"], ["down", "u1"],
+    ]  # fmt: skip
+    assert out.splitlines()[-1] == "2 pending delivery(ies) in scope hooks, tenants, down, plain"
+    code, out, err = await cli(config_file, "pending", "--json", "--limit", "1")
+    assert (code, err) == (0, "")
+    document = json.loads(out)
+    assert (document["state"], document["total"]) == ("pending", 2)
+    assert document["scopes"] == ["hooks", "tenants", "down", "plain"]
+    (first,) = document["deliveries"]
+    assert first["received_at"].endswith("+00:00")
+    assert first["next_due"] > first["received_at"]
+    assert {k: v for k, v in first.items() if k not in ("received_at", "next_due")} == {
+        "scope": "hooks", "event_id": "p1", "event_type": "t.p1", "state": "pending",
+        "attempts": 1, "last_status": 503, "last_error": None, "body_bytes": 28,
+    }  # fmt: skip
+    code, out, _ = await cli(config_file, "dead", "--json")
+    assert [(d["event_id"], d["last_status"]) for d in json.loads(out)["deliveries"]] == [
+        ("d1", 422)
+    ]
+
+    code, out, _ = await cli(config_file, "list", "--route", "hooks", "--json")
+    document = json.loads(out)
+    assert (document["route"], document["scope"], document["total"]) == ("hooks", "hooks", 2)
+    assert {e["event_id"]: e["state"] for e in document["events"]} == {"p1": "pending",
+                                                                     "d1": "dead"}  # fmt: skip
+    code, out, _ = await cli(config_file, "list", "--route", "tenants")
+    assert out.splitlines()[1].split()[1:] == ["tenants/acme", "a1", "-", "-"]
+    code, out, _ = await run_cli("stats", "--json", "--config", str(config_file))
+    by_route = {r["route"]: r for r in json.loads(out)["routes"]}
+    assert {name: (r["rows"], r["pending"], r["dead"]) for name, r in by_route.items()} == {
+        "hooks": (2, 1, 1), "tenants": (1, 0, 0), "down": (1, 1, 0), "plain": (0, 0, 0),
+    }  # fmt: skip
+    assert by_route["plain"]["oldest"] is None
+    assert by_route["tenants"]["scope"] == "tenants/…"
+    code, out, _ = await run_cli("stats", "--config", str(config_file))
+    assert out.splitlines()[1].split()[:5] == ["hooks", "hooks", "2", "1", "1"]
+
+
+async def test_show_json_is_valid_json_for_hostile_bytes_and_masks_credentials(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    hostile = b"\xc2\x9b2J \xc2\x9d52;c;aGk=\xc2\x9c \xe2\x80\xaeevil"  # C1 CSI, OSC 52, U+202E
+    upstream.respond = answering(503)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    body = b'{"id": "t1"}'
+    async with connection(proxy) as (reader, writer):
+        writer.write(
+            b"POST /hooks?q=%E2%80%AE HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+            b"X-Evil: " + hostile + b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )  # fmt: skip
+        answer = await read_answer(reader)
+    assert answer is not None
+    assert answer.status == 202
+    raw = '[["X-Raw", {"base64": "mzMxbQ=="}]]'  # b"\x9b31m": not UTF-8
+    headers = f"(inbox_request->'headers') || '{raw}'::jsonb"
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET inbox_request = jsonb_set(inbox_request, '{{headers}}', "
+        f"{headers}) WHERE event_id = 't1'",
+    )
+
+    code, out, err = await cli(config_file, "show", "--route", "hooks", "t1", "--json")
+
+    assert (code, err) == (0, "")
+    assert out.isascii()  # nothing a terminal could act on
+    shown = json.loads(out)
+    assert (shown["event_id"], shown["claim_id"], shown["state"]) == ("t1", "t1", "pending")
+    assert shown["request"]["target"] == "/hooks?q=%E2%80%AE"
+    values = {h["name"]: h for h in shown["request"]["headers"]}
+    assert values["X-Evil"]["value"] == hostile.decode()
+    assert values["X-Raw"]["value"] == {"base64": "mzMxbQ=="}
+    assert values["Authorization"] == {"name": "Authorization", "value": None,
+                                       "redacted_bytes": 13}  # fmt: skip
+    assert "s3cret" not in out
+    assert shown["request"]["body_bytes"] == len(body)
+    assert [a["status"] for a in shown["attempts"]] == [503]
+    # An event ID and type with escape sequences (ESC, BEL) inside, which the proxy refuses
+    # now but a row kept before, or by another deployment, may hold: JSON escapes them all.
+    evil_id, evil_type = "x\x1b]52;c;aGk=\x07", "t\x1b[2J\u202e"
+    copy = await asyncpg.connect(pg_dsn)
+    try:
+        await copy.execute(f'CREATE TEMP TABLE kept AS SELECT * FROM "{table}"')
+        await copy.execute(
+            "UPDATE kept SET event_id = $1, event_type = $2, received_at = now()",
+            evil_id, evil_type,
+        )  # fmt: skip
+        await copy.execute(f'INSERT INTO "{table}" SELECT * FROM kept')
+    finally:
+        await copy.close()
+    code, out, _ = await cli(config_file, "pending", "--json")
+    assert out.isascii()
+    assert [(d["event_id"], d["event_type"]) for d in json.loads(out)["deliveries"]] == [
+        ("t1", None), (evil_id, evil_type)
+    ]  # fmt: skip
+    code, out, _ = await cli(config_file, "pending")
+    assert "\x1b" not in out
+    assert "\x07" not in out
+    code, out, _ = await cli(config_file, "show", "--route", "hooks", evil_id)
+    assert code == 0
+    assert "event:       x\\u001b]52;c;aGk=\\u0007" in out.splitlines()
+    assert "\x1b" not in out
+    code, out, _ = await cli(config_file, "list", "--route", "hooks", "--json")
+    assert out.isascii()
+    assert {e["event_id"] for e in json.loads(out)["events"]} == {"t1", evil_id}
+    code, _, err = await cli(config_file, "show", "--route", "hooks", "t1", "--json", "--body")
+    assert (code, err) == (2, "dedup-proxy events show: --body and --json: one of them\n")

@@ -191,18 +191,19 @@ async def test_events_list_and_stats(
     await operations.stats(cfg, summary)
 
     lines = recent.getvalue().splitlines()
-    assert lines[0].split() == ["received_at", "scope", "event_id", "event_type"]
-    assert [line.split()[2] for line in lines[1:-1]] == ["e2", "e1"]  # newest first, e0 too old
+    assert lines[0].split() == ["received_at", "scope", "event_id", "event_type", "state"]
+    assert [line.split()[2:] for line in lines[1:-1]] == [["e2", "t2", "-"], ["e1", "t1", "-"]]
     assert lines[-1] == "2 claim(s) in scope corvel"
     assert [line.split()[2] for line in everything.getvalue().splitlines()[1:-1]] == ["e2", "e1"]
     assert everything.getvalue().splitlines()[-1] == (
         "showing the 2 newest of 3 claim(s) in scope corvel"
     )
     rows = [line.split() for line in summary.getvalue().splitlines()]
-    assert rows[0] == ["route", "scope", "rows", "oldest", "newest", "retention"]
-    assert rows[1][:3] == ["corvel", "corvel", "3"]
-    assert rows[2][:3] == ["gh", "github-main", "0"]
-    assert rows[2][3:] == ["-", "-", "4d"]
+    assert rows[0] == [
+        "route", "scope", "rows", "pending", "dead", "oldest", "newest", "retention",
+    ]  # fmt: skip
+    assert rows[1][:5] == ["corvel", "corvel", "3", "0", "0"]
+    assert rows[2] == ["gh", "github-main", "0", "0", "0", "-", "-", "4d"]
 
 
 async def test_schema_and_migrate_for_create_schema_false(
@@ -415,7 +416,7 @@ def test_table_formatting() -> None:
     operations.table(rows, ("h1", "h2", "h3"), out)
     assert out.getvalue().splitlines() == [
         "h1          h2  h3",
-        "a               1 ",
+        "a               1",
         "long value  x   22",
     ]
 

@@ -18,7 +18,7 @@ from urllib.parse import quote
 import yaml
 
 from proxy import app_limit, errors, paths
-from proxy.config import reader, redeliver, values
+from proxy.config import console, reader, redeliver, values
 from proxy.config import routes as routes_module
 from proxy.upstream import proxy_headers
 
@@ -159,6 +159,7 @@ class LogConfig:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AdminConfig:
     listen: Listen = field(default_factory=lambda: _listen(DEFAULT_ADMIN_LISTEN))
+    console: console.ConsoleConfig = field(default_factory=console.ConsoleConfig)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -337,7 +338,7 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
         ),
     )
     lg = r.mapping(top.get("log"), "log", ("level", "format"))
-    adm = r.mapping(top.get("admin"), "admin", ("listen",))
+    adm = r.mapping(top.get("admin"), "admin", ("listen", "console"))
     sw = r.mapping(top.get("sweeper"), "sweeper", ("interval", "batch"))
     max_body = r.value(top, "max_body", "", values.parse_size, DEFAULT_MAX_BODY)
     claim_wait = r.value(top, "claim_wait", "", _SHORT_DURATION, DEFAULT_CLAIM_WAIT)
@@ -358,7 +359,8 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
         ),
         send_timeout=r.value(top, "send_timeout", "", _SHORT_DURATION, DEFAULT_SEND_TIMEOUT),
         admin=AdminConfig(
-            listen=r.value(adm, "listen", "admin", _listen, _listen(DEFAULT_ADMIN_LISTEN))
+            listen=r.value(adm, "listen", "admin", _listen, _listen(DEFAULT_ADMIN_LISTEN)),
+            console=console.parse_console(r, adm.get("console")),
         ),
         sweeper=SweeperConfig(
             interval=r.value(

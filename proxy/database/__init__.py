@@ -6,6 +6,8 @@ nothing outside this package imports the driver.
   claimed (``Key``) and stored (``Answer``).
 - ``inbox``: deliveries the app failed, kept in their claim's row for the redeliverer, and
   the redelivery's own named steps (delivered, failed); its statements in ``inbox_sql``.
+- ``holds``: the route holds (an operator's pause, the app's Retry-After), a row per route
+  scope in the claim table, read by every replica.
 - ``pool``: opening connections, lending them, and what the driver's errors mean (translated
   into ``errors`` once, here).
 - ``sql``: every statement, built once per claim table.
@@ -26,6 +28,7 @@ from proxy.database.claim import (
     is_bound,
     unbound,
 )
+from proxy.database.holds import Hold, HoldKind, RouteHolds
 from proxy.database.inbox import (
     Attempt,
     HandedOff,
@@ -67,6 +70,8 @@ __all__ = [
     "Duplicate",
     "Event",
     "HandedOff",
+    "Hold",
+    "HoldKind",
     "InboxState",
     "KeepPolicy",
     "Kept",
@@ -75,6 +80,7 @@ __all__ = [
     "NotKept",
     "Redelivery",
     "Resolved",
+    "RouteHolds",
     "ScopeStats",
     "Shown",
     "Store",

@@ -296,7 +296,7 @@ class Claim:
                     statements.keep, key.scope, key.event_id, state, request.encoded(),
                     request.body, attempt.status, attempt.error, policy.delay, policy.until,
                     policy.cap_scope, policy.max_pending, policy.max_pending_bytes, policy.signed,
-                    timeout=store.op_timeout,
+                    1 if policy.attempted else 0, timeout=store.op_timeout,
                 )  # fmt: skip
                 kept = status.rpartition(" ")[2] == "1"
                 if not kept and policy.signed is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import enum
 import json
 import logging
@@ -52,6 +53,8 @@ GRANT_HINT = f"GRANT UPDATE ({', '.join(COLUMNS)})"
 OPERATOR_LOCK_WAIT = 5.0
 # How many of the oldest due rows a take reads at a time, to lock one of them (Inbox.take).
 CANDIDATES = 32
+# How many rows an operator's bulk command changes in one transaction (Inbox.redeliver_batch).
+BATCH = 500
 
 
 OUTDATED = (
@@ -88,8 +91,8 @@ class StoredRequest:
         bytes in base64, since JSON (and jsonb) can hold no lone surrogate."""
         return json.dumps(
             {"route": self.route, "upstream": self.upstream, "method": self.method,
-             "target": _wire(self.target),
-             "headers": [(name, _wire(value)) for name, value in self.headers]},
+             "target": wire(self.target),
+             "headers": [(name, wire(value)) for name, value in self.headers]},
             ensure_ascii=False, separators=(",", ":"),
         )  # fmt: skip
 
@@ -102,7 +105,9 @@ class StoredRequest:
         )  # fmt: skip
 
 
-def _wire(text: str) -> str | dict[str, str]:
+def wire(text: str) -> str | dict[str, str]:
+    """``text`` as JSON can hold it: itself, or ``{"base64": …}`` of its bytes when it holds
+    bytes that are not UTF-8 (surrogate escapes)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -141,6 +146,8 @@ class KeepPolicy:
     cap_scope: str
     dead: bool
     signed: str | None = None
+    # False: kept before its attempt ended (not sent, or handed off): no attempt recorded.
+    attempted: bool = True
 
 
 class Listed(NamedTuple):
@@ -156,6 +163,30 @@ class Listed(NamedTuple):
     body_bytes: int | None
     last_status: int | None
     last_error: str | None
+
+
+class Key(NamedTuple):
+    """A row's primary key."""
+
+    scope: str
+    event_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The rows an operator's bulk command acts on (``events redeliver``/``discard`` with
+    ``--dead`` or ``--pending``): ``scope``'s, its per-path ones included, in ``state``, changed
+    at or after ``since``, with their bodies. For a redelivery (``again``), not the pending rows
+    an operator made due and the redeliverer has not tried since: so the rows a run changed no
+    longer match, and a rerun after an interrupted one continues with what is left."""
+
+    scope: str
+    state: InboxState
+    since: datetime | None
+    again: bool
+
+    def arguments(self) -> tuple[object, ...]:
+        return (self.scope, self.state.value, self.since, self.again)
 
 
 class Shown(NamedTuple):
@@ -183,6 +214,54 @@ class Level(NamedTuple):
     oldest_pending: float | None  # seconds since the oldest pending event was received
     most_overdue: float | None  # seconds the most overdue pending row is past its due time
     oldest_dead: float | None  # seconds since the oldest dead row became dead
+
+
+class Hour(NamedTuple):
+    """A route's claims received in the last hour, by what became of them (the console)."""
+
+    received: int
+    first_try: int  # delivered at the first try
+    redelivered: int
+    pending: int
+    dead: int
+    discarded: int
+
+
+class Found(NamedTuple):
+    """A claim of an ID as the provider sent it, on some route (the console's lookup)."""
+
+    scope: str
+    event_id: str
+    event_type: str | None
+    received_at: datetime
+    state: str | None  # None: delivered at the first try
+
+
+Criteria = inbox_sql.Criteria
+# The console's body filter reads at most this many rows holding the value's bytes per page,
+# checking each one's JSON path: past it, the page ends early and the next one goes on.
+BROWSE_SCAN = 2000
+
+
+def body_matches(body: bytes, path: tuple[str, ...], value: str) -> bool:
+    """Whether ``body`` is JSON with ``value`` at ``path`` (object keys, or list indexes in
+    digits): a string equal to it, or a number, boolean or null spelled as it."""
+    try:
+        node: Any = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    for key in path:
+        if isinstance(node, dict) and key in node:
+            node = node[key]
+        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        else:
+            return False
+    if isinstance(node, str):
+        return node == value
+    if isinstance(node, dict | list):
+        return False
+    return json.dumps(node) == value
 
 
 Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
@@ -391,36 +470,74 @@ class Inbox:
         since: datetime | None,
         for_: float,
         state: InboxState = InboxState.DEAD,
-    ) -> list[tuple[str, str]]:
-        """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``) pending
-        and due now, with ``for_`` seconds of the schedule again: the (scope, event ID)s it
-        changed."""
-        if event_ids is None:
-            rows = await self._redeliver_all(scope, state, since, for_)
-        else:
+    ) -> list[Key]:
+        """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``: every
+        page of ``selected``, each by ``redeliver_batch``) pending and due now, with ``for_``
+        seconds of the schedule again: the keys it changed."""
+        if event_ids is not None:
             rows = await self._operate(self.statements.redeliver, scope, event_ids, for_)
-        return [(row["scope"], row["event_id"]) for row in rows]
+            return [Key(row["scope"], row["event_id"]) for row in rows]
+        selection = Selection(scope, state, since, again=True)
+        changed: list[Key] = []
+        after = None
+        while page := await self.selected(selection, after, BATCH):
+            keys = [Key(row.scope, row.event_id) for row in page]
+            changed += await self.redeliver_batch(selection, keys, for_)
+            after = keys[-1]
+        return changed
 
     async def discard(self, scope: str, event_ids: list[str]) -> set[str]:
         """Drop these pending or dead deliveries, keeping their claims: the IDs it changed."""
         rows = await self._operate(self.statements.discard, scope, event_ids)
         return {row["event_id"] for row in rows}
 
-    async def _redeliver_all(
-        self, scope: str, state: str, since: datetime | None, for_: float
-    ) -> list[pool.Record]:
-        """``scope``'s rows in ``state`` made due, one statement per row, each on its own (on
-        Citus, on its row's shard): a row being redelivered right now is passed over."""
-        statements = self.statements
+    async def selected_count(self, selection: Selection) -> int:
+        """How many rows ``selection`` holds now."""
         async with self._acquire() as connection:
             with _plainly("query failed"):
-                found = await connection.fetch(statements.redeliverable, scope, state, since)
-                changed: list[pool.Record] = []
-                for row in found:
-                    changed += await connection.fetch(
-                        statements.redeliver_one, row["scope"], row["event_id"], state, since,
-                        for_,
-                    )  # fmt: skip
+                count: int = await connection.fetchval(
+                    self.statements.selected_count, *selection.arguments()
+                )
+        return count
+
+    async def selected(self, selection: Selection, after: Key | None, limit: int) -> list[Listed]:
+        """The first ``limit`` rows of ``selection`` past ``after``, in key order; locks
+        nothing."""
+        last = after or (None, None)
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                rows = await connection.fetch(
+                    self.statements.selected, *selection.arguments(), *last, limit
+                )
+        return [Listed(*row) for row in rows]
+
+    async def redeliver_batch(
+        self, selection: Selection, keys: list[Key], for_: float
+    ) -> list[Key]:
+        """These rows of ``selection`` (a page of ``selected``), those still in it, made due
+        now with ``for_`` seconds of the schedule again, in one transaction: the keys it
+        changed. A row being redelivered right now is passed over."""
+        return await self._batch(
+            self.statements.redeliver_one, keys, selection.state.value, selection.since, for_
+        )
+
+    async def discard_batch(self, selection: Selection, keys: list[Key]) -> list[Key]:
+        """These rows of ``selection``, those still in it, discarded in one transaction: the
+        keys it changed. A row being redelivered right now is passed over."""
+        return await self._batch(
+            self.statements.discard_one, keys, selection.state.value, selection.since
+        )
+
+    async def _batch(self, statement: str, keys: list[Key], *args: object) -> list[Key]:
+        """``statement`` on each row, one statement per row (on Citus, on its row's shard),
+        all committed together or none: an interrupted batch changes nothing."""
+        changed: list[Key] = []
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                async with connection.transaction():
+                    for key in keys:
+                        rows = await connection.fetch(statement, *key, *args)
+                        changed += (Key(row["scope"], row["event_id"]) for row in rows)
         return changed
 
     async def _operate(self, statement: str, *args: object) -> list[pool.Record]:
@@ -455,3 +572,63 @@ class Inbox:
                     self.statements.sweep_dead, scope, retention, batch, timeout=self.op_timeout
                 )
         return int(status.split()[-1])
+
+    # The operator console (``proxy.console``)
+
+    async def browse(
+        self, criteria: Criteria, body_path: tuple[str, ...] = (), body_value: str = ""
+    ) -> tuple[list[Listed], tuple[datetime, str] | None]:
+        """A page of the kept rows ``criteria`` select, newest first, and the cursor of the next
+        page (None: this was the last). With ``criteria.body_bytes``, only the rows whose body
+        is JSON holding ``body_value`` at ``body_path``, read ``BROWSE_SCAN`` rows at most: a
+        page may then be short, or empty, with a next one."""
+        rows: list[Listed] = []
+        scanned = 0
+        cursor = criteria
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                while True:
+                    statement, args = self.statements.browse(cursor)
+                    batch = await connection.fetch(statement, *args, timeout=self.op_timeout)
+                    for row in batch:
+                        if criteria.body_bytes is None or body_matches(
+                            row["inbox_body"] or b"", body_path, body_value
+                        ):
+                            rows.append(Listed(*tuple(row)[:10]))
+                    if len(batch) < cursor.limit:
+                        return rows[: criteria.limit], None
+                    last = batch[-1]
+                    scanned += len(batch)
+                    if len(rows) >= criteria.limit or scanned >= BROWSE_SCAN:
+                        break
+                    cursor = dataclasses.replace(
+                        cursor, after=(last["received_at"], last["event_id"])
+                    )
+        if len(rows) > criteria.limit:
+            rows = rows[: criteria.limit]
+            return rows, (rows[-1].received_at, rows[-1].event_id)
+        return rows, (last["received_at"], last["event_id"])
+
+    async def hour(self, scope: str) -> Hour:
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                row = await connection.fetchrow(
+                    self.statements.hour, scope, timeout=self.op_timeout
+                )
+        assert row is not None
+        return Hour(*row)
+
+    async def lookup(self, scopes: list[str], scoped: list[str], event_id: str) -> list[Found]:
+        """The claims of ``event_id`` (as the provider sent it, or as stored) in ``scopes``, and
+        in the per-path scopes of ``scoped``, newest first."""
+        async with self._acquire() as connection:
+            with _plainly("query failed"):
+                rows = await connection.fetch(
+                    self.statements.lookup, scopes, event_id, timeout=self.op_timeout
+                )
+                if scoped:
+                    rows += await connection.fetch(
+                        self.statements.lookup_scoped, scoped, event_id, timeout=self.op_timeout
+                    )
+        found = [Found(*row) for row in rows]
+        return sorted(found, key=lambda f: f.received_at, reverse=True)

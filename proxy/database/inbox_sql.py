@@ -1,19 +1,21 @@
 """The inbox's statements (``database.inbox``), built once per claim table: keeping a failed
 delivery in its claim's row under its cap (a signed body once), taking a due row ``FOR UPDATE
-SKIP LOCKED``, the two ends of a redelivery, the operators' commands, the metrics' levels and
-the dead rows' sweep. Every value is a parameter; the columns are added by the claim table's
-DDL (``sql``).
+SKIP LOCKED``, the two ends of a redelivery, the operators' commands, the metrics' levels,
+the dead rows' sweep and the operator console's reads; and the route holds' rows
+(``database.holds``: in scope ``sql.HOLDS``, one per route scope, in the inbox's columns).
+Every value is a parameter; the columns are added by the claim table's DDL (``sql``).
 
 Shaped for a table distributed by ``event_id`` on Citus too (tests/test_sql_shapes.py pins
 it): a statement that locks rows names the one row it locks by its whole key, so that it runs on
 one shard (Citus runs no ``FOR UPDATE`` across shards); rows are found first by a statement
-that locks nothing (``due``, ``redeliverable``). An UPDATE's ``CASE`` reads the time as a
+that locks nothing (``due``, ``selected``). An UPDATE's ``CASE`` reads the time as a
 parameter, not ``now()`` (Citus evaluates no such function inside ``CASE`` in a modification).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 
 from proxy.database import sql
 
@@ -25,10 +27,25 @@ _AGAIN = (
     "inbox_state = 'pending', inbox_due = now(), inbox_until = now() + make_interval(secs => "
     "{until}), inbox_failures = 0, inbox_changed = now()"
 )
-# A row an operator's "redeliver --all" makes due again: in ``state``, changed since ``since``.
-_REDELIVERABLE = (
+# A row an operator's bulk command acts on (``Inbox.selected``): in ``state``, changed since
+# ``since``; and, when it redelivers (``again``), not a row an operator made due already and the
+# redeliverer has not tried since (no failure counted): a rerun after an interrupted run
+# continues with the rows that run left.
+_SELECTED = (
     "inbox_state = {state}::text AND inbox_body IS NOT NULL "
-    "AND ({since}::timestamptz IS NULL OR inbox_changed >= {since})"
+    "AND ({since}::timestamptz IS NULL OR inbox_changed >= {since}) "
+    "AND NOT ({again}::bool AND inbox_failures = 0)"
+)
+# A kept row as ``events pending``/``dead`` list it (``inbox.Listed``).
+_LISTED = (
+    "scope, event_id, event_type, received_at, inbox_state, "
+    "jsonb_array_length(inbox_attempts), inbox_due, octet_length(inbox_body), "
+    "(inbox_attempts -> -1 ->> 'status')::int, inbox_attempts -> -1 ->> 'error'"
+)
+# Discarded: the request and body dropped, the claim and its attempts kept.
+_DISCARDED = (
+    "inbox_state = 'discarded', inbox_body = NULL, inbox_request = NULL, inbox_due = NULL, "
+    "inbox_changed = now()"
 )
 # What a kept row stores of its request, counted against max_pending_bytes.
 _STORED = "coalesce(octet_length(inbox_request::text), 0) + coalesce(octet_length(inbox_body), 0)"
@@ -48,21 +65,23 @@ class Statements:
 
     @property
     def keep(self) -> str:
-        # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8 delay,
-        # $9 until, $10 the cap's scope, $11 max count, $12 max bytes, $13 the claim's signed
-        # part or NULL. Under the cap only: the kept rows of the cap's scope and its per-path
-        # ones (pending and dead: both hold requests), this one counted, each by what it
-        # stores (its headers as well as its body: the headers alone can be 1 MiB). And, on a
-        # route whose claims are bound to what is signed, only if none of those rows holds
-        # this signed body already under another ID (a replay: ``KEPT_AS``).
-        # Concurrent failures each see the others' uncommitted rows as absent, so the cap can
-        # be passed, and a body kept twice, by the deliveries failing at that moment (at most
-        # the pool's size).
+        # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8
+        # delay, $9 until, $10 the cap's scope, $11 max count, $12 max bytes, $13 the
+        # claim's signed part or NULL, $14 the attempts made (1; 0 for a delivery kept
+        # before its attempt ended: the array's element $14 is removed, so the attempt is
+        # recorded only if made). Under the cap only: the kept rows of the cap's scope and
+        # its per-path ones (pending and dead: both hold requests), this one counted, each
+        # by what it stores (its headers as well as its body: the headers alone can be 1
+        # MiB). And, on a route whose claims are bound to what is signed, only if none of
+        # those rows holds this signed body already under another ID (a replay:
+        # ``KEPT_AS``). Concurrent failures each see the others' uncommitted rows as absent,
+        # so the cap can be passed, and a body kept twice, by the deliveries failing at that
+        # moment (at most the pool's size).
         return (
             f"UPDATE {self.quoted} SET inbox_state = $3, inbox_request = $4::jsonb, "
             "inbox_body = $5::bytea, inbox_attempts = jsonb_build_array("
             + _ATTEMPT.format(status="$6", error="$7")
-            + "), inbox_failures = 1, "
+            + ") - $14::int, inbox_failures = $14::int, "
             # No due time for a dead row; the CASE reads no function (Citus runs none in one).
             "inbox_due = now() + make_interval(secs => "
             "CASE WHEN $3 = 'pending' THEN $8::float8 END), "
@@ -139,10 +158,7 @@ class Statements:
     def kept(self) -> str:
         # $1 scope, $2 state, $3 limit.
         return (
-            "SELECT scope, event_id, event_type, received_at, inbox_state, "
-            "jsonb_array_length(inbox_attempts), inbox_due, octet_length(inbox_body), "
-            "(inbox_attempts -> -1 ->> 'status')::int, "
-            f"inbox_attempts -> -1 ->> 'error' FROM {self.quoted} "
+            f"SELECT {_LISTED} FROM {self.quoted} "
             f"WHERE {sql.IN_SCOPE} AND inbox_state = $2 ORDER BY received_at LIMIT $3"
         )
 
@@ -170,33 +186,56 @@ class Statements:
         )
 
     @property
-    def redeliverable(self) -> str:
-        # $1 scope, $2 state ('dead' or 'pending'), $3 changed since or NULL: the rows
-        # ``redeliver_one`` makes due, one at a time. Locks nothing.
+    def selected(self) -> str:
+        # $1 scope, $2 state ('dead' or 'pending'), $3 changed since or NULL, $4 again (a
+        # redelivery), $5 and $6 the key of the last row of the page before or NULL, $7 how
+        # many: a page of the rows a bulk command acts on, in key order (on the primary key,
+        # so that a run ends however many rows it passes over). Locks nothing.
         return (
-            f"SELECT scope, event_id FROM {self.quoted} WHERE {sql.IN_SCOPE} "
-            f"AND {_REDELIVERABLE.format(state='$2', since='$3')}"
+            f"SELECT {_LISTED} FROM {self.quoted} WHERE {sql.IN_SCOPE} "
+            f"AND {_SELECTED.format(state='$2', since='$3', again='$4')} "
+            "AND ($5::text IS NULL OR (scope, event_id) > ($5::text, $6::text)) "
+            "ORDER BY scope, event_id LIMIT $7"
+        )
+
+    @property
+    def selected_count(self) -> str:
+        # $1 scope, $2 state, $3 changed since or NULL, $4 again: how many ``selected`` holds.
+        return (
+            f"SELECT count(*) FROM {self.quoted} WHERE {sql.IN_SCOPE} "
+            f"AND {_SELECTED.format(state='$2', since='$3', again='$4')}"
         )
 
     @property
     def redeliver_one(self) -> str:
         # $1 scope, $2 event ID, $3 state, $4 changed since or NULL, $5 for (seconds): one row
-        # of ``redeliverable``, if it still is. A row being redelivered right now is passed
-        # over: it needs no making due.
+        # of ``selected``, if it still is. A row being redelivered right now is passed over:
+        # it needs no making due.
         key = "scope = $1 AND event_id = $2"
         return (
             f"UPDATE {self.quoted} SET {_AGAIN.format(until='$5')} WHERE {key} "
-            f"AND {_REDELIVERABLE.format(state='$3', since='$4')} AND EXISTS (SELECT FROM "
-            f"{self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) RETURNING scope, event_id"
+            f"AND {_SELECTED.format(state='$3', since='$4', again='true')} AND EXISTS (SELECT "
+            f"FROM {self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) RETURNING scope, event_id"
+        )
+
+    @property
+    def discard_one(self) -> str:
+        # $1 scope, $2 event ID, $3 state, $4 changed since or NULL: one row of ``selected``
+        # discarded, if it still is. A row being redelivered right now is passed over (a
+        # rerun takes it if it is still pending then).
+        key = "scope = $1 AND event_id = $2"
+        return (
+            f"UPDATE {self.quoted} SET {_DISCARDED} WHERE {key} "
+            f"AND {_SELECTED.format(state='$3', since='$4', again='false')} AND EXISTS (SELECT "
+            f"FROM {self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) RETURNING scope, event_id"
         )
 
     @property
     def discard(self) -> str:
         # $1 scope, $2 event IDs. The claim stays (its copies are still duplicates).
         return (
-            f"UPDATE {self.quoted} SET inbox_state = 'discarded', inbox_body = NULL, "
-            "inbox_request = NULL, inbox_due = NULL, inbox_changed = now() "
-            "WHERE scope = $1 AND event_id = ANY($2) AND inbox_state IN ('pending', 'dead') "
+            f"UPDATE {self.quoted} SET {_DISCARDED} WHERE scope = $1 AND event_id = ANY($2) "
+            "AND inbox_state IN ('pending', 'dead') "
             "RETURNING event_id"
         )
 
@@ -228,3 +267,173 @@ class Statements:
             f"  SELECT scope, event_id FROM {self.quoted} WHERE {sql.IN_SCOPE} AND {dead} "
             f"   LIMIT $3) AND {dead}"
         )
+
+    # The route holds (``database.holds``): a row in scope sql.HOLDS keyed by the route scope
+    # ($1), its kind in inbox_state, its end in inbox_until (NULL: none), the end asked for in
+    # inbox_due, since when in inbox_changed and who and why in inbox_request. The INSERT makes
+    # the row (DO NOTHING, as Citus needs); a pause or a resume deletes it first, and the app's
+    # Retry-After changes it by an UPDATE on its whole key. Every end is now() + $3 seconds
+    # (NULL: no end), outside any CASE.
+
+    @property
+    def hold_row(self) -> str:
+        # $1 route scope, $2 kind, $3 seconds or NULL, $4 who and why (jsonb): the hold, if the
+        # scope has no row yet; "INSERT 0 1" if it had none.
+        end = "now() + make_interval(secs => $3::float8)"
+        return (
+            f"INSERT INTO {self.quoted} (scope, event_id, event_type, inbox_state, inbox_until, "
+            f"inbox_due, inbox_changed, inbox_request) VALUES ('{sql.HOLDS}', $1, 'hold', $2, "
+            f"{end}, {end}, now(), $4::jsonb) ON CONFLICT (scope, event_id) DO NOTHING"
+        )
+
+    @property
+    def unhold_one(self) -> str:
+        # $1 route scope: the row gone (an operator's pause replaces it, a resume ends it, with
+        # the grants every role has: no UPDATE); its kind, and whether it held still.
+        return (
+            f"DELETE FROM {self.quoted} WHERE scope = '{sql.HOLDS}' AND event_id = $1 "
+            "RETURNING inbox_state, (inbox_until IS NULL OR inbox_until > now()) AS held"
+        )
+
+    @property
+    def renew_hold_one(self) -> str:
+        # The same parameters, $3 never NULL: the hold, from now, if the row's has ended.
+        end = "now() + make_interval(secs => $3::float8)"
+        return (
+            f"UPDATE {self.quoted} SET inbox_state = $2, inbox_until = {end}, inbox_due = {end}, "
+            f"inbox_changed = now(), inbox_request = $4::jsonb WHERE scope = '{sql.HOLDS}' "
+            "AND event_id = $1 AND inbox_until <= now()"
+        )
+
+    @property
+    def extend_hold_one(self) -> str:
+        # The same parameters: a hold of the same kind ($2) that ends sooner ends then instead,
+        # since when it holds unchanged. A pause is never made shorter nor another kind.
+        end = "now() + make_interval(secs => $3::float8)"
+        return (
+            f"UPDATE {self.quoted} SET inbox_until = {end}, inbox_due = {end}, "
+            f"inbox_request = $4::jsonb WHERE scope = '{sql.HOLDS}' AND event_id = $1 "
+            f"AND inbox_state = $2 AND inbox_until < {end}"
+        )
+
+    @property
+    def holds(self) -> str:
+        # $1 route scopes, or NULL for all: the holds in force, their times as seconds from now
+        # (the database's clock: each proxy adds them to its own).
+        return (
+            "SELECT event_id AS scope, inbox_state AS kind, inbox_request AS request, "
+            "extract(epoch FROM inbox_until - now())::float8 AS ends_in, "
+            "extract(epoch FROM inbox_due - now())::float8 AS asked_in, "
+            "extract(epoch FROM now() - inbox_changed)::float8 AS held_for "
+            f"FROM {self.quoted} WHERE scope = '{sql.HOLDS}' "
+            "AND ($1::text[] IS NULL OR event_id = ANY($1::text[])) "
+            "AND (inbox_until IS NULL OR inbox_until > now())"
+        )
+
+    # The operator console's reads (``Inbox.browse``, ``hour``, ``lookup``). Lock nothing.
+
+    @property
+    def hour(self) -> str:
+        # $1 scope: the claims received in the last hour, by what became of them (the
+        # received_at index's range).
+        return (
+            "SELECT count(*) AS received, "
+            "count(*) FILTER (WHERE inbox_state IS NULL) AS first_try, "
+            "count(*) FILTER (WHERE inbox_state = 'delivered') AS redelivered, "
+            "count(*) FILTER (WHERE inbox_state = 'pending') AS pending, "
+            "count(*) FILTER (WHERE inbox_state = 'dead') AS dead, "
+            "count(*) FILTER (WHERE inbox_state = 'discarded') AS discarded "
+            f"FROM {self.quoted} WHERE {sql.IN_SCOPE} "
+            "AND received_at > now() - interval '1 hour'"
+        )
+
+    def browse(self, criteria: Criteria) -> tuple[str, list[object]]:
+        """The kept rows ``criteria`` select, newest first, past its cursor (keyset paging
+        on (received_at, event_id)): the statement and its parameters. Only the conditions
+        asked for are in it, so that each shape gets a plan of its own."""
+        args: list[object] = []
+
+        def param(value: object, cast: str = "") -> str:
+            args.append(value)
+            return f"${len(args)}{cast}"
+
+        where = ["inbox_state IS NOT NULL"]
+        if criteria.scope is not None:
+            where.append(sql.IN_SCOPE.replace("$1", param(criteria.scope, "::text")))
+        if criteria.state is not None:
+            where.append(f"inbox_state = {param(criteria.state, '::text')}")
+        if criteria.since is not None:
+            where.append(f"received_at >= {param(criteria.since, '::timestamptz')}")
+        if criteria.until is not None:
+            where.append(f"received_at < {param(criteria.until, '::timestamptz')}")
+        if criteria.event_id is not None:
+            given = param(criteria.event_id, "::text")
+            where.append(
+                f"(event_id = {given} OR (left(event_id, length({given}) + 1) = {given} || '~' "
+                f"AND length(event_id) = length({given}) + {1 + sql.BOUND_DIGITS}))"
+            )
+        if criteria.event_type is not None:
+            where.append(f"event_type = {param(criteria.event_type, '::text')}")
+        if criteria.body_bytes is not None:
+            # The value's bytes somewhere in the body: the JSON path is checked on the rows
+            # this finds (``Inbox.browse``), since a kept body need not be JSON at all.
+            where.append(f"position({param(criteria.body_bytes, '::bytea')} in inbox_body) > 0")
+        if criteria.after is not None:
+            at, event_id = criteria.after
+            where.append(
+                f"(received_at, event_id) < ({param(at, '::timestamptz')}, "
+                f"{param(event_id, '::text')})"
+            )
+        body = ", inbox_body" if criteria.body_bytes is not None else ""
+        statement = (
+            "SELECT scope, event_id, event_type, received_at, inbox_state, "
+            "coalesce(jsonb_array_length(inbox_attempts), 0), inbox_due, "
+            "octet_length(inbox_body), (inbox_attempts -> -1 ->> 'status')::int, "
+            f"inbox_attempts -> -1 ->> 'error'{body} FROM {self.quoted} "
+            f"WHERE {' AND '.join(where)} ORDER BY received_at DESC, event_id DESC "
+            f"LIMIT {param(criteria.limit, '::int')}"
+        )
+        return statement, args
+
+    @property
+    def lookup(self) -> str:
+        # $1 the routes' scopes, $2 an ID as the provider sent it: its claims in those scopes,
+        # as stored or bound to a body ("$2~" and the digest), by the primary key.
+        return (
+            "SELECT scope, event_id, event_type, received_at, inbox_state "
+            f"FROM {self.quoted} WHERE scope = ANY($1::text[]) AND {_NAMED} "
+            "ORDER BY received_at DESC LIMIT 50"
+        )
+
+    @property
+    def lookup_scoped(self) -> str:
+        # $1 the scopes of routes with per-path (or per-client) scopes, $2 an ID: its claims in
+        # their per-path scopes. Their names are not known ahead, so this reads the table.
+        return (
+            "SELECT scope, event_id, event_type, received_at, inbox_state "
+            f"FROM {self.quoted} WHERE split_part(scope, '/', 1) = ANY($1::text[]) "
+            f"AND position('/' in scope) > 0 AND {_NAMED} ORDER BY received_at DESC LIMIT 50"
+        )
+
+
+# $2 an ID as an operator gave it: that row, and its rows bound to a body (``sql``'s resolve).
+_NAMED = (
+    f"(event_id = $2 OR (event_id >= $2 || '~' AND event_id <= $2 || '~{'f' * sql.BOUND_DIGITS}' "
+    "AND left(event_id, length($2) + 1) = $2 || '~'))"
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Criteria:
+    """What the console's kept deliveries are filtered by (None: any), its page size and
+    cursor: the (received_at, event_id) of the last row of the page before."""
+
+    scope: str | None = None
+    state: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    event_id: str | None = None
+    event_type: str | None = None
+    body_bytes: bytes | None = None  # the body holds these bytes (``Inbox.browse``)
+    after: tuple[datetime, str] | None = None
+    limit: int = 50

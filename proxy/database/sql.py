@@ -32,6 +32,9 @@ COMMIT_WITHOUT_ANSWER = f"ROLLBACK TO SAVEPOINT {_ANSWER_SAVEPOINT}; COMMIT"
 # The scope of the rows that record since when a route's claims are bound (``Store.start``):
 # no route's scope (names are letters, digits, '_', '.', '-'), so never swept nor listed.
 ID_FORMS = "~id-forms"
+# The scope of the rows that hold a route scope's redeliveries (``database.holds``): one row per
+# route scope held or once held, likewise never a route's, so never swept, listed or counted.
+HOLDS = "~holds"
 # A claim bound to what is signed (``webhooks.bound``): the event ID, '~' and this many
 # lower-case hex digits of a digest of the query and body.
 BOUND_DIGITS = 32
@@ -412,7 +415,8 @@ def for_table(table: str) -> Queries:
         ),
         # $1 scope, $2 oldest received_at or NULL, $3 limit.
         events=(
-            f"SELECT scope, event_id, event_type, received_at FROM {quoted} WHERE {IN_SCOPE} "
+            "SELECT scope, event_id, event_type, received_at, inbox_state "
+            f"FROM {quoted} WHERE {IN_SCOPE} "
             "AND ($2::timestamptz IS NULL OR received_at >= $2) "
             "ORDER BY received_at DESC LIMIT $3"
         ),
@@ -436,7 +440,9 @@ def for_table(table: str) -> Queries:
             "AND left(event_id, length($2) + 1) = $2 || '~'))"
         ),
         stats=(
-            "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest "
+            "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest, "
+            "count(*) FILTER (WHERE inbox_state = 'pending') AS pending, "
+            "count(*) FILTER (WHERE inbox_state = 'dead') AS dead "
             f"FROM {quoted} GROUP BY scope"
         ),
         # The bound form's start, per route scope ($1): a row of ID_FORMS (docs/deployment.md,

@@ -5,9 +5,10 @@ outlive its bounds.
 Serving: ``claim`` (see ``claim``), ``reconcile`` after a COMMIT in doubt, the start-up checks
 (``ensure_schema``, ``check_privileges``) and readiness (``check``), the upgrade window of the
 routes whose claims are bound (``notice_id_forms``, ``legacy_form``), a batch of the retention
-sweep. Operating (the CLI's commands, over a pool of one): ``events``, ``resolve`` (an ID as the
-provider sent it), ``forget``, ``stats``, ``migrate`` and the facts the preflight reports. The
-statements are in ``sql``; what the driver's errors mean, in ``pool``.
+sweep, the route holds (``holds``). Operating (the CLI's commands, over a pool of one):
+``events``, ``resolve`` (an ID as the provider sent it), ``forget``, ``stats``, ``migrate`` and
+the facts the preflight reports. The statements are in ``sql``; what the driver's errors mean,
+in ``pool``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
 
 from proxy import errors
-from proxy.database import inbox, pool, sql
+from proxy.database import holds, inbox, pool, sql
 from proxy.database.claim import Claim, Key, is_bound
 from proxy.database.pool import Connection, Pool, translated
 
@@ -104,6 +105,7 @@ class Event(NamedTuple):
     event_id: str
     event_type: str | None
     received_at: datetime
+    state: str | None  # the inbox's (inbox.InboxState); None: not kept, delivered at once
 
 
 class Distribution(NamedTuple):
@@ -139,12 +141,15 @@ def _resolved(given: str, rows: list[str]) -> Resolved:
 
 
 class ScopeStats(NamedTuple):
-    """The claims of one scope: how many, the oldest and the newest."""
+    """The claims of one scope: how many, the oldest and the newest; how many the inbox holds
+    pending and dead."""
 
     scope: str
     rows: int
     oldest: datetime
     newest: datetime
+    pending: int
+    dead: int
 
 
 def schema_sql(table: str) -> str:
@@ -287,6 +292,9 @@ class Store:
         # A redelivery's transaction has a claim's bounds.
         self.inbox = inbox.Inbox(self.queries.quoted, self._connection, self._begin,
                                  settings.connect_timeout)  # fmt: skip
+        # The route holds (``events pause``, the app's Retry-After), in rows of scope sql.HOLDS.
+        self.holds = holds.RouteHolds(self.queries.quoted, self._connection,
+                                      settings.connect_timeout)  # fmt: skip
 
     @classmethod
     async def open(
@@ -639,7 +647,7 @@ class Store:
         return {row["event_id"] for row in rows}
 
     async def stats(self) -> list[ScopeStats]:
-        """Per scope: how many claims, the oldest and the newest."""
+        """Per scope: how many claims, the oldest and the newest, how many pending and dead."""
         async with self._connection() as connection:
             with _plainly_missing(), translated("query failed"):
                 rows = await connection.fetch(self.queries.stats)

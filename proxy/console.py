@@ -1,0 +1,458 @@
+"""The operator console: server-rendered pages on the admin listener, under ``/console/``.
+
+Four pages read the claim table through the proxy's own store: the overview (per route: the
+inbox's pending and dead rows, the oldest pending one's age, and what became of the last hour's
+claims), the kept deliveries (filtered by route, state, time, ID, event type or a key inside the
+JSON body; paged by (received_at, event_id), so rows arriving meanwhile move no page), an
+event's page (its request, headers masked where they carry credentials or signatures, its body
+pretty-printed up to ``BODY_CAP``, every attempt) and the lookup of a provider's event ID on
+every route, among all claims. With ``admin.console.actions`` an operator redelivers or discards
+an event, or redelivers what a filter shows (its count first, then a confirmation); each action
+is logged with who did it.
+
+Everything shown is what a sender sent, so it is escaped (Jinja2's autoescape), and the pages
+hold no script; ``console_gate`` adds the policy that keeps it so, the credential and the
+checks on each action.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from aiohttp import web
+
+from proxy import app_keys, console_gate, database, errors, logs
+from proxy.config import routes as routes_module
+from proxy.database import inbox
+
+log = logging.getLogger(__name__)
+
+PAGE = 50
+# An event's body is shown up to this many characters (pretty-printed if it is JSON).
+BODY_CAP = 64 * 1024
+# A bulk redeliver acts on at most this many rows; a wider filter is refused, to be narrowed.
+BULK_MAX = 10_000
+_BULK_PAGE = 500
+STATES = tuple(inbox.InboxState)
+# The header values shown only by their first characters: credentials of the sender's session
+# and signatures (a signature is useless without the secret, but it is not the console's to
+# hand around).
+_MASKED = ("authorization", "cookie", "signature", "secret", "token", "api-key", "apikey",
+           "password", "x-hub-signature")  # fmt: skip
+_SHOWN_PREFIX = 8
+_STATIC = Path(__file__).with_name("console_static")
+_DONE = {"redelivered": "Made due now: the redeliverer sends it within its poll interval.",
+         "discarded": "Discarded: the body is dropped, the claim stays.",
+         "unchanged": "Nothing changed: the event is not pending or dead (any more)."}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    """The kept deliveries' filters, as the page's query string gives them."""
+
+    route: str = ""
+    state: str = ""
+    since: str = ""
+    until: str = ""
+    event_id: str = ""
+    event_type: str = ""
+    body: str = ""  # "data.object.customer=cus_123"
+
+    @classmethod
+    def of(cls, query: Mapping[str, str]) -> Filters:
+        return cls(*(query.get(name, "").strip() for name in _FILTER_NAMES))
+
+    def query(self, **extra: str) -> str:
+        pairs = [(name, getattr(self, name)) for name in _FILTER_NAMES if getattr(self, name)]
+        return urllib.parse.urlencode(pairs + list(extra.items()))
+
+    def pairs(self) -> list[tuple[str, str]]:
+        return [(name, getattr(self, name)) for name in _FILTER_NAMES if getattr(self, name)]
+
+
+_FILTER_NAMES = ("route", "state", "since", "until", "event_id", "event_type", "body")
+
+
+class BadFilter(ValueError):
+    """A filter the console cannot read; its message says which and why."""
+
+
+def _time(text: str, name: str) -> datetime | None:
+    if not text:
+        return None
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        raise BadFilter(f"{name}: not a time like 2026-01-31T12:00, got {text!r}") from None
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _body_filter(text: str) -> tuple[tuple[str, ...], str, bytes] | None:
+    """``a.b.c=value``: the JSON path, the value, and the bytes a body holding it holds."""
+    if not text:
+        return None
+    path, eq, value = text.partition("=")
+    keys = tuple(path.strip().split("."))
+    if not eq or not all(keys) or not value:
+        raise BadFilter(f"body: must be key.path=value, got {text!r}")
+    # A string's JSON spelling holds its escapes; the bytes searched are the value's own,
+    # which a body spelling it with escapes (\u0041) does not hold: such a body is not found.
+    return keys, value, value.encode("utf-8")
+
+
+def _route_of(routes: tuple[routes_module.RouteConfig, ...], scope: str) -> Any:
+    for route in routes:
+        if scope == route.scope or scope.startswith(route.scope + "/"):
+            return route
+    return None
+
+
+def _criteria(
+    filters: Filters, routes: tuple[routes_module.RouteConfig, ...], limit: int
+) -> tuple[inbox.Criteria, tuple[str, ...], str]:
+    scope = None
+    if filters.route:
+        route = next((r for r in routes if r.name == filters.route), None)
+        if route is None:
+            raise BadFilter(f"route: no route named {filters.route!r}")
+        scope = route.scope
+    if filters.state and filters.state not in STATES:
+        raise BadFilter(f"state: one of {', '.join(STATES)}, got {filters.state!r}")
+    body = _body_filter(filters.body)
+    criteria = inbox.Criteria(
+        scope=scope, state=filters.state or None, since=_time(filters.since, "since"),
+        until=_time(filters.until, "until"), event_id=filters.event_id or None,
+        event_type=filters.event_type or None, body_bytes=body[2] if body else None,
+        limit=limit,
+    )  # fmt: skip
+    return criteria, body[0] if body else (), body[1] if body else ""
+
+
+def _cursor(query: Mapping[str, str]) -> tuple[datetime, str] | None:
+    at, event_id = query.get("after_at"), query.get("after_id")
+    if not at or event_id is None:
+        return None
+    when = _time(at, "after_at")
+    assert when is not None
+    return when, event_id
+
+
+def _when(value: datetime | None) -> str:
+    """A time as the pages show it: UTC, to the second (the column headers say UTC)."""
+    return "" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _attempt_at(value: object) -> str:
+    try:
+        return _when(datetime.fromisoformat(str(value)))
+    except ValueError:
+        return str(value)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
+    shown = [f"{n}{unit}" for n, unit in parts if n][:2]
+    return " ".join(shown) or "0s"
+
+
+def masked(name: str, value: str) -> str:
+    """A header's value as the event page shows it: whole, or its first characters and its
+    length where the name says it carries a credential or a signature."""
+    lowered = name.lower()
+    if not any(word in lowered for word in _MASKED):
+        return value
+    size = len(value.encode("utf-8", "surrogateescape"))
+    return f"{value[:_SHOWN_PREFIX]}… (masked, {size} bytes)"
+
+
+def pretty_body(body: bytes) -> tuple[str, bool]:
+    """The body as text (indented if it is JSON), and whether it was cut at ``BODY_CAP``."""
+    text = body.decode("utf-8", "replace")
+    with contextlib.suppress(ValueError, RecursionError):
+        text = json.dumps(json.loads(body), indent=2, ensure_ascii=False)
+    return text[:BODY_CAP], len(text) > BODY_CAP
+
+
+def _state(state: str | None) -> str:
+    return state or "delivered at the first try"
+
+
+def _render(request: web.Request, name: str, status: int = 200, **context: Any) -> web.Response:
+    settings = request.app[app_keys.CONSOLE]
+    operator = request.get(console_gate.OPERATOR)
+    template = request.app[app_keys.CONSOLE_TEMPLATES].get_template(name)
+    html = template.render(
+        actions=settings.actions and operator is not None,
+        operator=operator.name if operator else "",
+        csrf=console_gate.csrf_token(operator) if operator else "",
+        csrf_field=console_gate.CSRF_FIELD,
+        routes=request.app[app_keys.PROXY][app_keys.CONFIG].routes,
+        states=STATES,
+        **context,
+    )
+    return web.Response(text=html, status=status, content_type="text/html", charset="utf-8")
+
+
+def _store(request: web.Request) -> database.Store:
+    store = request.app[app_keys.PROXY].get(app_keys.STORE)
+    if store is None or not store.started.is_set():
+        raise errors.Starting("starting: the database is not connected yet")
+    return store
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: console_gate.Handler) -> web.StreamResponse:
+    """A filter the console cannot read (400) or a database that does not answer (503), as a
+    page saying so."""
+    try:
+        return await handler(request)
+    except BadFilter as exc:
+        return _render(request, "message.html", 400, title="Bad filter", message=str(exc))
+    except errors.ProxyError as exc:
+        return _render(
+            request, "message.html", 503, title="The database does not answer",
+            message=exc.message,
+        )  # fmt: skip
+
+
+async def overview(request: web.Request) -> web.Response:
+    store = _store(request)
+    rows = []
+    for route in request.app[app_keys.PROXY][app_keys.CONFIG].routes:
+        level = await store.inbox.level(route.scope)
+        hour = await store.inbox.hour(route.scope)
+        rows.append({"route": route, "level": level, "hour": hour,
+                     "oldest": _age(level.oldest_pending)})  # fmt: skip
+    return _render(request, "overview.html", title="Overview", rows=rows, now=_when(_now()))
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+async def events(request: web.Request) -> web.Response:
+    store = _store(request)
+    filters = Filters.of(request.query)
+    routes = request.app[app_keys.PROXY][app_keys.CONFIG].routes
+    criteria, path, value = _criteria(filters, routes, PAGE)
+    after = _cursor(request.query)
+    if after is not None:
+        criteria = inbox.Criteria(**{**_fields(criteria), "after": after})
+    rows, cursor = await store.inbox.browse(criteria, path, value)
+    next_page = None
+    if cursor is not None:
+        at, event_id = cursor
+        next_page = filters.query(after_at=at.isoformat(), after_id=event_id)
+    listed = [
+        {"row": row, "received": _when(row.received_at), "due": _when(row.due),
+         "event": database.unbound(row.event_id),
+         "link": urllib.parse.urlencode({"scope": row.scope, "id": row.event_id})}
+        for row in rows
+    ]  # fmt: skip
+    return _render(
+        request, "events.html", title="Kept deliveries", filters=filters, listed=listed,
+        next_page=next_page, first_page=filters.query() if after else None,
+        bulk=filters.query(),
+    )  # fmt: skip
+
+
+def _fields(criteria: inbox.Criteria) -> dict[str, Any]:
+    return {name: getattr(criteria, name) for name in inbox.Criteria.__dataclass_fields__}
+
+
+async def event(request: web.Request) -> web.Response:
+    store = _store(request)
+    scope, event_id = request.query.get("scope", ""), request.query.get("id", "")
+    shown = await store.inbox.show(scope, event_id) if scope and event_id else None
+    if shown is None:
+        return _render(
+            request, "message.html", 404, title="No such event",
+            message=f"No claim {event_id!r} in scope {scope!r}.",
+        )  # fmt: skip
+    delivery = shown.request
+    body, cut = pretty_body(delivery.body) if delivery is not None else ("", False)
+    headers = [(name, masked(name, value)) for name, value in delivery.headers] if delivery else []
+    attempts = [
+        {"at": _attempt_at(a.get("at")), "status": a.get("status"), "error": a.get("error") or ""}
+        for a in shown.attempts
+    ]
+    route = _route_of(request.app[app_keys.PROXY][app_keys.CONFIG].routes, shown.scope)
+    return _render(
+        request, "event.html", title="Event", shown=shown, event=database.unbound(shown.event_id),
+        state=_state(shown.state), delivery=delivery, headers=headers, body=body, cut=cut,
+        body_cap=BODY_CAP, attempts=attempts, route=route, when=_when,
+        done=_DONE.get(request.query.get("done", "")),
+        actionable=shown.state in ("pending", "dead") and route is not None
+        and route.redeliver is not None and delivery is not None,
+    )  # fmt: skip
+
+
+async def lookup(request: web.Request) -> web.Response:
+    given = request.query.get("id", "").strip()
+    found: list[inbox.Found] = []
+    if given:
+        store = _store(request)
+        routes = request.app[app_keys.PROXY][app_keys.CONFIG].routes
+        scopes = sorted({route.scope for route in routes})
+        scoped = sorted({r.scope for r in routes if r.scoped_by_path or r.scope_from})
+        found = await store.inbox.lookup(scopes, scoped, given)
+    rows = [
+        {"found": f, "state": _state(f.state), "received": _when(f.received_at),
+         "link": urllib.parse.urlencode({"scope": f.scope, "id": f.event_id})}
+        for f in found
+    ]  # fmt: skip
+    return _render(request, "lookup.html", title="Was this event processed?", given=given,
+                   rows=rows)  # fmt: skip
+
+
+async def static(request: web.Request) -> web.StreamResponse:
+    return web.Response(
+        body=(_STATIC / "console.css").read_bytes(), content_type="text/css", charset="utf-8"
+    )
+
+
+# Actions
+
+
+def _operator(request: web.Request) -> str:
+    return request[console_gate.OPERATOR].name  # console_gate lets no action through without
+
+
+async def _one(request: web.Request) -> tuple[database.Store, Any, str, str]:
+    form = await request.post()
+    scope, event_id = str(form.get("scope", "")), str(form.get("id", ""))
+    route = _route_of(request.app[app_keys.PROXY][app_keys.CONFIG].routes, scope)
+    if route is None or route.redeliver is None:
+        raise web.HTTPBadRequest(text="no route that redelivers holds this scope\n")
+    return _store(request), route, scope, event_id
+
+
+def _back(scope: str, event_id: str, done: str) -> web.HTTPSeeOther:
+    query = urllib.parse.urlencode({"scope": scope, "id": event_id, "done": done})
+    return web.HTTPSeeOther(f"event?{query}")
+
+
+async def redeliver(request: web.Request) -> web.Response:
+    store, route, scope, event_id = await _one(request)
+    changed = await store.inbox.redeliver(scope, [event_id], None, route.redeliver.for_)
+    log.info(
+        "console: %s redelivered %d event(s) in scope %s: %s", _operator(request), len(changed),
+        scope, logs.printable(event_id),
+    )  # fmt: skip
+    raise _back(scope, event_id, "redelivered" if changed else "unchanged")
+
+
+async def discard(request: web.Request) -> web.Response:
+    store, _, scope, event_id = await _one(request)
+    changed = await store.inbox.discard(scope, [event_id])
+    log.info(
+        "console: %s discarded %d event(s) in scope %s: %s", _operator(request), len(changed),
+        scope, logs.printable(event_id),
+    )  # fmt: skip
+    raise _back(scope, event_id, "discarded" if changed else "unchanged")
+
+
+async def _selected(request: web.Request, filters: Filters) -> list[inbox.Listed]:
+    """The pending and dead rows (bodies kept) the filters show, all pages, up to BULK_MAX+1."""
+    store = _store(request)
+    routes = request.app[app_keys.PROXY][app_keys.CONFIG].routes
+    criteria, path, value = _criteria(filters, routes, _BULK_PAGE)
+    found: list[inbox.Listed] = []
+    while len(found) <= BULK_MAX:
+        rows, cursor = await store.inbox.browse(criteria, path, value)
+        found += [r for r in rows if r.state in ("pending", "dead") and r.body_bytes is not None]
+        if cursor is None:
+            break
+        criteria = inbox.Criteria(**{**_fields(criteria), "after": cursor})
+    return [r for r in found if _route_of(routes, r.scope) is not None
+            and _route_of(routes, r.scope).redeliver is not None]  # fmt: skip
+
+
+async def bulk_form(request: web.Request) -> web.Response:
+    filters = Filters.of(request.query)
+    selected = await _selected(request, filters)
+    return _render(
+        request, "bulk.html", title="Redeliver what the filter shows", filters=filters,
+        count=len(selected), too_many=len(selected) > BULK_MAX, bulk_max=BULK_MAX,
+    )  # fmt: skip
+
+
+async def bulk(request: web.Request) -> web.Response:
+    form = await request.post()
+    filters = Filters.of({name: str(form.get(name, "")) for name in _FILTER_NAMES})
+    try:
+        expected = int(str(form.get("expected", "")))
+    except ValueError:
+        raise web.HTTPBadRequest(text="the confirmed count is missing\n") from None
+    selected = await _selected(request, filters)
+    if len(selected) > min(expected, BULK_MAX):
+        return _render(
+            request, "bulk.html", 409, title="Redeliver what the filter shows", filters=filters,
+            count=len(selected), too_many=len(selected) > BULK_MAX, bulk_max=BULK_MAX,
+            changed_since=expected,
+        )  # fmt: skip
+    store = _store(request)
+    routes = request.app[app_keys.PROXY][app_keys.CONFIG].routes
+    by_scope: dict[str, list[str]] = {}
+    for row in selected:
+        by_scope.setdefault(row.scope, []).append(row.event_id)
+    changed: list[tuple[str, str]] = []
+    for scope, event_ids in sorted(by_scope.items()):
+        route = _route_of(routes, scope)
+        changed += await store.inbox.redeliver(scope, event_ids, None, route.redeliver.for_)
+    log.info(
+        "console: %s redelivered %d event(s) by filter %s: %s", _operator(request), len(changed),
+        logs.printable(filters.query()),
+        logs.printable(", ".join(f"{scope} {event_id}" for scope, event_id in changed)),
+    )  # fmt: skip
+    return _render(
+        request, "message.html", title="Redelivering",
+        message=f"{len(changed)} delivery(ies) made due now, of {len(selected)} the filter "
+        "showed; the redeliverer sends them within its poll interval.",
+    )  # fmt: skip
+
+
+def templates() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(Path(__file__).with_name("console_templates")),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+
+
+def create_console_app(proxy: web.Application) -> web.Application:
+    """The console, mounted by the admin application under ``/console/``."""
+    settings = proxy[app_keys.CONFIG].admin.console
+    console = web.Application(middlewares=[console_gate.guard(settings), _errors])
+    console[app_keys.PROXY] = proxy
+    console[app_keys.CONSOLE] = settings
+    console[app_keys.CONSOLE_TEMPLATES] = templates()
+    console.router.add_get("/", overview)
+    console.router.add_get("/events", events)
+    console.router.add_get("/event", event)
+    console.router.add_get("/lookup", lookup)
+    console.router.add_get("/console.css", static)
+    # Always routed, refused by console_gate unless actions are on and an operator signed in.
+    console.router.add_post("/bulk", bulk)
+    console.router.add_post("/redeliver", redeliver)
+    console.router.add_post("/discard", discard)
+    if settings.actions and settings.credentials:
+        console.router.add_get("/bulk", bulk_form)
+    return console

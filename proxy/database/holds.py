@@ -1,0 +1,181 @@
+"""Route holds: "this route scope's redeliveries are held until T", for every replica at once.
+
+A hold is a row of the claim table, in the reserved scope ``sql.HOLDS`` (no route's: routes'
+scopes are letters, digits, '_', '.' and '-'), keyed by the route scope it holds, as the upgrade
+window's rows are in ``sql.ID_FORMS``: no new table, and no grant beyond the documented ones
+(a pause and a resume delete the row and insert it anew: SELECT, INSERT, DELETE; a hold for the
+app's Retry-After changes it, with the inbox's UPDATE). Its kind, end, start, and who and why
+are in the inbox's columns. Every statement that reads routes' rows names their scopes, so the
+retention sweep, the listings, the counts and the redeliverer never see it; on Citus the row
+is one row of the table like any other (distributed by ``event_id``, the route scope), written
+by its whole key.
+
+Two kinds: ``paused`` (an operator's ``events pause``, with an end or none) and
+``retry_after`` (the app answered 429 or 503 with ``Retry-After``). ``hold`` sets a hold,
+whatever held before; ``hold_at_least`` never shortens a hold and never turns a pause into
+another kind; ``release`` ends it now (deletes the row). A hold is in force while its end is
+ahead (or it has none); the row of one that ended stays until the next hold replaces it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from proxy import errors
+from proxy.database import inbox_sql, pool, sql
+
+log = logging.getLogger(__name__)
+
+Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
+
+OUTDATED = (
+    "the claim table does not exist yet, or predates the inbox whose columns hold a hold: run "
+    "'dedup-proxy migrate'"
+)
+GRANT_HINT = (
+    "a pause and a resume need SELECT, INSERT and DELETE on the table, and a hold for the "
+    f"app's Retry-After also GRANT UPDATE ({', '.join(sql.INBOX_COLUMNS)}), as redeliver does"
+)
+
+
+class HoldKind(enum.StrEnum):
+    """Why a route scope is held (``inbox_state`` of its row)."""
+
+    PAUSED = "paused"  # an operator's events pause
+    RETRY_AFTER = "retry_after"  # the app answered 429/503 with Retry-After
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hold:
+    """A hold in force: its kind (``reason``), its end (``until``, time.time(); None: until
+    released), since when it holds (time.time()), who set it, the end asked for, and the
+    operator's words (``note``)."""
+
+    reason: HoldKind
+    until: float | None
+    since: float
+    by: str
+    asked_until: float | None
+    note: str | None = None
+
+    def held_at(self, now: float) -> bool:
+        """Whether it is still in force at ``now`` (time.time())."""
+        return self.until is None or now < self.until
+
+
+class RouteHolds:
+    """The holds' operations over the store's connections (``Store.holds``)."""
+
+    def __init__(self, quoted: str, acquire: Acquire, op_timeout: float) -> None:
+        self.statements = inbox_sql.Statements(quoted)
+        self._acquire = acquire
+        self._op_timeout = op_timeout
+
+    async def hold(
+        self,
+        scope: str,
+        until: float | None,
+        *,
+        by: str,
+        note: str | None = None,
+        kind: HoldKind = HoldKind.PAUSED,
+    ) -> Hold:
+        """Hold ``scope`` for ``until`` seconds from now (None: until released), replacing any
+        hold it had: an operator's pause. The hold as stored."""
+        request = _request(by, note)
+        statements = self.statements
+        args = (scope, kind, until, request)
+        async with self._acquire() as connection:
+            with _writing("holding the route failed"):
+                async with connection.transaction():
+                    await connection.execute(statements.unhold_one, scope)
+                    await connection.execute(statements.hold_row, *args)
+        return await self._read(scope)
+
+    async def hold_at_least(self, scope: str, seconds: float, *, by: str, note: str) -> Hold:
+        """Hold ``scope`` for at least ``seconds`` from now, as the app asked (Retry-After): a
+        longer hold stays as it is, and a pause stays a pause. The hold in force after."""
+        request = _request(by, note)
+        statements = self.statements
+        args = (scope, HoldKind.RETRY_AFTER, max(0.0, seconds), request)
+        async with self._acquire() as connection:
+            with _writing("holding the route failed"):
+                async with connection.transaction():
+                    status = await connection.execute(statements.hold_row, *args)
+                    if status != "INSERT 0 1":
+                        renewed = await connection.execute(statements.renew_hold_one, *args)
+                        if renewed == "UPDATE 0":
+                            await connection.execute(statements.extend_hold_one, *args)
+        return await self._read(scope)
+
+    async def release(self, scope: str, *, by: str) -> HoldKind | None:
+        """End ``scope``'s hold now; the kind it was (None: it held none)."""
+        async with self._acquire() as connection:
+            with _writing("releasing the route failed"):
+                row = await connection.fetchrow(self.statements.unhold_one, scope)
+        if row is None or not row["held"]:
+            return None
+        log.info("route scope %s released by %s (it was %s)", scope, by, row["inbox_state"])
+        return HoldKind(row["inbox_state"])
+
+    async def active(self, scopes: Sequence[str] | None = None) -> dict[str, Hold]:
+        """The holds in force of these route scopes (None: of all), by scope."""
+        async with self._acquire() as connection:
+            with _plainly("reading the route holds failed"):
+                rows = await connection.fetch(
+                    self.statements.holds, None if scopes is None else list(scopes),
+                    timeout=self._op_timeout,
+                )  # fmt: skip
+        now = time.time()
+        return {row["scope"]: _hold(row, now) for row in rows}
+
+    async def _read(self, scope: str) -> Hold:
+        held = await self.active([scope])
+        if scope not in held:  # ended between the write and the read: a hold of no time
+            raise errors.StoreUnavailable(f"the hold of {scope} ended as soon as it was set")
+        return held[scope]
+
+
+def _request(by: str, note: str | None) -> str:
+    return json.dumps({"by": by, "note": note}, ensure_ascii=False, separators=(",", ":"))
+
+
+def _hold(row: pool.Record, now: float) -> Hold:
+    request: dict[str, Any] = json.loads(row["request"] or "{}")
+    ends_in, asked_in = row["ends_in"], row["asked_in"]
+    return Hold(
+        reason=HoldKind(row["kind"]),
+        until=None if ends_in is None else now + ends_in,
+        since=now - row["held_for"],
+        by=str(request.get("by") or "-"),
+        asked_until=None if asked_in is None else now + asked_in,
+        note=request.get("note"),
+    )
+
+
+@contextlib.contextmanager
+def _plainly(what: str) -> Iterator[None]:
+    """A hold's statement on a table without the inbox's columns says what to do about it."""
+    try:
+        with pool.translated(what):
+            yield
+    except errors.TableMissing as exc:
+        raise errors.TableMissing(OUTDATED) from exc.__cause__
+
+
+@contextlib.contextmanager
+def _writing(what: str) -> Iterator[None]:
+    """As ``_plainly``; a refused write names the grants a hold needs."""
+    try:
+        with _plainly(what):
+            yield
+    except errors.PermissionDenied as exc:
+        raise errors.PermissionDenied(f"{exc.message}; {GRANT_HINT}") from exc.__cause__

@@ -1,0 +1,376 @@
+"""The operator console on the admin listener (``proxy.console``, ``proxy.console_gate``), through
+aiohttp's test client over a real PostgreSQL: the pages with kept deliveries the proxy made from
+real webhooks, the headers on every answer, escaping, the credential, the checks on an action
+(origin, token) and the read-only default. The browser's view of it is in
+tests/test_console_browser.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from proxy import config, console, console_gate
+from tests.helpers import FakeUpstream, MakeProxy, admin_client, fetch, wait_until
+
+PASSWORD = "correct-horse-battery-staple"
+OPERATOR = f"alice:{PASSWORD}"
+KEPT = {
+    "name": "hooks",
+    "path": "/hooks",
+    "event_id": "body:/id",
+    "event_type": "body:/type",
+    "redeliver": {"schedule": ["1h"], "for": "1d"},
+}
+ACTIONS = {"console": {"actions": True, "credentials": [OPERATOR]}}
+HOSTILE = "<script>window.pwned=1</script><img src=x onerror=alert(1)>"
+
+
+def basic(credential: str = OPERATOR) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(credential.encode()).decode()}
+
+
+def failing(upstream: FakeUpstream, status: int = 503) -> None:
+    upstream.respond = lambda n: web.Response(status=status)
+
+
+async def start(
+    make_proxy: MakeProxy, aiohttp_client: Any, **admin: Any
+) -> tuple[TestClient[Any, Any], TestClient[Any, Any]]:
+    proxy = await make_proxy(routes=[KEPT], admin=admin or {})
+    return proxy, await admin_client(aiohttp_client, proxy)
+
+
+async def send(
+    proxy: TestClient[Any, Any], event_id: str, event_type: str = "charge.failed", **body: Any
+) -> None:
+    payload = json.dumps({"id": event_id, "type": event_type, **body})
+    headers = {"Content-Type": "application/json", "Stripe-Signature": "t=1,v1=" + "ab" * 32}
+    async with proxy.post("/hooks", data=payload, headers=headers) as answer:
+        assert answer.status in (200, 202), await answer.text()
+
+
+async def page(admin: TestClient[Any, Any], path: str, **kwargs: Any) -> str:
+    async with admin.get(path, **kwargs) as response:
+        assert response.status == 200, await response.text()
+        return await response.text()
+
+
+async def state(pg_dsn: str, table: str, event_id: str) -> str | None:
+    rows = await fetch(pg_dsn, f'SELECT inbox_state FROM "{table}" WHERE event_id = $1', event_id)
+    return rows[0]["inbox_state"] if rows else None
+
+
+def form_fields(html: str, action: str) -> dict[str, str]:
+    """The hidden fields of the page's form posting to ``action``."""
+    form = re.search(rf'<form method="post" action="{action}">(.*?)</form>', html, re.S)
+    assert form is not None, html
+    return dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)"', form[1]))
+
+
+async def test_the_pages_show_what_the_proxy_kept(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client)
+    await send(proxy, "evt_ok")  # delivered at the first try
+    failing(upstream)
+    await send(proxy, "evt_pending", data={"object": {"customer": "cus_123"}})
+    failing(upstream, 422)
+    await send(proxy, "evt_dead", "invoice.failed")
+
+    overview = await page(admin, "/console/")
+    row = re.search(r"<tr>\s*<th scope=\"row\"><a href=\"events\?route=hooks\">hooks</a>.*?</tr>",
+                    overview, re.S)  # fmt: skip
+    assert row is not None
+    numbers = re.findall(r'<td class="n">(?:<a [^>]*>)?(\w+)', row[0])
+    # pending, dead, oldest pending, received, first try, redelivered, kept, discarded
+    assert numbers[:2] == ["1", "1"]
+    assert numbers[3:] == ["3", "1", "0", "2", "0"]
+
+    listed = await page(admin, "/console/events")
+    assert "evt_pending" in listed
+    assert "evt_dead" in listed
+    assert "evt_ok" not in listed
+    dead = await page(admin, "/console/events?state=dead")
+    assert "evt_dead" in dead
+    assert "evt_pending" not in dead
+    by_body = await page(admin, "/console/events?body=data.object.customer%3Dcus_123")
+    assert "evt_pending" in by_body
+    assert "evt_dead" not in by_body
+    by_type = await page(admin, "/console/events?event_type=invoice.failed")
+    assert "evt_dead" in by_type
+    assert "evt_pending" not in by_type
+
+    shown = await page(admin, "/console/event?scope=hooks&id=evt_pending")
+    assert "POST /hooks" in shown
+    assert "&#34;customer&#34;: &#34;cus_123&#34;" in shown
+    assert "Stripe-Signature" in shown
+    assert "ab" * 32 not in shown
+    assert "503" in shown  # the attempt
+
+    found = await page(admin, "/console/lookup?id=evt_ok")
+    assert "delivered at the first try" in found
+    missing = await page(admin, "/console/lookup?id=evt_never")
+    assert "No claim of evt_never" in missing
+
+
+async def test_pages_page_by_keyset_newest_first(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client)
+    failing(upstream)
+    sent = [f"evt_{n:03}" for n in range(console.PAGE + 5)]
+    for event_id in sent:
+        await send(proxy, event_id)
+    first = await page(admin, "/console/events?route=hooks")
+    on_first = re.findall(r">(evt_\d+)</a>", first)
+    older = re.search(r'href="events\?([^"]+)" rel="next"', first)
+    assert older is not None
+    await send(proxy, "evt_newer")  # arrives meanwhile: it moves no row to another page
+    second = await page(admin, "/console/events?" + older[1].replace("&amp;", "&"))
+    on_second = re.findall(r">(evt_\d+)</a>", second)
+    assert on_first + on_second == sorted(sent, reverse=True)
+
+
+async def test_every_answer_carries_the_policy_headers(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
+) -> None:
+    _proxy, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
+    answers = [
+        admin.get("/console/", headers=basic()),
+        admin.get("/console/console.css", headers=basic()),
+        admin.get("/console/event?scope=hooks&id=nothing", headers=basic()),
+        admin.get("/console/events?since=yesterday", headers=basic()),
+        admin.get("/console/"),  # no credential
+        admin.post("/console/redeliver", headers=basic()),  # no origin, no token
+        admin.put("/console/", headers=basic()),
+    ]
+    statuses = []
+    for request in answers:
+        async with request as response:
+            statuses.append(response.status)
+            for name, value in console_gate.HEADERS.items():
+                assert response.headers.get(name) == value, (response.url, name)
+    assert statuses == [200, 200, 404, 400, 401, 403, 405]
+    assert "script-src 'none'" in console_gate.CSP
+    assert "frame-ancestors 'none'" in console_gate.CSP
+
+
+async def test_what_a_sender_sent_is_shown_as_text(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client)
+    failing(upstream)
+    await send(proxy, f"evt_{HOSTILE}", HOSTILE, note=HOSTILE)
+    pages = [
+        await page(admin, "/console/events"),
+        await page(admin, "/console/lookup", params={"id": f"evt_{HOSTILE}"}),
+        await page(admin, "/console/event", params={"scope": "hooks", "id": f"evt_{HOSTILE}"}),
+        await page(admin, "/console/events", params={"event_type": HOSTILE}),
+    ]
+    for html in pages:
+        assert "<script" not in html
+        assert "<img" not in html
+        assert "&lt;script&gt;window.pwned=1&lt;/script&gt;" in html
+
+
+async def test_read_only_by_default_no_request_changes_anything(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client)
+    failing(upstream)
+    await send(proxy, "evt_1")
+    html = await page(admin, "/console/event?scope=hooks&id=evt_1")
+    assert 'method="post"' not in html
+    assert "Read-only" in html
+    for path in ("/console/redeliver", "/console/discard", "/console/bulk"):
+        async with admin.post(path, data={"scope": "hooks", "id": "evt_1"}) as response:
+            assert response.status in (403, 405)
+    async with admin.get("/console/bulk") as response:  # not even its count
+        assert response.status == 405
+    assert await state(pg_dsn, table, "evt_1") == "pending"
+
+
+async def test_the_credential_is_asked_for_on_every_page(
+    make_proxy: MakeProxy, aiohttp_client: Any
+) -> None:
+    _, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
+    for headers in ({}, basic(f"alice:{PASSWORD}x"), basic(f"bob:{PASSWORD}"),
+                    {"Authorization": "Bearer " + PASSWORD}):  # fmt: skip
+        async with admin.get("/console/events", headers=headers) as response:
+            assert response.status == 401
+            assert response.headers["WWW-Authenticate"].startswith("Basic ")
+    assert "Signed in as alice" in await page(admin, "/console/events", headers=basic())
+    async with admin.get("/metrics") as response:  # the rest of the admin listener is as it was
+        assert response.status == 200
+
+
+async def test_an_action_needs_the_origin_and_the_token(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
+    failing(upstream, 422)
+    await send(proxy, "evt_1")
+    html = await page(admin, "/console/event?scope=hooks&id=evt_1", headers=basic())
+    fields = form_fields(html, "redeliver")
+    origin = f"http://{admin.host}:{admin.port}"
+    refused = [
+        ({}, fields),  # no Origin
+        ({"Origin": "http://evil.example"}, fields),
+        ({"Origin": "null"}, fields),  # null only where Sec-Fetch-Site says same-origin
+        ({"Origin": "null", "Sec-Fetch-Site": "same-site"}, fields),
+        ({"Origin": origin, "Sec-Fetch-Site": "cross-site"}, fields),
+        ({"Origin": origin}, {**fields, "csrf": "0" * 64}),
+        ({"Origin": origin}, {k: v for k, v in fields.items() if k != "csrf"}),
+    ]
+    for headers, data in refused:
+        async with admin.post("/console/redeliver", data=data,
+                              headers={**basic(), **headers}) as response:  # fmt: skip
+            assert response.status == 403
+    assert await state(pg_dsn, table, "evt_1") == "dead"
+
+    headers = {**basic(), "Origin": origin, "Sec-Fetch-Site": "same-origin"}
+    upstream.respond = lambda n: web.Response(status=200)
+    async with admin.post("/console/redeliver", data=fields, headers=headers,
+                          allow_redirects=False) as response:  # fmt: skip
+        assert response.status == 303
+        assert response.headers["Location"].startswith("event?")
+
+    async def delivered() -> bool:  # made due at once: the proxy's redeliverer sends it
+        return await state(pg_dsn, table, "evt_1") == "delivered"
+
+    await wait_until(delivered, "the redelivery")
+    assert len(upstream.requests) == 2
+
+
+async def test_discard_and_the_action_log(
+    make_proxy: MakeProxy,
+    aiohttp_client: Any,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
+    failing(upstream)
+    await send(proxy, "evt_1")
+    html = await page(admin, "/console/event?scope=hooks&id=evt_1", headers=basic())
+    headers = {**basic(), "Origin": f"http://{admin.host}:{admin.port}"}
+    caplog.set_level("INFO", logger="proxy.console")
+    async with admin.post("/console/discard", data=form_fields(html, "discard"),
+                          headers=headers) as response:  # fmt: skip
+        assert response.status == 200
+        assert "Discarded" in await response.text()
+    assert await state(pg_dsn, table, "evt_1") == "discarded"
+    assert any("alice discarded 1 event(s) in scope hooks: evt_1" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert PASSWORD not in caplog.text
+
+
+async def test_bulk_redeliver_counts_first_then_acts_on_what_the_filter_shows(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
+    failing(upstream, 422)
+    for n in range(3):
+        await send(proxy, f"evt_a{n}", "a.failed")
+    await send(proxy, "evt_b", "b.failed")
+    confirm = await page(admin, "/console/bulk?event_type=a.failed&state=dead", headers=basic())
+    assert "<strong>3</strong>" in confirm
+    fields = form_fields(confirm, "bulk")
+    assert fields["expected"] == "3"
+    assert await state(pg_dsn, table, "evt_a0") == "dead"  # the GET changed nothing
+    headers = {**basic(), "Origin": f"http://{admin.host}:{admin.port}"}
+    await send(proxy, "evt_a3", "a.failed")  # one more since the count: asked again
+    async with admin.post("/console/bulk", data=fields, headers=headers) as response:
+        assert response.status == 409
+        fields = form_fields(await response.text(), "bulk")
+    upstream.respond = lambda n: web.Response(status=200)
+    async with admin.post("/console/bulk", data=fields, headers=headers) as response:
+        assert response.status == 200
+        assert "4 delivery(ies) made due now" in await response.text()
+
+    async def states() -> list[tuple[str, str]]:
+        rows = await fetch(pg_dsn, f'SELECT event_id, inbox_state FROM "{table}" ORDER BY 1')
+        return [(r["event_id"], r["inbox_state"]) for r in rows]
+
+    async def redelivered() -> bool:  # made due at once: the proxy's redeliverer sends them
+        return [state for _, state in await states()][:4] == ["delivered"] * 4
+
+    await wait_until(redelivered, "the redeliveries")
+    assert (await states())[4] == ("evt_b", "dead")
+    assert len(upstream.requests) == 5 + 4
+
+
+def test_masked_headers_show_a_prefix_only() -> None:
+    assert console.masked("Stripe-Signature", "t=1,v1=" + "ab" * 32) == (
+        "t=1,v1=a… (masked, 71 bytes)"
+    )
+    assert console.masked("X-Hub-Signature-256", "sha256=ff").startswith("sha256=f…")
+    assert console.masked("Authorization", "Bearer secret-token").startswith("Bearer s…")
+    assert console.masked("Content-Type", "application/json") == "application/json"
+
+
+def test_a_body_is_pretty_printed_up_to_its_cap() -> None:
+    text, cut = console.pretty_body(b'{"a":{"b":1}}')
+    assert text == '{\n  "a": {\n    "b": 1\n  }\n}'
+    assert not cut
+    text, cut = console.pretty_body(b"x" * (console.BODY_CAP + 1))
+    assert len(text) == console.BODY_CAP
+    assert cut
+    assert console.pretty_body(b"\xff<b>")[0] == "\ufffd<b>"
+
+
+BASE: dict[str, Any] = {
+    "upstream": {"url": "http://127.0.0.1:9"},
+    "database": {"dsn": "embedded"},
+    "routes": [KEPT],
+}
+
+
+def test_actions_need_a_credential_and_passwords_stay_out_of_repr(tmp_path: Any) -> None:
+    with pytest.raises(Exception, match=r"admin.console.actions: needs credentials"):
+        config.parse({**BASE, "admin": {"console": {"actions": True}}})
+    with pytest.raises(Exception, match=r"password must be at least 16") as refused:
+        config.parse({**BASE, "admin": {"console": {"credentials": "bob:short-one"}}})
+    assert "short-one" not in str(refused.value)
+    users = tmp_path / "users"
+    users.write_text(f"{OPERATOR}\nbob:{PASSWORD}-bob\n")
+    cfg = config.parse(
+        {**BASE, "admin": {"console": {"actions": True, "credentials_file": str(users)}}}
+    )
+    assert [c.name for c in cfg.admin.console.credentials] == ["alice", "bob"]
+    assert PASSWORD not in repr(cfg)
+
+
+async def test_credentials_without_actions_guard_a_read_only_console(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client, console={"credentials": OPERATOR})
+    failing(upstream, 422)
+    await send(proxy, "evt_1")
+    async with admin.get("/console/events") as response:
+        assert response.status == 401
+    html = await page(admin, "/console/event?scope=hooks&id=evt_1", headers=basic())
+    assert "Signed in as alice: read-only" in html
+    assert 'method="post"' not in html
+    headers = {**basic(), "Origin": f"http://{admin.host}:{admin.port}"}
+    token = console_gate.csrf_token(config.console.Credential(name="alice", password=PASSWORD))
+    data = {"scope": "hooks", "id": "evt_1", "csrf": token}
+    async with admin.post("/console/redeliver", data=data, headers=headers) as response:
+        assert response.status == 403
+    assert await state(pg_dsn, table, "evt_1") == "dead"
+
+
+async def test_the_console_can_be_turned_off(make_proxy: MakeProxy, aiohttp_client: Any) -> None:
+    _, admin = await start(make_proxy, aiohttp_client, console={"enabled": False})
+    async with admin.get("/console/") as response:
+        assert response.status == 404
+    async with admin.get("/healthz") as response:
+        assert response.status == 200

@@ -1,0 +1,271 @@
+"""The operator console in a real browser: Debian's Chromium (``/usr/bin/chromium``) driven by
+Playwright, against a ``dedup-proxy serve`` process, a real PostgreSQL and a fake app that fails
+some webhooks, so that the proxy keeps them.
+
+It checks what only a browser shows: each page renders the kept deliveries; the filters and
+the paging work as an operator uses them; an event whose body, headers, ID and type are
+``<script>`` and ``onerror=`` payloads renders them as text and runs nothing; following every
+link of every page changes nothing in the database; an action is refused without the
+credential, and from a page of another origin, and redelivers with it (the app gets the event
+once); axe-core finds no serious or critical accessibility violation. Screenshots of each page
+are saved in the test's tmp_path (``console-*.png``).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from axe_playwright_python.async_playwright import Axe
+from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Error as PlaywrightError
+
+from tests.helpers import FakeUpstream, Serve, Served, fetch, wait_until
+
+CHROMIUM = Path("/usr/bin/chromium")
+INSTALLED = CHROMIUM.exists()
+pytestmark = pytest.mark.timeout(240)
+
+PASSWORD = "correct-horse-battery-staple"
+KEPT = {
+    "name": "hooks",
+    "path": "/hooks",
+    "event_id": "body:/id",
+    "event_type": "body:/type",
+    "redeliver": {"schedule": ["1h"], "for": "1d"},
+}
+SETTINGS: dict[str, Any] = {"routes": [KEPT], "redeliverer": {"poll": "100ms"}}
+ACTIONS = {"console": {"actions": True, "credentials": [f"alice:{PASSWORD}"]}}
+HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2">'
+# The app's answer to an event's first delivery, by its ID's prefix (any other: 200); to a
+# redelivery, 200.
+FAILS = {"dead_": 422, "pend_": 503, "evil": 503}
+
+
+def by_event(upstream: FakeUpstream) -> None:
+    def respond(n: int) -> web.Response:
+        ids = [json.loads(r.body)["id"] for r in upstream.requests[: n + 1]]
+        event_id = ids[-1]
+        if event_id in ids[:-1]:
+            return web.Response(status=200)
+        for prefix, status in FAILS.items():
+            if event_id.startswith(prefix):
+                return web.Response(status=status)
+        return web.Response(status=200)
+
+    upstream.respond = respond
+
+
+async def send(
+    served: Served, event_id: str, event_type: str = "charge.failed", *, headers: Any = None,
+    **body: Any,
+) -> None:  # fmt: skip
+    payload = json.dumps({"id": event_id, "type": event_type, **body})
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{served.url}/hooks", data=payload, headers={
+            "Content-Type": "application/json", "Stripe-Signature": "t=1,v1=" + "cd" * 32,
+            **(headers or {})}) as answer,
+    ):  # fmt: skip
+        assert answer.status in (200, 202), await answer.text()
+
+
+async def snapshot(dsn: str, table: str) -> list[tuple[Any, ...]]:
+    rows = await fetch(dsn, f'SELECT * FROM "{table}" ORDER BY scope, event_id')
+    return [tuple(row) for row in rows]
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    if not INSTALLED:
+        pytest.fail("the console's browser tests need Chromium: apt-get install chromium")
+    async with async_playwright() as playwright:
+        launched = await playwright.chromium.launch(executable_path=str(CHROMIUM))
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+async def watched(page: Page) -> list[str]:
+    """What the page would have run: dialogs opened, and every script error."""
+    seen: list[str] = []
+    page.on("dialog", lambda dialog: seen.append(f"dialog {dialog.message}"))
+    page.on("pageerror", lambda error: seen.append(f"error {error}"))
+    return seen
+
+
+async def accessible(page: Page) -> list[str]:
+    """axe-core's serious and critical violations on the page."""
+    results = await Axe().run(page)
+    return [
+        f"{v['id']} ({v['impact']}): {v['help']}"
+        for v in results.response["violations"]
+        if v["impact"] in ("serious", "critical")
+    ]
+
+
+async def status(page: Page, url: str) -> int:
+    response = await page.goto(url)
+    assert response is not None, url
+    return response.status
+
+
+async def filter_and_page(page: Page, events: str) -> None:
+    """The filters and the paging, as an operator uses them."""
+    await page.goto(events)
+    await page.select_option("#f-state", "dead")
+    await page.click("button[type=submit]")
+    assert await page.locator("tbody tr").count() == 1
+    assert "dead_1" in await page.inner_text("tbody")
+    await page.goto(events)
+    await page.fill("#f-body", "data.object.customer=cus_3")
+    await page.click("button[type=submit]")
+    shown = await page.locator("tbody td:nth-child(3)").all_inner_texts()
+    assert shown == [f"pend_{n:02}" for n in range(54, -1, -1) if n % 5 == 3]
+    await page.goto(events + "?route=hooks&state=pending")
+    first = await page.locator("tbody td:nth-child(3)").all_inner_texts()
+    await page.click("a[rel=next]")
+    second = await page.locator("tbody td:nth-child(3)").all_inner_texts()
+    assert first + second == ["evil" + HOSTILE] + [f"pend_{n:02}" for n in range(54, -1, -1)]
+    assert len(first) == 50
+
+
+async def follow_every_link(page: Page, console: str, start: list[str]) -> int:
+    """Visit every console page linked from ``start`` and the pages they link to, and so on
+    (200 at most): how many."""
+    visited: set[str] = set()
+    queue = list(start)
+    while queue and len(visited) < 200:
+        url = queue.pop()
+        if url in visited:
+            continue
+        visited.add(url)
+        assert await status(page, url) < 500, url
+        for href in await page.eval_on_selector_all("a[href]", "as => as.map(a => a.href)"):
+            if href.startswith(console) and href not in visited:
+                queue.append(href)
+    return len(visited)
+
+
+async def test_every_page_renders_inert_and_accessible_and_links_change_nothing(
+    serve: Serve, upstream: FakeUpstream, browser: Browser, pg_dsn: str, table: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    by_event(upstream)
+    served = await serve(**SETTINGS)
+    await send(served, "ok_1")
+    for n in range(55):
+        await send(served, f"pend_{n:02}", "invoice.payment_failed",
+                   data={"object": {"customer": f"cus_{n % 5}"}})  # fmt: skip
+    await send(served, "dead_1", "customer.deleted")
+    await send(served, f"evil{HOSTILE}", HOSTILE, headers={"X-Note": HOSTILE}, note=HOSTILE)
+    before = await snapshot(pg_dsn, table)
+    console = f"{served.admin_url}/console/"
+
+    page = await browser.new_page()
+    seen = await watched(page)
+    pages = {
+        "overview": console,
+        "events": console + "events",
+        "event": console + "event?" + urllib.parse.urlencode(
+            {"scope": "hooks", "id": f"evil{HOSTILE}"}),
+        "lookup": console + "lookup?" + urllib.parse.urlencode({"id": "ok_1"}),
+    }  # fmt: skip
+    for name, url in pages.items():
+        assert await status(page, url) == 200, name
+        assert await page.evaluate("window.pwned") is None, name
+        assert await accessible(page) == [], name
+        await page.screenshot(path=tmp_path / f"console-{name}.png", full_page=True)
+
+    # What each page shows.
+    await page.goto(pages["overview"])
+    row = page.locator("tbody tr", has_text="hooks")
+    assert (await row.locator("td.n").all_inner_texts())[:2] == ["56", "1"]
+    await page.goto(pages["event"])
+    text = await page.inner_text("main")
+    # The payloads, as text: in the ID, the type and a header, and three times in the body
+    # (its id, type and note, JSON-escaped).
+    assert text.count(HOSTILE) == 3
+    assert text.count("<script>window.pwned=1</script><img src=x onerror=") == 6
+    assert "cd" * 32 not in text
+    assert "masked" in text
+    await page.goto(pages["lookup"])
+    assert "delivered at the first try" in await page.inner_text("main")
+
+    await filter_and_page(page, pages["events"])
+    await page.screenshot(path=tmp_path / "console-events-page-2.png", full_page=True)
+
+    # Every link on every page reached from the overview, followed: nothing changes.
+    assert await follow_every_link(page, console, [console, *pages.values()]) > 20
+    assert seen == []
+    assert await snapshot(pg_dsn, table) == before
+
+
+async def test_actions_are_refused_without_the_credential_and_redeliver_with_it(
+    serve: Serve, upstream: FakeUpstream, browser: Browser, pg_dsn: str, table: str,
+    tmp_path: Path, aiohttp_server: Any,
+) -> None:  # fmt: skip
+    by_event(upstream)
+    served = await serve(**SETTINGS, admin=ACTIONS)
+    await send(served, "dead_1", "customer.deleted")
+    event = f"{served.admin_url}/console/event?scope=hooks&id=dead_1"
+
+    anonymous = await browser.new_context()
+    with pytest.raises(PlaywrightError, match="ERR_INVALID_AUTH_CREDENTIALS"):
+        await (await anonymous.new_page()).goto(event)  # Chromium gives up on the 401
+    answer = await anonymous.request.get(event)
+    assert answer.status == 401
+    answer = await anonymous.request.post(
+        f"{served.admin_url}/console/redeliver", form={"scope": "hooks", "id": "dead_1"},
+        headers={"Origin": served.admin_url},
+    )  # fmt: skip
+    assert answer.status == 401
+
+    # A page of another origin posting the console's form, with the operator's credential in
+    # the browser: refused (its Origin, and it cannot know the token).
+    forged = web.Application()
+    form = (
+        f'<form method="post" action="{served.admin_url}/console/redeliver">'
+        '<input name="scope" value="hooks"><input name="id" value="dead_1">'
+        '<input name="csrf" value="guess"></form>'
+        "<script>document.forms[0].submit()</script>"
+    )
+
+    async def attack(request: web.Request) -> web.Response:
+        return web.Response(text=form, content_type="text/html")
+
+    forged.router.add_get("/", attack)
+    attacker = await aiohttp_server(forged)
+    context = await browser.new_context(
+        http_credentials={"username": "alice", "password": PASSWORD}
+    )
+    page = await context.new_page()
+    async with page.expect_navigation(url=f"{served.admin_url}/console/redeliver"):
+        await page.goto(str(attacker.make_url("/")))
+    assert "refused" in await page.inner_text("body")
+    rows = await fetch(pg_dsn, f'SELECT inbox_state FROM "{table}"')
+    assert rows[0]["inbox_state"] == "dead"
+
+    await page.goto(event)
+    assert await accessible(page) == []
+    await page.screenshot(path=tmp_path / "console-event-actions.png", full_page=True)
+    await page.click("text=Redeliver now")
+    assert "Made due now" in await page.inner_text("body")
+
+    async def delivered() -> bool:
+        rows = await fetch(pg_dsn, f'SELECT inbox_state FROM "{table}"')
+        return rows[0]["inbox_state"] == "delivered"
+
+    await wait_until(delivered, "the redelivery to reach the app", within=15)
+    bodies = [json.loads(r.body)["id"] for r in upstream.requests]
+    assert bodies == ["dead_1", "dead_1"]  # the first delivery, and the redelivery once
+    await page.goto(event)
+    assert "delivered" in await page.inner_text("main")
+    assert await page.locator("form[method=post]").count() == 0  # nothing left to act on
