@@ -15,8 +15,17 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from aiohttp import web
 
-from tests.helpers import FakeUpstream, MakeProxy, admin_client, claimed, event, scrape
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    admin_client,
+    claimed,
+    event,
+    scrape,
+    wait_until,
+)
 
 
 class OneWayRelay:
@@ -175,4 +184,50 @@ async def test_a_commit_never_sent_is_told_apart_from_one_in_doubt(
         )
         assert samples[("dedup_unsent_commits_total", label)] == 1
         assert samples[("dedup_ambiguous_commits_total", label)] == 0
+        assert await claimed(pg_dsn, table) == []
+
+
+HANDED = {"name": "hooks", "path": "/hooks", "event_id": "body:/id",
+          "redeliver": {"schedule": ["1h"], "for": "1d"}, "hand_off": "300ms"}  # fmt: skip
+
+
+@pytest.mark.parametrize("app_status", [200, 503])
+async def test_a_hand_off_that_cannot_keep_relays_the_apps_answer(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    relay: OneWayRelay,
+    pg_dsn: str,
+    table: str,
+    app_status: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The database stops answering the claim's connection before the hand-off: keeping the
+    # delivery fails, and the provider waits for the app's own answer, as on any route.
+    upstream.gate = asyncio.Event()
+    upstream.respond = lambda n: web.Response(status=app_status, text="app")
+    client = await make_proxy(
+        database={"dsn": relay.dsn, "pool_size": 2, "connect_timeout": "1s"},
+        routes=[HANDED],
+    )
+
+    async def not_kept() -> bool:
+        return any("could not be kept" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.INFO):
+        request = asyncio.create_task(client.post("/hooks", data=b'{"id": "evt_handed"}'))
+        await upstream.arrived.wait()
+        relay.cut(answers=True)
+        await wait_until(not_kept, "the hand-off's keep to fail")
+        upstream.gate.set()
+        response = await request
+
+    assert response.status == app_status  # not 500
+    assert await response.text() == "app"
+    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]
+    if app_status == 200:
+        # The claim died with its connection: stored again on a fresh one.
+        assert (line["outcome"], line.get("reconciled")) == ("processed", True)
+        assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_handed"]
+    else:
+        assert line["outcome"] == "upstream_error"
         assert await claimed(pg_dsn, table) == []

@@ -209,6 +209,8 @@ class Claim:
         """
         if not self.acquired:
             raise RuntimeError("a duplicate's claim cannot be committed")
+        if self.state is ClaimState.ABANDONED:
+            return await self._store_again()
         self._end(ClaimState.COMMITTED)
         store, key = self._store, self.key
         statement = "COMMIT"
@@ -272,6 +274,14 @@ class Claim:
         """
         if not self.acquired:
             raise RuntimeError("a duplicate's claim cannot be kept")
+        if self.state is ClaimState.ABANDONED:
+            # An earlier keep failed (a hand-off's): the transaction is gone with its connection.
+            log.warning(
+                "the failed delivery of %s %s could not be kept for redelivery (its claim's "
+                "connection failed already): relaying the failure", self.key.scope,
+                self.key.event_id,
+            )  # fmt: skip
+            return Kept(NotKept.FAILED)
         if self.state is not ClaimState.OPEN:
             raise RuntimeError(f"claim of {self.key.event_id!r} is {self.state} already")
         key, store = self.key, self._store
@@ -388,6 +398,18 @@ class Claim:
             self._discard()  # cancelled mid-ROLLBACK: the session's state is unknown
             raise
         return status
+
+    async def _store_again(self) -> Commit:
+        """COMMIT of a claim whose connection failed already (an earlier step abandoned it: a
+        hand-off that could not keep the delivery): the claim ended with it, so it is stored
+        again on a fresh connection, as after a COMMIT that could not be sent."""
+        self.state = ClaimState.COMMITTED
+        if await self._store.reconcile(self.key):
+            return Commit(reconciled=True)
+        raise errors.CommitNotSent(
+            "the connection was closed before COMMIT could be sent, so the claim is not "
+            "stored, and storing it again failed: its connection had failed already"
+        )
 
     def abandon(self) -> None:
         """The connection failed mid-claim: close it rather than wait on it again."""

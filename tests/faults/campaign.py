@@ -12,7 +12,13 @@ With ``--inbox`` the route redelivers (``redeliver``, a schedule of seconds) and
 GitHub's: each event sent 1-3 times, a failure never retried, any 2xx (``queued`` and
 ``duplicate_queued`` included) taken as accepted. The settle phase then only waits until no row
 is pending and the app has every accepted event; an event whose every send failed was refused
-(the provider was told to retry), which the checker tells apart from a loss.
+(the provider was told to retry), which the checker tells apart from a loss. Flow control is
+set up as its user would (``Settings.with_inbox``): ``upstream.concurrency`` per replica, with a
+pool sized for it and for the short transactions beside it, so a delivery over the limit is
+kept (``202``, ``kept_for: limit``); the route's ``hand_off``
+at 0.7 of ``upstream.timeout``, so one the app is slow on is kept at the hand-off (``kept_for:
+deadline``) while the attempt goes on; ``claim_wait`` past the hand-off, so a copy finds a slow
+delivery kept rather than still in flight.
 
 The database can be another set-up (``databases``), with the same checker and invariant:
 
@@ -68,7 +74,7 @@ import asyncpg
 import yaml
 from aiohttp import web
 
-from proxy import config, embedded, errors
+from proxy import app_limit, config, embedded, errors
 from tests.faults import checker, databases
 from tests.faults.relay import Mode
 from tests.helpers import accepts, free_port
@@ -84,6 +90,15 @@ _LINK_FAULTS: dict[str, Mode] = {"blackhole": "blackhole", "reset": "reset", "re
 _LINK_HOLD = {"blackhole": (1.0, 4.0), "reset": (0.0, 0.5), "refuse": (0.5, 2.5)}
 _POLL = 0.05
 RESTART_WITHIN = 30.0  # a killed replica must listen again within this
+HAND_OFF_SHARE = 0.7  # of upstream.timeout, as the presets' hand_off is of the deadline
+INBOX_CLAIM_WAIT = 2.0  # past the hand_off (1.4 s) and its COMMIT
+# The inbox mode's limit at the app per replica, and the connections beside it for the short
+# transactions (a delivery kept, a copy settled, a hand-off's result, the redeliverer's reads),
+# by Little's law: while the app is slow every delivery is kept, some 25 a second per replica
+# here, each transaction up to 0.2 s on two shared cores. One connection (the fifth of a pool
+# of 4 the limit keeps free) was measured to shed 50 deliveries in 4 minutes (docs/guarantees.md).
+INBOX_CONCURRENCY = 3
+INBOX_SHORT_TRANSACTIONS = 5
 
 
 class CampaignError(Exception):
@@ -114,6 +129,30 @@ class Settings:
     redeliverer_concurrency: int = 2
     redeliverer_rate: float = 100.0
     redeliverer_poll: float = 0.1
+    # Flow control, as its user configures it (inbox mode only): the limit at the app per
+    # replica (upstream.concurrency; None: what the pool allows), and the route's hand_off, at
+    # 0.7 of upstream.timeout as the presets take 0.7 of the provider's deadline. A copy waits
+    # on an event in flight longer than the hand-off (as the defaults have it: claim_wait 10 s,
+    # GitHub's hand_off 7 s), so that it finds a slow delivery kept, not still in flight.
+    concurrency: int | None = None
+    hand_off: float | None = None
+
+    def with_inbox(self) -> Settings:
+        """These settings in the inbox mode, with flow control as its user sets it up: a limit
+        at the app, a pool sized for it and for the short transactions beside it, a hand_off
+        at 0.7 of upstream.timeout, and claim_wait past it."""
+        concurrency = self.concurrency or INBOX_CONCURRENCY
+        pool_size = max(self.pool_size, concurrency + INBOX_SHORT_TRANSACTIONS)
+        if app_limit.room_for(pool_size, keeps=True) < concurrency:
+            raise CampaignError(f"pool_size {pool_size} has no room for {concurrency} at the app")
+        return replace(
+            self,
+            inbox=True,
+            concurrency=concurrency,
+            pool_size=pool_size,
+            hand_off=self.hand_off or round(HAND_OFF_SHARE * self.upstream_timeout, 3),
+            claim_wait=max(self.claim_wait, INBOX_CLAIM_WAIT),
+        )
 
     @property
     def request_bound(self) -> float:
@@ -136,6 +175,8 @@ class Settings:
         extra: dict[str, Any] = {}
         if self.inbox:
             route["redeliver"] = {"schedule": list(self.schedule), "for": self.redeliver_for}
+            if self.hand_off is not None:
+                route["hand_off"] = f"{self.hand_off:g}s"
             extra["redeliverer"] = {
                 "concurrency": self.redeliverer_concurrency,
                 "rate": self.redeliverer_rate,
@@ -146,7 +187,11 @@ class Settings:
                 "listen": f"127.0.0.1:{port}",
                 # Several replicas share one host here: each needs its own admin port.
                 "admin": {"listen": f"127.0.0.1:{free_port()}"},
-                "upstream": {"url": upstream, "timeout": f"{self.upstream_timeout}s"},
+                "upstream": {
+                    "url": upstream,
+                    "timeout": f"{self.upstream_timeout}s",
+                    **({} if self.concurrency is None else {"concurrency": self.concurrency}),
+                },
                 "database": {
                     "dsn": dsn,
                     "table": self.table,
@@ -495,6 +540,7 @@ class Provider:
             error=error,
             dedup_status=dedup,
             upstream_status=_kept_status(body) if dedup in checker.KEPT_ANSWERS else None,
+            kept_for=_kept_for(body) if dedup in checker.KEPT_ANSWERS else None,
         )
         self.deliveries.append(delivery)
         if delivery.outcome == "ok":
@@ -561,6 +607,16 @@ def _kept_status(body: bytes) -> int | None:
     except (ValueError, AttributeError):
         return None
     return status if isinstance(status, int) else None
+
+
+def _kept_for(body: bytes) -> str | None:
+    """Why a ``queued`` answer kept a delivery the app did not fail (``{"kept_for": "limit",
+    …}``: the limit at the app; ``deadline``: the route's hand_off); None: the app failed it."""
+    try:
+        reason = json.loads(body).get("kept_for")
+    except (ValueError, AttributeError):
+        return None
+    return reason if isinstance(reason, str) else None
 
 
 # --- the nemesis --------------------------------------------------------------------------
@@ -852,12 +908,20 @@ async def wait_ready(replicas: Sequence[Replica], within: float) -> str:
 
 async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
     """Each replica, once ready, serves ``pool_size`` concurrent events with a slow app without
-    a 503: a pool slot leaked by a fault would make one of them wait past ``pool_timeout``."""
+    a 503: a pool slot leaked by a fault would make one of them wait past ``pool_timeout``.
+    With a limit at the app (the inbox mode), ``upstream.concurrency`` of them are forwarded
+    (a place at the app leaked would keep one more) and the others kept for the limit (a
+    connection leaked would leave none to keep them with)."""
     settings = c.settings
-    name = f"{settings.pool_size} concurrent slow events per replica"
+    limit = settings.concurrency if settings.inbox else None
+    name = f"{settings.pool_size} concurrent slow events per replica" + (
+        f" ({limit} forwarded, the others kept for the limit)" if limit else ""
+    )
     slow = settings.pool_timeout + 0.5
-    if slow >= settings.upstream_timeout:
-        raise CampaignError("the pool check needs upstream.timeout > pool_timeout + 0.5s")
+    if limit is not None and settings.hand_off is not None:
+        slow = (settings.pool_timeout + settings.hand_off) / 2  # mostly before the hand-off
+    if not settings.pool_timeout < slow < min(settings.upstream_timeout, settings.hand_off or 60):
+        raise CampaignError("the pool check needs pool_timeout < hand_off < upstream.timeout")
     if unready := await wait_ready(c.replicas, 15.0):
         return checker.PostCheck(name, False, f"not ready (/readyz) within 15s: {unready}")
     c.app.fixed["health-"] = slow
@@ -868,7 +932,12 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
             for k in range(settings.pool_size)
         )
     )
-    bad = [d for d in results if d.status != 200 or d.duplicate]
+    bad = [d for d in results if not _served(d, limit)]
+    if limit is not None:
+        for replica in c.replicas:
+            forwarded = [d for d in results if d.replica == replica.name and _forwarded(d)]
+            if len(forwarded) < min(limit, settings.pool_size):
+                bad += [d for d in results if d.replica == replica.name and d not in bad]
     detail = "; ".join(
         f"{d.event_id} on {d.replica} -> {d.status or d.error} after {d.end - d.start:.2f}s"
         for d in bad
@@ -881,6 +950,21 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
         if line.get("event_id") in wanted
     )
     return checker.PostCheck(name, not bad, detail, evidence)
+
+
+def _forwarded(delivery: checker.Delivery) -> bool:
+    """Forwarded to the app: answered its 200, or kept at the hand-off while at the app (its
+    claim's wait and the app's answer together can pass the hand_off)."""
+    if delivery.status == 200 and not delivery.duplicate:
+        return True
+    return delivery.status == 202 and delivery.kept_for == checker.HANDED_OFF
+
+
+def _served(delivery: checker.Delivery, limit: int | None) -> bool:
+    """Forwarded; with a limit at the app, or kept for it."""
+    if limit is None:
+        return delivery.status == 200 and not delivery.duplicate
+    return _forwarded(delivery) or (delivery.status == 202 and delivery.kept_for == "limit")
 
 
 async def _traffic(provider: Provider, events: Sequence[str], span: float) -> None:
@@ -915,8 +999,8 @@ async def run_campaign(
     whose ``violations`` are empty when the invariant held. ``inbox``: the inbox mode;
     ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring)."""
     settings = settings or Settings()
-    if inbox:
-        settings = replace(settings, inbox=True)
+    if inbox and not settings.inbox:
+        settings = settings.with_inbox()
     seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
     duration = minutes * 60
     count = events or max(100, round(900 * minutes))
@@ -986,6 +1070,7 @@ async def _campaign(
             claimed=frozenset(rows),
             inbox=settings.inbox,
             inbox_states={e: state for e, state in rows.items() if state is not None},
+            hand_off=settings.hand_off if settings.inbox else None,
             upstream_timeout=settings.upstream_timeout,
             commit_margin=settings.commit_margin,
             request_bound=settings.request_bound,
@@ -1029,6 +1114,8 @@ def _inbox_settings(settings: Settings) -> dict[str, str]:
             f"{settings.redeliverer_concurrency} lanes, {settings.redeliverer_rate:g}/s, "
             f"poll {settings.redeliverer_poll:g}s"
         ),
+        "upstream.concurrency": str(settings.concurrency or "unset"),
+        "hand_off": f"{settings.hand_off:g}s" if settings.hand_off else "off",
     }
 
 

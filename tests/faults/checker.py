@@ -44,7 +44,17 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
 - **A kept event is never forwarded again** but by the redeliverer: no copy's first forward
   starts after a delivery of the event was answered ``queued``, ``dead_letter`` or
   ``duplicate_queued``. A ``queued`` answer is the app's failure (its status in the answer, or
-  none: the app did not answer within ``upstream.timeout``).
+  none: the app did not answer within ``upstream.timeout``), unless it says ``kept_for``:
+  ``limit`` (the limit at the app was reached: never forwarded, so every call carrying its ID
+  is a redelivery, even one that starts before the provider read the 202), or ``deadline``
+  (the route's ``hand_off``: its forward was still at the app ``hand_off`` after the request
+  arrived and went on after the 202; or, its line without ``handed_off``, it was never sent).
+- **A hand-off is no excuse.** The forward of a delivery kept at its hand-off goes on at the
+  app, and its result is recorded in the row, which no lane takes before its lease
+  (``upstream.timeout`` + 5 s) ends. A second call of the event beside it or after it is
+  exposed to the same windows as any forward (a fault on its replica, an answer after
+  ``upstream.timeout``), never to ``no_answer``; a kill of its replica during the wait, after
+  which the row is sent again at the lease's end, is counted as ``hand_off_kill``.
 - **Redeliveries are doubles only in the windows.** A call carrying a delivery's ID that is not
   that delivery's first forward is a redelivery, made by the replica whose port it reached.
   The windows are the same (a fault on *that* replica, or a PostgreSQL restart, from the call
@@ -53,6 +63,11 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
   forward was kept with no answer (``no_answer``: the proxy timed out, the app acted after).
 - **Nothing left behind.** After the settle phase no row is pending, and none is dead unless
   the app answered a status retrying cannot fix (the campaign's app never does).
+
+The report counts every failed send by why (the proxy's logged answer and its ``shed``
+reason, or ``claim_wait``), the refused ones apart, and among those the ones with no database
+fault on their replica near them (refused although the database answered); the kept
+deliveries by ``kept_for``; and per replica the most of its calls at the app at once.
 
 A call's replica is the one whose port of the app's it reached; a log line's ``at`` is its
 ``ts`` on the campaign's clock. All times are seconds on one monotonic clock (the campaign's).
@@ -87,11 +102,20 @@ LOSSES = frozenset({"lost", "unclaimed"})
 PROXY_ERRORS = frozenset({502, 503, 504})
 # A fault this long before the app saw the request can still hit the claim made just before.
 CLAIM_LEAD = 0.5
+# The faults that leave a replica's database unanswering (its link, or the server itself), and
+# how long before a request one can still refuse it (a pool reconnecting backs off up to 1 s).
+DATABASE_FAULTS = frozenset({"pg_restart", "failover", "blackhole", "reset", "refuse"})
+DATABASE_LEAD = 2.0
 _EVIDENCE_LINES = 40
 # Dedup-Status of a copy answered without being forwarded.
 DUPLICATE_ANSWERS = frozenset({"duplicate", "duplicate_queued"})
 # Dedup-Status saying the event is kept for redelivery (the proxy's own 202).
 KEPT_ANSWERS = frozenset({"queued", "dead_letter", "duplicate_queued"})
+# A ``queued`` answer's ``kept_for`` (none: the app failed it): kept before the app was sent it
+# (the limit at the app, a paused route, the app's Retry-After), or at the route's hand_off
+# (``deadline``: while the attempt goes on, or unsent if the hand_off passed before it began).
+UNSENT_KEEPS = frozenset({"limit", "paused", "retry_after"})
+HANDED_OFF = "deadline"
 # The app's answers the inbox gives up on at once (proxy.delivery.UNFIXABLE).
 UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
 REDELIVERER = "proxy.redeliverer"  # the logger of the redeliverer's lines
@@ -115,6 +139,7 @@ class Delivery:
     error: str | None = None
     dedup_status: str | None = None  # the answer's Dedup-Status
     upstream_status: int | None = None  # a kept delivery's: the app's status (None: no answer)
+    kept_for: str | None = None  # kept not for the app's failure: why (limit, deadline, ...)
 
     @property
     def outcome(self) -> str:
@@ -178,6 +203,7 @@ class Records:
     settings: Mapping[str, Any] = field(default_factory=dict)
     inbox: bool = False  # the route redelivers; the provider never retries
     inbox_states: Mapping[str, str] = field(default_factory=dict)  # claimed event -> its state
+    hand_off: float | None = None  # the route's hand_off (None: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,13 +231,20 @@ class InboxReport:
     delivered: int  # accepted events the app answered 2xx for
     refused: int  # events whose every send failed: the provider was told to retry
     refused_reasons: Mapping[str, int]  # the failed sends of refused events, by why
+    # Those with no database fault on their replica from DATABASE_LEAD before until the answer:
+    # refused although the database answered.
+    refused_healthy: Mapping[str, int]
     refused_reached_app: int  # refused events the app answered 2xx for all the same
+    failed_reasons: Mapping[str, int]  # every failed send, of accepted events too, by why
     kept: int  # deliveries answered 202 queued (or dead_letter)
+    kept_for: Mapping[str, int]  # those by why: failed (the app's failure), limit, deadline...
+    handed_off: Mapping[str, int]  # the attempts after a hand-off, by what they came to
     duplicate_queued: int  # copies answered 202 duplicate_queued
     redeliveries: int  # calls at the app made by a redeliverer
     redeliveries_acted: int  # of which the app answered 2xx
     results: Mapping[str, int]  # the redeliverer's logged attempts, by result
     rows: Mapping[str, int]  # the claim rows at the end, by inbox_state ("none": at first try)
+    peak_at_app: Mapping[str, int]  # per replica, the most of its calls at the app at once
 
     @property
     def lost(self) -> int:
@@ -345,15 +378,27 @@ def exposures(
     if _kept_unanswered(delivery):
         text = f"delivery {delivery.delivery_id} was kept with no answer from the app"
         reasons.append(("no_answer", text))
-    reasons += [(a.kind, _describe_action(records, a)) for a in _windows(records, call)]
+    handed_off = delivery is not None and delivery.kept_for == HANDED_OFF
+    for action in _windows(records, call):
+        text = _describe_action(records, action)
+        if handed_off and action.kind == "kill":
+            # The row, kept at the hand-off, is due when its lease ends unless the attempt's
+            # result was recorded first (docs/guarantees.md, the hand-off's window 1).
+            text += ": handed off, killed before the attempt's result was recorded"
+            reasons.append(("hand_off_kill", text))
+        else:
+            reasons.append((action.kind, text))
     return reasons
 
 
 def _kept_unanswered(delivery: Delivery | None) -> TypeGuard[Delivery]:
-    """Whether ``delivery`` was kept for redelivery with no answer from the app."""
+    """Whether ``delivery`` was kept for the app's failure with no answer from the app (the
+    proxy timed out on it); not one kept at a hand-off or unsent, whose attempt's result is
+    recorded or that was never sent."""
     return (
         delivery is not None
         and delivery.dedup_status == "queued"
+        and delivery.kept_for is None
         and delivery.upstream_status is None
     )
 
@@ -420,6 +465,17 @@ class _Event:
         line = self.request_line(delivery)
         return line is not None and line["outcome"] == "processed" and not line.get("reconciled")
 
+    def kept_unsent(self, delivery: Delivery) -> bool:
+        """Whether ``delivery`` was kept before the app was sent it: over the limit (or paused,
+        or the app's Retry-After), or at a hand_off that passed before its attempt began (its
+        line says ``kept_for: deadline`` with no ``handed_off``)."""
+        if delivery.kept_for in UNSENT_KEEPS:
+            return True
+        if delivery.kept_for != HANDED_OFF:
+            return False
+        line = self.request_line(delivery)
+        return line is not None and "handed_off" not in line
+
     @property
     def forwards(self) -> list[UpstreamCall]:
         """The calls that were a delivery's first forward (not a redelivery)."""
@@ -456,12 +512,13 @@ class _Event:
 
 
 def split_calls(
-    deliveries: Sequence[Delivery], calls: Sequence[UpstreamCall]
+    deliveries: Sequence[Delivery], calls: Sequence[UpstreamCall], unsent: Collection[str] = ()
 ) -> list[UpstreamCall]:
     """The redeliveries among one event's ``calls``: a delivery's first call while it was in
     flight is its forward; any other call carrying its ID (the redeliverer sends the headers of
-    the delivery it keeps) is a redelivery."""
-    spans = {d.delivery_id: d for d in deliveries}
+    the delivery it keeps) is a redelivery, and so is every call of a delivery kept ``unsent``
+    (the redeliverer may send it before its 202 reached the provider)."""
+    spans = {d.delivery_id: d for d in deliveries if d.delivery_id not in unsent}
     forwarded: set[str] = set()
     again: list[UpstreamCall] = []
     for call in sorted(calls, key=lambda c: c.start):
@@ -582,21 +639,33 @@ def _forwarded_while_kept(records: Records, event: _Event) -> Iterator[Violation
 
 def _kept_unexplained(records: Records, event: _Event) -> Iterator[Violation]:
     """A delivery answered ``queued`` (or ``dead_letter``) is one the app failed: the status in
-    the answer is the app's own to it, or there was none within ``upstream.timeout``."""
+    the answer is the app's own to it, or there was none within ``upstream.timeout``. One kept
+    at the hand-off (``kept_for: deadline``) was still at the app ``hand_off`` after it
+    arrived, and answered before the app's answer; one kept unsent was never forwarded (its
+    calls are all redeliveries: ``split_calls``)."""
     forwards = event.forwards
     for d in event.deliveries:
         if d.dedup_status not in ("queued", "dead_letter"):
             continue
         own = [c for c in forwards if c.delivery_id == d.delivery_id]
-        if d.upstream_status is None:
+        if d.kept_for == HANDED_OFF:
+            # hand_off runs from the request's arrival: its claim may have waited on a copy's.
+            hand_off = records.hand_off
+            failed = hand_off is not None and all(
+                c.end >= max(d.start + hand_off, d.end) - TIMEOUT_SLACK for c in own
+            )
+        elif d.kept_for is not None:
+            failed = True
+        elif d.upstream_status is None:
             slow = records.upstream_timeout - TIMEOUT_SLACK
             failed = all(c.end - c.start >= slow for c in own)
         else:
             failed = any(c.status == d.upstream_status and not c.acted for c in own)
         if not failed:
             answers = ", ".join(f"{c.status} in {c.end - c.start:.3f}s" for c in own) or "none"
+            why = f" kept_for {d.kept_for}" if d.kept_for else ""
             message = (
-                f"delivery {d.delivery_id} was answered {d.dedup_status} with app status "
+                f"delivery {d.delivery_id} was answered {d.dedup_status}{why} with app status "
                 f"{d.upstream_status}, the app's answers to it: {answers}"
             )
             yield event.violation(records, "kept_unexplained", message)
@@ -728,7 +797,8 @@ def check(records: Records) -> tuple[Report, list[Violation]]:
         events[str(line["event_id"])].logs.append(line)
     if records.inbox:
         for event in events.values():
-            event.redeliveries = split_calls(event.deliveries, event.calls)
+            unsent = {d.delivery_id for d in event.deliveries if event.kept_unsent(d)}
+            event.redeliveries = split_calls(event.deliveries, event.calls, unsent)
 
     violations: list[Violation] = []
     doubles: list[DoubleProcessed] = []
@@ -762,7 +832,20 @@ def _inbox_report(records: Records, events: Collection[_Event]) -> InboxReport:
     reasons = Counter(
         refusal(records, e, d) or "unexplained" for e in refused for d in e.deliveries
     )
+    healthy = Counter(
+        refusal(records, e, d) or "unexplained"
+        for e in refused
+        for d in e.deliveries
+        if not _faults(records, d.replica, d.start - DATABASE_LEAD, d.end, DATABASE_FAULTS)
+    )
+    failures = Counter(
+        refusal(records, e, d) or "unexplained"
+        for e in events
+        for d in e.deliveries
+        if d.outcome != "ok"
+    )
     deliveries = [d for e in events for d in e.deliveries]
+    kept = [d for d in deliveries if d.dedup_status in ("queued", "dead_letter")]
     again = [c for e in events for c in e.redeliveries]
     attempts = [line for e in events for line in e.logs if line.get("logger") == REDELIVERER]
     states = Counter(
@@ -775,14 +858,38 @@ def _inbox_report(records: Records, events: Collection[_Event]) -> InboxReport:
         delivered=sum(any(c.acted for c in e.calls) for e in accepted),
         refused=len(refused),
         refused_reasons=reasons,
+        refused_healthy=healthy,
         refused_reached_app=sum(any(c.acted for c in e.calls) for e in refused),
-        kept=sum(d.dedup_status in ("queued", "dead_letter") for d in deliveries),
+        failed_reasons=failures,
+        kept=len(kept),
+        kept_for=Counter(d.kept_for or "failed" for d in kept),
+        handed_off=Counter(
+            str(line["handed_off"]) for e in events for line in e.logs if "handed_off" in line
+        ),
         duplicate_queued=sum(d.dedup_status == "duplicate_queued" for d in deliveries),
         redeliveries=len(again),
         redeliveries_acted=sum(c.acted for c in again),
         results=Counter(str(line.get("result")) for line in attempts),
         rows=states,
+        peak_at_app=peak_at_app([c for e in events for c in e.calls]),
     )
+
+
+def peak_at_app(calls: Iterable[UpstreamCall]) -> dict[str, int]:
+    """Per replica, the most of its calls at the app at once (by the app's clock; a call the
+    proxy gave up on, at upstream.timeout or killed, still counts while the app works on it)."""
+    steps: dict[str, list[tuple[float, int]]] = {}
+    for call in calls:
+        mine = steps.setdefault(call.replica or "?", [])
+        mine += [(call.start, 1), (call.end, -1)]
+    peaks = {}
+    for replica, edges in steps.items():
+        level = peak = 0
+        for _, step in sorted(edges):  # an end before a start at the same instant
+            level += step
+            peak = max(peak, level)
+        peaks[replica] = peak
+    return dict(sorted(peaks.items()))
 
 
 def _report(
@@ -880,7 +987,15 @@ def _inbox_rows(inbox: InboxReport) -> list[tuple[str, str]]:
             f"reached the app all the same {inbox.refused_reached_app})",
         ),
         ("  refused sends by", _counts(inbox.refused_reasons)),
-        ("  kept", f"{inbox.kept} answered queued, {inbox.duplicate_queued} duplicate_queued"),
+        ("    with no database fault", _counts(inbox.refused_healthy)),
+        ("  every failed send by", _counts(inbox.failed_reasons)),
+        (
+            "  kept",
+            f"{inbox.kept} answered queued ({_counts(inbox.kept_for)}), "
+            f"{inbox.duplicate_queued} duplicate_queued",
+        ),
+        ("  handed off, then", _counts(inbox.handed_off)),
+        ("  peak at the app", _counts(inbox.peak_at_app)),
         (
             "  redeliveries",
             f"{inbox.redeliveries} calls at the app (2xx {inbox.redeliveries_acted}); "

@@ -597,3 +597,131 @@ def test_checker_inbox_flags_an_event_in_flight_twice_unless_the_first_lost_its_
     records = _inbox(calls, [_kept("d1", "r1", 1.0, 503)], actions=(action,) if action else ())
     _, violations = checker.check(records)
     assert [v.kind for v in violations] == ([] if action else ["in_flight_twice"])
+
+
+# --- the checker, with flow control (the limit at the app, the hand-off) --------------------
+
+HAND_OFF = 1.4
+
+
+def _kept_for(delivery: str, replica: str, start: float, reason: str) -> checker.Delivery:
+    return replace(
+        _kept(delivery, replica, start, None), end=start + HAND_OFF + 0.02, kept_for=reason
+    )
+
+
+def _flow(
+    calls: list[checker.UpstreamCall],
+    deliveries: list[checker.Delivery],
+    *,
+    actions: tuple[checker.Action, ...] = (),
+    logs: tuple[Mapping[str, object], ...] = (),
+) -> checker.Records:
+    return replace(_inbox(calls, deliveries, actions=actions, logs=logs), hand_off=HAND_OFF)
+
+
+def test_checker_inbox_accepts_deliveries_kept_over_the_limit_and_at_the_hand_off() -> None:
+    # Over the limit: kept unsent, and redelivered before the provider had read its 202.
+    limit = replace(_kept("d1", "r1", 1.0, None), end=1.5, kept_for="limit")
+    over = [_call("d1", "r2", 1.2)]
+    # At the hand-off: answered 202 at 1.4 s while the app went on until 1.45 s, then 200.
+    handed = _kept_for("d1", "r1", 1.0, "deadline")
+    slow = [_answered(_call("d1", "r1", 1.0), 200, took=1.45)]
+    # At the hand-off too, its claim having waited 1.3 s on a copy's: the app had 0.1 s.
+    late = [_answered(_call("d1", "r1", 2.3), 200, took=0.1)]
+    cases = ((over, limit, "limit"), (slow, handed, "deadline"), (late, handed, "deadline"))
+    for calls, delivery, reason in cases:
+        report, violations = checker.check(_flow(calls, [delivery]))
+        assert violations == []
+        assert report.inbox is not None
+        assert report.inbox.kept_for == {reason: 1}
+        assert report.inbox.redeliveries == (1 if reason == "limit" else 0)
+        assert (report.inbox.accepted, report.inbox.lost) == (1, 0)
+
+
+def test_checker_inbox_flags_a_hand_off_the_app_had_answered_before() -> None:
+    calls = [_answered(_call("d1", "r1", 1.0), 200, took=0.3)]
+    _, violations = checker.check(_flow(calls, [_kept_for("d1", "r1", 1.0, "deadline")]))
+    assert [v.kind for v in violations] == ["kept_unexplained"]
+    assert "kept_for deadline" in violations[0].message
+
+
+@pytest.mark.parametrize(
+    ("action", "causes"),
+    [
+        (checker.Action("kill", "r1", 2.0, 3.0), {"hand_off_kill"}),  # during the wait
+        (checker.Action("kill", "r2", 2.0, 3.0), None),  # another replica
+        (None, None),
+    ],
+)
+def test_checker_inbox_explains_a_handed_off_event_sent_again_only_by_a_kill(
+    action: checker.Action | None, causes: set[str] | None
+) -> None:
+    # Handed off at 2.4 s, the app answered 200 at 2.6 s; its row sent again after the lease.
+    calls = [_answered(_call("d1", "r1", 1.0), 200, took=1.6), _call("d1", "r3", 9.0)]
+    records = _flow(
+        calls, [_kept_for("d1", "r1", 1.0, "deadline")], actions=(action,) if action else ()
+    )
+    report, violations = checker.check(records)
+    (double,) = report.double_processed
+    assert [v.kind for v in violations] == ([] if causes else ["double_unexplained"])
+    assert double.explained is bool(causes)
+    if causes:
+        assert double.causes == causes
+
+
+@pytest.mark.parametrize("action", [None, checker.Action("reset", "r1", 2.0, 2.1)])
+def test_checker_inbox_flags_a_handed_off_event_at_the_app_twice_unless_a_fault_explains_it(
+    action: checker.Action | None,
+) -> None:
+    calls = [
+        _answered(_call("d1", "r1", 1.0), 503, took=1.6),  # handed off at 2.4 s
+        _call("d1", "r2", 2.5),  # while the first is still at the app
+    ]
+    records = _flow(
+        calls, [_kept_for("d1", "r1", 1.0, "deadline")], actions=(action,) if action else ()
+    )
+    _, violations = checker.check(records)
+    assert [v.kind for v in violations] == ([] if action else ["in_flight_twice"])
+
+
+def test_checker_inbox_counts_every_failed_send_by_reason_and_the_peak_at_the_app() -> None:
+    shed = {"event_id": "e", "request_id": "d2", "outcome": "unavailable", "shed": "pool"}
+    calls = [_call("d1", "r1", 1.0, took=1.0), _call("d3", "r1", 1.5), _call("d4", "r2", 1.6)]
+    deliveries = [
+        _delivery("d1", "r1", 1.0, 200),
+        _delivery("d2", "r1", 1.2, 503),  # a copy shed: the event was accepted all the same
+    ]
+    report, _ = checker.check(_flow(calls, deliveries, logs=({**shed, "replica": "r1"},)))
+    assert report.inbox is not None
+    assert report.inbox.refused_reasons == {}
+    assert report.inbox.failed_reasons == {"503 unavailable (shed: pool)": 1}
+    assert report.inbox.peak_at_app == {"r1": 2, "r2": 1}
+    (row,) = [line for line in checker.format_report(report).splitlines() if "failed send" in line]
+    assert row.endswith("503 unavailable (shed: pool) 1")
+
+
+@pytest.mark.parametrize(
+    ("action", "healthy"),
+    [
+        (None, {"503 unavailable (shed: pool)": 1}),
+        (checker.Action("blackhole", "r1", 0.0, 0.5), {}),  # its pool still reconnecting
+        (checker.Action("pg_restart", "postgres", 1.0, 1.1), {}),
+        (checker.Action("blackhole", "r2", 0.0, 2.0), {"503 unavailable (shed: pool)": 1}),
+    ],
+)
+def test_checker_inbox_tells_refusals_with_the_database_away_from_the_others(
+    action: checker.Action | None, healthy: Mapping[str, int]
+) -> None:
+    shed = {"event_id": "e", "request_id": "d1", "outcome": "unavailable", "shed": "pool"}
+    records = replace(
+        _flow([], [_delivery("d1", "r1", 2.0, 503)], actions=(action,) if action else ()),
+        logs=({**shed, "replica": "r1"},),
+        inbox_states={},
+        claimed=frozenset(),
+    )
+    report, violations = checker.check(records)
+    assert violations == []
+    assert report.inbox is not None
+    assert report.inbox.refused_reasons == {"503 unavailable (shed: pool)": 1}
+    assert report.inbox.refused_healthy == healthy
