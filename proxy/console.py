@@ -6,9 +6,12 @@ claims), the kept deliveries (filtered by route, state, time, ID, event type or 
 JSON body; paged by (received_at, event_id), so rows arriving meanwhile move no page), an
 event's page (its request, headers masked where they carry credentials or signatures, its body
 pretty-printed up to ``BODY_CAP``, every attempt) and the lookup of a provider's event ID on
-every route, among all claims. With ``admin.console.actions`` an operator redelivers or discards
-an event, or redelivers what a filter shows (its count first, then a confirmation); each action
-is logged with who did it.
+every route, among all claims. The overview also says which routes are held (an operator's pause,
+or the app's Retry-After: ``database.holds``, read from the database, so as every replica holds
+them) and this replica's requests at the app against its limit. With ``admin.console.actions``
+an operator redelivers or discards an event, redelivers what a filter shows (its count first,
+then a confirmation), or pauses and resumes a route (``inbox_commands``' pause and resume);
+each action is logged with who did it.
 
 Everything shown is what a sender sent, so it is escaped (Jinja2's autoescape), and the pages
 hold no script; ``console_gate`` adds the policy that keeps it so, the credential and the
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,8 +34,9 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
-from proxy import app_keys, console_gate, database, errors, logs
+from proxy import app_keys, console_gate, database, errors, inbox_commands, logs
 from proxy.config import routes as routes_module
+from proxy.config import values
 from proxy.database import inbox
 
 log = logging.getLogger(__name__)
@@ -53,6 +58,12 @@ _STATIC = Path(__file__).with_name("console_static")
 _DONE = {"redelivered": "Made due now: the redeliverer sends it within its poll interval.",
          "discarded": "Discarded: the body is dropped, the claim stays.",
          "unchanged": "Nothing changed: the event is not pending or dead (any more)."}  # fmt: skip
+_HELD = {"paused": "Paused: every running proxy holds the route within redeliverer.poll.",
+         "resumed": "Resumed: every running proxy redelivers the route's pending deliveries "
+                    "again within redeliverer.poll, at the limit at the app.",
+         "unchanged": "Nothing to resume: the route was not held."}  # fmt: skip
+# A pause's reason is kept up to this many characters.
+NOTE_MAX = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +95,10 @@ _FILTER_NAMES = ("route", "state", "since", "until", "event_id", "event_type", "
 
 class BadFilter(ValueError):
     """A filter the console cannot read; its message says which and why."""
+
+
+class BadForm(ValueError):
+    """An action's form the console cannot act on; its message says which field and why."""
 
 
 def _time(text: str, name: str) -> datetime | None:
@@ -223,6 +238,8 @@ async def _errors(request: web.Request, handler: console_gate.Handler) -> web.St
         return await handler(request)
     except BadFilter as exc:
         return _render(request, "message.html", 400, title="Bad filter", message=str(exc))
+    except BadForm as exc:
+        return _render(request, "message.html", 400, title="Not done", message=str(exc))
     except errors.ProxyError as exc:
         return _render(
             request, "message.html", 503, title="The database does not answer",
@@ -230,15 +247,41 @@ async def _errors(request: web.Request, handler: console_gate.Handler) -> web.St
         )  # fmt: skip
 
 
+def held(hold: database.Hold | None, now: float) -> str:
+    """A route's hold as the overview says it ("" when not held)."""
+    if hold is None or not hold.held_at(now):
+        return ""
+    since = _when(datetime.fromtimestamp(hold.since, UTC))
+    if hold.until is None:
+        until = "until resumed"
+    else:
+        ends = _when(datetime.fromtimestamp(hold.until, UTC))
+        until = f"until {ends} ({_age(hold.until - now)} left)"
+    if hold.reason == database.HoldKind.RETRY_AFTER:
+        return f"held for the app's Retry-After since {since}, {until}"
+    note = f": {hold.note}" if hold.note else ""
+    return f"paused by {hold.by} since {since}, {until}{note}"
+
+
 async def overview(request: web.Request) -> web.Response:
     store = _store(request)
+    proxy = request.app[app_keys.PROXY]
+    routes = proxy[app_keys.CONFIG].routes
+    holds = await store.holds.active(sorted({route.scope for route in routes}))
+    now = time.time()
     rows = []
-    for route in request.app[app_keys.PROXY][app_keys.CONFIG].routes:
+    for route in routes:
         level = await store.inbox.level(route.scope)
         hour = await store.inbox.hour(route.scope)
         rows.append({"route": route, "level": level, "hour": hour,
-                     "oldest": _age(level.oldest_pending)})  # fmt: skip
-    return _render(request, "overview.html", title="Overview", rows=rows, now=_when(_now()))
+                     "oldest": _age(level.oldest_pending),
+                     "held": held(holds.get(route.scope), now)})  # fmt: skip
+    in_flight, limit = proxy[app_keys.METRICS].app_use()
+    return _render(
+        request, "overview.html", title="Overview", rows=rows, now=_when(_now()),
+        in_flight=in_flight, limit=limit, done=_HELD.get(request.query.get("done", "")),
+        note_max=NOTE_MAX,
+    )  # fmt: skip
 
 
 def _now() -> datetime:
@@ -427,6 +470,54 @@ async def bulk(request: web.Request) -> web.Response:
     )  # fmt: skip
 
 
+async def _route_form(request: web.Request) -> tuple[routes_module.RouteConfig, Any]:
+    form = await request.post()
+    name = str(form.get("route", ""))
+    route = next((r for r in request.app[app_keys.PROXY][app_keys.CONFIG].routes
+                  if r.name == name), None)  # fmt: skip
+    if route is None:
+        raise BadForm(f"route: no route named {name!r}")
+    return route, form
+
+
+async def _refreshed(request: web.Request) -> None:
+    """This worker's copy of the holds, read now rather than at its next poll."""
+    copy = request.app[app_keys.PROXY].get(app_keys.HOLDS)
+    if copy is not None:
+        await copy.refresh()
+
+
+async def pause(request: web.Request) -> web.Response:
+    route, form = await _route_form(request)
+    given = str(form.get("for", "")).strip()
+    try:
+        for_ = values.parse_duration(given) if given else None
+    except ValueError as exc:
+        raise BadForm(f"for: {exc}") from None
+    note = " ".join(str(form.get("note", "")).split())[:NOTE_MAX] or None
+    store = _store(request)
+    said = await inbox_commands.pause_route(
+        store, request.app[app_keys.PROXY][app_keys.CONFIG], route.name, for_=for_, note=note,
+        by=_operator(request),
+    )  # fmt: skip
+    log.info("console: %s paused route %s: %s", _operator(request), route.name,
+             logs.printable("; ".join(said)))  # fmt: skip
+    await _refreshed(request)
+    raise web.HTTPSeeOther("./?done=paused")
+
+
+async def resume(request: web.Request) -> web.Response:
+    route, _ = await _route_form(request)
+    store = _store(request)
+    said = await inbox_commands.resume_route(
+        store, request.app[app_keys.PROXY][app_keys.CONFIG], route.name, by=_operator(request)
+    )
+    log.info("console: %s resumed route %s: %s", _operator(request), route.name,
+             logs.printable(said or "it was not held"))  # fmt: skip
+    await _refreshed(request)
+    raise web.HTTPSeeOther(f"./?done={'resumed' if said else 'unchanged'}")
+
+
 def templates() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(Path(__file__).with_name("console_templates")),
@@ -453,6 +544,8 @@ def create_console_app(proxy: web.Application) -> web.Application:
     console.router.add_post("/bulk", bulk)
     console.router.add_post("/redeliver", redeliver)
     console.router.add_post("/discard", discard)
+    console.router.add_post("/pause", pause)
+    console.router.add_post("/resume", resume)
     if settings.actions and settings.credentials:
         console.router.add_get("/bulk", bulk_form)
     return console

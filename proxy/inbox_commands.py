@@ -430,6 +430,51 @@ def operator() -> str:
         return f"uid {os.getuid()}"
 
 
+async def pause_route(
+    store: database.Store,
+    cfg: config.Config,
+    route: str,
+    *,
+    for_: float | None,
+    note: str | None,
+    by: str,
+) -> list[str]:
+    """Hold the route's scope on every replica, for ``for_`` seconds (None: until resumed),
+    replacing any hold it had: ``events pause``'s and the console's. What it says, a line each:
+    the hold, the routes held with it, what becomes of webhooks of a route that does not
+    redeliver, and when the running proxies hold it."""
+    found = operations.route_of(cfg, route)
+    hold = await store.holds.hold(found.scope, for_, by=by, note=note)
+    lines = [f"paused: {operations.describe_hold(found.scope, hold)}"]
+    sharing = [r.name for r in cfg.routes if r.scope == found.scope and r.name != found.name]
+    if sharing:
+        lines.append(f"routes {', '.join(sharing)} share scope {found.scope}: held too")
+    if found.redeliver is None:
+        lines.append(
+            f"route {found.name} has no redeliver: while paused its webhooks are answered 503 "
+            "with Retry-After, and the provider sends them again later"
+        )
+    wait = values.format_duration(cfg.redeliverer.poll)
+    lines.append(f"every running proxy holds it within {wait} (redeliverer.poll)")
+    return lines
+
+
+async def resume_route(
+    store: database.Store, cfg: config.Config, route: str, *, by: str
+) -> str | None:
+    """End the route scope's hold (a pause, or the app's Retry-After) on every replica: what it
+    says (None: it held none)."""
+    found = operations.route_of(cfg, route)
+    was = await store.holds.release(found.scope, by=by)
+    if was is None:
+        return None
+    wait = values.format_duration(cfg.redeliverer.poll)
+    return (
+        f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
+        f"proxy redelivers its pending deliveries again within {wait}, at the limit at the app"
+    )
+
+
 async def pause(
     cfg: config.Config,
     route: str,
@@ -439,40 +484,23 @@ async def pause(
     by: str | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
-    """Hold the route's scope on every replica, for ``for_`` seconds (None: until resumed),
-    replacing any hold it had."""
-    found = operations.route_of(cfg, route)
-    who = by or operator()
+    """``pause_route`` from the command line (by the OS user unless ``by`` says who)."""
+    operations.route_of(cfg, route)
     async with operations.open_store(cfg) as store:
-        hold = await store.holds.hold(found.scope, for_, by=who, note=note)
-    out.write(f"paused: {operations.describe_hold(found.scope, hold)}\n")
-    sharing = [r.name for r in cfg.routes if r.scope == found.scope and r.name != found.name]
-    if sharing:
-        out.write(f"routes {', '.join(sharing)} share scope {found.scope}: held too\n")
-    if found.redeliver is None:
-        out.write(
-            f"route {found.name} has no redeliver: while paused its webhooks are answered 503 "
-            "with Retry-After, and the provider sends them again later\n"
-        )
-    wait = values.format_duration(cfg.redeliverer.poll)
-    out.write(f"every running proxy holds it within {wait} (redeliverer.poll)\n")
+        lines = await pause_route(store, cfg, route, for_=for_, note=note, by=by or operator())
+    out.write("".join(f"{line}\n" for line in lines))
     return 0
 
 
 async def resume(
     cfg: config.Config, route: str, *, by: str | None = None, out: TextIO = sys.stdout
 ) -> int:
-    """End the route scope's hold (a pause, or the app's Retry-After) on every replica. Exit 1
-    if it held none."""
+    """``resume_route`` from the command line. Exit 1 if it held none."""
     found = operations.route_of(cfg, route)
     async with operations.open_store(cfg) as store:
-        was = await store.holds.release(found.scope, by=by or operator())
-    if was is None:
+        said = await resume_route(store, cfg, route, by=by or operator())
+    if said is None:
         print(f"not held: route {found.name} (scope {found.scope})", file=sys.stderr)
         return 1
-    wait = values.format_duration(cfg.redeliverer.poll)
-    out.write(
-        f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
-        f"proxy redelivers its pending deliveries again within {wait}, at the limit at the app\n"
-    )
+    out.write(f"{said}\n")
     return 0

@@ -623,6 +623,17 @@ class Metrics:
             self.app_waits.inc(room.waited - self._room_waited)
             self._room_waited = room.waited
 
+    def app_use(self) -> tuple[int, int]:
+        """This replica's requests at the app now and its limit at the app
+        (``dedup_app_in_flight``, ``dedup_app_limit``): this worker's as of now, the other
+        workers' as of their last second, added up."""
+        if self._room is not None:
+            self._flush_room(self._room)
+        registry = self.exposition_registry()
+        in_flight = registry.get_sample_value("dedup_app_in_flight") or 0
+        limit = registry.get_sample_value("dedup_app_limit") or 0
+        return int(in_flight), int(limit)
+
     def exposition_registry(self) -> CollectorRegistry:
         """What ``/metrics`` serves: this registry, or every worker's values added up."""
         if not self.multiprocess:

@@ -1,7 +1,8 @@
 """The operator console on the admin listener (``proxy.console``, ``proxy.console_gate``), through
 aiohttp's test client over a real PostgreSQL: the pages with kept deliveries the proxy made from
 real webhooks, the headers on every answer, escaping, the credential, the checks on an action
-(origin, token) and the read-only default. The browser's view of it is in
+(origin, token) and the read-only default; the routes' holds and the limit at the app on the
+overview, and pausing and resuming a route from it. The browser's view of it is in
 tests/test_console_browser.py.
 """
 
@@ -16,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy import config, console, console_gate
+from proxy import app_keys, config, console, console_gate, database
 from tests.helpers import FakeUpstream, MakeProxy, admin_client, fetch, wait_until
 
 PASSWORD = "correct-horse-battery-staple"
@@ -306,6 +307,115 @@ async def test_bulk_redeliver_counts_first_then_acts_on_what_the_filter_shows(
     await wait_until(redelivered, "the redeliveries")
     assert (await states())[4] == ("evt_b", "dead")
     assert len(upstream.requests) == 5 + 4
+
+
+async def test_the_overview_shows_each_routes_hold_and_the_limits_use(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
+) -> None:
+    proxy = await make_proxy(
+        routes=[KEPT, {**KEPT, "name": "other", "path": "/other"}],
+        upstream={"concurrency": 2},
+    )
+    admin = await admin_client(aiohttp_client, proxy)
+    overview = await page(admin, "/console/")
+    assert re.search(r"<strong>0</strong> of 2 requests in flight", overview)
+    assert "paused by" not in overview
+    assert "Retry-After since" not in overview
+
+    store: database.Store = proxy.app[app_keys.STORE]
+    await store.holds.hold("hooks", 3600, by="bob", note=f"deploy {HOSTILE}")
+    upstream.respond = lambda n: web.Response(status=503, headers={"Retry-After": "120"})
+    async with proxy.post("/other", data=json.dumps({"id": "e1"})) as answer:
+        assert answer.status == 202  # kept, and the route held as long as the app asked
+    overview = await page(admin, "/console/")
+    hooks, other = (
+        re.search(rf'<th scope="row"><a href="events\?route={name}">.*?</tr>', overview, re.S)
+        for name in ("hooks", "other")
+    )
+    assert hooks is not None
+    assert other is not None
+    assert re.search(r"paused by bob since [-\d: ]+, until [-\d: ]+ \((59m \d+s|1h)", hooks[0])
+    assert "&lt;script&gt;window.pwned=1&lt;/script&gt;" in hooks[0]
+    assert "<script" not in overview
+    assert re.search(r"held for the app&#39;s Retry-After since .*?, until .*? left\)", other[0])
+    assert 'action="pause"' not in overview  # read-only: no forms
+
+
+async def test_pause_and_resume_need_the_credential_and_the_token(
+    make_proxy: MakeProxy, aiohttp_client: Any
+) -> None:
+    _, read_only = await start(make_proxy, aiohttp_client)
+    async with read_only.post("/console/pause", data={"route": "hooks"}) as response:
+        assert response.status == 403
+    proxy, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
+    store: database.Store = proxy.app[app_keys.STORE]
+    overview = await page(admin, "/console/", headers=basic())
+    fields = {**form_fields(overview, "pause"), "route": "hooks", "for": "2h"}
+    origin = {"Origin": f"http://{admin.host}:{admin.port}"}
+    refused = [
+        (origin, fields, 401),  # no credential
+        ({**basic(), **origin}, {**fields, "csrf": "0" * 64}, 403),
+        ({**basic(), **origin}, {k: v for k, v in fields.items() if k != "csrf"}, 403),
+        ({**basic(), "Origin": "http://evil.example"}, fields, 403),
+    ]
+    for headers, data, status in refused:
+        async with admin.post("/console/pause", data=data, headers=headers) as response:
+            assert response.status == status
+    assert await store.holds.active() == {}
+    await store.holds.hold("hooks", None, by="bob")
+    for headers, data, status in refused:
+        async with admin.post("/console/resume", data={**data, "route": "hooks"},
+                              headers=headers) as response:  # fmt: skip
+            assert response.status == status
+    assert (await store.holds.active())["hooks"].by == "bob"
+
+
+async def test_pause_and_resume_from_the_overview_hold_every_replica_and_are_logged(
+    make_proxy: MakeProxy,
+    aiohttp_client: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client, **ACTIONS)
+    store: database.Store = proxy.app[app_keys.STORE]
+    headers = {**basic(), "Origin": f"http://{admin.host}:{admin.port}"}
+    caplog.set_level("INFO", logger="proxy.console")
+    overview = await page(admin, "/console/", headers=basic())
+    assert 'action="resume"' not in overview  # nothing held
+    fields = form_fields(overview, "pause")
+    for bad in ({"route": "nope"}, {"route": "hooks", "for": "soon"}):
+        async with admin.post("/console/pause", data={**fields, **bad},
+                              headers=headers) as response:  # fmt: skip
+            assert response.status == 400
+    assert await store.holds.active() == {}
+
+    pause = {**fields, "route": "hooks", "for": "2h", "note": "deploy  of\nthe app"}
+    async with admin.post("/console/pause", data=pause, headers=headers,
+                          allow_redirects=False) as response:  # fmt: skip
+        assert response.status == 303
+        assert response.headers["Location"] == "./?done=paused"
+    hold = (await store.holds.active())["hooks"]
+    assert (hold.reason, hold.by, hold.note) == ("paused", "alice", "deploy of the app")
+    assert hold.until is not None
+    assert abs(hold.until - hold.since - 7200) < 1  # the 2h asked for
+    assert proxy.app[app_keys.HOLDS].held("hooks") is not None  # this worker's copy, at once
+    overview = await page(admin, "/console/?done=paused", headers=basic())
+    assert "Paused: every running proxy holds the route" in overview
+    assert "paused by alice since" in overview
+    paused = "console: alice paused route hooks: paused: scope hooks paused by alice since"
+    assert any(r.getMessage().startswith(paused) for r in caplog.records)
+
+    resume = form_fields(overview, "resume")
+    assert resume["route"] == "hooks"
+    async with admin.post("/console/resume", data=resume, headers=headers) as response:
+        assert response.status == 200
+        assert "Resumed: every running proxy" in await response.text()
+    assert await store.holds.active() == {}
+    assert proxy.app[app_keys.HOLDS].held("hooks") is None
+    resumed = "console: alice resumed route hooks: resumed: route hooks (scope hooks), paused"
+    assert any(r.getMessage().startswith(resumed) for r in caplog.records)
+    async with admin.post("/console/resume", data=resume, headers=headers) as response:
+        assert "Nothing to resume" in await response.text()
+    assert PASSWORD not in caplog.text
 
 
 def test_masked_headers_show_a_prefix_only() -> None:
