@@ -24,13 +24,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from datetime import UTC, datetime
+from typing import TextIO, TypeVar
 
 import proxy
-from proxy import database, errors, metrics, providers_api
+from proxy import config, database, errors, metrics, operations, providers_api
 from proxy.config import reconcile as reconciling
 from proxy.config import routes, values
 from proxy.providers_api import github
@@ -228,3 +230,61 @@ _RECHECK = 30.0
 def _settings(route: routes.RouteConfig) -> reconciling.Reconcile:
     assert route.reconcile is not None
     return route.reconcile
+
+
+async def command(
+    cfg: config.Config,
+    route_name: str,
+    *,
+    since: float | None,
+    dry_run: bool,
+    out: TextIO = sys.stdout,
+    open_log: DeliveryLogFactory = delivery_log,
+) -> int:
+    """``events reconcile``: one run over the route now, whatever replica's turn it is (a
+    recovery is a duplicate at worst); what the provider says, and what was (or, with
+    ``dry_run``, would be) recovered. Exit status 1 if the provider's API stopped the run."""
+    route = operations.route_of(cfg, route_name)
+    if route.reconcile is None:
+        raise errors.UsageError(f"route {route.name!r} has no reconcile section")
+    window = route.reconcile.since if since is None else since
+    async with operations.open_store(cfg) as store:
+        runs = Reconciler(
+            store, cfg.routes, metrics.Metrics(), pace=float(cfg.upstream.concurrency or 10),
+            open_log=open_log,
+        )  # fmt: skip
+        report = await runs.reconcile(route, since=window, dry_run=dry_run)
+    out.write(describe(report, dry_run=dry_run))
+    return 1 if report.stopped is not None else 0
+
+
+def describe(report: Report, *, dry_run: bool) -> str:
+    """The run's report as ``events reconcile`` prints it: the provider's failed events, each
+    with what became of it, then the counts."""
+    gaps = {delivery.event_id for delivery in report.gaps}
+    recovered = {delivery.event_id for delivery in report.recovered}
+    lines = [
+        f"route {report.route}: the provider's log over the last "
+        f"{values.format_duration(report.since)}: {len(report.deliveries)} event(s), "
+        f"{len(report.failed)} never delivered"
+    ]
+    for delivery in sorted(report.failed, key=lambda d: d.at):
+        if delivery.event_id not in gaps:
+            fate = "claimed: not sent again"
+        elif delivery.event_id in recovered:
+            fate = "recovered"
+        else:
+            fate = "would be recovered" if dry_run else "a gap, left for the next run"
+        when = datetime.fromtimestamp(delivery.at, UTC).isoformat(timespec="seconds")
+        lines.append(
+            f"  {delivery.event_id}  {delivery.event or '-'}  {when}  last {delivery.status}, "
+            f"{delivery.attempts} attempt(s): {fate}"
+        )
+    verb = "would recover" if dry_run else "recovered"
+    count = len(report.gaps) if dry_run else len(report.recovered)
+    lines.append(
+        f"{len(report.gaps)} gap(s) (no claim), {len(report.claimed)} claimed; {verb} {count}"
+    )
+    if report.stopped is not None:
+        lines.append(f"stopped: {report.stopped.message}")
+    return "\n".join(lines) + "\n"
