@@ -26,6 +26,8 @@ from tests.helpers import GITHUB_SECRET, FakeUpstream, MakeProxy, github_route, 
 from tests.provider_standins import GitHubHook
 
 TOKEN = "github_pat_stand_in_token_0123456789"
+# The TCP fault relay (the database link cut) is written for asyncio's transports (conftest).
+RELAY_IN_LOOP = True
 VENDORED = Path(__file__).parent / "provider_api" / "github-hook-deliveries.yaml"
 
 
