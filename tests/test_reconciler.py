@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 from aiohttp.test_utils import TestClient
@@ -60,7 +60,7 @@ def _delivered(upstream: FakeUpstream) -> Counter[str]:
 
 
 async def _run(proxy: TestClient[Any, Any], **kwargs: Any) -> reconciler.Report:
-    app = proxy.server.app
+    app = proxy.app
     assert app is not None
     runs = reconciler.Reconciler(
         app[app_keys.STORE], app[app_keys.CONFIG].routes, app[app_keys.METRICS], pace=1000.0
@@ -130,7 +130,7 @@ async def test_events_refused_while_the_database_was_unreachable_reach_the_app_o
 
 
 async def _answers(proxy: TestClient[Any, Any]) -> bool:
-    app = proxy.server.app
+    app = proxy.app
     assert app is not None
     try:
         await app[app_keys.STORE].resolve("github", ["probe"])
@@ -140,7 +140,7 @@ async def _answers(proxy: TestClient[Any, Any]) -> bool:
 
 
 async def scrape_text(proxy: TestClient[Any, Any]) -> str:
-    app = proxy.server.app
+    app = proxy.app
     assert app is not None
     meters = app[app_keys.METRICS]
     meters.flush()
