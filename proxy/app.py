@@ -29,6 +29,7 @@ from proxy import (
     memory,
     metrics,
     pipeline,
+    reconciler,
     redeliverer,
     request_body,
     retention,
@@ -278,6 +279,22 @@ async def _sweeper(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+async def _reconciler(app: web.Application) -> AsyncIterator[None]:
+    """With a route that reconciles: its runs, from the store's start to the end. The pace is
+    the limit at the app, as recoveries a second (``upstream.concurrency``, else the pool's
+    size): a recovered event comes back as a delivery the app must take."""
+    cfg = app[app_keys.CONFIG]
+    runs = reconciler.Reconciler(
+        app[app_keys.STORE], cfg.routes, app[app_keys.METRICS],
+        pace=float(cfg.upstream.concurrency or cfg.database.pool_size),
+    )  # fmt: skip
+    if not runs.configured:
+        yield
+        return
+    async with _running(runs.run(), "reconciler"):
+        yield
+
+
 async def _holds(app: web.Application) -> AsyncIterator[None]:
     """This worker's copy of the route holds, read every ``redeliverer.poll`` from the store's
     start to the end of the drain."""
@@ -462,6 +479,7 @@ def create_app(cfg: config.Config) -> web.Application:
             _receipts,
             _holds,
             _redeliverer,
+            _reconciler,
         ]
     )
     # Every request, whatever its path: routing happens on the normalized path (paths.py),

@@ -29,6 +29,7 @@ from proxy import (
     logs,
     operations,
     preflight,
+    reconciler,
     server,
     supervisor,
     tracing,
@@ -248,6 +249,26 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     _bulk_options(discarding, scope_help, "")
     _hold_actions(action)
+
+    def reconcile(cfg: config.Config, args: argparse.Namespace) -> Coroutine[Any, Any, int]:
+        return reconciler.command(cfg, args.route, since=args.since, dry_run=args.dry_run)
+
+    reconciling = action(
+        "reconcile",
+        "read the provider's delivery log and recover what it failed and nothing claimed",
+        reconcile,
+        'One reconcile run over the route now (docs/how-it-works.md, "Reconcile"): the '
+        "events the provider's log says were never delivered, each with its claim or none; "
+        "those without one are recovered (GitHub: redelivered). Needs the route's API token.",
+    )
+    # The API token is a secret: this command reads the configuration with them.
+    reconciling.set_defaults(func=lambda args: _operate(reconcile(_load(args, secrets=True), args)))
+    reconciling.add_argument(
+        "--since", type=_duration, help="look back this far (default: the route's since)"
+    )
+    reconciling.add_argument(
+        "--dry-run", action="store_true", help="print what would be recovered; recover nothing"
+    )
     for sub in built:
         _config_option(sub)
 

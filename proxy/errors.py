@@ -6,6 +6,8 @@ Foreign exceptions are translated into these exactly once, where they enter, and
 - aiohttp's client errors and timeouts, in the upstream transports (``upstream.transports``),
   and the socket errors, timeouts and refused answers of the proxy's own client
   (``upstream.http1``);
+- aiohttp's client errors and a provider API's refusals, in the provider API clients
+  (``providers_api``);
 - a request body that ends early or arrives too slowly, where it is read
   (``request_body``);
 - YAML, file and value errors, in the config loader (``config``), and the embedded server's,
@@ -26,6 +28,14 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
       x CommitFailed                COMMIT after an upstream 2xx did not go through
         x CommitNotSent             ... never sent: the connection was closed before it
       x StartTimedOut               no answer from the database within start_timeout
+      x ProviderAPIError            a provider's API (reconcile) did not answer as asked;
+                                    carries .kind, the label of dedup_reconcile_errors_total
+        x ProviderRateLimited       429, or 403 with Retry-After or x-ratelimit-remaining 0;
+                                    carries .retry_after (seconds)
+        x ProviderUnauthorized      401 or 403: the token expired, was revoked or lacks
+                                    the permission
+        x ProviderUnavailable       5xx, refused, reset or timed out
+        x ProviderRefused           any other answer, or one not as the API describes
       x RequestError                carries .status, .code, .retry_after, .headers, .public,
                                     .outcome ("rejected" unless noted) and .shed (None unless
                                     noted: the request was shed to protect the worker)
@@ -147,6 +157,40 @@ class CommitNotSent(CommitFailed):
 
 class StartTimedOut(ProxyError):
     """The database did not answer within database.start_timeout of the start."""
+
+
+class ProviderAPIError(ProxyError):
+    """The provider's API did not answer as asked."""
+
+    kind = "error"
+
+
+class ProviderRateLimited(ProviderAPIError):
+    """The provider's API asked to slow down."""
+
+    kind = "rate_limited"
+
+    def __init__(self, message: str | None = None, *, retry_after: float = 60.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ProviderUnauthorized(ProviderAPIError):
+    """The provider's API refused the token: expired, revoked, or without the permission."""
+
+    kind = "unauthorized"
+
+
+class ProviderUnavailable(ProviderAPIError):
+    """The provider's API did not answer (5xx, refused, reset or timed out)."""
+
+    kind = "unavailable"
+
+
+class ProviderRefused(ProviderAPIError):
+    """The provider's API refused the request, or answered other than as it is described."""
+
+    kind = "refused"
 
 
 class RequestError(ProxyError):

@@ -214,7 +214,7 @@ def refuse_connection_naming(headers: MultiMapping, names: Iterable[str], route:
         )
 
 
-def _join(parts: list[str]) -> str:
+def join(parts: list[str]) -> str:
     """Composite key: parts escaped so that no two different lists give the same string."""
     return ":".join(part.replace("%", "%25").replace(":", "%3A") for part in parts)
 
@@ -269,7 +269,7 @@ class Extractor:
         if self.event_type is not None:
             # The type is informational: a missing or odd one is stored as NULL, never refused.
             event_type = _normalise(self._lookup(self.event_type, headers, query, document))
-        return (parts[0] if len(parts) == 1 else _join(parts)), event_type
+        return (parts[0] if len(parts) == 1 else join(parts)), event_type
 
     def _part(
         self, source: Source, headers: MultiMapping, query: str | MultiMapping, document: object

@@ -524,6 +524,37 @@ class Metrics:
             registry=self.registry,
         )
         self._hold_gauges()
+        self._reconcile_meters()
+
+    def _reconcile_meters(self) -> None:
+        """The reconciler's (``reconcile:`` routes): gaps found, recovered, errors, last run."""
+        self.reconcile_gaps = Counter(
+            "dedup_reconcile_gaps",
+            "Events the provider reports it failed to deliver and that have no claim, found "
+            "by the reconciler (each run counts what it finds again until it is recovered).",
+            ["route"],
+            registry=self.registry,
+        )
+        self.reconcile_recovered = Counter(
+            "dedup_reconcile_recovered",
+            "Gaps the reconciler asked the provider to deliver again (GitHub: a redelivery).",
+            ["route"],
+            registry=self.registry,
+        )
+        self.reconcile_errors = Counter(
+            "dedup_reconcile_errors",
+            "Reconcile runs cut short or slowed by the provider's API or the database, by "
+            "kind: rate_limited, unauthorized, unavailable, refused, database.",
+            ["route", "kind"],
+            registry=self.registry,
+        )
+        self.reconcile_last_success = Gauge(
+            "dedup_reconcile_last_success_timestamp_seconds",
+            "When a reconcile run of the route last completed on this replica.",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="max",
+        )
 
     def route(self, name: str) -> RouteMeters:
         """The metric children of one route (``""``: pass-through)."""

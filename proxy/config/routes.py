@@ -8,6 +8,7 @@ from typing import Any
 
 from proxy import event_ids, paths, signatures
 from proxy.config import presets, reader, redeliver, values, verify
+from proxy.config import reconcile as reconciling
 
 DEFAULT_RETENTION = 30 * 86400.0
 # The largest app answer stored for replay: TwiML and chat answers are a few KiB.
@@ -24,7 +25,7 @@ RECEIPT_KEYS = ("dsn", "wait")
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
               "max_body", "verify", "retention", "missing_id", "methods", "on_duplicate",
               "replay_max_body", "replay_set_cookie", "claim_wait", "semantics",
-              "scope_from", "redeliver", "hand_off", "receipt")  # fmt: skip
+              "scope_from", "redeliver", "hand_off", "receipt", "reconcile")  # fmt: skip
 _SEMANTICS = values.parse_choice("webhook", "idempotency-key")
 _MISSING_ID = values.parse_choice("reject", "forward")
 _ON_DUPLICATE = values.parse_choice("ack", "replay")
@@ -77,6 +78,9 @@ class RouteConfig:
     hand_off: float | None = None
     # ``receipt``: the app writes a receipt in its own transaction (``database.receipts``).
     receipt: Receipt | None = None
+    # ``reconcile``: the provider's delivery log read for the deliveries it reports failed
+    # (``proxy.reconciler``).
+    reconcile: reconciling.Reconcile | None = None
 
     @property
     def id_signed(self) -> bool:
@@ -299,6 +303,9 @@ def _parse_route(
         ),
         hand_off=r.value(route, "hand_off", path, _hand_off, defaults.hand_off),
         receipt=_receipt(r, r.interpolate(route.get("receipt"), f"{path}.receipt"), path),
+        reconcile=reconciling.parse_reconcile(
+            r, route.get("reconcile"), f"{path}.reconcile", preset=preset_name
+        ),
     )
     if route_config.redeliver is None and route_config.hand_off is not None:
         if "hand_off" in route:
@@ -342,6 +349,12 @@ def _check_options(
     if route_config.replay_max_body > MAX_REPLAY_MAX_BODY:
         r.problem(f"{path}.replay_max_body", f"must be at most {MAX_REPLAY_MAX_BODY} (1MiB)")
     _check_redeliver(r, path, route_config)
+    if route_config.reconcile is not None and route_config.scoped_by_path:
+        r.problem(
+            f"{path}.reconcile",
+            "not on a path with {parameters} without an explicit scope: the provider's log "
+            "does not say which path a delivery went to, so its claim's scope is unknown",
+        )
 
 
 def _receipt(r: reader.Reader, raw: object, path: str) -> Receipt | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 # Any constants will do: they only serialise schema creation, and sweeps, across replicas.
 SCHEMA_LOCK_KEY = 0x64656475
 SWEEP_LOCK_KEY = 0x64656476
+RECONCILE_LOCK_KEY = 0x64656477
 
 # The columns on_duplicate: replay writes: the one UPDATE the proxy makes.
 ANSWER_COLUMNS = ("answer_status", "answer_headers", "answer_body")
@@ -35,6 +36,9 @@ ID_FORMS = "~id-forms"
 # The scope of the rows that hold a route scope's redeliveries (``database.holds``): one row per
 # route scope held or once held, likewise never a route's, so never swept, listed or counted.
 HOLDS = "~holds"
+# The scope of the rows that record each reconciling route's last run (``Store.reconcile_turn``),
+# keyed by route name: likewise never a route's.
+RECONCILE_RUNS = "~reconcile"
 # A claim bound to what is signed (``webhooks.bound``): the event ID, '~' and this many
 # lower-case hex digits of a digest of the query and body.
 BOUND_DIGITS = 32
@@ -173,6 +177,9 @@ class Queries:
     id_form_claims: str
     id_form: str
     id_form_since: str
+    reconcile_lock: str
+    reconcile_expire: str
+    reconcile_take: str
 
     @property
     def schema(self) -> str:
@@ -457,5 +464,17 @@ def for_table(table: str) -> Queries:
             "SELECT CASE WHEN received_at = '-infinity' THEN NULL "
             "ELSE extract(epoch FROM received_at)::float8 END AS since "
             f"FROM {quoted} WHERE scope = '{ID_FORMS}' AND event_id = $1"
+        ),
+        # A route's turn to reconcile ($1 its name, $2 its period in seconds): the last run's
+        # row removed once the period has passed, then a new one inserted ("INSERT 0 1": this
+        # replica's turn). SELECT, INSERT and DELETE only, as the sweep and the holds.
+        reconcile_lock=f"SELECT pg_try_advisory_xact_lock({RECONCILE_LOCK_KEY})",
+        reconcile_expire=(
+            f"DELETE FROM {quoted} WHERE scope = '{RECONCILE_RUNS}' AND event_id = $1 "
+            "AND received_at <= now() - make_interval(secs => $2)"
+        ),
+        reconcile_take=(
+            f"INSERT INTO {quoted} (scope, event_id, event_type) VALUES "
+            f"('{RECONCILE_RUNS}', $1, 'run') ON CONFLICT (scope, event_id) DO NOTHING"
         ),
     )

@@ -5,7 +5,8 @@ outlive its bounds.
 Serving: ``claim`` (see ``claim``), ``reconcile`` after a COMMIT in doubt, the start-up checks
 (``ensure_schema``, ``check_privileges``) and readiness (``check``), the upgrade window of the
 routes whose claims are bound (``notice_id_forms``, ``legacy_form``), a batch of the retention
-sweep, the route holds (``holds``). Operating (the CLI's commands, over a pool of one):
+sweep, the route holds (``holds``), a route's turn to reconcile (``reconcile_turn``).
+Operating (the CLI's commands, over a pool of one):
 ``events``, ``resolve`` (an ID as the provider sent it), ``forget``, ``stats``, ``migrate`` and
 the facts the preflight reports. The statements are in ``sql``; what the driver's errors mean,
 in ``pool``.
@@ -605,6 +606,23 @@ class Store:
                         sweep, scope, retention, batch, timeout=self.op_timeout
                     )
         return int(status.split()[-1])
+
+    async def reconcile_turn(self, route: str, every: float) -> bool | None:
+        """Whether this replica runs ``route``'s reconcile now: no replica has for ``every``
+        seconds, and none is deciding at this moment (the reconciler's advisory lock, held for
+        one short transaction). None when another replica holds the lock."""
+        queries = self.queries
+        async with self._connection() as connection:
+            with translated("taking the reconciler's turn failed"):
+                async with connection.transaction():
+                    locked = await connection.fetchval(
+                        queries.reconcile_lock, timeout=self.op_timeout
+                    )
+                    if not locked:
+                        return None
+                    await connection.execute(queries.reconcile_expire, route, float(every))
+                    status = await connection.execute(queries.reconcile_take, route)
+        return bool(status == "INSERT 0 1")
 
     def pool_exhausted(self) -> bool:
         """Whether every connection of the pool is lent out (the redeliverer then yields to

@@ -1,0 +1,107 @@
+"""The providers' own delivery logs, read by the reconciler (``proxy.reconciler``): one interface,
+``DeliveryLog``, and an implementation per provider whose API allows it (``github``).
+
+A closed family: it imports nothing from the package but the error tree and the route's
+``reconcile`` settings. Every answer of a provider's API is translated here, once, into
+``errors.ProviderAPIError`` (``answered``), and aiohttp's client errors with it (``reaching``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import email.utils
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import aiohttp
+
+from proxy import errors
+
+# A page of a provider's log, or a redelivery asked for: a slow API is an unavailable one.
+REQUEST_TIMEOUT = 30.0
+# When a provider says to slow down without saying for how long.
+DEFAULT_RETRY_AFTER = 60.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Delivery:
+    """One event in the provider's log, its attempts taken together.
+
+    ``event_id`` is the claim's ID as the route forms it from the delivery's headers (GitHub:
+    hook ID and GUID), before any binding to the body; ``ref`` is what ``recover`` needs
+    (GitHub: the delivery ID of an attempt); ``delivered`` whether any attempt succeeded.
+    """
+
+    event_id: str
+    ref: str
+    event: str
+    at: float  # time.time() of the newest attempt
+    delivered: bool
+    status: str  # the newest attempt's, as the provider words it
+    attempts: int = 1
+
+
+class DeliveryLog(Protocol):
+    """A provider's log of its deliveries to one endpoint (one hook)."""
+
+    def deliveries(self, since: float) -> AsyncIterator[Delivery]:
+        """The events the provider tried to deliver at or after ``since`` (time.time()), each
+        once, its attempts taken together, walking the log's pages with its cursor."""
+        ...  # pragma: no cover
+
+    async def recover(self, delivery: Delivery) -> None:
+        """Have ``delivery`` delivered again (GitHub: a redelivery, signed as any other)."""
+        ...  # pragma: no cover
+
+    async def close(self) -> None: ...
+
+
+def retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """How long the answer asks to wait: ``Retry-After`` (seconds or an HTTP date), else
+    GitHub's ``x-ratelimit-reset`` (epoch seconds) when ``x-ratelimit-remaining`` is 0; None:
+    it does not say."""
+    now = time.time() if now is None else now
+    value = headers.get("Retry-After")
+    if value is not None:
+        if value.strip().isdigit():
+            return float(value.strip())
+        with contextlib.suppress(TypeError, ValueError):
+            return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - now)
+    reset = headers.get("x-ratelimit-reset")
+    if headers.get("x-ratelimit-remaining") == "0" and reset is not None and reset.isdigit():
+        return max(0.0, float(reset) - now)
+    return None
+
+
+def answered(status: int, headers: Mapping[str, str], what: str) -> None:
+    """Nothing for a 2xx; else the error that answer means."""
+    if 200 <= status < 300:
+        return
+    wait = retry_after(headers)
+    if status == 429 or (status == 403 and wait is not None):
+        after = DEFAULT_RETRY_AFTER if wait is None else wait
+        raise errors.ProviderRateLimited(
+            f"{what}: rate limited ({status}), retry after {after:g}s", retry_after=after
+        )
+    if status in (401, 403):
+        raise errors.ProviderUnauthorized(
+            f"{what}: {status}: the token expired, was revoked or lacks the permission "
+            '(docs/security.md, "The reconciler\'s token")'
+        )
+    if status >= 500:
+        raise errors.ProviderUnavailable(f"{what}: the provider answered {status}")
+    raise errors.ProviderRefused(f"{what}: the provider answered {status}")
+
+
+@contextlib.contextmanager
+def reaching(what: str) -> Iterator[None]:
+    """aiohttp's client errors and timeouts as ``ProviderUnavailable``; a body that is not the
+    JSON described as ``ProviderRefused``."""
+    try:
+        yield
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise errors.ProviderUnavailable(f"{what}: {exc!r}") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise errors.ProviderRefused(f"{what}: an answer not as described: {exc!r}") from exc

@@ -1,0 +1,107 @@
+"""GitHub's hook deliveries: a repository's or an organization's hook, over the REST API
+(``GET {hook}/deliveries``, ``POST {hook}/deliveries/{id}/attempts``; tests/provider_api/
+vendors the operations from github/rest-api-description).
+
+The log lists every attempt, newest first, a page of up to 100 at a time, the next page named
+by the ``Link`` header's ``rel="next"`` (a ``cursor`` parameter). An event (a GUID) can appear
+several times: its first attempt and each redelivery. It was delivered if any attempt was
+(``status`` "OK" and a 2xx ``status_code``); else it is a gap, recovered by asking GitHub to
+redeliver its newest attempt: GitHub then sends the event again, the same GUID under the same
+hook, signed as ever, and the proxy claims it like any other.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+import aiohttp
+
+from proxy import event_ids
+from proxy.config import reconcile
+from proxy.providers_api import REQUEST_TIMEOUT, Delivery, answered, reaching
+
+API_VERSION = "2022-11-28"
+PER_PAGE = 100
+# The pages one run reads at most (GitHub keeps 3 days): 100,000 attempts.
+MAX_PAGES = 1000
+_NEXT = re.compile(r'<([^>]+)>\s*;\s*rel="next"')
+
+
+class HookDeliveries:
+    """The deliveries of one GitHub hook (``reconcile.hook``)."""
+
+    def __init__(self, settings: reconcile.Reconcile, *, user_agent: str) -> None:
+        self._settings = settings
+        self._hook = settings.api_url.rstrip("/") + settings.hook
+        self._session = aiohttp.ClientSession(
+            headers={
+                "Accept": "application/vnd.github+json",
+                "Authorization": f"Bearer {settings.token}",
+                "X-GitHub-Api-Version": API_VERSION,
+                "User-Agent": user_agent,
+            },
+            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+        )
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def deliveries(self, since: float) -> AsyncIterator[Delivery]:
+        """Each GUID attempted at or after ``since`` once, its attempts taken together (all of
+        them within the window: the log is read to its end before any is yielded)."""
+        events: dict[str, list[dict[str, Any]]] = {}
+        url: str | None = f"{self._hook}/deliveries?per_page={PER_PAGE}"
+        for _ in range(MAX_PAGES):
+            if url is None:
+                break
+            page, url = await self._page(url)
+            for attempt in page:
+                if _time(attempt["delivered_at"]) < since:
+                    url = None  # newest first: the rest of the log is older still
+                    continue
+                events.setdefault(str(attempt["guid"]), []).append(attempt)
+        for guid, attempts in events.items():
+            newest = attempts[0]
+            yield Delivery(
+                event_id=event_ids.join([str(self._settings.hook_id), guid]),
+                ref=str(newest["id"]),
+                event=str(newest.get("event") or ""),
+                at=_time(newest["delivered_at"]),
+                delivered=any(_succeeded(attempt) for attempt in attempts),
+                status=f"{newest.get('status_code')} {newest.get('status')}",
+                attempts=len(attempts),
+            )
+
+    async def _page(self, url: str) -> tuple[list[dict[str, Any]], str | None]:
+        what = "listing the hook's deliveries"
+        with reaching(what):
+            async with self._session.get(url) as response:
+                answered(response.status, response.headers, what)
+                page = await response.json(content_type=None)
+                following = _NEXT.search(response.headers.get("Link", ""))
+        if not isinstance(page, list):
+            raise ValueError("the deliveries are not a list")
+        return page, following[1] if following else None
+
+    async def recover(self, delivery: Delivery) -> None:
+        what = f"redelivering delivery {delivery.ref}"
+        with reaching(what):
+            async with self._session.post(
+                f"{self._hook}/deliveries/{delivery.ref}/attempts"
+            ) as response:
+                answered(response.status, response.headers, what)
+
+
+def _succeeded(attempt: dict[str, Any]) -> bool:
+    code = attempt.get("status_code")
+    return attempt.get("status") == "OK" and isinstance(code, int) and 200 <= code < 300
+
+
+def _time(text: object) -> float:
+    """An ISO 8601 time (``2021-06-03T23:23:49Z``) as time.time()."""
+    if not isinstance(text, str):
+        raise ValueError(f"not a time: {text!r}")
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()

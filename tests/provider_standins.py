@@ -1,0 +1,152 @@
+"""Stand-ins for the providers' APIs the reconciler reads (``proxy.providers_api``), built from
+the operations vendored under tests/provider_api/: GitHub's hook deliveries.
+
+``GitHubHook`` is a hook that delivers to a URL (the proxy's route) and keeps a log of every
+attempt, newest first, as GitHub's deliveries API lists it: pages of ``per_page`` with a
+``Link: <…>; rel="next"`` cursor. Asked to redeliver an attempt, it sends the event again, the
+same GUID under the same hook ID, signed with the hook's secret, and logs that attempt too.
+``faults`` scripts the next answers of the API (a 429 with Retry-After, a 401, a 503).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+
+@dataclass
+class Attempt:
+    id: int
+    guid: str
+    event: str
+    body: bytes
+    status_code: int
+    redelivery: bool
+    at: datetime
+
+    def item(self) -> dict[str, Any]:
+        """As ``hook-delivery-item`` describes it."""
+        return {
+            "id": self.id,
+            "guid": self.guid,
+            "delivered_at": self.at.isoformat().replace("+00:00", "Z"),
+            "redelivery": self.redelivery,
+            "duration": 0.05,
+            "status": "OK"
+            if 200 <= self.status_code < 300
+            else f"Invalid HTTP Response: {self.status_code}",
+            "status_code": self.status_code,
+            "event": self.event,
+            "action": None,
+            "installation_id": None,
+            "repository_id": 1296269,
+        }
+
+
+@dataclass
+class GitHubHook:
+    """A repository hook and the API over its deliveries."""
+
+    secret: str
+    token: str
+    hook_id: int = 1
+    owner: str = "octo"
+    repo: str = "app"
+    target: str = ""  # where the hook delivers: the proxy's route URL
+    api_url: str = ""  # where the stand-in listens
+    attempts: list[Attempt] = field(default_factory=list)  # oldest first
+    # The next answers of the API, one per request, before any other (status, headers).
+    faults: list[tuple[int, dict[str, str]]] = field(default_factory=list)
+    list_requests: int = 0
+    redelivery_requests: list[int] = field(default_factory=list)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(12000000000))
+
+    @property
+    def prefix(self) -> str:
+        return f"/repos/{self.owner}/{self.repo}/hooks/{self.hook_id}"
+
+    def app(self) -> web.Application:
+        application = web.Application()
+        application.router.add_get(f"{self.prefix}/deliveries", self._list)
+        application.router.add_post(
+            f"{self.prefix}/deliveries/{{delivery_id}}/attempts", self._redeliver
+        )
+        return application
+
+    async def deliver(
+        self, guid: str, body: bytes, *, event: str = "push", redelivery: bool = False
+    ) -> int:
+        """Send the event to ``target`` once, as GitHub does (never retried); the status, logged."""
+        signature = hmac.new(self.secret.encode(), body, hashlib.sha256).hexdigest()
+        headers = {
+            "X-GitHub-Delivery": guid,
+            "X-GitHub-Hook-ID": str(self.hook_id),
+            "X-GitHub-Event": event,
+            "X-Hub-Signature-256": f"sha256={signature}",
+            "Content-Type": "application/json",
+            "User-Agent": "GitHub-Hookshot/stand-in",
+        }
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(self.target, data=body, headers=headers) as response,
+            ):
+                status = response.status
+        except aiohttp.ClientError:
+            status = 0  # GitHub logs "failed to connect" with no status code
+        self.attempts.append(
+            Attempt(next(self._ids), guid, event, body, status, redelivery, datetime.now(UTC))
+        )
+        return status
+
+    def items(self) -> list[dict[str, Any]]:
+        return [attempt.item() for attempt in reversed(self.attempts)]
+
+    def _fault(self) -> web.Response | None:
+        if not self.faults:
+            return None
+        status, headers = self.faults.pop(0)
+        return web.json_response(
+            {"message": "stand-in fault", "documentation_url": ""}, status=status, headers=headers
+        )
+
+    def _authorized(self, request: web.Request) -> bool:
+        return request.headers.get("Authorization") == f"Bearer {self.token}"
+
+    async def _list(self, request: web.Request) -> web.Response:
+        self.list_requests += 1
+        if (fault := self._fault()) is not None:
+            return fault
+        if not self._authorized(request):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        per_page = min(100, int(request.query.get("per_page", "30")))
+        start = int(request.query.get("cursor", "0"))
+        items = self.items()
+        page = items[start : start + per_page]
+        headers = {}
+        if start + per_page < len(items):
+            following = request.url.update_query(cursor=str(start + per_page))
+            headers["Link"] = f'<{following}>; rel="next"'
+        return web.json_response(page, headers=headers)
+
+    async def _redeliver(self, request: web.Request) -> web.Response:
+        if (fault := self._fault()) is not None:
+            return fault
+        if not self._authorized(request):
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        wanted = int(request.match_info["delivery_id"])
+        self.redelivery_requests.append(wanted)
+        found = next((a for a in self.attempts if a.id == wanted), None)
+        if found is None:
+            return web.json_response({"message": "Not Found"}, status=404)
+        # GitHub queues the redelivery; here it is made before the answer, so a test need
+        # not wait for it.
+        await self.deliver(found.guid, found.body, event=found.event, redelivery=True)
+        return web.json_response({}, status=202)

@@ -1,0 +1,310 @@
+"""The reconciler against a stand-in of GitHub's hook deliveries API (tests/provider_standins.py,
+built from the operations vendored under tests/provider_api/), through a real proxy on the
+session's PostgreSQL: events refused while the proxy could not reach its database are
+redelivered and reach the app once; events with a claim are never asked for again; a page
+boundary, a rate-limit answer, an expired token and a provider outage behave as documented.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import jsonschema  # type: ignore[import-untyped]
+import pytest
+import yaml
+from aiohttp.test_utils import TestClient
+
+from proxy import app_keys, config, errors, reconciler
+from tests.faults.relay import Relay
+from tests.helpers import GITHUB_SECRET, FakeUpstream, MakeProxy, github_route, wait_until
+from tests.provider_standins import GitHubHook
+
+TOKEN = "github_pat_stand_in_token_0123456789"
+# The TCP fault relay (the database link cut) is written for asyncio's transports (conftest).
+RELAY_IN_LOOP = True
+VENDORED = Path(__file__).parent / "provider_api" / "github-hook-deliveries.yaml"
+
+
+def _route(api_url: str, **reconcile: Any) -> dict[str, Any]:
+    settings = {"every": "1h", "since": "1h", "repository": "octo/app", "hook_id": 1,
+                "token": TOKEN, "api_url": api_url, **reconcile}  # fmt: skip
+    return github_route(reconcile=settings)
+
+
+@pytest.fixture
+async def hook(aiohttp_server: Any) -> GitHubHook:
+    stand_in = GitHubHook(secret=GITHUB_SECRET, token=TOKEN)
+    server = await aiohttp_server(stand_in.app())
+    stand_in.api_url = str(server.make_url(""))
+    return stand_in
+
+
+@pytest.fixture
+def no_background_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests drive each run themselves: the proxy's own runs wait past the test."""
+    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 3600.0)
+
+
+def _body(n: int) -> bytes:
+    return json.dumps({"ref": "refs/heads/main", "n": n}).encode()
+
+
+def _delivered(upstream: FakeUpstream) -> Counter[str]:
+    return Counter(r.headers["x-github-delivery"][0] for r in upstream.requests)
+
+
+async def _run(proxy: TestClient[Any, Any], **kwargs: Any) -> reconciler.Report:
+    app = proxy.app
+    assert app is not None
+    runs = reconciler.Reconciler(
+        app[app_keys.STORE], app[app_keys.CONFIG].routes, app[app_keys.METRICS], pace=1000.0
+    )
+    route = app[app_keys.CONFIG].routes[0]
+    return await runs.reconcile(route, **kwargs)
+
+
+@pytest.fixture
+async def relay(pg_dsn: str) -> AsyncIterator[Relay]:
+    parts = urlsplit(pg_dsn)
+    host = parse_qs(parts.query).get("host", [parts.hostname or ""])[0]
+    target: tuple[str, int] | str = (
+        f"{host}/.s.PGSQL.{parts.port or 5432}"
+        if host.startswith("/")
+        else (host, parts.port or 5432)
+    )
+    link = Relay(target)
+    await link.start()
+    try:
+        yield link
+    finally:
+        await link.close()
+
+
+def _via(dsn: str, port: int) -> str:
+    parts = urlsplit(dsn)
+    password = f":{parts.password}" if parts.password else ""
+    return f"postgresql://{parts.username or 'postgres'}{password}@127.0.0.1:{port}{parts.path}"
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_events_refused_while_the_database_was_unreachable_reach_the_app_once_after_a_run(
+    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, relay: Relay, pg_dsn: str
+) -> None:
+    proxy = await make_proxy(
+        routes=[_route(hook.api_url, since="1h")],
+        database={"dsn": _via(pg_dsn, relay.port), "connect_timeout": "1s", "pool_timeout": "1s"},
+    )
+    hook.target = str(proxy.make_url("/webhooks/github"))
+    # Before the outage: processed, claimed.
+    assert [await hook.deliver(f"before-{n}", _body(n)) for n in range(5)] == [200] * 5
+    await relay.set_mode("refuse")
+    # A sender that never retries: each event once, every one refused.
+    refused = [await hook.deliver(f"during-{n}", _body(100 + n)) for n in range(50)]
+    assert set(refused) == {503}
+    await relay.set_mode("pass")
+    await wait_until(lambda: _answers(proxy), "the proxy reaches its database again", within=30)
+
+    report = await _run(proxy)
+
+    assert len(report.failed) == 50
+    assert len(report.gaps) == 50
+    assert len(report.recovered) == 50
+    assert report.stopped is None
+    delivered = _delivered(upstream)
+    assert set(delivered.values()) == {1}
+    assert set(delivered) == {f"before-{n}" for n in range(5)} | {f"during-{n}" for n in range(50)}
+    # Run again: every failed event has its claim now; nothing is asked for again.
+    asked = len(hook.redelivery_requests)
+    again = await _run(proxy)
+    assert (len(again.gaps), len(again.recovered), len(hook.redelivery_requests)) == (0, 0, asked)
+    assert set(_delivered(upstream).values()) == {1}
+    metrics = await scrape_text(proxy)
+    assert 'dedup_reconcile_recovered_total{route="github"} 50.0' in metrics
+    assert 'dedup_reconcile_gaps_total{route="github"} 50.0' in metrics
+
+
+async def _answers(proxy: TestClient[Any, Any]) -> bool:
+    app = proxy.app
+    assert app is not None
+    try:
+        await app[app_keys.STORE].resolve("github", ["probe"])
+    except errors.StoreUnavailable:
+        return False
+    return True
+
+
+async def scrape_text(proxy: TestClient[Any, Any]) -> str:
+    app = proxy.app
+    assert app is not None
+    meters = app[app_keys.METRICS]
+    meters.flush()
+    from prometheus_client import generate_latest
+
+    return generate_latest(meters.registry).decode()
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_a_failed_event_with_a_claim_is_never_asked_for_again(
+    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook
+) -> None:
+    """The app was slow: GitHub logged a timeout, but the proxy claimed and processed it."""
+    proxy = await make_proxy(routes=[_route(hook.api_url)])
+    hook.target = str(proxy.make_url("/webhooks/github"))
+    assert await hook.deliver("slow", _body(1)) == 200
+    hook.attempts[-1].status_code = 504  # as GitHub logs a delivery it gave up waiting on
+
+    report = await _run(proxy)
+
+    assert [d.event_id for d in report.failed] == ["1:slow"]
+    assert [d.event_id for d in report.claimed] == ["1:slow"]
+    assert (report.gaps, hook.redelivery_requests) == ([], [])
+    assert len(upstream.requests) == 1
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_pages_are_walked_with_the_cursor_and_a_retry_after_is_waited_out(
+    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("proxy.providers_api.github.PER_PAGE", 7)
+    proxy = await make_proxy(routes=[_route(hook.api_url)])
+    hook.target = "http://127.0.0.1:9/unreachable"  # every first delivery fails to connect
+    for n in range(20):
+        await hook.deliver(f"page-{n}", _body(n))
+    hook.target = str(proxy.make_url("/webhooks/github"))
+    hook.faults.append((429, {"Retry-After": "1"}))
+
+    report = await _run(proxy)
+
+    assert hook.list_requests == 1 + 3  # the 429, then 20 attempts in pages of 7
+    assert len(report.recovered) == 20
+    assert report.stopped is None
+    assert set(_delivered(upstream).values()) == {1}
+    assert len(_delivered(upstream)) == 20
+    metrics = await scrape_text(proxy)
+    assert 'dedup_reconcile_errors_total{kind="rate_limited",route="github"} 1.0' in metrics
+
+
+@pytest.mark.usefixtures("no_background_runs")
+@pytest.mark.parametrize(
+    ("fault", "kind"),
+    [((401, {}), "unauthorized"), ((503, {}), "unavailable"),
+     ((403, {"x-ratelimit-remaining": "0", "x-ratelimit-reset": "4102444800"}), "rate_limited")],
+)  # fmt: skip
+async def test_an_expired_token_or_an_outage_ends_the_run_and_the_next_one_recovers_once(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    hook: GitHubHook,
+    fault: tuple[int, dict[str, str]],
+    kind: str,
+) -> None:
+    proxy = await make_proxy(routes=[_route(hook.api_url)])
+    hook.target = "http://127.0.0.1:9/unreachable"
+    for n in range(3):
+        await hook.deliver(f"gap-{n}", _body(n))
+    hook.target = str(proxy.make_url("/webhooks/github"))
+    hook.faults.append(fault)
+
+    stopped = await _run(proxy)
+
+    assert stopped.stopped is not None
+    assert stopped.stopped.kind == kind
+    assert (stopped.recovered, hook.redelivery_requests, upstream.requests) == ([], [], [])
+    metrics = await scrape_text(proxy)
+    assert f'dedup_reconcile_errors_total{{kind="{kind}",route="github"}} 1.0' in metrics
+    assert "dedup_reconcile_last_success_timestamp_seconds{" not in metrics
+
+    report = await _run(proxy)  # the next period: the token renewed, the API back
+
+    assert len(report.recovered) == 3
+    assert report.stopped is None
+    assert set(_delivered(upstream).values()) == {1}
+    assert len(_delivered(upstream)) == 3
+
+
+async def test_the_proxy_runs_the_reconcile_itself_and_one_replica_takes_each_period(
+    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 0.1)
+    hook.target = "http://127.0.0.1:9/unreachable"
+    for n in range(4):
+        await hook.deliver(f"auto-{n}", _body(n))
+    routes = [_route(hook.api_url, every="10s")]
+    first = await make_proxy(routes=routes)
+    second = await make_proxy(routes=routes)  # another replica on the same claim table
+    hook.target = str(first.make_url("/webhooks/github"))
+
+    await wait_until(
+        lambda: _settled(upstream, 4), "the proxy's own run recovers every gap", within=30
+    )
+
+    assert set(_delivered(upstream).values()) == {1}
+    assert len(hook.redelivery_requests) == 4  # one run in the period, on one replica
+    assert first is not second
+
+
+async def _settled(upstream: FakeUpstream, count: int) -> bool:
+    return len(_delivered(upstream)) >= count
+
+
+def test_the_stand_in_answers_as_the_vendored_description_says() -> None:
+    described = yaml.safe_load(VENDORED.read_text())
+    item = _json_schema(described["components"]["schemas"]["hook-delivery-item"])
+    listing = described["paths"]["/repos/{owner}/{repo}/hooks/{hook_id}/deliveries"]["get"]
+    assert listing["operationId"] == "repos/list-webhook-deliveries"
+    names = {p["$ref"].rsplit("/", 1)[1] for p in listing["parameters"]}
+    assert {"per-page", "cursor"} <= names
+    stand_in = GitHubHook(secret=GITHUB_SECRET, token=TOKEN)
+
+    async def attempts() -> None:
+        stand_in.target = "http://127.0.0.1:9/unreachable"
+        await stand_in.deliver("guid-1", _body(1))
+
+    asyncio.run(attempts())
+    jsonschema.validate(stand_in.items(), {"type": "array", "items": item})
+    bad = {**stand_in.items()[0], "status_code": "500"}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([bad], {"type": "array", "items": item})
+
+
+def _json_schema(schema: Any) -> Any:
+    """OpenAPI 3.0's ``nullable`` as JSON Schema's null type."""
+    if isinstance(schema, dict):
+        converted = {k: _json_schema(v) for k, v in schema.items() if k != "nullable"}
+        if schema.get("nullable"):
+            converted["type"] = [schema["type"], "null"]
+        return converted
+    if isinstance(schema, list):
+        return [_json_schema(item) for item in schema]
+    return schema
+
+
+def test_the_token_is_never_in_the_configuration_repr() -> None:
+    cfg = config.parse({
+        "upstream": {"url": "http://127.0.0.1:9"}, "database": {"dsn": "embedded"},
+        "routes": [_route("http://127.0.0.1:9")],
+    })  # fmt: skip
+    route = cfg.routes[0]
+    assert route.reconcile is not None
+    assert route.reconcile.token == TOKEN
+    assert TOKEN not in repr(cfg)
+    unread = config.parse({
+        "upstream": {"url": "http://127.0.0.1:9"}, "database": {"dsn": "embedded"},
+        "routes": [_route("http://127.0.0.1:9", token="${UNSET_TOKEN_VARIABLE}")],
+    }, secrets=False)  # fmt: skip
+    assert unread.routes[0].reconcile is not None
+
+
+def test_reconcile_is_refused_where_the_provider_has_no_delivery_log_api() -> None:
+    with pytest.raises(errors.ConfigError) as raised:
+        config.parse({
+            "upstream": {"url": "http://127.0.0.1:9"}, "database": {"dsn": "embedded"},
+            "routes": [{"name": "s", "path": "/s", "preset": "stripe",
+                        "reconcile": {"token": "x", "hook_id": 1}}],
+        })  # fmt: skip
+    assert "routes[0].reconcile: only on a route with preset github" in str(raised.value)
