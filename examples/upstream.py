@@ -7,6 +7,14 @@ docs/how-it-works.md do: ``/twilio/...`` with TwiML naming the form's ``Body``, 
 with ``201`` and a JSON payment. N counts the requests to that path, so each walk-through starts
 at 1. Add ``?fail=1`` to a webhook URL to make it answer 500 instead, and watch the proxy release
 the claim so that the retry is forwarded again.
+
+    python examples/upstream.py [PORT] --receipts DSN   # the app of a route with receipt
+
+With ``--receipts`` it is the app of a route with ``receipt`` (docs/how-it-works.md, "The
+receipt"): each request credits a ledger (``example_ledger``, made if missing) and writes its
+``Dedup-Receipt`` in the same transaction; a second delivery of an event fails on the first's
+receipt, rolls back, and is answered 500, which the proxy settles as processed. DSN is the
+database that holds the receipts (``dedup-proxy migrate`` made ``dedup_receipt`` there).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import sys
 from collections import Counter
 from xml.sax.saxutils import escape
 
+import asyncpg
 from aiohttp import web
 
 received: list[bytes] = []
@@ -42,8 +51,56 @@ async def handle(request: web.Request) -> web.Response:
     return web.Response(text=f"app processed delivery #{count}\n")
 
 
-if __name__ == "__main__":
+async def credit(request: web.Request) -> web.Response:
+    """``--receipts``: credit the ledger and write the receipt, in one transaction."""
+    body = await request.read()
+    receipt = request.headers.get("Dedup-Receipt")
+    if receipt is None:
+        return web.Response(status=400, text="no Dedup-Receipt: is the route's receipt on?\n")
+    async with request.app[POOL].acquire() as connection:
+        try:
+            async with connection.transaction():
+                await connection.execute(
+                    "INSERT INTO example_ledger (body) VALUES ($1)", body.decode("utf-8", "replace")
+                )
+                await connection.execute("SELECT dedup_receipt($1)", receipt)
+        except asyncpg.UniqueViolationError:
+            print(f"app refused a second delivery: receipt {receipt[:12]}… exists", flush=True)
+            return web.Response(status=500, text="done already\n")
+    print(f"app credited {body[:60]!r} with receipt {receipt[:12]}…", flush=True)
+    return web.Response(text="credited\n")
+
+
+POOL = web.AppKey("pool", asyncpg.Pool)
+
+
+def with_receipts(dsn: str) -> web.Application:
     application = web.Application()
-    application.router.add_route("*", "/{tail:.*}", handle)
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else 3000
+
+    async def pool(app: web.Application):  # type: ignore[no-untyped-def]
+        app[POOL] = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
+        await app[POOL].execute(
+            "CREATE TABLE IF NOT EXISTS example_ledger (id bigserial PRIMARY KEY, body text)"
+        )
+        yield
+        await app[POOL].close()
+
+    application.cleanup_ctx.append(pool)
+    application.router.add_route("*", "/{tail:.*}", credit)
+    return application
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    dsn = None
+    if "--receipts" in args:
+        at = args.index("--receipts")
+        dsn = args[at + 1]
+        del args[at : at + 2]
+    port = int(args[0]) if args else 3000
+    if dsn is None:
+        application = web.Application()
+        application.router.add_route("*", "/{tail:.*}", handle)
+    else:
+        application = with_receipts(dsn)
     web.run_app(application, host="127.0.0.1", port=port, print=None)
