@@ -75,7 +75,8 @@ def parser_keys(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, ...]]:
 
     monkeypatch.setattr(reader.Reader, "mapping", spy)
     verify = {"scheme": "hmac", "header": "X-Signature", "secret": "s"}
-    route = {"name": "a", "path": "/a", "event_id": "body:/id", "verify": verify, "redeliver": {}}
+    route = {"name": "a", "path": "/a", "event_id": "body:/id", "verify": verify, "redeliver": {},
+             "receipt": {}}  # fmt: skip
     config.parse(
         {
             "upstream": {"url": "http://127.0.0.1:3000"},
