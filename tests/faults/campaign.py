@@ -75,6 +75,7 @@ import yaml
 from aiohttp import web
 
 from proxy import app_limit, config, embedded, errors
+from proxy.database import pool
 from tests.faults import checker, databases
 from tests.faults.relay import Mode
 from tests.helpers import accepts, free_port
@@ -924,6 +925,10 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
         raise CampaignError("the pool check needs pool_timeout < hand_off < upstream.timeout")
     if unready := await wait_ready(c.replicas, 15.0):
         return checker.PostCheck(name, False, f"not ready (/readyz) within 15s: {unready}")
+    # Ready says one connection works; a pool whose last connects failed still waits out its
+    # back-off (at most BACKOFF_MAX) before it opens the others, refusing meanwhile (503
+    # "reconnecting"): the check is of leaked slots, not of the back-off, so wait it out.
+    await asyncio.sleep(pool.BACKOFF_MAX + 0.1)
     c.app.fixed["health-"] = slow
     results = await asyncio.gather(
         *(
