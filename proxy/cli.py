@@ -216,15 +216,7 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
     redelivering = action(
         "redeliver",
         "make pending or dead deliveries due now, for a running proxy to redeliver",
-        lambda cfg, args: inbox_commands.redeliver(
-            cfg,
-            args.route,
-            args.event_ids,
-            scope=args.scope,
-            every=args.every,
-            since=args.since,
-            dry_run=args.dry_run,
-        ),
+        _bulk(inbox_commands.redeliver),
         "Make these pending or dead deliveries (or, with --dead or --pending, all of the "
         "route's in that state) due now, with the route's whole redeliver.for again. A running "
         "proxy's redeliverer sends them; this command sends nothing." + _BULK,
@@ -233,15 +225,7 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
     discarding = action(
         "discard",
         "drop pending or dead deliveries for good; their claims stay",
-        lambda cfg, args: inbox_commands.discard(
-            cfg,
-            args.route,
-            args.event_ids,
-            scope=args.scope,
-            every=args.every,
-            since=args.since,
-            dry_run=args.dry_run,
-        ),
+        _bulk(inbox_commands.discard),
         "Drop these pending or dead deliveries (or, with --dead or --pending, all of the "
         "route's in that state) and their bodies; they are not redelivered. Their claims stay, "
         "so the provider's copies are still answered as duplicates: to let a copy through to "
@@ -311,6 +295,15 @@ def _bulk_options(sub: argparse.ArgumentParser, scope_help: str, pending_help: s
         help="with --dead or --pending: print how many and the first of them; change nothing",
     )
     sub.add_argument("event_ids", nargs="*", metavar="EVENT_ID")
+
+
+def _bulk(command: Callable[..., Coroutine[Any, Any, int]]) -> Callable[..., Any]:
+    """``events redeliver`` or ``discard``'s action: these event IDs, or every one in a
+    state (``_bulk_options``)."""
+    return lambda cfg, args: command(
+        cfg, args.route, args.event_ids, scope=args.scope, every=args.every, since=args.since,
+        dry_run=args.dry_run,
+    )  # fmt: skip
 
 
 def _json_option(sub: argparse.ArgumentParser) -> None:

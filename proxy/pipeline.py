@@ -41,7 +41,7 @@ from proxy import (
 )
 from proxy.config import routes
 from proxy.database import receipts
-from proxy.upstream import forwarder, http1, proxy_headers
+from proxy.upstream import forwarder, http1, proxy_headers, transports
 
 log = logging.getLogger(__name__)
 
@@ -440,7 +440,7 @@ class Cycle:
         assert self.receipt is not None
         assert route.config.receipt is not None
         written = await receipts_.written(self.receipt, route.config.receipt.wait)
-        result = {True: "written", False: "absent", None: "undecided"}[written]
+        result = receipts.described(written)
         self.line["receipt"] = result
         route.meters.receipts[result].inc()
         return written
@@ -581,11 +581,15 @@ class Cycle:
 
     def _unsent_headers(self) -> tuple[tuple[str, str], ...]:
         """The headers the app is sent, for a delivery kept before its attempt ended."""
+        return tuple(self._outgoing().headers.items())
+
+    def _outgoing(self) -> transports.Request:
+        """The request the app is sent (with the receipt's key, on a route with receipt)."""
         client = self.request.app[app_keys.FORWARDER]
         outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
         if self.receipt is not None:
             outgoing.headers[RECEIPT_HEADER] = self.receipt
-        return tuple(outgoing.headers.items())
+        return outgoing
 
     async def _keep(
         self,
@@ -680,9 +684,7 @@ class Cycle:
         route, line = self.route, self.line
         started = time.perf_counter()
         client = self.request.app[app_keys.FORWARDER]
-        outgoing = client.outgoing(self.request, self.target, self.body, line["request_id"])
-        if self.receipt is not None:
-            outgoing.headers[RECEIPT_HEADER] = self.receipt
+        outgoing = self._outgoing()
         result = await delivery.attempt(
             client, route.config.upstream, outgoing, self.reservation.answer, self.trace,
             keeps=route.redeliver is not None,

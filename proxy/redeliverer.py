@@ -327,9 +327,7 @@ class Redeliverer:
 
         async def written() -> bool | None:
             found = await receipts_.written(key, wait)
-            counters.labels(
-                name, {True: "written", False: "absent", None: "undecided"}[found]
-            ).inc()
+            counters.labels(name, receipts.described(found)).inc()
             return found
 
         return written

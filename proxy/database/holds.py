@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy import errors
-from proxy.database import inbox_sql, pool, sql
+from proxy.database import inbox, inbox_sql, pool, sql
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class RouteHolds:
     async def active(self, scopes: Sequence[str] | None = None) -> dict[str, Hold]:
         """The holds in force of these route scopes (None: of all), by scope."""
         async with self._acquire() as connection:
-            with _plainly("reading the route holds failed"):
+            with inbox.plainly("reading the route holds failed", OUTDATED):
                 rows = await connection.fetch(
                     self.statements.holds, None if scopes is None else list(scopes),
                     timeout=self._op_timeout,
@@ -162,20 +162,10 @@ def _hold(row: pool.Record, now: float) -> Hold:
 
 
 @contextlib.contextmanager
-def _plainly(what: str) -> Iterator[None]:
-    """A hold's statement on a table without the inbox's columns says what to do about it."""
-    try:
-        with pool.translated(what):
-            yield
-    except errors.TableMissing as exc:
-        raise errors.TableMissing(OUTDATED) from exc.__cause__
-
-
-@contextlib.contextmanager
 def _writing(what: str) -> Iterator[None]:
-    """As ``_plainly``; a refused write names the grants a hold needs."""
+    """As ``inbox.plainly``; a refused write names the grants a hold needs."""
     try:
-        with _plainly(what):
+        with inbox.plainly(what, OUTDATED):
             yield
     except errors.PermissionDenied as exc:
         raise errors.PermissionDenied(f"{exc.message}; {GRANT_HINT}") from exc.__cause__

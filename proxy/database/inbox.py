@@ -64,13 +64,14 @@ OUTDATED = (
 
 
 @contextlib.contextmanager
-def _plainly(what: str) -> Iterator[None]:
-    """An operator's query on a table without the inbox's columns says what to do about it."""
+def plainly(what: str, outdated: str = OUTDATED) -> Iterator[None]:
+    """An operator's query on a table without the inbox's columns says what to do about it
+    (``outdated``)."""
     try:
         with pool.translated(what):
             yield
     except errors.TableMissing as exc:
-        raise errors.TableMissing(OUTDATED) from exc.__cause__
+        raise errors.TableMissing(outdated) from exc.__cause__
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +440,7 @@ class Inbox:
     async def kept(self, scope: str, state: InboxState, limit: int) -> tuple[list[Listed], int]:
         """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""
         async with self._acquire() as connection:
-            with _plainly("query failed"):
+            with plainly("query failed"):
                 rows = await connection.fetch(self.statements.kept, scope, state, limit)
                 total = len(rows)
                 if total == limit:
@@ -448,7 +449,7 @@ class Inbox:
 
     async def show(self, scope: str, event_id: str) -> Shown | None:
         async with self._acquire() as connection:
-            with _plainly("query failed"):
+            with plainly("query failed"):
                 row = await connection.fetchrow(self.statements.show, scope, event_id)
         if row is None:
             return None
@@ -494,7 +495,7 @@ class Inbox:
     async def selected_count(self, selection: Selection) -> int:
         """How many rows ``selection`` holds now."""
         async with self._acquire() as connection:
-            with _plainly("query failed"):
+            with plainly("query failed"):
                 count: int = await connection.fetchval(
                     self.statements.selected_count, *selection.arguments()
                 )
@@ -505,7 +506,7 @@ class Inbox:
         nothing."""
         last = after or (None, None)
         async with self._acquire() as connection:
-            with _plainly("query failed"):
+            with plainly("query failed"):
                 rows = await connection.fetch(
                     self.statements.selected, *selection.arguments(), *last, limit
                 )
@@ -533,7 +534,7 @@ class Inbox:
         all committed together or none: an interrupted batch changes nothing."""
         changed: list[Key] = []
         async with self._acquire() as connection:
-            with _plainly("query failed"):
+            with plainly("query failed"):
                 async with connection.transaction():
                     for key in keys:
                         rows = await connection.fetch(statement, *key, *args)
@@ -543,7 +544,7 @@ class Inbox:
     async def _operate(self, statement: str, *args: object) -> list[pool.Record]:
         async with self._acquire() as connection:
             try:
-                with _plainly("query failed"):
+                with plainly("query failed"):
                     async with connection.transaction():
                         await connection.execute(
                             sql.wait_bound(OPERATOR_LOCK_WAIT, distributed=self.distributed)
@@ -586,7 +587,7 @@ class Inbox:
         scanned = 0
         cursor = criteria
         async with self._acquire() as connection:
-            with _plainly("query failed"):
+            with plainly("query failed"):
                 while True:
                     statement, args = self.statements.browse(cursor)
                     batch = await connection.fetch(statement, *args, timeout=self.op_timeout)
@@ -611,7 +612,7 @@ class Inbox:
 
     async def hour(self, scope: str) -> Hour:
         async with self._acquire() as connection:
-            with _plainly("query failed"):
+            with plainly("query failed"):
                 row = await connection.fetchrow(
                     self.statements.hour, scope, timeout=self.op_timeout
                 )
@@ -622,7 +623,7 @@ class Inbox:
         """The claims of ``event_id`` (as the provider sent it, or as stored) in ``scopes``, and
         in the per-path scopes of ``scoped``, newest first."""
         async with self._acquire() as connection:
-            with _plainly("query failed"):
+            with plainly("query failed"):
                 rows = await connection.fetch(
                     self.statements.lookup, scopes, event_id, timeout=self.op_timeout
                 )

@@ -57,6 +57,12 @@ def key(table: str, scope: str, event_id: str) -> str:
     return hashlib.sha256(f"{table}\n{scope}\n{event_id}".encode()).hexdigest()
 
 
+def described(written: bool | None) -> str:
+    """What a look at a receipt (``Receipts.written``) found, as ``dedup_receipts_total``
+    counts it."""
+    return {True: "written", False: "absent", None: "undecided"}[written]
+
+
 class Receipts:
     """The receipts of one database, over one connection opened when first needed."""
 
