@@ -397,6 +397,7 @@ def _describe(cfg: config.Config, source: str) -> str:
             if route.replay
             else "",
             _redelivered(route),
+            _reconciled(route),
         ]
         lines.append(
             f"  {','.join(route.methods)} {route.path} -> {route.upstream}  [{route.name}]"
@@ -432,6 +433,20 @@ def _redelivered(route: routes.RouteConfig) -> str:
         f", handed off after {values.format_duration(route.hand_off)}" if route.hand_off else ""
     )
     return f"failures kept, redelivered after {schedule} for {within}{hand_off}"
+
+
+def _reconciled(route: routes.RouteConfig) -> str:
+    """The route's reconcile as ``check`` shows it, its credential masked ("" without one)."""
+    settings = route.reconcile
+    if settings is None:
+        return ""
+    where = settings.hook if settings.provider == "github" else "events"
+    to = f" -> {settings.deliver_to}" if settings.deliver_to else ""
+    return (
+        f"reconcile {settings.provider} {where}{to} every "
+        f"{values.format_duration(settings.every)} over {values.format_duration(settings.since)}"
+        f" (API {settings.api_url}, key ***)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
