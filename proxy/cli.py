@@ -243,7 +243,8 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         reconcile,
         'One reconcile run over the route now (docs/how-it-works.md, "Reconcile"): the '
         "events the provider's log says were never delivered, each with its claim or none; "
-        "those without one are recovered (GitHub: redelivered). Needs the route's API token.",
+        "those without one are recovered (GitHub: redelivered; Stripe: sent to the route, "
+        "signed). Needs the route's API token.",
     )
     # The API token is a secret: this command reads the configuration with them.
     reconciling.set_defaults(func=lambda args: _operate(reconcile(_load(args, secrets=True), args)))
