@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -355,3 +356,32 @@ def test_check_shows_the_reconcile_and_never_the_key(
     assert "reconcile stripe events -> http://127.0.0.1:8080/webhooks/stripe every 5m" in out
     assert "key ***" in out
     assert KEY not in out
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_the_command_dry_run_lists_what_stripe_reports_and_sends_nothing(
+    make_proxy: MakeProxy,
+    proxy_config: Any,
+    upstream: FakeUpstream,
+    account: StripeAccount,
+) -> None:
+    routes = [_route(account.api_url)]
+    proxy = await make_proxy(routes=routes)
+    account.target = str(proxy.make_url("/webhooks/stripe"))
+    assert await account.send(n=1) == 200
+    account.target = "http://127.0.0.1:9/unreachable"
+    await account.send("invoice.paid", n=2)
+    out = io.StringIO()
+
+    status = await reconciler.command(
+        proxy_config(routes=routes), "stripe", since=None, dry_run=True, out=out
+    )
+
+    assert status == 0
+    listed = out.getvalue()
+    gap = account.events[1].id
+    assert f"  {gap}  invoice.paid  " in listed
+    assert "pending_webhooks 1, 1 attempt(s): would be recovered" in listed
+    assert account.events[0].id not in listed  # delivered: not in Stripe's undelivered list
+    assert "1 gap(s) (no claim), 0 claimed; would recover 1" in listed
+    assert len(upstream.requests) == 1
