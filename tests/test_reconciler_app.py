@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from prometheus_client import generate_latest
 
-from proxy import app_keys, config, errors, reconciler
+from proxy import app_keys, cli, config, errors, reconciler
 from proxy.config import reconcile as reconciling
 from proxy.providers_api import github_app
 from tests.helpers import GITHUB_SECRET, FakeUpstream, MakeProxy, github_route
@@ -330,3 +330,34 @@ def test_an_app_hook_without_the_extra_says_which_extra_to_install(
     problems = _problems({"client_id": CLIENT_ID, "private_key": app_key[0]})
     assert "routes[0].reconcile.client_id" in problems
     assert "pip install 'webhook-dedup-proxy[github-app]'" in problems
+
+
+def test_check_names_the_app_hook_and_masks_its_key(
+    app_key: tuple[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key_file = tmp_path / "app.pem"
+    key_file.write_text(app_key[0])
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": "http://127.0.0.1:9"},
+                "database": {"dsn": "postgresql://app@127.0.0.1:9/events"},
+                "routes": [
+                    github_route(
+                        reconcile={
+                            "client_id": CLIENT_ID,
+                            "hook_id": 1,
+                            "private_key_file": str(key_file),
+                        }
+                    )
+                ],
+            }
+        )
+    )
+
+    assert cli.main(["check", "--config", str(path)]) == 0
+
+    out = capsys.readouterr().out
+    assert f"reconcile /app/hook every 5m over 6h (App {CLIENT_ID}'s JWT, key (masked))" in out
+    assert "PRIVATE KEY" not in out
