@@ -397,6 +397,7 @@ def _describe(cfg: config.Config, source: str) -> str:
             if route.replay
             else "",
             _redelivered(route),
+            _reconciled(route),
         ]
         lines.append(
             f"  {','.join(route.methods)} {route.path} -> {route.upstream}  [{route.name}]"
@@ -432,6 +433,21 @@ def _redelivered(route: routes.RouteConfig) -> str:
         f", handed off after {values.format_duration(route.hand_off)}" if route.hand_off else ""
     )
     return f"failures kept, redelivered after {schedule} for {within}{hand_off}"
+
+
+def _reconciled(route: routes.RouteConfig) -> str:
+    """Which provider log a route reconciles against, and with what credential: named, never
+    shown ("" when it does not reconcile)."""
+    settings = route.reconcile
+    if settings is None:
+        return ""
+    credential = (
+        "token (masked)" if settings.app is None else f"App {settings.app}'s JWT, key (masked)"
+    )
+    return (
+        f"reconcile {settings.hook} every {values.format_duration(settings.every)} over "
+        f"{values.format_duration(settings.since)} ({credential})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
