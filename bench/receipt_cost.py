@@ -238,6 +238,7 @@ def measure_webhooks(
         for kind in KINDS
     }  # fmt: skip
     for kind in KINDS:
+        _wait_for_workers(proxies[kind], args.workers)
         bench.wrk("", f"warm-up {kind}", proxies[kind], fast, 32, seconds=bench.settings.warmup)
     results: dict[tuple[str, int, int], loads.Result] = {}
     for round_ in range(1, args.rounds + 1):
@@ -252,6 +253,19 @@ def measure_webhooks(
     for service in (*proxies.values(), fast):
         bench.stop(service)
     return results, checks
+
+
+def _wait_for_workers(proxy: procs.Service, workers: int, within: float = 60.0) -> None:
+    """Until each worker said it listens (the supervisor binds the port before they start: a
+    warm-up begun then would measure their start). Polled, bounded."""
+    deadline = time.monotonic() + within
+    while True:
+        log = proxy.log_path.read_text(errors="replace")
+        if all(f"worker {n} of {workers}" in log for n in range(1, workers + 1)):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proxy.name}: not every worker listens:\n{proxy.tail()}")
+        time.sleep(0.1)
 
 
 def measure_transactions(
