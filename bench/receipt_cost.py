@@ -9,8 +9,8 @@ The proxy's side: two proxies on the same embedded PostgreSQL and the same fast 
 database). Each round runs wrk (new event IDs) against each, the order reversed every other
 round, and reports throughput, p50/p99 and CPU per webhook (the proxy and PostgreSQL), and
 receipt ÷ plain. The app writes no receipt, so the receipt route's one read per worker every
-10 s (``pipeline.RECEIPT_CHECK_EVERY``) finds none and says so: that read and the header are
-what the happy path adds, whether the app writes receipts or not.
+10 s (``pipeline.RECEIPT_CHECK_EVERY``) finds none and says so: that read, the key's hash and
+its header are what the happy path adds, whether the app writes receipts or not.
 
 The app's side: an app-like transaction over asyncpg (INSERT a ledger row; COMMIT) beside the
 same with ``SELECT dedup_receipt($1)`` added, on the same PostgreSQL, N transactions at each
