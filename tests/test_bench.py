@@ -290,3 +290,15 @@ def test_the_keep_cost_run_keeps_every_webhook_on_one_proxy_and_forwards_on_the_
     assert int(kept[1].replace(",", "")) > 0
     rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 32 | 1 |")]
     assert len(rows) == 1
+
+
+def test_the_console_load_run_forwards_every_webhook_while_the_pages_are_fetched() -> None:
+    """bench/console_load.py, one round: every webhook reached the app once, alone and while the
+    console's pages were fetched, and every page answered 200 (it checks both)."""
+    stdout = _script("bench/console_load.py", "--rounds", "1", "--duration", "1", "--kept",
+                     "500", timeout=180)  # fmt: skip
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1
+    fetched = re.match(r"(\d+) \(", rows[0][3])
+    assert fetched is not None, stdout
+    assert int(fetched[1]) > 0, stdout
