@@ -312,3 +312,15 @@ def test_the_receipt_cost_run_forwards_each_webhook_once_and_commits_every_recei
     assert plain["ledger_rows"] == receipt["ledger_rows"] == 200
     assert (plain["receipt_rows"], receipt["receipt_rows"]) == (0, 200)
     assert len([line for line in stdout.splitlines() if line.startswith("| **")]) == 2
+
+
+def test_the_console_load_run_forwards_every_webhook_while_the_pages_are_fetched() -> None:
+    """bench/console_load.py, one round: every webhook reached the app once, alone and while the
+    console's pages were fetched, and every page answered 200 (it checks both)."""
+    stdout = _script("bench/console_load.py", "--rounds", "1", "--duration", "1", "--kept",
+                     "500", timeout=180)  # fmt: skip
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1
+    fetched = re.match(r"(\d+) \(", rows[0][3])
+    assert fetched is not None, stdout
+    assert int(fetched[1]) > 0, stdout
