@@ -21,7 +21,7 @@ COPY proxy ./proxy
 # Installed under /install in /usr/local's layout (the dedup-proxy script runs /usr/local/bin's
 # python), then copied to /usr/local below: no wheels, sources or pip cache in the runtime stage.
 RUN pip install --no-cache-dir --disable-pip-version-check --no-warn-script-location \
-        --prefix=/install "/src[fast,otel]"
+        --prefix=/install "/src[fast,otel,github-app]"
 
 FROM python:3.11-slim-bookworm
 # proxy.__version__, the tag the image is pushed under (docs/development.md, "Releases").

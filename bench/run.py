@@ -528,8 +528,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the headline table")
     parser.add_argument("--headline-only", action="store_true",
                         help="only the headline table (the A/B loop while optimising)")  # fmt: skip
-    parser.add_argument("--concurrency", type=int, help="the headline proxies' "
-                        "upstream.concurrency, per replica (default unset)")  # fmt: skip
+    parser.add_argument("--concurrency", type=int, default=64,
+                        help="the headline proxies' upstream.concurrency, per replica, as a "
+                        "user would set it (default 64: 32 a worker, the pool's size, never "
+                        "reached at c32; 0: unset)")  # fmt: skip
     return parser
 
 
@@ -549,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         keep=args.keep,
         rounds=args.rounds,
         headline_only=args.headline_only,
-        concurrency=args.concurrency,
+        concurrency=args.concurrency or None,
     )
     out = args.out or (None if args.quick else ROOT / "bench" / "RESULTS.md")
     command = shlex.join(["python", "bench/run.py", *(sys.argv[1:] if argv is None else argv)])

@@ -437,17 +437,21 @@ def _redelivered(route: routes.RouteConfig) -> str:
 
 
 def _reconciled(route: routes.RouteConfig) -> str:
-    """The route's reconcile as ``check`` shows it, its credential masked ("" without one)."""
+    """Which provider log a route reconciles against, and with what credential: named, never
+    shown ("" when it does not reconcile)."""
     settings = route.reconcile
     if settings is None:
         return ""
-    where = settings.hook if settings.provider == "github" else "events"
-    to = f" -> {settings.deliver_to}" if settings.deliver_to else ""
-    return (
-        f"reconcile {settings.provider} {where}{to} every "
-        f"{values.format_duration(settings.every)} over {values.format_duration(settings.since)}"
-        f" (API {settings.api_url}, key ***)"
+    every = (
+        f"every {values.format_duration(settings.every)} over "
+        f"{values.format_duration(settings.since)}"
     )
+    if settings.provider == "stripe":
+        return f"reconcile stripe events -> {settings.deliver_to} {every} (key (masked))"
+    credential = (
+        "token (masked)" if settings.app is None else f"App {settings.app}'s JWT, key (masked)"
+    )
+    return f"reconcile {settings.hook} {every} ({credential})"
 
 
 def main(argv: list[str] | None = None) -> int:

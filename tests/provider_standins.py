@@ -1,11 +1,14 @@
 """Stand-ins for the providers' APIs the reconciler reads (``proxy.providers_api``), built from
-the operations vendored under tests/provider_api/: GitHub's hook deliveries, Stripe's events.
+the operations vendored under tests/provider_api/: GitHub's hook deliveries (a repository's, or
+a GitHub App's), Stripe's events.
 
 ``GitHubHook`` is a hook that delivers to a URL (the proxy's route) and keeps a log of every
 attempt, newest first, as GitHub's deliveries API lists it: pages of ``per_page`` with a
 ``Link: <…>; rel="next"`` cursor. Asked to redeliver an attempt, it sends the event again, the
 same GUID under the same hook ID, signed with the hook's secret, and logs that attempt too.
 ``faults`` scripts the next answers of the API (a 429 with Retry-After, a 401, a 503).
+``GitHubHook.app_hook`` makes it a GitHub App's hook (``/app/hook``), its API open only to a JWT
+signed with the App's key and not expired, as GitHub checks it.
 
 ``StripeAccount`` is an account with one webhook endpoint (a URL: the proxy's route): each event
 is created, sent once, signed with the endpoint's secret, and never retried (a sender that
@@ -27,6 +30,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+import jwt
 from aiohttp import web
 
 
@@ -39,6 +43,7 @@ class Attempt:
     status_code: int
     redelivery: bool
     at: datetime
+    headers: dict[str, str] = field(default_factory=dict)
 
     def item(self) -> dict[str, Any]:
         """As ``hook-delivery-item`` describes it."""
@@ -58,6 +63,16 @@ class Attempt:
             "repository_id": 1296269,
         }
 
+    def delivery(self, url: str) -> dict[str, Any]:
+        """As ``hook-delivery`` describes it: the item, with the request and the response."""
+        return {
+            **self.item(),
+            "url": url,
+            "throttled_at": None,
+            "request": {"headers": self.headers, "payload": json.loads(self.body)},
+            "response": {"headers": {}, "payload": None},
+        }
+
 
 @dataclass
 class GitHubHook:
@@ -75,15 +90,25 @@ class GitHubHook:
     faults: list[tuple[int, dict[str, str]]] = field(default_factory=list)
     list_requests: int = 0
     redelivery_requests: list[int] = field(default_factory=list)
+    # A GitHub App's hook: the App's client ID (the JWT's issuer) and public key.
+    app_client_id: str = ""
+    app_public_key: Any = None
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(12000000000))
+
+    @classmethod
+    def app_hook(cls, *, secret: str, client_id: str, public_key: Any) -> GitHubHook:
+        return cls(secret=secret, token="", app_client_id=client_id, app_public_key=public_key)
 
     @property
     def prefix(self) -> str:
+        if self.app_client_id:
+            return "/app/hook"
         return f"/repos/{self.owner}/{self.repo}/hooks/{self.hook_id}"
 
     def app(self) -> web.Application:
         application = web.Application()
         application.router.add_get(f"{self.prefix}/deliveries", self._list)
+        application.router.add_get(f"{self.prefix}/deliveries/{{delivery_id}}", self._get)
         application.router.add_post(
             f"{self.prefix}/deliveries/{{delivery_id}}/attempts", self._redeliver
         )
@@ -102,6 +127,9 @@ class GitHubHook:
             "Content-Type": "application/json",
             "User-Agent": "GitHub-Hookshot/stand-in",
         }
+        if self.app_client_id:
+            headers["X-GitHub-Hook-Installation-Target-Type"] = "integration"
+            headers["X-GitHub-Hook-Installation-Target-ID"] = "1"
         try:
             async with (
                 aiohttp.ClientSession() as session,
@@ -111,7 +139,9 @@ class GitHubHook:
         except aiohttp.ClientError:
             status = 0  # GitHub logs "failed to connect" with no status code
         self.attempts.append(
-            Attempt(next(self._ids), guid, event, body, status, redelivery, datetime.now(UTC))
+            Attempt(
+                next(self._ids), guid, event, body, status, redelivery, datetime.now(UTC), headers
+            )
         )
         return status
 
@@ -126,15 +156,38 @@ class GitHubHook:
             {"message": "stand-in fault", "documentation_url": ""}, status=status, headers=headers
         )
 
-    def _authorized(self, request: web.Request) -> bool:
-        return request.headers.get("Authorization") == f"Bearer {self.token}"
+    def _refused(self, request: web.Request) -> web.Response | None:
+        """401 unless the request carries the token, or for an App's hook a JWT signed with the
+        App's key, issued by the App, not expired and expiring within 10 minutes."""
+        given = request.headers.get("Authorization", "")
+        if not self.app_client_id:
+            if given == f"Bearer {self.token}":
+                return None
+            return web.json_response({"message": "Bad credentials"}, status=401)
+        try:
+            claims = jwt.decode(
+                given.removeprefix("Bearer "),
+                self.app_public_key,
+                algorithms=["RS256"],
+                issuer=self.app_client_id,
+                options={"require": ["iat", "exp", "iss"]},
+            )
+        except jwt.ExpiredSignatureError:
+            message = "'Expiration time' claim ('exp') must be a numeric value representing the future time at which the assertion expires"  # noqa: E501
+        except jwt.PyJWTError:
+            message = "A JSON web token could not be decoded"
+        else:
+            if claims["exp"] - datetime.now(UTC).timestamp() <= 600:
+                return None
+            message = "'Expiration time' claim ('exp') is too far in the future"
+        return web.json_response({"message": message}, status=401)
 
     async def _list(self, request: web.Request) -> web.Response:
         self.list_requests += 1
         if (fault := self._fault()) is not None:
             return fault
-        if not self._authorized(request):
-            return web.json_response({"message": "Bad credentials"}, status=401)
+        if (refused := self._refused(request)) is not None:
+            return refused
         per_page = min(100, int(request.query.get("per_page", "30")))
         start = int(request.query.get("cursor", "0"))
         items = self.items()
@@ -145,11 +198,22 @@ class GitHubHook:
             headers["Link"] = f'<{following}>; rel="next"'
         return web.json_response(page, headers=headers)
 
+    async def _get(self, request: web.Request) -> web.Response:
+        if (fault := self._fault()) is not None:
+            return fault
+        if (refused := self._refused(request)) is not None:
+            return refused
+        wanted = int(request.match_info["delivery_id"])
+        found = next((a for a in self.attempts if a.id == wanted), None)
+        if found is None:
+            return web.json_response({"message": "Not Found"}, status=404)
+        return web.json_response(found.delivery(self.target))
+
     async def _redeliver(self, request: web.Request) -> web.Response:
         if (fault := self._fault()) is not None:
             return fault
-        if not self._authorized(request):
-            return web.json_response({"message": "Bad credentials"}, status=401)
+        if (refused := self._refused(request)) is not None:
+            return refused
         wanted = int(request.match_info["delivery_id"])
         self.redelivery_requests.append(wanted)
         found = next((a for a in self.attempts if a.id == wanted), None)

@@ -290,3 +290,37 @@ def test_the_keep_cost_run_keeps_every_webhook_on_one_proxy_and_forwards_on_the_
     assert int(kept[1].replace(",", "")) > 0
     rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 32 | 1 |")]
     assert len(rows) == 1
+
+
+def test_the_receipt_cost_run_forwards_each_webhook_once_and_commits_every_receipt(
+    tmp_path: Path,
+) -> None:
+    """bench/receipt_cost.py, one round: both proxies reached the app once per webhook without
+    an error (it checks so), the receipt route checked for a receipt (and found none: the bench
+    app writes none), and every app transaction left its ledger row, and its receipt."""
+    stdout = _script("bench/receipt_cost.py", "--rounds", "1", "--duration", "1",
+                     "--connections", "32", "--transactions", "200", "--app-concurrency", "4",
+                     "--json", str(tmp_path / "receipt.json"), timeout=180)  # fmt: skip
+    found = json.loads((tmp_path / "receipt.json").read_text(encoding="utf-8"))
+    assert found["receipt_checks"] > 0
+    assert set(found["webhooks"]) == {"plain c32 r1", "receipt c32 r1"}
+    for name, run in found["webhooks"].items():
+        assert run["uniques"] > 0, name
+        assert run["errors"] == 0, name
+        assert run["app_calls"] == run["uniques"], name
+    plain, receipt = found["transactions"]["plain c4 r1"], found["transactions"]["receipt c4 r1"]
+    assert plain["ledger_rows"] == receipt["ledger_rows"] == 200
+    assert (plain["receipt_rows"], receipt["receipt_rows"]) == (0, 200)
+    assert len([line for line in stdout.splitlines() if line.startswith("| **")]) == 2
+
+
+def test_the_console_load_run_forwards_every_webhook_while_the_pages_are_fetched() -> None:
+    """bench/console_load.py, one round: every webhook reached the app once, alone and while the
+    console's pages were fetched, and every page answered 200 (it checks both)."""
+    stdout = _script("bench/console_load.py", "--rounds", "1", "--duration", "1", "--kept",
+                     "500", timeout=180)  # fmt: skip
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1
+    fetched = re.match(r"(\d+) \(", rows[0][3])
+    assert fetched is not None, stdout
+    assert int(fetched[1]) > 0, stdout

@@ -77,6 +77,8 @@ def parser_keys(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, ...]]:
     verify = {"scheme": "hmac", "header": "X-Signature", "secret": "s"}
     route = {"name": "a", "path": "/a", "event_id": "body:/id", "verify": verify, "redeliver": {},
              "receipt": {}}  # fmt: skip
+    reconciled = {"name": "g", "path": "/g", "preset": "github", "verify": {"secret": "s"},
+                  "reconcile": {"repository": "o/r", "hook_id": 1, "token": "t"}}  # fmt: skip
     config.parse(
         {
             "upstream": {"url": "http://127.0.0.1:3000"},
@@ -84,7 +86,7 @@ def parser_keys(monkeypatch: pytest.MonkeyPatch) -> dict[str, tuple[str, ...]]:
             "log": {},
             "admin": {},
             "sweeper": {},
-            "routes": [route],
+            "routes": [route, reconciled],
         }
     )
     return opened

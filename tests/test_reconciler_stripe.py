@@ -354,7 +354,7 @@ def test_check_shows_the_reconcile_and_never_the_key(
 
     out = capsys.readouterr().out
     assert "reconcile stripe events -> http://127.0.0.1:8080/webhooks/stripe every 5m" in out
-    assert "key ***" in out
+    assert "(key (masked))" in out
     assert KEY not in out
 
 

@@ -2,12 +2,14 @@
 
 Opt-in, per route, on the routes whose provider has an API for its own delivery log (GitHub's
 hook deliveries, Stripe's events; docs/providers.md for the others). The section says how often to
-look (``every``), how far back (``since``), which hook's log to read (``repository`` or
-``organization``, and ``hook_id``), where the API is (``api_url``: GitHub Enterprise, or a
-test's stand-in) and the API credential: ``token`` (usually ``${GITHUB_TOKEN}``) or
-``token_file`` (a Kubernetes Secret mounted as a file), read as the routes' signing secrets are
-and never shown in ``repr``. A reader that leaves secrets unread (the operator commands) leaves
-the token empty.
+look (``every``), how far back (``since``), which hook's log to read (``repository``,
+``organization`` or a GitHub App's, ``app_id``/``client_id``; and ``hook_id``), where the API is
+(``api_url``: GitHub Enterprise, or a test's stand-in) and the API credential: ``token``
+(usually ``${GITHUB_TOKEN}``) or ``token_file`` (a Kubernetes Secret mounted as a file); for an
+App's hook, the App's ``private_key`` or ``private_key_file`` (PEM), which signs a short-lived
+JWT (``proxy.providers_api.github_app``, the ``github-app`` extra). Secrets are read as the
+routes' signing secrets are and never shown in ``repr``. A reader that leaves secrets unread
+(the operator commands) leaves them empty.
 
 A Stripe route (``_parse_stripe``) names no hook: Stripe's log is the account's events, and a gap
 is delivered by the proxy itself, signed with the route's endpoint secret (``signing_secret``,
@@ -17,13 +19,16 @@ listener on the route's path, filled in by ``config.parse``); ``types`` narrows 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from proxy.config import reader, values
 
 RECONCILE_KEYS = ("every", "since", "token", "token_file", "repository", "organization",
-                  "hook_id", "app", "api_url", "max_per_run", "deliver_to", "types")  # fmt: skip
+                  "hook_id", "app_id", "client_id", "private_key", "private_key_file",
+                  "api_url", "max_per_run", "deliver_to", "types")  # fmt: skip
 DEFAULT_EVERY = 300.0
 DEFAULT_SINCE = 6 * 3600.0
 DEFAULT_MAX_PER_RUN = 1000
@@ -38,9 +43,13 @@ STRIPE_API_URL = "https://api.stripe.com"
 STRIPE_MAX_TYPES = 20
 # The presets whose provider has an API this proxy reconciles against.
 PROVIDERS = ("github", "stripe")
-# The keys of the section that apply to one provider only.
-GITHUB_ONLY = ("repository", "organization", "hook_id", "app")
+# The keys of the section that apply to one provider only (a GitHub App's key is refused by
+# ``_token`` on any route read with a token).
+GITHUB_ONLY = ("repository", "organization", "hook_id", "app_id", "client_id")
 STRIPE_ONLY = ("deliver_to", "types")
+# The extra that signs a GitHub App's JWT (PyJWT with cryptography), and the module it brings.
+GITHUB_APP_EXTRA = "github-app"
+GITHUB_APP_MODULES = ("jwt", "cryptography")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,9 +63,13 @@ class Reconcile:
     # GitHub: "owner/name" for a repository hook, or an organization for an organization hook.
     repository: str | None = None
     organization: str | None = None
+    # A GitHub App's hook: the App's client ID (or app ID), the JWT's issuer.
+    app: str | None = None
     hook_id: int = 0
     max_per_run: int = DEFAULT_MAX_PER_RUN
     token: str = field(default="", repr=False)
+    # A GitHub App's private key (PEM), which signs its JWT.
+    private_key: str = field(default="", repr=False)
     # Stripe: where a gap is POSTed ("": not yet filled in), the event types read (none: all),
     # and the route's endpoint secret that signs it (from ``verify``; never shown).
     deliver_to: str = ""
@@ -65,7 +78,10 @@ class Reconcile:
 
     @property
     def hook(self) -> str:
-        """The hook's path under the API (``/repos/o/r/hooks/1``), as the docs name it."""
+        """The hook's path under the API (``/repos/o/r/hooks/1``), as the docs name it; an
+        App's hook is the App's own (``/app/hook``: the App is the JWT's issuer)."""
+        if self.app is not None:
+            return "/app/hook"
         if self.repository is not None:
             return f"/repos/{self.repository}/hooks/{self.hook_id}"
         return f"/orgs/{self.organization}/hooks/{self.hook_id}"
@@ -122,12 +138,6 @@ def parse_reconcile(
     if preset == "stripe":
         return _parse_stripe(r, section, path)
     _refuse(r, section, path, STRIPE_ONLY, "only on a route with preset stripe")
-    if "app" in section:
-        r.problem(
-            f"{path}.app",
-            "a GitHub App's hook (/app/hook/deliveries) needs a JWT signed with the app's "
-            "private key: not supported yet; give the repository or organization hook",
-        )
     every = r.value(section, "every", path, values.parse_duration, DEFAULT_EVERY)
     if every < MIN_EVERY:
         r.problem(f"{path}.every", f"must be at least {MIN_EVERY:g}s, got {every:g}s")
@@ -142,8 +152,16 @@ def parse_reconcile(
         )
     repository = r.value(section, "repository", path, _repository, None)
     organization = r.value(section, "organization", path, _organization, None)
-    if (repository is None) == (organization is None) and "app" not in section:
-        r.problem(path, "give either repository (owner/name) or organization, and hook_id")
+    app = _app(r, section, path)
+    given = {"repository": ("repository",), "organization": ("organization",),
+             "app_id/client_id": ("app_id", "client_id")}  # fmt: skip
+    kinds = [kind for kind, keys in given.items() if any(key in section for key in keys)]
+    if len(kinds) != 1:
+        r.problem(
+            path,
+            "give exactly one hook: repository (owner/name), organization, or a GitHub App's "
+            f"app_id or client_id; and hook_id{', got ' + ' and '.join(kinds) if kinds else ''}",
+        )
     hook_id = r.required(section, "hook_id", path, _hook_id) or 0
     return Reconcile(
         provider=str(preset),
@@ -152,16 +170,21 @@ def parse_reconcile(
         api_url=r.value(section, "api_url", path, values.parse_http_url, GITHUB_API_URL),
         repository=repository,
         organization=organization,
+        app=app,
         hook_id=hook_id,
         max_per_run=r.value(
             section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
         ),
-        token=_token(r, section, path),
+        token="" if app is not None else _token(r, section, path),
+        private_key=_private_key(r, section, path) if app is not None else "",
     )
 
 
 def _token(r: reader.Reader, section: dict[str, Any], path: str) -> str:
     """``token`` or ``token_file``; "" where secrets are left unread."""
+    for key in ("private_key", "private_key_file"):
+        if key in section:
+            r.problem(f"{path}.{key}", "only for a GitHub App's hook (app_id or client_id)")
     if ("token" in section) == ("token_file" in section):
         r.problem(path, "give either token (e.g. ${GITHUB_TOKEN}) or token_file")
         return ""
@@ -173,6 +196,98 @@ def _token(r: reader.Reader, section: dict[str, Any], path: str) -> str:
     if not r.secrets:
         return ""
     return r.value(section, "token_file", path, _token_file, "")
+
+
+def _app(r: reader.Reader, section: dict[str, Any], path: str) -> str | None:
+    """The App's ``client_id`` or ``app_id`` (the JWT's issuer); None: not an App's hook."""
+    if "app_id" in section and "client_id" in section:
+        r.problem(path, "give either app_id or client_id (GitHub recommends the client ID)")
+    app = r.value(section, "app_id", path, _app_id, None)
+    app = r.value(section, "client_id", path, _client_id, app)
+    if "app_id" not in section and "client_id" not in section:
+        return None
+    if (missing := github_app_missing()) is not None:
+        r.problem(f"{path}.{'client_id' if 'client_id' in section else 'app_id'}", missing)
+    return app or ""
+
+
+def github_app_missing() -> str | None:
+    """Why a GitHub App's JWT cannot be signed here (the extra not installed), or None."""
+    absent = [name for name in GITHUB_APP_MODULES if importlib.util.find_spec(name) is None]
+    if not absent:
+        return None
+    return (
+        f"a GitHub App's hook needs {' and '.join(absent)} to sign the App's JWT: install the "
+        f"{GITHUB_APP_EXTRA} extra (pip install 'webhook-dedup-proxy[{GITHUB_APP_EXTRA}]')"
+    )
+
+
+def _app_id(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return str(value)
+    if isinstance(value, str) and value.isdigit() and int(value) > 0:
+        return value
+    raise ValueError(f"must be the App's numeric ID, got {value!r}")
+
+
+def _client_id(value: object) -> str:
+    if (
+        not isinstance(value, str)
+        or not value
+        or not all(ch.isalnum() or ch in "._-" for ch in value)
+    ):
+        raise ValueError(f"must be the App's client ID (e.g. Iv23li...), got {value!r}")
+    return value
+
+
+def _private_key(r: reader.Reader, section: dict[str, Any], path: str) -> str:
+    """``private_key`` or ``private_key_file`` (PEM); "" where secrets are left unread."""
+    for key in ("token", "token_file"):
+        if key in section:
+            r.problem(f"{path}.{key}", "a GitHub App's hook is read with the App's private_key "
+                      "or private_key_file, not a token")  # fmt: skip
+    if ("private_key" in section) == ("private_key_file" in section):
+        r.problem(path, "give either private_key (e.g. ${GITHUB_APP_PRIVATE_KEY}) or "
+                  "private_key_file, the App's PEM key")  # fmt: skip
+        return ""
+    if "private_key" in section:
+        keys = r.strings(section, "private_key", path, secret=True)
+        if keys is not None and len(keys) != 1:
+            r.problem(f"{path}.private_key", "must be one string")
+        if not keys or not r.secrets:
+            return ""
+        try:
+            return _pem(keys[0].replace("\\n", "\n"))
+        except ValueError as exc:
+            r.problem(f"{path}.private_key", str(exc))
+            return ""
+    if not r.secrets:
+        return ""
+    return r.value(section, "private_key_file", path, _private_key_file, "")
+
+
+def _private_key_file(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"must be a file path, got {value!r}")
+    try:
+        text = Path(value).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{value}: must be a PEM file (UTF-8 text)") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ValueError(f"cannot read: {exc}") from None
+    try:
+        return _pem(text)
+    except ValueError as exc:
+        raise ValueError(f"{value}: {exc}") from None
+
+
+def _pem(text: str) -> str:
+    """A PEM private key as GitHub gives it (``-----BEGIN RSA PRIVATE KEY-----``); the key's
+    text is never in the message."""
+    key = text.strip()
+    if not (key.startswith("-----BEGIN ") and "PRIVATE KEY-----" in key.splitlines()[0]):
+        raise ValueError("must be the App's private key in PEM (-----BEGIN RSA PRIVATE KEY-----)")
+    return key + "\n"
 
 
 def _parse_stripe(r: reader.Reader, section: dict[str, Any], path: str) -> Reconcile:

@@ -1,6 +1,7 @@
-"""GitHub's hook deliveries: a repository's or an organization's hook, over the REST API
-(``GET {hook}/deliveries``, ``POST {hook}/deliveries/{id}/attempts``; tests/provider_api/
-vendors the operations from github/rest-api-description).
+"""GitHub's hook deliveries: a repository's, an organization's or a GitHub App's hook, over the
+REST API (``GET {hook}/deliveries``, ``POST {hook}/deliveries/{id}/attempts``; tests/provider_api/
+vendors the operations from github/rest-api-description). A repository's or an organization's
+hook is read with a token; an App's (``/app/hook``) with a JWT the App signs (``github_app``).
 
 The log lists every attempt, newest first, a page of up to 100 at a time, the next page named
 by the ``Link`` header's ``rel="next"`` (a ``cursor`` parameter). An event (a GUID) can appear
@@ -21,7 +22,7 @@ import aiohttp
 
 from proxy import event_ids
 from proxy.config import reconcile
-from proxy.providers_api import REQUEST_TIMEOUT, Delivery, answered, reaching
+from proxy.providers_api import REQUEST_TIMEOUT, Delivery, answered, github_app, reaching
 
 API_VERSION = "2022-11-28"
 PER_PAGE = 100
@@ -36,10 +37,12 @@ class HookDeliveries:
     def __init__(self, settings: reconcile.Reconcile, *, user_agent: str) -> None:
         self._settings = settings
         self._hook = settings.api_url.rstrip("/") + settings.hook
+        self._app = (
+            None if settings.app is None else github_app.AppJWT(settings.app, settings.private_key)
+        )
         self._session = aiohttp.ClientSession(
             headers={
                 "Accept": "application/vnd.github+json",
-                "Authorization": f"Bearer {settings.token}",
                 "X-GitHub-Api-Version": API_VERSION,
                 "User-Agent": user_agent,
             },
@@ -48,6 +51,11 @@ class HookDeliveries:
 
     async def close(self) -> None:
         await self._session.close()
+
+    def _authorization(self) -> dict[str, str]:
+        """The token, or the App's JWT (signed afresh when it is near its end)."""
+        bearer = self._settings.token if self._app is None else self._app.bearer()
+        return {"Authorization": f"Bearer {bearer}"}
 
     async def deliveries(self, since: float) -> AsyncIterator[Delivery]:
         """Each GUID attempted at or after ``since`` once, its attempts taken together (all of
@@ -78,7 +86,7 @@ class HookDeliveries:
     async def _page(self, url: str) -> tuple[list[dict[str, Any]], str | None]:
         what = "listing the hook's deliveries"
         with reaching(what):
-            async with self._session.get(url) as response:
+            async with self._session.get(url, headers=self._authorization()) as response:
                 answered(response.status, response.headers, what)
                 page = await response.json(content_type=None)
                 following = _NEXT.search(response.headers.get("Link", ""))
@@ -90,7 +98,7 @@ class HookDeliveries:
         what = f"redelivering delivery {delivery.ref}"
         with reaching(what):
             async with self._session.post(
-                f"{self._hook}/deliveries/{delivery.ref}/attempts"
+                f"{self._hook}/deliveries/{delivery.ref}/attempts", headers=self._authorization()
             ) as response:
                 answered(response.status, response.headers, what)
 
