@@ -243,7 +243,8 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         reconcile,
         'One reconcile run over the route now (docs/how-it-works.md, "Reconcile"): the '
         "events the provider's log says were never delivered, each with its claim or none; "
-        "those without one are recovered (GitHub: redelivered). Needs the route's API token.",
+        "those without one are recovered (GitHub: redelivered; Stripe: sent to the route, "
+        "signed). Needs the route's API token.",
     )
     # The API token is a secret: this command reads the configuration with them.
     reconciling.set_defaults(func=lambda args: _operate(reconcile(_load(args, secrets=True), args)))
@@ -441,13 +442,16 @@ def _reconciled(route: routes.RouteConfig) -> str:
     settings = route.reconcile
     if settings is None:
         return ""
+    every = (
+        f"every {values.format_duration(settings.every)} over "
+        f"{values.format_duration(settings.since)}"
+    )
+    if settings.provider == "stripe":
+        return f"reconcile stripe events -> {settings.deliver_to} {every} (key (masked))"
     credential = (
         "token (masked)" if settings.app is None else f"App {settings.app}'s JWT, key (masked)"
     )
-    return (
-        f"reconcile {settings.hook} every {values.format_duration(settings.every)} over "
-        f"{values.format_duration(settings.since)} ({credential})"
-    )
+    return f"reconcile {settings.hook} {every} ({credential})"
 
 
 def main(argv: list[str] | None = None) -> int:

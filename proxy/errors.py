@@ -36,6 +36,8 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
                                     the permission
         x ProviderUnavailable       5xx, refused, reset or timed out
         x ProviderRefused           any other answer, or one not as the API describes
+        x RecoveryRefused           the route did not take an event the reconciler delivered
+                                    itself (Stripe): its signature, the database, the app
       x RequestError                carries .status, .code, .retry_after, .headers, .public,
                                     .outcome ("rejected" unless noted) and .shed (None unless
                                     noted: the request was shed to protect the worker)
@@ -191,6 +193,12 @@ class ProviderRefused(ProviderAPIError):
     """The provider's API refused the request, or answered other than as it is described."""
 
     kind = "refused"
+
+
+class RecoveryRefused(ProviderAPIError):
+    """The route did not take a recovered event: a non-2xx answer, or no answer."""
+
+    kind = "recovery_refused"
 
 
 class RequestError(ProxyError):

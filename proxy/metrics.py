@@ -537,7 +537,8 @@ class Metrics:
         )
         self.reconcile_recovered = Counter(
             "dedup_reconcile_recovered",
-            "Gaps the reconciler asked the provider to deliver again (GitHub: a redelivery).",
+            "Gaps recovered by the reconciler (GitHub: a redelivery; Stripe: sent to the route, "
+            "signed).",
             ["route"],
             registry=self.registry,
         )

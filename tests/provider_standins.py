@@ -1,6 +1,6 @@
 """Stand-ins for the providers' APIs the reconciler reads (``proxy.providers_api``), built from
 the operations vendored under tests/provider_api/: GitHub's hook deliveries (a repository's, or
-a GitHub App's).
+a GitHub App's), Stripe's events.
 
 ``GitHubHook`` is a hook that delivers to a URL (the proxy's route) and keeps a log of every
 attempt, newest first, as GitHub's deliveries API lists it: pages of ``per_page`` with a
@@ -9,6 +9,13 @@ same GUID under the same hook ID, signed with the hook's secret, and logs that a
 ``faults`` scripts the next answers of the API (a 429 with Retry-After, a 401, a 503).
 ``GitHubHook.app_hook`` makes it a GitHub App's hook (``/app/hook``), its API open only to a JWT
 signed with the App's key and not expired, as GitHub checks it.
+
+``StripeAccount`` is an account with one webhook endpoint (a URL: the proxy's route): each event
+is created, sent once, signed with the endpoint's secret, and never retried (a sender that
+never retries); one the endpoint did not answer with a 2xx keeps ``pending_webhooks`` 1, and
+``GET /v1/events?delivery_success=false`` lists it, newest first, in pages of ``limit`` walked
+with ``starting_after`` while ``has_more``, as stripe/openapi describes it. It has ``faults``
+as GitHub's does.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import hashlib
 import hmac
 import itertools
 import json
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -215,3 +223,103 @@ class GitHubHook:
         # not wait for it.
         await self.deliver(found.guid, found.body, event=found.event, redelivery=True)
         return web.json_response({}, status=202)
+
+
+@dataclass
+class StripeEvent:
+    id: str
+    type: str
+    created: int
+    data: dict[str, Any]
+    delivered: bool = False
+
+    def item(self) -> dict[str, Any]:
+        """As stripe/openapi's ``event`` schema describes it: the object a webhook carries."""
+        return {
+            "id": self.id,
+            "object": "event",
+            "api_version": "2024-06-20",
+            "created": self.created,
+            "data": self.data,
+            "livemode": False,
+            "pending_webhooks": 0 if self.delivered else 1,
+            "request": {"id": None, "idempotency_key": None},
+            "type": self.type,
+        }
+
+
+@dataclass
+class StripeAccount:
+    """An account with one webhook endpoint, and the API over its events."""
+
+    secret: str  # the endpoint's signing secret (whsec_…)
+    key: str  # the API key the stand-in accepts (a restricted key, rk_…)
+    target: str = ""  # the endpoint's URL: the proxy's route
+    api_url: str = ""  # where the stand-in listens
+    events: list[StripeEvent] = field(default_factory=list)  # oldest first
+    faults: list[tuple[int, dict[str, str]]] = field(default_factory=list)
+    list_requests: list[dict[str, str]] = field(default_factory=list)  # each request's query
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def app(self) -> web.Application:
+        application = web.Application()
+        application.router.add_get("/v1/events", self._list)
+        return application
+
+    async def send(self, event_type: str = "charge.succeeded", **data: Any) -> int:
+        """Create an event and send it to ``target`` once (never retried); the status."""
+        event = StripeEvent(
+            f"evt_{next(self._ids):024d}", event_type, int(time.time()), {"object": data}
+        )
+        self.events.append(event)
+        body = json.dumps(event.item(), indent=2).encode()
+        stamp = str(int(time.time()))
+        signature = hmac.new(
+            self.secret.encode(), f"{stamp}.".encode() + body, hashlib.sha256
+        ).hexdigest()
+        headers = {
+            "Stripe-Signature": f"t={stamp},v1={signature}",
+            "Content-Type": "application/json; charset=utf-8",
+            "User-Agent": "Stripe/1.0 (+https://stripe.com/docs/webhooks)",
+        }
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(self.target, data=body, headers=headers) as response,
+            ):
+                status = response.status
+        except aiohttp.ClientError:
+            status = 0
+        event.delivered = 200 <= status < 300
+        return status
+
+    def page(self, query: dict[str, str]) -> dict[str, Any]:
+        """The list object ``GET /v1/events`` answers for ``query``."""
+        listed = [event.item() for event in reversed(self.events)]  # newest first
+        if query.get("delivery_success") == "false":
+            listed = [item for item in listed if item["pending_webhooks"] > 0]
+        elif query.get("delivery_success") == "true":
+            listed = [item for item in listed if item["pending_webhooks"] == 0]
+        if "created[gte]" in query:
+            listed = [item for item in listed if item["created"] >= int(query["created[gte]"])]
+        if "starting_after" in query:
+            ids = [item["id"] for item in listed]
+            listed = listed[ids.index(query["starting_after"]) + 1 :]
+        limit = min(100, int(query.get("limit", "10")))
+        return {
+            "object": "list",
+            "url": "/v1/events",
+            "has_more": len(listed) > limit,
+            "data": listed[:limit],
+        }
+
+    async def _list(self, request: web.Request) -> web.Response:
+        self.list_requests.append(dict(request.query))
+        if self.faults:
+            status, headers = self.faults.pop(0)
+            error = {"error": {"type": "api_error", "message": "stand-in fault"}}
+            return web.json_response(error, status=status, headers=headers)
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
+            error = {"error": {"type": "invalid_request_error", "message": "Invalid API Key"}}
+            return web.json_response(error, status=401)
+        return web.json_response(self.page(dict(request.query)))

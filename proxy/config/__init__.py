@@ -10,14 +10,14 @@ from __future__ import annotations
 import io
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import yaml
 
-from proxy import app_limit, errors, paths
+from proxy import app_limit, errors, paths, signatures
 from proxy.config import console, reader, redeliver, values
 from proxy.config import routes as routes_module
 from proxy.upstream import proxy_headers
@@ -384,6 +384,8 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
             ),
         ),
     )
+    recovering = (_stripe_recovery(r, n, route, listen) for n, route in enumerate(config.routes))
+    config = replace(config, routes=tuple(recovering))
     if any(route.redeliver for route in config.routes) and config.database.pool_size < 2:
         r.problem(
             "database.pool_size",
@@ -398,3 +400,30 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
     if r.problems:
         raise errors.ConfigError(source, r.problems)
     return config
+
+
+def _stripe_recovery(
+    r: reader.Reader, index: int, route: routes_module.RouteConfig, listen: Listen
+) -> routes_module.RouteConfig:
+    """A Stripe route's ``reconcile`` with what a recovery needs from the rest of the route: the
+    endpoint secret it is signed with (the first of ``verify``'s) and, unless ``deliver_to``
+    says otherwise, the proxy's own listener on the route's path (the gap then enters the
+    pipeline as any delivery does: verified, claimed, forwarded)."""
+    settings = route.reconcile
+    if settings is None or settings.provider != "stripe":
+        return route
+    path = f"routes[{index}].reconcile"
+    secret = b""
+    if isinstance(route.verify, signatures.ListedSignature) and route.verify.scheme == "stripe":
+        secret = route.verify.secrets[0]
+    elif not isinstance(route.verify, signatures.SecretsUnread) or route.verify.scheme != "stripe":
+        r.problem(path, "needs the route's verify with scheme stripe: a recovered event is "
+                  "signed with the endpoint secret, and checked as any delivery")  # fmt: skip
+    target = settings.deliver_to
+    if not target and route.pattern.params:
+        r.problem(f"{path}.deliver_to", "is required on a path with {parameters}: which path "
+                  "a recovered event goes to is not in Stripe's log")  # fmt: skip
+    elif not target:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(listen.host, listen.host)
+        target = f"http://{f'[{host}]' if ':' in host else host}:{listen.port}{route.path}"
+    return replace(route, reconcile=replace(settings, deliver_to=target, signing_secret=secret))

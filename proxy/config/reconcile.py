@@ -1,7 +1,7 @@
 """A route's ``reconcile:`` section: recovering the deliveries the provider reports failed.
 
 Opt-in, per route, on the routes whose provider has an API for its own delivery log (GitHub's
-hook deliveries today; see docs/providers.md for the others). The section says how often to
+hook deliveries, Stripe's events; docs/providers.md for the others). The section says how often to
 look (``every``), how far back (``since``), which hook's log to read (``repository``,
 ``organization`` or a GitHub App's, ``app_id``/``client_id``; and ``hook_id``), where the API is
 (``api_url``: GitHub Enterprise, or a test's stand-in) and the API credential: ``token``
@@ -10,6 +10,11 @@ App's hook, the App's ``private_key`` or ``private_key_file`` (PEM), which signs
 JWT (``proxy.providers_api.github_app``, the ``github-app`` extra). Secrets are read as the
 routes' signing secrets are and never shown in ``repr``. A reader that leaves secrets unread
 (the operator commands) leaves them empty.
+
+A Stripe route (``_parse_stripe``) names no hook: Stripe's log is the account's events, and a gap
+is delivered by the proxy itself, signed with the route's endpoint secret (``signing_secret``,
+filled in from the route's ``verify``) and POSTed to ``deliver_to`` (by default the proxy's own
+listener on the route's path, filled in by ``config.parse``); ``types`` narrows the events read.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from proxy.config import reader, values
 
 RECONCILE_KEYS = ("every", "since", "token", "token_file", "repository", "organization",
                   "hook_id", "app_id", "client_id", "private_key", "private_key_file",
-                  "api_url", "max_per_run")  # fmt: skip
+                  "api_url", "max_per_run", "deliver_to", "types")  # fmt: skip
 DEFAULT_EVERY = 300.0
 DEFAULT_SINCE = 6 * 3600.0
 DEFAULT_MAX_PER_RUN = 1000
@@ -31,8 +36,17 @@ MIN_EVERY = 10.0
 # GitHub keeps a hook's deliveries for three days: a longer look-back finds nothing more.
 GITHUB_HISTORY = 3 * 86400.0
 GITHUB_API_URL = "https://api.github.com"
+# Stripe lists an account's events for 30 days.
+STRIPE_HISTORY = 30 * 86400.0
+STRIPE_API_URL = "https://api.stripe.com"
+# Stripe's List Events takes at most 20 ``types``.
+STRIPE_MAX_TYPES = 20
 # The presets whose provider has an API this proxy reconciles against.
-PROVIDERS = ("github",)
+PROVIDERS = ("github", "stripe")
+# The keys of the section that apply to one provider only (a GitHub App's key is refused by
+# ``_token`` on any route read with a token).
+GITHUB_ONLY = ("repository", "organization", "hook_id", "app_id", "client_id")
+STRIPE_ONLY = ("deliver_to", "types")
 # The extra that signs a GitHub App's JWT (PyJWT with cryptography), and the module it brings.
 GITHUB_APP_EXTRA = "github-app"
 GITHUB_APP_MODULES = ("jwt", "cryptography")
@@ -56,6 +70,11 @@ class Reconcile:
     token: str = field(default="", repr=False)
     # A GitHub App's private key (PEM), which signs its JWT.
     private_key: str = field(default="", repr=False)
+    # Stripe: where a gap is POSTed ("": not yet filled in), the event types read (none: all),
+    # and the route's endpoint secret that signs it (from ``verify``; never shown).
+    deliver_to: str = ""
+    types: tuple[str, ...] = ()
+    signing_secret: bytes = field(default=b"", repr=False)
 
     @property
     def hook(self) -> str:
@@ -116,6 +135,9 @@ def parse_reconcile(
             f"{preset or 'no preset'}",
         )
         return None
+    if preset == "stripe":
+        return _parse_stripe(r, section, path)
+    _refuse(r, section, path, STRIPE_ONLY, "only on a route with preset stripe")
     every = r.value(section, "every", path, values.parse_duration, DEFAULT_EVERY)
     if every < MIN_EVERY:
         r.problem(f"{path}.every", f"must be at least {MIN_EVERY:g}s, got {every:g}s")
@@ -266,3 +288,55 @@ def _pem(text: str) -> str:
     if not (key.startswith("-----BEGIN ") and "PRIVATE KEY-----" in key.splitlines()[0]):
         raise ValueError("must be the App's private key in PEM (-----BEGIN RSA PRIVATE KEY-----)")
     return key + "\n"
+
+
+def _parse_stripe(r: reader.Reader, section: dict[str, Any], path: str) -> Reconcile:
+    """A Stripe route's section: the account's events over the API, no hook to name."""
+    _refuse(r, section, path, GITHUB_ONLY, "not on a Stripe route: Stripe's log is the "
+            "account's events, read with the key (types narrows them)")  # fmt: skip
+    every = r.value(section, "every", path, values.parse_duration, DEFAULT_EVERY)
+    if every < MIN_EVERY:
+        r.problem(f"{path}.every", f"must be at least {MIN_EVERY:g}s, got {every:g}s")
+    since = r.value(section, "since", path, values.parse_duration, DEFAULT_SINCE)
+    if since > STRIPE_HISTORY:
+        r.problem(f"{path}.since", "must be at most 30d: Stripe lists events for 30 days")
+    if since < every:
+        r.problem(
+            f"{path}.since",
+            f"must be at least 'every' ({every:g}s): a run must look back over the time since "
+            "the last one",
+        )
+    return Reconcile(
+        provider="stripe",
+        every=every,
+        since=since,
+        api_url=r.value(section, "api_url", path, values.parse_http_url, STRIPE_API_URL),
+        max_per_run=r.value(
+            section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
+        ),
+        token=_token(r, section, path),
+        deliver_to=r.value(section, "deliver_to", path, values.parse_http_url, ""),
+        types=r.value(section, "types", path, _types, ()),
+    )
+
+
+def _types(value: object) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if (
+        not isinstance(items, list)
+        or not items
+        or not all(isinstance(item, str) and item and item.strip() == item for item in items)
+    ):
+        raise ValueError("must be an event type or a non-empty list of them")
+    if len(items) > STRIPE_MAX_TYPES:
+        raise ValueError(f"at most {STRIPE_MAX_TYPES} (Stripe's limit), got {len(items)}")
+    return tuple(items)
+
+
+def _refuse(
+    r: reader.Reader, section: dict[str, Any], path: str, keys: tuple[str, ...], why: str
+) -> None:
+    """A problem for each of ``keys`` in the section: keys of another provider's."""
+    for key in keys:
+        if key in section:
+            r.problem(f"{path}.{key}", why)

@@ -1,5 +1,6 @@
 """The providers' own delivery logs, read by the reconciler (``proxy.reconciler``): one interface,
-``DeliveryLog``, and an implementation per provider whose API allows it (``github``).
+``DeliveryLog``, and an implementation per provider whose API allows it (``github``,
+``stripe``).
 
 A closed family: it imports nothing from the package but the error tree and the route's
 ``reconcile`` settings. Every answer of a provider's API is translated here, once, into
@@ -52,7 +53,8 @@ class DeliveryLog(Protocol):
         ...  # pragma: no cover
 
     async def recover(self, delivery: Delivery) -> None:
-        """Have ``delivery`` delivered again (GitHub: a redelivery, signed as any other)."""
+        """Have ``delivery`` delivered again (GitHub: a redelivery, signed as any other;
+        Stripe: the event sent to the route, signed with its secret)."""
         ...  # pragma: no cover
 
     async def close(self) -> None: ...

@@ -1,0 +1,136 @@
+"""Stripe's events not delivered: the account's ``GET /v1/events`` with ``delivery_success=false``
+(tests/provider_api/ vendors the operation from stripe/openapi).
+
+Stripe keeps no per-endpoint log a client can read, and has no API to ask for a redelivery; it
+lists the account's events of the last 30 days, newest first, up to 100 a page, the next page
+asked for with ``starting_after`` (the last event's ID) while ``has_more``. With
+``delivery_success=false`` the list holds the events whose delivery to some endpoint is still
+pending or failed every attempt. Each is a gap if the route has no claim of its ``id``; it is
+recovered the way Stripe documents for undelivered events: the event object itself (the API's
+event is the object a webhook carries), sent to the route by the proxy, signed with the
+route's endpoint secret in Stripe's scheme (``Stripe-Signature: t=<now>,v1=<HMAC-SHA256>``),
+so that the route verifies, claims and forwards it as any delivery.
+
+Stripe's answers are translated as every provider's (``providers_api.answered``); the route's
+own answer to a recovered event is not the provider's, and a non-2xx one is
+``errors.RecoveryRefused``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+
+from proxy import errors
+from proxy.config import reconcile
+from proxy.providers_api import REQUEST_TIMEOUT, Delivery, answered, reaching
+
+# Stripe's page size at most.
+LIMIT = 100
+# The pages one run reads at most: 100,000 events.
+MAX_PAGES = 1000
+
+
+class UndeliveredEvents:
+    """The account's events that Stripe has not delivered to every endpoint."""
+
+    def __init__(self, settings: reconcile.Reconcile, *, user_agent: str) -> None:
+        self._settings = settings
+        self._url = settings.api_url.rstrip("/") + "/v1/events"
+        self._user_agent = user_agent
+        # The event objects listed, by ID: what ``recover`` sends.
+        self._events: dict[str, dict[str, Any]] = {}
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
+        self._api = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {settings.token}", "User-Agent": user_agent},
+            timeout=timeout,
+        )
+        self._route = aiohttp.ClientSession(timeout=timeout)
+
+    async def close(self) -> None:
+        await self._api.close()
+        await self._route.close()
+
+    async def deliveries(self, since: float) -> AsyncIterator[Delivery]:
+        """Each event created at or after ``since`` that is not delivered everywhere, once."""
+        query: list[tuple[str, str]] = [
+            ("delivery_success", "false"),
+            ("created[gte]", str(int(since))),
+            ("limit", str(LIMIT)),
+            *(("types[]", kind) for kind in self._settings.types),
+        ]
+        after: str | None = None
+        seen: set[str] = set()
+        for _ in range(MAX_PAGES):
+            page = await self._page([*query, ("starting_after", after)] if after else query)
+            for item in page["data"]:
+                event_id = str(item["id"])
+                if event_id in seen:
+                    continue  # listed twice: the list shifted while its pages were walked
+                seen.add(event_id)
+                self._events[event_id] = item
+                pending = item.get("pending_webhooks")
+                yield Delivery(
+                    event_id=event_id,
+                    ref=event_id,
+                    event=str(item.get("type") or ""),
+                    at=float(item["created"]),
+                    delivered=False,
+                    status=f"pending_webhooks {pending}",
+                )
+            if not page["has_more"] or not page["data"]:
+                return
+            after = str(page["data"][-1]["id"])
+
+    async def _page(self, query: list[tuple[str, str]]) -> dict[str, Any]:
+        what = "listing the account's undelivered events"
+        with reaching(what):
+            async with self._api.get(self._url, params=query) as response:
+                answered(response.status, response.headers, what)
+                page = await response.json(content_type=None)
+            if not (
+                isinstance(page, dict)
+                and isinstance(page.get("data"), list)
+                and isinstance(page.get("has_more"), bool)
+            ):
+                raise ValueError("the events are not a list object")
+        return page
+
+    async def recover(self, delivery: Delivery) -> None:
+        """The event object, signed now with the route's secret, POSTed to the route."""
+        body = json.dumps(self._events[delivery.ref], indent=2).encode()
+        stamp = str(int(time.time()))
+        signature = hmac.new(
+            self._settings.signing_secret, f"{stamp}.".encode() + body, hashlib.sha256
+        ).hexdigest()
+        headers = {
+            "Content-Type": "application/json; charset=utf-8",
+            "Stripe-Signature": f"t={stamp},v1={signature}",
+            "User-Agent": self._user_agent,
+        }
+        what = f"delivering event {delivery.ref} to {self._settings.deliver_to}"
+        with _to_route(what):
+            async with self._route.post(
+                self._settings.deliver_to, data=body, headers=headers
+            ) as response:
+                if not 200 <= response.status < 300:
+                    raise errors.RecoveryRefused(
+                        f"{what}: the route answered {response.status} (its signature check, "
+                        "the database or the app: the proxy's log line for the event says which)"
+                    )
+
+
+@contextlib.contextmanager
+def _to_route(what: str) -> Iterator[None]:
+    """The route not reached (aiohttp's client errors, a timeout) as ``RecoveryRefused``."""
+    try:
+        yield
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise errors.RecoveryRefused(f"{what}: {exc!r}") from exc
