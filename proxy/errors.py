@@ -196,9 +196,22 @@ class ProviderRefused(ProviderAPIError):
 
 
 class RecoveryRefused(ProviderAPIError):
-    """The route did not take a recovered event: a non-2xx answer, or no answer."""
+    """The route did not take a recovered event: a non-2xx answer (``status``), or no answer
+    (``status`` None)."""
 
     kind = "recovery_refused"
+
+    def __init__(self, message: str | None = None, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def about_the_event(self) -> bool:
+        """Whether the answer is about this event alone (the app's, or a body the route
+        refuses), so that the run goes on to the next gap. Not: no answer, a signature the
+        route refuses (401, 403: every event would be) or the proxy's own 503 or 429 (its
+        database, or the app's limit: the next run)."""
+        return self.status is not None and self.status not in (401, 403, 429, 503)
 
 
 class RequestError(ProxyError):

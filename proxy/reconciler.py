@@ -69,6 +69,9 @@ class Report:
     claimed: list[providers_api.Delivery] = field(default_factory=list)
     gaps: list[providers_api.Delivery] = field(default_factory=list)
     recovered: list[providers_api.Delivery] = field(default_factory=list)
+    # Gaps the route refused when recovered, each for a reason of its own (the app's answer):
+    # the run went on to the next; each is tried again the next run.
+    refused: dict[str, errors.RecoveryRefused] = field(default_factory=dict)
     # Why the run ended early (an API error), if it did; the gaps left are the next run's.
     stopped: errors.ProviderAPIError | None = None
 
@@ -203,9 +206,21 @@ class Reconciler:
                             "the next run", route.name,
                             len(report.gaps) - len(report.recovered))  # fmt: skip
                 return
-            await self._politely(route, functools.partial(provider_log.recover, delivery), deadline)
-            report.recovered.append(delivery)
-            self._metrics.reconcile_recovered.labels(route.name).inc()
+            try:
+                await self._politely(
+                    route, functools.partial(provider_log.recover, delivery), deadline
+                )
+            except errors.RecoveryRefused as exc:
+                if not exc.about_the_event:
+                    raise
+                # One event the app refuses must not hold back the gaps behind it.
+                report.refused[delivery.event_id] = exc
+                self._metrics.reconcile_errors.labels(route.name, exc.kind).inc()
+                log.warning("reconcile of route %s: %s; going on to the next gap", route.name,
+                            exc.message)  # fmt: skip
+            else:
+                report.recovered.append(delivery)
+                self._metrics.reconcile_recovered.labels(route.name).inc()
             await asyncio.sleep(1.0 / self._pace)
 
     async def _politely(
@@ -276,6 +291,9 @@ def describe(report: Report, *, dry_run: bool) -> str:
             fate = "claimed: not sent again"
         elif delivery.event_id in recovered:
             fate = "recovered"
+        elif delivery.event_id in report.refused:
+            status = report.refused[delivery.event_id].status
+            fate = f"refused by the route ({status}), left for the next run"
         else:
             fate = "would be recovered" if dry_run else "a gap, left for the next run"
         when = datetime.fromtimestamp(delivery.at, UTC).isoformat(timespec="seconds")

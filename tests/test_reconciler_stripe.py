@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import generate_latest
 
@@ -221,6 +222,40 @@ async def test_a_revoked_key_or_an_outage_ends_the_run_and_the_next_one_recovers
 
     assert (len(report.recovered), report.stopped) == (3, None)
     assert Counter(_delivered(upstream).values()) == Counter({1: 3})
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_an_event_the_app_refuses_does_not_hold_back_the_gaps_behind_it(
+    make_proxy: MakeProxy, upstream: FakeUpstream, account: StripeAccount
+) -> None:
+    """The app's 422 is about one event: the run goes on, and leaves that one for the next."""
+    proxy = await make_proxy(routes=[_route(account.api_url)])
+    account.target = "http://127.0.0.1:9/unreachable"
+    for n in range(3):
+        await account.send(n=n)
+    # The app refuses the first event recovered (the oldest: these are of one second).
+    upstream.respond = lambda number: web.Response(status=422 if number == 0 else 200)
+
+    report = await _run(proxy)
+
+    oldest = json.loads(upstream.requests[0].body)["id"]
+    assert report.stopped is None
+    assert list(report.refused) == [oldest]
+    assert report.refused[oldest].status == 422
+    assert sorted(d.event_id for d in report.recovered) == sorted(
+        e.id for e in account.events if e.id != oldest
+    )
+    assert "refused by the route (422), left for the next run" in reconciler.describe(
+        report, dry_run=False
+    )
+    metrics = await _metrics(proxy)
+    assert 'dedup_reconcile_errors_total{kind="recovery_refused",route="stripe"} 1.0' in metrics
+
+    upstream.respond = lambda number: web.Response(status=200)
+    again = await _run(proxy)  # the app takes it now; the others have their claims
+
+    assert [d.event_id for d in again.recovered] == [oldest]
+    assert Counter(_delivered(upstream).values()) == Counter({1: 2, 2: 1})
 
 
 @pytest.mark.usefixtures("no_background_runs")

@@ -123,7 +123,8 @@ class UndeliveredEvents:
                 if not 200 <= response.status < 300:
                     raise errors.RecoveryRefused(
                         f"{what}: the route answered {response.status} (its signature check, "
-                        "the database or the app: the proxy's log line for the event says which)"
+                        "the database or the app: the proxy's log line for the event says which)",
+                        status=response.status,
                     )
 
 
