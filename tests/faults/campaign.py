@@ -76,7 +76,7 @@ from aiohttp import web
 
 from proxy import app_limit, config, embedded, errors
 from proxy.database import pool
-from tests.faults import checker, databases
+from tests.faults import checker, databases, ledger_app
 from tests.faults.relay import Mode
 from tests.helpers import accepts, free_port
 
@@ -137,6 +137,9 @@ class Settings:
     # GitHub's hand_off 7 s), so that it finds a slow delivery kept, not still in flight.
     concurrency: int | None = None
     hand_off: float | None = None
+    # The receipt mode (``ledger_app``): the route has ``receipt`` in the app's own database.
+    receipts: bool = False
+    receipt_dsn: str | None = None  # that database, once started
 
     def with_inbox(self) -> Settings:
         """These settings in the inbox mode, with flow control as its user sets it up: a limit
@@ -174,6 +177,8 @@ class Settings:
     def replica_config(self, *, port: int, upstream: str, dsn: str) -> dict[str, Any]:
         route: dict[str, Any] = {"name": ROUTE, "path": HOOK, "event_id": "body:/id"}
         extra: dict[str, Any] = {}
+        if self.receipt_dsn is not None:
+            route["receipt"] = {"dsn": self.receipt_dsn}
         if self.inbox:
             route["redeliver"] = {"schedule": list(self.schedule), "for": self.redeliver_for}
             if self.hand_off is not None:
@@ -276,6 +281,7 @@ class App:
         self.fixed: dict[str, float] = {}  # event-ID prefix -> latency, answered 200
         self.gates: dict[str, asyncio.Event] = {}  # event ID -> answer once set
         self._senders: dict[int, str] = {}  # the app's port -> the replica given it
+        self.ledger: ledger_app.Ledger | None = None  # the receipt mode's database
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -334,7 +340,15 @@ class App:
             gate = self.gates.get(event_id)
             if gate is not None:
                 await gate.wait()
-            await asyncio.sleep(latency)
+            effect = None
+            if self.ledger is None:
+                await asyncio.sleep(latency)
+            else:
+                receipt = request.headers.get("Dedup-Receipt")
+                done = await self.ledger.credit(
+                    event_id, receipt, latency, status, delivery=delivery, replica=sender
+                )
+                effect, status = done.effect, done.status
             self.calls.append(
                 checker.UpstreamCall(
                     event_id=event_id,
@@ -343,6 +357,7 @@ class App:
                     start=start,
                     end=time.monotonic(),
                     status=status,
+                    effect=effect,
                 )
             )
             return web.Response(status=status, text="acted" if status < 300 else "failed")
@@ -780,6 +795,9 @@ async def cluster(
             database = await stack.enter_async_context(databases.database(mode, workdir))
             dsn = database.dsn
         app = App(rng, settings)
+        if settings.receipts:
+            app.ledger = await stack.enter_async_context(ledger_app.ledger(workdir, rng))
+            settings = replace(settings, receipt_dsn=app.ledger.dsn)
         await app.start()
         stack.push_async_callback(app.close)
         links: list[databases.Link] = []
@@ -998,12 +1016,16 @@ async def run_campaign(
     settings: Settings | None = None,
     inbox: bool = False,
     database: str = "plain",
+    receipts: bool = False,
     say: Callable[[str], None] = _quiet,
 ) -> checker.Report:
     """Run one campaign (``minutes`` of nemesis, then settling and checks); return the report,
     whose ``violations`` are empty when the invariant held. ``inbox``: the inbox mode;
-    ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring)."""
+    ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring);
+    ``receipts``: the receipt mode (``ledger_app``)."""
     settings = settings or Settings()
+    if receipts:
+        settings = replace(settings, receipts=True)
     if inbox and not settings.inbox:
         settings = settings.with_inbox()
     seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
@@ -1013,6 +1035,7 @@ async def run_campaign(
     own_dir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="dedup-campaign-")) if workdir is None else workdir
     mode = (" inbox" if settings.inbox else "") + ("" if database == "plain" else f" {database}")
+    mode += " receipts" if settings.receipts else ""
     say(
         f"campaign{mode} seed={seed} replicas={replicas} events={count} nemesis={duration:g}s "
         f"in {work}"
@@ -1064,6 +1087,9 @@ async def _campaign(
             post.append(await check_no_idle_transactions(c.dsn))
             post.append(await check_pools_free(c, provider))
             rows = await claim_rows(c.dsn, settings.table)
+            ledger = None if c.app.ledger is None else await c.app.ledger.counts()
+            if c.app.ledger is not None:
+                post.append(await check_no_idle_transactions(c.app.ledger.dsn))
         for replica in c.replicas:
             await replica.stop()
         records = checker.Records(
@@ -1073,6 +1099,7 @@ async def _campaign(
             actions=nemesis.actions,
             logs=[line for r in c.replicas for line in r.logs],
             claimed=frozenset(rows),
+            ledger=ledger,
             inbox=settings.inbox,
             inbox_states={e: state for e, state in rows.items() if state is not None},
             hand_off=settings.hand_off if settings.inbox else None,
@@ -1091,6 +1118,7 @@ async def _campaign(
                 "claim_wait": f"{settings.claim_wait:g}s",
                 "pool": settings.pool_size,
                 **_inbox_settings(settings),
+                **({"app_pool": c.app.ledger.described()} if c.app.ledger else {}),
             },
         )
         report, _ = checker.check(records)
@@ -1153,6 +1181,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         dest="database",
         help="a primary and a synchronous standby; the nemesis fails over instead of restarting",
     )
+    parser.add_argument(
+        "--receipts",
+        action="store_true",
+        help="the route has receipt; the app writes a ledger row and the receipt in one "
+        "transaction in a database of its own",
+    )
     parser.set_defaults(database="plain")
     args = parser.parse_args(argv)
 
@@ -1170,6 +1204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             events=args.events,
             inbox=args.inbox,
             database=args.database,
+            receipts=args.receipts,
             say=say,
         )
     )

@@ -725,3 +725,82 @@ def test_checker_inbox_tells_refusals_with_the_database_away_from_the_others(
     assert report.inbox is not None
     assert report.inbox.refused_reasons == {"503 unavailable (shed: pool)": 1}
     assert report.inbox.refused_healthy == healthy
+
+
+# --- the checker, in the receipt mode ------------------------------------------------------
+
+
+def _receipts(
+    calls: list[checker.UpstreamCall],
+    deliveries: list[checker.Delivery],
+    ledger: Mapping[str, int],
+    **more: Any,
+) -> checker.Records:
+    return replace(_records(calls, deliveries, **more), ledger=ledger)
+
+
+def _credit(
+    delivery: str, replica: str, start: float, effect: str, took: float = 0.01, status: int = 200
+) -> checker.UpstreamCall:
+    return checker.UpstreamCall("e", delivery, replica, start, start + took, status, effect)
+
+
+def _settled(delivery: str, replica: str, **more: object) -> Mapping[str, object]:
+    """The proxy's line for a delivery it answered processed by the event's receipt."""
+    return {"event_id": "e", "request_id": delivery, "replica": replica, "outcome": "processed",
+            "receipt": "written", "status": 200, **more}  # fmt: skip
+
+
+def test_checker_receipts_flag_an_effect_committed_twice_whatever_the_windows() -> None:
+    # Without receipts an answer after upstream.timeout and a kill explain a second 2xx; with
+    # them, two ledger rows for one event are a violation, excused by nothing.
+    calls = [_credit("d1", "r1", 1.0, "committed", took=3.0), _credit("d2", "r2", 5.0, "committed")]
+    deliveries = [_delivery("d1", "r1", 1.0, 504), _delivery("d2", "r2", 5.0, 200)]
+    kill = checker.Action("kill", "r1", 1.5, 2.0)
+    report, violations = checker.check(_receipts(calls, deliveries, {"e": 2}, actions=(kill,)))
+    assert [v.kind for v in violations] == ["effect_twice"]
+    assert report.receipts is not None
+    assert (report.receipts.effects_twice, report.receipts.effects_lost) == (1, 0)
+    assert report.double_processed == ()  # the ledger's rule replaces counting 2xx answers
+
+
+def test_checker_receipts_accept_an_event_sent_twice_and_settled_by_its_receipt() -> None:
+    # The app committed, then answered after upstream.timeout (504); the next copy's
+    # transaction failed on the receipt (500), and the proxy answered 200 by the receipt.
+    calls = [
+        _credit("d1", "r1", 1.0, "committed", took=2.5),
+        _credit("d2", "r2", 4.0, "refused", status=500),
+    ]
+    deliveries = [_delivery("d1", "r1", 1.0, 504), _delivery("d2", "r2", 4.0, 200)]
+    report, violations = checker.check(
+        _receipts(calls, deliveries, {"e": 1}, logs=(_settled("d2", "r2"),))
+    )
+    assert violations == []
+    assert report.receipts is not None
+    assert (report.receipts.sent_twice, report.receipts.settled) == (1, 1)
+    assert report.receipts.committed_late == 1
+    assert (report.accepted, report.delivered, report.lost) == (1, 1, 0)
+
+
+def test_checker_receipts_flag_an_acknowledged_event_with_no_ledger_row() -> None:
+    calls = [_credit("d1", "r1", 1.0, "committed")]
+    report, violations = checker.check(_receipts(calls, [_delivery("d1", "r1", 1.0, 200)], {}))
+    assert [v.kind for v in violations] == ["effect_lost"]
+    assert report.lost == 1
+
+
+def test_checker_receipts_take_a_settled_claim_whose_commit_failed_as_not_committed() -> None:
+    # d1's claim was reset under its call; the proxy found the receipt, but its claim's COMMIT
+    # failed (logged processed, with a commit_error): d2's call beside it is the reset's, and
+    # the missing claim row is no loss.
+    calls = [
+        _credit("d1", "r1", 1.0, "committed", took=1.5),
+        _credit("d2", "r2", 1.5, "refused", status=500),
+    ]
+    deliveries = [_delivery("d1", "r1", 1.0, 200), _delivery("d2", "r2", 1.4, 200)]
+    reset = checker.Action("reset", "r1", 1.2, 1.3)
+    logs = (_settled("d1", "r1", commit_error="connection is closed"), _settled("d2", "r2"))
+    _, violations = checker.check(
+        _receipts(calls, deliveries, {"e": 1}, actions=(reset,), logs=logs, claimed=frozenset())
+    )
+    assert violations == []
