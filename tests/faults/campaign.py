@@ -882,9 +882,11 @@ def check_restarts(nemesis: Nemesis, replicas: Sequence[Replica]) -> checker.Pos
     )
 
 
-async def check_no_idle_transactions(dsn: str, within: float = 2.0) -> checker.PostCheck:
+async def check_no_idle_transactions(
+    dsn: str, within: float = 2.0, where: str = ""
+) -> checker.PostCheck:
     """No session is left holding a transaction once nothing is in flight."""
-    name = "no idle-in-transaction sessions"
+    name = "no idle-in-transaction sessions" + where
     left: list[str] = []
 
     async def none_left() -> bool:
@@ -1085,11 +1087,13 @@ async def _campaign(
             say(f"{time.monotonic() - origin:7.2f}s  settled in {settle:.1f}s; checking")
             post = [check_restarts(nemesis, c.replicas)]
             post.append(await check_no_idle_transactions(c.dsn))
+            if c.app.ledger is not None:  # before the pool check's events reach the app
+                post.append(
+                    await check_no_idle_transactions(c.app.ledger.dsn, where=" (the app's)")
+                )
             post.append(await check_pools_free(c, provider))
             rows = await claim_rows(c.dsn, settings.table)
             ledger = None if c.app.ledger is None else await c.app.ledger.counts()
-            if c.app.ledger is not None:
-                post.append(await check_no_idle_transactions(c.app.ledger.dsn))
         for replica in c.replicas:
             await replica.stop()
         records = checker.Records(

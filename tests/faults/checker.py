@@ -479,13 +479,14 @@ class _Event:
         it (``processed``, not ``reconciled`` on another): the claim then held its row lock
         until an acknowledged COMMIT, so no fault explains another forward of the event beside
         or after it. (Under the failover nemesis: the synchronous standby had the row before
-        the primary acknowledged it, and a kill after that cannot take it.) A delivery settled
-        by its receipt whose claim's COMMIT then failed is logged ``processed`` with a
-        ``commit_error``: not committed."""
+        the primary acknowledged it, and a kill after that cannot take it.) Not a delivery
+        settled by its receipt: its line says ``processed`` whether its claim was committed,
+        stored again on a fresh connection (with no ``reconciled`` on that line), or not stored
+        at all (``commit_error``)."""
         line = self.request_line(delivery)
         if line is None or line["outcome"] != "processed" or line.get("reconciled"):
             return False
-        return "commit_error" not in line  # settled by a receipt, its claim not stored
+        return not receipt_rule.settled_by_receipt(line)
 
     def kept_unsent(self, delivery: Delivery) -> bool:
         """Whether ``delivery`` was kept before the app was sent it: over the limit (or paused,

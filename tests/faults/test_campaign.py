@@ -789,18 +789,30 @@ def test_checker_receipts_flag_an_acknowledged_event_with_no_ledger_row() -> Non
     assert report.lost == 1
 
 
-def test_checker_receipts_take_a_settled_claim_whose_commit_failed_as_not_committed() -> None:
-    # d1's claim was reset under its call; the proxy found the receipt, but its claim's COMMIT
-    # failed (logged processed, with a commit_error): d2's call beside it is the reset's, and
-    # the missing claim row is no loss.
+@pytest.mark.parametrize(
+    ("stored", "claimed"),
+    [
+        # The claim's COMMIT failed: logged processed, with a commit_error, and no row is no loss.
+        ({"commit_error": "connection is closed"}, frozenset()),
+        # Stored again on a fresh connection: logged processed, with no "reconciled" on it.
+        ({}, frozenset({"e"})),
+    ],
+    ids=["not-stored", "stored-again"],
+)
+def test_checker_receipts_take_a_claim_settled_by_its_receipt_as_exposed(
+    stored: Mapping[str, object], claimed: frozenset[str]
+) -> None:
+    # d1's claim was reset under its call, and d2's call came beside it (refused by the
+    # receipt); the proxy then found d1's receipt: its line says processed, but its claim did
+    # not hold its lock until an acknowledged COMMIT.
     calls = [
         _credit("d1", "r1", 1.0, "committed", took=1.5),
         _credit("d2", "r2", 1.5, "refused", status=500),
     ]
     deliveries = [_delivery("d1", "r1", 1.0, 200), _delivery("d2", "r2", 1.4, 200)]
     reset = checker.Action("reset", "r1", 1.2, 1.3)
-    logs = (_settled("d1", "r1", commit_error="connection is closed"), _settled("d2", "r2"))
+    logs = (_settled("d1", "r1", **stored), _settled("d2", "r2"))
     _, violations = checker.check(
-        _receipts(calls, deliveries, {"e": 1}, actions=(reset,), logs=logs, claimed=frozenset())
+        _receipts(calls, deliveries, {"e": 1}, actions=(reset,), logs=logs, claimed=claimed)
     )
     assert violations == []
