@@ -26,12 +26,13 @@ class Short:
     """A campaign short enough for CI, and what shows that its nemesis really hurt: every kind
     of action in ``kinds`` taken at least once, and deliveries counted under each of ``hurt``
     (``Report.deliveries``); on a route that redelivers (``inbox``), deliveries kept and then
-    redelivered to the app."""
+    redelivered to the app; with ``receipts``, a doubt settled by a receipt."""
 
     minutes: float
     events: int
     database: str = "plain"
     inbox: bool = False
+    receipts: bool = False
     kinds: tuple[str, ...] = campaign.KINDS
     hurt: tuple[str, ...] = ("failed", "indeterminate")
 
@@ -68,6 +69,13 @@ class Short:
             marks=pytest.mark.timeout(150),
             id="failovers",
         ),
+        # The app writes a ledger row and the receipt in one transaction in its own database:
+        # no effect committed twice, none lost, whatever the nemesis did.
+        pytest.param(
+            Short(minutes=0.5, events=300, receipts=True),
+            marks=pytest.mark.timeout(150),
+            id="receipts",
+        ),
     ],
 )
 async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
@@ -82,6 +90,7 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         workdir=tmp_path,
         inbox=short.inbox,
         database=short.database,
+        receipts=short.receipts,
         say=print,
     )
     table = checker.format_report(report)
@@ -95,6 +104,10 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         assert report.inbox.kept > 0, table
         assert report.inbox.redeliveries_acted > 0, table
         assert report.inbox.lost == 0, table
+    if short.receipts:
+        assert report.receipts is not None
+        assert report.receipts.looks.get("written", 0) > 0, table  # a doubt the receipt settled
+        assert (report.receipts.effects_twice, report.receipts.effects_lost) == (0, 0), table
     assert not report.violations, table
 
 
