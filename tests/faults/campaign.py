@@ -38,6 +38,12 @@ The database can be another set-up (``databases``), with the same checker and in
   second forward after a claim logged committed is ``forwarded_after_commit``), and the only
   new window for a second delivery is an app call straddling the kill.
 
+With ``--receipts`` (with any of the above) the route has ``receipt``, in the app's own
+database: a PostgreSQL of its own that the nemesis leaves alone. The app credits a ledger there
+and writes the ``Dedup-Receipt`` in the same transaction (``ledger_app``), and the checker
+counts effects committed twice, read from the ledger, with no window to excuse one
+(``receipt_rule``).
+
 Each replica reaches the app on a port of its own, so the app knows which replica sent a call,
 a redelivery included (it carries the headers of the delivery it redelivers).
 
@@ -46,6 +52,7 @@ Run it on demand (exit status 1 on any violation)::
     python -m tests.faults.campaign --minutes 5 [--replicas 3] [--seed S] [--events K] [--inbox]
     python -m tests.faults.campaign --minutes 5 --pgbouncer
     python -m tests.faults.campaign --minutes 5 --failover
+    python -m tests.faults.campaign --minutes 5 --receipts [--inbox] [--pgbouncer | --failover]
 """
 
 from __future__ import annotations

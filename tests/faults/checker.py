@@ -64,6 +64,11 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
 - **Nothing left behind.** After the settle phase no row is pending, and none is dead unless
   the app answered a status retrying cannot fix (the campaign's app never does).
 
+In the receipt mode (``Records.ledger``: the app writes its effect and the receipt in one
+transaction), the rule on processing twice is the ledger's (``receipt_rule``): no event has
+two effects committed, whatever the faults, and every acknowledged event has its effect; a
+call's ``acted`` is its effect committed.
+
 The report counts every failed send by why (the proxy's logged answer and its ``shed``
 reason, or ``claim_wait``), the refused ones apart, and among those the ones with no database
 fault on their replica near them (refused although the database answered); the kept
