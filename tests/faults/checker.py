@@ -1062,7 +1062,8 @@ def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> s
         ("  duplicate answers", str(report.duplicate_answers)),
         (
             "upstream calls",
-            f"{report.upstream_calls} (2xx {report.upstream_acted}, "
+            f"{report.upstream_calls} ({'committed' if report.receipts else '2xx'} "
+            f"{report.upstream_acted}, "
             f"answered after upstream.timeout {report.late_answers})",
         ),
         (
