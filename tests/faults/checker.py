@@ -574,6 +574,7 @@ def _check_event(records: Records, event: _Event) -> tuple[list[Violation], Doub
             event.event_id, records.ledger, event.calls, event.accepted
         )
         found += [event.violation(records, kind, message) for kind, message in problems]
+        found += _called_after_commit(records, event)
         return found, None
     if len(acted) < 2:
         return found, None
@@ -581,6 +582,23 @@ def _check_event(records: Records, event: _Event) -> tuple[list[Violation], Doub
     if unexplained is not None:
         found.append(unexplained)
     return found, double
+
+
+def _called_after_commit(records: Records, event: _Event) -> Iterator[Violation]:
+    """The receipt mode's ``forwarded_after_commit``: no call of the event after one whose
+    claim the proxy logged committed on its own connection (it held the row lock until an
+    acknowledged COMMIT), whatever the later call's transaction did."""
+    ordered = sorted(event.calls, key=lambda c: c.start)
+    for call in ordered[:-1]:
+        own = next((d for d in event.deliveries if d.delivery_id == call.delivery_id), None)
+        if own is not None and call not in event.redeliveries and event.committed(own):
+            message = (
+                f"the app was called {len(ordered) - ordered.index(call) - 1} more time(s) "
+                f"after delivery {own.delivery_id}'s claim had been committed (logged "
+                "processed): a COMMIT the database acknowledged did not hold"
+            )
+            yield event.violation(records, "forwarded_after_commit", message)
+            return
 
 
 def _loss_violations(

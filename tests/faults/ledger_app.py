@@ -46,7 +46,7 @@ COMMITTED_FAILURE_SHARE = 0.3
 # The app's pool: more than the calls that can be at the app at once (each replica's pool, a
 # call the proxy gave up on still working, the redeliverers), so that it is never the
 # bottleneck; the report shows its peak.
-POOL_SIZE = 48
+POOL_SIZE = 32
 REFUSED_STATUS = 500  # the app's answer to a delivery whose receipt is committed already
 
 EFFECTS = ("committed", "rolled_back", "refused")

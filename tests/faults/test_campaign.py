@@ -829,3 +829,14 @@ def test_checker_receipts_take_a_claim_settled_by_its_receipt_as_exposed(
         _receipts(calls, deliveries, {"e": 1}, actions=(reset,), logs=logs, claimed=claimed)
     )
     assert violations == []
+
+
+def test_checker_receipts_flag_a_call_after_a_claim_logged_committed() -> None:
+    # d1's claim held its lock until an acknowledged COMMIT: d2's call after it, even one the
+    # receipt refused, is a COMMIT that did not hold.
+    calls = [_credit("d1", "r1", 1.0, "committed"), _credit("d2", "r2", 5.0, "refused", status=500)]
+    deliveries = [_delivery("d1", "r1", 1.0, 200), _delivery("d2", "r2", 5.0, 200)]
+    processed = {"event_id": "e", "request_id": "d1", "outcome": "processed", "status": 200}
+    logs = (processed, _settled("d2", "r2"))
+    _, violations = checker.check(_receipts(calls, deliveries, {"e": 1}, logs=logs))
+    assert [v.kind for v in violations] == ["forwarded_after_commit"]
