@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 from aiohttp import web
 
+from proxy import database
 from tests.helpers import MakeProxy, Serve, execute, fetch, wait_until
 
 ROUTE = {"name": "pay", "path": "/pay", "event_id": "body:/id", "receipt": True}
@@ -217,3 +218,40 @@ async def _receipts_ready(proxy: Any) -> bool:
 
     receipts = proxy.app[app_keys.RECEIPTS]["pay"]
     return not await receipts.missing()
+
+
+async def test_a_look_waiting_on_an_open_transaction_holds_up_no_look_at_another_receipt(
+    pg_dsn: str, table: str
+) -> None:
+    # Deliveries in doubt at once (a latency spike makes every call late) each look at their
+    # own receipt: one waiting on its app's transaction must not make the others wait too.
+    receipts_ = database.Receipts(pg_dsn, connect_timeout=5.0, op_timeout=5.0)
+    await receipts_.migrate()
+    pending, done = (database.receipts.key(table, "pay", event) for event in ("open", "done"))
+    await execute(pg_dsn, f"SELECT dedup_receipt('{done}')")
+    app = await asyncpg.connect(pg_dsn)
+    transaction = app.transaction()
+    await transaction.start()
+    await app.execute("SELECT dedup_receipt($1)", pending)
+    looking = asyncio.create_task(receipts_.written(pending, wait=30.0))
+    try:
+
+        async def probe_waits() -> bool:
+            rows = await fetch(
+                pg_dsn,
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+                "INSERT INTO dedup_receipts%",
+            )
+            return bool(rows)
+
+        await wait_until(probe_waits, "the first look waiting on the app's transaction")
+        assert await receipts_.written(done, wait=30.0) is True
+        assert not looking.done()  # still waiting on the app's transaction, not decided
+        await transaction.commit()
+        assert await looking is True
+    finally:
+        if not looking.done():
+            looking.cancel()
+        await asyncio.gather(looking, return_exceptions=True)
+        await app.close()
+        await receipts_.close()

@@ -17,14 +17,18 @@ never taken for "not done".
 The receipts live in the claim database or in the app's own (``receipt.dsn``); either way in
 the table ``dedup_receipts`` and the function ``dedup_receipt``, made by ``migrate``. A receipt
 is kept for the longest retention of the routes that ask for receipts, then swept. The
-connection is one per database, opened when first needed: a probe is made only when in doubt.
+connections are opened when first needed (a probe is made only when in doubt), one for each
+look at once, so that a look waiting on an app's open transaction holds up no other.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hashlib
 import logging
+from collections.abc import AsyncIterator
 
 from proxy import errors
 from proxy.database import pool, sql
@@ -47,6 +51,9 @@ _SWEEP = (
     f"DELETE FROM {TABLE} WHERE key IN (SELECT key FROM {TABLE} "
     "WHERE written_at < now() - make_interval(secs => $1) LIMIT $2)"
 )
+# Looks at once per database and process: as many deliveries as can be in doubt at once
+# (a replica's places at the app and its redeliverer's lanes, as configured by default).
+MOST_AT_ONCE = 16
 _MISSING = f"SELECT to_regclass('{TABLE}') IS NULL OR to_regprocedure('{FUNCTION}(text)') IS NULL"
 
 
@@ -64,89 +71,101 @@ def described(written: bool | None) -> str:
 
 
 class Receipts:
-    """The receipts of one database, over one connection opened when first needed."""
+    """The receipts of one database, over connections opened when first needed: one for each
+    look at once, up to ``most`` (a look can wait ``wait`` on an app's open transaction, and
+    the looks of other deliveries must not queue behind it), kept for the next ones."""
 
-    def __init__(self, dsn: str, *, connect_timeout: float, op_timeout: float) -> None:
+    def __init__(
+        self, dsn: str, *, connect_timeout: float, op_timeout: float, most: int = MOST_AT_ONCE
+    ) -> None:
         self._dsn = dsn
         self._connect_timeout = connect_timeout
         self._op_timeout = op_timeout
-        self._connection: pool.Connection | None = None
-        self._lock = asyncio.Lock()  # one statement at a time on the one connection
+        self._idle: list[pool.Connection] = []
+        self._slots = asyncio.Semaphore(most)  # one statement at a time on each connection
 
-    async def _connected(self) -> pool.Connection:
-        if self._connection is None or self._connection.is_closed():
-            with pool.translated(
-                "cannot connect to the receipts' database", connecting=self._connect_timeout
-            ):
-                self._connection = await pool.connect_one(self._dsn, timeout=self._connect_timeout)
-        return self._connection
-
-    def _discard(self) -> None:
-        if self._connection is not None:
-            pool.discard(self._connection)
-            self._connection = None
+    @contextlib.asynccontextmanager
+    async def _connection(self, what: str) -> AsyncIterator[pool.Connection]:
+        """An idle connection, or a new one; ``what`` names a database error (translated). It
+        is kept for the next statement unless an error left it in doubt."""
+        async with self._slots:
+            connection = None
+            while self._idle and connection is None:
+                idle = self._idle.pop()
+                connection = None if idle.is_closed() else idle
+            if connection is None:
+                with pool.translated(
+                    "cannot connect to the receipts' database", connecting=self._connect_timeout
+                ):
+                    connection = await pool.connect_one(self._dsn, timeout=self._connect_timeout)
+            doubtful = functools.partial(pool.discard, connection)
+            try:
+                with pool.translated(what, doubtful):
+                    yield connection
+            except (errors.StoreUnavailable, _RollBack):
+                raise  # closed by translated if in doubt; a refusal or a probe's end leaves it
+            except BaseException:
+                doubtful()  # cancelled or failed mid-statement: its session's state is unknown
+                raise
+            finally:
+                if not connection.is_closed():
+                    self._idle.append(connection)
 
     async def written(self, receipt: str, wait: float) -> bool | None:
         """Whether the app committed ``receipt``: True, False, or None when its transaction
         was still open after ``wait`` seconds (or the database did not answer: logged)."""
-        async with self._lock:
-            try:
-                connection = await self._connected()
-                with pool.translated("reading a receipt failed", self._discard):
-                    async with connection.transaction():
-                        await connection.execute(sql.lock_timeout(wait))
-                        status = await connection.execute(
-                            _PROBE, receipt, timeout=wait + self._op_timeout
-                        )
-                        raise _RollBack(status)
-            except _RollBack as done:
-                return done.status.rpartition(" ")[2] == "0"
-            except errors.LockTimeout:
-                return None
-            except errors.StoreUnavailable as exc:
-                log.warning("a receipt could not be read: %s", exc.message)
-                return None
+        try:
+            async with (
+                self._connection("reading a receipt failed") as connection,
+                connection.transaction(),
+            ):
+                await connection.execute(sql.lock_timeout(wait))
+                status = await connection.execute(_PROBE, receipt, timeout=wait + self._op_timeout)
+                raise _RollBack(status)
+        except _RollBack as done:
+            return done.status.rpartition(" ")[2] == "0"
+        except errors.LockTimeout:
+            return None
+        except errors.StoreUnavailable as exc:
+            log.warning("a receipt could not be read: %s", exc.message)
+            return None
+        raise AssertionError("a probe ends with its ROLLBACK")  # pragma: no cover
 
     async def committed(self, receipt: str) -> bool:
         """Whether ``receipt`` is committed now (a plain read: for an app that answered 2xx,
         whose transaction has ended)."""
-        async with self._lock:
-            connection = await self._connected()
-            with pool.translated("reading a receipt failed", self._discard):
-                found: bool = await connection.fetchval(_WRITTEN, receipt, timeout=self._op_timeout)
+        async with self._connection("reading a receipt failed") as connection:
+            found: bool = await connection.fetchval(_WRITTEN, receipt, timeout=self._op_timeout)
         return found
 
     async def missing(self) -> bool:
         """Whether the table or the function is missing."""
-        async with self._lock:
-            connection = await self._connected()
-            with pool.translated("reading the receipts' schema failed", self._discard):
-                missing: bool = await connection.fetchval(_MISSING, timeout=self._op_timeout)
+        async with self._connection("reading the receipts' schema failed") as connection:
+            missing: bool = await connection.fetchval(_MISSING, timeout=self._op_timeout)
         return missing
 
     async def migrate(self) -> None:
         """Make the table and the function (idempotent)."""
-        async with self._lock:
-            connection = await self._connected()
-            with pool.translated("making the receipts' table failed", self._discard):
-                async with connection.transaction():
-                    for statement in DDL:
-                        await connection.execute(statement)
+        async with (
+            self._connection("making the receipts' table failed") as connection,
+            connection.transaction(),
+        ):
+            for statement in DDL:
+                await connection.execute(statement)
 
     async def sweep(self, retention: float, batch: int) -> int:
         """Delete up to ``batch`` receipts older than ``retention`` seconds: how many."""
-        async with self._lock:
-            connection = await self._connected()
-            with pool.translated("sweeping receipts failed", self._discard):
-                status: str = await connection.execute(
-                    _SWEEP, retention, batch, timeout=self._op_timeout
-                )
+        async with self._connection("sweeping receipts failed") as connection:
+            status: str = await connection.execute(
+                _SWEEP, retention, batch, timeout=self._op_timeout
+            )
         return int(status.rpartition(" ")[2])
 
     async def close(self) -> None:
-        if self._connection is not None and not self._connection.is_closed():
-            await self._connection.close(timeout=self._op_timeout)
-        self._connection = None
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            if not connection.is_closed():
+                await connection.close(timeout=self._op_timeout)
 
 
 class _RollBack(Exception):

@@ -38,6 +38,12 @@ The database can be another set-up (``databases``), with the same checker and in
   second forward after a claim logged committed is ``forwarded_after_commit``), and the only
   new window for a second delivery is an app call straddling the kill.
 
+With ``--receipts`` (with any of the above) the route has ``receipt``, in the app's own
+database: a PostgreSQL of its own that the nemesis leaves alone. The app credits a ledger there
+and writes the ``Dedup-Receipt`` in the same transaction (``ledger_app``), and the checker
+counts effects committed twice, read from the ledger, with no window to excuse one
+(``receipt_rule``).
+
 Each replica reaches the app on a port of its own, so the app knows which replica sent a call,
 a redelivery included (it carries the headers of the delivery it redelivers).
 
@@ -46,6 +52,7 @@ Run it on demand (exit status 1 on any violation)::
     python -m tests.faults.campaign --minutes 5 [--replicas 3] [--seed S] [--events K] [--inbox]
     python -m tests.faults.campaign --minutes 5 --pgbouncer
     python -m tests.faults.campaign --minutes 5 --failover
+    python -m tests.faults.campaign --minutes 5 --receipts [--inbox] [--pgbouncer | --failover]
 """
 
 from __future__ import annotations
@@ -76,7 +83,7 @@ from aiohttp import web
 
 from proxy import app_limit, config, embedded, errors
 from proxy.database import pool
-from tests.faults import checker, databases
+from tests.faults import checker, databases, ledger_app
 from tests.faults.relay import Mode
 from tests.helpers import accepts, free_port
 
@@ -137,6 +144,9 @@ class Settings:
     # GitHub's hand_off 7 s), so that it finds a slow delivery kept, not still in flight.
     concurrency: int | None = None
     hand_off: float | None = None
+    # The receipt mode (``ledger_app``): the route has ``receipt`` in the app's own database.
+    receipts: bool = False
+    receipt_dsn: str | None = None  # that database, once started
 
     def with_inbox(self) -> Settings:
         """These settings in the inbox mode, with flow control as its user sets it up: a limit
@@ -174,6 +184,8 @@ class Settings:
     def replica_config(self, *, port: int, upstream: str, dsn: str) -> dict[str, Any]:
         route: dict[str, Any] = {"name": ROUTE, "path": HOOK, "event_id": "body:/id"}
         extra: dict[str, Any] = {}
+        if self.receipt_dsn is not None:
+            route["receipt"] = {"dsn": self.receipt_dsn}
         if self.inbox:
             route["redeliver"] = {"schedule": list(self.schedule), "for": self.redeliver_for}
             if self.hand_off is not None:
@@ -276,6 +288,7 @@ class App:
         self.fixed: dict[str, float] = {}  # event-ID prefix -> latency, answered 200
         self.gates: dict[str, asyncio.Event] = {}  # event ID -> answer once set
         self._senders: dict[int, str] = {}  # the app's port -> the replica given it
+        self.ledger: ledger_app.Ledger | None = None  # the receipt mode's database
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -334,7 +347,15 @@ class App:
             gate = self.gates.get(event_id)
             if gate is not None:
                 await gate.wait()
-            await asyncio.sleep(latency)
+            effect = None
+            if self.ledger is None:
+                await asyncio.sleep(latency)
+            else:
+                receipt = request.headers.get("Dedup-Receipt")
+                done = await self.ledger.credit(
+                    event_id, receipt, latency, status, delivery=delivery, replica=sender
+                )
+                effect, status = done.effect, done.status
             self.calls.append(
                 checker.UpstreamCall(
                     event_id=event_id,
@@ -343,6 +364,7 @@ class App:
                     start=start,
                     end=time.monotonic(),
                     status=status,
+                    effect=effect,
                 )
             )
             return web.Response(status=status, text="acted" if status < 300 else "failed")
@@ -780,6 +802,9 @@ async def cluster(
             database = await stack.enter_async_context(databases.database(mode, workdir))
             dsn = database.dsn
         app = App(rng, settings)
+        if settings.receipts:
+            app.ledger = await stack.enter_async_context(ledger_app.ledger(workdir, rng))
+            settings = replace(settings, receipt_dsn=app.ledger.dsn)
         await app.start()
         stack.push_async_callback(app.close)
         links: list[databases.Link] = []
@@ -864,9 +889,11 @@ def check_restarts(nemesis: Nemesis, replicas: Sequence[Replica]) -> checker.Pos
     )
 
 
-async def check_no_idle_transactions(dsn: str, within: float = 2.0) -> checker.PostCheck:
+async def check_no_idle_transactions(
+    dsn: str, within: float = 2.0, where: str = ""
+) -> checker.PostCheck:
     """No session is left holding a transaction once nothing is in flight."""
-    name = "no idle-in-transaction sessions"
+    name = "no idle-in-transaction sessions" + where
     left: list[str] = []
 
     async def none_left() -> bool:
@@ -998,12 +1025,16 @@ async def run_campaign(
     settings: Settings | None = None,
     inbox: bool = False,
     database: str = "plain",
+    receipts: bool = False,
     say: Callable[[str], None] = _quiet,
 ) -> checker.Report:
     """Run one campaign (``minutes`` of nemesis, then settling and checks); return the report,
     whose ``violations`` are empty when the invariant held. ``inbox``: the inbox mode;
-    ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring)."""
+    ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring);
+    ``receipts``: the receipt mode (``ledger_app``)."""
     settings = settings or Settings()
+    if receipts:
+        settings = replace(settings, receipts=True)
     if inbox and not settings.inbox:
         settings = settings.with_inbox()
     seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
@@ -1013,6 +1044,7 @@ async def run_campaign(
     own_dir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="dedup-campaign-")) if workdir is None else workdir
     mode = (" inbox" if settings.inbox else "") + ("" if database == "plain" else f" {database}")
+    mode += " receipts" if settings.receipts else ""
     say(
         f"campaign{mode} seed={seed} replicas={replicas} events={count} nemesis={duration:g}s "
         f"in {work}"
@@ -1062,8 +1094,13 @@ async def _campaign(
             say(f"{time.monotonic() - origin:7.2f}s  settled in {settle:.1f}s; checking")
             post = [check_restarts(nemesis, c.replicas)]
             post.append(await check_no_idle_transactions(c.dsn))
+            if c.app.ledger is not None:  # before the pool check's events reach the app
+                post.append(
+                    await check_no_idle_transactions(c.app.ledger.dsn, where=" (the app's)")
+                )
             post.append(await check_pools_free(c, provider))
             rows = await claim_rows(c.dsn, settings.table)
+            ledger = None if c.app.ledger is None else await c.app.ledger.counts()
         for replica in c.replicas:
             await replica.stop()
         records = checker.Records(
@@ -1073,6 +1110,7 @@ async def _campaign(
             actions=nemesis.actions,
             logs=[line for r in c.replicas for line in r.logs],
             claimed=frozenset(rows),
+            ledger=ledger,
             inbox=settings.inbox,
             inbox_states={e: state for e, state in rows.items() if state is not None},
             hand_off=settings.hand_off if settings.inbox else None,
@@ -1091,6 +1129,7 @@ async def _campaign(
                 "claim_wait": f"{settings.claim_wait:g}s",
                 "pool": settings.pool_size,
                 **_inbox_settings(settings),
+                **({"app_pool": c.app.ledger.described()} if c.app.ledger else {}),
             },
         )
         report, _ = checker.check(records)
@@ -1153,6 +1192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         dest="database",
         help="a primary and a synchronous standby; the nemesis fails over instead of restarting",
     )
+    parser.add_argument(
+        "--receipts",
+        action="store_true",
+        help="the route has receipt; the app writes a ledger row and the receipt in one "
+        "transaction in a database of its own",
+    )
     parser.set_defaults(database="plain")
     args = parser.parse_args(argv)
 
@@ -1170,6 +1215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             events=args.events,
             inbox=args.inbox,
             database=args.database,
+            receipts=args.receipts,
             say=say,
         )
     )

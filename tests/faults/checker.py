@@ -64,6 +64,11 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
 - **Nothing left behind.** After the settle phase no row is pending, and none is dead unless
   the app answered a status retrying cannot fix (the campaign's app never does).
 
+In the receipt mode (``Records.ledger``: the app writes its effect and the receipt in one
+transaction), the rule on processing twice is the ledger's (``receipt_rule``): no event has
+two effects committed, whatever the faults, and every acknowledged event has its effect; a
+call's ``acted`` is its effect committed.
+
 The report counts every failed send by why (the proxy's logged answer and its ``shed``
 reason, or ``claim_wait``), the refused ones apart, and among those the ones with no database
 fault on their replica near them (refused although the database answered); the kept
@@ -81,6 +86,8 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeGuard
 
+from tests.faults import receipt_rule
+
 # Nemesis actions during which a claim can be lost after the app acted. A failover's action is
 # the primary's kill alone: its promotion and the rebuild of a standby (actions "promote" and
 # "rebuild") end no transaction, and a COMMIT acknowledged before the kill was on the
@@ -97,7 +104,7 @@ AMBIGUOUS_OUTCOMES = frozenset({"ambiguous_commit", "commit_failed"})
 UNSENT_OUTCOMES = frozenset({"commit_not_sent"})
 COMMIT_FAILURES = AMBIGUOUS_OUTCOMES | UNSENT_OUTCOMES
 # The violations that are a loss: acknowledged, and the app never took it or its claim is gone.
-LOSSES = frozenset({"lost", "unclaimed"})
+LOSSES = frozenset({"lost", "unclaimed"}) | receipt_rule.LOSSES
 # The proxy's own error answers (README: 503 store unavailable, 502/504 upstream failed).
 PROXY_ERRORS = frozenset({502, 503, 504})
 # A fault this long before the app saw the request can still hit the claim made just before.
@@ -158,9 +165,14 @@ class UpstreamCall:
     start: float
     end: float
     status: int
+    # The receipt mode's (``receipt_rule``): what the app's transaction did; None without it.
+    effect: str | None = None
 
     @property
     def acted(self) -> bool:
+        """Whether the app acted: answered 2xx; in the receipt mode, committed its effect."""
+        if self.effect is not None:
+            return self.effect == "committed"
         return 200 <= self.status < 300
 
 
@@ -204,6 +216,8 @@ class Records:
     inbox: bool = False  # the route redelivers; the provider never retries
     inbox_states: Mapping[str, str] = field(default_factory=dict)  # claimed event -> its state
     hand_off: float | None = None  # the route's hand_off (None: none)
+    # The receipt mode: the app's ledger rows per event, read at the end (None: not that mode).
+    ledger: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +295,7 @@ class Report:
     accepted: int = 0  # events the provider got a 2xx for
     delivered: int = 0  # accepted events the app answered 2xx for
     lost: int = 0  # accepted events the app never took, or whose claim row is missing unexcused
+    receipts: receipt_rule.ReceiptReport | None = None  # the receipt mode's counts
 
     @property
     def explained(self) -> int:
@@ -453,6 +468,14 @@ class _Event:
         return any(line.get("outcome") in COMMIT_FAILURES for line in self.logs)
 
     @property
+    def settled_unstored(self) -> bool:
+        """Whether a replica settled the event by its receipt but could not commit the claim
+        (``commit_error``): its next copy is settled by the receipt again, nothing is lost."""
+        return any(
+            receipt_rule.settled_by_receipt(line) and "commit_error" in line for line in self.logs
+        )
+
+    @property
     def unsent(self) -> bool:
         return any(line.get("outcome") in UNSENT_OUTCOMES for line in self.logs)
 
@@ -461,9 +484,14 @@ class _Event:
         it (``processed``, not ``reconciled`` on another): the claim then held its row lock
         until an acknowledged COMMIT, so no fault explains another forward of the event beside
         or after it. (Under the failover nemesis: the synchronous standby had the row before
-        the primary acknowledged it, and a kill after that cannot take it.)"""
+        the primary acknowledged it, and a kill after that cannot take it.) Not a delivery
+        settled by its receipt: its line says ``processed`` whether its claim was committed,
+        stored again on a fresh connection (with no ``reconciled`` on that line), or not stored
+        at all (``commit_error``)."""
         line = self.request_line(delivery)
-        return line is not None and line["outcome"] == "processed" and not line.get("reconciled")
+        if line is None or line["outcome"] != "processed" or line.get("reconciled"):
+            return False
+        return not receipt_rule.settled_by_receipt(line)
 
     def kept_unsent(self, delivery: Delivery) -> bool:
         """Whether ``delivery`` was kept before the app was sent it: over the limit (or paused,
@@ -541,12 +569,36 @@ def _check_event(records: Records, event: _Event) -> tuple[list[Violation], Doub
     ]
     if records.inbox:
         found += _inbox_violations(records, event)
+    if records.ledger is not None:  # the ledger's rule instead of counting 2xx answers
+        problems = receipt_rule.event_problems(
+            event.event_id, records.ledger, event.calls, event.accepted
+        )
+        found += [event.violation(records, kind, message) for kind, message in problems]
+        found += _called_after_commit(records, event)
+        return found, None
     if len(acted) < 2:
         return found, None
     unexplained, double = _double_processing(records, event, acted)
     if unexplained is not None:
         found.append(unexplained)
     return found, double
+
+
+def _called_after_commit(records: Records, event: _Event) -> Iterator[Violation]:
+    """The receipt mode's ``forwarded_after_commit``: no call of the event after one whose
+    claim the proxy logged committed on its own connection (it held the row lock until an
+    acknowledged COMMIT), whatever the later call's transaction did."""
+    ordered = sorted(event.calls, key=lambda c: c.start)
+    for call in ordered[:-1]:
+        own = next((d for d in event.deliveries if d.delivery_id == call.delivery_id), None)
+        if own is not None and call not in event.redeliveries and event.committed(own):
+            message = (
+                f"the app was called {len(ordered) - ordered.index(call) - 1} more time(s) "
+                f"after delivery {own.delivery_id}'s claim had been committed (logged "
+                "processed): a COMMIT the database acknowledged did not hold"
+            )
+            yield event.violation(records, "forwarded_after_commit", message)
+            return
 
 
 def _loss_violations(
@@ -559,7 +611,7 @@ def _loss_violations(
         yield event.violation(records, "unacknowledged", "no delivery answered 2xx, even settled")
     if acked and not acted:
         yield event.violation(records, "lost", "the provider got a 2xx, the app never acted")
-    if acked and not claimed and not event.ambiguous:
+    if acked and not claimed and not event.ambiguous and not event.settled_unstored:
         yield event.violation(
             records, "unclaimed", "the provider got a 2xx but no claim row exists"
         )
@@ -576,7 +628,8 @@ def _answer_violations(records: Records, event: _Event) -> Iterator[Violation]:
         own = [c for c in forwards if c.delivery_id == d.delivery_id]
         relayed = any(c.status == d.status for c in own)
         own_answer = not d.duplicate and d.dedup_status not in KEPT_ANSWERS
-        if d.outcome == "ok" and own_answer and not relayed:
+        settled = receipt_rule.settled_by_receipt(event.request_line(d))
+        if d.outcome == "ok" and own_answer and not relayed and not settled:
             message = f"delivery {d.delivery_id} got {d.status}, which no app call for it answered"
             yield event.violation(records, "ack_without_app", message)
         elif d.outcome == "failed" and d.status not in PROXY_ERRORS and not relayed:
@@ -823,6 +876,11 @@ def check(records: Records) -> tuple[Report, list[Violation]]:
     )
     if records.inbox:
         report = replace(report, inbox=_inbox_report(records, events.values()))
+    if records.ledger is not None:
+        receipts = receipt_rule.report(
+            events, records.ledger, calls, deliveries, logs, records.upstream_timeout
+        )
+        report = replace(report, receipts=receipts)
     return report, violations
 
 
@@ -1022,7 +1080,8 @@ def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> s
         ("  duplicate answers", str(report.duplicate_answers)),
         (
             "upstream calls",
-            f"{report.upstream_calls} (2xx {report.upstream_acted}, "
+            f"{report.upstream_calls} ({'committed' if report.receipts else '2xx'} "
+            f"{report.upstream_acted}, "
             f"answered after upstream.timeout {report.late_answers})",
         ),
         (
@@ -1056,6 +1115,7 @@ def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> s
                 ("unacknowledged", str(report.unacknowledged)),
             ]
         ),
+        *(receipt_rule.rows(report.receipts) if report.receipts else []),
         ("replica start failures", str(report.start_failures)),
         ("unhandled proxy errors", str(sum(report.unhandled.values()))),
     ]

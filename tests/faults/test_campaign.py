@@ -26,12 +26,13 @@ class Short:
     """A campaign short enough for CI, and what shows that its nemesis really hurt: every kind
     of action in ``kinds`` taken at least once, and deliveries counted under each of ``hurt``
     (``Report.deliveries``); on a route that redelivers (``inbox``), deliveries kept and then
-    redelivered to the app."""
+    redelivered to the app; with ``receipts``, a doubt settled by a receipt."""
 
     minutes: float
     events: int
     database: str = "plain"
     inbox: bool = False
+    receipts: bool = False
     kinds: tuple[str, ...] = campaign.KINDS
     hurt: tuple[str, ...] = ("failed", "indeterminate")
 
@@ -68,6 +69,13 @@ class Short:
             marks=pytest.mark.timeout(150),
             id="failovers",
         ),
+        # The app writes a ledger row and the receipt in one transaction in its own database:
+        # no effect committed twice, none lost, whatever the nemesis did.
+        pytest.param(
+            Short(minutes=0.5, events=300, receipts=True),
+            marks=pytest.mark.timeout(150),
+            id="receipts",
+        ),
     ],
 )
 async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
@@ -82,6 +90,7 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         workdir=tmp_path,
         inbox=short.inbox,
         database=short.database,
+        receipts=short.receipts,
         say=print,
     )
     table = checker.format_report(report)
@@ -95,6 +104,10 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         assert report.inbox.kept > 0, table
         assert report.inbox.redeliveries_acted > 0, table
         assert report.inbox.lost == 0, table
+    if short.receipts:
+        assert report.receipts is not None
+        assert report.receipts.looks.get("written", 0) > 0, table  # a doubt the receipt settled
+        assert (report.receipts.effects_twice, report.receipts.effects_lost) == (0, 0), table
     assert not report.violations, table
 
 
@@ -725,3 +738,105 @@ def test_checker_inbox_tells_refusals_with_the_database_away_from_the_others(
     assert report.inbox is not None
     assert report.inbox.refused_reasons == {"503 unavailable (shed: pool)": 1}
     assert report.inbox.refused_healthy == healthy
+
+
+# --- the checker, in the receipt mode ------------------------------------------------------
+
+
+def _receipts(
+    calls: list[checker.UpstreamCall],
+    deliveries: list[checker.Delivery],
+    ledger: Mapping[str, int],
+    **more: Any,
+) -> checker.Records:
+    return replace(_records(calls, deliveries, **more), ledger=ledger)
+
+
+def _credit(
+    delivery: str, replica: str, start: float, effect: str, took: float = 0.01, status: int = 200
+) -> checker.UpstreamCall:
+    return checker.UpstreamCall("e", delivery, replica, start, start + took, status, effect)
+
+
+def _settled(delivery: str, replica: str, **more: object) -> Mapping[str, object]:
+    """The proxy's line for a delivery it answered processed by the event's receipt."""
+    return {"event_id": "e", "request_id": delivery, "replica": replica, "outcome": "processed",
+            "receipt": "written", "status": 200, **more}  # fmt: skip
+
+
+def test_checker_receipts_flag_an_effect_committed_twice_whatever_the_windows() -> None:
+    # Without receipts an answer after upstream.timeout and a kill explain a second 2xx; with
+    # them, two ledger rows for one event are a violation, excused by nothing.
+    calls = [_credit("d1", "r1", 1.0, "committed", took=3.0), _credit("d2", "r2", 5.0, "committed")]
+    deliveries = [_delivery("d1", "r1", 1.0, 504), _delivery("d2", "r2", 5.0, 200)]
+    kill = checker.Action("kill", "r1", 1.5, 2.0)
+    report, violations = checker.check(_receipts(calls, deliveries, {"e": 2}, actions=(kill,)))
+    assert [v.kind for v in violations] == ["effect_twice"]
+    assert report.receipts is not None
+    assert (report.receipts.effects_twice, report.receipts.effects_lost) == (1, 0)
+    assert report.double_processed == ()  # the ledger's rule replaces counting 2xx answers
+
+
+def test_checker_receipts_accept_an_event_sent_twice_and_settled_by_its_receipt() -> None:
+    # The app committed, then answered after upstream.timeout (504); the next copy's
+    # transaction failed on the receipt (500), and the proxy answered 200 by the receipt.
+    calls = [
+        _credit("d1", "r1", 1.0, "committed", took=2.5),
+        _credit("d2", "r2", 4.0, "refused", status=500),
+    ]
+    deliveries = [_delivery("d1", "r1", 1.0, 504), _delivery("d2", "r2", 4.0, 200)]
+    report, violations = checker.check(
+        _receipts(calls, deliveries, {"e": 1}, logs=(_settled("d2", "r2"),))
+    )
+    assert violations == []
+    assert report.receipts is not None
+    assert (report.receipts.sent_twice, report.receipts.settled) == (1, 1)
+    assert report.receipts.committed_late == 1
+    assert (report.accepted, report.delivered, report.lost) == (1, 1, 0)
+
+
+def test_checker_receipts_flag_an_acknowledged_event_with_no_ledger_row() -> None:
+    calls = [_credit("d1", "r1", 1.0, "committed")]
+    report, violations = checker.check(_receipts(calls, [_delivery("d1", "r1", 1.0, 200)], {}))
+    assert [v.kind for v in violations] == ["effect_lost"]
+    assert report.lost == 1
+
+
+@pytest.mark.parametrize(
+    ("stored", "claimed"),
+    [
+        # The claim's COMMIT failed: logged processed, with a commit_error, and no row is no loss.
+        ({"commit_error": "connection is closed"}, frozenset()),
+        # Stored again on a fresh connection: logged processed, with no "reconciled" on it.
+        ({}, frozenset({"e"})),
+    ],
+    ids=["not-stored", "stored-again"],
+)
+def test_checker_receipts_take_a_claim_settled_by_its_receipt_as_exposed(
+    stored: Mapping[str, object], claimed: frozenset[str]
+) -> None:
+    # d1's claim was reset under its call, and d2's call came beside it (refused by the
+    # receipt); the proxy then found d1's receipt: its line says processed, but its claim did
+    # not hold its lock until an acknowledged COMMIT.
+    calls = [
+        _credit("d1", "r1", 1.0, "committed", took=1.5),
+        _credit("d2", "r2", 1.5, "refused", status=500),
+    ]
+    deliveries = [_delivery("d1", "r1", 1.0, 200), _delivery("d2", "r2", 1.4, 200)]
+    reset = checker.Action("reset", "r1", 1.2, 1.3)
+    logs = (_settled("d1", "r1", **stored), _settled("d2", "r2"))
+    _, violations = checker.check(
+        _receipts(calls, deliveries, {"e": 1}, actions=(reset,), logs=logs, claimed=claimed)
+    )
+    assert violations == []
+
+
+def test_checker_receipts_flag_a_call_after_a_claim_logged_committed() -> None:
+    # d1's claim held its lock until an acknowledged COMMIT: d2's call after it, even one the
+    # receipt refused, is a COMMIT that did not hold.
+    calls = [_credit("d1", "r1", 1.0, "committed"), _credit("d2", "r2", 5.0, "refused", status=500)]
+    deliveries = [_delivery("d1", "r1", 1.0, 200), _delivery("d2", "r2", 5.0, 200)]
+    processed = {"event_id": "e", "request_id": "d1", "outcome": "processed", "status": 200}
+    logs = (processed, _settled("d2", "r2"))
+    _, violations = checker.check(_receipts(calls, deliveries, {"e": 1}, logs=logs))
+    assert [v.kind for v in violations] == ["forwarded_after_commit"]
