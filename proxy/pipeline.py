@@ -456,9 +456,12 @@ class Cycle:
         if self.receipt is None or not await self._written():
             return None
         try:
-            await self._commit(claim, None)
+            done = await self._commit(claim, None)
         except errors.CommitFailed as exc:
             self.line["commit_error"] = exc.message  # its next copy is settled by the receipt
+        else:
+            if done.reconciled:
+                self.line["reconciled"] = True  # re-claimed on another connection
         payload = {"status": "processed", "event_id": self.event_id, "receipt": "written"}
         return _json(200, payload, "processed"), "processed"
 
