@@ -332,7 +332,7 @@ def for_table(table: str) -> Queries:
             "         AND attname = 'answer_body' AND NOT attisdropped) AS answer,"
             f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
             "         AND attname = 'inbox_changed' AND NOT attisdropped) AS inbox,"
-            # 0.3.0's: a table the inbox has used since 0.2.0 may lack it alone.
+            # Added after 0.2.0: a table its inbox used may lack this one alone.
             f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
             "         AND attname = 'inbox_size' AND NOT attisdropped) AS inbox_size,"
             f" to_regclass({_literal(schema + dot + inbox_index)}) IS NOT NULL AS inbox_index,"
