@@ -14,7 +14,7 @@ DOCUMENTED = "SELECT, INSERT, DELETE"
 ANSWERS = "UPDATE (answer_status, answer_headers, answer_body)"
 INBOX = (
     "UPDATE (inbox_state, inbox_request, inbox_body, inbox_attempts, inbox_failures, inbox_due, "
-    "inbox_until, inbox_changed)"
+    "inbox_until, inbox_changed, inbox_size)"
 )
 
 

@@ -190,6 +190,42 @@ async def test_max_pending_bytes_counts_the_headers_a_kept_row_stores_not_only_i
     assert sorted(await rows(pg_dsn, table)) == ["h0"]
 
 
+async def test_a_kept_row_records_the_bytes_it_stores_and_drops_them_once_delivered(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(1)
+    proxy = await make_proxy(routes=[route(schedule=["1h"])], redeliverer=QUICK)
+    answer = await proxy.post("/hooks", data=b'{"id": "s1"}', headers={"X-Pad": "p" * 500})
+    assert answer.status == 202
+
+    stored = "octet_length(inbox_request::text) + octet_length(inbox_body)"
+    [row] = await fetch(pg_dsn, f'SELECT inbox_size, {stored} AS stored FROM "{table}"')
+    assert row["inbox_size"] == row["stored"] > 500
+
+    await proxy.app[app_keys.STORE].inbox.redeliver("hooks", ["s1"], None, 3600.0)
+    await wait_until(lambda: _state(pg_dsn, table, "s1", "delivered"), "delivered")
+    [row] = await fetch(pg_dsn, f'SELECT inbox_size FROM "{table}"')
+    assert row["inbox_size"] is None
+
+
+async def test_max_pending_bytes_counts_a_row_kept_without_its_size_from_what_it_stores(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing(10**6)
+    proxy = await make_proxy(
+        routes=[route(schedule=["1h"], max_pending_bytes="64KiB")], redeliverer=QUICK
+    )
+    heavy = {f"X-Padding-{n}": "p" * 8000 for n in range(5)}
+    assert (await proxy.post("/hooks", data=b'{"id": "h0"}', headers=heavy)).status == 202
+    # As a replica of 0.2.0 keeps it (or as it was kept before the upgrade): no inbox_size.
+    await execute(pg_dsn, f'UPDATE "{table}" SET inbox_size = NULL')
+
+    answer = await proxy.post("/hooks", data=b'{"id": "h1"}', headers=heavy)
+
+    assert answer.status == 503
+    assert sorted(await rows(pg_dsn, table)) == ["h0"]
+
+
 async def test_past_for_a_pending_event_is_dead(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:

@@ -44,6 +44,21 @@ async def test_without_the_inbox_grant_the_proxy_refuses_to_start_naming_it(
     assert "FOR UPDATE needs it" in refused.value.message
 
 
+async def test_a_role_with_0_2_0s_inbox_grant_is_told_to_grant_inbox_size_too(
+    proxy_config: object, pg_dsn: str, schema: str
+) -> None:
+    granted = INBOX.replace(", inbox_size", "")  # 0.2.0's documented grant
+    assert granted != INBOX
+    async with limited_role(pg_dsn, schema, DOCUMENTED, granted) as (role, dsn):
+        cfg = proxy_config(  # type: ignore[operator]
+            routes=[KEPT], database={"dsn": dsn, "create_schema": False}
+        )
+        with pytest.raises(errors.StoreUnavailable) as refused:
+            await start_up(cfg)
+    assert f'{inbox.GRANT_HINT} ON "{schema}" TO {role}' in refused.value.message
+    assert "inbox_size" in inbox.GRANT_HINT
+
+
 async def test_with_the_documented_grants_a_failure_is_kept_and_redelivered(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
 ) -> None:

@@ -71,6 +71,58 @@ async def test_a_redelivering_route_needs_the_inbox_columns_which_migrate_adds(
     assert "inbox_state" in {c["column_name"] for c in columns}
 
 
+async def release_0_2_0_table(dsn: str, table: str) -> None:
+    """The claim table as 0.2.0 made it: the inbox's columns but inbox_size."""
+    await old_table(dsn, table)
+    types = {name: kind for name, kind in sql.INBOX_TYPES.items() if name != "inbox_size"}
+    columns = ", ".join(f"ADD COLUMN {name} {kind}" for name, kind in types.items())
+    await execute(
+        dsn,
+        f'ALTER TABLE "{table}" {columns}; CREATE INDEX "{table}_inbox_idx" ON "{table}" '
+        "(inbox_state, inbox_due) WHERE inbox_state IN ('pending', 'dead')",
+    )
+
+
+async def test_a_redelivering_route_on_a_0_2_0_table_needs_inbox_size_which_migrate_adds(
+    proxy_config: Callable[..., config.Config], tmp_path: Path, pg_dsn: str, table: str
+) -> None:
+    await release_0_2_0_table(pg_dsn, table)
+    await start_up(proxy_config(routes=[PLAIN], database={"create_schema": False}))
+    cfg = proxy_config(routes=[KEPT], database={"create_schema": False})
+    with pytest.raises(errors.StoreUnavailable) as refused:
+        await start_up(cfg)
+    assert str(refused.value) == (
+        f"table {table}: lacks column inbox_size (redeliver's cap), and database.create_schema "
+        "is false; run 'dedup-proxy migrate' (or apply 'dedup-proxy schema') or set "
+        "create_schema: true"
+    )
+
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": "http://127.0.0.1:9"},
+                "routes": [KEPT],
+                "database": {"dsn": pg_dsn, "table": table, "create_schema": False},
+            }
+        )
+    )
+    code, out, err = await run_cli("migrate", "--config", str(config_file))
+    assert (code, out) == (0, f"schema applied: table {table}\n"), err
+    await start_up(cfg)
+
+
+async def test_create_schema_adds_inbox_size_to_a_0_2_0_table_at_start_up(
+    proxy_config: Callable[..., config.Config], pg_dsn: str, table: str
+) -> None:
+    await release_0_2_0_table(pg_dsn, table)
+    await start_up(proxy_config(routes=[KEPT]))
+    columns = await fetch(
+        pg_dsn, "SELECT column_name FROM information_schema.columns WHERE table_name = $1", table
+    )
+    assert "inbox_size" in {c["column_name"] for c in columns}
+
+
 async def test_create_schema_adds_the_inbox_columns_at_start_up(
     proxy_config: Callable[..., config.Config], pg_dsn: str, table: str
 ) -> None:

@@ -77,6 +77,7 @@ async def test_schema_creation_is_idempotent_and_safe_for_concurrent_replicas(
         ("inbox_due", "timestamp with time zone", "YES"),
         ("inbox_until", "timestamp with time zone", "YES"),
         ("inbox_changed", "timestamp with time zone", "YES"),
+        ("inbox_size", "integer", "YES"),
     ]
     indexes = await fetch(pg_dsn, "SELECT indexdef FROM pg_indexes WHERE tablename = $1", table)
     definitions = sorted(row["indexdef"] for row in indexes)

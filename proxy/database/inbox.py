@@ -58,7 +58,8 @@ BATCH = 500
 
 
 OUTDATED = (
-    "the claim table does not exist yet, or predates the inbox: run 'dedup-proxy migrate' "
+    "the claim table does not exist yet, or an earlier release made it without some of the "
+    "inbox's columns: run 'dedup-proxy migrate' "
     "(or start the proxy with a route that redelivers, with create_schema: true)"
 )
 

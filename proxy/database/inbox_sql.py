@@ -44,11 +44,16 @@ _LISTED = (
 )
 # Discarded: the request and body dropped, the claim and its attempts kept.
 _DISCARDED = (
-    "inbox_state = 'discarded', inbox_body = NULL, inbox_request = NULL, inbox_due = NULL, "
-    "inbox_changed = now()"
+    "inbox_state = 'discarded', inbox_body = NULL, inbox_request = NULL, inbox_size = NULL, "
+    "inbox_due = NULL, inbox_changed = now()"
 )
-# What a kept row stores of its request, counted against max_pending_bytes.
-_STORED = "coalesce(octet_length(inbox_request::text), 0) + coalesce(octet_length(inbox_body), 0)"
+# What a kept row stores of its request, counted against max_pending_bytes: its inbox_size,
+# written by ``keep``; for a row kept without it (before the upgrade, or by a replica of
+# 0.2.0 on the same table), the same bytes read from the row, converting its jsonb to text.
+_STORED = (
+    "coalesce(inbox_size, coalesce(octet_length(inbox_request::text), 0) "
+    "+ coalesce(octet_length(inbox_body), 0))"
+)
 # The rows a route's cap counts: the kept rows of the cap's scope and its per-path ones.
 _CAPPED = sql.IN_SCOPE.replace("$1", "{scope}") + " AND inbox_state IN ('pending', 'dead')"
 # A claim bound to what is signed (webhooks.bound) ends with its signed part, "~" and 32 hex
@@ -76,10 +81,12 @@ class Statements:
         # those rows holds this signed body already under another ID (a replay:
         # ``KEPT_AS``). Concurrent failures each see the others' uncommitted rows as absent,
         # so the cap can be passed, and a body kept twice, by the deliveries failing at that
-        # moment (at most the pool's size).
+        # moment (at most the pool's size). inbox_size: what the row stores, from the
+        # parameters (no row's jsonb converted), so that the next keep's cap reads a number.
+        size = "octet_length($4::jsonb::text) + octet_length($5::bytea)"
         return (
             f"UPDATE {self.quoted} SET inbox_state = $3, inbox_request = $4::jsonb, "
-            "inbox_body = $5::bytea, inbox_attempts = jsonb_build_array("
+            f"inbox_body = $5::bytea, inbox_size = {size}, inbox_attempts = jsonb_build_array("
             + _ATTEMPT.format(status="$6", error="$7")
             + ") - $14::int, inbox_failures = $14::int, "
             # No due time for a dead row; the CASE reads no function (Citus runs none in one).
@@ -87,8 +94,7 @@ class Statements:
             "CASE WHEN $3 = 'pending' THEN $8::float8 END), "
             "inbox_until = now() + make_interval(secs => $9), inbox_changed = now() "
             "WHERE scope = $1 AND event_id = $2 AND (SELECT count(*) < $11 AND "
-            f"coalesce(sum({_STORED}), 0) + octet_length($4::jsonb::text) "
-            "+ octet_length($5::bytea) <= $12 AND NOT "
+            f"coalesce(sum({_STORED}), 0) + {size} <= $12 AND NOT "
             f"coalesce(bool_or({_SIGNED.format(part='$13::text')}), false) "
             f"FROM {self.quoted} WHERE {_CAPPED.format(scope='$10')})"
         )
@@ -128,7 +134,7 @@ class Statements:
         # $1 scope, $2 event ID, $3 status.
         return (
             f"UPDATE {self.quoted} SET inbox_state = 'delivered', inbox_body = NULL, "
-            "inbox_request = NULL, inbox_due = NULL, inbox_changed = now(), "
+            "inbox_request = NULL, inbox_size = NULL, inbox_due = NULL, inbox_changed = now(), "
             "inbox_attempts = inbox_attempts || "
             + _ATTEMPT.format(status="$3", error="NULL")
             + " WHERE scope = $1 AND event_id = $2"

@@ -48,7 +48,7 @@ IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
 INBOX_TYPES = {"inbox_state": "text", "inbox_request": "jsonb", "inbox_body": "bytea",
                "inbox_attempts": "jsonb", "inbox_failures": "integer",
                "inbox_due": "timestamptz", "inbox_until": "timestamptz",
-               "inbox_changed": "timestamptz"}  # fmt: skip
+               "inbox_changed": "timestamptz", "inbox_size": "integer"}  # fmt: skip
 INBOX_COLUMNS = tuple(INBOX_TYPES)
 # The inbox's states whose rows hold a body: never removed by the retention sweep.
 _NOT_KEPT = "(inbox_state IS NULL OR inbox_state NOT IN ('pending', 'dead'))"
@@ -332,6 +332,9 @@ def for_table(table: str) -> Queries:
             "         AND attname = 'answer_body' AND NOT attisdropped) AS answer,"
             f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
             "         AND attname = 'inbox_changed' AND NOT attisdropped) AS inbox,"
+            # Added after 0.2.0: a table its inbox used may lack this one alone.
+            f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
+            "         AND attname = 'inbox_size' AND NOT attisdropped) AS inbox_size,"
             f" to_regclass({_literal(schema + dot + inbox_index)}) IS NOT NULL AS inbox_index,"
             f" to_regclass({_literal(schema + dot + index)}) IS NOT NULL AS index"
         ),

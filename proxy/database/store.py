@@ -174,12 +174,15 @@ def _lacking_schema(row: pool.Record | None, *, answers: bool, kept: bool) -> st
     if row is None or not row["table"]:
         return "does not exist"
     needed = ["digest", *(["answer"] if answers else []), "index",
-              *(["inbox", "inbox_index"] if kept else [])]  # fmt: skip
+              *(["inbox", "inbox_size", "inbox_index"] if kept else [])]  # fmt: skip
     lacking = [name for name in needed if not row[name]]
+    if "inbox" in lacking:  # a table from before the inbox: inbox_size is one of its columns
+        lacking.remove("inbox_size")
     names = {
         "digest": "column body_sha256",
         "answer": "the answer columns (on_duplicate: replay)",
         "inbox": "the inbox columns (redeliver)",
+        "inbox_size": "column inbox_size (redeliver's cap)",
         "inbox_index": "the inbox's index (redeliver)",
         "index": "index on received_at",
     }
