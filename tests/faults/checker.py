@@ -281,6 +281,7 @@ class Report:
     accepted: int = 0  # events the provider got a 2xx for
     delivered: int = 0  # accepted events the app answered 2xx for
     lost: int = 0  # accepted events the app never took, or whose claim row is missing unexcused
+    extra: tuple[tuple[str, str], ...] = ()  # a mode's own rows (reconcile_rules)
 
     @property
     def explained(self) -> int:
@@ -783,22 +784,31 @@ def _double_processing(
     return unexplained, double
 
 
-def check(records: Records) -> tuple[Report, list[Violation]]:
-    """Check the invariant over everything recorded; return the report and the violations."""
+def events_of(records: Records) -> dict[str, _Event]:
+    """Each event's share of the records (on a route that redelivers, its calls split)."""
     events = {event_id: _Event(event_id) for event_id in records.events}
-    deliveries = [d for d in records.deliveries if d.event_id in events]
-    calls = [c for c in records.calls if c.event_id in events]
-    logs = [line for line in records.logs if line.get("event_id") in events]
-    for d in deliveries:
-        events[d.event_id].deliveries.append(d)
-    for c in calls:
-        events[c.event_id].calls.append(c)
-    for line in logs:
-        events[str(line["event_id"])].logs.append(line)
+    for d in records.deliveries:
+        if d.event_id in events:
+            events[d.event_id].deliveries.append(d)
+    for c in records.calls:
+        if c.event_id in events:
+            events[c.event_id].calls.append(c)
+    for line in records.logs:
+        if line.get("event_id") in events:
+            events[str(line["event_id"])].logs.append(line)
     if records.inbox:
         for event in events.values():
             unsent = {d.delivery_id for d in event.deliveries if event.kept_unsent(d)}
             event.redeliveries = split_calls(event.deliveries, event.calls, unsent)
+    return events
+
+
+def check(records: Records) -> tuple[Report, list[Violation]]:
+    """Check the invariant over everything recorded; return the report and the violations."""
+    events = events_of(records)
+    deliveries = [d for d in records.deliveries if d.event_id in events]
+    calls = [c for c in records.calls if c.event_id in events]
+    logs = [line for line in records.logs if line.get("event_id") in events]
 
     violations: list[Violation] = []
     doubles: list[DoubleProcessed] = []
@@ -1056,6 +1066,7 @@ def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> s
                 ("unacknowledged", str(report.unacknowledged)),
             ]
         ),
+        *report.extra,
         ("replica start failures", str(report.start_failures)),
         ("unhandled proxy errors", str(sum(report.unhandled.values()))),
     ]
