@@ -1130,7 +1130,8 @@ async def _campaign(
             },
         )
         if github is not None:
-            return reconcile_rules.check(records, github.recovery())
+            report, _ = reconcile_rules.check(records, github.recovery())
+            return report
         report, _ = checker.check(records)
         return report
 

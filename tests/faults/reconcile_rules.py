@@ -127,8 +127,8 @@ def errors_of(logs: Iterable[Mapping[str, Any]]) -> Counter[str]:
     return counts
 
 
-def check(records: checker.Records, recovery: Recovery) -> checker.Report:
-    """``checker.check``'s report, with this mode's violations and counts."""
+def check(records: checker.Records, recovery: Recovery) -> tuple[checker.Report, ReconcileReport]:
+    """``checker.check``'s report, with this mode's violations and rows; its counts apart."""
     report, _ = checker.check(records)
     events = checker.events_of(records)
     asks: dict[str, list[Ask]] = {}
@@ -155,12 +155,13 @@ def check(records: checker.Records, recovery: Recovery) -> checker.Report:
         gaps=sum(int(line.get("gaps") or 0) for line in runs(records.logs)),
         errors=errors_of(records.logs),
     )
-    return replace(
+    amended = replace(
         report,
         violations=(*report.violations, *found),
         lost=summary.lost,
         extra=(*report.extra, *summary.rows()),
     )
+    return amended, summary
 
 
 def _refused(event: Any) -> bool:

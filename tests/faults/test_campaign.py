@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults import campaign, checker
+from tests.faults import campaign, checker, reconcile_rules
 from tests.faults.relay import Relay
 
 
@@ -725,3 +725,89 @@ def test_checker_inbox_tells_refusals_with_the_database_away_from_the_others(
     assert report.inbox is not None
     assert report.inbox.refused_reasons == {"503 unavailable (shed: pool)": 1}
     assert report.inbox.refused_healthy == healthy
+
+
+# --- the checker, with the reconciler (--reconcile) ---------------------------------------
+
+
+def _asked(delivery: str, replica: str, start: float, status: int | None) -> checker.Delivery:
+    """A redelivery the reconciler asked GitHub for."""
+    return replace(_delivery(delivery, replica, start, status), phase=reconcile_rules.PHASE)
+
+
+RUN_LINE = {"logger": reconcile_rules.RECONCILER, "level": "info", "gaps": 1, "recovered": 1,
+            "msg": "reconcile of route camp: 1 event(s) in the log", "at": 9.9}  # fmt: skip
+REFUSED_LINE = {"event_id": "e", "request_id": "d1", "outcome": "unavailable", "replica": "r1"}
+
+
+def test_reconcile_counts_a_refused_event_recovered_by_the_reconciler() -> None:
+    records = _inbox(
+        [_call("d2", "r2", 10.005)],
+        [_delivery("d1", "r1", 1.0, 503), _asked("d2", "r2", 10.0, 200)],
+        logs=(REFUSED_LINE, RUN_LINE),
+        states={},
+    )
+    recovery = reconcile_rules.Recovery(
+        asks=[reconcile_rules.Ask("e", 7, 9.95)],
+        logged=[reconcile_rules.Logged("e", 7, 503, False, 1.02),
+                reconcile_rules.Logged("e", 8, 200, True, 10.1)],
+    )  # fmt: skip
+
+    report, summary = reconcile_rules.check(records, recovery)
+
+    assert report.violations == ()
+    assert (summary.refused, summary.recovered, summary.not_recovered, summary.lost) == (1, 1, 0, 0)
+    assert (summary.asks, summary.asked_not_arrived, summary.runs) == (1, 0, 1)
+    assert "recovered 1, not recovered 0; lost 0" in checker.format_report(report)
+
+
+def test_reconcile_flags_a_refused_event_never_recovered_with_the_stand_ins_log() -> None:
+    database_away = {"logger": reconcile_rules.RECONCILER, "level": "warning", "at": 9.0,
+                     "msg": "reconcile of route camp: the database does not answer: x"}  # fmt: skip
+    records = _inbox(
+        [],
+        [_delivery("d1", "r1", 1.0, 503)],
+        logs=(REFUSED_LINE, database_away),
+        states={},
+        claimed=frozenset(),
+    )
+    recovery = reconcile_rules.Recovery(
+        asks=[], logged=[reconcile_rules.Logged("e", 7, 503, False, 1.02)]
+    )
+
+    report, summary = reconcile_rules.check(records, recovery)
+
+    assert [v.kind for v in report.violations] == ["not_recovered"]
+    assert "github log: attempt 7 t=1.020 status 503" in report.violations[0].evidence
+    assert (summary.refused, summary.recovered, summary.lost) == (1, 0, 1)
+    assert summary.errors == {"database": 1}
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_reconcile_flags_an_ask_for_an_event_with_a_claim_unless_a_window_lost_it(
+    killed: bool,
+) -> None:
+    """The app took the event, the provider's connection was cut: GitHub logs it failed. Its
+    claim was committed unless the replica's kill took it: only then may the reconciler ask."""
+    kill = checker.Action("kill", "r1", 1.0, 1.5)
+    records = _inbox(
+        [_call("d1", "r1", 1.001), _call("d2", "r2", 10.005)],
+        [_delivery("d1", "r1", 1.0, None), _asked("d2", "r2", 10.0, 200)],
+        actions=(kill,) if killed else (),
+        states={},
+    )
+    recovery = reconcile_rules.Recovery(
+        asks=[reconcile_rules.Ask("e", 7, 9.95)],
+        logged=[reconcile_rules.Logged("e", 7, 0, False, 1.02),
+                reconcile_rules.Logged("e", 8, 200, True, 10.1)],
+    )  # fmt: skip
+
+    report, summary = reconcile_rules.check(records, recovery)
+
+    kinds = sorted(v.kind for v in report.violations)
+    if killed:
+        assert kinds == []
+        assert [d.explained for d in report.double_processed] == [True]
+    else:
+        assert kinds == ["double_unexplained", "reconciled_claimed"]
+    assert (summary.refused, summary.recovered) == (1, 1)
