@@ -20,6 +20,16 @@ at 0.7 of ``upstream.timeout``, so one the app is slow on is kept at the hand-of
 deadline``) while the attempt goes on; ``claim_wait`` past the hand-off, so a copy finds a slow
 delivery kept rather than still in flight.
 
+With ``--reconcile`` (and ``--inbox``) the provider is GitHub itself: each send is signed as
+GitHub signs it and logged in a stand-in of GitHub's hook deliveries API with the proxy's answer
+(a cut connection: failed), and the route (GitHub's preset) has ``reconcile:`` pointing its
+``api_url`` at the stand-in, every 10 s. The replicas' reconciler runs on its schedule through
+the nemesis; asked to redeliver, the stand-in sends the event again (``reconcile_sender``).
+After the nemesis the campaign waits (bounded) until every event sent has reached the app and
+one reconcile run more has found no gap. An event whose every send was refused must then have
+been recovered, and the reconciler must never have asked for an event with a claim
+(``reconcile_rules``).
+
 The database can be another set-up (``databases``), with the same checker and invariant:
 
 - ``--pgbouncer``: the replicas reach PostgreSQL through a real PgBouncer in transaction pooling
@@ -44,6 +54,7 @@ a redelivery included (it carries the headers of the delivery it redelivers).
 Run it on demand (exit status 1 on any violation)::
 
     python -m tests.faults.campaign --minutes 5 [--replicas 3] [--seed S] [--events K] [--inbox]
+    python -m tests.faults.campaign --minutes 5 --inbox --reconcile
     python -m tests.faults.campaign --minutes 5 --pgbouncer
     python -m tests.faults.campaign --minutes 5 --failover
 """

@@ -84,6 +84,7 @@ class CampaignHook(GitHubHook):
     asks: list[reconcile_rules.Ask] = field(default_factory=list)
     logged: list[reconcile_rules.Logged] = field(default_factory=list)
     _sending: set[asyncio.Task[None]] = field(default_factory=set)
+    _items: list[dict[str, Any]] = field(default_factory=list)  # each attempt's, oldest first
 
     @property
     def redelivering(self) -> int:
@@ -109,6 +110,7 @@ class CampaignHook(GitHubHook):
             next(self._ids), delivery.event_id, EVENT, body, status, redelivery, datetime.now(UTC)
         )
         self.attempts.append(attempt)
+        self._items.append(attempt.item())
         self.logged.append(
             reconcile_rules.Logged(delivery.event_id, attempt.id, status, redelivery, delivery.end)
         )
@@ -129,6 +131,11 @@ class CampaignHook(GitHubHook):
         assert self.redeliver is not None
         await asyncio.sleep(0)  # after the API's 202
         await self.redeliver(guid)
+
+    def items(self) -> list[dict[str, Any]]:
+        """As ``GitHubHook``'s, each attempt's item made once: a run reads thousands of them a
+        page at a time, and the campaign's one event loop serves the app and the sends too."""
+        return self._items[::-1]
 
     def recovery(self) -> reconcile_rules.Recovery:
         return reconcile_rules.Recovery(asks=tuple(self.asks), logged=tuple(self.logged))

@@ -32,6 +32,7 @@ class Short:
     events: int
     database: str = "plain"
     inbox: bool = False
+    reconcile: bool = False  # with inbox: GitHub's sender, and a reconciler recovering refusals
     kinds: tuple[str, ...] = campaign.KINDS
     hurt: tuple[str, ...] = ("failed", "indeterminate")
 
@@ -48,6 +49,12 @@ class Short:
             Short(minutes=0.4, events=300, inbox=True, hurt=()),
             marks=pytest.mark.timeout(120),
             id="inbox",
+        ),
+        # The same, the sender GitHub: every refused event recovered by the reconciler.
+        pytest.param(
+            Short(minutes=0.4, events=300, inbox=True, reconcile=True, hurt=("failed",)),
+            marks=pytest.mark.timeout(180),
+            id="inbox-reconcile",
         ),
         # Link faults between the replicas and PgBouncer, PostgreSQL restarting behind it.
         pytest.param(
@@ -82,6 +89,7 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         workdir=tmp_path,
         inbox=short.inbox,
         database=short.database,
+        reconcile=short.reconcile,
         say=print,
     )
     table = checker.format_report(report)
@@ -95,6 +103,9 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         assert report.inbox.kept > 0, table
         assert report.inbox.redeliveries_acted > 0, table
         assert report.inbox.lost == 0, table
+    if short.reconcile:
+        assert report.by_phase.get(reconcile_rules.PHASE, 0) > 0, table  # the reconciler asked
+        assert report.lost == 0, table
     assert not report.violations, table
 
 
