@@ -657,6 +657,15 @@ def test_checker_inbox_flags_a_hand_off_the_app_had_answered_before() -> None:
     assert "kept_for deadline" in violations[0].message
 
 
+def test_checker_inbox_accepts_an_app_answer_that_came_while_the_hand_offs_keep_committed() -> None:
+    # The hand-off began keeping at HAND_OFF; the app answered just after, and the keep's
+    # COMMIT took a second more: the 202 comes a second after the app's answer.
+    calls = [_answered(_call("d1", "r1", 1.01), 200, took=HAND_OFF + 0.02)]
+    kept = replace(_kept_for("d1", "r1", 1.0, "deadline"), end=1.0 + HAND_OFF + 1.0)
+    _, violations = checker.check(_flow(calls, [kept]))
+    assert violations == []
+
+
 @pytest.mark.parametrize(
     ("action", "causes"),
     [
