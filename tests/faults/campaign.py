@@ -1151,10 +1151,9 @@ async def _settle_reconcile(
     c: Cluster, provider: Provider, github: reconcile_sender.CampaignHook
 ) -> float:
     """``--reconcile``: the reconciler's recoveries in, one quiet run after, the inbox drained."""
-    sent = {d.event_id for d in provider.deliveries}
     took = await reconcile_sender.settle(
         github,
-        lambda: [e for e in sent],
+        {d.event_id for d in provider.deliveries},
         lambda: {call.event_id for call in c.app.calls if call.acted},
         lambda: [line for r in c.replicas for line in r.logs],
         pace=float(c.settings.concurrency or c.settings.pool_size),

@@ -23,7 +23,7 @@ import contextlib
 import hashlib
 import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -175,7 +175,7 @@ def runs_after(logs: Iterable[Mapping[str, Any]], since: float) -> list[Mapping[
 
 async def settle(
     hook: CampaignHook,
-    sent: Callable[[], Sequence[str]],
+    sent: Collection[str],
     arrived: Callable[[], set[str]],
     logs: Callable[[], list[Mapping[str, Any]]],
     *,
@@ -187,11 +187,11 @@ async def settle(
     succeeded); the time it took. Past the bound the checker reports what is left. The bound
     allows the gaps left at ``pace`` (the reconciler's, a second) and four periods more."""
     started = time.monotonic()
-    missing = len(set(sent()) - arrived())
+    missing = len(set(sent) - arrived())
     within = 4 * every + 60 + 1.5 * missing / pace
 
     def reached() -> bool:
-        return hook.redelivering == 0 and set(sent()) <= arrived()
+        return hook.redelivering == 0 and arrived() >= set(sent)
 
     def quiet_since(moment: float) -> bool:
         return any(line.get("gaps") == 0 for line in runs_after(logs(), moment))
