@@ -14,10 +14,11 @@ reconciler itself; a copy of either is a duplicate by construction).
 
 Bounded and polite: one replica runs a route's reconcile per period (``Store.reconcile_turn``);
 a run recovers at most ``max_per_run`` gaps, no faster than ``pace`` a second (the limit at the
-app); a rate-limit answer is waited out within the run when it asks for at most
-``MAX_WAIT_IN_RUN``, else it ends the run and the next one waits for it. Any other API error ends
-the run: logged, counted by kind, retried at the next period. A run never sends what has a claim,
-so a run cut short and run again sends nothing twice.
+app), until its period ends or, when reading the log took longer, half a period after; a
+rate-limit answer is waited out within the run when it asks for at most ``MAX_WAIT_IN_RUN``, else
+it ends the run and the next one waits for it. Any other API error ends the run: logged, counted
+by kind, retried at the next period. A run never sends what has a claim, so a run cut short and
+run again sends nothing twice.
 """
 
 from __future__ import annotations
@@ -142,6 +143,10 @@ class Reconciler:
         try:
             await self._read(route, provider_log, report, deadline)
             if not dry_run:
+                # A log read in longer than the period would leave no time to recover, run
+                # after run: half a period at least, after which the next turn's replica is
+                # still reading its own.
+                deadline = max(deadline, time.monotonic() + settings.every / 2)
                 await self._recover(route, settings, provider_log, report, deadline)
         except errors.ProviderAPIError as exc:
             report.stopped = exc

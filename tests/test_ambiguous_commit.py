@@ -58,6 +58,11 @@ class OneWayRelay:
         for link in self._links:
             link["answers" if answers else "requests"] = False
 
+    def cut_at_commit(self) -> None:
+        """Lose the proxy's requests from its next COMMIT on (what comes before it flows)."""
+        for link in self._links:
+            link["at_commit"] = True
+
     async def drop(self) -> None:
         """Close the connections open now, both ends, as a server or a network failing would;
         the proxy's side notices before it sends anything more."""
@@ -77,13 +82,15 @@ class OneWayRelay:
             up_reader, up_writer = await asyncio.open_unix_connection(self._unix)
         else:
             up_reader, up_writer = await asyncio.open_connection(*self._tcp)
-        link = {"answers": True, "requests": True}
+        link = {"answers": True, "requests": True, "at_commit": False}
         self._links.append(link)
         self._writers += [writer, up_writer]
 
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, key: str) -> None:
             with contextlib.suppress(ConnectionError):
                 while data := await src.read(65536):
+                    if key == "requests" and link["at_commit"] and b"COMMIT" in data:
+                        link["requests"] = False
                     if link[key]:
                         dst.write(data)
             # One side closed: close the other, as the kernel would for a dead peer.
@@ -226,6 +233,48 @@ async def test_a_hand_off_that_cannot_keep_relays_the_apps_answer(
     (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]
     if app_status == 200:
         # The claim died with its connection: stored again on a fresh one.
+        assert (line["outcome"], line.get("reconciled")) == ("processed", True)
+        assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_handed"]
+    else:
+        assert line["outcome"] == "upstream_error"
+        assert await claimed(pg_dsn, table) == []
+
+
+@pytest.mark.parametrize("app_status", [200, 503])
+async def test_a_hand_off_whose_keep_commit_fails_relays_the_apps_answer(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    relay: OneWayRelay,
+    pg_dsn: str,
+    table: str,
+    app_status: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The hand-off's keep is written, and its COMMIT lost on the way: the claim's transaction
+    # ended with its connection, as when the keep itself failed (the campaign found a 500:
+    # "claim ... is kept already", when the attempt then ended).
+    upstream.gate = asyncio.Event()
+    upstream.respond = lambda n: web.Response(status=app_status, text="app")
+    client = await make_proxy(
+        database={"dsn": relay.dsn, "pool_size": 2, "connect_timeout": "1s"},
+        routes=[HANDED],
+    )
+
+    async def commit_failed() -> bool:
+        return any("the COMMIT keeping" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level(logging.INFO):
+        request = asyncio.create_task(client.post("/hooks", data=b'{"id": "evt_handed"}'))
+        await upstream.arrived.wait()
+        relay.cut_at_commit()
+        await wait_until(commit_failed, "the hand-off's COMMIT to fail")
+        upstream.gate.set()
+        response = await request
+
+    assert response.status == app_status  # not 500
+    assert await response.text() == "app"
+    (line,) = [r.fields for r in caplog.records if hasattr(r, "fields")]
+    if app_status == 200:
         assert (line["outcome"], line.get("reconciled")) == ("processed", True)
         assert [row[1] for row in await claimed(pg_dsn, table)] == ["evt_handed"]
     else:

@@ -8,6 +8,7 @@ boundary, a rate-limit answer, an expired token and a provider outage behave as 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ import yaml
 from aiohttp.test_utils import TestClient
 
 from proxy import app_keys, config, errors, reconciler
+from proxy.providers_api import github
 from tests.faults.relay import Relay
 from tests.helpers import GITHUB_SECRET, FakeUpstream, MakeProxy, github_route, wait_until
 from tests.provider_standins import GitHubHook
@@ -188,6 +190,41 @@ async def test_pages_are_walked_with_the_cursor_and_a_retry_after_is_waited_out(
     assert len(_delivered(upstream)) == 20
     metrics = await scrape_text(proxy)
     assert 'dedup_reconcile_errors_total{kind="rate_limited",route="github"} 1.0' in metrics
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_a_log_read_in_longer_than_the_period_still_leaves_time_to_recover(
+    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy hook's log takes longer than ``every`` to read: the run still recovers (before,
+    its period had ended by then, and every run recovered nothing, while reporting success)."""
+    monkeypatch.setattr("proxy.providers_api.github.PER_PAGE", 7)
+    page = github.HookDeliveries._page
+
+    async def slow(deliveries: github.HookDeliveries, url: str) -> Any:
+        await asyncio.sleep(0.5)  # three pages: longer than the period below
+        return await page(deliveries, url)
+
+    monkeypatch.setattr(github.HookDeliveries, "_page", slow)
+    proxy = await make_proxy(routes=[_route(hook.api_url)])
+    hook.target = "http://127.0.0.1:9/unreachable"
+    for n in range(20):
+        await hook.deliver(f"slow-{n}", _body(n))
+    hook.target = str(proxy.make_url("/webhooks/github"))
+    app = proxy.app
+    assert app is not None
+    route = app[app_keys.CONFIG].routes[0]
+    assert route.reconcile is not None
+    # A period shorter than the configuration allows, as a log 100 times longer would take.
+    short = dataclasses.replace(route, reconcile=dataclasses.replace(route.reconcile, every=1.0))
+    runs = reconciler.Reconciler(app[app_keys.STORE], (short,), app[app_keys.METRICS], pace=1000.0)
+
+    report = await runs.reconcile(short)
+
+    assert hook.list_requests == 3
+    assert len(report.gaps) == 20
+    assert report.recovered
+    assert set(_delivered(upstream).values()) == {1}
 
 
 @pytest.mark.usefixtures("no_background_runs")

@@ -318,6 +318,9 @@ class Claim:
             with _COMMIT_FAILED:
                 await self._connection.execute("COMMIT", timeout=store.op_timeout)
         except errors.StoreUnavailable as exc:
+            # The transaction ended with its connection, as when the keep itself fails: an
+            # attempt still at the app (a hand-off's) ends the claim as an abandoned one.
+            self.state = ClaimState.ABANDONED
             self._discard()
             log.warning(
                 "the COMMIT keeping %s %s for redelivery failed, so it may not be kept: "

@@ -20,6 +20,16 @@ at 0.7 of ``upstream.timeout``, so one the app is slow on is kept at the hand-of
 deadline``) while the attempt goes on; ``claim_wait`` past the hand-off, so a copy finds a slow
 delivery kept rather than still in flight.
 
+With ``--reconcile`` (and ``--inbox``) the provider is GitHub itself: each send is signed as
+GitHub signs it and logged in a stand-in of GitHub's hook deliveries API with the proxy's answer
+(a cut connection: failed), and the route (GitHub's preset) has ``reconcile:`` pointing its
+``api_url`` at the stand-in, every 10 s. The replicas' reconciler runs on its schedule through
+the nemesis; asked to redeliver, the stand-in sends the event again (``reconcile_sender``).
+After the nemesis the campaign waits (bounded) until every event sent has reached the app and
+one reconcile run more has found no gap. An event whose every send was refused must then have
+been recovered, and the reconciler must never have asked for an event with a claim
+(``reconcile_rules``).
+
 The database can be another set-up (``databases``), with the same checker and invariant:
 
 - ``--pgbouncer``: the replicas reach PostgreSQL through a real PgBouncer in transaction pooling
@@ -50,6 +60,7 @@ a redelivery included (it carries the headers of the delivery it redelivers).
 Run it on demand (exit status 1 on any violation)::
 
     python -m tests.faults.campaign --minutes 5 [--replicas 3] [--seed S] [--events K] [--inbox]
+    python -m tests.faults.campaign --minutes 5 --inbox --reconcile
     python -m tests.faults.campaign --minutes 5 --pgbouncer
     python -m tests.faults.campaign --minutes 5 --failover
     python -m tests.faults.campaign --minutes 5 --receipts [--inbox] [--pgbouncer | --failover]
@@ -83,7 +94,7 @@ from aiohttp import web
 
 from proxy import app_limit, config, embedded, errors
 from proxy.database import pool
-from tests.faults import checker, databases, ledger_app
+from tests.faults import checker, databases, ledger_app, reconcile_rules, reconcile_sender
 from tests.faults.relay import Mode
 from tests.helpers import accepts, free_port
 
@@ -147,6 +158,8 @@ class Settings:
     # The receipt mode (``ledger_app``): the route has ``receipt`` in the app's own database.
     receipts: bool = False
     receipt_dsn: str | None = None  # that database, once started
+    # --reconcile (with the inbox): the stand-in of GitHub's API the route reconciles against.
+    reconcile_api: str | None = None
 
     def with_inbox(self) -> Settings:
         """These settings in the inbox mode, with flow control as its user sets it up: a limit
@@ -183,6 +196,8 @@ class Settings:
 
     def replica_config(self, *, port: int, upstream: str, dsn: str) -> dict[str, Any]:
         route: dict[str, Any] = {"name": ROUTE, "path": HOOK, "event_id": "body:/id"}
+        if self.reconcile_api is not None:
+            route = reconcile_sender.route(route, self.reconcile_api)
         extra: dict[str, Any] = {}
         if self.receipt_dsn is not None:
             route["receipt"] = {"dsn": self.receipt_dsn}
@@ -507,6 +522,7 @@ class Provider:
         self.deliveries: list[checker.Delivery] = []
         self.acked: set[str] = set()
         self.retrying = True  # copies retry while the nemesis runs; settling takes over after
+        self.github: reconcile_sender.CampaignHook | None = None  # --reconcile: signs, logs
         self._ids = itertools.count(1)
         self._slots = asyncio.Semaphore(settings.max_in_flight)
         self._session: aiohttp.ClientSession | None = None
@@ -531,19 +547,21 @@ class Provider:
         dedup: str | None = None
         body = b""
         error: str | None = None
+        payload = event_body(event_id)
+        headers = {
+            "Content-Type": "application/json",
+            "X-Camp-Delivery": delivery_id,
+            "X-Camp-Replica": replica.name,
+            # The proxy's log line then carries the delivery (request_id).
+            "X-Request-Id": delivery_id,
+        }
+        if self.github is not None:
+            headers |= self.github.headers(event_id, payload)
         async with self._slots:
             start = time.monotonic()
             try:
                 async with self._session.post(
-                    replica.url + HOOK,
-                    data=event_body(event_id),
-                    headers={
-                        "Content-Type": "application/json",
-                        "X-Camp-Delivery": delivery_id,
-                        "X-Camp-Replica": replica.name,
-                        # The proxy's log line then carries the delivery (request_id).
-                        "X-Request-Id": delivery_id,
-                    },
+                    replica.url + HOOK, data=payload, headers=headers
                 ) as response:
                     body = await response.read()
                     status = response.status
@@ -566,6 +584,8 @@ class Provider:
             kept_for=_kept_for(body) if dedup in checker.KEPT_ANSWERS else None,
         )
         self.deliveries.append(delivery)
+        if self.github is not None:
+            self.github.record(delivery, payload)
         if delivery.outcome == "ok":
             self.acked.add(event_id)
         return delivery
@@ -618,8 +638,15 @@ class OneShotProvider(Provider):
 
     async def copy(self, event_id: str, delay: float) -> None:
         await asyncio.sleep(delay)
+        await self.deliver(event_id, self._healthy(), "nemesis")
+
+    async def redeliver(self, event_id: str) -> checker.Delivery:
+        """A redelivery the reconciler asked for (``--reconcile``): once, as a copy is sent."""
+        return await self.deliver(event_id, self._healthy(), reconcile_rules.PHASE)
+
+    def _healthy(self) -> Replica:
         healthy = [r for r in self.replicas if r.listening]
-        await self.deliver(event_id, self.rng.choice(healthy or self.replicas), "nemesis")
+        return self.rng.choice(healthy or self.replicas)
 
 
 def _kept_status(body: bytes) -> int | None:
@@ -1026,16 +1053,18 @@ async def run_campaign(
     inbox: bool = False,
     database: str = "plain",
     receipts: bool = False,
+    reconcile: bool = False,
     say: Callable[[str], None] = _quiet,
 ) -> checker.Report:
     """Run one campaign (``minutes`` of nemesis, then settling and checks); return the report,
     whose ``violations`` are empty when the invariant held. ``inbox``: the inbox mode;
     ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring);
-    ``receipts``: the receipt mode (``ledger_app``)."""
+    ``receipts``: the receipt mode (``ledger_app``); ``reconcile``: the inbox mode with GitHub's
+    sender and a reconciler (``reconcile_sender``)."""
     settings = settings or Settings()
     if receipts:
         settings = replace(settings, receipts=True)
-    if inbox and not settings.inbox:
+    if (inbox or reconcile) and not settings.inbox:
         settings = settings.with_inbox()
     seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
     duration = minutes * 60
@@ -1045,13 +1074,21 @@ async def run_campaign(
     work = Path(tempfile.mkdtemp(prefix="dedup-campaign-")) if workdir is None else workdir
     mode = (" inbox" if settings.inbox else "") + ("" if database == "plain" else f" {database}")
     mode += " receipts" if settings.receipts else ""
+    mode += " reconcile" if reconcile else ""
     say(
         f"campaign{mode} seed={seed} replicas={replicas} events={count} nemesis={duration:g}s "
         f"in {work}"
     )
     keep = True  # the replicas' logs are the evidence when something went wrong
     try:
-        report = await _campaign(work, settings, replicas, seed, event_ids, duration, database, say)
+        async with contextlib.AsyncExitStack() as stack:
+            github = None
+            if reconcile:
+                github = await stack.enter_async_context(reconcile_sender.stand_in())
+                settings = replace(settings, reconcile_api=github.api_url)
+            report = await _campaign(
+                work, settings, replicas, seed, event_ids, duration, database, say, github
+            )
         keep = bool(report.violations) or bool(os.environ.get("DEDUP_CAMPAIGN_KEEP"))
         return report
     finally:
@@ -1070,6 +1107,7 @@ async def _campaign(
     duration: float,
     mode: str,
     say: Callable[[str], None],
+    github: reconcile_sender.CampaignHook | None = None,
 ) -> checker.Report:
     rng = random.Random(seed)
     async with cluster(work, settings, replicas, rng, mode=mode) as c:
@@ -1079,6 +1117,9 @@ async def _campaign(
         c.app.chaos = True
         kind = OneShotProvider if settings.inbox else Provider
         async with kind(c.replicas, rng, settings) as provider:
+            if github is not None:
+                assert isinstance(provider, OneShotProvider)
+                provider.github, github.redeliver = github, provider.redeliver
             traffic = asyncio.create_task(_traffic(provider, event_ids, duration * 0.9))
             try:
                 await nemesis.run(origin + duration)
@@ -1091,6 +1132,8 @@ async def _campaign(
                     await asyncio.gather(traffic, return_exceptions=True)
             say(f"{time.monotonic() - origin:7.2f}s  nemesis over; settling")
             settle = await _settle(c, provider, event_ids)
+            if github is not None:
+                settle += await _settle_reconcile(c, provider, github)
             say(f"{time.monotonic() - origin:7.2f}s  settled in {settle:.1f}s; checking")
             post = [check_restarts(nemesis, c.replicas)]
             post.append(await check_no_idle_transactions(c.dsn))
@@ -1103,12 +1146,16 @@ async def _campaign(
             ledger = None if c.app.ledger is None else await c.app.ledger.counts()
         for replica in c.replicas:
             await replica.stop()
+        logs: list[Any] = [line for r in c.replicas for line in r.logs]
+        if github is not None:  # the proxy's IDs are {hook}:{guid}, the campaign's the GUIDs
+            logs = reconcile_sender.as_sent(logs)
+            rows = {reconcile_sender.campaign_id(e): state for e, state in rows.items()}
         records = checker.Records(
             events=event_ids,
             deliveries=provider.deliveries,
             calls=c.app.calls,
             actions=nemesis.actions,
-            logs=[line for r in c.replicas for line in r.logs],
+            logs=logs,
             claimed=frozenset(rows),
             ledger=ledger,
             inbox=settings.inbox,
@@ -1132,8 +1179,27 @@ async def _campaign(
                 **({"app_pool": c.app.ledger.described()} if c.app.ledger else {}),
             },
         )
+        if github is not None:
+            report, _ = reconcile_rules.check(records, github.recovery())
+            return report
         report, _ = checker.check(records)
         return report
+
+
+async def _settle_reconcile(
+    c: Cluster, provider: Provider, github: reconcile_sender.CampaignHook
+) -> float:
+    """``--reconcile``: the reconciler's recoveries in, one quiet run after, the inbox drained."""
+    took = await reconcile_sender.settle(
+        github,
+        {d.event_id for d in provider.deliveries},
+        lambda: {call.event_id for call in c.app.calls if call.acted},
+        lambda: [line for r in c.replicas for line in r.logs],
+        pace=float(c.settings.concurrency or c.settings.pool_size),
+    )
+    took += await settle_inbox(c, provider, c.settings.settle_timeout)
+    await poll(lambda: c.app.in_flight == 0, "the app's last answers", 30)
+    return took
 
 
 async def _settle(c: Cluster, provider: Provider, event_ids: Sequence[str]) -> float:
@@ -1160,6 +1226,11 @@ def _inbox_settings(settings: Settings) -> dict[str, str]:
         ),
         "upstream.concurrency": str(settings.concurrency or "unset"),
         "hand_off": f"{settings.hand_off:g}s" if settings.hand_off else "off",
+        **(
+            {"reconcile": f"every {reconcile_sender.EVERY:g}s since {reconcile_sender.SINCE}"}
+            if settings.reconcile_api
+            else {}
+        ),
     }
 
 
@@ -1176,6 +1247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--inbox",
         action="store_true",
         help="the route redelivers; the provider sends each event 1-3 times and never retries",
+    )
+    parser.add_argument(
+        "--reconcile",
+        action="store_true",
+        help="with --inbox: GitHub's sender, and the route reconciles against a stand-in of "
+        "GitHub's API (every refused event must be recovered)",
     )
     database = parser.add_mutually_exclusive_group()
     database.add_argument(
@@ -1200,6 +1277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.set_defaults(database="plain")
     args = parser.parse_args(argv)
+    if args.reconcile and not args.inbox:
+        parser.error("--reconcile needs --inbox")
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -1216,6 +1295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             inbox=args.inbox,
             database=args.database,
             receipts=args.receipts,
+            reconcile=args.reconcile,
             say=say,
         )
     )

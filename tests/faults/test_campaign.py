@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults import campaign, checker
+from tests.faults import campaign, checker, reconcile_rules
 from tests.faults.relay import Relay
 
 
@@ -33,6 +33,7 @@ class Short:
     database: str = "plain"
     inbox: bool = False
     receipts: bool = False
+    reconcile: bool = False  # with inbox: GitHub's sender, and a reconciler recovering refusals
     kinds: tuple[str, ...] = campaign.KINDS
     hurt: tuple[str, ...] = ("failed", "indeterminate")
 
@@ -49,6 +50,12 @@ class Short:
             Short(minutes=0.4, events=300, inbox=True, hurt=()),
             marks=pytest.mark.timeout(120),
             id="inbox",
+        ),
+        # The same, the sender GitHub: every refused event recovered by the reconciler.
+        pytest.param(
+            Short(minutes=0.4, events=300, inbox=True, reconcile=True, hurt=("failed",)),
+            marks=pytest.mark.timeout(180),
+            id="inbox-reconcile",
         ),
         # Link faults between the replicas and PgBouncer, PostgreSQL restarting behind it.
         pytest.param(
@@ -91,6 +98,7 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         inbox=short.inbox,
         database=short.database,
         receipts=short.receipts,
+        reconcile=short.reconcile,
         say=print,
     )
     table = checker.format_report(report)
@@ -108,6 +116,9 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         assert report.receipts is not None
         assert report.receipts.looks.get("written", 0) > 0, table  # a doubt the receipt settled
         assert (report.receipts.effects_twice, report.receipts.effects_lost) == (0, 0), table
+    if short.reconcile:
+        assert report.by_phase.get(reconcile_rules.PHASE, 0) > 0, table  # the reconciler asked
+        assert report.lost == 0, table
     assert not report.violations, table
 
 
@@ -659,6 +670,15 @@ def test_checker_inbox_flags_a_hand_off_the_app_had_answered_before() -> None:
     assert "kept_for deadline" in violations[0].message
 
 
+def test_checker_inbox_accepts_an_app_answer_that_came_while_the_hand_offs_keep_committed() -> None:
+    # The hand-off began keeping at HAND_OFF; the app answered just after, and the keep's
+    # COMMIT took a second more: the 202 comes a second after the app's answer.
+    calls = [_answered(_call("d1", "r1", 1.01), 200, took=HAND_OFF + 0.02)]
+    kept = replace(_kept_for("d1", "r1", 1.0, "deadline"), end=1.0 + HAND_OFF + 1.0)
+    _, violations = checker.check(_flow(calls, [kept]))
+    assert violations == []
+
+
 @pytest.mark.parametrize(
     ("action", "causes"),
     [
@@ -840,3 +860,89 @@ def test_checker_receipts_flag_a_call_after_a_claim_logged_committed() -> None:
     logs = (processed, _settled("d2", "r2"))
     _, violations = checker.check(_receipts(calls, deliveries, {"e": 1}, logs=logs))
     assert [v.kind for v in violations] == ["forwarded_after_commit"]
+
+
+# --- the checker, with the reconciler (--reconcile) ---------------------------------------
+
+
+def _asked(delivery: str, replica: str, start: float, status: int | None) -> checker.Delivery:
+    """A redelivery the reconciler asked GitHub for."""
+    return replace(_delivery(delivery, replica, start, status), phase=reconcile_rules.PHASE)
+
+
+RUN_LINE = {"logger": reconcile_rules.RECONCILER, "level": "info", "gaps": 1, "recovered": 1,
+            "msg": "reconcile of route camp: 1 event(s) in the log", "at": 9.9}  # fmt: skip
+REFUSED_LINE = {"event_id": "e", "request_id": "d1", "outcome": "unavailable", "replica": "r1"}
+
+
+def test_reconcile_counts_a_refused_event_recovered_by_the_reconciler() -> None:
+    records = _inbox(
+        [_call("d2", "r2", 10.005)],
+        [_delivery("d1", "r1", 1.0, 503), _asked("d2", "r2", 10.0, 200)],
+        logs=(REFUSED_LINE, RUN_LINE),
+        states={},
+    )
+    recovery = reconcile_rules.Recovery(
+        asks=[reconcile_rules.Ask("e", 7, 9.95)],
+        logged=[reconcile_rules.Logged("e", 7, 503, False, 1.02),
+                reconcile_rules.Logged("e", 8, 200, True, 10.1)],
+    )  # fmt: skip
+
+    report, summary = reconcile_rules.check(records, recovery)
+
+    assert report.violations == ()
+    assert (summary.refused, summary.recovered, summary.not_recovered, summary.lost) == (1, 1, 0, 0)
+    assert (summary.asks, summary.asked_not_arrived, summary.runs) == (1, 0, 1)
+    assert "recovered 1, not recovered 0; lost 0" in checker.format_report(report)
+
+
+def test_reconcile_flags_a_refused_event_never_recovered_with_the_stand_ins_log() -> None:
+    database_away = {"logger": reconcile_rules.RECONCILER, "level": "warning", "at": 9.0,
+                     "msg": "reconcile of route camp: the database does not answer: x"}  # fmt: skip
+    records = _inbox(
+        [],
+        [_delivery("d1", "r1", 1.0, 503)],
+        logs=(REFUSED_LINE, database_away),
+        states={},
+        claimed=frozenset(),
+    )
+    recovery = reconcile_rules.Recovery(
+        asks=[], logged=[reconcile_rules.Logged("e", 7, 503, False, 1.02)]
+    )
+
+    report, summary = reconcile_rules.check(records, recovery)
+
+    assert [v.kind for v in report.violations] == ["not_recovered"]
+    assert "github log: attempt 7 t=1.020 status 503" in report.violations[0].evidence
+    assert (summary.refused, summary.recovered, summary.lost) == (1, 0, 1)
+    assert summary.errors == {"database": 1}
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_reconcile_flags_an_ask_for_an_event_with_a_claim_unless_a_window_lost_it(
+    killed: bool,
+) -> None:
+    """The app took the event, the provider's connection was cut: GitHub logs it failed. Its
+    claim was committed unless the replica's kill took it: only then may the reconciler ask."""
+    kill = checker.Action("kill", "r1", 1.0, 1.5)
+    records = _inbox(
+        [_call("d1", "r1", 1.001), _call("d2", "r2", 10.005)],
+        [_delivery("d1", "r1", 1.0, None), _asked("d2", "r2", 10.0, 200)],
+        actions=(kill,) if killed else (),
+        states={},
+    )
+    recovery = reconcile_rules.Recovery(
+        asks=[reconcile_rules.Ask("e", 7, 9.95)],
+        logged=[reconcile_rules.Logged("e", 7, 0, False, 1.02),
+                reconcile_rules.Logged("e", 8, 200, True, 10.1)],
+    )  # fmt: skip
+
+    report, summary = reconcile_rules.check(records, recovery)
+
+    kinds = sorted(v.kind for v in report.violations)
+    if killed:
+        assert kinds == []
+        assert [d.explained for d in report.double_processed] == [True]
+    else:
+        assert kinds == ["double_unexplained", "reconciled_claimed"]
+    assert (summary.refused, summary.recovered) == (1, 1)
