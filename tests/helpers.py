@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 import asyncpg
@@ -28,10 +29,12 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import procs
-from proxy import admin, app, app_keys, config, retention
+from proxy import admin, app, app_keys, config, errors, retention
+from tests.faults.relay import Relay
 
 WITHIN = 10.0  # the default bound on every wait for the proxy (an answer, a close, a start)
 MIB = 1024 * 1024
@@ -192,6 +195,41 @@ async def scrape(
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples
+
+
+def metrics_text(proxy: TestClient[Any, Any]) -> str:
+    """The proxy's /metrics text, its buffered samples flushed first."""
+    meters = proxy.app[app_keys.METRICS]
+    meters.flush()
+    return generate_latest(meters.registry).decode()
+
+
+async def reaches_database(proxy: TestClient[Any, Any]) -> bool:
+    """Whether the proxy's store answers (a lookup of a probe ID on its first route)."""
+    cfg = proxy.app[app_keys.CONFIG]
+    try:
+        await proxy.app[app_keys.STORE].resolve(cfg.routes[0].scope, ["probe"])
+    except errors.StoreUnavailable:
+        return False
+    return True
+
+
+@contextlib.asynccontextmanager
+async def database_relay(dsn: str) -> AsyncIterator[tuple[Relay, str]]:
+    """A TCP fault relay (``tests.faults.relay``) in front of ``dsn``'s server, and the DSN
+    through it: cut, refuse or pass the proxy's database link. Needs ``RELAY_IN_LOOP`` in the
+    test module (the relay is written for asyncio's transports: conftest)."""
+    parts = urlsplit(dsn)
+    host = parse_qs(parts.query).get("host", [parts.hostname or ""])[0]
+    port = parts.port or 5432
+    link = Relay(f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port))
+    await link.start()
+    try:
+        password = f":{parts.password}" if parts.password else ""
+        user = parts.username or "postgres"
+        yield link, f"postgresql://{user}{password}@127.0.0.1:{link.port}{parts.path}"
+    finally:
+        await link.close()
 
 
 def sweeper_of(proxy: TestClient[Any, Any]) -> retention.Sweeper:

@@ -323,3 +323,16 @@ class StripeAccount:
             error = {"error": {"type": "invalid_request_error", "message": "Invalid API Key"}}
             return web.json_response(error, status=401)
         return web.json_response(self.page(dict(request.query)))
+
+
+def json_schema(schema: Any) -> Any:
+    """An OpenAPI 3.0 schema as JSON Schema: ``nullable`` as the null type (its references
+    resolve within one document as they are)."""
+    if isinstance(schema, dict):
+        converted = {k: json_schema(v) for k, v in schema.items() if k != "nullable"}
+        if schema.get("nullable"):
+            converted["type"] = [schema["type"], "null"]
+        return converted
+    if isinstance(schema, list):
+        return [json_schema(item) for item in schema]
+    return schema

@@ -14,7 +14,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
@@ -24,8 +23,17 @@ from aiohttp.test_utils import TestClient
 from proxy import app_keys, config, errors, reconciler
 from proxy.providers_api import github
 from tests.faults.relay import Relay
-from tests.helpers import GITHUB_SECRET, FakeUpstream, MakeProxy, github_route, wait_until
-from tests.provider_standins import GitHubHook
+from tests.helpers import (
+    GITHUB_SECRET,
+    FakeUpstream,
+    MakeProxy,
+    database_relay,
+    github_route,
+    metrics_text,
+    reaches_database,
+    wait_until,
+)
+from tests.provider_standins import GitHubHook, json_schema
 
 TOKEN = "github_pat_stand_in_token_0123456789"
 # The TCP fault relay (the database link cut) is written for asyncio's transports (conftest).
@@ -72,45 +80,32 @@ async def _run(proxy: TestClient[Any, Any], **kwargs: Any) -> reconciler.Report:
 
 
 @pytest.fixture
-async def relay(pg_dsn: str) -> AsyncIterator[Relay]:
-    parts = urlsplit(pg_dsn)
-    host = parse_qs(parts.query).get("host", [parts.hostname or ""])[0]
-    target: tuple[str, int] | str = (
-        f"{host}/.s.PGSQL.{parts.port or 5432}"
-        if host.startswith("/")
-        else (host, parts.port or 5432)
-    )
-    link = Relay(target)
-    await link.start()
-    try:
-        yield link
-    finally:
-        await link.close()
-
-
-def _via(dsn: str, port: int) -> str:
-    parts = urlsplit(dsn)
-    password = f":{parts.password}" if parts.password else ""
-    return f"postgresql://{parts.username or 'postgres'}{password}@127.0.0.1:{port}{parts.path}"
+async def relay(pg_dsn: str) -> AsyncIterator[tuple[Relay, str]]:
+    """The database link through a fault relay, and the DSN through it."""
+    async with database_relay(pg_dsn) as linked:
+        yield linked
 
 
 @pytest.mark.usefixtures("no_background_runs")
 async def test_events_refused_while_the_database_was_unreachable_reach_the_app_once_after_a_run(
-    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, relay: Relay, pg_dsn: str
+    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, relay: tuple[Relay, str]
 ) -> None:
+    link, dsn = relay
     proxy = await make_proxy(
         routes=[_route(hook.api_url, since="1h")],
-        database={"dsn": _via(pg_dsn, relay.port), "connect_timeout": "1s", "pool_timeout": "1s"},
+        database={"dsn": dsn, "connect_timeout": "1s", "pool_timeout": "1s"},
     )
     hook.target = str(proxy.make_url("/webhooks/github"))
     # Before the outage: processed, claimed.
     assert [await hook.deliver(f"before-{n}", _body(n)) for n in range(5)] == [200] * 5
-    await relay.set_mode("refuse")
+    await link.set_mode("refuse")
     # A sender that never retries: each event once, every one refused.
     refused = [await hook.deliver(f"during-{n}", _body(100 + n)) for n in range(50)]
     assert set(refused) == {503}
-    await relay.set_mode("pass")
-    await wait_until(lambda: _answers(proxy), "the proxy reaches its database again", within=30)
+    await link.set_mode("pass")
+    await wait_until(
+        lambda: reaches_database(proxy), "the proxy reaches its database again", within=30
+    )
 
     report = await _run(proxy)
 
@@ -126,29 +121,9 @@ async def test_events_refused_while_the_database_was_unreachable_reach_the_app_o
     again = await _run(proxy)
     assert (len(again.gaps), len(again.recovered), len(hook.redelivery_requests)) == (0, 0, asked)
     assert set(_delivered(upstream).values()) == {1}
-    metrics = await scrape_text(proxy)
+    metrics = metrics_text(proxy)
     assert 'dedup_reconcile_recovered_total{route="github"} 50.0' in metrics
     assert 'dedup_reconcile_gaps_total{route="github"} 50.0' in metrics
-
-
-async def _answers(proxy: TestClient[Any, Any]) -> bool:
-    app = proxy.app
-    assert app is not None
-    try:
-        await app[app_keys.STORE].resolve("github", ["probe"])
-    except errors.StoreUnavailable:
-        return False
-    return True
-
-
-async def scrape_text(proxy: TestClient[Any, Any]) -> str:
-    app = proxy.app
-    assert app is not None
-    meters = app[app_keys.METRICS]
-    meters.flush()
-    from prometheus_client import generate_latest
-
-    return generate_latest(meters.registry).decode()
 
 
 @pytest.mark.usefixtures("no_background_runs")
@@ -188,7 +163,7 @@ async def test_pages_are_walked_with_the_cursor_and_a_retry_after_is_waited_out(
     assert report.stopped is None
     assert set(_delivered(upstream).values()) == {1}
     assert len(_delivered(upstream)) == 20
-    metrics = await scrape_text(proxy)
+    metrics = metrics_text(proxy)
     assert 'dedup_reconcile_errors_total{kind="rate_limited",route="github"} 1.0' in metrics
 
 
@@ -252,7 +227,7 @@ async def test_an_expired_token_or_an_outage_ends_the_run_and_the_next_one_recov
     assert stopped.stopped is not None
     assert stopped.stopped.kind == kind
     assert (stopped.recovered, hook.redelivery_requests, upstream.requests) == ([], [], [])
-    metrics = await scrape_text(proxy)
+    metrics = metrics_text(proxy)
     assert f'dedup_reconcile_errors_total{{kind="{kind}",route="github"}} 1.0' in metrics
     assert "dedup_reconcile_last_success_timestamp_seconds{" not in metrics
 
@@ -292,7 +267,7 @@ async def _settled(upstream: FakeUpstream, count: int) -> bool:
 
 def test_the_stand_in_answers_as_the_vendored_description_says() -> None:
     described = yaml.safe_load(VENDORED.read_text())
-    item = _json_schema(described["components"]["schemas"]["hook-delivery-item"])
+    item = json_schema(described["components"]["schemas"]["hook-delivery-item"])
     listing = described["paths"]["/repos/{owner}/{repo}/hooks/{hook_id}/deliveries"]["get"]
     assert listing["operationId"] == "repos/list-webhook-deliveries"
     names = {p["$ref"].rsplit("/", 1)[1] for p in listing["parameters"]}
@@ -308,18 +283,6 @@ def test_the_stand_in_answers_as_the_vendored_description_says() -> None:
     bad = {**stand_in.items()[0], "status_code": "500"}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([bad], {"type": "array", "items": item})
-
-
-def _json_schema(schema: Any) -> Any:
-    """OpenAPI 3.0's ``nullable`` as JSON Schema's null type."""
-    if isinstance(schema, dict):
-        converted = {k: _json_schema(v) for k, v in schema.items() if k != "nullable"}
-        if schema.get("nullable"):
-            converted["type"] = [schema["type"], "null"]
-        return converted
-    if isinstance(schema, list):
-        return [_json_schema(item) for item in schema]
-    return schema
 
 
 def test_the_token_is_never_in_the_configuration_repr() -> None:

@@ -24,13 +24,12 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from prometheus_client import generate_latest
 
 from proxy import app_keys, cli, config, errors, reconciler
 from proxy.config import reconcile as reconciling
 from proxy.providers_api import github_app
-from tests.helpers import GITHUB_SECRET, FakeUpstream, MakeProxy, github_route
-from tests.provider_standins import GitHubHook
+from tests.helpers import GITHUB_SECRET, FakeUpstream, MakeProxy, github_route, metrics_text
+from tests.provider_standins import GitHubHook, json_schema
 
 CLIENT_ID = "Iv23liStandInClient"
 VENDORED = Path(__file__).parent / "provider_api" / "github-app-hook-deliveries.yaml"
@@ -89,14 +88,6 @@ async def _run(proxy: TestClient[Any, Any]) -> reconciler.Report:
     return await runs.reconcile(app[app_keys.CONFIG].routes[0])
 
 
-def _metrics(proxy: TestClient[Any, Any]) -> str:
-    app = proxy.app
-    assert app is not None
-    meters = app[app_keys.METRICS]
-    meters.flush()
-    return generate_latest(meters.registry).decode()
-
-
 async def test_failed_deliveries_to_an_app_hook_are_redelivered_and_reach_the_app_once(
     make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, app_key: tuple[str, Any]
 ) -> None:
@@ -121,7 +112,7 @@ async def test_failed_deliveries_to_an_app_hook_are_redelivered_and_reach_the_ap
     again = await _run(proxy)
     assert (again.gaps, again.recovered, hook.redelivery_requests) == ([], [], asked)
     assert set(_delivered(upstream).values()) == {1}
-    assert 'dedup_reconcile_recovered_total{route="github"} 5.0' in _metrics(proxy)
+    assert 'dedup_reconcile_recovered_total{route="github"} 5.0' in metrics_text(proxy)
 
 
 async def test_a_failed_app_delivery_with_a_claim_is_never_asked_for_again(
@@ -174,7 +165,7 @@ async def test_a_wrong_expired_or_unusable_key_ends_the_run_unauthorized_and_is_
     assert pem not in report.stopped.message
     assert (report.recovered, hook.redelivery_requests, upstream.requests) == ([], [], [])
     assert hook.list_requests == (0 if key == "not a key" else 1)
-    metrics = _metrics(proxy)
+    metrics = metrics_text(proxy)
     assert 'dedup_reconcile_errors_total{kind="unauthorized",route="github"} 1.0' in metrics
     assert "dedup_reconcile_last_success_timestamp_seconds{" not in metrics
     if key == "an hour-slow clock":
@@ -222,8 +213,8 @@ def test_the_stand_in_answers_as_the_vendored_app_operations_say(
         "apps/redeliver-webhook-delivery",
     }
     schemas = described["components"]["schemas"]
-    item, one = _json_schema(schemas["hook-delivery-item"]), _json_schema(schemas["hook-delivery"])
-    accepted = _json_schema(described["components"]["responses"]["accepted"])
+    item, one = json_schema(schemas["hook-delivery-item"]), json_schema(schemas["hook-delivery"])
+    accepted = json_schema(described["components"]["responses"]["accepted"])
 
     async def answers() -> tuple[list[Any], Any, Any, int, int]:
         stand_in = GitHubHook.app_hook(
@@ -252,18 +243,6 @@ def test_the_stand_in_answers_as_the_vendored_app_operations_say(
     assert (status, refused) == (202, 401)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**single, "request": None}, one)
-
-
-def _json_schema(schema: Any) -> Any:
-    """OpenAPI 3.0's ``nullable`` as JSON Schema's null type."""
-    if isinstance(schema, dict):
-        converted = {k: _json_schema(v) for k, v in schema.items() if k != "nullable"}
-        if schema.get("nullable"):
-            converted["type"] = [schema["type"], "null"]
-        return converted
-    if isinstance(schema, list):
-        return [_json_schema(item) for item in schema]
-    return schema
 
 
 def _parse(reconcile: dict[str, Any], *, secrets: bool = True) -> config.Config:

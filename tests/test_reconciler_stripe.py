@@ -16,21 +16,28 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
-from prometheus_client import generate_latest
 
 from proxy import app_keys, cli, config, errors, providers_api, reconciler
 from proxy.config import reconcile as reconciling
 from proxy.providers_api import stripe
 from tests.faults.relay import Relay
-from tests.helpers import STRIPE_SECRET, FakeUpstream, MakeProxy, stripe_route, wait_until
-from tests.provider_standins import StripeAccount
+from tests.helpers import (
+    STRIPE_SECRET,
+    FakeUpstream,
+    MakeProxy,
+    database_relay,
+    metrics_text,
+    reaches_database,
+    stripe_route,
+    wait_until,
+)
+from tests.provider_standins import StripeAccount, json_schema
 
 KEY = "rk_test_stand_in_restricted_key_0123456789"
 # The TCP fault relay (the database link cut) is written for asyncio's transports (conftest).
@@ -91,63 +98,32 @@ async def _run(
     return await runs.reconcile(app[app_keys.CONFIG].routes[0], **kwargs)
 
 
-async def _metrics(proxy: TestClient[Any, Any]) -> str:
-    app = proxy.app
-    assert app is not None
-    meters = app[app_keys.METRICS]
-    meters.flush()
-    return generate_latest(meters.registry).decode()
-
-
 @pytest.fixture
-async def relay(pg_dsn: str) -> AsyncIterator[Relay]:
-    parts = urlsplit(pg_dsn)
-    host = parse_qs(parts.query).get("host", [parts.hostname or ""])[0]
-    target: tuple[str, int] | str = (
-        f"{host}/.s.PGSQL.{parts.port or 5432}"
-        if host.startswith("/")
-        else (host, parts.port or 5432)
-    )
-    link = Relay(target)
-    await link.start()
-    try:
-        yield link
-    finally:
-        await link.close()
-
-
-def _via(dsn: str, port: int) -> str:
-    parts = urlsplit(dsn)
-    password = f":{parts.password}" if parts.password else ""
-    return f"postgresql://{parts.username or 'postgres'}{password}@127.0.0.1:{port}{parts.path}"
-
-
-async def _answers(proxy: TestClient[Any, Any]) -> bool:
-    app = proxy.app
-    assert app is not None
-    try:
-        await app[app_keys.STORE].resolve("stripe", ["probe"])
-    except errors.StoreUnavailable:
-        return False
-    return True
+async def relay(pg_dsn: str) -> AsyncIterator[tuple[Relay, str]]:
+    """The database link through a fault relay, and the DSN through it."""
+    async with database_relay(pg_dsn) as linked:
+        yield linked
 
 
 @pytest.mark.usefixtures("no_background_runs")
 async def test_events_refused_while_the_database_was_unreachable_reach_the_app_once_after_a_run(
-    make_proxy: MakeProxy, upstream: FakeUpstream, account: StripeAccount, relay: Relay, pg_dsn: str
+    make_proxy: MakeProxy, upstream: FakeUpstream, account: StripeAccount, relay: tuple[Relay, str]
 ) -> None:
+    link, dsn = relay
     proxy = await make_proxy(
         routes=[_route(account.api_url)],
-        database={"dsn": _via(pg_dsn, relay.port), "connect_timeout": "1s", "pool_timeout": "1s"},
+        database={"dsn": dsn, "connect_timeout": "1s", "pool_timeout": "1s"},
     )
     account.target = str(proxy.make_url("/webhooks/stripe"))
     assert [await account.send(n=n) for n in range(5)] == [200] * 5
-    await relay.set_mode("refuse")
+    await link.set_mode("refuse")
     # Each event sent once and never retried (the worst sender), every one refused.
     refused = [await account.send(n=100 + n) for n in range(50)]
     assert set(refused) == {503}
-    await relay.set_mode("pass")
-    await wait_until(lambda: _answers(proxy), "the proxy reaches its database again", within=30)
+    await link.set_mode("pass")
+    await wait_until(
+        lambda: reaches_database(proxy), "the proxy reaches its database again", within=30
+    )
 
     report = await _run(proxy)
 
@@ -162,7 +138,7 @@ async def test_events_refused_while_the_database_was_unreachable_reach_the_app_o
     assert len(upstream.requests) == 55
     assert account.list_requests[0]["delivery_success"] == "false"
     assert "created[gte]" in account.list_requests[0]
-    metrics = await _metrics(proxy)
+    metrics = metrics_text(proxy)
     assert 'dedup_reconcile_recovered_total{route="stripe"} 50.0' in metrics
 
 
@@ -186,7 +162,7 @@ async def test_pages_are_walked_with_starting_after_and_a_retry_after_is_waited_
     assert len(report.recovered) == 20
     assert report.stopped is None
     assert Counter(_delivered(upstream).values()) == Counter({1: 20})
-    metrics = await _metrics(proxy)
+    metrics = metrics_text(proxy)
     assert 'dedup_reconcile_errors_total{kind="rate_limited",route="stripe"} 1.0' in metrics
 
 
@@ -214,7 +190,7 @@ async def test_a_revoked_key_or_an_outage_ends_the_run_and_the_next_one_recovers
     assert stopped.stopped is not None
     assert stopped.stopped.kind == kind
     assert (stopped.recovered, upstream.requests) == ([], [])
-    metrics = await _metrics(proxy)
+    metrics = metrics_text(proxy)
     assert f'dedup_reconcile_errors_total{{kind="{kind}",route="stripe"}} 1.0' in metrics
     assert "dedup_reconcile_last_success_timestamp_seconds{" not in metrics
 
@@ -248,7 +224,7 @@ async def test_an_event_the_app_refuses_does_not_hold_back_the_gaps_behind_it(
     assert "refused by the route (422), left for the next run" in reconciler.describe(
         report, dry_run=False
     )
-    metrics = await _metrics(proxy)
+    metrics = metrics_text(proxy)
     assert 'dedup_reconcile_errors_total{kind="recovery_refused",route="stripe"} 1.0' in metrics
 
     upstream.respond = lambda number: web.Response(status=200)
@@ -273,7 +249,7 @@ async def test_a_recovery_signed_with_another_secret_is_refused_by_the_route_not
     assert refused.stopped.kind == "recovery_refused"
     assert "answered 401" in refused.stopped.message
     assert (refused.recovered, upstream.requests) == ([], [])
-    metrics = await _metrics(proxy)
+    metrics = metrics_text(proxy)
     assert 'dedup_reconcile_errors_total{kind="recovery_refused",route="stripe"} 1.0' in metrics
 
     report = await _run(proxy)  # the route's own secret, from its verify
@@ -292,7 +268,7 @@ def test_the_stand_in_answers_as_the_vendored_description_says() -> None:
     names = {parameter["name"] for parameter in listing["parameters"]}
     assert {"delivery_success", "created", "starting_after", "limit"} <= names
     answer = listing["responses"]["200"]["content"]["application/json"]["schema"]
-    schema = {**_json_schema(answer), "components": _json_schema(described["components"])}
+    schema = {**json_schema(answer), "components": json_schema(described["components"])}
     stand_in = StripeAccount(secret=STRIPE_SECRET, key=KEY)
 
     async def events() -> None:
@@ -307,19 +283,6 @@ def test_the_stand_in_answers_as_the_vendored_description_says() -> None:
     bad = {**page, "data": [{**page["data"][0], "pending_webhooks": "1"}]}
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
-
-
-def _json_schema(schema: Any) -> Any:
-    """OpenAPI 3.0's ``nullable`` as JSON Schema's null type; its references as JSON Schema's
-    within one document."""
-    if isinstance(schema, dict):
-        converted = {k: _json_schema(v) for k, v in schema.items() if k != "nullable"}
-        if schema.get("nullable"):
-            converted["type"] = [schema["type"], "null"]
-        return converted
-    if isinstance(schema, list):
-        return [_json_schema(item) for item in schema]
-    return schema
 
 
 def test_a_stripe_route_reconciles_through_its_own_listener_signed_with_its_secret() -> None:
