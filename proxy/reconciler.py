@@ -211,6 +211,12 @@ class Reconciler:
                             "the next run", route.name,
                             len(report.gaps) - len(report.recovered))  # fmt: skip
                 return
+            if await self._claimed_since(route, delivery):
+                # A copy arrived while the gaps ahead of it were recovered (the recoveries are
+                # paced): never sent again, as any event with a claim.
+                report.gaps.remove(delivery)
+                report.claimed.append(delivery)
+                continue
             try:
                 await self._politely(
                     route, functools.partial(provider_log.recover, delivery), deadline
@@ -227,6 +233,15 @@ class Reconciler:
                 report.recovered.append(delivery)
                 self._metrics.reconcile_recovered.labels(route.name).inc()
             await asyncio.sleep(1.0 / self._pace)
+
+    async def _claimed_since(
+        self, route: routes.RouteConfig, delivery: providers_api.Delivery
+    ) -> bool:
+        """Whether the gap has a claim now: the log was read, and the claims looked up, up to
+        a period before its turn came."""
+        found = await self._store.resolve(route.scope, [delivery.event_id])
+        resolved = found[delivery.event_id]
+        return bool(resolved.stored or resolved.candidates)
 
     async def _politely(
         self, route: routes.RouteConfig, call: Callable[[], Awaitable[T]], deadline: float

@@ -20,7 +20,8 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestClient
 
-from proxy import app_keys, config, errors, reconciler
+from proxy import app_keys, config, errors, providers_api, reconciler
+from proxy.config import reconcile as reconciling
 from proxy.providers_api import github
 from tests.faults.relay import Relay
 from tests.helpers import (
@@ -142,6 +143,53 @@ async def test_a_failed_event_with_a_claim_is_never_asked_for_again(
     assert [d.event_id for d in report.claimed] == ["1:slow"]
     assert (report.gaps, hook.redelivery_requests) == ([], [])
     assert len(upstream.requests) == 1
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_a_gap_claimed_while_the_gaps_before_it_were_recovered_is_not_asked_for(
+    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook
+) -> None:
+    """The recoveries are paced, so a gap's turn can come long after the log was read: a copy
+    that arrived meanwhile was claimed, and the reconciler looks again before it asks."""
+    proxy = await make_proxy(routes=[_route(hook.api_url)])
+    hook.target = "http://127.0.0.1:9/unreachable"
+    for n in range(2):
+        await hook.deliver(f"gap-{n}", _body(n))
+    hook.target = str(proxy.make_url("/webhooks/github"))
+    copied: list[str] = []
+
+    class CopyArrives:
+        """GitHub's log; before the first recovery, a copy of the other gap arrives."""
+
+        def __init__(self, settings: reconciling.Reconcile) -> None:
+            self.log = github.HookDeliveries(settings, user_agent="dedup-proxy/test")
+
+        def deliveries(self, since: float) -> AsyncIterator[providers_api.Delivery]:
+            return self.log.deliveries(since)
+
+        async def recover(self, delivery: providers_api.Delivery) -> None:
+            if not copied:
+                other = "gap-1" if delivery.event_id == "1:gap-0" else "gap-0"
+                copied.append(f"1:{other}")
+                assert await hook.deliver(other, _body(int(other[-1]))) == 200
+            await self.log.recover(delivery)
+
+        async def close(self) -> None:
+            await self.log.close()
+
+    app = proxy.app
+    assert app is not None
+    runs = reconciler.Reconciler(
+        app[app_keys.STORE], app[app_keys.CONFIG].routes, app[app_keys.METRICS], pace=1000.0,
+        open_log=CopyArrives,
+    )  # fmt: skip
+    report = await runs.reconcile(app[app_keys.CONFIG].routes[0])
+
+    assert [d.event_id for d in report.claimed] == copied
+    assert [d.event_id for d in report.gaps] == [d.event_id for d in report.recovered]
+    assert len(report.recovered) == len(hook.redelivery_requests) == 1
+    assert set(_delivered(upstream).values()) == {1}
+    assert len(_delivered(upstream)) == 2
 
 
 @pytest.mark.usefixtures("no_background_runs")
