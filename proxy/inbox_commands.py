@@ -205,7 +205,7 @@ def shown_json(shown: inbox.Shown) -> dict[str, Any]:
         "changed": operations.timestamp(shown.changed),
         "request": None if request is None else {
             "method": request.method, "target": inbox.wire(request.target),
-            "upstream": request.upstream, "route": request.route,
+            "upstream": request.upstream, "route": request.route, "kept_for": request.kept_for,
             "headers": [_header_json(name, value) for name, value in request.headers],
             "body_bytes": shown.body_bytes,
         },
@@ -225,8 +225,11 @@ def _request(delivery: inbox.StoredRequest, body_bytes: int | None, state: str |
         f"request:     {delivery.method} {logs.printable(delivery.target)}",
         f"upstream:    {delivery.upstream}",
         f"route:       {delivery.route}",
-        "headers:",
     ]
+    if delivery.kept_for is not None:  # kept before the app was sent it: why
+        why = inbox.KEPT_UNSENT.get(delivery.kept_for, delivery.kept_for)
+        lines.append(f"kept for:    {logs.printable(why)}")
+    lines.append("headers:")
     # What a client sent, shown to an operator's terminal: escaped as the log lines are.
     for name, value in delivery.headers:
         if name.lower() in MASKED_HEADERS:

@@ -80,6 +80,11 @@ _LEVELS = {
     # above must see an app outage.
     "upstream_error": logging.WARNING,
 }
+# Kept before the app was sent it, as flow control meant to (over the limit, the route paused,
+# the app's Retry-After holding it): counted by reason in dedup_inbox_kept_total; at warning, a
+# burst would be a wall of warnings. A delivery handed off ("deadline") stays a warning: the app
+# was slower than the provider's deadline.
+_HELD_BACK = ("limit", "paused", "retry_after")
 # Refusals of a path no route takes (404) or of a method a route does not (405): scanners and
 # browsers, not a provider's webhooks; at warning, alerting would see mostly noise.
 _UNROUTED = (404, 405)
@@ -131,6 +136,7 @@ def finish(
     ):
         outcome = "mismatch"
     level = _LEVELS.get(outcome, logging.INFO)
-    if outcome == "rejected" and line["status"] in _UNROUTED:
+    unrouted = outcome == "rejected" and line["status"] in _UNROUTED
+    if unrouted or (outcome == "queued" and line.get("kept_for") in _HELD_BACK):
         level = logging.INFO
     logs.line(log, level, f"{line['method']} {line['path']} -> {outcome}", line)

@@ -40,19 +40,14 @@ from proxy import (
     webhooks,
 )
 from proxy.config import routes
-from proxy.database import receipts
+from proxy.database import inbox, receipts
 from proxy.upstream import forwarder, http1, proxy_headers, transports
 
 log = logging.getLogger(__name__)
 
 # Why a new event was kept without being sent (``Cycle._keep_unsent``), as the refusal says
 # when it could not be kept either.
-UNSENT = {
-    "limit": "not sent: the limit at the app was reached (upstream.concurrency)",
-    "deadline": "not sent: the route's hand_off had passed before the app could be sent it",
-    "paused": "not sent: the route is paused",
-    "retry_after": "not sent: the app asked to wait (Retry-After)",
-}
+UNSENT = inbox.KEPT_UNSENT
 
 
 # On a route with receipt: the header naming what the app writes in its transaction.
@@ -360,7 +355,9 @@ class Cycle:
         first. When it cannot be kept, the claim is released and the provider told to retry:
         503."""
         self.sent = self._unsent_headers()
-        kept = await self._keep(claim, database.Attempt(None), reason=reason, attempted=False)
+        kept = await self._keep(
+            claim, database.Attempt(None), reason=reason, attempted=False, why=reason
+        )
         if kept is not None:
             if reason == "limit":
                 self.request.app[app_keys.ROOM].overflowed()  # due now: the lanes look
@@ -516,8 +513,9 @@ class Cycle:
         route = self.route
         self.sent = self._unsent_headers()
         kept = await self._keep(
-            claim, database.Attempt(None), reason="deadline", delay=route.lease, attempted=False
-        )
+            claim, database.Attempt(None), reason="deadline", delay=route.lease,
+            attempted=False, why="handed_off",
+        )  # fmt: skip
         if kept is None:
             return None
         self.turn.let_go()
@@ -602,19 +600,23 @@ class Cycle:
         reason: str = "failed",
         delay: float | None = None,
         attempted: bool = True,
+        why: str | None = None,
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """On a route that redelivers: keep the delivery and answer 202 (the provider need not
         retry); ``reason``: why (``metrics.KEPT_REASONS``: the app failed it, or it was not
-        sent, then due at once). None on any other route, or when it could not be kept (over
-        the cap, its signed body kept already under another ID, or the database failed: marked
-        on the line and counted), so the failure is relayed."""
+        sent, then due at once); ``why``: what the kept row says of it for an operator
+        (``inbox.KEPT_UNSENT``'s keys), when no attempt of its is recorded. None on any other
+        route, or when it could not be kept (over the cap, its signed body kept already under
+        another ID, or the database failed: marked on the line and counted), so the failure is
+        relayed."""
         route, line = self.route, self.line
         if route.redeliver is None:
             return None
         config_ = route.config
         stored = database.StoredRequest(
-            config_.name, config_.upstream, self.request.method, self.target, self.sent, self.body
-        )
+            config_.name, config_.upstream, self.request.method, self.target, self.sent,
+            self.body, why,
+        )  # fmt: skip
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,
             route.semantics.signed_part(claim.key),

@@ -1072,3 +1072,40 @@ def test_a_preset_is_named_in_any_case(written: str) -> None:
         route.event_id
         == config.parse(with_route(event_id=None, preset="github")).routes[0].event_id
     )
+
+
+# --- hand_off ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("preset", "hand_off"),
+    [("github", 7.0), ("shopify", 3.5), ("slack", 2.1), ("stripe", None), ("paypal", None)],
+)
+def test_a_redeliver_routes_hand_off_is_its_providers_deadline_share(
+    preset: str, hand_off: float | None
+) -> None:
+    """At 0.7 of the deadline the preset states; none where the provider publishes none."""
+    cfg = config.parse(with_route(name="p", preset=preset, event_id=None, redeliver=True))
+    assert cfg.routes[0].hand_off == hand_off
+
+
+@pytest.mark.parametrize(("value", "hand_off"), [("2s", 2.0), ("off", None), (False, None)])
+def test_hand_off_is_a_duration_or_off(value: object, hand_off: float | None) -> None:
+    cfg = config.parse(
+        with_route(name="p", preset="github", event_id=None, redeliver=True, hand_off=value)
+    )
+    assert cfg.routes[0].hand_off == hand_off
+
+
+def test_hand_off_needs_redeliver_and_a_preset_without_it_sets_none() -> None:
+    assert (
+        config.parse(with_route(name="p", preset="github", event_id=None)).routes[0].hand_off
+        is None
+    )
+    assert problems_of(with_route(hand_off="2s")) == (
+        "routes[0].hand_off: only with redeliver: handing off keeps the delivery for "
+        "the redeliverer",
+    )
+    assert problems_of(with_route(redeliver=True, hand_off="2h")) == (
+        "routes[0].hand_off: must be at most 3600s, got '2h'",
+    )

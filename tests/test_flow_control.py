@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections import Counter
 from datetime import UTC, datetime
 from typing import Any
@@ -16,7 +17,8 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import delivery, errors
+from proxy import delivery, errors, inbox_commands
+from proxy.database import inbox
 from proxy.upstream import http1
 from tests.helpers import (
     FakeUpstream,
@@ -65,7 +67,11 @@ async def slow_app(aiohttp_server: Any, delay: float) -> tuple[SlowApp, str]:
 
 
 async def test_over_the_limit_a_redeliver_route_keeps_the_delivery_and_sends_it_when_there_is_room(
-    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     upstream.gate = asyncio.Event()
     proxy = await make_proxy(
@@ -74,7 +80,12 @@ async def test_over_the_limit_a_redeliver_route_keeps_the_delivery_and_sends_it_
     first = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "evt_1"}'))
     await wait_until(lambda: _count(upstream, 1), "the first delivery at the app")
 
-    second = await proxy.post("/hooks", data=b'{"id": "evt_2"}')
+    with caplog.at_level(logging.DEBUG, logger="proxy.pipeline"):
+        second = await proxy.post("/hooks", data=b'{"id": "evt_2"}')
+    # Kept by flow control, as configured: info, not a warning per delivery of a burst.
+    lines = [(r.levelname, r.fields["outcome"], r.fields.get("kept_for"))
+             for r in caplog.records if hasattr(r, "fields")]  # fmt: skip
+    assert lines == [("INFO", "queued", "limit")]
 
     assert second.status == 202  # kept at once, not waited on, not refused
     assert second.headers["Dedup-Status"] == "queued"
@@ -82,6 +93,18 @@ async def test_over_the_limit_a_redeliver_route_keeps_the_delivery_and_sends_it_
     assert len(upstream.requests) == 1  # the app was not sent it: it had no room
     copy = await proxy.post("/hooks", data=b'{"id": "evt_2"}')
     assert (copy.status, copy.headers["Dedup-Status"]) == (202, "duplicate_queued")
+    # The kept row says why it was kept, and `events show` says it in words.
+    kept = (await fetch(pg_dsn, f'SELECT inbox_request, inbox_body FROM "{table}" '
+                        "WHERE event_id = $1", "evt_2"))[0]  # fmt: skip
+    request = inbox.StoredRequest.decoded(kept["inbox_request"], kept["inbox_body"])
+    assert request.kept_for == "limit"
+    shown = inbox_commands.describe(
+        inbox.Shown("hooks", "evt_2", None, datetime.now(UTC), "pending", request,
+                    len(request.body), [], None, None, None)
+    )  # fmt: skip
+    assert "kept for:    not sent: the limit at the app was reached (upstream.concurrency)\n" in (
+        shown
+    )
     upstream.gate.set()
     assert (await first).status == 200
     await wait_until(lambda: _count(upstream, 2), "the kept delivery sent when there was room")
@@ -217,6 +240,9 @@ async def test_an_app_slower_than_the_hand_off_the_provider_is_answered_and_the_
     row = await _row(pg_dsn, table, "slow")
     assert row["inbox_state"] == "pending"
     assert row["due_in"] > 9  # its lease: upstream.timeout (5 s) + 5 s from the hand-off
+    kept = (await fetch(pg_dsn, f'SELECT inbox_request FROM "{table}" WHERE event_id = $1',
+                        "slow"))[0]  # fmt: skip
+    assert json.loads(kept["inbox_request"])["kept_for"] == "handed_off"  # for events show
     upstream.gate.set()
     await wait_until(lambda: _state(pg_dsn, table, "slow", "delivered"), "the answer recorded")
     await asyncio.sleep(0.5)  # a lane would have sent it by now, had it been due

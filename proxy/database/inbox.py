@@ -75,10 +75,25 @@ def plainly(what: str, outdated: str = OUTDATED) -> Iterator[None]:
         raise errors.TableMissing(outdated) from exc.__cause__
 
 
+# Why a delivery was kept before its attempt at the app ended (``StoredRequest.kept_for``: the
+# reasons of ``metrics.KEPT_REASONS`` but "failed", and a hand-off), in the words the refusal,
+# ``events show`` and the console use. A delivery the app failed has its attempt recorded instead.
+KEPT_UNSENT = {
+    "limit": "not sent: the limit at the app was reached (upstream.concurrency)",
+    "deadline": "not sent: the route's hand_off had passed before the app could be sent it",
+    "paused": "not sent: the route is paused",
+    "retry_after": "not sent: the app asked to wait (Retry-After)",
+    "handed_off": "handed off: the app had not answered by the route's hand_off, the provider "
+    "was answered 202 and the attempt went on",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class StoredRequest:
     """A delivery to keep: what the app is sent, as it was first sent (its headers filtered
-    for the upstream already), and which route's settings redeliver it."""
+    for the upstream already), and which route's settings redeliver it; ``kept_for``: why it
+    was kept without being sent (a key of ``KEPT_UNSENT``), None when the app failed it.
+    Stored in the request's JSON, where a release that does not know it passes over it."""
 
     route: str
     upstream: str
@@ -86,6 +101,7 @@ class StoredRequest:
     target: str
     headers: tuple[tuple[str, str], ...]
     body: bytes
+    kept_for: str | None = None
 
     def encoded(self) -> str:
         """As JSON. The target and header values may hold bytes that are not UTF-8 (obs-text,
@@ -94,7 +110,8 @@ class StoredRequest:
         return json.dumps(
             {"route": self.route, "upstream": self.upstream, "method": self.method,
              "target": wire(self.target),
-             "headers": [(name, wire(value)) for name, value in self.headers]},
+             "headers": [(name, wire(value)) for name, value in self.headers],
+             **({} if self.kept_for is None else {"kept_for": self.kept_for})},
             ensure_ascii=False, separators=(",", ":"),
         )  # fmt: skip
 
@@ -104,6 +121,7 @@ class StoredRequest:
         return cls(
             fields["route"], fields["upstream"], fields["method"], _unwire(fields["target"]),
             tuple((name, _unwire(value)) for name, value in fields["headers"]), body,
+            fields.get("kept_for"),
         )  # fmt: skip
 
 
