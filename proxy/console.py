@@ -8,10 +8,12 @@ event's page (its request, headers masked where they carry credentials or signat
 pretty-printed up to ``BODY_CAP``, every attempt) and the lookup of a provider's event ID on
 every route, among all claims. The overview also says which routes are held (an operator's pause,
 or the app's Retry-After: ``database.holds``, read from the database, so as every replica holds
-them) and this replica's requests at the app against its limit. With ``admin.console.actions``
-an operator redelivers or discards an event, redelivers what a filter shows (its count first,
-then a confirmation), or pauses and resumes a route (``inbox_commands``' pause and resume);
-each action is logged with who did it.
+them), this replica's requests at the app against its limit, and this replica's requests since
+it started by outcome (``dedup_requests_total``, which also counts what leaves no claim: a
+duplicate, a rejected signature, a refusal). With ``admin.console.actions`` an operator
+redelivers or discards an event, redelivers what a filter shows (its count first, then a
+confirmation, then how many it still shows pending, linked to that list), or pauses and resumes
+a route (``inbox_commands``' pause and resume); each action is logged with who did it.
 
 Everything shown is what a sender sent, so it is escaped (Jinja2's autoescape), and the pages
 hold no script; ``console_gate`` adds the policy that keeps it so, the credential and the
@@ -26,7 +28,7 @@ import logging
 import time
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -269,14 +271,19 @@ async def overview(request: web.Request) -> web.Response:
     routes = proxy[app_keys.CONFIG].routes
     holds = await store.holds.active(sorted({route.scope for route in routes}))
     now = time.time()
+    meters = proxy[app_keys.METRICS]
+    since_start = meters.requests_by_route()
     rows = []
     for route in routes:
         level = await store.inbox.level(route.scope)
         hour = await store.inbox.hour(route.scope)
+        outcomes = since_start.get(route.name, [])
         rows.append({"route": route, "level": level, "hour": hour,
+                     "per_minute": f"{hour.received / 60:.1f}",
                      "oldest": _age(level.oldest_pending),
-                     "held": held(holds.get(route.scope), now)})  # fmt: skip
-    in_flight, limit = proxy[app_keys.METRICS].app_use()
+                     "held": held(holds.get(route.scope), now),
+                     "outcomes": outcomes, "requests": sum(n for _, n in outcomes)})  # fmt: skip
+    in_flight, limit = meters.app_use()
     return _render(
         request, "overview.html", title="Overview", rows=rows, now=_when(_now()),
         in_flight=in_flight, limit=limit, done=_HELD.get(request.query.get("done", "")),
@@ -463,10 +470,12 @@ async def bulk(request: web.Request) -> web.Response:
         logs.printable(filters.query()),
         logs.printable(", ".join(f"{scope} {event_id}" for scope, event_id in changed)),
     )  # fmt: skip
+    pending = replace(filters, state="pending")
+    still = len(await _selected(request, pending))
     return _render(
-        request, "message.html", title="Redelivering",
-        message=f"{len(changed)} delivery(ies) made due now, of {len(selected)} the filter "
-        "showed; the redeliverer sends them within its poll interval.",
+        request, "bulk_done.html", title="Redelivering", changed=len(changed),
+        count=len(selected), now=_when(_now()), pending=pending.query(), still=still,
+        too_many=still > BULK_MAX, bulk_max=BULK_MAX,
     )  # fmt: skip
 
 

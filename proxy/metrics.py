@@ -666,6 +666,23 @@ class Metrics:
         limit = registry.get_sample_value("dedup_app_limit") or 0
         return int(in_flight), int(limit)
 
+    def requests_by_route(self) -> dict[str, list[tuple[errors.Outcome, int]]]:
+        """This replica's requests since it started, by route and outcome
+        (``dedup_requests_total`` as ``/metrics`` serves it: this worker's as of now, written
+        first as a scrape writes it, the other workers' as of their last second, added up); the
+        outcomes counted at least once, in the order of ``OUTCOMES``."""
+        self.flush()
+        counted: dict[str, dict[str, int]] = {}
+        for family in self.exposition_registry().collect():
+            for sample in family.samples:
+                if sample.name == "dedup_requests_total" and sample.value:
+                    by_outcome = counted.setdefault(sample.labels["route"], {})
+                    by_outcome[sample.labels["outcome"]] = int(sample.value)
+        return {
+            route: [(outcome, by_outcome[outcome]) for outcome in OUTCOMES if outcome in by_outcome]
+            for route, by_outcome in counted.items()
+        }
+
     def exposition_registry(self) -> CollectorRegistry:
         """What ``/metrics`` serves: this registry, or every worker's values added up."""
         if not self.multiprocess:

@@ -1,8 +1,9 @@
 """The operator console on the admin listener (``proxy.console``, ``proxy.console_gate``), through
 aiohttp's test client over a real PostgreSQL: the pages with kept deliveries the proxy made from
 real webhooks, the headers on every answer, escaping, the credential, the checks on an action
-(origin, token) and the read-only default; the routes' holds and the limit at the app on the
-overview, and pausing and resuming a route from it. The browser's view of it is in
+(origin, token) and the read-only default; the routes' holds, the limit at the app and this
+replica's requests by outcome on the overview, and pausing and resuming a route from it; what a
+bulk redeliver's answer links to, to follow it. The browser's view of it is in
 tests/test_console_browser.py.
 """
 
@@ -18,7 +19,16 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy import app_keys, config, console, console_gate, database
-from tests.helpers import FakeUpstream, MakeProxy, admin_client, fetch, wait_until
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    admin_client,
+    event,
+    fetch,
+    stripe_headers,
+    stripe_route,
+    wait_until,
+)
 
 PASSWORD = "correct-horse-battery-staple"
 OPERATOR = f"alice:{PASSWORD}"
@@ -89,10 +99,11 @@ async def test_the_pages_show_what_the_proxy_kept(
     row = re.search(r"<tr>\s*<th scope=\"row\"><a href=\"events\?route=hooks\">hooks</a>.*?</tr>",
                     overview, re.S)  # fmt: skip
     assert row is not None
-    numbers = re.findall(r'<td class="n">(?:<a [^>]*>)?(\w+)', row[0])
-    # pending, dead, oldest pending, received, first try, redelivered, kept, discarded
+    numbers = re.findall(r'<td class="n">(?:<a [^>]*>)?([\w.]+)', row[0])
+    # pending, dead, oldest pending, received, per minute, first try, redelivered, kept,
+    # discarded
     assert numbers[:2] == ["1", "1"]
-    assert numbers[3:] == ["3", "1", "0", "2", "0"]
+    assert numbers[3:] == ["3", "0.1", "1", "0", "2", "0"]
 
     listed = await page(admin, "/console/events")
     assert "evt_pending" in listed
@@ -119,6 +130,39 @@ async def test_the_pages_show_what_the_proxy_kept(
     assert "delivered at the first try" in found
     missing = await page(admin, "/console/lookup?id=evt_never")
     assert "No claim of evt_never" in missing
+
+
+async def test_the_overview_shows_this_replicas_requests_by_outcome_since_it_started(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
+) -> None:
+    proxy = await make_proxy(routes=[KEPT, stripe_route()])
+    admin = await admin_client(aiohttp_client, proxy)
+    sent: list[tuple[bytes, str | None]] = [(event(f"evt_{n}"), None) for n in range(6)]
+    sent += [(event("evt_0"), None), (event("evt_forged"), "whsec_not_the_endpoints_secret")]
+    statuses = []
+    for body, secret in sent:
+        headers = stripe_headers(body, secret) if secret else stripe_headers(body)
+        async with proxy.post("/webhooks/stripe", data=body, headers=headers) as answer:
+            statuses.append(answer.status)
+    assert statuses == [200] * 7 + [401]
+
+    overview = await page(admin, "/console/")
+    assert "This replica's requests since it started" in overview
+    assert "every replica's, from the database" in overview
+    assert "deploy/grafana/dedup-proxy.json" in overview
+    counted = {
+        name: re.findall(r"<td[^>]*>([^<]*)</td>", row)
+        for name, row in re.findall(r'<tr>\s*<th scope="row">(\w+)</th>(.*?)</tr>', overview, re.S)
+    }
+    # requests, by outcome: the duplicate and the forged one left no claim of their own
+    assert counted == {
+        "hooks": ["0", "none yet"],
+        "stripe": ["8", "processed 6, duplicate 1, rejected 1"],
+    }
+    claims = re.search(r'<th scope="row"><a href="events\?route=stripe">.*?</tr>', overview, re.S)
+    assert claims is not None
+    numbers = re.findall(r'<td class="n">(?:<a [^>]*>)?([^<]+)', claims[0])
+    assert numbers[3:5] == ["6", "0.1"]  # last hour: received, per minute
 
 
 async def test_pages_page_by_keyset_newest_first(
@@ -295,7 +339,19 @@ async def test_bulk_redeliver_counts_first_then_acts_on_what_the_filter_shows(
     upstream.respond = lambda n: web.Response(status=200)
     async with admin.post("/console/bulk", data=fields, headers=headers) as response:
         assert response.status == 200
-        assert "4 delivery(ies) made due now" in await response.text()
+        answer = await response.text()
+    assert "4 delivery(ies) made due now" in answer
+    # Progress is followed on the list of what the filter still shows pending (the redeliverer
+    # may have sent some already), and on the overview.
+    still = re.search(
+        r'<a href="(events\?state=pending&amp;event_type=a.failed)"><strong>(\d+)</strong> still '
+        r"pending</a>",
+        answer,
+    )
+    assert still is not None, answer
+    assert 0 <= int(still[2]) <= 4
+    assert '<a href="./">The overview</a>' in answer
+    assert "<script" not in answer
 
     async def states() -> list[tuple[str, str]]:
         rows = await fetch(pg_dsn, f'SELECT event_id, inbox_state FROM "{table}" ORDER BY 1')
@@ -307,6 +363,8 @@ async def test_bulk_redeliver_counts_first_then_acts_on_what_the_filter_shows(
     await wait_until(redelivered, "the redeliveries")
     assert (await states())[4] == ("evt_b", "dead")
     assert len(upstream.requests) == 5 + 4
+    left = await page(admin, "/console/" + still[1].replace("&amp;", "&"), headers=basic())
+    assert "evt_a" not in left
 
 
 async def test_the_overview_shows_each_routes_hold_and_the_limits_use(
