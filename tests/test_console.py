@@ -397,6 +397,11 @@ async def test_the_overview_shows_each_routes_hold_and_the_limits_use(
     assert "<script" not in overview
     assert re.search(r"held for the app&#39;s Retry-After since .*?, until .*? left\)", other[0])
     assert 'action="pause"' not in overview  # read-only: no forms
+    # A delivery kept while its route is held: its page says why it was not sent.
+    async with proxy.post("/other", data=json.dumps({"id": "held_1"})) as answer:
+        assert (await answer.json())["kept_for"] == "retry_after"
+    shown = await page(admin, "/console/event?scope=other&id=held_1")
+    assert "<dt>Kept because</dt><dd>not sent: the app asked to wait (Retry-After)</dd>" in shown
 
 
 async def test_pause_and_resume_need_the_credential_and_the_token(
