@@ -89,6 +89,9 @@ class Figures:
     predicted_drain: float = 0.0
     kept_limit: float = 0.0
     kept: list[str] = field(default_factory=list)  # the deliveries answered 202
+    # Each delivery the app was sent more than once: its calls (arrived, ended, from the first
+    # send; the proxy's port; X-Request-ID) and its answer to the sender.
+    twice: dict[str, Any] = field(default_factory=dict)
     first_kept_at_app: float = 0.0  # when the redeliverer sent the first of them
     kept_rate: float = 0.0  # kept deliveries at the app per second, from then on
     pending_after: int = -1
@@ -105,10 +108,25 @@ class App:
         self.calls: collections.Counter[str] = collections.Counter()
         self.last_done = 0.0
         self.arrived: dict[str, float] = {}  # each delivery's first arrival
+        # Each call: the delivery, when it arrived and ended, the proxy's port, its request ID.
+        self.log: list[tuple[str, float, float, int, str]] = []
+
+    def twice(self, started: float, kept: list[str]) -> dict[str, Any]:
+        """Each delivery called more than once: its calls (arrived and ended, from ``started``;
+        the proxy's port; X-Request-ID) and whether the sender was answered 202."""
+        return {
+            delivery: {
+                "calls": [(round(a - started, 3), round(e - started, 3), port, request_id)
+                          for d, a, e, port, request_id in self.log if d == delivery],
+                "answered": "202" if delivery in kept else "not 202",
+            }
+            for delivery, n in self.calls.items() if n > 1
+        }  # fmt: skip
 
     async def handle(self, request: web.Request) -> web.Response:
         await request.read()
-        self.arrived.setdefault(request.headers.get("X-GitHub-Delivery", "?"), time.monotonic())
+        arrived = time.monotonic()
+        self.arrived.setdefault(request.headers.get("X-GitHub-Delivery", "?"), arrived)
         self.now += 1
         self.peak = max(self.peak, self.now)
         try:
@@ -117,6 +135,10 @@ class App:
             self.now -= 1
         self.calls[request.headers.get("X-GitHub-Delivery", "?")] += 1
         self.last_done = time.monotonic()
+        peer = request.transport.get_extra_info("peername") if request.transport else None
+        delivery = request.headers.get("X-GitHub-Delivery", "?")
+        request_id = request.headers.get("X-Request-ID", "")
+        self.log.append((delivery, arrived, self.last_done, peer[1] if peer else 0, request_id))
         return web.Response(text="ok")
 
 
@@ -184,6 +206,7 @@ async def run(burst: Burst, dsn: str, workdir: Path, *, keep: bool = False) -> F
         result.app_calls = sum(app.calls.values())
         result.app_events = len(app.calls)
         result.events_more_than_once = sum(1 for n in app.calls.values() if n > 1)
+        result.twice = app.twice(started, result.kept)
         result.last_at_app = app.last_done - started
         if kept := [app.arrived[d] for d in result.kept if d in app.arrived]:
             result.first_kept_at_app = min(kept) - started
@@ -383,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     workdir = Path(tempfile.mkdtemp(prefix="dedup-burst-"))
     database = None
+    figures = None
     try:
         dsn = args.dsn
         if not dsn:
@@ -392,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if database is not None:
             database.stop()
-        if args.keep:
+        if figures is not None and figures.twice:
+            # What a double needs looked at: which, when, on which connections; and the log.
+            print(f"sent more than once: {json.dumps(figures.twice)}; the proxy's log: "
+                  f"{workdir / 'proxy.log'}", file=sys.stderr)  # fmt: skip
+        if args.keep or (figures is not None and figures.twice):  # a double's log stays
             print(f"work directory kept: {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
