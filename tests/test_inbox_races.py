@@ -76,9 +76,11 @@ async def test_a_bulk_redeliver_passes_over_a_row_being_redelivered(
     assert sorted(changed) == [("hooks", "p2"), ("hooks", "p3")]
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["one-statement", "citus-by-key"])
 async def test_a_second_lane_takes_the_next_due_row_while_the_first_is_held(
-    two: tuple[asyncpg.Connection, asyncpg.Connection], table: str, pg_dsn: str
+    two: tuple[asyncpg.Connection, asyncpg.Connection], table: str, pg_dsn: str, distributed: bool
 ) -> None:
+    """Each way ``take`` locks (one statement; on Citus, one key at a time), oldest first."""
     first, second = two
     third = await asyncpg.connect(pg_dsn)
     queries = sql.for_table(table)
@@ -86,9 +88,9 @@ async def test_a_second_lane_takes_the_next_due_row_while_the_first_is_held(
         await first.execute(DEAD_LONG_AGO.format(t=queries.quoted), event_id, "pending")
     try:
         async with (
-            _inbox(first, queries).take(["hooks"]) as held,
-            _inbox(second, queries).take(["hooks"]) as next_one,
-            _inbox(third, queries).take(["hooks"]) as none_left,
+            _inbox(first, queries, distributed).take(["hooks"]) as held,
+            _inbox(second, queries, distributed).take(["hooks"]) as next_one,
+            _inbox(third, queries, distributed).take(["hooks"]) as none_left,
         ):
             assert held is not None
             assert next_one is not None
@@ -103,27 +105,33 @@ async def test_past_a_page_of_held_rows_a_lane_takes_the_next_page(
     table: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The rows being redelivered are the oldest due ones until they end: with more of them
-    held than a take reads at once (here 1), the next page is read rather than none taken."""
+    """On Citus, the rows being redelivered are the oldest due ones until they end: with more
+    of them held than a take reads at once (here 1), the next page is read rather than none
+    taken."""
     monkeypatch.setattr(inbox, "CANDIDATES", 1)
     first, second = two
     queries = sql.for_table(table)
     for event_id in ("p1", "p2"):
         await first.execute(DEAD_LONG_AGO.format(t=queries.quoted), event_id, "pending")
     async with (
-        _inbox(first, queries).take(["hooks"]) as held,
-        _inbox(second, queries).take(["hooks"]) as next_one,
+        _inbox(first, queries, True).take(["hooks"]) as held,
+        _inbox(second, queries, True).take(["hooks"]) as next_one,
     ):
         assert held is not None
         assert next_one is not None
         assert (held.event_id, next_one.event_id) == ("p1", "p2")
 
 
-def _inbox(connection: asyncpg.Connection, queries: sql.Queries) -> inbox.Inbox:
-    """The store's inbox over one connection (each take its own transaction on it)."""
+def _inbox(
+    connection: asyncpg.Connection, queries: sql.Queries, distributed: bool = False
+) -> inbox.Inbox:
+    """The store's inbox over one connection (each take its own transaction on it), as on a
+    table Citus distributes or not (the SQL is plain PostgreSQL's either way)."""
 
     @contextlib.asynccontextmanager
     async def acquire() -> AsyncIterator[asyncpg.Connection]:
         yield connection
 
-    return inbox.Inbox(queries.quoted, acquire, sql.begin(1, 60), 5)
+    store_inbox = inbox.Inbox(queries.quoted, acquire, sql.begin(1, 60), 5)
+    store_inbox.set_distributed(distributed, sql.begin(1, 60))
+    return store_inbox

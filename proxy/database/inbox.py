@@ -409,14 +409,18 @@ class Inbox:
         redelivery ends (None: none is due, or every due one is being redelivered). One cheap
         indexed read when none is; the transaction only when one is.
 
-        The due rows are read first, ``CANDIDATES`` at a time and locking nothing, then locked
-        one at a time by key (on Citus, one shard each): the first one no one holds is taken.
-        The rows other lanes are redelivering are due, and the oldest, until they end: past a
-        page of them, the next page."""
+        Whether a row is due is read first, locking nothing. Then the oldest one no other
+        transaction holds is locked by one statement (``FOR UPDATE SKIP LOCKED``). On Citus,
+        which runs that only within one shard, the due rows are read ``CANDIDATES`` at a time
+        and locked one at a time by key: the first one no one holds is taken, and past a page
+        of rows other lanes are redelivering, the next page. (Every lane walking the same page
+        one round trip per row made a redelivery cost a round trip per lane busy: the burst
+        bench's drain at 64 lanes.)"""
+        wanted = CANDIDATES if self.distributed else 1
         async with self._acquire() as connection:
             with pool.translated("looking for due redeliveries failed"):
                 due = await connection.fetch(
-                    self.statements.due, scopes, CANDIDATES, 0, timeout=self.op_timeout
+                    self.statements.due, scopes, wanted, 0, timeout=self.op_timeout
                 )
                 if not due:
                     yield None
@@ -425,7 +429,13 @@ class Inbox:
             redelivery = None
             try:
                 with pool.translated("taking a due redelivery failed"):
-                    row = await self._first_free(connection, scopes, due)
+                    row = (
+                        await self._first_free(connection, scopes, due)
+                        if self.distributed
+                        else await connection.fetchrow(
+                            self.statements.take_oldest, scopes, timeout=self.op_timeout
+                        )
+                    )
                 if row is not None:
                     redelivery = Redelivery(self, connection, row)
                 yield redelivery

@@ -119,6 +119,18 @@ class Statements:
         )
 
     @property
+    def take_oldest(self) -> str:
+        # $1 the scopes: the oldest due row no other transaction holds, locked, in one
+        # statement: the rows other lanes are redelivering are skipped inside the server, where
+        # ``take`` is a round trip per row tried. Never on Citus, which runs no FOR UPDATE
+        # across shards (``Inbox.take`` uses ``take`` there); tests/test_sql_shapes.py knows.
+        return (
+            f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, now() AS taken "
+            f"FROM {self.quoted} WHERE inbox_state = 'pending' AND inbox_due <= now() "
+            f"AND {_OURS} ORDER BY received_at, event_id LIMIT 1 FOR UPDATE SKIP LOCKED"
+        )
+
+    @property
     def take(self) -> str:
         # $1 scope, $2 event ID: the row, locked, if it is still due; a row another lane is
         # redelivering is passed over, not waited on. The transaction's time goes with it, for
