@@ -399,6 +399,7 @@ def _describe(cfg: config.Config, source: str) -> str:
             else "",
             _redelivered(route),
             _reconciled(route),
+            _receipted(route),
         ]
         lines.append(
             f"  {','.join(route.methods)} {route.path} -> {route.upstream}  [{route.name}]"
@@ -434,6 +435,14 @@ def _redelivered(route: routes.RouteConfig) -> str:
         f", handed off after {values.format_duration(route.hand_off)}" if route.hand_off else ""
     )
     return f"failures kept, redelivered after {schedule} for {within}{hand_off}"
+
+
+def _receipted(route: routes.RouteConfig) -> str:
+    """Where a route's app writes its receipts ("" without ``receipt``)."""
+    if route.receipt is None:
+        return ""
+    where = "the claim database" if route.receipt.dsn is None else "receipt.dsn (masked)"
+    return f"receipt: the app writes Dedup-Receipt in {where}"
 
 
 def _reconciled(route: routes.RouteConfig) -> str:

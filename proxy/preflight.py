@@ -56,7 +56,50 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
                 if not distribution.conforming:
                     report(False, CITUS_NOT_CONFORMING)
         await _check_pooler(store, report)
+        await _check_receipts(cfg, store.dsn, report)
     return 1 if failed else 0
+
+
+async def _check_receipts(cfg: config.Config, claim_dsn: str, report: Report) -> None:
+    """Each receipts' database (``receipt``): its table and function, and when its app last
+    wrote a receipt. None written is said, not failed: a new app has written none yet, and
+    ``serve`` warns at each 2xx that comes without one."""
+    places: dict[str, list[str]] = {}
+    for route in cfg.routes:
+        if route.receipt is not None:
+            places.setdefault(route.receipt.dsn or claim_dsn, []).append(route.name)
+    for dsn, names in sorted(places.items()):
+        where = "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn)
+        what = f"receipts in {where} (route {', '.join(names)})"
+        receipts = database.Receipts(
+            dsn, connect_timeout=cfg.database.connect_timeout,
+            op_timeout=cfg.database.connect_timeout,
+        )  # fmt: skip
+        try:
+            if await receipts.missing():
+                table, function = database.receipts.TABLE, database.receipts.FUNCTION
+                report(False, f"{what}: {table} or {function}() is missing: run 'dedup-proxy "
+                       "migrate'")  # fmt: skip
+                continue
+            age = await receipts.newest_age()
+        except errors.StoreUnavailable as exc:
+            report(False, f"{what}: {exc.message}")
+            continue
+        finally:
+            await receipts.close()
+        report(True, f"{what}: " + (
+            "none written yet: until the app writes SELECT dedup_receipt($1) in its "
+            "transaction, each doubt is settled as not done (sent again)"
+            if age is None else f"the newest written {_ago(age)} ago"
+        ))  # fmt: skip
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
 
 
 async def _check_table(cfg: config.Config, store: database.Store, report: Report) -> None:

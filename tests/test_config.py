@@ -1109,3 +1109,25 @@ def test_hand_off_needs_redeliver_and_a_preset_without_it_sets_none() -> None:
     assert problems_of(with_route(redeliver=True, hand_off="2h")) == (
         "routes[0].hand_off: must be at most 3600s, got '2h'",
     )
+
+
+def test_check_names_where_a_routes_receipts_are_written_never_their_dsn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = VALID_YAML.replace(
+        "    event_type: body:/type\n",
+        "    event_type: body:/type\n    receipt: true\n",
+        1,
+    ).replace(
+        "    upstream: http://127.0.0.1:4000\n",
+        f"    upstream: http://127.0.0.1:4000\n    receipt:\n      dsn: {DSN}\n",
+        1,
+    )
+    path = write(tmp_path, text)
+
+    assert cli.main(["check", "-c", str(path)]) == 0
+
+    out = capsys.readouterr().out
+    assert "receipt: the app writes Dedup-Receipt in the claim database" in out
+    assert "receipt: the app writes Dedup-Receipt in receipt.dsn (masked)" in out
+    assert PASSWORD not in out

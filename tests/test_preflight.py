@@ -4,6 +4,7 @@ server that checks passwords, a closed port and a real PgBouncer; its output and
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,45 @@ async def test_a_good_setup_passes_every_check(tmp_path: Path, pg_dsn: str, sche
         "(on_duplicate: replay)",
         "ok   pooler: none (a direct connection to PostgreSQL)",
     ]
+
+
+async def test_a_receipt_routes_database_is_checked_and_its_newest_receipt_said(
+    tmp_path: Path, pg_dsn: str, schema: str, own_server: embedded.EmbeddedPostgres
+) -> None:
+    """The receipts' table and function, then when the app last wrote one: none is said (a new
+    app has written none), not failed; a missing table is."""
+    receipts_dsn = own_server.start()  # the app's own database, as receipt.dsn
+    routes = [{"name": "pay", "path": "/pay", "event_id": "body:/id",
+               "receipt": {"dsn": receipts_dsn}}]  # fmt: skip
+
+    async def receipts_line() -> tuple[int, str]:
+        code, out, err = await check_database(tmp_path, pg_dsn, schema, routes)
+        assert err == ""
+        return code, out.splitlines()[-1]
+
+    code, line = await receipts_line()
+    assert code == 1
+    assert re.fullmatch(
+        r"FAIL receipts in \S+ \(route pay\): dedup_receipts or dedup_receipt\(\) is missing: "
+        r"run 'dedup-proxy migrate'", line
+    ), line  # fmt: skip
+    receipts = database.Receipts(receipts_dsn, connect_timeout=5, op_timeout=5)
+    try:
+        await receipts.migrate()
+    finally:
+        await receipts.close()
+    code, line = await receipts_line()
+    assert code == 0
+    assert line.endswith(
+        "(route pay): none written yet: until the app writes SELECT dedup_receipt($1) in its "
+        "transaction, each doubt is settled as not done (sent again)"
+    ), line
+    await execute(receipts_dsn, "SELECT dedup_receipt('a-receipt')")
+    code, line = await receipts_line()
+    assert code == 0
+    assert re.fullmatch(
+        r"ok   receipts in \S+ \(route pay\): the newest written \d+[smhd] ago", line
+    )
 
 
 async def test_a_wrong_password_fails_the_connection_and_is_never_printed(

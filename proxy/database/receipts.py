@@ -55,6 +55,8 @@ _SWEEP = (
 # (a replica's places at the app and its redeliverer's lanes, as configured by default).
 MOST_AT_ONCE = 16
 _MISSING = f"SELECT to_regclass('{TABLE}') IS NULL OR to_regprocedure('{FUNCTION}(text)') IS NULL"
+# How long ago the newest receipt was written (NULL: none is kept), by the written_at index.
+_NEWEST = f"SELECT extract(epoch FROM now() - max(written_at))::float8 FROM {TABLE}"
 
 
 def key(table: str, scope: str, event_id: str) -> str:
@@ -143,6 +145,12 @@ class Receipts:
         async with self._connection("reading the receipts' schema failed") as connection:
             missing: bool = await connection.fetchval(_MISSING, timeout=self._op_timeout)
         return missing
+
+    async def newest_age(self) -> float | None:
+        """Seconds since the newest receipt kept was written; None when none is kept."""
+        async with self._connection("reading the receipts failed") as connection:
+            age: float | None = await connection.fetchval(_NEWEST, timeout=self._op_timeout)
+        return age
 
     async def migrate(self) -> None:
         """Make the table and the function (idempotent)."""
