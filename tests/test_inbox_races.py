@@ -80,7 +80,8 @@ async def test_a_bulk_redeliver_passes_over_a_row_being_redelivered(
 async def test_a_second_lane_takes_the_next_due_row_while_the_first_is_held(
     two: tuple[asyncpg.Connection, asyncpg.Connection], table: str, pg_dsn: str, distributed: bool
 ) -> None:
-    """Each way ``take`` locks (one statement; on Citus, one key at a time), oldest first."""
+    """Each way ``take`` locks (one statement a page; on Citus, one key at a time), oldest
+    first."""
     first, second = two
     third = await asyncpg.connect(pg_dsn)
     queries = sql.for_table(table)
@@ -100,22 +101,23 @@ async def test_a_second_lane_takes_the_next_due_row_while_the_first_is_held(
         await third.close()
 
 
+@pytest.mark.parametrize("distributed", [False, True], ids=["one-statement", "citus-by-key"])
 async def test_past_a_page_of_held_rows_a_lane_takes_the_next_page(
     two: tuple[asyncpg.Connection, asyncpg.Connection],
     table: str,
     monkeypatch: pytest.MonkeyPatch,
+    distributed: bool,
 ) -> None:
-    """On Citus, the rows being redelivered are the oldest due ones until they end: with more
-    of them held than a take reads at once (here 1), the next page is read rather than none
-    taken."""
+    """The rows being redelivered are the oldest due ones until they end: with more of them
+    held than a take reads at once (here 1), the next page is read rather than none taken."""
     monkeypatch.setattr(inbox, "CANDIDATES", 1)
     first, second = two
     queries = sql.for_table(table)
     for event_id in ("p1", "p2"):
         await first.execute(DEAD_LONG_AGO.format(t=queries.quoted), event_id, "pending")
     async with (
-        _inbox(first, queries, True).take(["hooks"]) as held,
-        _inbox(second, queries, True).take(["hooks"]) as next_one,
+        _inbox(first, queries, distributed).take(["hooks"]) as held,
+        _inbox(second, queries, distributed).take(["hooks"]) as next_one,
     ):
         assert held is not None
         assert next_one is not None

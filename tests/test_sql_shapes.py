@@ -229,7 +229,7 @@ def _problems(text: str, name: str, table: tuple[str | None, str] = _TABLE) -> l
 
 # Statements the store never sends to a table Citus distributes (``Inbox.take`` picks
 # ``take`` there instead; test_inbox_races runs both ways).
-_NOT_ON_CITUS = {"Statements.take_oldest"}
+_NOT_ON_CITUS = {"Statements.take_first_free"}
 _ALL = {name: text for name, text in _statements().items() if name not in _NOT_ON_CITUS}
 
 

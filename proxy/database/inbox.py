@@ -409,18 +409,17 @@ class Inbox:
         redelivery ends (None: none is due, or every due one is being redelivered). One cheap
         indexed read when none is; the transaction only when one is.
 
-        Whether a row is due is read first, locking nothing. Then the oldest one no other
-        transaction holds is locked by one statement (``FOR UPDATE SKIP LOCKED``). On Citus,
-        which runs that only within one shard, the due rows are read ``CANDIDATES`` at a time
-        and locked one at a time by key: the first one no one holds is taken, and past a page
-        of rows other lanes are redelivering, the next page. (Every lane walking the same page
-        one round trip per row made a redelivery cost a round trip per lane busy: the burst
-        bench's drain at 64 lanes.)"""
-        wanted = CANDIDATES if self.distributed else 1
+        The due rows' keys are read first, ``CANDIDATES`` at a time, oldest first and locking
+        nothing. Then the oldest of them no other transaction holds is locked by one statement
+        (``FOR UPDATE SKIP LOCKED`` over the page's keys); on Citus, which runs that only
+        within one shard, one key at a time. The rows other lanes are redelivering are due, and
+        the oldest, until they end: past a page of them, the next page. (Every lane trying the
+        same page one round trip per key made a redelivery cost a round trip per lane busy:
+        the burst bench's drain at 64 lanes.)"""
         async with self._acquire() as connection:
             with pool.translated("looking for due redeliveries failed"):
                 due = await connection.fetch(
-                    self.statements.due, scopes, wanted, 0, timeout=self.op_timeout
+                    self.statements.due, scopes, CANDIDATES, 0, timeout=self.op_timeout
                 )
                 if not due:
                     yield None
@@ -429,13 +428,7 @@ class Inbox:
             redelivery = None
             try:
                 with pool.translated("taking a due redelivery failed"):
-                    row = (
-                        await self._first_free(connection, scopes, due)
-                        if self.distributed
-                        else await connection.fetchrow(
-                            self.statements.take_oldest, scopes, timeout=self.op_timeout
-                        )
-                    )
+                    row = await self._first_free(connection, scopes, due)
                 if row is not None:
                     redelivery = Redelivery(self, connection, row)
                 yield redelivery
@@ -452,19 +445,35 @@ class Inbox:
         """The first of the due rows, page after page, that this transaction could lock."""
         offset = 0
         while True:
-            for candidate in due:
-                row: pool.Record | None = await connection.fetchrow(
-                    self.statements.take, candidate["scope"], candidate["event_id"],
-                    timeout=self.op_timeout,
-                )  # fmt: skip
-                if row is not None:
-                    return row
+            row = await self._lock_first(connection, due)
+            if row is not None:
+                return row
             if len(due) < CANDIDATES:
                 return None
             offset += CANDIDATES
             due = await connection.fetch(
                 self.statements.due, scopes, CANDIDATES, offset, timeout=self.op_timeout
             )
+
+    async def _lock_first(
+        self, connection: pool.Connection, due: list[pool.Record]
+    ) -> pool.Record | None:
+        """The oldest of one page of due rows that this transaction could lock: by one
+        statement, or on Citus by one per key."""
+        if not self.distributed:
+            found: pool.Record | None = await connection.fetchrow(
+                self.statements.take_first_free, [c["scope"] for c in due],
+                [c["event_id"] for c in due], timeout=self.op_timeout,
+            )  # fmt: skip
+            return found
+        for candidate in due:
+            row: pool.Record | None = await connection.fetchrow(
+                self.statements.take, candidate["scope"], candidate["event_id"],
+                timeout=self.op_timeout,
+            )  # fmt: skip
+            if row is not None:
+                return row
+        return None
 
     async def kept(self, scope: str, state: InboxState, limit: int) -> tuple[list[Listed], int]:
         """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""

@@ -119,15 +119,19 @@ class Statements:
         )
 
     @property
-    def take_oldest(self) -> str:
-        # $1 the scopes: the oldest due row no other transaction holds, locked, in one
-        # statement: the rows other lanes are redelivering are skipped inside the server, where
-        # ``take`` is a round trip per row tried. Never on Citus, which runs no FOR UPDATE
-        # across shards (``Inbox.take`` uses ``take`` there); tests/test_sql_shapes.py knows.
+    def take_first_free(self) -> str:
+        # $1 scopes, $2 event IDs: a page of due rows' keys (``due``, oldest first). The oldest
+        # of them no other transaction holds, if it is still due, locked, in one statement:
+        # the rows other lanes are redelivering are skipped inside the server, where ``take``
+        # is a round trip per row tried. The sort is of the page's rows only. Never on Citus,
+        # which runs no FOR UPDATE across shards (``Inbox.take`` uses ``take`` there);
+        # tests/test_sql_shapes.py knows.
         return (
             f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, now() AS taken "
-            f"FROM {self.quoted} WHERE inbox_state = 'pending' AND inbox_due <= now() "
-            f"AND {_OURS} ORDER BY received_at, event_id LIMIT 1 FOR UPDATE SKIP LOCKED"
+            f"FROM {self.quoted} WHERE (scope, event_id) IN "
+            "(SELECT * FROM unnest($1::text[], $2::text[])) "
+            "AND inbox_state = 'pending' AND inbox_due <= now() "
+            "ORDER BY received_at, event_id LIMIT 1 FOR UPDATE SKIP LOCKED"
         )
 
     @property
