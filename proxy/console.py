@@ -347,7 +347,8 @@ async def event(request: web.Request) -> web.Response:
         state=_state(shown.state), delivery=delivery, headers=headers, body=body, cut=cut,
         body_cap=BODY_CAP, attempts=attempts, route=route, when=_when,
         kept_for=None if delivery is None or delivery.kept_for is None
-        else inbox.KEPT_UNSENT.get(delivery.kept_for, delivery.kept_for),
+        else inbox.KEPT_UNSENT.get(delivery.kept_for, delivery.kept_for)
+        + (" (when it was kept; tried since: the attempts below)" if shown.attempts else ""),
         done=_DONE.get(request.query.get("done", "")),
         actionable=shown.state in ("pending", "dead") and route is not None
         and route.redeliver is not None and delivery is not None,

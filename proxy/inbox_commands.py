@@ -183,7 +183,7 @@ def describe(shown: inbox.Shown) -> str:
     for name, value in fields:
         text.write(f"{name + ':':<13}{logs.printable(value)}\n")
     if shown.request is not None:
-        text.write(_request(shown.request, shown.body_bytes, shown.state))
+        text.write(_request(shown.request, shown.body_bytes, shown.state, bool(shown.attempts)))
     elif shown.state is None:
         text.write("request:     not kept (delivered at the first try)\n")
     else:
@@ -220,15 +220,18 @@ def _header_json(name: str, value: str) -> dict[str, Any]:
     return {"name": name, "value": inbox.wire(value)}
 
 
-def _request(delivery: inbox.StoredRequest, body_bytes: int | None, state: str | None) -> str:
+def _request(
+    delivery: inbox.StoredRequest, body_bytes: int | None, state: str | None, tried: bool
+) -> str:
     lines = [
         f"request:     {delivery.method} {logs.printable(delivery.target)}",
         f"upstream:    {delivery.upstream}",
         f"route:       {delivery.route}",
     ]
-    if delivery.kept_for is not None:  # kept before the app was sent it: why
+    if delivery.kept_for is not None:  # kept before its attempt ended: why
         why = inbox.KEPT_UNSENT.get(delivery.kept_for, delivery.kept_for)
-        lines.append(f"kept for:    {logs.printable(why)}")
+        since = " (when it was kept; tried since: the attempts below)" if tried else ""
+        lines.append(f"kept for:    {logs.printable(why)}{since}")
     lines.append("headers:")
     # What a client sent, shown to an operator's terminal: escaped as the log lines are.
     for name, value in delivery.headers:

@@ -105,6 +105,12 @@ async def test_over_the_limit_a_redeliver_route_keeps_the_delivery_and_sends_it_
     assert "kept for:    not sent: the limit at the app was reached (upstream.concurrency)\n" in (
         shown
     )
+    tried = inbox_commands.describe(
+        inbox.Shown("hooks", "evt_2", None, datetime.now(UTC), "pending", request,
+                    len(request.body), [{"at": "2026-12-04T10:00:00+00:00", "status": 503}],
+                    None, None, None)
+    )  # fmt: skip
+    assert "(upstream.concurrency) (when it was kept; tried since: the attempts below)\n" in tried
     upstream.gate.set()
     assert (await first).status == 200
     await wait_until(lambda: _count(upstream, 2), "the kept delivery sent when there was room")
