@@ -93,8 +93,9 @@ def _mask_urls(line: str) -> str:
     return "".join(out)
 
 
-# libpq's key=value form (password=secret or password='a b') and a URL's ?password=secret.
-_PASSWORD_PAIR = re.compile(r"(?i)\b(password\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s&'\"]+)")
+# libpq's key=value form (password=secret or password='a b') and a URL's ?password=secret;
+# and the same of sslpassword, the client key's passphrase.
+_PASSWORD_PAIR = re.compile(r"(?i)\b((?:ssl)?password\s*=\s*)(?:'(?:[^'\\]|\\.)*'|[^\s&'\"]+)")
 # A text-form value needs quoting if it is empty or holds a space, '=', '"' or anything but
 # printable ASCII (control characters, bidirectional overrides such as U+202E...).
 _PLAIN = re.compile(r"[!#-<>-~]+")

@@ -881,6 +881,9 @@ def test_redact_dsn_hides_a_password_query_parameter() -> None:
     redacted = config.redact_dsn(f"postgresql://app@db/events?password={PASSWORD}")
 
     assert PASSWORD not in redacted
+    # And the client key's passphrase; it is not a password for password_file's purposes.
+    passphrase = config.redact_dsn(f"postgresql://app@db/events?sslpassword={PASSWORD}&x=1")
+    assert passphrase == "postgresql://app@db/events?sslpassword=***&x=1"
 
 
 # --- the check command -------------------------------------------------------------------------

@@ -153,6 +153,10 @@ def test_a_json_line_is_ascii_and_reads_back_as_its_fields(fields: dict[str, Any
         ("postgresql://u@db/app?sslmode=require&password=s3cr3t&x=1",
          "postgresql://u@db/app?sslmode=require&password=***&x=1"),
         ("PASSWORD = s3cr3t", "PASSWORD = ***"),
+        # The client key's passphrase, in either form.
+        ("postgresql://u@db/app?sslkey=k.pem&sslpassword=s3cr3t",
+         "postgresql://u@db/app?sslkey=k.pem&sslpassword=***"),
+        ("host=db sslpassword='a b' user=u", "host=db sslpassword=*** user=u"),
     ],
 )  # fmt: skip
 def test_mask_hides_every_form_of_a_database_password(line: str, masked: str) -> None:

@@ -93,16 +93,19 @@ class Secret:
 
 
 _QUERY_PASSWORD = re.compile(r"(?i)([?&]password=)[^&]*")
+# What redact_dsn hides in the query: the password, and the client key's passphrase.
+_QUERY_SECRET = re.compile(r"(?i)([?&](?:ssl)?password=)[^&]*")
 
 
 def redact_dsn(dsn: str) -> str:
-    """The DSN with its password (in the authority or as ``?password=``) replaced."""
+    """The DSN with its password (in the authority or as ``?password=``) and the client key's
+    passphrase (``?sslpassword=``) replaced."""
     scheme, sep, rest = dsn.partition("://")
     authority, tail = values.split_authority(rest)
     userinfo, _, host = authority.rpartition("@")
     if ":" in userinfo:
         authority = f"{userinfo.partition(':')[0]}:***@{host}"
-    return scheme + sep + authority + _QUERY_PASSWORD.sub(r"\1***", tail)
+    return scheme + sep + authority + _QUERY_SECRET.sub(r"\1***", tail)
 
 
 def with_password(dsn: str, password: str) -> str:
