@@ -61,9 +61,9 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
 
 
 async def _check_receipts(cfg: config.Config, claim_dsn: str, report: Report) -> None:
-    """Each receipts' database (``receipt``): its table and function, and when its app last
-    wrote a receipt. None written is said, not failed: a new app has written none yet, and
-    ``serve`` warns at each 2xx that comes without one."""
+    """Each receipts' database (``receipt``): its table and function, the role's grants on
+    the table, and when its app last wrote a receipt. None written is said, not failed: a new
+    app has written none yet, and ``serve`` warns at each 2xx that comes without one."""
     places: dict[str, list[str]] = {}
     for route in cfg.routes:
         if route.receipt is not None:
@@ -80,6 +80,11 @@ async def _check_receipts(cfg: config.Config, claim_dsn: str, report: Report) ->
                 table, function = database.receipts.TABLE, database.receipts.FUNCTION
                 report(False, f"{what}: {table} or {function}() is missing: run 'dedup-proxy "
                        "migrate'")  # fmt: skip
+                continue
+            if lacking := await receipts.ungranted():
+                table = database.receipts.TABLE
+                report(False, f"{what}: the role lacks {', '.join(lacking)} on {table}: GRANT "
+                       f"SELECT, INSERT, DELETE ON {table} TO the proxy's role")  # fmt: skip
                 continue
             age = await receipts.newest_age()
         except errors.StoreUnavailable as exc:

@@ -115,6 +115,23 @@ async def test_a_receipt_routes_database_is_checked_and_its_newest_receipt_said(
         "(route pay): none written yet: until the app writes SELECT dedup_receipt($1) in its "
         "transaction, each doubt is settled as not done (sent again)"
     ), line
+    # A role without the sweep's DELETE: named, with its GRANT.
+    await execute(
+        receipts_dsn,
+        "CREATE ROLE receipts_reader LOGIN; GRANT SELECT, INSERT ON dedup_receipts TO "
+        "receipts_reader",
+    )
+    parts = urlsplit(receipts_dsn)
+    routes[0]["receipt"] = {
+        "dsn": parts._replace(netloc=f"receipts_reader@{parts.hostname or ''}").geturl()
+    }
+    code, line = await receipts_line()
+    assert code == 1
+    assert line.endswith(
+        "(route pay): the role lacks DELETE on dedup_receipts: GRANT SELECT, INSERT, DELETE ON "
+        "dedup_receipts TO the proxy's role"
+    ), line
+    routes[0]["receipt"] = {"dsn": receipts_dsn}
     await execute(receipts_dsn, "SELECT dedup_receipt('a-receipt')")
     code, line = await receipts_line()
     assert code == 0

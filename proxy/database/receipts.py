@@ -55,6 +55,15 @@ _SWEEP = (
 # (a replica's places at the app and its redeliverer's lanes, as configured by default).
 MOST_AT_ONCE = 16
 _MISSING = f"SELECT to_regclass('{TABLE}') IS NULL OR to_regprocedure('{FUNCTION}(text)') IS NULL"
+# The privileges the proxy's role needs on the table that it lacks (docs/deployment.md).
+_UNGRANTED = (
+    "SELECT array_remove(ARRAY["
+    + ", ".join(
+        f"CASE WHEN has_table_privilege('{TABLE}', '{p}') THEN NULL ELSE '{p}' END"
+        for p in ("SELECT", "INSERT", "DELETE")
+    )
+    + "], NULL)"
+)
 # How long ago the newest receipt was written (NULL: none is kept), by the written_at index.
 _NEWEST = f"SELECT extract(epoch FROM now() - max(written_at))::float8 FROM {TABLE}"
 
@@ -145,6 +154,13 @@ class Receipts:
         async with self._connection("reading the receipts' schema failed") as connection:
             missing: bool = await connection.fetchval(_MISSING, timeout=self._op_timeout)
         return missing
+
+    async def ungranted(self) -> list[str]:
+        """The privileges on the receipts' table that the proxy needs and its role lacks: of
+        SELECT, INSERT (the look, rolled back) and DELETE (the sweep)."""
+        async with self._connection("reading the receipts' grants failed") as connection:
+            lacking: list[str] = await connection.fetchval(_UNGRANTED, timeout=self._op_timeout)
+        return lacking
 
     async def newest_age(self) -> float | None:
         """Seconds since the newest receipt kept was written; None when none is kept."""
