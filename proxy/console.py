@@ -346,9 +346,7 @@ async def event(request: web.Request) -> web.Response:
         request, "event.html", title="Event", shown=shown, event=database.unbound(shown.event_id),
         state=_state(shown.state), delivery=delivery, headers=headers, body=body, cut=cut,
         body_cap=BODY_CAP, attempts=attempts, route=route, when=_when,
-        kept_for=None if delivery is None or delivery.kept_for is None
-        else inbox.KEPT_UNSENT.get(delivery.kept_for, delivery.kept_for)
-        + (" (when it was kept; tried since: the attempts below)" if shown.attempts else ""),
+        kept_for=None if delivery is None else delivery.kept_because(bool(shown.attempts)),
         done=_DONE.get(request.query.get("done", "")),
         actionable=shown.state in ("pending", "dead") and route is not None
         and route.redeliver is not None and delivery is not None,

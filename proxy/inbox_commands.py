@@ -228,10 +228,8 @@ def _request(
         f"upstream:    {delivery.upstream}",
         f"route:       {delivery.route}",
     ]
-    if delivery.kept_for is not None:  # kept before its attempt ended: why
-        why = inbox.KEPT_UNSENT.get(delivery.kept_for, delivery.kept_for)
-        since = " (when it was kept; tried since: the attempts below)" if tried else ""
-        lines.append(f"kept for:    {logs.printable(why)}{since}")
+    if (why := delivery.kept_because(tried)) is not None:  # kept before its attempt ended
+        lines.append(f"kept for:    {logs.printable(why)}")
     lines.append("headers:")
     # What a client sent, shown to an operator's terminal: escaped as the log lines are.
     for name, value in delivery.headers:

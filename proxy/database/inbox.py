@@ -103,6 +103,14 @@ class StoredRequest:
     body: bytes
     kept_for: str | None = None
 
+    def kept_because(self, tried: bool) -> str | None:
+        """Why it was kept before its attempt ended, in words (None: the app failed it);
+        ``tried``: it has been sent since, so the words are as of when it was kept."""
+        if self.kept_for is None:
+            return None
+        why = KEPT_UNSENT.get(self.kept_for, self.kept_for)
+        return why + (" (when it was kept; tried since: the attempts below)" if tried else "")
+
     def encoded(self) -> str:
         """As JSON. The target and header values may hold bytes that are not UTF-8 (obs-text,
         decoded as surrogate escapes, and sent as those bytes): such a string is kept as its
