@@ -1,0 +1,155 @@
+"""What each part of a webhook's path costs: the proxy against itself with that part removed.
+
+    python bench/ablate.py [--ablations floor,log-line,key,turn] [--rounds 4] [--duration 5]
+                           [--out FILE]
+
+Each ablation is a patch in ``bench/ablations/`` (its first lines say what it removes), applied
+to a scratch worktree of ``HEAD``: ``floor`` removes everything the naive proxy does not do,
+the others one part each. The proxy (this checkout, which must have no uncommitted change
+under ``proxy/``), the ablated proxy and the naive proxy (``bench/naive.py``) then serve the
+same app and embedded PostgreSQL, as in the headline: 2 workers each, a pool of 32, the
+proxies with ``upstream.concurrency`` 64, wrk with new event IDs at c32 and c1, the three in a
+rotated order each round. Reported per ablation: the ablated proxy's CPU per webhook and
+throughput ÷ the proxy's and ÷ the naive proxy's, and the proxy's ÷ the naive proxy's, each the
+median over the rounds with their range. An ablated proxy is not a product (it keeps no log,
+checks nothing); it only says what the part removed costs. A patch that no longer applies
+fails the run: each names the code it removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import loads, report
+from bench.run import Bench, Settings, checkout_env, prepare_database
+
+ROOT = Path(__file__).resolve().parent.parent
+ABLATIONS = ROOT / "bench" / "ablations"
+WORKERS = 2
+POOL = 32
+CONCURRENCY = 64  # upstream.concurrency, as the headline's proxies have it
+
+Results = dict[tuple[str, str, int, int], loads.Result]  # (ablation, who, connections, round)
+
+
+def _git(*args: str, cwd: Path = ROOT) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def ablated(name: str, scratch: Path) -> Path:
+    """A worktree of HEAD at ``scratch`` with ``bench/ablations/<name>.patch`` applied."""
+    patch = ABLATIONS / f"{name}.patch"
+    if not patch.is_file():
+        known = ", ".join(sorted(p.stem for p in ABLATIONS.glob("*.patch")))
+        raise SystemExit(f"no ablation {name!r}: one of {known}")
+    _git("worktree", "add", "--detach", "--quiet", str(scratch), "HEAD")
+    _git("apply", str(patch), cwd=scratch)
+    return scratch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ablations", default="floor,log-line,key,turn",
+                        help="comma-separated names of bench/ablations/*.patch")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--duration", type=int, default=5, help="seconds per load run")
+    parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
+    parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.ablations.split(",") if n.strip()]
+    connections = [int(c) for c in args.connections.split(",")]
+    loads.wrk_path()
+    if _git("status", "--porcelain", "--", "proxy"):
+        raise SystemExit("commit the changes under proxy/ first: the ablations are made of HEAD")
+    settings = Settings(seconds=args.duration, pool=POOL, warmup=2, rounds=args.rounds)
+    workdir = Path(tempfile.mkdtemp(prefix="dedup-ablate-"))
+    bench = Bench(settings, workdir)
+    results: Results = {}
+    worktrees: list[Path] = []
+    try:
+        prepare_database(bench)
+        app = bench.start_upstream("app")
+        proxy = bench.start_proxy("proxy", app, POOL, workers=WORKERS, concurrency=CONCURRENCY)
+        naive = bench.start_naive("naive", app, POOL, workers=WORKERS)
+        for name in names:
+            worktrees.append(ablated(name, workdir / f"tree-{name}"))
+            variant = bench.start_proxy(name, app, POOL, workers=WORKERS, concurrency=CONCURRENCY,
+                                        env=checkout_env(worktrees[-1]))  # fmt: skip
+            contenders = [("proxy", proxy), ("ablated", variant), ("naive", naive)]
+            for who, service in contenders:
+                bench.wrk("", f"warm-up {who}", service, app, 32, seconds=settings.warmup)
+            for round_ in range(1, args.rounds + 1):
+                turn = (round_ - 1) % len(contenders)
+                for c in connections:
+                    for who, service in contenders[turn:] + contenders[:turn]:
+                        label = f"{name}: {who} c{c} (round {round_})"
+                        results[name, who, c, round_] = bench.wrk("", label, service, app, c)
+            bench.stop(variant)
+    finally:
+        bench.close()
+        for tree in worktrees:
+            _git("worktree", "remove", "--force", str(tree))
+        shutil.rmtree(workdir, ignore_errors=True)
+    command = shlex.join(["python", "bench/ablate.py", *(sys.argv[1:] if argv is None else argv)])
+    machine = report.machine()
+    text = (
+        f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
+        f"{WORKERS} workers each, pool {POOL}, the proxies' upstream.concurrency {CONCURRENCY}; "
+        f"at `{_git('rev-parse', '--short', 'HEAD').strip()}`\n\n{table(results)}\n"
+    )
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text, encoding="utf-8")
+    return 0
+
+
+def _ratio(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f} to {max(values):.3f})"
+
+
+def table(results: Results) -> str:
+    """One row per ablation and connection count: the medians over the rounds."""
+    lines = [
+        "| ablation | connections | CPU: ablated ÷ proxy | throughput: ablated ÷ proxy | "
+        "CPU: ablated ÷ naive | CPU: proxy ÷ naive | throughput: proxy ÷ naive | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(n for n, _, _, _ in results):
+        for c in sorted({c for n, _, c, _ in results if n == name}, reverse=True):
+            rounds = sorted({r for n, _, cc, r in results if n == name and cc == c})
+            runs = {
+                who: [results[name, who, c, r] for r in rounds]
+                for who in ("proxy", "ablated", "naive")
+            }
+
+            def cpu(a: str, b: str) -> list[float]:
+                pairs = zip(runs[a], runs[b], strict=True)
+                return [x.cpu_us("proxy") / y.cpu_us("proxy") for x, y in pairs]
+
+            def rate(a: str, b: str) -> list[float]:
+                return [x.rate / y.rate for x, y in zip(runs[a], runs[b], strict=True)]
+
+            errors = sum(x.errors for who in runs.values() for x in who)
+            lines.append(
+                f"| {name} | {c} | {_ratio(cpu('ablated', 'proxy'))} | "
+                f"{_ratio(rate('ablated', 'proxy'))} | {_ratio(cpu('ablated', 'naive'))} | "
+                f"{_ratio(cpu('proxy', 'naive'))} | {_ratio(rate('proxy', 'naive'))} | {errors} |"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
