@@ -120,6 +120,15 @@ def _ratio(values: list[float]) -> str:
     return f"{statistics.median(values):.3f} ({min(values):.3f} to {max(values):.3f})"
 
 
+def _cpu(these: list[loads.Result], those: list[loads.Result]) -> list[float]:
+    """Each round's CPU per webhook of ``these`` ÷ that of ``those``."""
+    return [x.cpu_us("proxy") / y.cpu_us("proxy") for x, y in zip(these, those, strict=True)]
+
+
+def _rate(these: list[loads.Result], those: list[loads.Result]) -> list[float]:
+    return [x.rate / y.rate for x, y in zip(these, those, strict=True)]
+
+
 def table(results: Results) -> str:
     """One row per ablation and connection count: the medians over the rounds."""
     lines = [
@@ -134,19 +143,12 @@ def table(results: Results) -> str:
                 who: [results[name, who, c, r] for r in rounds]
                 for who in ("proxy", "ablated", "naive")
             }
-
-            def cpu(a: str, b: str) -> list[float]:
-                pairs = zip(runs[a], runs[b], strict=True)
-                return [x.cpu_us("proxy") / y.cpu_us("proxy") for x, y in pairs]
-
-            def rate(a: str, b: str) -> list[float]:
-                return [x.rate / y.rate for x, y in zip(runs[a], runs[b], strict=True)]
-
+            ablated, proxy, naive = runs["ablated"], runs["proxy"], runs["naive"]
             errors = sum(x.errors for who in runs.values() for x in who)
             lines.append(
-                f"| {name} | {c} | {_ratio(cpu('ablated', 'proxy'))} | "
-                f"{_ratio(rate('ablated', 'proxy'))} | {_ratio(cpu('ablated', 'naive'))} | "
-                f"{_ratio(cpu('proxy', 'naive'))} | {_ratio(rate('proxy', 'naive'))} | {errors} |"
+                f"| {name} | {c} | {_ratio(_cpu(ablated, proxy))} | "
+                f"{_ratio(_rate(ablated, proxy))} | {_ratio(_cpu(ablated, naive))} | "
+                f"{_ratio(_cpu(proxy, naive))} | {_ratio(_rate(proxy, naive))} | {errors} |"
             )
     return "\n".join(lines)
 
