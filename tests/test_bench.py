@@ -324,3 +324,17 @@ def test_the_console_load_run_forwards_every_webhook_while_the_pages_are_fetched
     fetched = re.match(r"(\d+) \(", rows[0][3])
     assert fetched is not None, stdout
     assert int(fetched[1]) > 0, stdout
+
+
+def test_every_ablation_still_applies_and_its_proxy_answers_every_webhook() -> None:
+    """bench/ablate.py, one round of 1 s: each patch in bench/ablations/ applies to HEAD and
+    its ablated proxy, like the proxy and the naive proxy beside it, answers every webhook 2xx
+    (a patch that no longer applies fails the run, naming the code it removes)."""
+    ablations = sorted(p.stem for p in (ROOT / "bench" / "ablations").glob("*.patch"))
+    stdout = _script("bench/ablate.py", "--ablations", ",".join(ablations), "--rounds", "1",
+                     "--duration", "1", timeout=300)  # fmt: skip
+    rows = [line.strip("| ").split(" | ") for line in stdout.splitlines() if line.startswith("| ")]
+    measured = {(row[0], row[1]): row[-1] for row in rows[2:]}
+    assert sorted({name for name, _ in measured}) == ablations
+    assert set(measured) == {(name, c) for name in ablations for c in ("32", "1")}
+    assert set(measured.values()) == {"0"}, measured
