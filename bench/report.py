@@ -482,8 +482,9 @@ generator) shares the same {machine["nproc"]} CPUs.
 
 The proxy and the naive one (`bench/naive.py`) with 2 workers and a pool of {pool} connections
 each in all, the app alone and pgbench, at 1 and 32 connections, in {len(rounds(f))} rounds run
-one after the other in this one run (the same order each round). Ratios are of runs side by
-side in the same round; the verdict is on the mean.
+one after the other in this one run (the proxy, the Stripe-verified proxy and the naive proxy
+in a rotated order each round). Ratios are of runs side by side in the same round; the verdict
+is on the mean.
 
 {headline_table(f)}
 

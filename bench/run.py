@@ -363,8 +363,8 @@ def measure(bench: Bench) -> None:
 
 def headline(bench: Bench, fast: procs.Service) -> None:
     """The performance issue's table: the proxy and the naive one, both with 2 workers and
-    the same pool, beside the app alone and pgbench, at c1 and c32; ``rounds`` times over, in
-    the same order each time, so that the spread shows how far one run can be trusted."""
+    the same pool, beside the app alone and pgbench, at c1 and c32; ``rounds`` times over (the
+    three in a rotated order), so that the spread shows how far one run can be trusted."""
     s = bench.settings
     workers = 2
     proxy = bench.start_proxy("proxy-headline", fast, s.pool, workers=workers,
