@@ -1,7 +1,7 @@
 """What each part of a webhook's path costs: the proxy against itself with that part removed.
 
     python bench/ablate.py [--ablations floor,log-line,key,turn] [--rounds 4] [--duration 5]
-                           [--out FILE]
+                           [--stripe] [--out FILE]
 
 Each ablation is a patch in ``bench/ablations/`` (its first lines say what it removes), applied
 to a scratch worktree of ``HEAD``: ``floor`` removes everything the naive proxy does not do,
@@ -11,9 +11,10 @@ embedded PostgreSQL, as in the headline: 2 workers each, a pool of 32, the proxi
 ``upstream.concurrency`` 64, wrk with new event IDs at c32 and c1, the three in a rotated
 order each round. Reported per ablation: the ablated proxy's CPU per webhook and throughput ÷
 the proxy's and ÷ the naive proxy's, and the proxy's ÷ the naive proxy's, each the median over
-the rounds with their range. An ablated proxy is not a product (it keeps no log, checks
-nothing); it only says what the part removed costs. A patch that no longer applies fails the
-run: each names the code it removes.
+the rounds with their range. ``--stripe``: on the headline's Stripe-verified route instead (the
+naive proxy gets the same signed requests and verifies nothing). An ablated proxy is not a
+product (it keeps no log, checks nothing); it only says what the part removed costs. A patch
+that no longer applies fails the run: each names the code it removes.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import loads, report
-from bench.run import Bench, Settings, checkout_env, prepare_database
+from bench.run import STRIPE_SECRET, Bench, Settings, checkout_env, prepare_database
 
 ROOT = Path(__file__).resolve().parent.parent
 ABLATIONS = ROOT / "bench" / "ablations"
@@ -67,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--duration", type=int, default=5, help="seconds per load run")
     parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
+    parser.add_argument("--stripe", action="store_true", help="the Stripe-verified route")
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     args = parser.parse_args(argv)
+    secret = STRIPE_SECRET if args.stripe else ""
+    signed = {"mode": "stripe", "stripe_secret": STRIPE_SECRET} if args.stripe else {}
     names = [n.strip() for n in args.ablations.split(",") if n.strip()]
     connections = [int(c) for c in args.connections.split(",")]
     loads.wrk_path()
@@ -83,21 +87,26 @@ def main(argv: list[str] | None = None) -> int:
         worktrees.append(workdir / "tree-head")
         _git("worktree", "add", "--detach", "--quiet", str(worktrees[-1]), "HEAD")
         proxy = bench.start_proxy("proxy", app, POOL, workers=WORKERS, concurrency=CONCURRENCY,
-                                  env=checkout_env(worktrees[-1]))  # fmt: skip
+                                  env=checkout_env(worktrees[-1]),
+                                  stripe_secret=secret)  # fmt: skip
         naive = bench.start_naive("naive", app, POOL, workers=WORKERS)
         for name in names:
             worktrees.append(ablated(name, workdir / f"tree-{name}"))
             variant = bench.start_proxy(name, app, POOL, workers=WORKERS, concurrency=CONCURRENCY,
-                                        env=checkout_env(worktrees[-1]))  # fmt: skip
+                                        env=checkout_env(worktrees[-1]),
+                                        stripe_secret=secret)  # fmt: skip
             contenders = [("proxy", proxy), ("ablated", variant), ("naive", naive)]
             for who, service in contenders:
-                bench.wrk("", f"warm-up {who}", service, app, 32, seconds=settings.warmup)
+                bench.wrk("", f"warm-up {who}", service, app, 32, seconds=settings.warmup,
+                          **signed)  # fmt: skip
             for round_ in range(1, args.rounds + 1):
                 turn = (round_ - 1) % len(contenders)
                 for c in connections:
                     for who, service in contenders[turn:] + contenders[:turn]:
                         label = f"{name}: {who} c{c} (round {round_})"
-                        results[name, who, c, round_] = bench.wrk("", label, service, app, c)
+                        results[name, who, c, round_] = bench.wrk(
+                            "", label, service, app, c, **signed
+                        )
             bench.stop(variant)
     finally:
         bench.close()
@@ -108,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = report.machine()
     text = (
         f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
-        f"{WORKERS} workers each, pool {POOL}, the proxies' upstream.concurrency {CONCURRENCY}; "
+        f"{WORKERS} workers each, pool {POOL}, the proxies' upstream.concurrency {CONCURRENCY}"
+        f"{', the Stripe-verified route' if args.stripe else ''}; "
         f"at `{_git('rev-parse', '--short', 'HEAD').strip()}`\n\n{table(results)}\n"
     )
     print(text)
