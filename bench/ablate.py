@@ -52,12 +52,8 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
 
 def ablated(name: str, scratch: Path) -> Path:
     """A worktree of HEAD at ``scratch`` with ``bench/ablations/<name>.patch`` applied."""
-    patch = ABLATIONS / f"{name}.patch"
-    if not patch.is_file():
-        known = ", ".join(sorted(p.stem for p in ABLATIONS.glob("*.patch")))
-        raise SystemExit(f"no ablation {name!r}: one of {known}")
     _git("worktree", "add", "--detach", "--quiet", str(scratch), "HEAD")
-    _git("apply", str(patch), cwd=scratch)
+    _git("apply", str(ABLATIONS / f"{name}.patch"), cwd=scratch)
     return scratch
 
 
@@ -75,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     signed = {"mode": "stripe", "stripe_secret": STRIPE_SECRET} if args.stripe else {}
     names = [n.strip() for n in args.ablations.split(",") if n.strip()]
     connections = [int(c) for c in args.connections.split(",")]
+    known = sorted(p.stem for p in ABLATIONS.glob("*.patch"))
+    if unknown := [n for n in names if n not in known]:
+        parser.error(f"no ablation {', '.join(unknown)}: one of {', '.join(known)}")
     loads.wrk_path()
     settings = Settings(seconds=args.duration, pool=POOL, warmup=2, rounds=args.rounds)
     workdir = Path(tempfile.mkdtemp(prefix="dedup-ablate-"))
