@@ -198,7 +198,8 @@ def measure(args: argparse.Namespace, bench: Bench, stack: ExitStack) -> dict[st
     proxy = bench.start_proxy("proxy", app, 4, workers=args.workers)
     echo_port = procs.free_port()
     echo = subprocess.Popen([sys.executable, "-c", _ECHO, str(echo_port)])
-    stack.callback(lambda: (echo.kill(), echo.wait()))
+    stack.callback(echo.wait)  # callbacks run last in, first out: killed, then waited for
+    stack.callback(echo.kill)
     time.sleep(0.5)
     series: dict[str, list[float]] = {}
     cpu: dict[str, float] = {"proxy": 0.0, "app": 0.0, "postgres": 0.0}

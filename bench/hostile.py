@@ -95,9 +95,10 @@ class Proxy:
         level: str = "warning",
     ) -> None:
         self.port = free_port()
+        self.admin_port = str(free_port())
         config = {
             "listen": f"127.0.0.1:{self.port}",
-            "admin": {"listen": f"127.0.0.1:{free_port()}"},
+            "admin": {"listen": f"127.0.0.1:{self.admin_port}"},
             "upstream": {"url": upstream, "timeout": "20s"},
             "database": {"dsn": dsn, "table": f"probe_{os.getpid()}_{self.port}", "pool_size": 4},
             "max_buffered": "8MiB",
@@ -111,7 +112,6 @@ class Proxy:
                  "on_duplicate": "replay", "replay_max_body": "1MiB"},
             ],
         }  # fmt: skip
-        self.admin_port = config["admin"]["listen"].rpartition(":")[2]
         path = workdir / f"config-{self.port}.yaml"
         path.write_text(yaml.safe_dump(config))
         self.checkout, self.path, self.ca = checkout, path, ca
