@@ -50,11 +50,23 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
     return done.stdout
 
 
-def ablated(name: str, scratch: Path) -> Path:
-    """A worktree of HEAD at ``scratch`` with ``bench/ablations/<name>.patch`` applied."""
+def worktree(scratch: Path, made: list[Path], ablation: str | None = None) -> Path:
+    """A worktree of HEAD at ``scratch`` (listed in ``made`` first, so that it is removed
+    even if the patch fails), with ``bench/ablations/<ablation>.patch`` applied."""
+    made.append(scratch)
     _git("worktree", "add", "--detach", "--quiet", str(scratch), "HEAD")
-    _git("apply", str(ABLATIONS / f"{name}.patch"), cwd=scratch)
+    if ablation is not None:
+        _git("apply", str(ABLATIONS / f"{ablation}.patch"), cwd=scratch)
     return scratch
+
+
+def remove(trees: list[Path]) -> None:
+    """Remove the scratch worktrees, whatever happened to them (never raising: it runs on the
+    way out of a failed run too)."""
+    for tree in trees:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                       capture_output=True, check=False)  # fmt: skip
+    subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True, check=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,17 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prepare_database(bench)
         app = bench.start_upstream("app")
-        worktrees.append(workdir / "tree-head")
-        _git("worktree", "add", "--detach", "--quiet", str(worktrees[-1]), "HEAD")
+        head = worktree(workdir / "tree-head", worktrees)
         proxy = bench.start_proxy("proxy", app, POOL, workers=WORKERS, concurrency=CONCURRENCY,
-                                  env=checkout_env(worktrees[-1]),
-                                  stripe_secret=secret)  # fmt: skip
+                                  env=checkout_env(head), stripe_secret=secret)  # fmt: skip
         naive = bench.start_naive("naive", app, POOL, workers=WORKERS)
         for name in names:
-            worktrees.append(ablated(name, workdir / f"tree-{name}"))
+            tree = worktree(workdir / f"tree-{name}", worktrees, name)
             variant = bench.start_proxy(name, app, POOL, workers=WORKERS, concurrency=CONCURRENCY,
-                                        env=checkout_env(worktrees[-1]),
-                                        stripe_secret=secret)  # fmt: skip
+                                        env=checkout_env(tree), stripe_secret=secret)  # fmt: skip
             contenders = [("proxy", proxy), ("ablated", variant), ("naive", naive)]
             for who, service in contenders:
                 bench.wrk("", f"warm-up {who}", service, app, 32, seconds=settings.warmup,
@@ -109,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             bench.stop(variant)
     finally:
         bench.close()
-        for tree in worktrees:
-            _git("worktree", "remove", "--force", str(tree))
+        remove(worktrees)
         shutil.rmtree(workdir, ignore_errors=True)
     command = shlex.join(["python", "bench/ablate.py", *(sys.argv[1:] if argv is None else argv)])
     machine = report.machine()
