@@ -99,14 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         proxy = bench.start_proxy("proxy", app, POOL, workers=WORKERS, concurrency=CONCURRENCY,
                                   env=checkout_env(head), stripe_secret=secret)  # fmt: skip
         naive = bench.start_naive("naive", app, POOL, workers=WORKERS)
+        for who, service in (("proxy", proxy), ("naive", naive)):
+            bench.wrk("", f"warm-up {who}", service, app, 32, seconds=settings.warmup, **signed)
         for name in names:
             tree = worktree(workdir / f"tree-{name}", worktrees, name)
             variant = bench.start_proxy(name, app, POOL, workers=WORKERS, concurrency=CONCURRENCY,
                                         env=checkout_env(tree), stripe_secret=secret)  # fmt: skip
+            bench.wrk("", f"warm-up {name}", variant, app, 32, seconds=settings.warmup, **signed)
             contenders = [("proxy", proxy), ("ablated", variant), ("naive", naive)]
-            for who, service in contenders:
-                bench.wrk("", f"warm-up {who}", service, app, 32, seconds=settings.warmup,
-                          **signed)  # fmt: skip
             for round_ in range(1, args.rounds + 1):
                 turn = (round_ - 1) % len(contenders)
                 for c in connections:
@@ -157,12 +157,10 @@ def table(results: Results) -> str:
     for name in dict.fromkeys(n for n, _, _, _ in results):
         for c in sorted({c for n, _, c, _ in results if n == name}, reverse=True):
             rounds = sorted({r for n, _, cc, r in results if n == name and cc == c})
-            runs = {
-                who: [results[name, who, c, r] for r in rounds]
-                for who in ("proxy", "ablated", "naive")
-            }
-            ablated, proxy, naive = runs["ablated"], runs["proxy"], runs["naive"]
-            errors = sum(x.errors for who in runs.values() for x in who)
+            ablated, proxy, naive = (
+                [results[name, who, c, r] for r in rounds] for who in ("ablated", "proxy", "naive")
+            )
+            errors = sum(x.errors for x in ablated + proxy + naive)
             lines.append(
                 f"| {name} | {c} | {_ratio(_cpu(ablated, proxy))} | "
                 f"{_ratio(_rate(ablated, proxy))} | {_ratio(_cpu(ablated, naive))} | "
