@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
@@ -62,11 +63,39 @@ def pytest_asyncio_loop_factories(
     return {"uvloop": uvloop.new_event_loop}
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``database`` every test whose fixtures reach the session's PostgreSQL (``pg_dsn``),
+    before ``-m`` selects: CI's second pass (``-m database`` on PostgreSQL 15) runs exactly the
+    tests that server can change, and a test cannot take the database without the mark."""
+    for item in items:
+        if "pg_dsn" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.database)
+
+
+def _worker_database(dsn: str, worker: str) -> str:
+    """``dsn``'s server, a database of this xdist worker's own (made on first use), so that
+    workers sharing one server never meet on a table or a name a test does not randomise."""
+    name = f"{urlsplit(dsn).path.lstrip('/') or 'postgres'}_{worker}"
+
+    async def make() -> None:
+        connection = await asyncpg.connect(dsn)
+        try:
+            if not await connection.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
+                await connection.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await connection.close()
+
+    asyncio.run(make())
+    return urlunsplit(urlsplit(dsn)._replace(path=f"/{name}"))
+
+
 @pytest.fixture(scope="session")
-def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The DSN of the session's PostgreSQL."""
+def pg_dsn(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Iterator[str]:
+    """The DSN of the session's PostgreSQL: with ``DEDUP_PROXY_TEST_DSN``, that server (a
+    database of each xdist worker's own there); otherwise an embedded server of the worker's own."""
     if dsn := os.environ.get("DEDUP_PROXY_TEST_DSN"):
-        yield dsn
+        yield dsn if worker_id == "master" else _worker_database(dsn, worker_id)
         return
     server = embedded.EmbeddedPostgres(tmp_path_factory.mktemp("pg") / "data")
     dsn = server.start()
