@@ -60,7 +60,7 @@ async def _database(app: web.Application) -> AsyncIterator[None]:
         app[app_keys.DSN] = settings.dsn.reveal()
         yield
         return
-    server = embedded.EmbeddedPostgres(settings.data_dir)
+    server = embedded.EmbeddedPostgres(settings.data_dir, before=settings.data_dir_before)
     app[app_keys.DSN] = await asyncio.to_thread(server.start)
     try:
         yield

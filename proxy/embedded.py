@@ -80,12 +80,28 @@ def forget_the_dead(data_dir: Path) -> list[int]:
 class EmbeddedPostgres:
     """A PostgreSQL server owned by this process; ``start`` and ``stop`` block (use a thread)."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *, before: Path | None = None) -> None:
         self.data_dir = data_dir.resolve()
+        self._before = before  # where an earlier release may have left the cluster
         self._server: Any = None
+
+    def _left_behind(self) -> None:
+        """Refuse to start an empty cluster beside the one an earlier release made elsewhere:
+        its claims would be forgotten, and every retry of an event they hold let through."""
+        before = self._before
+        if before is None or (self.data_dir / "PG_VERSION").is_file():
+            return
+        if (before / "PG_VERSION").is_file():
+            raise errors.EmbeddedDatabaseError(
+                f"database.data_dir is read against the configuration file's directory: "
+                f"{self.data_dir} holds no cluster, and {before.resolve()} does (releases up "
+                "to 0.2.0 read data_dir against the working directory): move that directory "
+                "to the first place, or set data_dir to its absolute path"
+            )
 
     def start(self) -> str:
         """Start (initialising the data directory on first use) and return the DSN."""
+        self._left_behind()
         try:
             with warnings.catch_warnings():
                 # platformdirs warns when XDG_RUNTIME_DIR is unset (containers, CI); harmless.

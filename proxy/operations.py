@@ -26,7 +26,9 @@ async def open_store(cfg: config.Config) -> AsyncIterator[database.Store]:
     none."""
     server = None
     if cfg.database.dsn is None:
-        server = embedded.EmbeddedPostgres(cfg.database.data_dir)
+        server = embedded.EmbeddedPostgres(
+            cfg.database.data_dir, before=cfg.database.data_dir_before
+        )
         dsn = await asyncio.to_thread(server.start)
     else:
         dsn = cfg.database.dsn.reveal()

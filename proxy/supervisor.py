@@ -511,7 +511,11 @@ async def supervise(cfg: config.Config, config_path: str) -> int:
         (home / "metrics").mkdir()
         holder = shared_port.Holder(draining)
         cleanup.callback(holder.close)
-        db = embedded.EmbeddedPostgres(cfg.database.data_dir) if cfg.database.embedded else None
+        db = (
+            embedded.EmbeddedPostgres(cfg.database.data_dir, before=cfg.database.data_dir_before)
+            if cfg.database.embedded
+            else None
+        )
         try:
             dsn = None
             if db is not None:
@@ -609,7 +613,8 @@ def _snapshot(config_path: str, copy: Path) -> config.Config:
         copy.write_bytes(text)
     except OSError as exc:
         raise errors.ProxyError(f"cannot copy the configuration to {copy}: {exc}") from exc
-    return config.load(copy)
+    # Paths in it mean what they meant beside the operator's file, not beside the copy.
+    return config.load(copy, base=Path(config_path).absolute().parent)
 
 
 def restart_only(running: config.Config, new: config.Config) -> list[str]:

@@ -295,12 +295,13 @@ async def accepts(port: int) -> bool:
 
 
 async def run_python(
-    *args: str, env: Mapping[str, str] | None = None, within: float = 60
+    *args: str, env: Mapping[str, str] | None = None, within: float = 60, cwd: Path | None = None
 ) -> tuple[int, str, str]:
-    """Run ``python *args`` to its end: (exit status, stdout, stderr). ``env`` is added to the
-    environment; a process still running after ``within`` seconds is killed and fails the test."""
+    """Run ``python *args`` to its end (in ``cwd``, else here): (exit status, stdout, stderr).
+    ``env`` is added to the environment; a process still running after ``within`` seconds is
+    killed and fails the test."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, *args, env={**os.environ, **(env or {})},
+        sys.executable, *args, env={**os.environ, **(env or {})}, cwd=cwd,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

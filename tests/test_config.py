@@ -394,7 +394,7 @@ def test_variable_value_is_not_parsed_as_yaml(
 
     write(tmp_path, text.replace("'${X}'", "stripe"))
     cfg = config.load(tmp_path / "config.yaml")
-    assert cfg.database.data_dir == Path(injected)
+    assert cfg.database.data_dir == tmp_path / injected  # beside the configuration file
 
 
 # --- unknown keys and collected problems -------------------------------------------------------
@@ -923,7 +923,9 @@ def test_check_describes_the_embedded_database(
 
     assert cli.main(["check", "-c", str(path)]) == 0
 
-    assert "database:    embedded (data in .dedup-proxy/pgdata)" in capsys.readouterr().out
+    # Absolute, beside the configuration file, whichever directory check runs in.
+    out = capsys.readouterr().out
+    assert f"database:    embedded (data in {tmp_path}/.dedup-proxy/pgdata)" in out
 
 
 def test_check_reports_problems_and_exits_2(

@@ -32,8 +32,8 @@ def running(data_dir: Path) -> int | None:
     return pid
 
 
-async def run(*args: str) -> tuple[int, str]:
-    code, out, err = await run_python(*args, within=120)
+async def run(*args: str, cwd: Path | None = None) -> tuple[int, str]:
+    code, out, err = await run_python(*args, within=120, cwd=cwd)
     return code, out + err
 
 
@@ -76,3 +76,62 @@ async def test_the_operator_commands_stop_the_server_they_start_and_adopt_an_orp
         return False
 
     await wait_until(stopped, "the orphan's postmaster to exit")
+
+
+def embedded_config(folder: Path, data_dir: str = ".dedup-proxy/pgdata") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    path.write_text(
+        "upstream: {url: 'http://127.0.0.1:9'}\n"
+        f"database: {{dsn: embedded, data_dir: '{data_dir}'}}\n"
+        "routes: [{name: a, path: /a, event_id: 'body:/id'}]\n"
+    )
+    return path
+
+
+async def test_one_configuration_is_one_embedded_server_whichever_directory_a_command_runs_in(
+    tmp_path: Path,
+) -> None:
+    """A relative data_dir is read against the configuration file's directory: ``migrate`` in
+    one directory and ``check`` and ``events`` in others meet one cluster, named absolute."""
+    path = embedded_config(tmp_path / "etc")
+    placed = tmp_path / "etc" / ".dedup-proxy" / "pgdata"
+    elsewhere = [tmp_path / "home", tmp_path / "var"]
+    for folder in elsewhere:
+        folder.mkdir()
+    try:
+        migrated = await run("-m", "proxy", "migrate", "--config", str(path), cwd=elsewhere[0])
+        assert migrated[0] == 0, migrated[1]
+        assert (placed / "PG_VERSION").is_file()
+        code, out = await run("-m", "proxy", "check", "--config", str(path), cwd=elsewhere[1])
+        assert code == 0, out
+        assert f"embedded (data in {placed})" in out
+        code, out = await run(
+            "-m", "proxy", "events", "list", "--route", "a", "--config", str(path), cwd=tmp_path
+        )
+        assert code == 0, out
+        assert "migrate" not in out  # the table migrate made is found
+        assert not any((folder / ".dedup-proxy").exists() for folder in [*elsewhere, tmp_path])
+    finally:
+        if pid := running(placed):
+            os.kill(pid, signal.SIGQUIT)
+
+
+async def test_a_cluster_an_earlier_release_left_in_the_working_directory_is_not_replaced(
+    tmp_path: Path,
+) -> None:
+    """Up to 0.2.0 a relative data_dir was read against the working directory: a cluster
+    there and none beside the configuration is refused, never an empty one started beside it."""
+    path = embedded_config(tmp_path / "etc")
+    work = tmp_path / "work"
+    left = work / ".dedup-proxy" / "pgdata"
+    left.mkdir(parents=True)
+    (left / "PG_VERSION").write_text("18\n")  # all that marks a cluster's directory
+    code, out = await run(
+        "-m", "proxy", "events", "list", "--route", "a", "--config", str(path), cwd=work
+    )
+    assert code != 0
+    assert str(left) in out
+    assert str(tmp_path / "etc" / ".dedup-proxy" / "pgdata") in out
+    assert not (tmp_path / "etc" / ".dedup-proxy").exists()
+    assert "Traceback" not in out

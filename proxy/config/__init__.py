@@ -141,6 +141,9 @@ class DatabaseConfig:
     # None: the embedded server. Holds the password_file's password too, for every connection.
     dsn: Secret | None
     data_dir: Path = Path(DEFAULT_DATA_DIR)
+    # A relative data_dir as releases up to 0.2.0 read it, against the working directory
+    # (``load`` reads it against the configuration file's): where a cluster may be left.
+    data_dir_before: Path | None = field(default=None, compare=False)
     table: str = DEFAULT_TABLE
     create_schema: bool = True
     pool_size: int = DEFAULT_POOL_SIZE
@@ -252,10 +255,14 @@ def _passthrough(value: object) -> tuple[str, ...] | None:
     return tuple(prefixes)
 
 
-def load(path: str | os.PathLike[str], *, secrets: bool = True) -> Config:
+def load(path: str | os.PathLike[str], *, secrets: bool = True, base: Path | None = None) -> Config:
     """Read and validate a config file; raise ConfigError listing every problem. Without
     ``secrets`` the routes' signing secrets are not read (their ``${VAR}`` may be unset) and
-    their verifiers refuse every request: for the commands that verify nothing."""
+    their verifiers refuse every request: for the commands that verify nothing.
+
+    A relative ``database.data_dir`` is read against ``base``, by default the file's own
+    directory: whichever directory a command runs from (a systemd unit, a cron job, an
+    operator's shell), one configuration means one embedded server."""
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -271,7 +278,21 @@ def load(path: str | os.PathLike[str], *, secrets: bool = True) -> Config:
         # PyYAML's constructors let these through for e.g. `2001-13-01`, `!!timestamp x`,
         # 5000-digit integers or deep nesting.
         raise errors.ConfigError(source, [f"not valid YAML: {exc!r}"]) from exc
-    return parse(raw, source=source, secrets=secrets)
+    cfg = parse(raw, source=source, secrets=secrets)
+    return _with_data_dir(cfg, Path(path).absolute().parent if base is None else base)
+
+
+def _with_data_dir(cfg: Config, base: Path) -> Config:
+    """``cfg`` with its relative ``data_dir`` read against ``base``, and where releases up to
+    0.2.0 read it (the working directory), for ``embedded`` to refuse a cluster left there."""
+    written = cfg.database.data_dir
+    if written.is_absolute():
+        return cfg
+    placed, before = base / written, Path.cwd() / written
+    database = replace(
+        cfg.database, data_dir=placed, data_dir_before=None if before == placed else before
+    )
+    return replace(cfg, database=database)
 
 
 def _check_room(r: reader.Reader, config: Config) -> None:
