@@ -50,8 +50,6 @@ log = logging.getLogger(__name__)
 UNSENT = inbox.KEPT_UNSENT
 
 
-# On a route with receipt: the header naming what the app writes in its transaction.
-RECEIPT_HEADER = "Dedup-Receipt"
 # How often, at most, a worker checks that a 2xx on a route with receipt came with one.
 RECEIPT_CHECK_EVERY = 10.0
 
@@ -288,19 +286,22 @@ class Cycle:
         event the app has no room for, on a route that redelivers), or settle it as a
         duplicate."""
         route, trace = self.route, self.trace
+        store = self.request.app[app_keys.STORE]
+        # Read at start: a round trip only when it could not be then (a standby's start).
+        keys = None if route.config.receipt is None else await store.receipt_keys()
         room = self.request.app[app_keys.ROOM]
         kept_for = await self._enter(room)  # None: a place at the app is this request's
         try:
             span = trace.database("claim", "INSERT")
-            async with self.request.app[app_keys.STORE].claim(key, wait) as claim:
+            async with store.claim(key, wait) as claim:
                 log_line.phase(self.line, "claim_ms", route.meters.claim_wait, started)
                 trace.end(span, {"dedup.acquired": claim.acquired})
                 if claim.acquired:
                     other = route.semantics.claimed_as(key, self.event_id)
                     if other is not None:
                         self.line["body_claimed_as"] = other
-                    if route.config.receipt is not None:
-                        self.receipt = receipts.key(route.table, key.scope, key.event_id)
+                    if keys is not None:
+                        self.receipt = keys.key(route.table, key.scope, key.event_id)
                     if kept_for is not None:
                         return await self._keep_unsent(claim, kept_for)
                     return await self._forward(key, claim, flight)
@@ -589,7 +590,7 @@ class Cycle:
         client = self.request.app[app_keys.FORWARDER]
         outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
         if self.receipt is not None:
-            outgoing.headers[RECEIPT_HEADER] = self.receipt
+            outgoing.headers[receipts.HEADER] = self.receipt
         return outgoing
 
     async def _keep(

@@ -246,6 +246,8 @@ class Redeliverer:
         scopes = self._unheld()
         if not scopes:
             return False
+        if self._receipts:
+            await self._store.receipt_keys()  # read at start: before a row holds a connection
         async with self._store.inbox.take(scopes) as redelivery:
             if redelivery is None:
                 return False
@@ -264,12 +266,13 @@ class Redeliverer:
         settings = None if route is None else route.redeliver
         upstream = stored.upstream if route is None else route.upstream
         started = time.perf_counter()
-        sent = await self._send(upstream, redelivery)
+        receipt = await self._receipt(redelivery)
+        sent = await self._send(upstream, redelivery, receipt)
         if sent is None:
             return False  # no room in this worker's memory budget now: due as it was
         result, trace = sent
         try:
-            await self._record(redelivery, settings, result, trace, started)
+            await self._record(redelivery, settings, result, trace, started, receipt=receipt)
         except BaseException as exc:  # cancelled at shutdown_timeout: its spans end too
             trace.abort(exc)
             raise
@@ -282,9 +285,12 @@ class Redeliverer:
         attempted: delivery.Result,
         trace: Trace,
         started: float,
+        *,
+        receipt: str | None,
     ) -> None:
         """The attempt's outcome (``delivery.record``), in its row (committed), the metrics,
-        the log and the trace."""
+        the log and the trace; ``receipt``: the key it was sent with, on a route with
+        receipt."""
         stored = redelivery.request
         status, error = attempted.attempt.status, attempted.attempt.error
         took = round((time.perf_counter() - started) * 1000, 2)
@@ -294,7 +300,7 @@ class Redeliverer:
                   "attempt": redelivery.failures + 1, "upstream_status": status,
                   "upstream_ms": took}  # fmt: skip
         result = await delivery.record(
-            redelivery, settings, attempted, self._receipt_probe(stored.route, redelivery)
+            redelivery, settings, attempted, self._receipt_probe(stored.route, receipt)
         )
         retry_after = attempted.retry_after()
         if retry_after is not None and self._holds is not None:
@@ -312,17 +318,26 @@ class Redeliverer:
         log.log(level, "redelivery of %s %s: %s", stored.route, event_id, result,
                 extra={"fields": fields})  # fmt: skip
 
+    async def _receipt(self, redelivery: database.Redelivery) -> str | None:
+        """On a route with ``receipt``, the key the app is sent (the first attempt's: it
+        names the claim), else None."""
+        name = redelivery.request.route
+        route = self._routes.get(name)
+        if route is None or route.receipt is None or name not in self._receipts:
+            return None
+        keys = await self._store.receipt_keys()
+        return keys.key(self._store.table, redelivery.scope, redelivery.event_id)
+
     def _receipt_probe(
-        self, name: str, redelivery: database.Redelivery
+        self, name: str, key: str | None
     ) -> Callable[[], Awaitable[bool | None]] | None:
-        """On a route with ``receipt``: what settles a failed redelivery by the app's receipt
-        (``delivery.record``)."""
+        """On a route with ``receipt`` (``key`` is its key): what settles a failed redelivery
+        by the app's receipt (``delivery.record``)."""
         route = self._routes.get(name)
         receipts_ = self._receipts.get(name)
-        if route is None or route.receipt is None or receipts_ is None:
+        if route is None or route.receipt is None or receipts_ is None or key is None:
             return None
         wait = route.receipt.wait
-        key = receipts.key(self._store.table, redelivery.scope, redelivery.event_id)
         counters = self._meters.receipts
 
         async def written() -> bool | None:
@@ -341,14 +356,16 @@ class Redeliverer:
         return database.unbound(redelivery.event_id)
 
     async def _send(
-        self, upstream: str, redelivery: database.Redelivery
+        self, upstream: str, redelivery: database.Redelivery, receipt: str | None
     ) -> tuple[delivery.Result, Trace] | None:
-        """The attempt (``delivery.attempt``) and the trace begun for it; None when the body
+        """The attempt (``delivery.attempt``) with the headers kept, less any ``Dedup-*``, and
+        ``receipt``'s key where it has one, and the trace begun for it; None when the body
         does not fit the worker's memory budget now (not sent, not an attempt, not traced)."""
         stored = redelivery.request
-        outgoing = transports.Request(
-            stored.method, stored.target, CIMultiDict(stored.headers), stored.body
-        )
+        headers = forwarder.without_own(CIMultiDict(stored.headers))
+        if receipt is not None:
+            headers[receipts.HEADER] = receipt
+        outgoing = transports.Request(stored.method, stored.target, headers, stored.body)
         with self._budget.reservation() as reservation:
             try:
                 reservation.body(len(stored.body))

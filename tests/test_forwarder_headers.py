@@ -103,6 +103,30 @@ def test_request_headers_with_underscores_are_not_forwarded() -> None:
     assert sent.getall("Stripe-Signature") == ["t=1"]
 
 
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_clients_dedup_headers_never_reach_the_app(trusted: bool) -> None:
+    # The proxy's own (Dedup-Receipt): a client's would have the app write the receipt of an
+    # event still to come (issue 50 #3), on pass-through, on any webhook route, from any peer.
+    incoming = [
+        ("Dedup-Receipt", "f" * 64),
+        ("dedup-receipt", "0" * 64),
+        ("DEDUP-Anything", "x"),
+        ("Dedup-Status", "processed"),
+        ("X-Dedup-Receipt", "kept: not the proxy's"),
+    ]
+
+    sent = outgoing(incoming, trusted=trusted)
+
+    assert [name for name in sent if name.lower().startswith("dedup-")] == []
+    assert sent.getall("X-Dedup-Receipt") == ["kept: not the proxy's"]
+
+
+def test_a_kept_deliverys_dedup_headers_are_not_sent_again() -> None:
+    kept = CIMultiDict([("Dedup-Receipt", "f" * 64), ("Stripe-Signature", "t=1")])
+
+    assert list(forwarder.without_own(kept).items()) == [("Stripe-Signature", "t=1")]
+
+
 def test_response_headers_with_underscores_are_relayed() -> None:
     # Only the request is read by a CGI-style app; the provider gets the app's answer whole.
     assert returned([("X_App_Trace", "1")]).getall("X_App_Trace") == ["1"]
@@ -227,7 +251,7 @@ def _filtered_step_by_step(
     for value in incoming.getall("Connection", []):
         dropped |= {token.strip().lower() for token in value.split(",")}
     headers = CIMultiDict((n, v) for n, v in incoming.items() if n.lower() not in dropped)
-    for name in [name for name in headers if "_" in name]:
+    for name in [name for name in headers if "_" in name or name.lower().startswith("dedup-")]:
         headers.popall(name, None)
     headers.popall("Expect", None)
     if not keep_length:
@@ -257,6 +281,8 @@ _NAMES = st.sampled_from(
         "X-Custom",
         "x-custom",
         "Accept",
+        "Dedup-Receipt",
+        "dedup-status",
     ]
 )
 _VALUES = st.sampled_from(["1", "x-custom", "close, X-Custom", "keep-alive", "a, b", " Accept "])

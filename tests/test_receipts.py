@@ -5,6 +5,7 @@ its ledger and the receipt commit together, or not at all."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,10 +35,12 @@ class LedgerApp:
         self.committed = asyncio.Event()
         self.gate = asyncio.Event()
         self.pool: asyncpg.Pool | None = None
+        self.receipts: list[str | None] = []  # each request's Dedup-Receipt, as received
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
         body = await request.json()
+        self.receipts.append(request.headers.get("Dedup-Receipt"))
         receipt = request.headers["Dedup-Receipt"]
         assert self.pool is not None
         async with self.pool.acquire() as connection:
@@ -227,7 +230,8 @@ async def test_a_look_waiting_on_an_open_transaction_holds_up_no_look_at_another
     # own receipt: one waiting on its app's transaction must not make the others wait too.
     receipts_ = database.Receipts(pg_dsn, connect_timeout=5.0, op_timeout=5.0)
     await receipts_.migrate()
-    pending, done = (database.receipts.key(table, "pay", event) for event in ("open", "done"))
+    keys = database.receipts.Keys(b"k" * database.receipts.SECRET_BYTES)
+    pending, done = (keys.key(table, "pay", event) for event in ("open", "done"))
     await execute(pg_dsn, f"SELECT dedup_receipt('{done}')")
     app = await asyncpg.connect(pg_dsn)
     transaction = app.transaction()
@@ -255,3 +259,76 @@ async def test_a_look_waiting_on_an_open_transaction_holds_up_no_look_at_another
         await asyncio.gather(looking, return_exceptions=True)
         await app.close()
         await receipts_.close()
+
+
+async def test_a_clients_dedup_receipt_cannot_squat_the_receipt_of_an_event_to_come(
+    make_proxy: MakeProxy, app: LedgerApp, table: str
+) -> None:
+    # Issue 50 #3: a pass-through POST carrying the key of a predictable event ID reached the
+    # app, which wrote that receipt; the event itself was then refused by the app (its receipt
+    # INSERT hit the squatted row) and answered 200 processed, receipt written: never applied.
+    proxy = await make_proxy(**settings(app))
+    await wait_until(lambda: _receipts_ready(proxy), "the receipts' table")
+    unkeyed = hashlib.sha256(f"{table}\npay\nevt_next".encode()).hexdigest()
+
+    await proxy.post(
+        "/account/avatar", data=b'{"id": "avatar"}', headers={"Dedup-Receipt": unkeyed}
+    )
+    genuine = await proxy.post("/pay", data=b'{"id": "evt_next"}')
+
+    assert genuine.status == 200
+    assert await genuine.text() == "credited"  # the app's own answer: it took the event
+    assert await app.credits("evt_next") == 1
+    assert app.receipts[0] is None  # a client's Dedup-Receipt never reached the app
+
+
+async def test_the_receipts_key_is_keyed_and_shared_by_every_replica(
+    make_proxy: MakeProxy, app: LedgerApp, pg_dsn: str, table: str
+) -> None:
+    # Unkeyed (SHA-256 of table, scope and ID) anyone could compute an event's key; under the
+    # deployment's secret nobody outside can, and every replica of it sends the same.
+    first = await make_proxy(**settings(app))
+    second = await make_proxy(**settings(app))
+    await wait_until(lambda: _receipts_ready(first), "the receipts' table")
+
+    assert (await first.post("/pay", data=b'{"id": "k1"}')).status == 200
+    assert (await second.post("/pay", data=b'{"id": "k1"}')).status == 200  # a duplicate
+    assert (await second.post("/pay", data=b'{"id": "k2"}')).status == 200
+
+    sent = [key for key in app.receipts if key is not None]
+    assert [len(key) for key in sent] == [64, 64]
+    for key, event in zip(sent, ("k1", "k2"), strict=True):
+        assert key != hashlib.sha256(f"{table}\npay\n{event}".encode()).hexdigest()
+    rows = await fetch(
+        pg_dsn, f'SELECT body_sha256 FROM "{table}" WHERE scope = $1', database.sql.RECEIPT_KEY
+    )
+    assert len(rows) == 1  # one secret for the deployment, made by the first replica
+    secret = database.receipts.Keys(bytes(rows[0]["body_sha256"]))
+    assert sent == [secret.key(table, "pay", "k1"), secret.key(table, "pay", "k2")]
+
+
+async def test_a_redelivery_carries_the_proxys_receipt_and_no_dedup_header_it_was_kept_with(
+    make_proxy: MakeProxy, upstream: Any, pg_dsn: str, table: str
+) -> None:
+    # A row kept by a release that forwarded a client's Dedup-* holds it among its headers:
+    # sent again as kept, it would reach the app on every redelivery.
+    upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
+    redelivered = {**ROUTE, "redeliver": {"schedule": ["1h"], "for": "1d"}}
+    proxy = await make_proxy(routes=[redelivered], redeliverer={"poll": "100ms", "rate": 1000})
+    await wait_until(lambda: _receipts_ready(proxy), "the receipts' table")
+    forged = "f" * 64
+
+    first = await proxy.post("/pay", data=b'{"id": "r1"}', headers={"Dedup-Receipt": forged})
+    assert first.status == 202
+    await execute(
+        pg_dsn,
+        f'UPDATE "{table}" SET inbox_due = now(), inbox_request = jsonb_set(inbox_request, '
+        "'{headers}', (inbox_request->'headers') || "
+        """'[["Dedup-Receipt", "%s"], ["Dedup-Other", "x"]]'::jsonb) WHERE event_id = 'r1'"""
+        % forged,
+    )
+    await wait_until(lambda: asyncio.sleep(0, result=len(upstream.requests) >= 2), "redelivery")
+
+    sent, again = upstream.requests[0].headers, upstream.requests[1].headers
+    assert sent["dedup-receipt"] == again["dedup-receipt"] != [forged]
+    assert "dedup-other" not in again

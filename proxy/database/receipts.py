@@ -1,11 +1,12 @@
 """Receipts: what an app writes inside its own business transaction to say it took an event.
 
-On a route with ``receipt``, the app is sent ``Dedup-Receipt: <key>`` (``key``: the claim's
-scope and ID, hashed) and writes it in the same transaction as its effects, with one statement:
-``SELECT dedup_receipt($1)`` (or ``INSERT INTO dedup_receipts (key) VALUES ($1)``). The key is
-the table's primary key and the INSERT has no ``ON CONFLICT``: at most one transaction can ever
-commit a receipt for an event, so the app's effects happen at most once, however often the event
-is sent. A second attempt's INSERT fails (``unique_violation``), and so does its transaction.
+On a route with ``receipt``, the app is sent ``Dedup-Receipt: <key>`` (``Keys.key``: the
+claim's table, scope and ID under an HMAC whose secret only the proxy knows) and writes it in
+the same transaction as its effects, with one statement: ``SELECT dedup_receipt($1)`` (or
+``INSERT INTO dedup_receipts (key) VALUES ($1)``). The key is the table's primary key and the
+INSERT has no ``ON CONFLICT``: at most one transaction can ever commit a receipt for an event,
+so the app's effects happen at most once, however often the event is sent. A second attempt's
+INSERT fails (``unique_violation``), and so does its transaction.
 
 When the proxy is in doubt (the app failed, answered late or not at all), it asks ``written``:
 an ``INSERT … ON CONFLICT DO NOTHING`` of the key, always rolled back. PostgreSQL settles it the
@@ -13,6 +14,15 @@ way the claim itself is settled: a committed receipt conflicts (written), none l
 through (not written), and an app transaction still open with the key makes the INSERT wait
 for its end (bounded by ``lock_timeout``: undecided, None). So an app transaction in flight is
 never taken for "not done".
+
+The key is an HMAC so that nobody outside can compute it: an app writes whatever
+``Dedup-Receipt`` it is sent, and a key anyone could compute would let whoever made the app
+write it (a header a client slipped past the proxy, any other path to the app) squat the
+receipt of an event still to come, which that event's delivery would then find written and
+settle as processed, never applied. The secret is one row of the claim table, made by the
+first replica to start with a route with ``receipt`` (``Store.receipt_keys``): every replica
+and worker of a deployment reads the same, and the app, which needs only the key, never
+reads it.
 
 The receipts live in the claim database or in the app's own (``receipt.dsn``); either way in
 the table ``dedup_receipts`` and the function ``dedup_receipt``, made by ``migrate``. A receipt
@@ -27,14 +37,18 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import hmac
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from proxy import errors
 from proxy.database import pool, sql
 
 log = logging.getLogger(__name__)
 
+# The header the app reads its receipt's key from (a client's never reaches it: forwarder).
+HEADER = "Dedup-Receipt"
 TABLE = "dedup_receipts"
 FUNCTION = "dedup_receipt"
 DDL = (
@@ -68,11 +82,23 @@ _UNGRANTED = (
 _NEWEST = f"SELECT extract(epoch FROM now() - max(written_at))::float8 FROM {TABLE}"
 
 
-def key(table: str, scope: str, event_id: str) -> str:
-    """The receipt's key for the claim of ``event_id`` in ``scope`` of the claim table
-    ``table`` (two deployments may share the receipts' database): 64 hex digits, safe in a
-    header and in any app's SQL."""
-    return hashlib.sha256(f"{table}\n{scope}\n{event_id}".encode()).hexdigest()
+# The secret's length in bytes: HMAC-SHA256's output.
+SECRET_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """The receipts' keys of one deployment, under the secret of its claim table's row
+    (``Store.receipt_keys``)."""
+
+    secret: bytes = field(repr=False)
+
+    def key(self, table: str, scope: str, event_id: str) -> str:
+        """The receipt's key for the claim of ``event_id`` in ``scope`` of the claim table
+        ``table`` (two deployments may share the receipts' database): 64 hex digits, safe in
+        a header and in any app's SQL, and computed by nobody without the secret."""
+        message = f"{table}\n{scope}\n{event_id}".encode()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
 
 
 def described(written: bool | None) -> str:

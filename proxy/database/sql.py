@@ -39,6 +39,10 @@ HOLDS = "~holds"
 # The scope of the rows that record each reconciling route's last run (``Store.reconcile_turn``),
 # keyed by route name: likewise never a route's.
 RECONCILE_RUNS = "~reconcile"
+# The scope of the one row that holds the receipts' key (``database.receipts``): the secret in
+# body_sha256, made by the first replica to start with a route with receipt; likewise never a
+# route's, and its digest column is shown nowhere.
+RECEIPT_KEY = "~receipt-key"
 # A claim bound to what is signed (``webhooks.bound``): the event ID, '~' and this many
 # lower-case hex digits of a digest of the query and body.
 BOUND_DIGITS = 32
@@ -177,6 +181,8 @@ class Queries:
     id_form_claims: str
     id_form: str
     id_form_since: str
+    receipt_key_make: str
+    receipt_key: str
     reconcile_lock: str
     reconcile_expire: str
     reconcile_take: str
@@ -467,6 +473,15 @@ def for_table(table: str) -> Queries:
             "SELECT CASE WHEN received_at = '-infinity' THEN NULL "
             "ELSE extract(epoch FROM received_at)::float8 END AS since "
             f"FROM {quoted} WHERE scope = '{ID_FORMS}' AND event_id = $1"
+        ),
+        # The receipts' key ($1 the secret): the first row made stays (``Store.receipt_keys``).
+        receipt_key_make=(
+            f"INSERT INTO {quoted} (scope, event_id, body_sha256) VALUES "
+            f"('{RECEIPT_KEY}', 'hmac-sha256', $1) ON CONFLICT (scope, event_id) DO NOTHING"
+        ),
+        receipt_key=(
+            f"SELECT body_sha256 FROM {quoted} "
+            f"WHERE scope = '{RECEIPT_KEY}' AND event_id = 'hmac-sha256'"
         ),
         # A route's turn to reconcile ($1 its name, $2 its period in seconds): the last run's
         # row removed once the period has passed, then a new one inserted ("INSERT 0 1": this

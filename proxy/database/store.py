@@ -18,13 +18,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
 
 from proxy import errors
-from proxy.database import holds, inbox, pool, sql
+from proxy.database import holds, inbox, pool, receipts, sql
 from proxy.database.claim import Claim, Key, is_bound
 from proxy.database.pool import Connection, Pool, translated
 
@@ -289,6 +290,8 @@ class Store:
         # Per route scope whose claims are bound: until when (time.time()) a claim is also
         # made in the legacy form, the upgrade window (``notice_id_forms``).
         self.windows: dict[str, float] = {}
+        # The receipts' key, once read (``receipt_keys``).
+        self._receipt_keys: receipts.Keys | None = None
         # Set once start succeeded: the pool filled, the table and the grants checked.
         self.started = asyncio.Event()
         self.start_problem = "connecting to PostgreSQL"
@@ -356,11 +359,17 @@ class Store:
         )  # fmt: skip
 
     async def start(
-        self, *, answers: bool, kept: bool, bound: Mapping[str, float] | None = None
+        self,
+        *,
+        answers: bool,
+        kept: bool,
+        bound: Mapping[str, float] | None = None,
+        receipted: bool = False,
     ) -> None:
         """Fill the pool, check the claim table (creating or upgrading it if allowed) and the
         role's grants, read the upgrade windows of the ``bound`` route scopes (to their
-        retention, ``notice_id_forms``) and what readiness reports; then ``started`` is set.
+        retention, ``notice_id_forms``), the receipts' key if a route is ``receipted``
+        (``receipt_keys``) and what readiness reports; then ``started`` is set.
 
         Raises NotPrepared when the database answers but the table or the grants are not what
         the routes need (retrying does not fix that), StoreUnavailable when it does not answer
@@ -373,6 +382,8 @@ class Store:
                 await self.check_privileges(answers=answers, kept=kept)
                 await self.notice_distribution()
                 await self.notice_id_forms(bound or {})
+                if receipted:
+                    await self._first_receipt_keys()
             except errors.StoreUnavailable as exc:
                 if pool.refused_for_good(exc.__cause__):
                     # The server answered, and refused (a privilege, a schema): not an outage.
@@ -451,6 +462,34 @@ class Store:
             return time.time() if claims else None
         row = await connection.fetchrow(queries.id_form_since, scope)
         return None if row is None or row["since"] is None else float(row["since"])
+
+    async def receipt_keys(self) -> receipts.Keys:
+        """The receipts' keys (``database.receipts``), under the secret in the claim table's
+        row of scope ``sql.RECEIPT_KEY``: made with a new random secret by the first replica
+        that finds none, so that every replica and worker of the deployment reads the same. Read
+        once (at start, with a route with receipt), then kept."""
+        if self._receipt_keys is not None:
+            return self._receipt_keys
+        queries = self.queries
+        async with self._connection() as connection:
+            with translated("reading the receipts' key failed"):
+                secret = await connection.fetchval(queries.receipt_key)
+                if secret is None:
+                    made = secrets.token_bytes(receipts.SECRET_BYTES)
+                    await connection.execute(queries.receipt_key_make, made)
+                    secret = await connection.fetchval(queries.receipt_key)
+        if secret is None:  # pragma: no cover - removed between its INSERT and the read
+            raise errors.StoreUnavailable("the receipts' key was removed as it was made")
+        self._receipt_keys = receipts.Keys(bytes(secret))
+        return self._receipt_keys
+
+    async def _first_receipt_keys(self) -> None:
+        """``receipt_keys`` at start. A standby cannot make it: then the first delivery that
+        needs it does, once a primary answers."""
+        try:
+            await self.receipt_keys()
+        except errors.ReadOnly as exc:
+            log.warning("the receipts' key is not made yet: %s", exc.message)
 
     async def resolve(self, scope: str, event_ids: Sequence[str]) -> dict[str, Resolved]:
         """What each of these IDs (as an operator gave them: the provider's, or as stored)

@@ -1,12 +1,12 @@
 """The upstream client: what the app behind the proxy receives, and how its answer comes back.
 
 The request goes out as it came in (method, path, query, end-to-end headers and the raw body
-bytes) minus the hop-by-hop headers, with ``X-Forwarded-*`` added; the answer comes back the same
-way. Webhooks go through the transport chosen for their upstream URL (``transports``);
-pass-through requests stream both ways through aiohttp's client. A request header value whose
-bytes are not UTF-8 is refused before anything (``refuse_not_utf8``): aiohttp's client cannot
-send those bytes, and every request must reach the app as the proxy read it, whichever client
-carries it.
+bytes) minus the hop-by-hop headers and a client's ``Dedup-*`` (the proxy's own), with
+``X-Forwarded-*`` added; the answer comes back the same way. Webhooks go through the transport
+chosen for their upstream URL (``transports``); pass-through requests stream both ways through
+aiohttp's client. A request header value whose bytes are not UTF-8 is refused before anything
+(``refuse_not_utf8``): aiohttp's client cannot send those bytes, and every request must reach
+the app as the proxy read it, whichever client carries it.
 
 The answer's status line and headers reach the provider as the app sent them, obs-text too
 (RFC 9110 5.5: opaque; nginx, Envoy and Go's ReverseProxy pass it through). Both clients decode
@@ -60,6 +60,9 @@ HOP_BY_HOP = frozenset(
         "Proxy-Authorization", "TE", "Trailer", "Transfer-Encoding", "Upgrade",
     )
 )  # fmt: skip
+# The proxy's own headers to the app (``Dedup-Receipt``): a client's are dropped from every
+# request to the app, so that what the app reads under this prefix is the proxy's alone.
+OWN_PREFIX = "dedup-"
 # aiohttp adds these to every request unless told not to; the upstream must see the provider's.
 _AUTO_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE)
 _CHUNK = 64 * 1024
@@ -117,7 +120,9 @@ def _end_to_end(
     """``headers`` but the ``dropped`` names and those the Connection header names, in one
     pass; on a ``request``, a field name with ``_`` is dropped too: CGI, WSGI and Rack read
     X_Event_Id and X-Event-Id as one HTTP_X_EVENT_ID, so the app could get a value the proxy
-    never keyed on or verified (nginx and Envoy drop these)."""
+    never keyed on or verified (nginx and Envoy drop these); and so is one of the proxy's own
+    (``OWN_PREFIX``): a client's ``Dedup-Receipt`` would have the app write the receipt of an
+    event still to come, which would then be settled as processed, never applied."""
     if hdrs.CONNECTION in headers:
         dropped = dropped.union(
             token.strip().lower()
@@ -127,7 +132,9 @@ def _end_to_end(
     kept: CIMultiDict[str] = CIMultiDict()
     add = kept.add
     for name, value in headers.items():
-        if name.lower() not in dropped and not (request and "_" in name):
+        if request and ("_" in name or name[:6].lower() == OWN_PREFIX):
+            continue
+        if name.lower() not in dropped:
             add(name, value)
     return kept
 
@@ -154,13 +161,19 @@ def request_headers(
     trusted: bool = False,
 ) -> CIMultiDict[str]:
     """Headers for the upstream request. Content-Length is kept only for a streamed body; a
-    field name with ``_`` is dropped; X-Forwarded-* are kept only from a ``trusted`` peer (see
-    ``forwarded``)."""
+    field name with ``_`` is dropped, and so is any ``Dedup-*`` (``OWN_PREFIX``); X-Forwarded-*
+    are kept only from a ``trusted`` peer (see ``forwarded``)."""
     dropped = _dropped(keep_length=keep_length, request=True, preserve_host=preserve_host)
     headers = _end_to_end(incoming, dropped, request=True)
     host = incoming.get(hdrs.HOST)
     proxy_headers.set_forwarded(headers, peer=peer, scheme=scheme, host=host, trusted=trusted)
     return headers
+
+
+def without_own(headers: CIMultiDict[str]) -> CIMultiDict[str]:
+    """``headers`` (a kept delivery's, as a redelivery sends them again) without any
+    ``Dedup-*``: a row kept by a release that did not drop a client's has one."""
+    return CIMultiDict((k, v) for k, v in headers.items() if k[:6].lower() != OWN_PREFIX)
 
 
 def response_headers(
