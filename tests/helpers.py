@@ -15,6 +15,7 @@ import os
 import re
 import resource
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -32,7 +33,6 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench import procs
 from proxy import admin, app, app_keys, config, errors, retention
 from tests.faults.relay import Relay
 
@@ -278,8 +278,23 @@ async def wait_for_lock_waiters(dsn: str, table: str, count: int) -> None:
 # --- dedup-proxy as a process -------------------------------------------------------------
 
 
-# A port nothing listens on, never one handed out before in this process: the benchmark's.
-free_port = procs.free_port
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A port nothing listens on, never one handed out before in this process (the kernel can
+    give a released port again at once), and, under pytest-xdist, one of this worker's own
+    (its index modulo the count of workers): two workers never hand out the same port."""
+    share = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    mine = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % share
+    for _ in range(1000):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port % share == mine and port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no new free port after 1000 tries ({len(_handed_out)} handed out)")
 
 
 async def accepts(port: int) -> bool:

@@ -117,7 +117,8 @@ async def test_a_storm_of_copies_in_one_process_uses_one_connection(
         busy = await fetch(
             pg_dsn,
             "SELECT count(*) AS n FROM pg_stat_activity "
-            "WHERE application_name = 'dedup-proxy' AND state <> 'idle'",
+            "WHERE application_name = 'dedup-proxy' AND state <> 'idle' "
+            "AND datname = current_database()",
         )
 
         upstream.gate.set()

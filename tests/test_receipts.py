@@ -243,7 +243,8 @@ async def test_a_look_waiting_on_an_open_transaction_holds_up_no_look_at_another
         async def probe_waits() -> bool:
             rows = await fetch(
                 pg_dsn,
-                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+                "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1 "
+                "AND datname = current_database()",
                 "INSERT INTO dedup_receipts%",
             )
             return bool(rows)

@@ -24,7 +24,8 @@ async def test_connections_bound_lock_waits_and_abandoned_transactions(
             rows = await fetch(
                 pg_dsn,
                 "SELECT state, application_name FROM pg_stat_activity "
-                "WHERE application_name = 'dedup-proxy' AND state LIKE 'idle in transaction%'",
+                "WHERE application_name = 'dedup-proxy' AND state LIKE 'idle in transaction%' "
+                "AND datname = current_database()",
             )
             assert len(rows) == 1  # the claim is held open while the upstream would be called
             setting = await claim._connection.fetch(
