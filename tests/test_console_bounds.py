@@ -20,6 +20,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy import app_keys, console, database
+from proxy.database import inbox_sql, sql
 from tests.helpers import FakeUpstream, MakeProxy, admin_client, execute, fetch, wait_until
 
 KEPT = {
@@ -222,3 +223,25 @@ async def test_only_the_configured_routes_rows_are_listed_and_shown(
         assert status == 404, (scope, html)
     status, html = await _get(admin, "/console/event", scope="hooks", id="evt_ours")
     assert status == 200
+
+
+async def test_the_kept_deliveries_are_read_by_their_own_index(pg_dsn: str, table: str) -> None:
+    queries = sql.for_table(table)
+    for step in queries.schema_steps:
+        await execute(pg_dsn, step)
+    await execute(
+        pg_dsn,
+        f"INSERT INTO \"{table}\" (scope, event_id, received_at) SELECT 'hooks', 'evt_' || n, "
+        "now() - make_interval(secs => n) FROM generate_series(1, 50000) AS n; "
+        f"UPDATE \"{table}\" SET inbox_state = 'pending' WHERE event_id LIKE 'evt\\_1000_'; "
+        f'ANALYZE "{table}"',
+    )
+    statements = inbox_sql.Statements(queries.quoted)
+    for criteria in (
+        inbox_sql.Criteria(scopes=("hooks",)),
+        inbox_sql.Criteria(scopes=("hooks",), scope="hooks", state="pending"),
+    ):
+        statement, args = statements.browse(criteria)
+        plan = "\n".join(r[0] for r in await fetch(pg_dsn, f"EXPLAIN {statement}", *args))
+        assert f"{table}_kept_idx" in plan, plan
+        assert "Seq Scan" not in plan, plan
