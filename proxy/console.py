@@ -1,33 +1,42 @@
 """The operator console: server-rendered pages on the admin listener, under ``/console/``.
 
-Four pages read the claim table through the proxy's own store: the overview (per route: the
-inbox's pending and dead rows, the oldest pending one's age, and what became of the last hour's
-claims), the kept deliveries (filtered by route, state, time, ID, event type or a key inside the
-JSON body; paged by (received_at, event_id), so rows arriving meanwhile move no page), an
-event's page (its request, headers masked where they carry credentials or signatures, its body
-pretty-printed up to ``BODY_CAP``, every attempt) and the lookup of a provider's event ID on
-every route, among all claims. The overview also says which routes are held (an operator's pause,
-or the app's Retry-After: ``database.holds``, read from the database, so as every replica holds
-them), this replica's requests at the app against its limit, and this replica's requests since
-it started by outcome (``dedup_requests_total``, which also counts what leaves no claim: a
-duplicate, a rejected signature, a refusal). With ``admin.console.actions`` an operator
-redelivers or discards an event, redelivers what a filter shows (its count first, then a
-confirmation, then how many it still shows pending, linked to that list), or pauses and resumes
-a route (``inbox_commands``' pause and resume); each action is logged with who did it.
+Four pages read the claim table through the proxy's own store: the overview (per route: the inbox's
+pending and dead rows, the oldest pending one's age, and what became of the last hour's claims), the
+kept deliveries (filtered by route, state, time, ID, event type or a key inside the JSON body; paged
+by (received_at, event_id), so rows arriving meanwhile move no page), an event's page (its request,
+headers masked where they carry credentials or signatures, its body's first ``BODY_CAP`` bytes,
+pretty-printed when that is all of it, every attempt) and the lookup of a provider's event ID on
+every route, among all claims. Only the configured routes' rows are shown: not another deployment's
+on a shared table, nor the reserved scopes' (``~holds``). The overview also says which routes are
+held (an operator's pause, or the app's Retry-After: ``database.holds``, read from the database, so
+as every replica holds them), this replica's requests at the app against its limit, and this
+replica's requests since it started by outcome (``dedup_requests_total``, which also counts what
+leaves no claim: a duplicate, a rejected signature, a refusal). With ``admin.console.actions`` an
+operator redelivers or discards an event, redelivers what a filter shows (its count first, then a
+confirmation, then how many it still shows pending, linked to that list), or pauses and resumes a
+route (``inbox_commands``' pause and resume); each action is logged with who did it.
 
 Everything shown is what a sender sent, so it is escaped (Jinja2's autoescape), and the pages
 hold no script; ``console_gate`` adds the policy that keeps it so, the credential and the
 checks on each action.
+
+What a page costs is bounded, since the admin listener may be reached without a credential: a
+body is read up to ``BODY_CAP`` bytes by the server, a body filter is evaluated by the server
+(``Inbox.browse``), and a worker serves one console request at a time (``_one_at_a_time``: the
+next waits up to ``BUSY_WAIT``, then is answered 503). So the console holds at most one of the
+claim pool's connections per worker, each statement bounded by ``connect_timeout``; a pool of
+its own would be connections more to budget against the server's ``max_connections``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,8 +53,10 @@ from proxy.database import inbox
 log = logging.getLogger(__name__)
 
 PAGE = 50
-# An event's body is shown up to this many characters (pretty-printed if it is JSON).
+# An event's body is read and shown up to this many bytes (pretty-printed if it is JSON whole).
 BODY_CAP = 64 * 1024
+# How long a console request waits for this worker's one before it is answered 503.
+BUSY_WAIT = 5.0
 # A bulk redeliver acts on at most this many rows; a wider filter is refused, to be narrowed.
 BULK_MAX = 10_000
 _BULK_PAGE = 500
@@ -133,6 +144,10 @@ def _route_of(routes: tuple[routes_module.RouteConfig, ...], scope: str) -> Any:
     return None
 
 
+def _scopes(routes: tuple[routes_module.RouteConfig, ...]) -> tuple[str, ...]:
+    return tuple(sorted({route.scope for route in routes}))
+
+
 def _criteria(
     filters: Filters, routes: tuple[routes_module.RouteConfig, ...], limit: int
 ) -> tuple[inbox.Criteria, tuple[str, ...], str]:
@@ -146,8 +161,9 @@ def _criteria(
         raise BadFilter(f"state: one of {', '.join(STATES)}, got {filters.state!r}")
     body = _body_filter(filters.body)
     criteria = inbox.Criteria(
-        scope=scope, state=filters.state or None, since=_time(filters.since, "since"),
-        until=_time(filters.until, "until"), event_id=filters.event_id or None,
+        scopes=_scopes(routes), scope=scope, state=filters.state or None,
+        since=_time(filters.since, "since"), until=_time(filters.until, "until"),
+        event_id=filters.event_id or None,
         event_type=filters.event_type or None, body_bytes=body[2] if body else None,
         limit=limit,
     )  # fmt: skip
@@ -197,12 +213,20 @@ def masked(name: str, value: str) -> str:
     return f"{value[:_SHOWN_PREFIX]}… (masked, {size} bytes)"
 
 
-def pretty_body(body: bytes) -> tuple[str, bool]:
-    """The body as text (indented if it is JSON), and whether it was cut at ``BODY_CAP``."""
-    text = body.decode("utf-8", "replace")
-    with contextlib.suppress(ValueError, RecursionError):
-        text = json.dumps(json.loads(body), indent=2, ensure_ascii=False)
-    return text[:BODY_CAP], len(text) > BODY_CAP
+def pretty_body(body: bytes, size: int | None = None) -> tuple[str, bool]:
+    """The body as text, and whether it was cut at ``BODY_CAP`` bytes: ``body`` is its first
+    bytes as read, ``size`` its whole length (default: ``body``'s). Indented if it is JSON, only
+    when ``body`` is all of it and the indented text fits: a body is never parsed past the cap
+    (a kept GitHub body can be 25 MB)."""
+    size = len(body) if size is None else size
+    cut = size > min(len(body), BODY_CAP)
+    text = body[:BODY_CAP].decode("utf-8", "replace")
+    if not cut:
+        with contextlib.suppress(ValueError, RecursionError):
+            pretty = json.dumps(json.loads(body), indent=2, ensure_ascii=False)
+            if len(pretty) <= BODY_CAP:
+                text = pretty
+    return text, cut
 
 
 def _state(state: str | None) -> str:
@@ -230,6 +254,36 @@ def _store(request: web.Request) -> database.Store:
     if store is None or not store.started.is_set():
         raise errors.Starting("starting: the database is not connected yet")
     return store
+
+
+def _one_at_a_time() -> Callable[..., Awaitable[web.StreamResponse]]:
+    """One console request at a time in this worker (the stylesheet aside): the next waits up
+    to ``BUSY_WAIT``, then is answered 503. Its reads are each bounded, but the next page's
+    would add up: with this, the console takes at most one database connection and one
+    page's memory per worker, whatever number of tabs or clients ask."""
+    lock = asyncio.Lock()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: console_gate.Handler) -> web.StreamResponse:
+        if request.path.endswith("/console.css"):
+            return await handler(request)
+        try:
+            async with asyncio.timeout(BUSY_WAIT):
+                await lock.acquire()
+        except TimeoutError:
+            response = _render(
+                request, "message.html", 503, title="The console is busy",
+                message="This worker is serving another console request; try again in a "
+                "moment.",
+            )  # fmt: skip
+            response.headers["Retry-After"] = str(int(BUSY_WAIT))
+            return response
+        try:
+            return await handler(request)
+        finally:
+            lock.release()
+
+    return middleware
 
 
 @web.middleware
@@ -328,20 +382,24 @@ def _fields(criteria: inbox.Criteria) -> dict[str, Any]:
 async def event(request: web.Request) -> web.Response:
     store = _store(request)
     scope, event_id = request.query.get("scope", ""), request.query.get("id", "")
-    shown = await store.inbox.show(scope, event_id) if scope and event_id else None
+    route = _route_of(request.app[app_keys.PROXY][app_keys.CONFIG].routes, scope)
+    shown = None
+    if route is not None and event_id:
+        shown = await store.inbox.show(scope, event_id, BODY_CAP)
     if shown is None:
         return _render(
             request, "message.html", 404, title="No such event",
             message=f"No claim {event_id!r} in scope {scope!r}.",
         )  # fmt: skip
     delivery = shown.request
-    body, cut = pretty_body(delivery.body) if delivery is not None else ("", False)
+    body, cut = ("", False)
+    if delivery is not None:
+        body, cut = pretty_body(delivery.body, shown.body_bytes)
     headers = [(name, masked(name, value)) for name, value in delivery.headers] if delivery else []
     attempts = [
         {"at": _attempt_at(a.get("at")), "status": a.get("status"), "error": a.get("error") or ""}
         for a in shown.attempts
     ]
-    route = _route_of(request.app[app_keys.PROXY][app_keys.CONFIG].routes, shown.scope)
     return _render(
         request, "event.html", title="Event", shown=shown, event=database.unbound(shown.event_id),
         state=_state(shown.state), delivery=delivery, headers=headers, body=body, cut=cut,
@@ -541,7 +599,7 @@ def templates() -> jinja2.Environment:
 def create_console_app(proxy: web.Application) -> web.Application:
     """The console, mounted by the admin application under ``/console/``."""
     settings = proxy[app_keys.CONFIG].admin.console
-    console = web.Application(middlewares=[console_gate.guard(settings), _errors])
+    console = web.Application(middlewares=[console_gate.guard(settings), _errors, _one_at_a_time()])
     console[app_keys.PROXY] = proxy
     console[app_keys.CONSOLE] = settings
     console[app_keys.CONSOLE_TEMPLATES] = templates()

@@ -266,30 +266,17 @@ class Found(NamedTuple):
 
 
 Criteria = inbox_sql.Criteria
-# The console's body filter reads at most this many rows holding the value's bytes per page,
-# checking each one's JSON path: past it, the page ends early and the next one goes on.
+# The console's body filter checks at most this many rows holding the value's bytes per page,
+# each one's JSON path read by the server (``Statements.body_match``): past it, the page ends
+# early and the next one goes on.
 BROWSE_SCAN = 2000
 
 
-def body_matches(body: bytes, path: tuple[str, ...], value: str) -> bool:
-    """Whether ``body`` is JSON with ``value`` at ``path`` (object keys, or list indexes in
-    digits): a string equal to it, or a number, boolean or null spelled as it."""
-    try:
-        node: Any = json.loads(body)
-    except (ValueError, RecursionError):
-        return False
-    for key in path:
-        if isinstance(node, dict) and key in node:
-            node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
-            node = node[int(key)]
-        else:
-            return False
-    if isinstance(node, str):
-        return node == value
-    if isinstance(node, dict | list):
-        return False
-    return json.dumps(node) == value
+def _not_json(exc: errors.StoreUnavailable) -> bool:
+    """Whether the server refused a statement for a value it could not read (SQLSTATE class
+    22, data exception: a body that is not JSON, or not UTF-8; 54, a program limit: JSON
+    nested past the server's stack depth), not for its own trouble."""
+    return str(getattr(exc.__cause__, "sqlstate", "") or "")[:2] in ("22", "54")
 
 
 Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
@@ -493,10 +480,14 @@ class Inbox:
                     total = await connection.fetchval(self.statements.kept_count, scope, state)
         return [Listed(*row) for row in rows], total
 
-    async def show(self, scope: str, event_id: str) -> Shown | None:
+    async def show(self, scope: str, event_id: str, body_limit: int | None = None) -> Shown | None:
+        """Everything stored about one event; with ``body_limit``, only that many of its body's
+        first bytes are read (``body_bytes`` says how many it has)."""
         async with self._acquire() as connection:
             with plainly("query failed"):
-                row = await connection.fetchrow(self.statements.show, scope, event_id)
+                row = await connection.fetchrow(
+                    self.statements.show, scope, event_id, body_limit, timeout=self.op_timeout
+                )
         if row is None:
             return None
         request = row["inbox_request"]
@@ -627,8 +618,9 @@ class Inbox:
     ) -> tuple[list[Listed], tuple[datetime, str] | None]:
         """A page of the kept rows ``criteria`` select, newest first, and the cursor of the next
         page (None: this was the last). With ``criteria.body_bytes``, only the rows whose body
-        is JSON holding ``body_value`` at ``body_path``, read ``BROWSE_SCAN`` rows at most: a
-        page may then be short, or empty, with a next one."""
+        is JSON holding ``body_value`` at ``body_path``, checked by the server
+        (``Statements.body_match``: no body is read here), ``BROWSE_SCAN`` rows at most: a page
+        may then be short, or empty, with a next one."""
         rows: list[Listed] = []
         scanned = 0
         cursor = criteria
@@ -637,11 +629,11 @@ class Inbox:
                 while True:
                     statement, args = self.statements.browse(cursor)
                     batch = await connection.fetch(statement, *args, timeout=self.op_timeout)
-                    for row in batch:
-                        if criteria.body_bytes is None or body_matches(
-                            row["inbox_body"] or b"", body_path, body_value
-                        ):
-                            rows.append(Listed(*tuple(row)[:10]))
+                    if criteria.body_bytes is not None:
+                        matched = await self._matching(connection, batch, body_path, body_value)
+                        rows += (Listed(*row) for row in batch if (row[0], row[1]) in matched)
+                    else:
+                        rows += (Listed(*row) for row in batch)
                     if len(batch) < cursor.limit:
                         return rows[: criteria.limit], None
                     last = batch[-1]
@@ -655,6 +647,32 @@ class Inbox:
             rows = rows[: criteria.limit]
             return rows, (rows[-1].received_at, rows[-1].event_id)
         return rows, (last["received_at"], last["event_id"])
+
+    async def _matching(
+        self, connection: pool.Connection, batch: list[pool.Record], path: tuple[str, ...],
+        value: str,
+    ) -> set[tuple[str, str]]:  # fmt: skip
+        """The keys of ``batch``'s rows whose body holds ``value`` at ``path``: one statement
+        for the batch, or, when a body in it is not JSON the server can read, one per row."""
+        keys = [(row["scope"], row["event_id"]) for row in batch]
+        groups = [keys]
+        found: set[tuple[str, str]] = set()
+        while groups:
+            group = groups.pop()
+            try:
+                with pool.translated("query failed"):
+                    matched = await connection.fetch(
+                        self.statements.body_match, sorted({k[0] for k in group}),
+                        [k[1] for k in group], list(path), value, timeout=self.op_timeout,
+                    )  # fmt: skip
+            except errors.StoreUnavailable as exc:
+                if not _not_json(exc):
+                    raise
+                if len(group) > 1:
+                    groups += ([key] for key in group)
+                continue
+            found.update((row["scope"], row["event_id"]) for row in matched)
+        return found.intersection(keys)
 
     async def hour(self, scope: str) -> Hour:
         async with self._acquire() as connection:

@@ -190,10 +190,14 @@ class Statements:
 
     @property
     def show(self) -> str:
-        # $1 scope, $2 event ID.
+        # $1 scope, $2 event ID, $3 how many of the body's first bytes, or NULL for all: a
+        # slice is read from its TOAST chunks without the rest (the console's event page reads
+        # 64 KiB of a body of 20 MiB), and its whole length beside it.
         return (
             "SELECT scope, event_id, event_type, received_at, inbox_state, inbox_request, "
-            "inbox_body, octet_length(inbox_body) AS body_bytes, inbox_attempts, inbox_due, "
+            "CASE WHEN $3::int IS NULL THEN inbox_body "
+            "ELSE substring(inbox_body FROM 1 FOR $3::int) END AS inbox_body, "
+            "octet_length(inbox_body) AS body_bytes, inbox_attempts, inbox_due, "
             f"inbox_until, inbox_changed FROM {self.quoted} WHERE scope = $1 AND event_id = $2"
         )
 
@@ -379,7 +383,11 @@ class Statements:
             args.append(value)
             return f"${len(args)}{cast}"
 
+        # Ordered by the kept rows' own index (sql's kept index), as its predicate says.
         where = ["inbox_state IS NOT NULL"]
+        # Only the configured routes' rows: not another deployment's on a shared table, nor the
+        # reserved scopes' ("~holds").
+        where.append(f"split_part(scope, '/', 1) = ANY({param(list(criteria.scopes), '::text[]')})")
         if criteria.scope is not None:
             where.append(sql.IN_SCOPE.replace("$1", param(criteria.scope, "::text")))
         if criteria.state is not None:
@@ -398,7 +406,7 @@ class Statements:
             where.append(f"event_type = {param(criteria.event_type, '::text')}")
         if criteria.body_bytes is not None:
             # The value's bytes somewhere in the body: the JSON path is checked on the rows
-            # this finds (``Inbox.browse``), since a kept body need not be JSON at all.
+            # this finds by ``body_match``, in the server too (``Inbox.browse``).
             where.append(f"position({param(criteria.body_bytes, '::bytea')} in inbox_body) > 0")
         if criteria.after is not None:
             at, event_id = criteria.after
@@ -406,16 +414,38 @@ class Statements:
                 f"(received_at, event_id) < ({param(at, '::timestamptz')}, "
                 f"{param(event_id, '::text')})"
             )
-        body = ", inbox_body" if criteria.body_bytes is not None else ""
         statement = (
             "SELECT scope, event_id, event_type, received_at, inbox_state, "
             "coalesce(jsonb_array_length(inbox_attempts), 0), inbox_due, "
             "octet_length(inbox_body), (inbox_attempts -> -1 ->> 'status')::int, "
-            f"inbox_attempts -> -1 ->> 'error'{body} FROM {self.quoted} "
+            f"inbox_attempts -> -1 ->> 'error' FROM {self.quoted} "
             f"WHERE {' AND '.join(where)} ORDER BY received_at DESC, event_id DESC "
             f"LIMIT {param(criteria.limit, '::int')}"
         )
         return statement, args
+
+    @property
+    def body_match(self) -> str:
+        # $1 scopes, $2 event IDs (rows ``browse`` found holding the value's bytes), $3 a JSON
+        # path (object keys, or list indexes in digits), $4 the value: the keys of those rows
+        # whose body is JSON with a string equal to the value at the path, or a number,
+        # boolean or null spelled as it. Parsed by the server: no body reaches the proxy. A
+        # body that does not start as JSON does ('{' or '[' past whitespace) is passed over
+        # unparsed; one that starts so but is not JSON, or not UTF-8, fails the statement
+        # (SQLSTATE class 22: ``Inbox.browse`` then asks row by row). Only keys of these scopes
+        # and IDs are read (``event_id = ANY``: on Citus, the shards of these IDs).
+        node = "convert_from(inbox_body, 'UTF8')::jsonb #> $3::text[]"
+        start = (
+            "substring(ltrim(substring(inbox_body FROM 1 FOR 4096), decode('20090a0d', 'hex')) "
+            "FROM 1 FOR 1) IN (decode('7b', 'hex'), decode('5b', 'hex'))"
+        )
+        return (
+            f"SELECT scope, event_id FROM {self.quoted} WHERE event_id = ANY($2::text[]) "
+            f"AND scope = ANY($1::text[]) AND CASE WHEN {start} THEN (SELECT coalesce("
+            "CASE jsonb_typeof(node) WHEN 'string' THEN node #>> '{}' = $4::text "
+            "WHEN 'object' THEN false WHEN 'array' THEN false ELSE node::text = $4::text END, "
+            f"false) FROM (SELECT {node} AS node) AS found) ELSE false END"
+        )
 
     @property
     def lookup(self) -> str:
@@ -456,6 +486,8 @@ class Criteria:
     until: datetime | None = None
     event_id: str | None = None
     event_type: str | None = None
+    # The configured routes' scopes: only their rows (and their per-path ones) are shown.
+    scopes: tuple[str, ...] = ()
     body_bytes: bytes | None = None  # the body holds these bytes (``Inbox.browse``)
     after: tuple[datetime, str] | None = None
     limit: int = 50
