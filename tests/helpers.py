@@ -284,14 +284,15 @@ _handed_out: set[int] = set()
 def free_port() -> int:
     """A port nothing listens on, never one handed out before in this process (the kernel can
     give a released port again at once), and, under pytest-xdist, one of this worker's own
-    (its index modulo the count of workers): two workers never hand out the same port."""
+    (by its index among the workers): two workers never hand out the same port."""
     share = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     mine = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % share
     for _ in range(1000):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port: int = sock.getsockname()[1]
-        if port % share == mine and port not in _handed_out:
+        # port // 2: Linux hands bind() even ports by preference (connect() the odd ones).
+        if port // 2 % share == mine and port not in _handed_out:
             _handed_out.add(port)
             return port
     raise RuntimeError(f"no new free port after 1000 tries ({len(_handed_out)} handed out)")
