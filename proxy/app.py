@@ -100,11 +100,13 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     for route in cfg.routes:
         if route.binds_claims:
             bound[route.scope] = max(bound.get(route.scope, 0.0), route.retention)
+    # The others: one whose claims were bound (verify removed) records that they are not.
+    unbound = sorted({route.scope for route in cfg.routes} - bound.keys())
     began = time.monotonic()
     retrying = None
     try:
         try:
-            await store.start(answers=replay, kept=kept, bound=bound)
+            await store.start(answers=replay, kept=kept, bound=bound, unbound=unbound)
         except errors.NotPrepared:
             raise
         except errors.StoreUnavailable as exc:
@@ -117,7 +119,7 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
             )  # fmt: skip
             later = _start_later(
                 store, app[app_keys.START], cfg.database, began, answers=replay, kept=kept,
-                bound=bound,
+                bound=bound, unbound=unbound,
             )  # fmt: skip
             retrying = asyncio.create_task(later, name="database-start")
         yield
@@ -139,6 +141,7 @@ async def _start_later(
     answers: bool,
     kept: bool,
     bound: dict[str, float],
+    unbound: list[str],
 ) -> None:
     """Try the store's start again until it succeeds, is refused, or ``start_timeout`` has
     passed since ``began``."""
@@ -156,7 +159,7 @@ async def _start_later(
             return
         await asyncio.sleep(pause)
         try:
-            await store.start(answers=answers, kept=kept, bound=bound)
+            await store.start(answers=answers, kept=kept, bound=bound, unbound=unbound)
         except errors.NotPrepared as exc:
             start.fail(exc)
             return
