@@ -18,6 +18,9 @@ from dataclasses import dataclass
 SCHEMA_LOCK_KEY = 0x64656475
 SWEEP_LOCK_KEY = 0x64656476
 RECONCILE_LOCK_KEY = 0x64656477
+# With a hash of a cap's scope and a signed part (two int4 keys: a space apart from the above),
+# serialises the keeps of one signed body (``inbox_sql.Statements.keep_signed``).
+KEEP_SIGNED_LOCK_KEY = 0x64656478
 
 # The columns on_duplicate: replay writes: the one UPDATE the proxy makes.
 ANSWER_COLUMNS = ("answer_status", "answer_headers", "answer_body")
