@@ -101,11 +101,15 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
         if route.binds_claims:
             bound[route.scope] = max(bound.get(route.scope, 0.0), route.retention)
     receipted = any(route.receipt for route in cfg.routes)
+    # The others: one whose claims were bound (verify removed) records that they are not.
+    unbound = sorted({route.scope for route in cfg.routes} - bound.keys())
     began = time.monotonic()
     retrying = None
     try:
         try:
-            await store.start(answers=replay, kept=kept, bound=bound, receipted=receipted)
+            await store.start(
+                answers=replay, kept=kept, bound=bound, unbound=unbound, receipted=receipted
+            )
         except errors.NotPrepared:
             raise
         except errors.StoreUnavailable as exc:
@@ -118,7 +122,7 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
             )  # fmt: skip
             later = _start_later(
                 store, app[app_keys.START], cfg.database, began, answers=replay, kept=kept,
-                bound=bound, receipted=receipted,
+                bound=bound, unbound=unbound, receipted=receipted,
             )  # fmt: skip
             retrying = asyncio.create_task(later, name="database-start")
         yield
@@ -140,6 +144,7 @@ async def _start_later(
     answers: bool,
     kept: bool,
     bound: dict[str, float],
+    unbound: list[str],
     receipted: bool,
 ) -> None:
     """Try the store's start again until it succeeds, is refused, or ``start_timeout`` has
@@ -158,7 +163,9 @@ async def _start_later(
             return
         await asyncio.sleep(pause)
         try:
-            await store.start(answers=answers, kept=kept, bound=bound, receipted=receipted)
+            await store.start(
+                answers=answers, kept=kept, bound=bound, unbound=unbound, receipted=receipted
+            )
         except errors.NotPrepared as exc:
             start.fail(exc)
             return

@@ -17,6 +17,12 @@ A request that finds the room full does not wait where it can be kept (``try_ent
 with ``redeliver`` keeps it, due at once, and answers 202); the redeliverer's lanes and the
 requests of other routes wait their turn in order (``enter``). While a lane waits, the room
 counts as full to newcomers, so the oldest kept delivery goes first.
+
+The requests of a route without ``verify`` (``behind``), which anyone can send, wait behind
+the others: a place that frees goes to a lane or a signed request first, and they count as
+full only to each other. A flood on such a route holds at most the places it has, and cannot
+queue ahead of a provider's signed deliveries (docs/security.md, "A flood on an unsigned
+route").
 """
 
 from __future__ import annotations
@@ -50,15 +56,18 @@ def share(concurrency: int | None, workers: int, pool_size: int, *, keeps: bool)
 
 class Room:
     """At most ``size`` requests at the app at once in this worker; the others wait in order
-    of arrival, or are kept without waiting (``try_enter``)."""
+    of arrival (those ``behind`` after all others), or are kept without waiting
+    (``try_enter``)."""
 
-    __slots__ = ("_waiters", "in_flight", "on_overflow", "size", "waited")
+    __slots__ = ("_behind", "_waiters", "in_flight", "on_overflow", "size", "waited")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.in_flight = 0
         self.waited = 0  # how many entered after a wait (for the metrics)
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Those of routes without verify: handed a place only when no one above waits.
+        self._behind: collections.deque[asyncio.Future[None]] = collections.deque()
         # Told when a delivery is kept for want of a place (the redeliverer's lanes wake).
         self.on_overflow: Callable[[], None] | None = None
 
@@ -68,24 +77,30 @@ class Room:
             self.on_overflow()
 
     @property
-    def full(self) -> bool:
-        """No place now for a newcomer (every place taken, or someone waiting for one)."""
-        return self.in_flight >= self.size or bool(self._waiters)
+    def waiting(self) -> int:
+        """How many wait for a place."""
+        return len(self._waiters) + len(self._behind)
 
-    def try_enter(self) -> bool:
+    def full(self, *, behind: bool = False) -> bool:
+        """No place now for a newcomer (every place taken, or someone it would pass waiting
+        for one)."""
+        return self.in_flight >= self.size or bool(self._waiters) or (behind and bool(self._behind))
+
+    def try_enter(self, *, behind: bool = False) -> bool:
         """Take a place if one is free and no one waits for it; never waits."""
-        if self.full:
+        if self.full(behind=behind):
             return False
         self.in_flight += 1
         return True
 
-    async def enter(self, patience: float) -> bool:
-        """Take a place, waiting at most ``patience`` seconds behind those who came first:
-        whether one was taken."""
-        if self.try_enter():
+    async def enter(self, patience: float, *, behind: bool = False) -> bool:
+        """Take a place, waiting at most ``patience`` seconds behind those who came first
+        (and, ``behind``, behind everyone else): whether one was taken."""
+        if self.try_enter(behind=behind):
             return True
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        queue = self._behind if behind else self._waiters
+        queue.append(waiter)
         try:
             async with asyncio.timeout(patience):
                 await waiter
@@ -94,8 +109,8 @@ class Room:
                 self.leave()  # handed a place just as the wait ended: pass it on
             else:
                 waiter.cancel()
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
+                if waiter in queue:
+                    queue.remove(waiter)
             if isinstance(exc, TimeoutError):
                 return False
             raise
@@ -103,10 +118,12 @@ class Room:
         return True
 
     def leave(self) -> None:
-        """Give the place back: to the first one waiting, if anyone is."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the place passes on: in_flight stays
-                return
+        """Give the place back: to the first one waiting, if anyone is (one behind only if
+        no one else is)."""
+        for queue in (self._waiters, self._behind):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the place passes on: in_flight stays
+                    return
         self.in_flight -= 1

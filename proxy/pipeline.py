@@ -334,15 +334,17 @@ class Cycle:
         if route.redeliver is not None:
             if hold is not None:
                 return hold.reason  # paused, or the app asked to wait: kept, sent after
-            return None if room.try_enter() else "limit"
+            return None if room.try_enter(behind=route.config.verify is None) else "limit"
         if hold is not None:
             raise errors.RoutePaused.holding(route.config.name, hold)
         await self._wait_for_room(room)
         return None
 
     async def _wait_for_room(self, room: app_limit.Room) -> None:
-        """A place at the app, waited for up to pool_timeout; else AppBusy."""
-        if not await room.enter(self.route.pool_timeout):
+        """A place at the app, waited for up to pool_timeout (behind the signed requests'
+        and the lanes' when the route has no ``verify``); else AppBusy."""
+        behind = self.route.config.verify is None
+        if not await room.enter(self.route.pool_timeout, behind=behind):
             raise errors.AppBusy(
                 f"no room at the app within {self.route.pool_timeout:g}s: {room.size} "
                 "requests at it already (upstream.concurrency, this worker's share)"

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import delivery, errors, inbox_commands
+from proxy import app_keys, app_limit, delivery, errors, inbox_commands
 from proxy.database import inbox
 from proxy.upstream import http1
 from tests.helpers import (
@@ -145,6 +145,40 @@ async def test_over_the_limit_another_route_waits_its_turn_then_is_refused_503(
     assert (await first).status == 200
     assert (await waiting).status == 200
     assert [r.body for r in upstream.requests] == [b'{"id": "a"}', b'{"id": "c"}']
+
+
+async def test_a_flood_on_a_route_without_verify_does_not_queue_ahead_of_a_signed_delivery(
+    make_proxy: MakeProxy, upstream: FakeUpstream
+) -> None:
+    """The place the app frees goes to the signed delivery waiting, not to the unsigned
+    requests queued before it: a flood anyone can send holds what it has, no more."""
+    upstream.gate = asyncio.Event()
+    proxy = await make_proxy(
+        routes=[PLAIN, github_route()], upstream={"concurrency": 1},
+        database={"pool_timeout": "30s"},
+    )  # fmt: skip
+    room = proxy.app[app_keys.ROOM]
+    first = asyncio.ensure_future(proxy.post("/plain", data=b'{"id": "a"}'))
+    await wait_until(lambda: _count(upstream, 1), "the first delivery at the app")
+    flood = [
+        asyncio.ensure_future(proxy.post("/plain", data=b'{"id": "f%d"}' % n)) for n in range(4)
+    ]
+    await wait_until(lambda: _waiting(room, 4), "the flood waiting")
+    body = json.dumps({"zen": "signed"}).encode()
+    signed = asyncio.ensure_future(
+        proxy.post("/webhooks/github", data=body, headers=github_headers(body, "d-1"))
+    )
+    await wait_until(lambda: _waiting(room, 5), "the signed delivery waiting")
+    upstream.gate.set()
+
+    answers = [await first, await signed, *[await f for f in flood]]
+
+    assert [a.status for a in answers] == [200] * 6
+    assert upstream.started == ["/plain", "/webhooks/github"] + ["/plain"] * 4
+
+
+async def _waiting(room: app_limit.Room, count: int) -> bool:
+    return room.waiting == count
 
 
 def test_the_limit_is_per_replica_shared_out_among_workers_and_fits_the_pool(

@@ -10,6 +10,7 @@ fill the cap another's failures need.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -111,6 +112,45 @@ async def test_a_captured_github_body_under_fresh_delivery_ids_is_kept_once(
         pg_dsn, f"SELECT count(*) AS n FROM \"{table}\" WHERE scope <> '~id-forms'"
     )
     assert claims[0]["n"] == 2
+
+
+@pytest.mark.parametrize(("status", "outcome"), [(503, "pending"), (422, "dead")])
+async def test_a_captured_body_replayed_four_at_a_time_is_kept_once(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+    status: int,
+    outcome: str,
+) -> None:
+    """The replays' keeps run at once (the app answers four together), each in its claim's
+    transaction: one keeps the body, the others wait for its COMMIT and see it kept."""
+    upstream.respond = lambda n: web.Response(status=status)
+    # Room at the app for the four (the pool less the connections kept for short ones).
+    proxy = await make_proxy(routes=[github_route(max_pending=60)], database={"pool_size": 8})
+    captured = github_body(1)
+
+    async def replay() -> int:
+        headers = github_headers(captured, str(uuid.uuid4()))
+        response = await proxy.post("/webhooks/github", data=captured, headers=headers)
+        return response.status
+
+    statuses = []
+    for first in range(0, 50, 4):
+        upstream.gate = asyncio.Event()
+        batch = [asyncio.create_task(replay()) for _ in range(min(4, 50 - first))]
+        arrived = first + len(batch)
+        for _ in range(500):  # the batch at the app together (10 s at most)
+            if len(upstream.requests) == arrived or any(task.done() for task in batch):
+                break
+            await asyncio.sleep(0.02)
+        upstream.gate.set()
+        statuses += await asyncio.gather(*batch)
+
+    assert len(upstream.requests) == 50
+    assert await kept_rows(pg_dsn, table) == [("github", outcome)]
+    assert sorted(statuses) == sorted([202] + [status] * 49)
+    assert counted(proxy, "dedup_inbox_replays_total", "github") == 49
 
 
 async def test_github_redelivering_the_kept_event_is_its_duplicate_and_a_replay_is_not(

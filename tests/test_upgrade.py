@@ -324,3 +324,49 @@ async def test_two_copies_in_flight_inside_the_window_reach_the_app_once(
 
     assert [a.headers.get("Dedup-Status") for a in answers] == [None, "duplicate"]
     assert len(upstream.requests) == 1
+
+
+async def test_verify_removed_then_given_back_opens_the_window_again(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    """The claims made while the route had no ``verify`` are in the other form: the start
+    that gives it back opens a window, so that a retry of such an event is a duplicate."""
+    route, path, body, headers, _ = PROVIDERS["github"]
+    unsigned = {key: value for key, value in route.items() if key != "verify"}
+    bound = await make_proxy(routes=[route])  # a new route: no window
+    await bound.post(path, data=body, headers=headers(body, "e-1"))
+    removed = await make_proxy(routes=[unsigned])  # verify removed: claims by the ID alone
+    await removed.post(path, data=body, headers=headers(body, "e-2"))
+    back = await make_proxy(routes=[route])  # verify given back
+
+    retry = await back.post(path, data=body, headers=headers(body, "e-2"))
+    fresh = await back.post(path, data=body, headers=headers(body, "e-3"))
+
+    assert retry.headers.get("Dedup-Status") == "duplicate"
+    assert (fresh.status, fresh.headers.get("Dedup-Status")) == (200, None)
+    assert len(upstream.requests) == 3  # e-1, e-2 and e-3, once each
+    forms = await fetch(
+        pg_dsn,
+        f"""SELECT event_type, received_at > '-infinity' AS window FROM "{table}"
+            WHERE scope = '~id-forms'""",
+    )
+    assert [(row["event_type"], row["window"]) for row in forms] == [("bound", True)]
+
+
+async def test_verify_given_back_with_no_claim_made_meanwhile_opens_no_window(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    """Only claims made in the other form need one: the window weakens what binding guards."""
+    route, path, body, headers, _ = PROVIDERS["github"]
+    unsigned = {key: value for key, value in route.items() if key != "verify"}
+    bound = await make_proxy(routes=[route])
+    await bound.post(path, data=body, headers=headers(body, "e-1"))
+    await make_proxy(routes=[unsigned])
+    back = await make_proxy(routes=[route])
+    await back.post(path, data=body, headers=headers(body, "e-2"))
+
+    rows = await fetch(pg_dsn, f"""SELECT event_id FROM "{table}" WHERE scope = 'github'""")
+    digest = hashlib.sha256(body).digest()
+    assert sorted(row["event_id"] for row in rows) == sorted(
+        [webhooks.bound("1:e-1", "", digest), webhooks.bound("1:e-2", "", digest)]
+    )

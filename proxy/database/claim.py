@@ -285,26 +285,12 @@ class Claim:
         if self.state is not ClaimState.OPEN:
             raise RuntimeError(f"claim of {self.key.event_id!r} is {self.state} already")
         key, store = self.key, self._store
-        statements = store.inbox.statements
         state = inbox.InboxState.DEAD if policy.dead else inbox.InboxState.PENDING
-        kept_as = None
         try:
             with pool.translated("keeping the delivery failed", self.abandon):
                 if store.distributed:  # the claim's statement bound was for its INSERT only
                     await self._connection.execute(sql.UNBOUND, timeout=store.op_timeout)
-                status = await self._connection.execute(
-                    statements.keep, key.scope, key.event_id, state, request.encoded(),
-                    request.body, attempt.status, attempt.error, policy.delay, policy.until,
-                    policy.cap_scope, policy.max_pending, policy.max_pending_bytes, policy.signed,
-                    1 if policy.attempted else 0, timeout=store.op_timeout,
-                )  # fmt: skip
-                kept = status.rpartition(" ")[2] == "1"
-                if not kept and policy.signed is not None:
-                    # Not kept: over the cap, or a replay? A second read only when refused.
-                    kept_as = await self._connection.fetchval(
-                        statements.kept_as, policy.cap_scope, policy.signed,
-                        timeout=store.op_timeout,
-                    )  # fmt: skip
+                kept, kept_as = await self._keep_row(request, attempt, policy, state)
         except errors.StoreUnavailable as exc:
             log.warning(
                 "the failed delivery of %s %s could not be kept for redelivery (%s): relaying "
@@ -331,6 +317,37 @@ class Claim:
             self._discard()
             raise
         return Kept(state)
+
+    async def _keep_row(
+        self,
+        request: inbox.StoredRequest,
+        attempt: inbox.Attempt,
+        policy: inbox.KeepPolicy,
+        state: inbox.InboxState,
+    ) -> tuple[bool, str | None]:
+        """``keep``'s statements: whether the row was kept, else the ID its signed body is kept
+        under already (None: over the cap)."""
+        key, store = self.key, self._store
+        statements = store.inbox.statements
+        if policy.signed is not None:  # a replay of it waits for this one (``keep_signed``)
+            await self._connection.execute(
+                statements.keep_signed, policy.cap_scope, policy.signed, timeout=store.op_timeout
+            )
+        status = await self._connection.execute(
+            statements.keep, key.scope, key.event_id, state, request.encoded(),
+            request.body, attempt.status, attempt.error, policy.delay, policy.until,
+            policy.cap_scope, policy.max_pending, policy.max_pending_bytes, policy.signed,
+            1 if policy.attempted else 0, timeout=store.op_timeout,
+        )  # fmt: skip
+        if status.rpartition(" ")[2] == "1":
+            return True, None
+        if policy.signed is None:
+            return False, None
+        # Not kept: over the cap, or a replay? A second read only when refused.
+        kept_as: str | None = await self._connection.fetchval(
+            statements.kept_as, policy.cap_scope, policy.signed, timeout=store.op_timeout
+        )
+        return False, kept_as
 
     async def settle_duplicate(
         self, *, read_answer: bool = False, inbox: bool = False

@@ -79,9 +79,10 @@ class Statements:
         # by what it stores (its headers as well as its body: the headers alone can be 1
         # MiB). And, on a route whose claims are bound to what is signed, only if none of
         # those rows holds this signed body already under another ID (a replay:
-        # ``KEPT_AS``). Concurrent failures each see the others' uncommitted rows as absent,
-        # so the cap can be passed, and a body kept twice, by the deliveries failing at that
-        # moment (at most the pool's size). inbox_size: what the row stores, from the
+        # ``KEPT_AS``; ``keep_signed`` first, so that concurrent replays see the one kept).
+        # Concurrent failures each see the others' uncommitted rows as absent, so the cap
+        # can be passed by the deliveries failing at that moment (at most the pool's size).
+        # inbox_size: what the row stores, from the
         # parameters (no row's jsonb converted), so that the next keep's cap reads a number.
         size = "octet_length($4::jsonb::text) + octet_length($5::bytea)"
         return (
@@ -97,6 +98,18 @@ class Statements:
             f"coalesce(sum({_STORED}), 0) + {size} <= $12 AND NOT "
             f"coalesce(bool_or({_SIGNED.format(part='$13::text')}), false) "
             f"FROM {self.quoted} WHERE {_CAPPED.format(scope='$10')})"
+        )
+
+    @property
+    def keep_signed(self) -> str:
+        # $1 the cap's scope, $2 a claim's signed part: before ``keep``, in its own statement,
+        # a lock on that body in that cap until the transaction ends. A concurrent keep of the
+        # same body (a replay under another ID) waits for this one's COMMIT, then its ``keep``,
+        # a statement begun after that, sees the row kept (READ COMMITTED): kept once, not
+        # once per delivery failing at that moment. Touches no table (Citus: the coordinator).
+        return (
+            f"SELECT pg_advisory_xact_lock({sql.KEEP_SIGNED_LOCK_KEY}, "
+            "hashtext($1::text || ' ' || $2::text))"
         )
 
     @property

@@ -18,6 +18,9 @@ from dataclasses import dataclass
 SCHEMA_LOCK_KEY = 0x64656475
 SWEEP_LOCK_KEY = 0x64656476
 RECONCILE_LOCK_KEY = 0x64656477
+# With a hash of a cap's scope and a signed part (two int4 keys: a space apart from the above),
+# serialises the keeps of one signed body (``inbox_sql.Statements.keep_signed``).
+KEEP_SIGNED_LOCK_KEY = 0x64656478
 
 # The columns on_duplicate: replay writes: the one UPDATE the proxy makes.
 ANSWER_COLUMNS = ("answer_status", "answer_headers", "answer_body")
@@ -33,6 +36,10 @@ COMMIT_WITHOUT_ANSWER = f"ROLLBACK TO SAVEPOINT {_ANSWER_SAVEPOINT}; COMMIT"
 # The scope of the rows that record since when a route's claims are bound (``Store.start``):
 # no route's scope (names are letters, digits, '_', '.', '-'), so never swept nor listed.
 ID_FORMS = "~id-forms"
+# What a row of ID_FORMS records (its event_type): since when (received_at) the scope's claims
+# are bound, or, once a start without ``verify`` followed, since when they are not.
+FORM_BOUND = "bound"
+FORM_UNBOUND = "unbound"
 # The scope of the rows that hold a route scope's redeliveries (``database.holds``): one row per
 # route scope held or once held, likewise never a route's, so never swept, listed or counted.
 HOLDS = "~holds"
@@ -180,6 +187,8 @@ class Queries:
     stats: str
     id_form_claims: str
     id_form: str
+    id_form_unbound: str
+    id_form_forget: str
     id_form_since: str
     receipt_key_make: str
     receipt_key: str
@@ -469,15 +478,30 @@ def for_table(table: str) -> Queries:
             f"FROM {quoted} GROUP BY scope"
         ),
         # The bound form's start, per route scope ($1): a row of ID_FORMS (docs/deployment.md,
-        # "Upgrades"). -infinity: bound from the scope's first claim, no window.
-        id_form_claims=f"SELECT EXISTS (SELECT FROM {quoted} WHERE {IN_SCOPE})",
+        # "Upgrades"). -infinity: bound from the scope's first claim, no window. The claims
+        # that need one: all of the scope's, or those since its row of the unbound form.
+        id_form_claims=(
+            f"SELECT EXISTS (SELECT FROM {quoted} WHERE {IN_SCOPE} AND received_at >= "
+            f"coalesce((SELECT received_at FROM {quoted} WHERE scope = '{ID_FORMS}' "
+            f"AND event_id = $1 AND event_type = '{FORM_UNBOUND}'), '-infinity'))"
+        ),
         id_form=(
             f"INSERT INTO {quoted} (scope, event_id, event_type, received_at) VALUES "
-            f"('{ID_FORMS}', $1, 'bound', CASE WHEN $2 THEN now() ELSE '-infinity' END) "
+            f"('{ID_FORMS}', $1, '{FORM_BOUND}', "
+            "CASE WHEN $2 THEN now() ELSE '-infinity' END) "
             "ON CONFLICT (scope, event_id) DO NOTHING"
         ),
+        id_form_unbound=(
+            f"INSERT INTO {quoted} (scope, event_id, event_type, received_at) VALUES "
+            f"('{ID_FORMS}', $1, '{FORM_UNBOUND}', now()) "
+            "ON CONFLICT (scope, event_id) DO NOTHING"
+        ),
+        # A scope's row ($1) if it records the form $2: "DELETE 1" when it did.
+        id_form_forget=(
+            f"DELETE FROM {quoted} WHERE scope = '{ID_FORMS}' AND event_id = $1 AND event_type = $2"
+        ),
         id_form_since=(
-            "SELECT CASE WHEN received_at = '-infinity' THEN NULL "
+            "SELECT event_type AS form, CASE WHEN received_at = '-infinity' THEN NULL "
             "ELSE extract(epoch FROM received_at)::float8 END AS since "
             f"FROM {quoted} WHERE scope = '{ID_FORMS}' AND event_id = $1"
         ),

@@ -20,7 +20,15 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -364,12 +372,14 @@ class Store:
         answers: bool,
         kept: bool,
         bound: Mapping[str, float] | None = None,
+        unbound: Collection[str] = (),
         receipted: bool = False,
     ) -> None:
         """Fill the pool, check the claim table (creating or upgrading it if allowed) and the
         role's grants, read the upgrade windows of the ``bound`` route scopes (to their
-        retention, ``notice_id_forms``), the receipts' key if a route is ``receipted``
-        (``receipt_keys``) and what readiness reports; then ``started`` is set.
+        retention) and record the ``unbound`` ones' (``notice_id_forms``), the receipts' key if
+        a route is ``receipted`` (``receipt_keys``) and what readiness reports; then ``started``
+        is set.
 
         Raises NotPrepared when the database answers but the table or the grants are not what
         the routes need (retrying does not fix that), StoreUnavailable when it does not answer
@@ -381,7 +391,7 @@ class Store:
                 await self.ensure_schema(answers=answers, kept=kept)
                 await self.check_privileges(answers=answers, kept=kept)
                 await self.notice_distribution()
-                await self.notice_id_forms(bound or {})
+                await self.notice_id_forms(bound or {}, unbound)
                 if receipted:
                     await self._first_receipt_keys()
             except errors.StoreUnavailable as exc:
@@ -421,13 +431,18 @@ class Store:
         until = self.windows.get(key.scope.partition("/")[0])
         return key.legacy_id if until is not None and time.time() < until else None
 
-    async def notice_id_forms(self, bound: Mapping[str, float]) -> None:
+    async def notice_id_forms(
+        self, bound: Mapping[str, float], unbound: Collection[str] = ()
+    ) -> None:
         """Read since when each of the ``bound`` route scopes (to their retention) stores its
         claims bound to what is signed, recording it first if none did: now, when the scope
-        holds claims already (an upgrade from 0.1.0, or a route given ``verify``), else never
-        (a new route). For one retention from then, the upgrade window, its claims are also
-        made in the legacy form (``legacy_form``), so that the claims an earlier release made
-        or still makes, in that form, and these are duplicates of each other."""
+        holds claims in the other form (an upgrade from 0.1.0, a route given ``verify``, or
+        given it back with claims made without it meanwhile), else never (a new route). For
+        one retention from then, the upgrade window, its claims are also made in the legacy
+        form (``legacy_form``), so that the claims an earlier release made or still makes, in
+        that form, and these are duplicates of each other. An ``unbound`` scope (a route
+        whose ``verify`` was removed) records since when it is not, so that giving ``verify``
+        back opens a window again."""
         windows = {}
         async with self._connection() as connection:
             with translated("reading since when claims are bound failed"):
@@ -435,6 +450,8 @@ class Store:
                     since = await self._bound_since(connection, scope)
                     if since is not None and time.time() < since + retention:
                         windows[scope] = since + retention
+                for scope in unbound:
+                    await self._unbound(connection, scope)
         for scope, until in windows.items():
             log.info(
                 "scope %s: claims are also made in the legacy form (0.1.0's, the event ID "
@@ -446,15 +463,18 @@ class Store:
 
     async def _bound_since(self, connection: Connection, scope: str) -> float | None:
         """Since when ``scope``'s claims are bound (time.time()), recorded by the first
-        replica to start with the route; None: since its first claim."""
+        replica to start with the route bound, or bound again; None: since its first claim."""
         queries = self.queries
         row = await connection.fetchrow(queries.id_form_since, scope)
-        if row is not None:
+        if row is not None and row["form"] == sql.FORM_BOUND:
             return float(row["since"]) if row["since"] is not None else None
-        # The route's first start: its claims read once.
+        # The route's first start bound, or its first since starts without verify: the claims
+        # in the other form, all of them or those made since then, read once.
         claims = await connection.fetchval(queries.id_form_claims, scope)
         try:
             with translated("recording since when claims are bound failed"):
+                if row is not None:
+                    await connection.execute(queries.id_form_forget, scope, sql.FORM_UNBOUND)
                 await connection.execute(queries.id_form, scope, claims)
         except errors.ReadOnly:
             # A standby (a failover): the primary's first replica records it; this one counts
@@ -490,6 +510,18 @@ class Store:
             await self.receipt_keys()
         except errors.ReadOnly as exc:
             log.warning("the receipts' key is not made yet: %s", exc.message)
+
+    async def _unbound(self, connection: Connection, scope: str) -> None:
+        """Record that ``scope``'s claims are not bound since now, if they were (a route whose
+        ``verify`` was removed): its row of the bound form replaced."""
+        queries = self.queries
+        try:
+            with translated("recording since when claims are not bound failed"):
+                forgot = await connection.execute(queries.id_form_forget, scope, sql.FORM_BOUND)
+                if forgot == "DELETE 1":
+                    await connection.execute(queries.id_form_unbound, scope)
+        except errors.ReadOnly:
+            pass  # a standby: the primary's first replica records it
 
     async def resolve(self, scope: str, event_ids: Sequence[str]) -> dict[str, Resolved]:
         """What each of these IDs (as an operator gave them: the provider's, or as stored)
