@@ -7,8 +7,9 @@ console's own stylesheet only, no frame may hold it) and the headers that go wit
 the action log names. An action (a POST; no GET changes anything) must come from a page of the
 console itself: ``Sec-Fetch-Site`` (where the browser sends it) says ``same-origin``, its
 ``Origin`` is the console's (``same_origin``), and the form carries a token bound to the
-operator's credential (an HMAC keyed by the password, so the same in every worker and after a
-restart, and unknown to a page of another origin).
+operator's credential and to when its page was made (an HMAC keyed by the password, so the
+same in every worker and after a restart, and unknown to a page of another origin), refused once
+older than ``CSRF_MAX_AGE``: a form copied off a page, a log or a screen stops working.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -40,15 +42,37 @@ REALM = 'Basic realm="dedup-proxy console", charset="UTF-8"'
 # The operator's credential on the request, once checked (absent: none is configured).
 OPERATOR = web.RequestKey("operator", console_config.Credential)
 CSRF_FIELD = "csrf"
+# A working day: a page left open over lunch still acts; yesterday's does not.
+CSRF_MAX_AGE = 12 * 3600
 _CSRF_CONTEXT = b"dedup-proxy console action\x00"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def csrf_token(credential: console_config.Credential) -> str:
-    """The token an action's form carries for this operator."""
+def csrf_token(credential: console_config.Credential, issued: int | None = None) -> str:
+    """The token an action's form carries for this operator: when it was ``issued`` (now, in
+    whole seconds since the epoch), and the HMAC of that and the operator's name."""
+    issued = int(time.time()) if issued is None else issued
+    return f"{issued}.{_csrf_mac(credential, issued)}"
+
+
+def _csrf_mac(credential: console_config.Credential, issued: int) -> str:
     key = credential.password.encode("utf-8")
-    return hmac.new(key, _CSRF_CONTEXT + credential.name.encode(), hashlib.sha256).hexdigest()
+    message = _CSRF_CONTEXT + credential.name.encode() + b"\x00" + str(issued).encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def csrf_problem(credential: console_config.Credential, token: object) -> str | None:
+    """Why ``token`` is refused for this operator (None: it is theirs, and recent)."""
+    issued, dot, mac = token.partition(".") if isinstance(token, str) else ("", "", "")
+    if not (dot and issued.isascii() and issued.isdigit() and len(issued) <= 12):
+        return "the form's token is missing or wrong"
+    if not hmac.compare_digest(mac.encode(), _csrf_mac(credential, int(issued)).encode()):
+        return "the form's token is missing or wrong"
+    age = time.time() - int(issued)
+    if not -60 <= age <= CSRF_MAX_AGE:
+        return f"the page is older than {CSRF_MAX_AGE // 3600}h: reload it and act again"
+    return None
 
 
 def _presented(request: web.Request) -> tuple[str, str] | None:
@@ -131,9 +155,6 @@ async def _checked(
         if not same_origin(request):
             raise web.HTTPForbidden(text="refused: not from a page of the console\n")
         form = await request.post()
-        token = form.get(CSRF_FIELD)
-        if not isinstance(token, str) or not hmac.compare_digest(
-            token.encode(), csrf_token(credential).encode()
-        ):
-            raise web.HTTPForbidden(text="refused: the form's token is missing or wrong\n")
+        if problem := csrf_problem(credential, form.get(CSRF_FIELD)):
+            raise web.HTTPForbidden(text=f"refused: {problem}\n")
     return await handler(request)

@@ -262,6 +262,7 @@ class _Server:
         )
         if self.worker in (None, 1):
             _warn_unprotected(cfg.routes)
+            admin.warn_open_console(cfg.admin)
 
     async def _start_admin(self) -> None:
         await self.admin_runner.setup()

@@ -605,10 +605,7 @@ def _running(pid: int) -> bool:
 def _snapshot(config_path: str, copy: Path) -> config.Config:
     """Copy the configuration file to ``copy`` and load the copy. ``${VAR}`` is expanded the
     same way in every worker: each inherits the supervisor's environment, which never changes."""
-    try:
-        text = Path(config_path).read_bytes()
-    except OSError as exc:
-        raise errors.ConfigError(config_path, [f"cannot read file: {exc}"]) from exc
+    text = config.read_file(config_path)
     try:
         copy.write_bytes(text)
     except OSError as exc:

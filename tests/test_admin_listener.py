@@ -1,10 +1,11 @@
-"""The admin listener's connection bound and timeouts, on ``dedup-proxy serve``, over raw sockets.
+"""The admin listener's connection bound and timeouts, and the ``Host`` names it answers to, on
+``dedup-proxy serve``, over raw sockets.
 
 Each process keeps at most ``admin.MAX_CONNECTIONS`` admin connections open: past that, a new one
 makes room by closing the one that has waited longest for a request, as on the public port. So
 idle admin connections neither lock out a probe nor take the descriptors webhooks need. An idle
 admin connection, or one whose headers never finish, is closed after ``admin.KEEPALIVE``
-seconds.
+seconds. A request for a ``Host`` that is not its own (DNS rebinding) is refused, but a probe.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from tests.helpers import (
     Served,
     Stream,
     closed,
+    free_port,
     open_files_limit,
     open_stream,
+    send,
     status,
     webhook_request,
 )
@@ -127,3 +130,73 @@ async def test_an_idle_or_slow_admin_connection_is_closed_after_the_short_keep_a
     await closed(idle, "an idle keep-alive admin connection", within)
     await closed(slow, "an admin connection whose headers never finish", within)
     await closed(silent, "an admin connection that never sent a byte", within)
+
+
+async def ask(port: int, path: str, host: str | None) -> tuple[int, bytes]:
+    """The status and body of a GET of ``path`` with ``Host: host`` (None: HTTP/1.0, no Host)."""
+    head = (
+        f"GET {path} HTTP/1.0\r\n" if host is None else f"GET {path} HTTP/1.1\r\nHost: {host}\r\n"
+    )
+    stream = await open_stream(port)
+    try:
+        answer = await send(stream, f"{head}Connection: close\r\n\r\n".encode())
+    finally:
+        stream[1].close()
+    assert answer is not None
+    return answer.status, answer.body
+
+
+async def test_a_request_for_another_host_is_refused_against_dns_rebinding_but_a_probe(
+    serve: Serve,
+) -> None:
+    served = await serve(admin={"allowed_hosts": ["dedup-proxy.shop.svc", ".monitoring.internal"]})
+    port = served.admin_port
+    # A page of the attacker's whose name now resolves to 127.0.0.1 (kubectl port-forward's end)
+    # sends its own name; names that look like ours or resolve to loopback are as foreign.
+    foreign = [
+        f"rebind.attacker.example:{port}",
+        "rebind.attacker.example",
+        f"127.0.0.1.nip.io:{port}",
+        f"localhost.attacker.example:{port}",
+        f"dedup-proxy.shop.svc.attacker.example:{port}",
+        f"monitoring.internal.attacker.example:{port}",
+        f"127.0.0.1@rebind.attacker.example:{port}",
+        "",
+    ]
+    for host in foreign:
+        for path in ("/metrics", "/console/", "/console/events", "/nowhere"):
+            code, body = await ask(port, path, host)
+            assert code == 421, (host, path, body)
+            assert b"admin.allowed_hosts" in body
+        for path in ("/healthz", "/readyz"):  # the kubelet's, whatever Host it sends
+            assert (await ask(port, path, host))[0] == 200, (host, path)
+    ours = [
+        f"127.0.0.1:{port}",
+        f"localhost:{port}",
+        "localhost",
+        f"LOCALHOST.:{port}",
+        f"[::1]:{port}",
+        f"10.244.3.17:{port}",  # Prometheus and the kubelet, by pod IP
+        f"dedup-proxy.shop.svc:{port}",
+        f"prometheus.monitoring.internal:{port}",
+        None,  # no Host at all: no browser sends that
+    ]
+    for allowed in ours:
+        for path in ("/metrics", "/console/"):
+            code, body = await ask(port, path, allowed)
+            assert code == 200, (allowed, path, body[:200])
+    refusals = [x for x in served.lines() if "refused a request for Host" in x["msg"]]
+    assert len(refusals) == 1, refusals
+    assert refusals[0]["level"] == "warning"
+
+
+async def test_the_console_beyond_loopback_without_credentials_is_said_at_start_up(
+    serve: Serve,
+) -> None:
+    served = await serve(admin={"listen": f"0.0.0.0:{free_port()}",
+                                "console": {"unauthenticated": True}})  # fmt: skip
+    assert (await ask(served.admin_port, "/console/", "127.0.0.1"))[0] == 200
+    warnings = [x for x in served.lines() if "asks for no credentials" in x["msg"]]
+    assert len(warnings) == 1
+    assert warnings[0]["level"] == "warning"
+    assert "0.0.0.0" in warnings[0]["msg"]

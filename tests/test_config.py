@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import hmac
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -997,6 +998,50 @@ def test_unreadable_file_is_a_clean_error(
     assert out == ""
     assert err.startswith(f"invalid configuration in {path}:\n  cannot read file: ")
     assert "Traceback" not in err
+
+
+def test_a_file_far_larger_than_a_configuration_is_refused_having_read_a_bounded_prefix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    huge = tmp_path / "config.yaml"
+    with huge.open("wb") as file:
+        file.truncate(100 * 1024 * 1024)  # sparse: 100 MiB of NULs that take no disk
+    password = tmp_path / "password"
+    with password.open("wb") as file:
+        file.truncate(10 * 1024 * 1024)
+    documents = {
+        "the file": huge,
+        # The path swapped for /dev/zero never ends: read whole, it takes all the memory there is.
+        "/dev/zero": Path("/dev/zero"),
+    }
+    for what, path in documents.items():
+        tracemalloc.start()
+        try:
+            with pytest.raises(errors.ConfigError) as info:
+                config.load(path)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert info.value.problems == (
+            f"not a configuration file: larger than {config.reader.MAX_FILE >> 20} MiB, "
+            "the most read",
+        ), what
+        assert peak < 4 * config.reader.MAX_FILE, (what, peak)
+    assert cli.main(["check", "--config", "/dev/zero"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    # So are the files that hold passwords.
+    for secret in (password, Path("/dev/zero")):
+        problems = problems_of(
+            raw_config(
+                database={"dsn": "postgresql://app@db:5432/app", "password_file": str(secret)},
+                admin={"console": {"credentials_file": str(secret)}},
+            )
+        )
+        assert [p.partition(":")[0] for p in problems] == [
+            "database.password_file",
+            "admin.console.credentials_file",
+        ]
+        assert all("larger than 64 KiB" in p for p in problems), problems
 
 
 def test_invalid_yaml_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -90,6 +90,20 @@ def test_a_production_config_passes_nothing_through(
     assert re.search(r"^\s*passthrough: none\b", proxy_config_text(relative), re.MULTILINE)
 
 
+@pytest.mark.parametrize("relative", PRODUCTION + DEMO)
+def test_no_shipped_config_shows_the_console_beyond_loopback_unless_it_says_so(
+    relative: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = load(relative, tmp_path, monkeypatch)
+
+    if cfg.admin.open_console:
+        # The local stack only, whose ports compose.yaml publishes on the host's loopback.
+        assert relative == "deploy/compose/config.yaml"
+        assert cfg.admin.console.unauthenticated
+    elif relative != "config.example.yaml":
+        assert not cfg.admin.console.enabled, f"{relative} serves the console beyond loopback"
+
+
 @pytest.mark.parametrize("relative", DEMO)
 def test_the_local_demo_passes_everything_through_and_says_so(
     relative: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

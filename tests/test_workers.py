@@ -614,6 +614,32 @@ async def _hangup(served: Served, start: str, count: int = 1) -> dict[str, Any]:
     return _logged(served, start)[count - 1]
 
 
+def _peak_rss(pid: int) -> int:
+    """The most memory process ``pid`` has held (VmHWM), in KiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmHWM:")).split()[1])
+
+
+async def test_sighup_on_a_file_swapped_for_a_huge_one_or_dev_zero_reads_a_bounded_prefix(
+    supervised: Served,
+) -> None:
+    before = _peak_rss(supervised.process.pid)
+    supervised.config_file.unlink()
+    with supervised.config_file.open("wb") as file:
+        file.truncate(100 * 1024 * 1024)  # sparse: 100 MiB of NULs that take no disk
+    huge = await _hangup(supervised, "reload refused")
+    assert "not a configuration file: larger than 1 MiB" in huge["msg"]
+    assert _peak_rss(supervised.process.pid) - before < 16 * 1024
+    # Read whole, /dev/zero would take the supervisor's memory until there is none.
+    supervised.config_file.unlink()
+    supervised.config_file.symlink_to("/dev/zero")
+    zero = await _hangup(supervised, "reload refused", count=2)
+    assert "not a configuration file: larger than 1 MiB" in zero["msg"]
+    assert _peak_rss(supervised.process.pid) - before < 16 * 1024
+    assert len(supervised.workers()) == 2
+    assert supervised.process.returncode is None
+
+
 async def _duplicate_on(url: str, path: str, event_id: str) -> str | None:
     """The Dedup-Status of a second copy of ``event_id`` to ``path`` (None: not claimed)."""
     async with aiohttp.ClientSession() as session:

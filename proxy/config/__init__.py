@@ -166,6 +166,15 @@ class LogConfig:
 class AdminConfig:
     listen: Listen = field(default_factory=lambda: _listen(DEFAULT_ADMIN_LISTEN))
     console: console.ConsoleConfig = field(default_factory=console.ConsoleConfig)
+    # Host names the admin listener answers to beside localhost, any IP address and its own
+    # listen name (``admin.AllowedHosts``); ".example.org" takes its subdomains, "*" any name.
+    allowed_hosts: tuple[str, ...] = ()
+
+    @property
+    def open_console(self) -> bool:
+        """The console is served, asking for no credentials, beyond loopback."""
+        shown = self.console.enabled and not self.console.credentials
+        return shown and not values.is_loopback(self.listen.host)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -255,6 +264,16 @@ def _passthrough(value: object) -> tuple[str, ...] | None:
     return tuple(prefixes)
 
 
+def read_file(path: str | os.PathLike[str]) -> bytes:
+    """A configuration file's bytes, at most ``reader.MAX_FILE``; ConfigError otherwise."""
+    try:
+        return reader.read_bounded(path)
+    except OSError as exc:
+        raise errors.ConfigError(str(path), [f"cannot read file: {exc}"]) from exc
+    except ValueError as exc:  # too large, or a NUL in the path
+        raise errors.ConfigError(str(path), [f"not a configuration file: {exc}"]) from exc
+
+
 def load(path: str | os.PathLike[str], *, secrets: bool = True, base: Path | None = None) -> Config:
     """Read and validate a config file; raise ConfigError listing every problem. Without
     ``secrets`` the routes' signing secrets are not read (their ``${VAR}`` may be unset) and
@@ -265,8 +284,8 @@ def load(path: str | os.PathLike[str], *, secrets: bool = True, base: Path | Non
     operator's shell), one configuration means one embedded server."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_file(path).decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise errors.ConfigError(source, [f"cannot read file: {exc}"]) from exc
     try:
         stream = io.StringIO(text)
@@ -362,7 +381,8 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
         ),
     )
     lg = r.mapping(top.get("log"), "log", ("level", "format"))
-    adm = r.mapping(top.get("admin"), "admin", ("listen", "console"))
+    adm = r.mapping(top.get("admin"), "admin", ("listen", "console", "allowed_hosts"))
+    admin_listen = r.value(adm, "listen", "admin", _listen, _listen(DEFAULT_ADMIN_LISTEN))
     sw = r.mapping(top.get("sweeper"), "sweeper", ("interval", "batch"))
     max_body = r.value(top, "max_body", "", values.parse_size, DEFAULT_MAX_BODY)
     claim_wait = r.value(top, "claim_wait", "", _SHORT_DURATION, DEFAULT_CLAIM_WAIT)
@@ -383,8 +403,14 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
         ),
         send_timeout=r.value(top, "send_timeout", "", _SHORT_DURATION, DEFAULT_SEND_TIMEOUT),
         admin=AdminConfig(
-            listen=r.value(adm, "listen", "admin", _listen, _listen(DEFAULT_ADMIN_LISTEN)),
-            console=console.parse_console(r, adm.get("console")),
+            listen=admin_listen,
+            console=console.parse_console(
+                r,
+                adm.get("console"),
+                listen=str(admin_listen),
+                loopback=values.is_loopback(admin_listen.host),
+            ),
+            allowed_hosts=r.value(adm, "allowed_hosts", "admin", values.parse_host_names, ()),
         ),
         sweeper=SweeperConfig(
             interval=r.value(

@@ -1,5 +1,6 @@
 """Walking parsed YAML: ``${VAR}`` interpolation, unknown keys and typed values, with every
-problem collected under its path (``routes[1].event_id: …``) instead of stopping at the first."""
+problem collected under its path (``routes[1].event_id: …``) instead of stopping at the first;
+and reading the files it comes from, bounded (``read_bounded``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
+
+# A configuration is kilobytes. A path that names something far larger (swapped for /dev/zero, a
+# log) is no configuration, and read whole it would take the memory of the process (the
+# supervisor, on SIGHUP) before the parser could say so.
+MAX_FILE = 1024 * 1024
+# A password or a few operators' name:password lines.
+MAX_SECRET_FILE = 64 * 1024
 
 _VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 T = TypeVar("T")
@@ -119,3 +127,14 @@ class Reader:
 
 def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def read_bounded(path: str | os.PathLike[str], limit: int = MAX_FILE) -> bytes:
+    """The bytes of the file at ``path``, at most ``limit`` of them read; ValueError beyond that
+    (or for a NUL in the path), OSError as ``open`` raises it."""
+    with open(path, "rb") as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        size = f"{limit >> 20} MiB" if limit % (1 << 20) == 0 else f"{limit >> 10} KiB"
+        raise ValueError(f"larger than {size}, the most read")
+    return data

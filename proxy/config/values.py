@@ -6,13 +6,14 @@ or raises ValueError with a message that completes "<path>: …".
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from collections.abc import Callable
-from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from proxy import event_ids
+from proxy.config import reader
 
 EMBEDDED = "embedded"
 
@@ -106,6 +107,39 @@ def parse_listen(value: object) -> tuple[str, int]:
     ):
         raise ValueError(f"must be host:port, port 1-65535, IPv6 as [::1]:port; got {value!r}")
     return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host is reachable from this machine only: localhost, a loopback address."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+_LABEL = r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?"
+_HOST_NAME = re.compile(rf"\.?(?:{_LABEL}\.)*{_LABEL}")
+
+
+def parse_host_names(value: object) -> tuple[str, ...]:
+    """Host names (lower-cased, no trailing dot), ``.example.org`` for it and its subdomains, or
+    ``*``: one or a list."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"must be a host name or a list of them, got {value!r}")
+    names = []
+    for item in items:
+        name = item.lower().rstrip(".") if isinstance(item, str) else ""
+        if name != "*" and not _HOST_NAME.fullmatch(name):
+            raise ValueError(
+                "must be host names such as dedup-proxy.shop.svc, .svc.cluster.local (it and "
+                f"its subdomains) or *, without scheme or port (IP addresses are always "
+                f"answered); got {item!r}"
+            )
+        names.append(name)
+    return tuple(names)
 
 
 def parse_http_url(value: object) -> str:
@@ -238,10 +272,10 @@ def read_password_file(value: object) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"must be a file path, got {value!r}")
     try:
-        text = Path(value).read_text(encoding="utf-8")
+        text = reader.read_bounded(value, reader.MAX_SECRET_FILE).decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{value}: must be UTF-8 text") from None
-    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, or too large
         raise ValueError(f"cannot read: {exc}") from None
     password = text.removesuffix("\n").removesuffix("\r")
     if not password:
