@@ -194,10 +194,19 @@ def parse_dsn(value: object) -> str | None:
     userinfo, at, hostspec = authority.rpartition("@")
     if "#" in rest:
         raise ValueError(f"has a '#', which ends a URL; {PERCENT_ENCODE}")
+    path, _, query_text = tail.partition("?")
     if "@" in userinfo or (not at and "@" in tail):
         # No "@" in the host part but one later: a '/' or '?' in the password cut it short.
         raise ValueError(
             f"has an '@' that does not end the user name and password; {PERCENT_ENCODE}"
+        )
+    if "@" in path or (":" in userinfo and "@" in query_text):
+        # A password with an '@' and then a '/' or '?': asyncpg ends the host part at the
+        # '/' or '?', and takes the host from inside the password, where a reader (and the
+        # masking of logs) takes the one after the last '@'.
+        raise ValueError(
+            "has an '@' after its host part, so the driver would connect to a host written "
+            f"inside the password; {PERCENT_ENCODE}"
         )
     if not _USERINFO.fullmatch(userinfo) or not _decodes(userinfo):
         raise ValueError(f"has a character the password must not hold raw; {PERCENT_ENCODE}")
