@@ -545,7 +545,8 @@ class Metrics:
         self.reconcile_errors = Counter(
             "dedup_reconcile_errors",
             "Reconcile runs cut short or slowed by the provider's API or the database, by "
-            "kind: rate_limited, unauthorized, unavailable, refused, database.",
+            "kind: rate_limited, unauthorized, unavailable, refused, recovery_refused, database, "
+            "page_bound (the log read only to the run's page bound), crashed (anything else).",
             ["route", "kind"],
             registry=self.registry,
         )

@@ -150,8 +150,11 @@ def timestamp(value: datetime | None) -> str | None:
 
 
 def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
-    """A plain aligned text table."""
-    cells = [[str(h) for h in headers], *[["" if v is None else str(v) for v in r] for r in rows]]
+    """A plain aligned text table, each cell escaped for the terminal (``logs.printable``)."""
+    cells = [
+        [str(h) for h in headers],
+        *[["" if v is None else logs.printable(str(v)) for v in r] for r in rows],
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         line = "  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True))
@@ -298,14 +301,18 @@ async def _holds(store: database.Store) -> dict[str, database.Hold]:
 
 
 def describe_hold(scope: str, hold: database.Hold) -> str:
-    """A hold in one line: its scope, kind, who set it, since and until when, and why."""
+    """A hold in one line: its scope, kind, who set it, since and until when, and why; the
+    words typed (by whom, why: the console's) escaped for the terminal."""
 
     def when(at: float) -> str:
         return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
 
     until = "until resumed" if hold.until is None else f"until {when(hold.until)}"
-    note = f": {hold.note}" if hold.note else ""
-    return f"scope {scope} {hold.reason} by {hold.by} since {when(hold.since)}, {until}{note}"
+    note = f": {logs.printable(hold.note)}" if hold.note else ""
+    return (
+        f"scope {logs.printable(scope)} {hold.reason} by {logs.printable(hold.by)} since "
+        f"{when(hold.since)}, {until}{note}"
+    )
 
 
 async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:

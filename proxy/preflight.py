@@ -32,7 +32,8 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
     def report(ok: bool, line: str) -> None:
         nonlocal failed
         failed = failed or not ok
-        out.write(logs.mask(f"{'ok  ' if ok else 'FAIL'} {line}\n"))
+        # A line may quote the server's or a peer's words: escaped for the terminal.
+        out.write(logs.mask(f"{'ok  ' if ok else 'FAIL'} {logs.printable(line)}\n"))
 
     async with contextlib.AsyncExitStack() as stack:
         try:
@@ -221,6 +222,6 @@ async def upstreams(cfg: config.Config, out: TextIO = sys.stdout) -> int:
     for url, names in sent.items():
         problem = await forwarder.reach(url, within)
         failed = failed or bool(problem)
-        what = problem or "takes connections"
+        what = logs.printable(problem) if problem else "takes connections"
         out.write(f"{'FAIL' if problem else 'ok  '} {url} ({', '.join(names)}): {what}\n")
     return 1 if failed else 0

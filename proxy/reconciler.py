@@ -18,7 +18,10 @@ app), until its period ends or, when reading the log took longer, half a period 
 rate-limit answer is waited out within the run when it asks for at most ``MAX_WAIT_IN_RUN``, else
 it ends the run and the next one waits for it. Any other API error ends the run: logged, counted
 by kind, retried at the next period. A run never sends what has a claim, so a run cut short and
-run again sends nothing twice.
+run again sends nothing twice. A log longer than the provider's page bound is read to the bound
+(its newest events) and said: logged, counted (``page_bound``), and ``events reconcile`` exits
+``EXIT_TRUNCATED``. Whatever else a run raises is logged on one line with its route and counted
+(``crashed``); the other routes' runs and the route's next turn go on.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from datetime import UTC, datetime
 from typing import TextIO, TypeVar
 
 import proxy
-from proxy import config, database, errors, metrics, operations, providers_api
+from proxy import config, database, errors, logs, metrics, operations, providers_api
 from proxy.config import reconcile as reconciling
 from proxy.config import routes, values
 from proxy.providers_api import github, stripe
@@ -48,6 +51,9 @@ MAX_WAIT_IN_RUN = 60.0
 RATE_LIMIT_TRIES = 3
 # Before a route's first run after the start: the store's start, and a moment more.
 FIRST_RUN_DELAY = 1.0
+# ``events reconcile``'s exit status when the run read the provider's log only to its page
+# bound (otherwise complete); 1 when the API stopped the run.
+EXIT_TRUNCATED = 3
 
 DeliveryLogFactory = Callable[[reconciling.Reconcile], providers_api.DeliveryLog]
 
@@ -75,6 +81,9 @@ class Report:
     refused: dict[str, errors.RecoveryRefused] = field(default_factory=dict)
     # Why the run ended early (an API error), if it did; the gaps left are the next run's.
     stopped: errors.ProviderAPIError | None = None
+    # Whether the provider's log had more pages over the window than a run reads: the older
+    # events were not looked at.
+    truncated: bool = False
 
 
 class Reconciler:
@@ -114,7 +123,13 @@ class Reconciler:
         while True:
             wait = self._not_before.get(route.name, 0.0) - time.monotonic()
             if wait <= 0:
-                await self._turn(route, settings)
+                try:
+                    await self._turn(route, settings)
+                except Exception as exc:  # one route's run must not end the others', nor its next
+                    self._metrics.reconcile_errors.labels(route.name, "crashed").inc()
+                    log.error("reconcile of route %s failed: %s: %.300s (the next run in %s)",
+                              route.name, type(exc).__name__, exc,
+                              values.format_duration(settings.every))  # fmt: skip
             # A quarter period: a replica takes over within that of the last run's period.
             await asyncio.sleep(max(wait, min(settings.every / 4, _RECHECK)))
 
@@ -127,8 +142,13 @@ class Reconciler:
             log.warning("reconcile of route %s: the database does not answer: %s",
                         route.name, exc.message)  # fmt: skip
             return
-        if turn:
+        if not turn:
+            return
+        try:
             await self.reconcile(route)
+        except errors.StoreUnavailable as exc:  # counted by the run
+            log.warning("reconcile of route %s: the database does not answer: %s",
+                        route.name, exc.message)  # fmt: skip
 
     async def reconcile(
         self, route: routes.RouteConfig, *, since: float | None = None, dry_run: bool = False
@@ -186,6 +206,13 @@ class Reconciler:
             return [delivery async for delivery in provider_log.deliveries(since)]
 
         report.deliveries = await self._politely(route, read, deadline)
+        report.truncated = provider_log.truncated
+        if report.truncated:
+            self._metrics.reconcile_errors.labels(route.name, "page_bound").inc()
+            log.warning("reconcile of route %s: the provider's log over the last %s is longer "
+                        "than a run reads; only its newest events were looked at (a shorter "
+                        "since, or a shorter every)", route.name,
+                        values.format_duration(report.since))  # fmt: skip
         report.failed = [delivery for delivery in report.deliveries if not delivery.delivered]
         if not report.failed:
             return
@@ -281,7 +308,8 @@ async def command(
 ) -> int:
     """``events reconcile``: one run over the route now, whatever replica's turn it is (a
     recovery is a duplicate at worst); what the provider says, and what was (or, with
-    ``dry_run``, would be) recovered. Exit status 1 if the provider's API stopped the run."""
+    ``dry_run``, would be) recovered. Exit status 1 if the provider's API stopped the run,
+    ``EXIT_TRUNCATED`` if it read the provider's log only to its page bound."""
     route = operations.route_of(cfg, route_name)
     if route.reconcile is None:
         raise errors.UsageError(f"route {route.name!r} has no reconcile section")
@@ -293,12 +321,15 @@ async def command(
         )  # fmt: skip
         report = await runs.reconcile(route, since=window, dry_run=dry_run)
     out.write(describe(report, dry_run=dry_run))
-    return 1 if report.stopped is not None else 0
+    if report.stopped is not None:
+        return 1
+    return EXIT_TRUNCATED if report.truncated else 0
 
 
 def describe(report: Report, *, dry_run: bool) -> str:
     """The run's report as ``events reconcile`` prints it: the provider's failed events, each
-    with what became of it, then the counts."""
+    with what became of it, then the counts. What the provider's API said is escaped for the
+    terminal (``logs.printable``)."""
     gaps = {delivery.event_id for delivery in report.gaps}
     recovered = {delivery.event_id for delivery in report.recovered}
     lines = [
@@ -318,14 +349,20 @@ def describe(report: Report, *, dry_run: bool) -> str:
             fate = "would be recovered" if dry_run else "a gap, left for the next run"
         when = datetime.fromtimestamp(delivery.at, UTC).isoformat(timespec="seconds")
         lines.append(
-            f"  {delivery.event_id}  {delivery.event or '-'}  {when}  last {delivery.status}, "
-            f"{delivery.attempts} attempt(s): {fate}"
+            f"  {logs.printable(delivery.event_id)}  {logs.printable(delivery.event or '-')}  "
+            f"{when}  last {logs.printable(delivery.status)}, {delivery.attempts} attempt(s): "
+            f"{fate}"
         )
     verb = "would recover" if dry_run else "recovered"
     count = len(report.gaps) if dry_run else len(report.recovered)
     lines.append(
         f"{len(report.gaps)} gap(s) (no claim), {len(report.claimed)} claimed; {verb} {count}"
     )
+    if report.truncated:
+        lines.append(
+            "warning: the provider's log over the window is longer than a run reads; only its "
+            "newest events were looked at (give a shorter --since)"
+        )
     if report.stopped is not None:
-        lines.append(f"stopped: {report.stopped.message}")
+        lines.append(f"stopped: {logs.printable(report.stopped.message)}")
     return "\n".join(lines) + "\n"

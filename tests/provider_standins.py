@@ -6,7 +6,9 @@ a GitHub App's), Stripe's events.
 attempt, newest first, as GitHub's deliveries API lists it: pages of ``per_page`` with a
 ``Link: <…>; rel="next"`` cursor. Asked to redeliver an attempt, it sends the event again, the
 same GUID under the same hook ID, signed with the hook's secret, and logs that attempt too.
-``faults`` scripts the next answers of the API (a 429 with Retry-After, a 401, a 503).
+``faults`` scripts the next answers of the API (a 429 with Retry-After, a 401, a 503);
+``tamper`` and ``next_origin`` make it a hostile or broken API (a page rewritten, a ``Link`` to
+another host).
 ``GitHubHook.app_hook`` makes it a GitHub App's hook (``/app/hook``), its API open only to a JWT
 signed with the App's key and not expired, as GitHub checks it.
 
@@ -15,7 +17,7 @@ is created, sent once, signed with the endpoint's secret, and never retried (a s
 never retries); one the endpoint did not answer with a 2xx keeps ``pending_webhooks`` 1, and
 ``GET /v1/events?delivery_success=false`` lists it, newest first, in pages of ``limit`` walked
 with ``starting_after`` while ``has_more``, as stripe/openapi describes it. It has ``faults``
-as GitHub's does.
+as GitHub's does, and ``tamper``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import hmac
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -32,6 +35,7 @@ from typing import Any
 import aiohttp
 import jwt
 from aiohttp import web
+from yarl import URL
 
 
 @dataclass
@@ -90,6 +94,9 @@ class GitHubHook:
     faults: list[tuple[int, dict[str, str]]] = field(default_factory=list)
     list_requests: int = 0
     redelivery_requests: list[int] = field(default_factory=list)
+    # A hostile or broken API: what each page of the list becomes; the origin its Link names.
+    tamper: Callable[[list[dict[str, Any]]], Any] | None = None
+    next_origin: str = ""
     # A GitHub App's hook: the App's client ID (the JWT's issuer) and public key.
     app_client_id: str = ""
     app_public_key: Any = None
@@ -195,8 +202,12 @@ class GitHubHook:
         headers = {}
         if start + per_page < len(items):
             following = request.url.update_query(cursor=str(start + per_page))
+            if self.next_origin:
+                following = URL(self.next_origin).join(following.relative())
             headers["Link"] = f'<{following}>; rel="next"'
-        return web.json_response(page, headers=headers)
+        return web.json_response(
+            page if self.tamper is None else self.tamper(page), headers=headers
+        )
 
     async def _get(self, request: web.Request) -> web.Response:
         if (fault := self._fault()) is not None:
@@ -259,6 +270,8 @@ class StripeAccount:
     events: list[StripeEvent] = field(default_factory=list)  # oldest first
     faults: list[tuple[int, dict[str, str]]] = field(default_factory=list)
     list_requests: list[dict[str, str]] = field(default_factory=list)  # each request's query
+    # A hostile or broken API: what each list object becomes.
+    tamper: Callable[[dict[str, Any]], Any] | None = None
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def app(self) -> web.Application:
@@ -322,7 +335,8 @@ class StripeAccount:
         if request.headers.get("Authorization") != f"Bearer {self.key}":
             error = {"error": {"type": "invalid_request_error", "message": "Invalid API Key"}}
             return web.json_response(error, status=401)
-        return web.json_response(self.page(dict(request.query)))
+        page = self.page(dict(request.query))
+        return web.json_response(page if self.tamper is None else self.tamper(page))
 
 
 def json_schema(schema: Any) -> Any:

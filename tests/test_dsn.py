@@ -382,3 +382,32 @@ def test_a_libpq_dsn_becomes_the_url_asyncpg_reads(dsn: str, url: str | None) ->
 def test_a_libpq_keyword_asyncpg_does_not_read_is_refused_with_what_to_do() -> None:
     with pytest.raises(ValueError, match=r"'connect_timeout' .*database\.connect_timeout"):
         values.parse_dsn("host=db user=app password=s3cret connect_timeout=10")
+
+
+# A password holding an '@' after a '/' or a '?': asyncpg's host is the text between the first
+# '@' and the '/' ('k9'), where a reader (and the masking) sees the one after the last '@'.
+SPLIT_PASSWORDS = ["Xy7Q@k9/a8b=", "Xy7Q@k9?a8b=", "Xy7Q@k9/a8b=@Lm4"]
+
+
+@pytest.mark.parametrize("password", SPLIT_PASSWORDS)
+async def test_a_password_that_moves_the_host_is_refused_by_check_without_the_password(
+    password: str, tmp_path: Path
+) -> None:
+    dsn = f"postgresql://dedup_proxy:{password}@127.0.0.1:55433/shop"
+    path = config_file(tmp_path, {"dsn": dsn})
+
+    code, out, err = await run_cli("check", "--config", str(path))
+
+    assert code == 2
+    assert "database.dsn: " in err
+    assert "percent-encode" in err
+    assert "Traceback" not in err
+    assert_not_shown(password, out + err)
+    assert "k9" not in out + err
+
+
+@pytest.mark.parametrize("password", SPLIT_PASSWORDS)
+def test_a_receipts_dsn_whose_password_moves_the_host_is_refused(password: str) -> None:
+    with pytest.raises(ValueError, match="percent-encode") as info:
+        values.parse_dsn(f"postgresql://dedup_proxy:{password}@db:5432/receipts")
+    assert_not_shown(password, str(info.value))

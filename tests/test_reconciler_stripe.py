@@ -383,3 +383,42 @@ async def test_the_command_dry_run_lists_what_stripe_reports_and_sends_nothing(
     assert account.events[0].id not in listed  # delivered: not in Stripe's undelivered list
     assert "1 gap(s) (no claim), 0 claimed; would recover 1" in listed
     assert len(upstream.requests) == 1
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_an_event_of_a_type_the_route_does_not_ask_for_is_never_signed_nor_sent(
+    make_proxy: MakeProxy, upstream: FakeUpstream, account: StripeAccount
+) -> None:
+    """Stripe's list is the account's: an API that answers more than ``types[]`` asked for (the
+    stand-in ignores it) must not have the proxy sign and deliver another endpoint's events."""
+    proxy = await make_proxy(routes=[_route(account.api_url, types=["invoice.paid"])])
+    account.target = "http://127.0.0.1:9/unreachable"
+    await account.send("charge.succeeded", n=1)
+    await account.send("invoice.paid", n=2)
+    await account.send("customer.deleted", n=3)
+
+    report = await _run(proxy)
+
+    assert account.list_requests[0]["types[]"] == "invoice.paid"
+    assert [d.event for d in report.recovered] == ["invoice.paid"]
+    assert list(_delivered(upstream)) == [account.events[1].id]  # before: all three
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_an_event_id_not_of_stripe_s_form_stops_the_run_before_anything_is_signed(
+    make_proxy: MakeProxy, upstream: FakeUpstream, account: StripeAccount
+) -> None:
+    proxy = await make_proxy(routes=[_route(account.api_url)])
+    account.target = "http://127.0.0.1:9/unreachable"
+    await account.send(n=1)
+    account.tamper = lambda page: {
+        **page,
+        "data": [{**item, "id": "../v1/charges"} for item in page["data"]],
+    }
+
+    report = await _run(proxy)
+
+    assert report.stopped is not None
+    assert report.stopped.kind == "refused"
+    assert "an event's id is not of Stripe's form" in report.stopped.message
+    assert (report.recovered, upstream.requests) == ([], [])

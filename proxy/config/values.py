@@ -228,11 +228,7 @@ def parse_dsn(value: object) -> str | None:
     userinfo, at, hostspec = authority.rpartition("@")
     if "#" in rest:
         raise ValueError(f"has a '#', which ends a URL; {PERCENT_ENCODE}")
-    if "@" in userinfo or (not at and "@" in tail):
-        # No "@" in the host part but one later: a '/' or '?' in the password cut it short.
-        raise ValueError(
-            f"has an '@' that does not end the user name and password; {PERCENT_ENCODE}"
-        )
+    _one_host(userinfo, bool(at), tail)
     if not _USERINFO.fullmatch(userinfo) or not _decodes(userinfo):
         raise ValueError(f"has a character the password must not hold raw; {PERCENT_ENCODE}")
     if not all(_HOST.fullmatch(host) for host in hostspec.split(",")):
@@ -250,6 +246,25 @@ def parse_dsn(value: object) -> str | None:
     if sslmode not in SSL_MODES:
         raise ValueError(f"sslmode must be one of {', '.join(SSL_MODES)}; got {sslmode!r}")
     return value
+
+
+def _one_host(userinfo: str, at: bool, tail: str) -> None:
+    """ValueError unless the driver, ``check`` and the masking of logs read the same host:
+    every '@' but the one that ends the user name and password is refused."""
+    path, _, query = tail.partition("?")
+    if "@" in userinfo or (not at and "@" in tail):
+        # No "@" in the host part but one later: a '/' or '?' in the password cut it short.
+        raise ValueError(
+            f"has an '@' that does not end the user name and password; {PERCENT_ENCODE}"
+        )
+    if "@" in path or (":" in userinfo and "@" in query):
+        # A password with an '@' and then a '/' or '?': asyncpg ends the host part at the
+        # '/' or '?', and takes the host from inside the password, where a reader (and the
+        # masking of logs) takes the one after the last '@'.
+        raise ValueError(
+            "has an '@' after its host part, so the driver would connect to a host written "
+            f"inside the password; {PERCENT_ENCODE}"
+        )
 
 
 def split_authority(rest: str) -> tuple[str, str]:

@@ -5,18 +5,25 @@
 A closed family: it imports nothing from the package but the error tree and the route's
 ``reconcile`` settings. Every answer of a provider's API is translated here, once, into
 ``errors.ProviderAPIError`` (``answered``), and aiohttp's client errors with it (``reaching``).
+
+The API is trusted with the events' IDs and states, not with where the token goes nor with the
+proxy's memory: an answer is read up to ``MAX_ANSWER`` bytes (``read_json``), a next page is
+followed only on the configured API's origin (``same_origin``), and what goes into a URL is
+checked against the form the provider documents first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import email.utils
+import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
+import yarl
 
 from proxy import errors
 
@@ -24,6 +31,9 @@ from proxy import errors
 REQUEST_TIMEOUT = 30.0
 # When a provider says to slow down without saying for how long.
 DEFAULT_RETRY_AFTER = 60.0
+# An answer of the API read at most (a page of 100 Stripe events is about 1 MiB, of GitHub's
+# deliveries 50 KiB): a larger one is refused unread rather than held and parsed.
+MAX_ANSWER = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,6 +68,12 @@ class DeliveryLog(Protocol):
         ...  # pragma: no cover
 
     async def close(self) -> None: ...
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the last walk of ``deliveries`` stopped at its page bound with pages left
+        (the log's older events then unread)."""
+        ...  # pragma: no cover
 
 
 def retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
@@ -107,3 +123,31 @@ def reaching(what: str) -> Iterator[None]:
         raise errors.ProviderUnavailable(f"{what}: {exc!r}") from exc
     except (ValueError, KeyError, TypeError) as exc:
         raise errors.ProviderRefused(f"{what}: an answer not as described: {exc!r}") from exc
+
+
+async def read_json(response: aiohttp.ClientResponse, what: str) -> Any:
+    """The answer's JSON, read up to ``MAX_ANSWER`` bytes; ``ProviderRefused`` beyond them."""
+    too_large = errors.ProviderRefused(
+        f"{what}: an answer over {MAX_ANSWER // (1024 * 1024)} MiB, refused unread "
+        "(providers_api.MAX_ANSWER)"
+    )
+    if (response.content_length or 0) > MAX_ANSWER:
+        raise too_large
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > MAX_ANSWER:
+            raise too_large
+    return json.loads(body)
+
+
+def same_origin(url: str, base: str) -> bool:
+    """Whether ``url`` is on ``base``'s scheme, host and port (a default port as written or
+    not): where the API's token may be sent."""
+    try:
+        given, configured = yarl.URL(url), yarl.URL(base)
+        return (given.scheme, given.host, given.port) == (
+            configured.scheme, configured.host, configured.port
+        )  # fmt: skip
+    except (TypeError, ValueError):
+        return False

@@ -9,6 +9,10 @@ several times: its first attempt and each redelivery. It was delivered if any at
 (``status`` "OK" and a 2xx ``status_code``); else it is a gap, recovered by asking GitHub to
 redeliver its newest attempt: GitHub then sends the event again, the same GUID under the same
 hook, signed as ever, and the proxy claims it like any other.
+
+A next page is followed only on ``api_url``'s origin (the token goes with it), and an attempt's
+``id`` is a number before it is put in the redelivery's URL; an answer otherwise is
+``errors.ProviderRefused``, as one not as GitHub describes it.
 """
 
 from __future__ import annotations
@@ -19,16 +23,27 @@ from datetime import datetime
 from typing import Any
 
 import aiohttp
+import yarl
 
-from proxy import event_ids
+from proxy import errors, event_ids
 from proxy.config import reconcile
-from proxy.providers_api import REQUEST_TIMEOUT, Delivery, answered, github_app, reaching
+from proxy.providers_api import (
+    REQUEST_TIMEOUT,
+    Delivery,
+    answered,
+    github_app,
+    reaching,
+    read_json,
+    same_origin,
+)
 
 API_VERSION = "2022-11-28"
 PER_PAGE = 100
 # The pages one run reads at most (GitHub keeps 3 days): 100,000 attempts.
 MAX_PAGES = 1000
 _NEXT = re.compile(r'<([^>]+)>\s*;\s*rel="next"')
+# A delivery's ID as GitHub gives it: an integer (it goes into the redelivery's URL).
+_DELIVERY_ID = re.compile(r"[0-9]{1,20}")
 
 
 class HookDeliveries:
@@ -48,6 +63,7 @@ class HookDeliveries:
             },
             timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
         )
+        self.truncated = False
 
     async def close(self) -> None:
         await self._session.close()
@@ -62,40 +78,63 @@ class HookDeliveries:
         them within the window: the log is read to its end before any is yielded)."""
         events: dict[str, list[dict[str, Any]]] = {}
         url: str | None = f"{self._hook}/deliveries?per_page={PER_PAGE}"
+        self.truncated = False
         for _ in range(MAX_PAGES):
             if url is None:
                 break
             page, url = await self._page(url)
-            for attempt in page:
-                if _time(attempt["delivered_at"]) < since:
-                    url = None  # newest first: the rest of the log is older still
-                    continue
-                events.setdefault(str(attempt["guid"]), []).append(attempt)
-        for guid, attempts in events.items():
-            newest = attempts[0]
-            yield Delivery(
-                event_id=event_ids.join([str(self._settings.hook_id), guid]),
-                ref=str(newest["id"]),
-                event=str(newest.get("event") or ""),
-                at=_time(newest["delivered_at"]),
-                delivered=any(_succeeded(attempt) for attempt in attempts),
-                status=f"{newest.get('status_code')} {newest.get('status')}",
-                attempts=len(attempts),
-            )
+            with reaching("listing the hook's deliveries"):
+                for attempt in page:
+                    if _time(attempt["delivered_at"]) < since:
+                        url = None  # newest first: the rest of the log is older still
+                        continue
+                    events.setdefault(str(attempt["guid"]), []).append(attempt)
+        else:
+            self.truncated = url is not None
+        with reaching("listing the hook's deliveries"):
+            found = [self._delivery(guid, attempts) for guid, attempts in events.items()]
+        for delivery in found:
+            yield delivery
+
+    def _delivery(self, guid: str, attempts: list[dict[str, Any]]) -> Delivery:
+        newest = attempts[0]
+        ref = newest["id"]
+        if isinstance(ref, bool) or not _DELIVERY_ID.fullmatch(str(ref)):
+            raise ValueError("a delivery's id is not a number")
+        return Delivery(
+            event_id=event_ids.join([str(self._settings.hook_id), guid]),
+            ref=str(ref),
+            event=str(newest.get("event") or ""),
+            at=_time(newest["delivered_at"]),
+            delivered=any(_succeeded(attempt) for attempt in attempts),
+            status=f"{newest.get('status_code')} {newest.get('status')}",
+            attempts=len(attempts),
+        )
 
     async def _page(self, url: str) -> tuple[list[dict[str, Any]], str | None]:
         what = "listing the hook's deliveries"
         with reaching(what):
             async with self._session.get(url, headers=self._authorization()) as response:
                 answered(response.status, response.headers, what)
-                page = await response.json(content_type=None)
+                page = await read_json(response, what)
                 following = _NEXT.search(response.headers.get("Link", ""))
-        if not isinstance(page, list):
-            raise ValueError("the deliveries are not a list")
-        return page, following[1] if following else None
+            if not isinstance(page, list):
+                raise ValueError("the deliveries are not a list")
+        if following is None:
+            return page, None
+        with reaching(what):
+            after = yarl.URL(url).join(yarl.URL(following[1]))
+        if not same_origin(str(after), self._settings.api_url):
+            raise errors.ProviderRefused(
+                f"{what}: the next page's link leads to another host than api_url's "
+                f"({after.host!r:.100}): not followed, the token goes to api_url only"
+            )
+        return page, str(after)
 
     async def recover(self, delivery: Delivery) -> None:
         what = f"redelivering delivery {delivery.ref}"
+        if not _DELIVERY_ID.fullmatch(delivery.ref):
+            raise errors.ProviderRefused(f"{what}: a delivery's id is not a number")
         with reaching(what):
             async with self._session.post(
                 f"{self._hook}/deliveries/{delivery.ref}/attempts", headers=self._authorization()
