@@ -70,7 +70,9 @@ _SHOWN_PREFIX = 8
 _STATIC = Path(__file__).with_name("console_static")
 _DONE = {"redelivered": "Made due now: the redeliverer sends it within its poll interval.",
          "discarded": "Discarded: the body is dropped, the claim stays.",
-         "unchanged": "Nothing changed: the event is not pending or dead (any more)."}  # fmt: skip
+         "unchanged": "Nothing changed: the event is not pending or dead (any more).",
+         "at_app": "Not made due: it is at the app now (handed off, its first attempt still "
+                   "going on); try again when its attempt ends."}  # fmt: skip
 _HELD = {"paused": "Paused: every running proxy holds the route within redeliverer.poll.",
          "resumed": "Resumed: every running proxy redelivers the route's pending deliveries "
                     "again within redeliverer.poll, at the limit at the app.",
@@ -463,6 +465,8 @@ async def redeliver(request: web.Request) -> web.Response:
         "console: %s redelivered %d event(s) in scope %s: %s", _operator(request), len(changed),
         scope, logs.printable(event_id),
     )  # fmt: skip
+    if not changed and await store.inbox.at_app(scope, [event_id]):
+        raise _back(scope, event_id, "at_app")
     raise _back(scope, event_id, "redelivered" if changed else "unchanged")
 
 

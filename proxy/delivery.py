@@ -39,10 +39,10 @@ UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
 T = TypeVar("T")
 
 # The app's own back-pressure: a 429 or 503 may say when to come back (RFC 9110, 10.2.3). Capped,
-# since the wait holds the route's redeliveries on every replica: a typo in the app's header
+# since the wait holds the scope's redeliveries on every replica: a typo in the app's header
 # must not stop them for a week.
 BACK_OFF = frozenset({429, 503})
-MAX_RETRY_AFTER = 3600.0
+MAX_RETRY_AFTER = database.MAX_RETRY_AFTER
 
 # Standard Webhooks senders disable an endpoint that answers 410: it is never relayed.
 GONE = "upstream answered 410 Gone"

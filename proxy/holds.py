@@ -1,6 +1,13 @@
-"""This worker's copy of the route holds (``database.holds``): which route scopes are held, read
-without a round trip to the database, so that the redeliverer (and the pipeline, per webhook)
-may ask at any moment.
+"""This worker's copy of the route holds (``database.holds``): which route scopes are held, and
+which per-path ones, read without a round trip to the database, so that the redeliverer (and the
+pipeline, per webhook) may ask at any moment.
+
+An operator's pause holds a route scope, every path of it. The app's Retry-After holds the
+scope of the claim it answered: on a templated route the tenant's ("hooks/acme"), so that one
+tenant's back-pressure holds neither the others' first deliveries nor their redeliveries. At
+most ``MAX_PATH_HOLDS`` per-path scopes of one route are held at once (any path value the app
+answers with Retry-After would otherwise be a row read by every worker every poll); past
+them, a tenant's Retry-After delays only the delivery it answered (its row is due no earlier).
 
 The copy is read again every ``redeliverer.poll`` seconds, so a hold set anywhere (another
 replica, ``dedup-proxy events pause``) is seen here within that; a hold this worker sets itself
@@ -31,8 +38,10 @@ SLACK = 1.0
 # A read of the holds waits for a free pool connection, rather than yield to the requests, once
 # this many polls passed without one: a pause must reach a worker that is always busy.
 YIELD_POLLS = 5
+# The most per-path scopes of one route held at once for the app's Retry-After (module docstring).
+MAX_PATH_HOLDS = 1000
 
-__all__ = ["RETRY_AFTER_BY", "SLACK", "YIELD_POLLS", "Hold", "HoldKind", "Holds"]
+__all__ = ["MAX_PATH_HOLDS", "RETRY_AFTER_BY", "SLACK", "YIELD_POLLS", "Hold", "HoldKind", "Holds"]
 
 
 class Holds:
@@ -49,7 +58,7 @@ class Holds:
     ) -> None:
         self._store = store
         self._routes = tuple(configured)
-        self._scopes = sorted({route.scope for route in self._routes})
+        self._scopes = sorted({route.scope for route in self._routes})  # their paths' with them
         self._poll = poll
         self._meters = meters
         self._holds: dict[str, Hold] = {}
@@ -63,31 +72,51 @@ class Holds:
                     meters.route_held.labels(route.name, kind).set(0)
 
     def held(self, scope: str) -> Hold | None:
-        """``scope``'s hold in force now (a per-path scope, "github/acme", is held with its
-        route's scope), or None."""
+        """``scope``'s hold in force now, or None: a per-path scope ("github/acme") is held with
+        its route's scope, or by a hold of its own (the app's Retry-After for that tenant)."""
         if not self._holds:  # the common case, on every webhook
             return None
-        hold = self._holds.get(scope.partition("/")[0])
-        if hold is None or not hold.held_at(time.time()):
-            return None
-        return hold
+        now = time.time()
+        route = scope.partition("/")[0]
+        for held in (route, scope) if route != scope else (scope,):
+            hold = self._holds.get(held)
+            if hold is not None and hold.held_at(now):
+                return hold
+        return None
 
     def unheld(self, scopes: Iterable[str]) -> list[str]:
         """Those of ``scopes`` not held now."""
         return [scope for scope in scopes if self.held(scope) is None]
 
+    def held_paths(self, scopes: Iterable[str]) -> list[str]:
+        """The per-path scopes of these route scopes held now by holds of their own."""
+        if not self._holds:
+            return []
+        now, routes_ = time.time(), set(scopes)
+        return sorted(
+            scope for scope, hold in self._holds.items()
+            if "/" in scope and scope.partition("/")[0] in routes_ and hold.held_at(now)
+        )  # fmt: skip
+
     async def hold_for_retry_after(self, scope: str, seconds: float) -> Hold | None:
-        """Hold ``scope`` for at least ``seconds`` from now, on every replica: the app answered
+        """Hold ``scope`` (the claim's: on a templated route the tenant's) for at least
+        ``seconds`` from now, at most ``MAX_RETRY_AFTER``, on every replica: the app answered
         429 or 503 with Retry-After. A longer hold stays, and a pause stays a pause. The hold
         in force after; if the database does not answer, this worker's alone, until the copy is
         next read (None: nothing held, the database did not answer and ``seconds`` is not more
-        than 0)."""
-        scope = scope.partition("/")[0]
+        than 0, or ``MAX_PATH_HOLDS`` of the route's paths are held already)."""
+        seconds = min(seconds, database.MAX_RETRY_AFTER)
         now = time.time()
         current = self.held(scope)
         if current is not None and (
             current.until is None or current.until + SLACK >= now + seconds
         ):
+            return current
+        route = scope.partition("/")[0]
+        full = route != scope and len(self.held_paths([route])) >= MAX_PATH_HOLDS
+        if full and scope not in self._holds:
+            log.warning("not holding %s for the app's Retry-After: %d paths of route scope %s "
+                        "are held already", scope, MAX_PATH_HOLDS, route)  # fmt: skip
             return current
         try:
             hold = await self._store.holds.hold_at_least(

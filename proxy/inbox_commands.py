@@ -388,8 +388,13 @@ async def redeliver(
     async with operations.open_store(cfg) as store:
         named = await operations.resolve(store, scope, event_ids)
         changed = await store.inbox.redeliver(scope, list(named.stored.values()), None, for_)
-    done = {key.event_id for key in changed}
-    named.report(event_ids, done, "redelivering", out)
+        done = {key.event_id for key in changed}
+        left = [stored for stored in named.stored.values() if stored not in done]
+        at_app = await store.inbox.at_app(scope, left) if left else {}
+    why = {stored: f"at the app now, not made due (handed off, its first attempt still going "
+                   f"on; try again when it ends, by {_when(lease)} at the latest)"
+           for stored, lease in at_app.items()}  # fmt: skip
+    named.report(event_ids, done, "redelivering", out, why)
     out.write(f"{len(changed)} {_DUE_NOW}\n")
     return 0 if named.all_done(done) else 1
 

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import sys
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple, TextIO
 
@@ -101,17 +101,23 @@ class Named(NamedTuple):
     problems: dict[str, str]  # each of the others, to its line: not found, or its candidates
 
     def report(
-        self, event_ids: Sequence[str], done: Collection[str], did: str, out: TextIO
+        self,
+        event_ids: Sequence[str],
+        done: Collection[str],
+        did: str,
+        out: TextIO,
+        why: Mapping[str, str] | None = None,
     ) -> None:
         """A line for each ID given: ``did`` to the claim (``done`` holds the stored IDs the
-        command changed), else why not."""
+        command changed), else why not (``why``: by stored ID, else "not found")."""
         for event_id in dict.fromkeys(event_ids):
             stored = self.stored.get(event_id)
             if stored is None:
                 out.write(f"{self.problems[event_id]}\n")
                 continue
             shown = event_id if stored == event_id else f"{event_id} (claim {stored})"
-            out.write(f"{did if stored in done else 'not found'}: {self.scope} {shown}\n")
+            said = did if stored in done else (why or {}).get(stored, "not found")
+            out.write(f"{said}: {self.scope} {shown}\n")
 
     def all_done(self, done: Collection[str]) -> bool:
         """Whether every ID given named one claim, and the command changed each."""

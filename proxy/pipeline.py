@@ -544,7 +544,7 @@ class Cycle:
         retry_after = result.retry_after()
         if retry_after is not None:
             await self.request.app[app_keys.HOLDS].hold_for_retry_after(
-                route.config.scope, retry_after
+                claim.key.scope, retry_after
             )
 
     async def _failed(
@@ -572,14 +572,14 @@ class Cycle:
         self, claim: database.Claim, result: delivery.Result
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """Keep a delivery the app failed (``_keep``): due after the schedule's first wait, or
-        after the app's ``Retry-After`` if it asked for longer, which then holds the route's
-        redeliveries as long (``holds``)."""
+        after the app's ``Retry-After`` if it asked for longer, which then holds the claim's
+        scope (on a templated route the tenant's, not the route's) as long (``holds``)."""
         route = self.route
         retry_after = result.retry_after()
         if retry_after is None or route.redeliver is None:
             return await self._keep(claim, result.attempt)
-        # Its redeliveries, and the route's, wait as long on every replica.
-        await self.request.app[app_keys.HOLDS].hold_for_retry_after(route.config.scope, retry_after)
+        # Its redeliveries, and its scope's, wait as long on every replica.
+        await self.request.app[app_keys.HOLDS].hold_for_retry_after(claim.key.scope, retry_after)
         delay = max(retry_after, route.redeliver.schedule[0])
         return await self._keep(claim, result.attempt, reason="retry_after", delay=delay)
 

@@ -16,8 +16,9 @@ the route's schedule, or dead past its ``for`` or on an answer retrying cannot f
 limit at the app bounds them anyway. While nothing is due, one lane per worker looks every
 ``poll`` and wakes the others when it finds work.
 
-A lane looks at and takes no row of a route scope held (``holds``: an operator's ``events
-pause``, the app's Retry-After), on any replica; once the hold ends, the looking lane finds its
+A lane looks at and takes no row of a scope held (``holds``: an operator's ``events pause`` of
+a route, the app's Retry-After for the scope it answered, a tenant's on a templated route), on
+any replica; once the hold ends, the looking lane finds its
 rows due within ``poll``, and they go out at the limit at the app, oldest first.
 
 On SIGTERM the lanes stop taking rows; a redelivery in flight finishes, or, past
@@ -171,7 +172,7 @@ class Redeliverer:
         if not scopes:
             return False
         try:
-            return await self._store.inbox.due(scopes)
+            return await self._store.inbox.due(scopes, self._held_paths(scopes))
         except errors.StoreUnavailable as exc:
             self._failing(exc.message)
             return False
@@ -240,6 +241,10 @@ class Redeliverer:
         """This worker's route scopes not held now (``holds``: no database round trip)."""
         return self._scopes if self._holds is None else self._holds.unheld(self._scopes)
 
+    def _held_paths(self, scopes: list[str]) -> list[str]:
+        """Their per-path scopes held now (a tenant's Retry-After), passed over."""
+        return [] if self._holds is None else self._holds.held_paths(scopes)
+
     async def redeliver_one(self) -> bool:
         """Redeliver the oldest due row of a scope not held (``holds``), if one is: whether one
         was sent."""
@@ -248,7 +253,7 @@ class Redeliverer:
             return False
         if self._receipts:
             await self._store.receipt_keys()  # read at start: before a row holds a connection
-        async with self._store.inbox.take(scopes) as redelivery:
+        async with self._store.inbox.take(scopes, self._held_paths(scopes)) as redelivery:
             if redelivery is None:
                 return False
             self.in_flight += 1
@@ -304,7 +309,8 @@ class Redeliverer:
         )
         retry_after = attempted.retry_after()
         if retry_after is not None and self._holds is not None:
-            # The app asked to wait: the route's other redeliveries wait as long, everywhere.
+            # The app asked to wait: the scope's other redeliveries (on a templated route,
+            # the tenant's) wait as long, everywhere.
             await self._holds.hold_for_retry_after(redelivery.scope, retry_after)
         level = LEVELS[result]
         if error:

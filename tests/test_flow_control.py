@@ -6,6 +6,8 @@ on any other route it waits its turn, then 503. Real PostgreSQL; the burst acros
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import logging
 from collections import Counter
@@ -17,13 +19,14 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import app_keys, app_limit, delivery, errors, inbox_commands
+from proxy import app_keys, app_limit, config, console_gate, delivery, errors, inbox_commands
 from proxy.database import inbox
 from proxy.upstream import http1
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
     Serve,
+    admin_client,
     fetch,
     github_headers,
     github_route,
@@ -335,6 +338,55 @@ async def test_kill_9_during_a_hand_off_loses_nothing_and_sends_again_only_after
     # Due no sooner than upstream.timeout (2 s) + 5 s after the hand-off.
     sent_again = datetime.fromisoformat(attempts[0]["at"])
     assert (sent_again - delivered["received_at"]).total_seconds() >= 7
+
+
+OPERATOR = ("alice", "correct-horse-battery-staple")
+
+
+async def test_redeliver_now_sends_no_second_copy_while_a_handed_off_delivery_is_at_the_app(
+    make_proxy: MakeProxy,
+    aiohttp_client: Any,
+    proxy_config: Any,
+    upstream: FakeUpstream,
+    pg_dsn: str,
+    table: str,
+) -> None:
+    upstream.gate = asyncio.Event()
+    console = {"actions": True, "credentials": [":".join(OPERATOR)]}
+    proxy = await make_proxy(routes=[HANDED], redeliverer=QUICK, admin={"console": console})
+    admin = await admin_client(aiohttp_client, proxy)
+    answer = await asyncio.wait_for(proxy.post("/hooks", data=b'{"id": "busy"}'), 10)
+    assert (await answer.json())["kept_for"] == "deadline"  # handed off: the app still has it
+
+    out = io.StringIO()
+    code = await inbox_commands.redeliver(proxy_config(routes=[HANDED]), "hooks", ["busy"], out=out)
+    assert code == 1
+    assert out.getvalue().startswith("at the app now, not made due (handed off, ")
+    assert out.getvalue().endswith(": hooks busy\n0 delivery(ies) due now; the redeliverer takes "
+                                   "them within its poll interval\n")  # fmt: skip
+    name, password = OPERATOR
+    token = console_gate.csrf_token(config.console.Credential(name=name, password=password))
+    basic = base64.b64encode(f"{name}:{password}".encode()).decode()
+    headers = {"Authorization": f"Basic {basic}",
+               "Origin": f"http://{admin.host}:{admin.port}"}  # fmt: skip
+    one = {"scope": "hooks", "id": "busy", "csrf": token}
+    async with admin.post("/console/redeliver", data=one, headers=headers,
+                          allow_redirects=False) as response:  # fmt: skip
+        assert response.status == 303
+        assert "done=at_app" in response.headers["Location"]
+    bulk = {"route": "hooks", "expected": "1", "csrf": token}
+    async with admin.post("/console/bulk", data=bulk, headers=headers) as response:
+        assert response.status == 200
+        assert "0 delivery(ies) made due now, of 1" in await response.text()
+
+    await asyncio.sleep(1.0)  # ten polls: a lane would have sent it, had it been made due
+    copies = len(upstream.requests)
+    upstream.gate.set()
+    await wait_until(lambda: _state(pg_dsn, table, "busy", "delivered"), "the answer recorded")
+    assert copies == 1
+    assert len(upstream.requests) == 1
+    attempts = json.loads((await _row(pg_dsn, table, "busy"))["inbox_attempts"])
+    assert [a["status"] for a in attempts] == [200]
 
 
 async def _row(dsn: str, table: str, event_id: str) -> Any:

@@ -354,3 +354,64 @@ async def test_the_documented_grants_pause_and_resume_and_the_apps_hold_names_it
                     await store.holds.hold_at_least("hooks", 60, by="proxy", note="503")
         code, _, err = await events(config_file, "resume", "--route", "hooks")
         assert (code, err) == (0, "")
+
+
+TENANTS = {**ROUTE, "path": "/hooks/{tenant}"}
+
+
+async def test_one_tenants_retry_after_holds_that_tenant_only(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    def respond(n: int) -> web.Response:
+        if upstream.requests[n].path_qs.startswith("/hooks/acme"):
+            return web.Response(status=429, headers={"Retry-After": "3600"})
+        return web.Response(status=503 if n == 1 else 200)  # globex's first fails once
+
+    upstream.respond = respond
+    proxy = await make_proxy(routes=[TENANTS], redeliverer=QUICK)
+    copy = proxy.app[app_keys.HOLDS]
+    acme = await proxy.post("/hooks/acme", data=b'{"id": "a1"}')
+    assert (await acme.json())["kept_for"] == "retry_after"
+    globex = await proxy.post("/hooks/globex", data=b'{"id": "g1"}')
+    assert (globex.status, (await globex.json())["upstream_status"]) == (202, 503)  # sent
+    assert (await proxy.post("/hooks/globex", data=b'{"id": "g2"}')).status == 200
+
+    async def globex_delivered() -> bool:  # g1 redelivered on its schedule (200 ms)
+        rows = await fetch(pg_dsn, f"SELECT inbox_state FROM \"{table}\" WHERE event_id = 'g1'")
+        return rows[0]["inbox_state"] == "delivered"
+
+    await wait_until(globex_delivered, "globex's redelivery while acme is held")
+    later = await proxy.post("/hooks/acme", data=b'{"id": "a2"}')
+    assert (await later.json())["kept_for"] == "retry_after"  # acme's own: held, not sent
+    assert [r.path_qs for r in upstream.requests].count("/hooks/acme") == 1
+    assert copy.held("hooks/globex") is None
+    held = copy.held("hooks/acme")
+    assert held is not None
+    assert held.until is not None
+    assert held.until - held.since == pytest.approx(3600, abs=5)
+    (row,) = await fetch(pg_dsn, f"SELECT event_id FROM \"{table}\" WHERE scope = '~holds'")
+    assert row["event_id"] == "hooks/acme"
+
+
+async def test_a_retry_after_hold_is_capped_and_a_tenants_ended_rows_do_not_pile_up(
+    proxy_config: Any, pg_dsn: str, table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = proxy_config(routes=[TENANTS])
+    async with operations.open_store(cfg) as store:
+        await store.migrate()
+        week = await store.holds.hold_at_least("hooks/acme", 7 * 86400, by="proxy", note="x")
+        assert week.until is not None
+        assert week.until - week.since == pytest.approx(database.MAX_RETRY_AFTER, abs=5)
+        await execute(pg_dsn, f"UPDATE \"{table}\" SET inbox_until = now() WHERE scope = '~holds'")
+        await store.holds.hold_at_least("hooks/globex", 60, by="proxy", note="x")
+        rows = await fetch(pg_dsn, f"SELECT event_id FROM \"{table}\" WHERE scope = '~holds'")
+        assert [r["event_id"] for r in rows] == ["hooks/globex"]  # acme's ended row is gone
+        assert await store.holds.release("hooks", by="bob") == HoldKind.RETRY_AFTER
+        assert await store.holds.active() == {}
+
+        monkeypatch.setattr(holds, "MAX_PATH_HOLDS", 2)
+        copy = holds.Holds(store, cfg.routes, poll=1.0)
+        for tenant in ("a", "b", "c"):
+            await copy.hold_for_retry_after(f"hooks/{tenant}", 60)
+        assert copy.held_paths(["hooks"]) == ["hooks/a", "hooks/b"]
+        assert set(await store.holds.active(["hooks"])) == {"hooks/a", "hooks/b"}

@@ -28,7 +28,7 @@ from proxy.database.claim import (
     is_bound,
     unbound,
 )
-from proxy.database.holds import Hold, HoldKind, RouteHolds
+from proxy.database.holds import MAX_RETRY_AFTER, Hold, HoldKind, RouteHolds
 from proxy.database.inbox import (
     Attempt,
     HandedOff,
@@ -61,6 +61,7 @@ __all__ = [
     "DDL_LOCK_WAIT",
     "DEGRADED",
     "GRANT_ANSWER_HINT",
+    "MAX_RETRY_AFTER",
     "PRIVILEGES",
     "Answer",
     "Attempt",

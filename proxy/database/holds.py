@@ -1,7 +1,9 @@
 """Route holds: "this route scope's redeliveries are held until T", for every replica at once.
 
 A hold is a row of the claim table, in the reserved scope ``sql.HOLDS`` (no route's: routes'
-scopes are letters, digits, '_', '.' and '-'), keyed by the route scope it holds, as the upgrade
+scopes are letters, digits, '_', '.' and '-'), keyed by the scope it holds (a route's; for the
+app's Retry-After, the claim's, which on a templated route is the tenant's: "hooks/acme"; the
+rows of a route's per-path holds are deleted once ended, when the next is set), as the upgrade
 window's rows are in ``sql.ID_FORMS``: no new table, and no grant beyond the documented ones
 (a pause and a resume delete the row and insert it anew: SELECT, INSERT, DELETE; a hold for the
 app's Retry-After changes it, with the inbox's UPDATE). Its kind, end, start, and who and why
@@ -11,10 +13,11 @@ is one row of the table like any other (distributed by ``event_id``, the route s
 by its whole key.
 
 Two kinds: ``paused`` (an operator's ``events pause``, with an end or none) and
-``retry_after`` (the app answered 429 or 503 with ``Retry-After``). ``hold`` sets a hold,
-whatever held before; ``hold_at_least`` never shortens a hold and never turns a pause into
-another kind; ``release`` ends it now (deletes the row). A hold is in force while its end is
-ahead (or it has none); the row of one that ended stays until the next hold replaces it.
+``retry_after`` (the app answered 429 or 503 with ``Retry-After``, for at most
+``MAX_RETRY_AFTER``). ``hold`` sets a hold, whatever held before; ``hold_at_least`` never
+shortens a hold and never turns a pause into another kind; ``release`` ends a route's now, its
+per-path ones with it (deletes the rows). A hold is in force while its end is ahead (or it has
+none); the row of one that ended stays until the next hold replaces it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ OUTDATED = (
     "the claim table does not exist yet, or predates the inbox whose columns hold a hold: run "
     "'dedup-proxy migrate'"
 )
+# The longest the app's Retry-After holds a scope, from the answer that asked: a typo in the
+# app's header must not stop a route's redeliveries for a week.
+MAX_RETRY_AFTER = 3600.0
 GRANT_HINT = (
     "a pause and a resume need SELECT, INSERT and DELETE on the table, and a hold for the "
     f"app's Retry-After also GRANT UPDATE ({', '.join(sql.INBOX_COLUMNS)}), as redeliver does"
@@ -101,14 +107,19 @@ class RouteHolds:
         return await self._read(scope)
 
     async def hold_at_least(self, scope: str, seconds: float, *, by: str, note: str) -> Hold:
-        """Hold ``scope`` for at least ``seconds`` from now, as the app asked (Retry-After): a
-        longer hold stays as it is, and a pause stays a pause. The hold in force after."""
+        """Hold ``scope`` for at least ``seconds`` from now (at most ``MAX_RETRY_AFTER``), as
+        the app asked (Retry-After): a longer hold stays as it is, and a pause stays a pause.
+        The hold in force after. A per-path scope's ("hooks/acme") first deletes its route's
+        per-path holds that ended."""
         request = _request(by, note)
         statements = self.statements
-        args = (scope, HoldKind.RETRY_AFTER, max(0.0, seconds), request)
+        args = (scope, HoldKind.RETRY_AFTER, min(max(0.0, seconds), MAX_RETRY_AFTER), request)
+        route, _, path = scope.partition("/")
         async with self._acquire() as connection:
             with _writing("holding the route failed"):
                 async with connection.transaction():
+                    if path:
+                        await connection.execute(statements.sweep_path_holds, route)
                     status = await connection.execute(statements.hold_row, *args)
                     if status != "INSERT 0 1":
                         renewed = await connection.execute(statements.renew_hold_one, *args)
@@ -117,17 +128,26 @@ class RouteHolds:
         return await self._read(scope)
 
     async def release(self, scope: str, *, by: str) -> HoldKind | None:
-        """End ``scope``'s hold now; the kind it was (None: it held none)."""
+        """End route scope ``scope``'s hold now, and its per-path scopes' (the app's
+        Retry-After for one tenant); the kind it was (None: none held; ``RETRY_AFTER`` when only
+        per-path ones did)."""
         async with self._acquire() as connection:
             with _writing("releasing the route failed"):
-                row = await connection.fetchrow(self.statements.unhold_one, scope)
+                async with connection.transaction():
+                    row = await connection.fetchrow(self.statements.unhold_one, scope)
+                    paths = await connection.fetch(self.statements.unhold_paths, scope)
+        held_paths = sorted(path["event_id"] for path in paths if path["held"])
+        if held_paths:
+            log.info("the holds of %s released by %s (the app's Retry-After)",
+                     ", ".join(held_paths), by)  # fmt: skip
         if row is None or not row["held"]:
-            return None
+            return HoldKind.RETRY_AFTER if held_paths else None
         log.info("route scope %s released by %s (it was %s)", scope, by, row["inbox_state"])
         return HoldKind(row["inbox_state"])
 
     async def active(self, scopes: Sequence[str] | None = None) -> dict[str, Hold]:
-        """The holds in force of these route scopes (None: of all), by scope."""
+        """The holds in force of these route scopes and of their per-path ones (None: of all),
+        by scope."""
         async with self._acquire() as connection:
             with inbox.plainly("reading the route holds failed", OUTDATED):
                 rows = await connection.fetch(

@@ -25,7 +25,7 @@ import dataclasses
 import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -340,8 +340,9 @@ class Redelivery:
 class HandedOff:
     """A delivery kept at its hand-off (``Claim.keep`` with a lease for its delay) whose first
     attempt went on: its result, written in its row without a lock, since no lane takes the row
-    before its lease ends. Its first attempt's failure is the schedule's first (``failures``
-    0: the hand-off is no attempt of the app's)."""
+    before its lease ends, nor does an operator's redeliver make it due meanwhile. Its first
+    attempt's failure is the schedule's first (``failures`` 0: the hand-off is no attempt of
+    the app's)."""
 
     failures = 0
 
@@ -389,20 +390,24 @@ class Inbox:
         self.distributed = distributed
         self._begin = begin
 
-    async def due(self, scopes: list[str]) -> bool:
-        """Whether a row of ``scopes`` is due (one cheap indexed read, locking nothing)."""
+    async def due(self, scopes: list[str], held: Sequence[str] = ()) -> bool:
+        """Whether a row of ``scopes`` is due, but of the per-path scopes ``held`` (one cheap
+        indexed read, locking nothing)."""
         async with self._acquire() as connection:
             with pool.translated("looking for due redeliveries failed"):
                 rows = await connection.fetch(
-                    self.statements.due, scopes, 1, 0, timeout=self.op_timeout
+                    self.statements.due, scopes, 1, 0, list(held), timeout=self.op_timeout
                 )
         return bool(rows)
 
     @contextlib.asynccontextmanager
-    async def take(self, scopes: list[str]) -> AsyncIterator[Redelivery | None]:
-        """The oldest due row of ``scopes`` (routes' scopes) no one else holds, locked until its
-        redelivery ends (None: none is due, or every due one is being redelivered). One cheap
-        indexed read when none is; the transaction only when one is.
+    async def take(
+        self, scopes: list[str], held: Sequence[str] = ()
+    ) -> AsyncIterator[Redelivery | None]:
+        """The oldest due row of ``scopes`` (routes' scopes; none of the per-path scopes
+        ``held``) no one else holds, locked until its redelivery ends (None: none is due, or
+        every due one is being redelivered). One cheap indexed read when none is; the
+        transaction only when one is.
 
         The due rows' keys are read first, ``CANDIDATES`` at a time, oldest first and locking
         nothing. Then the oldest of them no other transaction holds is locked by one statement
@@ -411,10 +416,11 @@ class Inbox:
         the oldest, until they end: past a page of them, the next page. (Every lane trying the
         same page one round trip per key made a redelivery cost a round trip per lane busy:
         the burst bench's drain at 64 lanes.)"""
+        held = list(held)
         async with self._acquire() as connection:
             with pool.translated("looking for due redeliveries failed"):
                 due = await connection.fetch(
-                    self.statements.due, scopes, CANDIDATES, 0, timeout=self.op_timeout
+                    self.statements.due, scopes, CANDIDATES, 0, held, timeout=self.op_timeout
                 )
                 if not due:
                     yield None
@@ -423,7 +429,7 @@ class Inbox:
             redelivery = None
             try:
                 with pool.translated("taking a due redelivery failed"):
-                    row = await self._first_free(connection, scopes, due)
+                    row = await self._first_free(connection, scopes, held, due)
                 if row is not None:
                     redelivery = Redelivery(self, connection, row)
                 yield redelivery
@@ -435,7 +441,11 @@ class Inbox:
                         await connection.execute("ROLLBACK", timeout=self.op_timeout)
 
     async def _first_free(
-        self, connection: pool.Connection, scopes: list[str], due: list[pool.Record]
+        self,
+        connection: pool.Connection,
+        scopes: list[str],
+        held: list[str],
+        due: list[pool.Record],
     ) -> pool.Record | None:
         """The first of the due rows, page after page, that this transaction could lock."""
         offset = 0
@@ -447,7 +457,7 @@ class Inbox:
                 return None
             offset += CANDIDATES
             due = await connection.fetch(
-                self.statements.due, scopes, CANDIDATES, offset, timeout=self.op_timeout
+                self.statements.due, scopes, CANDIDATES, offset, held, timeout=self.op_timeout
             )
 
     async def _lock_first(
@@ -511,7 +521,9 @@ class Inbox:
     ) -> list[Key]:
         """Make these rows (or ``scope``'s rows in ``state``, changed since ``since``: every
         page of ``selected``, each by ``redeliver_batch``) pending and due now, with ``for_``
-        seconds of the schedule again: the keys it changed."""
+        seconds of the schedule again: the keys it changed. A row whose handed-off attempt is
+        still at the app is passed over (``at_app`` says which): made due, it would be sent a
+        second time while the app works on the first."""
         if event_ids is not None:
             rows = await self._operate(self.statements.redeliver, scope, event_ids, for_)
             return [Key(row["scope"], row["event_id"]) for row in rows]
@@ -523,6 +535,14 @@ class Inbox:
             changed += await self.redeliver_batch(selection, keys, for_)
             after = keys[-1]
         return changed
+
+    async def at_app(self, scope: str, event_ids: list[str]) -> dict[str, datetime]:
+        """Those of these rows whose handed-off attempt is still at the app (``redeliver``
+        passes them over), each to the end of its lease: by then its attempt has ended."""
+        async with self._acquire() as connection:
+            with plainly("query failed"):
+                rows = await connection.fetch(self.statements.at_app, scope, event_ids)
+        return {row["event_id"]: row["inbox_due"] for row in rows}
 
     async def discard(self, scope: str, event_ids: list[str]) -> set[str]:
         """Drop these pending or dead deliveries, keeping their claims: the IDs it changed."""

@@ -42,6 +42,13 @@ _LISTED = (
     "jsonb_array_length(inbox_attempts), inbox_due, octet_length(inbox_body), "
     "(inbox_attempts -> -1 ->> 'status')::int, inbox_attempts -> -1 ->> 'error'"
 )
+# A delivery handed off whose first attempt is still at the app: kept at its hand-off, no
+# attempt recorded yet, and its lease (inbox_due, upstream.timeout + 5 s after the hand-off)
+# not over. Its attempt's end records one (``HandedOff``), or the lease ends (its proxy died).
+_AT_APP = (
+    "(inbox_state = 'pending' AND inbox_request ->> 'kept_for' = 'handed_off' "
+    "AND jsonb_array_length(inbox_attempts) = 0 AND inbox_due > now())"
+)
 # Discarded: the request and body dropped, the claim and its attempts kept.
 _DISCARDED = (
     "inbox_state = 'discarded', inbox_body = NULL, inbox_request = NULL, inbox_size = NULL, "
@@ -123,12 +130,13 @@ class Statements:
 
     @property
     def due(self) -> str:
-        # $1 the scopes, $2 how many, $3 past how many: the oldest due rows, locking none
+        # $1 the scopes, $2 how many, $3 past how many, $4 the per-path scopes held (a
+        # tenant's Retry-After, ``holds``): the oldest due rows of the others, locking none
         # (``take`` locks one).
         return (
             f"SELECT scope, event_id FROM {self.quoted} WHERE inbox_state = 'pending' "
-            f"AND inbox_due <= now() AND {_OURS} ORDER BY received_at, event_id "
-            "LIMIT $2 OFFSET $3"
+            f"AND inbox_due <= now() AND {_OURS} AND scope <> ALL($4::text[]) "
+            "ORDER BY received_at, event_id LIMIT $2 OFFSET $3"
         )
 
     @property
@@ -217,11 +225,21 @@ class Statements:
     @property
     def redeliver(self) -> str:
         # $1 scope, $2 event IDs, $3 for (seconds): pending, due now, with the route's full
-        # schedule again. Waits for a row being redelivered right now (OPERATOR_LOCK_WAIT).
+        # schedule again. Waits for a row being redelivered right now (OPERATOR_LOCK_WAIT);
+        # passes over a row whose handed-off attempt is still at the app (``_AT_APP``).
         return (
             f"UPDATE {self.quoted} SET {_AGAIN.format(until='$3')} "
             "WHERE scope = $1 AND event_id = ANY($2) AND inbox_state IN ('pending', 'dead') "
-            "AND inbox_body IS NOT NULL RETURNING scope, event_id"
+            f"AND inbox_body IS NOT NULL AND NOT {_AT_APP} RETURNING scope, event_id"
+        )
+
+    @property
+    def at_app(self) -> str:
+        # $1 scope, $2 event IDs: those whose handed-off attempt is still at the app, and the
+        # end of its lease. Locks nothing (why ``redeliver`` passed them over, in words).
+        return (
+            f"SELECT event_id, inbox_due FROM {self.quoted} "
+            f"WHERE scope = $1 AND event_id = ANY($2) AND {_AT_APP}"
         )
 
     @property
@@ -248,13 +266,14 @@ class Statements:
     @property
     def redeliver_one(self) -> str:
         # $1 scope, $2 event ID, $3 state, $4 changed since or NULL, $5 for (seconds): one row
-        # of ``selected``, if it still is. A row being redelivered right now is passed over:
-        # it needs no making due.
+        # of ``selected``, if it still is. A row being redelivered right now, or whose handed-off
+        # attempt is at the app, is passed over: it needs no making due.
         key = "scope = $1 AND event_id = $2"
         return (
             f"UPDATE {self.quoted} SET {_AGAIN.format(until='$5')} WHERE {key} "
-            f"AND {_SELECTED.format(state='$3', since='$4', again='true')} AND EXISTS (SELECT "
-            f"FROM {self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) RETURNING scope, event_id"
+            f"AND {_SELECTED.format(state='$3', since='$4', again='true')} AND NOT {_AT_APP} "
+            f"AND EXISTS (SELECT FROM {self.quoted} WHERE {key} FOR UPDATE SKIP LOCKED) "
+            "RETURNING scope, event_id"
         )
 
     @property
@@ -307,8 +326,9 @@ class Statements:
             f"   LIMIT $3) AND {dead}"
         )
 
-    # The route holds (``database.holds``): a row in scope sql.HOLDS keyed by the route scope
-    # ($1), its kind in inbox_state, its end in inbox_until (NULL: none), the end asked for in
+    # The route holds (``database.holds``): a row in scope sql.HOLDS keyed by the scope it
+    # holds ($1: a route's, or for the app's Retry-After a per-path one, "route/acme"), its
+    # kind in inbox_state, its end in inbox_until (NULL: none), the end asked for in
     # inbox_due, since when in inbox_changed and who and why in inbox_request. The INSERT makes
     # the row (DO NOTHING, as Citus needs); a pause or a resume deletes it first, and the app's
     # Retry-After changes it by an UPDATE on its whole key. Every end is now() + $3 seconds
@@ -357,7 +377,8 @@ class Statements:
 
     @property
     def holds(self) -> str:
-        # $1 route scopes, or NULL for all: the holds in force, their times as seconds from now
+        # $1 scopes, or NULL for all: the holds in force of these and of their per-path scopes
+        # (a route's: "hooks/acme" of "hooks"), their times as seconds from now
         # (the database's clock: each proxy adds them to its own).
         return (
             "SELECT event_id AS scope, inbox_state AS kind, inbox_request AS request, "
@@ -365,8 +386,29 @@ class Statements:
             "extract(epoch FROM inbox_due - now())::float8 AS asked_in, "
             "extract(epoch FROM now() - inbox_changed)::float8 AS held_for "
             f"FROM {self.quoted} WHERE scope = '{sql.HOLDS}' "
-            "AND ($1::text[] IS NULL OR event_id = ANY($1::text[])) "
+            "AND ($1::text[] IS NULL OR event_id = ANY($1::text[]) "
+            "OR split_part(event_id, '/', 1) = ANY($1::text[])) "
             "AND (inbox_until IS NULL OR inbox_until > now())"
+        )
+
+    @property
+    def sweep_path_holds(self) -> str:
+        # $1 route scope: the rows of its per-path scopes' holds (a tenant's Retry-After) that
+        # ended, deleted: a tenant's row stays only while it holds, so that the rows any path
+        # value the app answered with Retry-After leaves behind do not pile up.
+        return (
+            f"DELETE FROM {self.quoted} WHERE scope = '{sql.HOLDS}' "
+            "AND split_part(event_id, '/', 1) = $1 AND position('/' in event_id) > 0 "
+            "AND inbox_until <= now()"
+        )
+
+    @property
+    def unhold_paths(self) -> str:
+        # $1 route scope: the holds of its per-path scopes gone (an operator's resume).
+        return (
+            f"DELETE FROM {self.quoted} WHERE scope = '{sql.HOLDS}' "
+            "AND split_part(event_id, '/', 1) = $1 AND position('/' in event_id) > 0 "
+            "RETURNING event_id, (inbox_until IS NULL OR inbox_until > now()) AS held"
         )
 
     # The operator console's reads (``Inbox.browse``, ``hour``, ``lookup``). Lock nothing.
