@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import io
+import json
 import os
 import signal
 import sys
@@ -168,16 +170,23 @@ def main() -> None:
     parser.add_argument("--size", type=values.parse_size, default=9 * MIB)
     parser.add_argument("--max-buffered", type=values.parse_size, default=None)
     parser.add_argument("--app-delay", type=float, default=0.2)
+    parser.add_argument("--table", default="overload_events")
+    parser.add_argument("--within", type=float, default=120.0, help="seconds the burst may take")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args()
     if not args.dsn:
         parser.error("--dsn (or DEDUP_PROXY_TEST_DSN) is required")
     result = asyncio.run(
         run(
             args.dsn, args.count, args.size, max_buffered=args.max_buffered,
-            app_delay=args.app_delay,
+            app_delay=args.app_delay, table=args.table, within=args.within,
         )
     )  # fmt: skip
-    print(f"{args.count} x {args.size / MIB:g} MiB: {result.report()}")
+    if args.json:
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        print(json.dumps({**fields, "claimed": sorted(result.claimed)}))
+    else:
+        print(f"{args.count} x {args.size / MIB:g} MiB: {result.report()}")
 
 
 if __name__ == "__main__":

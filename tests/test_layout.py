@@ -198,6 +198,17 @@ def test_no_test_module_imports_another() -> None:
     assert offenders == {}
 
 
+def test_the_suite_imports_nothing_from_the_bench() -> None:
+    """The lab is not the product: a test runs a bench script as a process, never imports it."""
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            name for name in _imports(path) if name == "bench" or name.startswith("bench.")
+        )
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+    }
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
 if __name__ == "__main__":
 
     @functools.cache
