@@ -94,7 +94,8 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     # waits on every claim in flight (docs/deployment.md, "Upgrades"). A missing grant refuses
     # the start, rather than fail every sweep or every stored answer later.
     replay = any(route.replay for route in cfg.routes)
-    kept = any(route.redeliver for route in cfg.routes)
+    # An ordered route's object rows live in the inbox's columns, and are locked by an UPDATE.
+    kept = any(route.redeliver or route.order for route in cfg.routes)
     # The scopes whose claims are bound, to their retention: the upgrade window's length.
     bound: dict[str, float] = {}
     for route in cfg.routes:

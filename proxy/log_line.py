@@ -47,6 +47,8 @@ class LogLine(TypedDict, total=False):
     mismatch: bool  # a duplicate whose body differs from the first one's
     replayed: bool  # a duplicate answered with the stored answer
     kept: str  # redeliver: kept for redelivery as "pending" or "dead" (or a copy of one)
+    object: str  # order: the object the request is about
+    version_unparsed: str  # order: a version that reads as neither a number nor a time
     kept_for: str  # redeliver: kept without being sent, why (limit, paused, retry_after...)
     handed_off: str  # hand_off: what the app's answer came to after it (delivered, failed...)
     receipt: str  # receipt: what a look at the app's receipt found (written, absent, ...)

@@ -35,7 +35,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Every outcome (``errors.Outcome``), each request counted under one.
 OUTCOMES: tuple[errors.Outcome, ...] = get_args(errors.Outcome)
 # Why a delivery was kept for the redeliverer (dedup_inbox_kept_total's reason).
-KEPT_REASONS = ("failed", "limit", "deadline", "paused", "retry_after")
+KEPT_REASONS = ("failed", "limit", "deadline", "paused", "retry_after", "ordering")
 # What a look at a receipt found (dedup_receipts_total's result).
 RECEIPT_RESULTS = ("written", "absent", "undecided", "missing")
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).

@@ -32,6 +32,7 @@ from proxy import (
     log_line,
     memory,
     metrics,
+    ordering,
     paths,
     replay,
     request_body,
@@ -121,6 +122,7 @@ class Route:
         )
         self.extractor = event_ids.Extractor(route.name, route.event_id, route.event_type)
         self.redeliver = route.redeliver  # None: a failure is relayed, the claim released
+        self.orderer = None if route.order is None else ordering.Orderer(route.name, route.order)
         # A hand-off at or past upstream.timeout never comes: the app's answer, or its
         # timeout, comes first. A delivery handed off is due again only after its lease, by
         # when the attempt has ended either way.
@@ -149,8 +151,8 @@ class Cycle:
     ``RequestResponseCycle``): what it carries, and the log line it fills in."""
 
     __slots__ = (
-        "body", "event_id", "line", "receipt", "request", "reservation", "route", "scope",
-        "sent", "started", "target", "trace", "turn", "verifier",
+        "body", "event_id", "line", "object", "receipt", "request", "reservation", "route",
+        "scope", "sent", "started", "target", "trace", "turn", "verifier",
     )  # fmt: skip
 
     reservation: memory.Reservation  # set once the request is in the budget (``run``)
@@ -171,6 +173,7 @@ class Cycle:
         # What the app was sent, on a route that redelivers: what is kept if it fails.
         self.sent: tuple[tuple[str, str], ...] = ()
         self.receipt: str | None = None  # on a route with receipt: its key, once claimed
+        self.object: ordering.Object | None = None  # on a route with order: the request's
 
     async def run(self) -> web.StreamResponse:
         """The request's answer, written, counted and logged."""
@@ -239,6 +242,14 @@ class Cycle:
         if key.event_id != self.event_id:
             self.line["claim_id"] = key.event_id
         self.line["event_type"] = key.event_type
+        orderer = self.route.orderer
+        if orderer is not None:
+            self.object = orderer.object_of(self.request.headers, query, self.body, key.event_type)
+            if self.object is not None:
+                self.line["object"] = self.object.key
+                if self.object.unparsed is not None:
+                    # Ordered by arrival, never superseded (docs/configuration.md, "order").
+                    self.line["version_unparsed"] = self.object.unparsed
         return key
 
     def inspect(self, query: str) -> tuple[str, str | None, bytes]:
@@ -304,6 +315,10 @@ class Cycle:
                         self.receipt = keys.key(route.table, key.scope, key.event_id)
                     if kept_for is not None:
                         return await self._keep_unsent(claim, kept_for)
+                    if self.object is not None:
+                        turn = await self._hold_object(claim, self.object, started)
+                        if turn is not None:
+                            return await self._not_forwarded(key, claim, flight, turn)
                     return await self._forward(key, claim, flight)
                 span = trace.database("settle_duplicate", "ROLLBACK")
                 mismatch, stored, kept = await claim.settle_duplicate(
@@ -321,6 +336,46 @@ class Cycle:
             flight.committed_sha256 = key.body_sha256
             flight.answer = stored
         return self._duplicate(key, mismatch, stored)
+
+    async def _hold_object(
+        self, claim: database.Claim, obj: ordering.Object, started: float
+    ) -> database.Turn | None:
+        """Take the request's object for this delivery (``Claim.hold_object``), waiting what
+        claim_wait has left for a delivery of it at the app: None once held and to be
+        forwarded; else why it is not forwarded (superseded, kept behind, or the wait ran
+        out)."""
+        route = self.route
+        wait = route.claim_wait - (time.perf_counter() - started)
+        span = self.trace.database("hold_object", "INSERT")
+        turn = await claim.hold_object(
+            database.Held(claim.key.scope, obj.key, obj.version), wait,
+            behind=route.redeliver is not None,
+        )  # fmt: skip
+        self.trace.end(span, {"dedup.object": turn})
+        if turn is database.Turn.HELD or (turn is database.Turn.STALE and not obj.supersedes):
+            return None
+        return turn
+
+    async def _not_forwarded(
+        self,
+        key: database.Key,
+        claim: database.Claim,
+        flight: flights.Flight,
+        turn: database.Turn,
+    ) -> tuple[web.StreamResponse, errors.Outcome]:
+        """An ordered delivery not forwarded: superseded (committed, 200), or, its object held
+        or an older delivery of it kept, kept behind (a route that redelivers: 202) or answered
+        as a copy in flight (503)."""
+        if turn is database.Turn.STALE:
+            await claim.supersede()
+            flight.committed_sha256 = key.body_sha256
+            payload = {"status": "superseded", "event_id": self.event_id}
+            return _json(200, payload, "superseded"), "superseded"
+        if self.route.redeliver is not None:
+            return await self._keep_unsent(claim, "ordering")
+        raise errors.ClaimWaitExceeded(
+            f"another delivery of object {self.object.key if self.object else ''!r} is at the app"
+        )
 
     async def _enter(self, room: app_limit.Room) -> str | None:
         """Take a place at the app (``app_limit``) before claiming, since a claim holds its
@@ -616,9 +671,10 @@ class Cycle:
         if route.redeliver is None:
             return None
         config_ = route.config
+        obj = self.object
         stored = database.StoredRequest(
             config_.name, config_.upstream, self.request.method, self.target, self.sent,
-            self.body, why,
+            self.body, why, None if obj is None else obj.key, None if obj is None else obj.version,
         )  # fmt: skip
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,

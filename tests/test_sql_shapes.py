@@ -9,7 +9,9 @@ parser (pglast, libpg_query) and its tree walked, subqueries included.
    in CASE or COALESCE statements" (seen on Citus 13.2 for both).
 3. An INSERT supplies both key columns; a claim-path statement filters on both (the operators'
    commands may take ``event_id = ANY(…)``).
-4. The INSERT's ON CONFLICT is (scope, event_id) DO NOTHING.
+4. The INSERT's ON CONFLICT is (scope, event_id) DO NOTHING; only an ordered route's object row
+   (``Queries.hold_object``) is locked by DO UPDATE, on the same whole key (not yet run on
+   Citus).
 5. No session-level advisory lock: a transaction's own runs on the coordinator.
 """
 
@@ -42,6 +44,10 @@ _BUILT = {
     "commit_answer(also)": _QUERIES.commit_answer("s", "e~1", 200, [], b"x", also="e"),
     "duplicate(legacy)": _QUERIES.duplicate("s", "e~1", _DIGEST, legacy="e"),
     "duplicate(legacy, inbox)": _QUERIES.duplicate("s", "e~1", _DIGEST, inbox=True, legacy="e"),
+    # order: the object's row, locked after the claim's; its version at COMMIT; superseded.
+    "hold_object": _QUERIES.hold_object(sql.lock_timeout(1), "s", "o'1", "12.5", behind=True),
+    "accepted": _QUERIES.accepted("s", "o", "12.5") + "COMMIT",
+    "superseded": _QUERIES.superseded("s", "e"),
 }
 # The claim path works on one row, as does any statement named "…_one"; the operators' commands
 # on the rows they name by key.
@@ -191,7 +197,7 @@ def _timely(node: object) -> bool:
     return isinstance(node, ast.FuncCall) and _name(node) == "make_interval"
 
 
-def _insert(node: ast.Node, table: tuple[str | None, str]) -> list[str]:
+def _insert(node: ast.Node, table: tuple[str | None, str], upsert: bool = False) -> list[str]:
     """Rules 3 and 4 for an INSERT into ``table``."""
     if not (isinstance(node, ast.InsertStmt) and _over(node, table)):
         return []
@@ -199,7 +205,10 @@ def _insert(node: ast.Node, table: tuple[str | None, str]) -> list[str]:
     if not {c.name for c in node.cols or ()} >= set(_KEYS):
         found.append("rule 3: INSERT does not supply scope and event_id")
     conflict = node.onConflictClause
-    if conflict is None or conflict.action != enums.OnConflictAction.ONCONFLICT_NOTHING:
+    allowed = {enums.OnConflictAction.ONCONFLICT_NOTHING}
+    if upsert:
+        allowed.add(enums.OnConflictAction.ONCONFLICT_UPDATE)
+    if conflict is None or conflict.action not in allowed:
         found.append("rule 4: INSERT without ON CONFLICT … DO NOTHING")
     elif [e.name for e in (conflict.infer and conflict.infer.indexElems) or ()] != list(_KEYS):
         found.append("rule 4: ON CONFLICT does not name exactly (scope, event_id)")
@@ -217,7 +226,7 @@ def _problems(text: str, name: str, table: tuple[str | None, str] = _TABLE) -> l
             )
         if isinstance(node, ast.FuncCall) and _name(node) in _SESSION_LOCKS:
             found.append(f"rule 5: session-level {_name(node)}()")
-        found += _not_immutable(node) + _insert(node, table)
+        found += _not_immutable(node) + _insert(node, table, upsert=name == "Queries.hold_object")
     base = name.rpartition(".")[2].partition("(")[0]
     keyed = base in _ONE_ROW | _NAMED_ROWS or base.endswith("_one")
     over = [r for r in roots if keyed and _over(r, table) and not isinstance(r, ast.InsertStmt)]

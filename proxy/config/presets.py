@@ -43,12 +43,19 @@ class Preset:
     # documented delivery timeout; None: not published). A route with ``redeliver`` hands off
     # at ``HAND_OFF_SHARE`` of it by default (``routes.RouteConfig.hand_off``).
     deadline: float | None = None
+    # ``order: preset``: where the provider names the object an event is about and its version
+    # (docs/providers.md states each one's precision). Never applied unless a route asks.
+    order: tuple[str, str] | None = None
 
 
 PRESETS: dict[str, Preset] = {
     # Up to 3 days of retries in live mode.
     "stripe": Preset(
-        event_id=("body:/id",), event_type="body:/type", scheme="stripe", retention=4 * DAY
+        event_id=("body:/id",),
+        event_type="body:/type",
+        scheme="stripe",
+        retention=4 * DAY,
+        order=("body:/data/object/id", "body:/created"),  # created: whole seconds
     ),
     # No automatic retries; manual redelivery reuses the GUID for 3 days. The GUID is shared by
     # every hook subscribed to the event, so the hook's ID is part of the key. Payloads are capped
@@ -68,6 +75,7 @@ PRESETS: dict[str, Preset] = {
         scheme="shopify",
         retention=DAY,
         deadline=5.0,  # for the whole request, connecting included
+        order=("body:/id", "header:X-Shopify-Triggered-At"),
     ),
     # Svix's schedule spans about 28 hours.
     "standard-webhooks": Preset(
@@ -105,6 +113,7 @@ PRESETS: dict[str, Preset] = {
         retention=4 * DAY,
         tolerance=4 * DAY,
         deadline=5.0,
+        order=("body:/data/id", "body:/occurred_at"),
     ),
     # Twilio retries only within one callback's own time budget (the URL fragment's rc/tt
     # overrides; how long at most is unverified): a day is a wide margin. The idempotency token
@@ -129,7 +138,11 @@ PRESETS: dict[str, Preset] = {
         deadline=10.0,
     ),
     "paypal": Preset(
-        event_id=("body:/id",), event_type="body:/event_type", scheme=None, retention=4 * DAY
+        event_id=("body:/id",),
+        event_type="body:/event_type",
+        scheme=None,
+        retention=4 * DAY,
+        order=("body:/resource/id", "body:/create_time"),
     ),
 }
 

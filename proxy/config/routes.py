@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy import event_ids, paths, signatures
+from proxy.config import order as ordering
 from proxy.config import presets, reader, redeliver, values, verify
 from proxy.config import reconcile as reconciling
 
@@ -25,7 +26,7 @@ RECEIPT_KEYS = ("dsn", "wait")
 ROUTE_KEYS = ("name", "path", "preset", "scope", "event_id", "event_type", "upstream",
               "max_body", "verify", "retention", "missing_id", "methods", "on_duplicate",
               "replay_max_body", "replay_set_cookie", "claim_wait", "semantics",
-              "scope_from", "redeliver", "hand_off", "receipt", "reconcile")  # fmt: skip
+              "scope_from", "redeliver", "hand_off", "receipt", "reconcile", "order")  # fmt: skip
 _SEMANTICS = values.parse_choice("webhook", "idempotency-key")
 _MISSING_ID = values.parse_choice("reject", "forward")
 _ON_DUPLICATE = values.parse_choice("ack", "replay")
@@ -81,6 +82,8 @@ class RouteConfig:
     # ``reconcile``: the provider's delivery log read for the deliveries it reports failed
     # (``proxy.reconciler``).
     reconcile: reconciling.Reconcile | None = None
+    # ``order``: one delivery of an object at the app at a time, in order (``proxy.ordering``).
+    order: ordering.Order | None = None
 
     @property
     def id_signed(self) -> bool:
@@ -306,6 +309,12 @@ def _parse_route(
         reconcile=reconciling.parse_reconcile(
             r, route.get("reconcile"), f"{path}.reconcile", preset=preset_name
         ),
+        order=ordering.parse_order(
+            r,
+            r.interpolate(route.get("order"), f"{path}.order"),
+            f"{path}.order",
+            preset=preset_name,
+        ),
     )
     if route_config.redeliver is None and route_config.hand_off is not None:
         if "hand_off" in route:
@@ -349,6 +358,8 @@ def _check_options(
     if route_config.replay_max_body > MAX_REPLAY_MAX_BODY:
         r.problem(f"{path}.replay_max_body", f"must be at most {MAX_REPLAY_MAX_BODY} (1MiB)")
     _check_redeliver(r, path, route_config)
+    if route_config.order is not None and route_config.idempotency:
+        r.problem(f"{path}.order", "only on webhook routes, not semantics: idempotency-key")
     if route_config.reconcile is not None and route_config.scoped_by_path:
         r.problem(
             f"{path}.reconcile",

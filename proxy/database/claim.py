@@ -153,6 +153,28 @@ class Kept(NamedTuple):
     kept_as: str | None = None
 
 
+class Turn(enum.StrEnum):
+    """What ``Claim.hold_object`` found: the object is this delivery's (``HELD``); held, but
+    this event is older than the version the app accepted (``STALE``); held, but an older
+    delivery of it is kept (``BEHIND``); or not this delivery's within its wait (``BUSY``: its
+    claim still open, the object not held)."""
+
+    HELD = "held"
+    STALE = "stale"
+    BEHIND = "behind"
+    BUSY = "busy"
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """The object a claim holds (``Claim.hold_object``): its scope, key and this event's
+    version, recorded as the accepted one if it is newer when the claim commits."""
+
+    scope: str
+    key: str
+    version: str | None
+
+
 class Store(Protocol):
     """What a claim needs of the store that made it (``store.Store`` is one)."""
 
@@ -169,7 +191,7 @@ class Claim:
     """This request's hold on one event; ``acquired`` is False for a duplicate. Made by
     ``Store.claim``, which ends it on the way out unless a named step did."""
 
-    __slots__ = ("_connection", "_store", "acquired", "key", "legacy", "state")
+    __slots__ = ("_connection", "_store", "acquired", "held", "key", "legacy", "state")
 
     def __init__(
         self,
@@ -186,6 +208,7 @@ class Claim:
         # The legacy form claimed with ``key.event_id`` (the upgrade window), or None.
         self.legacy = legacy
         self.state = ClaimState.OPEN
+        self.held: Held | None = None  # the object this claim holds (an ordered route)
 
     @property
     def open(self) -> bool:
@@ -213,12 +236,7 @@ class Claim:
             return await self._store_again()
         self._end(ClaimState.COMMITTED)
         store, key = self._store, self.key
-        statement = "COMMIT"
-        if answer is not None:
-            statement = store.queries.commit_answer(
-                key.scope, key.event_id, answer.status, list(answer.headers), answer.body,
-                also=self.legacy,
-            )  # fmt: skip
+        statement = self._commit_statement(answer)
         refused = None
         # Closed already: COMMIT would not be sent, so the claim certainly ended with its
         # connection (asyncpg refuses at once with "connection is closed"); past this point a
@@ -259,6 +277,69 @@ class Claim:
             self._discard()  # cancelled mid-COMMIT: the session's state is unknown
             raise
         return COMMITTED_AS_ASKED
+
+    def _commit_statement(self, answer: Answer | None) -> str:
+        """The COMMIT, with ``answer`` stored in the same round trip, and the held object's
+        version recorded as accepted."""
+        store, key = self._store, self.key
+        statement = "COMMIT"
+        if answer is not None:
+            statement = store.queries.commit_answer(
+                key.scope, key.event_id, answer.status, list(answer.headers), answer.body,
+                also=self.legacy,
+            )  # fmt: skip
+        held = self.held
+        if held is not None and held.version is not None:
+            statement = store.queries.accepted(held.scope, held.key, held.version) + statement
+        return statement
+
+    async def hold_object(self, held: Held, wait: float, *, behind: bool) -> Turn:
+        """Take the object ``held`` names for this delivery, in the claim's transaction, after
+        its claim row (always in that order, one object per claim: no two claims wait on each
+        other's rows in a cycle), waiting at most ``wait`` for a delivery of it at the app;
+        with ``behind`` (a route that redelivers), tell whether an older delivery of it is
+        kept. One round trip; one more (back to the savepoint) when the wait runs out.
+        StoreUnavailable when the database fails (the claim abandoned)."""
+        if not self.acquired or self.state is not ClaimState.OPEN:
+            raise RuntimeError(f"claim of {self.key.event_id!r} holds no object")
+        store = self._store
+        bound = sql.wait_bound(max(wait, 0.001), distributed=store.distributed)
+        statement = store.queries.hold_object(
+            bound, held.scope, held.key, held.version, behind=behind
+        )
+        try:
+            try:
+                with pool.translated("taking the object failed", self.abandon):
+                    status = await self._connection.execute(
+                        statement, timeout=wait + store.op_timeout
+                    )
+            except errors.waited(store.distributed):
+                with pool.translated("taking the object failed", self.abandon):
+                    await self._connection.execute(
+                        f"ROLLBACK TO SAVEPOINT {sql.ORDER_SAVEPOINT}", timeout=store.op_timeout
+                    )
+                return Turn.BUSY
+        except asyncio.CancelledError:
+            self._discard()
+            raise
+        self.held = held
+        flags = int(status.rpartition(" ")[2]) if status else 0
+        if flags & sql.OBJECT_BEHIND:
+            return Turn.BEHIND
+        return Turn.STALE if flags & sql.OBJECT_STALE else Turn.HELD
+
+    async def supersede(self) -> None:
+        """Commit the claim as superseded (never forwarded): its copies are duplicates."""
+        self._end(ClaimState.COMMITTED)
+        store, key = self._store, self.key
+        try:
+            with pool.translated("committing the superseded event failed", self._discard):
+                await self._connection.execute(
+                    store.queries.superseded(key.scope, key.event_id), timeout=store.op_timeout
+                )
+        except asyncio.CancelledError:
+            self._discard()
+            raise
 
     async def keep(
         self, request: inbox.StoredRequest, attempt: inbox.Attempt, policy: inbox.KeepPolicy

@@ -45,6 +45,7 @@ class InboxState(enum.StrEnum):
     DEAD = "dead"
     DELIVERED = "delivered"
     DISCARDED = "discarded"
+    SUPERSEDED = "superseded"  # older than its object's accepted version: never forwarded
 
 
 COLUMNS = sql.INBOX_COLUMNS
@@ -85,6 +86,8 @@ KEPT_UNSENT = {
     "retry_after": "not sent: the app asked to wait (Retry-After)",
     "handed_off": "handed off: the app had not answered by the route's hand_off, the provider "
     "was answered 202 and the attempt went on",
+    "ordering": "not sent: another delivery of its object was at the app, or kept before it "
+    "(order)",
 }
 
 
@@ -102,6 +105,10 @@ class StoredRequest:
     headers: tuple[tuple[str, str], ...]
     body: bytes
     kept_for: str | None = None
+    # On a route with ``order``: the object it is about (its kept deliveries are sent one at a
+    # time, oldest first) and its version (None: none).
+    object: str | None = None
+    version: str | None = None
 
     def kept_because(self, tried: bool) -> str | None:
         """Why it was kept before its attempt ended, in words (None: the app failed it);
@@ -119,7 +126,9 @@ class StoredRequest:
             {"route": self.route, "upstream": self.upstream, "method": self.method,
              "target": wire(self.target),
              "headers": [(name, wire(value)) for name, value in self.headers],
-             **({} if self.kept_for is None else {"kept_for": self.kept_for})},
+             **({} if self.kept_for is None else {"kept_for": self.kept_for}),
+             **({} if self.object is None else {"object": self.object,
+                                                "version": self.version})},
             ensure_ascii=False, separators=(",", ":"),
         )  # fmt: skip
 
@@ -129,8 +138,13 @@ class StoredRequest:
         return cls(
             fields["route"], fields["upstream"], fields["method"], _unwire(fields["target"]),
             tuple((name, _unwire(value)) for name, value in fields["headers"]), body,
-            fields.get("kept_for"),
+            fields.get("kept_for"), fields.get("object"), fields.get("version"),
         )  # fmt: skip
+
+
+def object_scope(scope: str) -> str:
+    """The scope of the object rows of an ordered route's claims in ``scope``."""
+    return f"{sql.ORDER}/{scope}"
 
 
 def wire(text: str) -> str | dict[str, str]:
@@ -300,7 +314,15 @@ class Redelivery:
         self._taken: datetime = row["taken"]  # now() in this transaction
 
     async def delivered(self, status: int | None) -> None:
-        """The app answered 2xx: done, the body dropped, committed."""
+        """The app answered 2xx: done, the body dropped, committed (on an ordered route, its
+        version recorded as its object's accepted one, if newer)."""
+        request = self.request
+        if request.object is not None and request.version is not None:
+            with pool.translated("recording the redelivery failed", self._discard):
+                await self._connection.execute(
+                    self._inbox.statements.accepted, object_scope(self.scope), request.object,
+                    request.version, timeout=self._inbox.op_timeout,
+                )  # fmt: skip
         await self._end(self._inbox.statements.delivered, status)
 
     async def failed(self, attempt: Attempt, delay: float, *, dead: bool) -> InboxState:
@@ -466,19 +488,41 @@ class Inbox:
         """The oldest of one page of due rows that this transaction could lock: by one
         statement, or on Citus by one per key."""
         if not self.distributed:
-            found: pool.Record | None = await connection.fetchrow(
-                self.statements.take_first_free, [c["scope"] for c in due],
-                [c["event_id"] for c in due], timeout=self.op_timeout,
-            )  # fmt: skip
-            return found
+            keys = [(c["scope"], c["event_id"]) for c in due]
+            # Bounded: each row whose object is held is passed over, and the page shrinks.
+            while keys:
+                found: pool.Record | None = await connection.fetchrow(
+                    self.statements.take_first_free, [k[0] for k in keys],
+                    [k[1] for k in keys], timeout=self.op_timeout,
+                )  # fmt: skip
+                if found is None or await self._object_taken(connection, found):
+                    return found
+                # Its row stays locked by this transaction (no other lane needs it meanwhile).
+                keys.remove((found["scope"], found["event_id"]))
+            return None
         for candidate in due:
             row: pool.Record | None = await connection.fetchrow(
                 self.statements.take, candidate["scope"], candidate["event_id"],
                 timeout=self.op_timeout,
             )  # fmt: skip
-            if row is not None:
+            if row is not None and await self._object_taken(connection, row):
                 return row
         return None
+
+    async def _object_taken(self, connection: pool.Connection, row: pool.Record) -> bool:
+        """Whether the object of a taken row (an ordered route's) is this redelivery's now,
+        its row locked (True for a row of no object); False: a delivery of it is at the app."""
+        request = row["inbox_request"]
+        fields = json.loads(request) if isinstance(request, str) else request
+        key = fields.get("object") if isinstance(fields, dict) else None
+        if key is None:
+            return True
+        scope = object_scope(row["scope"])
+        await connection.execute(self.statements.make_object, scope, key, timeout=self.op_timeout)
+        taken = await connection.fetchval(
+            self.statements.take_object, scope, key, timeout=self.op_timeout
+        )
+        return taken is not None
 
     async def kept(self, scope: str, state: InboxState, limit: int) -> tuple[list[Listed], int]:
         """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""

@@ -66,6 +66,14 @@ _CAPPED = sql.IN_SCOPE.replace("$1", "{scope}") + " AND inbox_state IN ('pending
 # A claim bound to what is signed (webhooks.bound) ends with its signed part, "~" and 32 hex
 # digits: a row whose ID ends with this claim's holds the same signed body (and query).
 _SIGNED = "right(event_id, length({part})) = {part}"
+# A kept row of an ordered route (``inbox_request`` names its object) waits for the older kept
+# rows of its object, due or not: a failed head holds back its own object only.
+_FIRST_OF_OBJECT = (
+    "(t.inbox_request ->> 'object' IS NULL OR NOT EXISTS (SELECT FROM {quoted} AS o "
+    "WHERE o.scope = t.scope AND o.inbox_state = 'pending' "
+    "AND o.inbox_request ->> 'object' = t.inbox_request ->> 'object' "
+    "AND (o.received_at, o.event_id) < (t.received_at, t.event_id)))"
+)
 _ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
 
 
@@ -148,11 +156,12 @@ class Statements:
         # which runs no FOR UPDATE across shards (``Inbox.take`` uses ``take`` there);
         # tests/test_sql_shapes.py knows.
         return (
-            f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, now() AS taken "
-            f"FROM {self.quoted} WHERE (scope, event_id) IN "
+            "SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, now() AS taken "
+            f"FROM {self.quoted} AS t WHERE (scope, event_id) IN "
             "(SELECT * FROM unnest($1::text[], $2::text[])) "
             "AND inbox_state = 'pending' AND inbox_due <= now() "
-            "ORDER BY received_at, event_id LIMIT 1 FOR UPDATE SKIP LOCKED"
+            f"AND {_FIRST_OF_OBJECT.format(quoted=self.quoted)} "
+            "ORDER BY received_at, event_id LIMIT 1 FOR UPDATE OF t SKIP LOCKED"
         )
 
     @property
@@ -161,9 +170,37 @@ class Statements:
         # redelivering is passed over, not waited on. The transaction's time goes with it, for
         # ``failed``.
         return (
-            f"SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, now() AS taken "
-            f"FROM {self.quoted} WHERE scope = $1 AND event_id = $2 AND inbox_state = 'pending' "
-            "AND inbox_due <= now() FOR UPDATE SKIP LOCKED"
+            "SELECT scope, event_id, inbox_request, inbox_body, inbox_failures, now() AS taken "
+            f"FROM {self.quoted} AS t WHERE scope = $1 AND event_id = $2 "
+            "AND inbox_state = 'pending' AND inbox_due <= now() "
+            f"AND {_FIRST_OF_OBJECT.format(quoted=self.quoted)} FOR UPDATE OF t SKIP LOCKED"
+        )
+
+    @property
+    def make_object(self) -> str:
+        # $1 the object's scope (sql.ORDER, "/", the claim's), $2 its key: its row, if it is
+        # missing (forgotten); never waits on a committed one.
+        return (
+            f"INSERT INTO {self.quoted} (scope, event_id, event_type, inbox_changed) "
+            "VALUES ($1, $2, 'object', now()) ON CONFLICT (scope, event_id) DO NOTHING"
+        )
+
+    @property
+    def take_object(self) -> str:
+        # The same parameters: the object's row locked for the redelivery; held by a delivery
+        # at the app, passed over, not waited on (no row).
+        return (
+            f"SELECT event_id FROM {self.quoted} WHERE scope = $1 AND event_id = $2 "
+            "FOR UPDATE SKIP LOCKED"
+        )
+
+    @property
+    def accepted(self) -> str:
+        # $1 the object's scope, $2 its key, $3 the version the app accepted (numeric text).
+        return (
+            f"UPDATE {self.quoted} SET inbox_request = jsonb_build_object('v', $3::numeric) "
+            "WHERE scope = $1 AND event_id = $2 "
+            "AND coalesce((inbox_request ->> 'v')::numeric < $3::numeric, true)"
         )
 
     @property

@@ -50,6 +50,17 @@ RECONCILE_RUNS = "~reconcile"
 # body_sha256, made by the first replica to start with a route with receipt; likewise never a
 # route's, and its digest column is shown nowhere.
 RECEIPT_KEY = "~receipt-key"
+# The scope of an ordered route's object rows (``Claim.hold_object``): ORDER, "/" and the claim's
+# scope, keyed by the object's key; never a route's, so never swept by a route's sweep nor listed.
+# inbox_changed: since when the object is held (or was last); inbox_request: {"v": the newest
+# version the app accepted}. Locked by an INSERT ... ON CONFLICT DO UPDATE in the claim's
+# transaction: held while the app works, freed with the transaction.
+ORDER = "~order"
+ORDER_SAVEPOINT = "ordered"
+# What ``Queries.hold_object``'s status says: the event is older than the version accepted; an
+# older delivery of the object is kept (pending).
+OBJECT_STALE = 1
+OBJECT_BEHIND = 2
 # A claim bound to what is signed (``webhooks.bound``): the event ID, '~' and this many
 # lower-case hex digits of a digest of the query and body.
 BOUND_DIGITS = 32
@@ -225,6 +236,53 @@ class Queries:
         return (
             f"{begin}{self.insert}{rows} "
             f"ON CONFLICT (scope, event_id) DO NOTHING{'; COMMIT' if commit else ''}"
+        )
+
+    def hold_object(
+        self, wait: str, scope: str, key: str, version: str | None, *, behind: bool
+    ) -> str:
+        """After the claim, in one round trip: ``wait`` (``wait_bound``), a savepoint, then the
+        object's row inserted or locked (a delivery of it at the app holds it: this waits, at
+        most ``wait``, 55P03 past it); then, in a statement of its own (READ COMMITTED: a fresh
+        snapshot, which sees what the holder committed while this one waited), "SELECT n" of
+        the flags: OBJECT_STALE (``version`` older than the one accepted), and, with
+        ``behind``, OBJECT_BEHIND (a delivery of the object is kept pending in ``scope``).
+        The lock's UPDATE writes inbox_changed, a column the inbox's grant covers."""
+        obj = f"scope = {_literal(ORDER + '/' + scope)} AND event_id = {_literal(key)}"
+        stale = (
+            "0"
+            if version is None
+            else f"coalesce((SELECT ((inbox_request ->> 'v')::numeric > {version})::int "
+            f"FROM {self.quoted} WHERE {obj}), 0)"
+        )
+        kept = (
+            f" + 2 * (EXISTS (SELECT FROM {self.quoted} WHERE scope = {_literal(scope)} "
+            f"AND inbox_state = 'pending' AND inbox_request ->> 'object' = {_literal(key)}))::int"
+            if behind
+            else ""
+        )
+        return (
+            f"{wait}; SAVEPOINT {ORDER_SAVEPOINT}; INSERT INTO {self.quoted} "
+            "(scope, event_id, event_type, inbox_changed) VALUES "
+            f"({_literal(ORDER + '/' + scope)}, {_literal(key)}, 'object', now()) "
+            "ON CONFLICT (scope, event_id) DO UPDATE SET inbox_changed = now(); "
+            f"SELECT FROM generate_series(1, {stale}{kept})"
+        )
+
+    def accepted(self, scope: str, key: str, version: str) -> str:
+        """The object's newest accepted version, raised to ``version`` (the app's 2xx), to go
+        in front of the claim's COMMIT; its row is this transaction's already."""
+        return (
+            f"{UNBOUND}UPDATE {self.quoted} SET inbox_request = jsonb_build_object('v', "
+            f"{version}::numeric) WHERE scope = {_literal(ORDER + '/' + scope)} AND event_id = "
+            f"{_literal(key)} AND coalesce((inbox_request ->> 'v')::numeric < {version}, true); "
+        )
+
+    def superseded(self, scope: str, event_id: str) -> str:
+        """The claim committed as superseded: never forwarded, a duplicate from now on."""
+        return (
+            f"{UNBOUND}UPDATE {self.quoted} SET inbox_state = 'superseded', inbox_changed = now() "
+            f"WHERE scope = {_literal(scope)} AND event_id = {_literal(event_id)}; COMMIT"
         )
 
     def commit_answer(

@@ -1,0 +1,209 @@
+"""``order``: one delivery of an object at the app at a time, in order, and stale versions
+superseded; on a real PostgreSQL, with an app that applies versions last-writer-wins and
+records whether two deliveries of one object were ever at it at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from proxy import config, errors, ordering
+from tests.helpers import MakeProxy, fetch, wait_until
+
+QUICK = {"poll": "100ms", "rate": 1000}
+
+
+@dataclass
+class LastWriterWins:
+    """The app: applies each delivery's version to its object as it arrives (last writer
+    wins, as most apps do), taking a while; records overlaps per object."""
+
+    url: str = ""
+    state: dict[str, int] = field(default_factory=dict)
+    applied: list[tuple[str, int]] = field(default_factory=list)
+    at_app: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    overlaps: int = 0
+    # (object, version) answered 503 this many times first.
+    fail: dict[tuple[str, int], int] = field(default_factory=dict)
+    work: float = 0.02
+
+    async def handle(self, request: web.Request) -> web.Response:
+        event = json.loads(await request.read())
+        obj, version = event["data"]["object"]["id"], event["created"]
+        self.at_app[obj] += 1
+        if self.at_app[obj] > 1:
+            self.overlaps += 1
+        try:
+            await asyncio.sleep(self.work)
+            if self.fail.get((obj, version), 0) > 0:
+                self.fail[(obj, version)] -= 1
+                return web.Response(status=503)
+            self.state[obj] = version
+            self.applied.append((obj, version))
+            return web.Response(text="ok")
+        finally:
+            self.at_app[obj] -= 1
+
+
+@pytest.fixture
+async def app(aiohttp_server: Any) -> LastWriterWins:
+    lww = LastWriterWins()
+    application = web.Application()
+    application.router.add_post("/{tail:.*}", lww.handle)
+    server = await aiohttp_server(application)
+    lww.url = str(server.make_url("")).rstrip("/")
+    return lww
+
+
+def version(event_id: str, obj: str, created: int, kind: str = "customer.updated") -> bytes:
+    return json.dumps(
+        {"id": event_id, "type": kind, "created": created, "data": {"object": {"id": obj}}}
+    ).encode()
+
+
+def ordered(**extra: Any) -> dict[str, Any]:
+    return {
+        "name": "hooks",
+        "path": "/hooks",
+        "event_id": "body:/id",
+        "event_type": "body:/type",
+        "order": {"key": "body:/data/object/id", "version": "body:/created"},
+        **extra,
+    }
+
+
+# --- configuration -----------------------------------------------------------------------
+
+
+def parse(route: dict[str, Any]) -> config.Config:
+    return config.parse(
+        {
+            "upstream": {"url": "http://127.0.0.1:1"},
+            "database": {"dsn": "embedded"},
+            "routes": [route],
+        }
+    )
+
+
+def test_order_preset_takes_the_providers_object_and_version_fields() -> None:
+    route = parse({"name": "s", "path": "/s", "preset": "stripe", "order": "preset"}).routes[0]
+    assert route.order is not None
+    assert (str(route.order.key), str(route.order.version)) == (
+        "body:/data/object/id", "body:/created",
+    )  # fmt: skip
+    # A preset alone never orders a route.
+    assert parse({"name": "s", "path": "/s", "preset": "stripe"}).routes[0].order is None
+
+
+def test_order_problems_are_collected() -> None:
+    with pytest.raises(errors.ConfigError) as caught:
+        parse(
+            {
+                "name": "s", "path": "/s", "event_id": "body:/id",
+                "order": {"key": "nowhere", "supersede": ["a"], "sort": 1},
+            }
+        )  # fmt: skip
+    problems = "\n".join(caught.value.problems)
+    assert "routes[0].order.sort: unknown key" in problems
+    assert "routes[0].order.key: must be body:/pointer" in problems
+    assert "routes[0].order.supersede: needs version" in problems
+    with pytest.raises(errors.ConfigError) as caught:
+        parse({"name": "s", "path": "/s", "event_id": "body:/id", "order": "preset"})
+    assert "routes[0].order: 'preset' needs a route preset" in "\n".join(caught.value.problems)
+
+
+def test_versions_read_as_exact_seconds() -> None:
+    assert ordering.parse_version("1700000000") == "1700000000"
+    assert ordering.parse_version("2024-01-02T03:04:05.5Z") == "1704164645.500000"
+    assert ordering.parse_version("2024-01-02T04:04:05.5+01:00") == "1704164645.500000"
+    for unparsed in ("soon", "2024-01-02T03:04:05", "NaN", "1e400"):
+        assert ordering.parse_version(unparsed) is None
+
+
+# --- one delivery of an object at the app at a time ------------------------------------
+
+
+async def test_concurrent_versions_of_an_object_never_overlap_at_the_app(
+    make_proxy: MakeProxy, app: LastWriterWins
+) -> None:
+    proxy = await make_proxy(routes=[ordered()], upstream={"url": app.url, "concurrency": 4})
+
+    answers = await asyncio.gather(
+        *(proxy.post("/hooks", data=version(f"evt_{n}", f"cus_{n % 2}", n)) for n in range(12))
+    )
+
+    assert [a.status for a in answers] == [200] * 12
+    assert len(app.applied) == 12
+    assert app.overlaps == 0
+
+
+async def test_the_inbox_never_sends_a_newer_version_before_an_older_one_kept(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    app.fail[("cus_1", 1)] = 1
+    route = ordered(redeliver={"schedule": ["300ms"], "for": "1d"})
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+
+    first = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+    second = await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))
+
+    assert (first.status, second.status) == (202, 202)
+    assert (await second.json())["kept_for"] == "ordering"
+    await wait_until(lambda: _applied(app, 2), "both delivered")
+    assert app.applied == [("cus_1", 1), ("cus_1", 2)]
+    assert app.state == {"cus_1": 2}
+    assert app.overlaps == 0
+
+
+async def test_a_failed_head_blocks_its_own_object_only(
+    make_proxy: MakeProxy, app: LastWriterWins
+) -> None:
+    app.fail[("cus_1", 1)] = 1
+    route = ordered(redeliver={"schedule": ["1h"], "for": "1d"})
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+
+    assert (await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))).status == 202
+    behind = await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))
+    other = await proxy.post("/hooks", data=version("evt_3", "cus_2", 1))
+
+    assert behind.status == 202  # kept behind its object's failed head, not sent ahead
+    assert other.status == 200  # another object flows
+    await asyncio.sleep(0.5)  # the redeliverer's polls pass: cus_1's head is not due for 1h
+    assert app.applied == [("cus_2", 1)]
+
+
+async def test_stale_versions_are_superseded_and_never_forwarded(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    route = ordered()
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url})
+
+    v3 = await proxy.post("/hooks", data=version("evt_3", "cus_1", 3))
+    v1 = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+    v2 = await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))
+    tie = await proxy.post("/hooks", data=version("evt_4", "cus_1", 3))
+    other_type = await proxy.post("/hooks", data=version("evt_5", "cus_1", 2, "customer.seen"))
+
+    assert (v3.status, v1.status, v2.status) == (200, 200, 200)
+    assert v1.headers["Dedup-Status"] == v2.headers["Dedup-Status"] == "superseded"
+    assert await v1.json() == {"status": "superseded", "event_id": "evt_1"}
+    assert "Dedup-Status" not in tie.headers  # a tie is forwarded
+    assert "Dedup-Status" not in other_type.headers  # not a type the route supersedes
+    assert app.applied == [("cus_1", 3), ("cus_1", 3), ("cus_1", 2)]
+    rows = await fetch(
+        pg_dsn, f'SELECT event_id, inbox_state FROM "{table}" WHERE scope = $1', "hooks"
+    )
+    assert {r["event_id"]: r["inbox_state"] for r in rows}["evt_1"] == "superseded"
+    again = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+    assert again.headers["Dedup-Status"] == "duplicate"
+
+
+async def _applied(app: LastWriterWins, count: int) -> bool:
+    return len(app.applied) >= count
