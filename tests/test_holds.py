@@ -162,7 +162,7 @@ async def test_a_pause_for_a_while_ends_on_its_own(
 ) -> None:
     upstream.respond = failing(1)
     proxy = await make_proxy(routes=[ROUTE], redeliverer=QUICK)
-    code, _out, _ = await events(config_file, "pause", "--route", "hooks", "--for", "2s")
+    code, _out, _ = await events(config_file, "pause", "--route", "hooks", "--for", "5s")
     assert code == 0
     await wait_until(lambda: _held(proxy.app[app_keys.HOLDS], "hooks"), "the pause seen")
     assert (await proxy.post("/hooks", data=b'{"id": "late"}')).status == 202
