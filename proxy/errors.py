@@ -10,6 +10,8 @@ Foreign exceptions are translated into these exactly once, where they enter, and
   (``providers_api``);
 - a request body that ends early or arrives too slowly, where it is read
   (``request_body``);
+- aiohttp's client errors and timeouts while a signing certificate is fetched, in
+  ``certificates``;
 - YAML, file and value errors, in the config loader (``config``), and the embedded server's,
   in ``embedded``; an address that cannot be bound, in ``server``.
 
@@ -52,6 +54,8 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
         + ClientUnidentified        400  a scope_from header absent or repeated
         + RequestIncomplete         400  the body ended before its declared end
         + SignatureInvalid          401  the route's signature check failed
+        + CertificateUnavailable    503  the signing certificate a request names could not be
+                                         fetched from its allowed host (outcome unavailable)
         + KeyInProgress             409  an Idempotency-Key whose first request is in flight
                                          (outcome in_progress)
         + KeyReused                 422  an Idempotency-Key sent again with another request
@@ -315,6 +319,15 @@ class SignatureInvalid(RequestError):
 
     status = 401
     code = "signature_invalid"
+
+
+class CertificateUnavailable(RequestError):
+    """The signing certificate could not be fetched; try again later."""
+
+    status = 503
+    code = "certificate_unavailable"
+    retry_after = 5
+    outcome: Outcome = "unavailable"
 
 
 class KeyInProgress(RequestError):

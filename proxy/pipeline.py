@@ -37,6 +37,7 @@ from proxy import (
     replay,
     request_body,
     semantics,
+    signatures,
     tracing,
     webhooks,
 )
@@ -213,6 +214,10 @@ class Cycle:
             self.request, route.config.max_body, route.client_timeout, self.reservation,
             pause=route.client_body_timeout,
         )  # fmt: skip
+        if self.verifier is not None:
+            # What the check needs from elsewhere (PayPal's certificate), fetched here: from
+            # here to the claim's verify nothing awaits, so it is still in the cache.
+            await signatures.prepare(self.verifier, self.request.headers)
         try:
             key = self._key()
         except errors.EventIdMissing:

@@ -6,27 +6,42 @@ this module knows nothing of aiohttp. Every configured secret is tried against e
 request carries, which is how rotation works. On a templated route with ``tenant_secrets`` each
 tenant has a verifier of its own (``TenantSignatures``), so one tenant's secret never verifies
 another tenant's path. A refusal's reason names the header at fault and never contains a secret or
-a received signature.
+a received signature. PayPal's scheme checks an RSA signature under a certificate the request
+names: ``prepare`` fetches it first (``certificates``, the one part that reaches the network),
+and ``verify`` reads it from the cache.
 """
 
 from __future__ import annotations
 
 import binascii
+import datetime
 import hashlib
 import hmac
 import math
 import re
 import urllib.parse
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import NoReturn, Protocol
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from proxy import errors, event_ids
 
+if TYPE_CHECKING:
+    from proxy import certificates
+
 SCHEMES: tuple[str, ...] = (
-    "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "hmac",
+    "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "square",
+    "paypal", "hmac",
 )  # fmt: skip
+# The schemes that sign the URL the provider calls: they need ``public_url``.
+URL_SCHEMES = ("twilio", "square")
+# PayPal's certificate hosts (its live and sandbox APIs), and the domain its certificate names.
+PAYPAL_CERT_HOSTS = (
+    "api.paypal.com", "api-m.paypal.com", "api.sandbox.paypal.com", "api-m.sandbox.paypal.com",
+)  # fmt: skip
+PAYPAL_DOMAIN = "paypal.com"
 DEFAULT_TOLERANCE = 300.0  # seconds
 ALGORITHMS = ("sha1", "sha256", "sha512")
 ENCODINGS = ("hex", "base64")
@@ -36,6 +51,9 @@ _FORM = "application/x-www-form-urlencoded"
 _TWILIO_SETTINGS = "X-Twilio-Webhooks-Signature-Settings"
 _TWILIO_ALGORITHMS = {"HMAC_SHA1": "sha1", "HMAC_SHA256": "sha256"}
 _MAX_TIMESTAMP_DIGITS = 15
+_MAX_TIME_TEXT = 40
+_SQUARE = "x-square-hmacsha256-signature"
+_PAYPAL_ALGORITHM = "SHA256withRSA"
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name
 
 # scheme: (header, algorithm, encoding, prefix) for a signature over the body alone
@@ -122,7 +140,7 @@ def _match(
     _fail("no signature matches")
 
 
-def _check_age(stamp: int, now: float, tolerance: float, name: str) -> None:
+def _check_age(stamp: float, now: float, tolerance: float, name: str) -> None:
     # Called after _match, so "outside tolerance" always means an authentic but stale (or
     # clock-skewed) request, and a forgery is always reported as "no signature matches".
     if abs(now - stamp) > tolerance:
@@ -390,6 +408,117 @@ def _twilio_urls(url: urllib.parse.SplitResult) -> tuple[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
+class SquareSignature:
+    """``x-square-hmacsha256-signature``: base64 HMAC-SHA256 with the subscription's signature
+    key over the notification URL followed by the raw body.
+
+    Computed as Square's SDK does (``square.utils.webhooks_helper.verify_signature``): the URL as
+    given to Square, ``public_url`` with the request's raw query when it has one, then the
+    body's bytes; the base64 text is compared, as the SDK compares it. No timestamp and no
+    header is signed: a replay is refused only as a duplicate of its event.
+    """
+
+    scheme: str
+    public_url: str
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return (_SQUARE,)
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset()
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        received = _header(headers, _SQUARE)
+        _signature(received, "base64", _SQUARE)
+        url = f"{self.public_url}?{query}" if query else self.public_url
+        message = url.encode("utf-8", "surrogateescape") + body
+        wanted = received.encode("utf-8", "surrogateescape")
+        for secret in self.secrets:
+            expected = binascii.b2a_base64(hmac.digest(secret, message, "sha256"), newline=False)
+            if hmac.compare_digest(expected, wanted):
+                return
+        _fail("no signature matches")
+
+
+@dataclass(frozen=True, slots=True)
+class PayPalSignature:
+    """PayPal's ``PAYPAL-TRANSMISSION-SIG``: base64 RSA (PKCS#1 v1.5, SHA-256) over
+    ``{PAYPAL-TRANSMISSION-ID}|{PAYPAL-TRANSMISSION-TIME}|{webhook ID}|{CRC32 of the body}``
+    (the CRC32 unsigned, in decimal), under the certificate at ``PAYPAL-CERT-URL``.
+
+    The string is the one PayPal's SDKs build (``paypalrestsdk``'s ``WebhookEvent.verify``).
+    ``secrets`` hold the webhook IDs PayPal shows for the subscription, which bind a signature
+    to its webhook; the certificate comes from ``certificates`` (fetched from PayPal's hosts
+    only, its chain and name checked), read here from the cache ``prepare`` filled.
+    ``PAYPAL-AUTH-ALGO`` must be ``SHA256withRSA``. ``tolerance`` bounds the age of the
+    transmission time, which the signature covers.
+    """
+
+    scheme: str
+    tolerance: float
+    secrets: tuple[bytes, ...] = field(repr=False)
+    certificates: certificates.Certificates = field(repr=False, compare=False)
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return tuple(f"PAYPAL-{name}" for name in
+                     ("TRANSMISSION-ID", "TRANSMISSION-TIME", "TRANSMISSION-SIG", "CERT-URL",
+                      "AUTH-ALGO"))  # fmt: skip
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset({"paypal-transmission-id", "paypal-transmission-time"})
+
+    async def prepare(self, headers: event_ids.MultiMapping) -> None:
+        """Fetch the certificate the request names, if it may be fetched and is not cached."""
+        urls = headers.getall("PAYPAL-CERT-URL", [])
+        if len(urls) == 1:
+            await self.certificates.fetch(urls[0])
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        sent = {name: _header(headers, name) for name in self.headers}
+        id_text, time_text, signature_text, url, algorithm = sent.values()
+        if algorithm != _PAYPAL_ALGORITHM:
+            _fail(f"PAYPAL-AUTH-ALGO is not {_PAYPAL_ALGORITHM}")
+        signature = _signature(signature_text, "base64", "PAYPAL-TRANSMISSION-SIG")
+        stamp = _iso_time(time_text, "PAYPAL-TRANSMISSION-TIME")
+        certificate = self.certificates.get(url, now)
+        head = f"{id_text}|{time_text}|".encode("utf-8", "surrogateescape")
+        tail = f"|{zlib.crc32(body)}".encode()
+        if not any(
+            certificate.verifies(signature, head + webhook_id + tail) for webhook_id in self.secrets
+        ):
+            _fail("no signature matches")
+        _check_age(stamp, now, self.tolerance, "PAYPAL-TRANSMISSION-TIME")
+
+
+def _iso_time(text: str, name: str) -> float:
+    """An ISO 8601 time with its offset (``2024-05-01T12:00:00Z``), as a Unix time."""
+    try:
+        moment = datetime.datetime.fromisoformat(text) if len(text) <= _MAX_TIME_TEXT else None
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None or not text.isascii():
+        _fail(f"{name} is not an ISO 8601 time with an offset")
+    return moment.timestamp()
+
+
+async def prepare(verifier: Verifier, headers: event_ids.MultiMapping) -> None:
+    """Before ``verifier.verify``: fetch what it needs from elsewhere (the certificate a PayPal
+    request names); nothing for a scheme that needs only its secrets. CertificateUnavailable
+    if the provider could not be reached."""
+    if isinstance(verifier, PayPalSignature):
+        await verifier.prepare(headers)
+
+
+@dataclass(frozen=True, slots=True)
 class TenantSignatures:
     """A templated route's verifiers, one per tenant, so that a tenant's secrets verify its own
     path only: ``for_tenant`` picks one by the tenant its path names (``RouteConfig.verifier_for``).
@@ -439,8 +568,8 @@ class SecretsUnread:
 _ANY_SECRET = "whsec_c2VjcmV0"
 
 
-def _public_url(value: str) -> str:
-    """``scheme://host[:port]/path`` as Twilio was told it; ValueError otherwise."""
+def _public_url(value: str, provider: str) -> str:
+    """``scheme://host[:port]/path`` as the provider was told it; ValueError otherwise."""
     parts = urllib.parse.urlsplit(value)
     try:
         port = parts.port
@@ -457,10 +586,48 @@ def _public_url(value: str) -> str:
         or not value.isprintable()
     ):
         raise ValueError(
-            "public_url must be the http(s) URL Twilio calls, scheme://host[:port]/path, "
+            f"public_url must be the http(s) URL {provider} calls, scheme://host[:port]/path, "
             f"ASCII, without credentials, query or fragment; got {value!r}"
         )
     return value
+
+
+def _refuse_foreign(scheme: str, owners: tuple[str, ...], **options: object) -> None:
+    """ValueError naming the ``options`` given that only ``owners`` take."""
+    given = [name for name, value in options.items() if value is not None]
+    if scheme not in owners and given:
+        which = f"scheme {owners[0]}" if len(owners) == 1 else f"schemes {', '.join(owners)}"
+        raise ValueError(f"{', '.join(given)}: only for {which}, not {scheme}")
+
+
+def _paypal_certificates(
+    hosts: Sequence[str] | None, ca_file: str | None
+) -> certificates.Certificates:
+    """The route's certificate fetcher and cache; ValueError for a bad host, an unreadable CA
+    bundle, or no ``cryptography`` (the extra ``paypal``)."""
+    try:
+        from proxy import certificates
+    except ImportError as exc:
+        raise ValueError(
+            f"scheme paypal needs the cryptography package: install webhook-dedup-proxy[paypal] "
+            f"({exc})"
+        ) from None
+    if hosts is not None and (isinstance(hosts, str) or not hosts):
+        raise ValueError("cert_hosts must be a non-empty list of host or host:port")
+    checked = []
+    for index, host in enumerate(PAYPAL_CERT_HOSTS if hosts is None else hosts):
+        try:
+            checked.append(certificates.check_host(host))
+        except ValueError as exc:
+            raise ValueError(f"cert_hosts[{index}] {exc}") from None
+    path = certificates.default_ca_file() if ca_file is None else ca_file
+    try:
+        roots = certificates.load_roots(path)
+    except ValueError as exc:
+        raise ValueError(f"ca_file: {exc}") from None
+    return certificates.Certificates(
+        header="PAYPAL-CERT-URL", hosts=checked, roots=roots, ca_file=path, domain=PAYPAL_DOMAIN
+    )
 
 
 def _standard_key(secret: str, index: int) -> bytes:
@@ -493,18 +660,22 @@ def build(
     encoding: str | None = None,
     prefix: str | None = None,
     public_url: str | None = None,
+    cert_hosts: Sequence[str] | None = None,
+    ca_file: str | None = None,
 ) -> Verifier:
     """The verifier for a route; ValueError messages complete "routes[0].verify: …".
 
     ``header``, ``algorithm`` (sha1, sha256, sha512; default sha256), ``encoding`` (hex, base64;
     default hex) and ``prefix`` (default none) apply to scheme ``hmac`` only, where ``header`` is
     required. ``public_url`` (``scheme://host[:port]/path``, the URL the provider was given, without
-    its query) applies to and is required by scheme ``twilio``. ``tolerance`` bounds the age of
-    timestamped schemes' timestamps, in both directions.
+    its query) applies to and is required by schemes ``twilio`` and ``square``. ``cert_hosts``
+    (default ``PAYPAL_CERT_HOSTS``; ``host`` or ``host:port``) and ``ca_file`` (a PEM bundle;
+    default the system's) apply to scheme ``paypal``, whose secrets are webhook IDs.
+    ``tolerance`` bounds the age of timestamped schemes' timestamps, in both directions.
     """
     checked = settings(
         scheme, tolerance=tolerance, header=header, algorithm=algorithm, encoding=encoding,
-        prefix=prefix, public_url=public_url,
+        prefix=prefix, public_url=public_url, cert_hosts=cert_hosts, ca_file=ca_file,
     )  # fmt: skip
     return checked.verifier(secrets)
 
@@ -521,6 +692,8 @@ class Settings:
     encoding: str = ""
     prefix: str = ""
     public_url: str = ""
+    # PayPal's: one cache of certificates for the route, shared by its tenants' verifiers.
+    certificates: certificates.Certificates | None = field(default=None, compare=False)
 
     def unread(self) -> SecretsUnread:
         """The verifier of these settings without their secrets (``SecretsUnread``)."""
@@ -529,14 +702,7 @@ class Settings:
 
     def verifier(self, secrets: Sequence[str]) -> Verifier:
         """The verifier with ``secrets``; ValueError messages complete "routes[0].verify: …"."""
-        if isinstance(secrets, str) or not secrets:
-            raise ValueError("secrets must be a non-empty list")
-        for index, secret in enumerate(secrets):
-            if not isinstance(secret, str) or not secret.strip():
-                raise ValueError(f"secrets[{index}] must be a non-empty string")
-            if secret != secret.strip():
-                # A newline from a secrets file would otherwise fail every request, silently.
-                raise ValueError(f"secrets[{index}] has leading or trailing whitespace")
+        _check_secrets(secrets)
         scheme, tolerance = self.scheme, self.tolerance
         if scheme == "standard-webhooks":
             decoded = tuple(_standard_key(secret, index) for index, secret in enumerate(secrets))
@@ -546,13 +712,34 @@ class Settings:
             return ListedSignature(scheme, *_LISTED_SCHEMES[scheme], tolerance, material)
         if scheme in _BODY_SCHEMES:
             return BodySignature(scheme, *_BODY_SCHEMES[scheme], material)
+        return self._other(material)
+
+    def _other(self, material: tuple[bytes, ...]) -> Verifier:
+        """The verifier of a scheme with a class of its own, or of ``hmac``."""
+        scheme, tolerance = self.scheme, self.tolerance
         if scheme == "slack":
             return SlackSignature(scheme, tolerance, material)
         if scheme == "twilio":
             return TwilioSignature(scheme, self.public_url, material)
+        if scheme == "square":
+            return SquareSignature(scheme, self.public_url, material)
+        if scheme == "paypal":
+            assert self.certificates is not None  # settings() gives paypal its certificates
+            return PayPalSignature(scheme, tolerance, material, self.certificates)
         return BodySignature(
             scheme, self.header, self.algorithm, self.encoding, self.prefix, material
         )
+
+
+def _check_secrets(secrets: Sequence[str]) -> None:
+    if isinstance(secrets, str) or not secrets:
+        raise ValueError("secrets must be a non-empty list")
+    for index, secret in enumerate(secrets):
+        if not isinstance(secret, str) or not secret.strip():
+            raise ValueError(f"secrets[{index}] must be a non-empty string")
+        if secret != secret.strip():
+            # A newline from a secrets file would otherwise fail every request, silently.
+            raise ValueError(f"secrets[{index}] has leading or trailing whitespace")
 
 
 def settings(
@@ -564,22 +751,25 @@ def settings(
     encoding: str | None = None,
     prefix: str | None = None,
     public_url: str | None = None,
+    cert_hosts: Sequence[str] | None = None,
+    ca_file: str | None = None,
 ) -> Settings:
     """``build``'s settings checked without the secrets (ValueError as ``build``)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
-    options = {"header": header, "algorithm": algorithm, "encoding": encoding, "prefix": prefix}
-    given = [name for name, value in options.items() if value is not None]
-    if scheme != "hmac" and given:
-        raise ValueError(f"{', '.join(given)}: only for scheme hmac, not {scheme}")
-    if scheme != "twilio" and public_url is not None:
-        raise ValueError(f"public_url: only for scheme twilio, not {scheme}")
+    _refuse_foreign(scheme, ("hmac",), header=header, algorithm=algorithm, encoding=encoding,
+                    prefix=prefix)  # fmt: skip
+    _refuse_foreign(scheme, URL_SCHEMES, public_url=public_url)
+    _refuse_foreign(scheme, ("paypal",), cert_hosts=cert_hosts, ca_file=ca_file)
     if not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"tolerance must be a positive number of seconds, got {tolerance!r}")
-    if scheme == "twilio":
+    if scheme in URL_SCHEMES:
         if public_url is None:
-            raise ValueError("public_url is required for scheme twilio")
-        return Settings(scheme, tolerance, public_url=_public_url(public_url))
+            raise ValueError(f"public_url is required for scheme {scheme}")
+        provider = scheme.capitalize()
+        return Settings(scheme, tolerance, public_url=_public_url(public_url, provider))
+    if scheme == "paypal":
+        return Settings(scheme, tolerance, certificates=_paypal_certificates(cert_hosts, ca_file))
     if scheme != "hmac":
         return Settings(scheme, tolerance)
     if header is None:

@@ -225,8 +225,19 @@ def test_explicit_route_settings_win_over_the_preset() -> None:
             "routes[0].verify.scheme: is required",
         ),
         (
-            {"preset": "paypal", "verify": {"secret": "x"}},
-            "routes[0].verify.scheme: preset paypal has no signature scheme the proxy can check",
+            {"preset": "square", "verify": {"secret": "x"}},
+            "routes[0].verify: public_url is required for scheme square",
+        ),
+        (
+            {
+                "preset": "paypal",
+                "verify": {"secret": "x", "cert_hosts": ["https://api.paypal.com"]},
+            },
+            "routes[0].verify: cert_hosts[0] must be a host name or host:port",
+        ),
+        (
+            {"preset": "paypal", "verify": {"secret": "x", "ca_file": "ca.pem"}},
+            "routes[0].verify.ca_file: must be an absolute path, got 'ca.pem'",
         ),
         ({"preset": "stripe", "verify": {}}, "routes[0].verify.secret: is required"),
         (

@@ -2,7 +2,8 @@
 
 Expected signatures are computed here with hmac/hashlib/base64, independently of the module. The
 providers' own libraries (stripe, standardwebhooks; twilio in test_twilio.py) cross-check both
-directions: what they sign we accept, and what we accept they accept.
+directions: what they sign we accept, and what we accept they accept; Square's SDK's own test
+vectors check the square scheme. PayPal's scheme fetches a certificate: tests/test_paypal.py.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ UNKNOWN = "whsec_" + base64.b64encode(b"an attacker's own key 24").decode()
 MSG_ID = "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"
 HMAC_HEADER = "X-Signature"
 TWILIO_URL = "https://hooks.example.com/twilio/voice"
+SQUARE_URL = "https://hooks.example.com/square"
 SW = "standard-webhooks"
 HEX = "ab" * 32  # well-formed, but nobody's signature
 B64 = base64.b64encode(b"\xab" * 32).decode()
 
-ALL = signatures.SCHEMES
+ALL = tuple(scheme for scheme in signatures.SCHEMES if scheme != "paypal")
+URL_SIGNED = ("twilio", "square")
 TIMESTAMPED = ("stripe", "paddle", "slack", SW)
 MULTI = ("stripe", "paddle", SW)  # one header may carry several signatures
 STAMP = {
@@ -105,6 +108,9 @@ def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
     if scheme == "twilio":
         url = f"{TWILIO_URL}?{query_for(scheme, body)}"
         return [("X-Twilio-Signature", b64_mac(secret.encode(), url.encode(), "sha1"))]
+    if scheme == "square":
+        signature = b64_mac(secret.encode(), SQUARE_URL.encode() + body)
+        return [("x-square-hmacsha256-signature", signature)]
     assert scheme == "hmac"
     return [(HMAC_HEADER, hex_mac(secret, body))]
 
@@ -114,6 +120,8 @@ def build(scheme: str, *secrets: str, **options: object) -> signatures.Verifier:
         options.setdefault("header", HMAC_HEADER)
     if scheme == "twilio":
         options.setdefault("public_url", TWILIO_URL)
+    if scheme == "square":
+        options.setdefault("public_url", SQUARE_URL)
     return signatures.build(scheme, list(secrets or (SECRET,)), **options)  # type: ignore[arg-type]
 
 
@@ -197,7 +205,7 @@ def test_tampered_body_is_refused(scheme: str) -> None:
     assert refused(scheme, signed(scheme), TAMPERED) == "no signature matches"
 
 
-@pytest.mark.parametrize("scheme", [scheme for scheme in ALL if scheme != "twilio"])
+@pytest.mark.parametrize("scheme", [scheme for scheme in ALL if scheme not in URL_SIGNED])
 def test_query_is_ignored_where_the_url_is_not_signed(scheme: str) -> None:
     build(scheme).verify(CIMultiDict(signed(scheme)), BODY, NOW, query="page=2&x=%FF")
 
@@ -313,6 +321,13 @@ def test_repeated_header_is_refused_even_when_identical(scheme: str, name: str) 
         ("twilio", "X-Twilio-Signature", "", "X-Twilio-Signature malformed"),
         ("twilio", "X-Twilio-Signature", B64.rstrip("="), "X-Twilio-Signature malformed"),
         ("hmac", HMAC_HEADER, "zz", f"{HMAC_HEADER} malformed"),
+        ("square", "x-square-hmacsha256-signature", "", "x-square-hmacsha256-signature malformed"),
+        (
+            "square",
+            "x-square-hmacsha256-signature",
+            "not base64!",
+            "x-square-hmacsha256-signature malformed",
+        ),
     ],
 )
 def test_malformed_header_is_refused(scheme: str, name: str, value: str, reason: str) -> None:
@@ -491,18 +506,25 @@ def test_hmac_prefix_is_required_when_configured() -> None:
     ("scheme", "secrets", "options", "message"),
     [
         (
-            "square",
+            "adyen",
             [SECRET],
             {},
             "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
-            "twilio, hmac; got 'square'",
+            "twilio, square, paypal, hmac; got 'adyen'",
         ),
         ("twilio", [SECRET], {}, "public_url is required for scheme twilio"),
+        ("square", [SECRET], {}, "public_url is required for scheme square"),
         (
             "slack",
             [SECRET],
             {"public_url": TWILIO_URL},
-            "public_url: only for scheme twilio, not slack",
+            "public_url: only for schemes twilio, square, not slack",
+        ),
+        (
+            "square",
+            [SECRET],
+            {"public_url": SQUARE_URL, "cert_hosts": ["api.paypal.com"]},
+            "cert_hosts: only for scheme paypal, not square",
         ),
         (
             "twilio",
@@ -762,3 +784,74 @@ def test_what_we_refuse_standardwebhooks_library_refuses(
     refused(SW, headers)
     with pytest.raises(standardwebhooks.WebhookVerificationError):
         standardwebhooks.Webhook(SECRET).verify(BODY, dict(headers))
+
+
+# Square's SDK (squareup, 7 MB of generated API client with httpx and pydantic) is not a test
+# dependency: its webhook helper's own test vectors are, from square/square-python-sdk,
+# tests/integration/test_webhooks_helper.py (commit ef5c175), checked against
+# square.utils.webhooks_helper.verify_signature.
+SQUARE_BODY = (
+    b'{"merchant_id":"MLEFBHHSJGVHD","type":"webhooks.test_notification","event_id":'
+    b'"ac3ac95b-f97d-458c-a6e6-18981597e05f","created_at":"2022-07-13T20:30:59.037339943Z",'
+    b'"data":{"type":"webhooks","id":"bc368e64-01aa-407e-b46e-3231809b1129"}}'
+)
+SQUARE_SIGNATURE = "GF4YkrJgGBDZ9NIYbNXBnMzqb2HoL4RW/S6vkZ9/2N4="
+SQUARE_KEY = "Ibxx_5AKakO-3qeNVR61Dw"
+SQUARE_NOTIFIED = "https://webhook.site/679a4f3a-dcfa-49ee-bac5-9d0edad886b9"
+
+
+def square_check(signature: str, key: str, url: str, body: bytes) -> None:
+    headers = CIMultiDict({"x-square-hmacsha256-signature": signature})
+    signatures.build("square", [key], public_url=url).verify(headers, body, NOW)
+
+
+@pytest.mark.parametrize(
+    ("signature", "key", "url", "body"),
+    [
+        (SQUARE_SIGNATURE, SQUARE_KEY, SQUARE_NOTIFIED, SQUARE_BODY),
+        (
+            "Cxt7+aTi4rKgcA0bC4g9EHdVtLSDWdqccmL5MvihU4U=",
+            "signature-key",
+            "https://webhook.site/webhooks",
+            b'{"data":{"type":"webhooks","id":">id<"}}',
+        ),
+    ],
+)
+def test_square_sdk_vectors_are_accepted(signature: str, key: str, url: str, body: bytes) -> None:
+    square_check(signature, key, url, body)
+
+
+@pytest.mark.parametrize(
+    ("signature", "key", "url", "body"),
+    [
+        # Another URL, another key, another signature, another body: as the SDK's tests refuse.
+        (
+            SQUARE_SIGNATURE,
+            SQUARE_KEY,
+            "https://webhook.site/79a4f3a-dcfa-49ee-bac5-9d0edad886b9",
+            SQUARE_BODY,
+        ),
+        (SQUARE_SIGNATURE, "MCmhFRxGX82xMwg5FsaoQA", SQUARE_NOTIFIED, SQUARE_BODY),
+        ("1z2n3DEJJiUPKcPzQo1ftvbxGdw=", SQUARE_KEY, SQUARE_NOTIFIED, SQUARE_BODY),
+        (SQUARE_SIGNATURE, SQUARE_KEY, SQUARE_NOTIFIED, SQUARE_BODY.replace(b"07-13", b"06-13")),
+        (SQUARE_SIGNATURE, SQUARE_KEY, SQUARE_NOTIFIED, SQUARE_BODY.replace(b",", b", ")),
+    ],
+)
+def test_square_sdk_vectors_refused_are_refused(
+    signature: str, key: str, url: str, body: bytes
+) -> None:
+    with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+        square_check(signature, key, url, body)
+
+
+def test_square_signs_the_query_the_notification_url_carries() -> None:
+    url = "https://hooks.example.com/square"
+    signature = b64_mac(SECRET.encode(), f"{url}?tenant=acme".encode() + BODY)
+    headers = CIMultiDict({"x-square-hmacsha256-signature": signature})
+    verifier = signatures.build("square", [SECRET], public_url=url)
+
+    verifier.verify(headers, BODY, NOW, query="tenant=acme")
+    with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+        verifier.verify(headers, BODY, NOW, query="tenant=globex")
+    with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+        verifier.verify(headers, BODY, NOW)

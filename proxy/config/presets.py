@@ -127,21 +127,25 @@ PRESETS: dict[str, Preset] = {
         on_duplicate="replay",
         deadline=15.0,  # connecting included
     ),
-    # Square signs the notification URL + body and PayPal uses RSA certificates: neither is
-    # verified by the proxy (yet), so those presets set only the key.
-    # Square's 10 s is unverified (its pages disagree); Stripe and PayPal publish none.
+    # Square signs the notification URL it was given and the body (verify needs public_url, as
+    # Twilio's does); no timestamp. Square's 10 s is unverified (its pages disagree).
     "square": Preset(
         event_id=("body:/event_id",),
         event_type="body:/type",
-        scheme=None,
+        scheme="square",
         retention=4 * DAY,
         deadline=10.0,
     ),
+    # PayPal signs with RSA under a certificate fetched from its own hosts; the secrets are the
+    # webhook IDs. Whether a retry is signed with a fresh transmission time is unverified: as
+    # for Paddle, the window spans the retention, inside which a replay is a duplicate anyway.
+    # PayPal publishes no delivery timeout.
     "paypal": Preset(
         event_id=("body:/id",),
         event_type="body:/event_type",
-        scheme=None,
+        scheme="paypal",
         retention=4 * DAY,
+        tolerance=4 * DAY,
         order=("body:/resource/id", "body:/create_time"),
     ),
 }

@@ -19,7 +19,8 @@ from proxy import paths, signatures
 from proxy.config import presets, reader, values
 
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
-               "prefix", "public_url", "tenant_secrets", "shared_secret")  # fmt: skip
+               "prefix", "public_url", "cert_hosts", "ca_file", "tenant_secrets",
+               "shared_secret")  # fmt: skip
 # How signatures names a bad secret ("secrets[1] has leading or trailing whitespace").
 _NUMBERED = re.compile(r"secrets\[(\d+)\] ")
 SHARED_SECRET = (
@@ -79,19 +80,29 @@ def _settings(
                 else "is required"
             )
             r.problem(f"{path}.scheme", reason)
-    options = {
+    options: dict[str, Any] = {
         key: r.value(section, key, path, str, None)
         for key in ("header", "algorithm", "encoding", "prefix", "public_url")
     }
+    if "cert_hosts" in section:
+        options["cert_hosts"] = r.strings(section, "cert_hosts", path)
+    options["ca_file"] = r.value(section, "ca_file", path, _absolute, None)
     default_tolerance = (preset and preset.tolerance) or signatures.DEFAULT_TOLERANCE
     tolerance = r.value(section, "tolerance", path, values.parse_duration, default_tolerance)
-    if scheme is None:
+    if scheme is None or ("cert_hosts" in section and options["cert_hosts"] is None):
         return None
     try:
         return signatures.settings(scheme, tolerance=tolerance, **options)
     except ValueError as exc:
         r.problem(path, str(exc))
         return None
+
+
+def _absolute(raw: object) -> str:
+    """A file's absolute path (``ca_file``): read at start, wherever the proxy was started."""
+    if not isinstance(raw, str) or not raw.startswith("/"):
+        raise ValueError(f"must be an absolute path, got {raw!r}")
+    return raw
 
 
 def _parse_tenant_secrets(
