@@ -166,6 +166,7 @@ def _criteria(
         scopes=_scopes(routes), scope=scope, state=filters.state or None,
         since=_time(filters.since, "since"), until=_time(filters.until, "until"),
         event_id=filters.event_id or None,
+        composite=tuple(sorted({r.scope for r in routes if r.composite_id})),
         event_type=filters.event_type or None, body_bytes=body[2] if body else None,
         limit=limit,
     )  # fmt: skip
@@ -416,19 +417,36 @@ async def event(request: web.Request) -> web.Response:
 async def lookup(request: web.Request) -> web.Response:
     given = request.query.get("id", "").strip()
     found: list[inbox.Found] = []
+    tried: list[str] = []
     if given:
         store = _store(request)
         routes = request.app[app_keys.PROXY][app_keys.CONFIG].routes
         scopes = sorted({route.scope for route in routes})
         scoped = sorted({r.scope for r in routes if r.scoped_by_path or r.scope_from})
-        found = await store.inbox.lookup(scopes, scoped, given)
+        composite = sorted({r.scope for r in routes if r.composite_id})
+        found = await store.inbox.lookup(scopes, scoped, composite, given)
+        tried = _tried(routes, given)
     rows = [
         {"found": f, "state": _state(f.state), "received": _when(f.received_at),
          "link": urllib.parse.urlencode({"scope": f.scope, "id": f.event_id})}
         for f in found
     ]  # fmt: skip
     return _render(request, "lookup.html", title="Was this event processed?", given=given,
-                   rows=rows)  # fmt: skip
+                   rows=rows, tried=tried)  # fmt: skip
+
+
+def _tried(routes: tuple[routes_module.RouteConfig, ...], given: str) -> list[str]:
+    """The forms of ``given`` a lookup looked for, on some route: as given, bound to a body,
+    and as the last part of a composite ID."""
+    tried = [given]
+    if any(route.binds_claims for route in routes):
+        tried.append(f"{given}~<digest>")
+    for route in routes:
+        if route.composite_id and ":" not in given:
+            assert isinstance(route.event_id, tuple)
+            form = ":".join([*(f"<{s.name}>" for s in route.event_id[:-1]), given])
+            tried.append(form + ("[~<digest>]" if route.binds_claims else ""))
+    return list(dict.fromkeys(tried))
 
 
 async def static(request: web.Request) -> web.StreamResponse:

@@ -137,9 +137,10 @@ async def show(
     (listed). With ``as_json``, the event as one JSON document (``shown_json``)."""
     if body and as_json:
         raise errors.UsageError("--body and --json: one of them")
-    scope = operations.exact_scope(operations.route_of(cfg, route), scope)
+    configured = operations.route_of(cfg, route)
+    scope = operations.exact_scope(configured, scope)
     async with operations.open_store(cfg) as store:
-        found = await operations.resolve(store, scope, [event_id])
+        found = await operations.resolve(store, configured, scope, [event_id])
         stored = found.stored.get(event_id)
         shown = None if stored is None else await store.inbox.show(scope, stored)
     if shown is None:
@@ -386,7 +387,7 @@ async def redeliver(
             )  # fmt: skip
     scope = operations.exact_scope(found, scope)
     async with operations.open_store(cfg) as store:
-        named = await operations.resolve(store, scope, event_ids)
+        named = await operations.resolve(store, found, scope, event_ids)
         changed = await store.inbox.redeliver(scope, list(named.stored.values()), None, for_)
         done = {key.event_id for key in changed}
         left = [stored for stored in named.stored.values() if stored not in done]
@@ -425,7 +426,7 @@ async def discard(
             )  # fmt: skip
     scope = operations.exact_scope(found, scope)
     async with operations.open_store(cfg) as store:
-        named = await operations.resolve(store, scope, event_ids)
+        named = await operations.resolve(store, found, scope, event_ids)
         discarded = await store.inbox.discard(scope, list(named.stored.values()))
     named.report(event_ids, discarded, "discarded", out)
     return 0 if named.all_done(discarded) else 1

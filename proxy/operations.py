@@ -124,12 +124,15 @@ class Named(NamedTuple):
         return not self.problems and all(stored in done for stored in self.stored.values())
 
 
-async def resolve(store: database.Store, scope: str, event_ids: Sequence[str]) -> Named:
+async def resolve(
+    store: database.Store, route: routes.RouteConfig, scope: str, event_ids: Sequence[str]
+) -> Named:
     """What these IDs name in ``scope``: an ID as the provider sent it names its claim bound
     to a body (``<id>~<digest>``, on GitHub, Shopify and Twilio routes with ``verify``) as
-    well as the claim stored under it as given; several claims bound to different bodies
-    under one ID are listed for the operator to pick from."""
-    resolved = await store.resolve(scope, event_ids)
+    well as the claim stored under it as given, and on a route whose ID is composite, the
+    claims whose last part it is (GitHub's GUID without its hook ID); several claims bound
+    to different bodies, or under several hooks, are listed for the operator to pick from."""
+    resolved = await store.resolve(scope, event_ids, last_part=route.composite_id)
     stored, problems = {}, {}
     for event_id, found in resolved.items():
         if found.stored:
@@ -140,8 +143,20 @@ async def resolve(store: database.Store, scope: str, event_ids: Sequence[str]) -
                 f"different bodies); give one of: {' '.join(found.candidates)}"
             )
         else:
-            problems[event_id] = f"not found: {scope} {event_id}"
+            problems[event_id] = f"not found: {scope} {event_id}{tried(route, event_id)}"
     return Named(scope, stored, problems)
+
+
+def tried(route: routes.RouteConfig, event_id: str) -> str:
+    """The forms of ``event_id`` a lookup on ``route`` looked for, to follow "not found"."""
+    forms = [event_id]
+    if route.binds_claims:
+        forms.append(f"{event_id}~<digest>")
+    if route.composite_id and ":" not in event_id:
+        assert isinstance(route.event_id, tuple)
+        parts = [f"<{source.name}>" for source in route.event_id[:-1]]
+        forms.append(":".join([*parts, event_id]) + ("[~<digest>]" if route.binds_claims else ""))
+    return f" (looked for {', '.join(forms)})" if len(forms) > 1 else ""
 
 
 def json_document(document: object) -> str:
@@ -220,9 +235,10 @@ async def forget(
     forgotten with its legacy form, which the upgrade window claims with it. A claim still in
     flight is an uncommitted row, invisible here: it is "not found" until its request has
     finished (and then it is either committed, so forgettable, or gone)."""
-    scope = exact_scope(route_of(cfg, route), scope)
+    configured = route_of(cfg, route)
+    scope = exact_scope(configured, scope)
     async with open_store(cfg) as store:
-        found = await resolve(store, scope, event_ids)
+        found = await resolve(store, configured, scope, event_ids)
         rows = {row for stored in found.stored.values()
                 for row in (stored, database.unbound(stored))}  # fmt: skip
         forgotten = await store.forget(scope, sorted(rows), lock_wait=cfg.claim_wait)

@@ -129,7 +129,7 @@ async def test_the_pages_show_what_the_proxy_kept(
     found = await page(admin, "/console/lookup?id=evt_ok")
     assert "delivered at the first try" in found
     missing = await page(admin, "/console/lookup?id=evt_never")
-    assert "No claim of evt_never" in missing
+    assert "No claim found on any route. Looked for: <code>evt_never</code>" in missing
 
 
 async def test_the_overview_shows_this_replicas_requests_by_outcome_since_it_started(

@@ -28,7 +28,15 @@ from axe_playwright_python.async_playwright import Axe
 from playwright.async_api import Browser, Page, async_playwright
 from playwright.async_api import Error as PlaywrightError
 
-from tests.helpers import FakeUpstream, Serve, Served, fetch, wait_until
+from tests.helpers import (
+    FakeUpstream,
+    Serve,
+    Served,
+    fetch,
+    github_headers,
+    github_route,
+    wait_until,
+)
 
 CHROMIUM = Path("/usr/bin/chromium")
 INSTALLED = CHROMIUM.exists()
@@ -210,6 +218,58 @@ async def test_every_page_renders_inert_and_accessible_and_links_change_nothing(
     assert await follow_every_link(page, console, [console, *pages.values()]) > 20
     assert seen == []
     assert await snapshot(pg_dsn, table) == before
+
+
+GUID = "20ed78ab-6a3e-11ef-8d3c-5d1e2b1c9f00"
+
+
+async def test_a_github_guid_as_github_shows_it_is_found_by_the_lookup_and_the_filter(
+    serve: Serve, upstream: FakeUpstream, browser: Browser, tmp_path: Path
+) -> None:
+    """An operator pastes the GUID of GitHub's delivery page (no hook ID) into "Was this event
+    processed?" and the events' filter: the input shows all 36 characters, and the claim
+    (``<hook ID>:<GUID>`` bound to the body) is found; an unknown GUID's page names the forms
+    looked for and does not say the proxy never received it."""
+    by_event(upstream)
+    served = await serve(routes=[KEPT, github_route(redeliver=KEPT["redeliver"])],
+                         redeliverer={"poll": "100ms"})  # fmt: skip
+    body = json.dumps({"id": "pend_gh", "zen": "Design for failure."}).encode()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{served.url}/webhooks/github", data=body,
+                     headers=github_headers(body, GUID, "77")) as answer,
+    ):  # fmt: skip
+        assert answer.status == 202, await answer.text()
+    console = f"{served.admin_url}/console/"
+    page = await browser.new_page()
+
+    await page.goto(console + "lookup")
+    await page.fill("#l-id", GUID)
+    assert await page.eval_on_selector("#l-id", "e => e.scrollWidth <= e.clientWidth")
+    await page.click("button[type=submit]")
+    table = await page.inner_text("table")
+    assert f"77:{GUID}~" in table, table
+    assert "pending" in table
+    await page.screenshot(path=tmp_path / "console-lookup-guid.png", full_page=True)
+    await page.click(f"a:has-text('77:{GUID}')")
+    assert f"77:{GUID}" in await page.inner_text("main")
+
+    await page.goto(console + "events")
+    await page.fill("#f-id", GUID)
+    assert await page.eval_on_selector("#f-id", "e => e.scrollWidth <= e.clientWidth")
+    await page.click("button[type=submit]")
+    assert (await page.locator("tbody td:nth-child(3)").all_inner_texts()) == [f"77:{GUID}"]
+
+    unknown = "0f0f0f0f-0000-4000-8000-000000000000"
+    await page.goto(console + "lookup")
+    await page.fill("#l-id", unknown)
+    await page.click("button[type=submit]")
+    said = await page.inner_text("main")
+    assert f"<X-GitHub-Hook-ID>:{unknown}[~<digest>]" in said, said
+    assert f"{unknown}~<digest>" in said
+    assert "has not received" not in said
+    assert "does not show that the proxy never received it" in said
+    assert await accessible(page) == []
 
 
 async def test_actions_are_refused_without_the_credential_and_redeliver_with_it(

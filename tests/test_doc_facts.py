@@ -4,6 +4,8 @@
 - docs/configuration.md's key table has a row for every key the parser accepts, and none other;
   the keys are read from the parser itself (every section it opens), not listed here.
 - docs/operations.md has a row for every metric the proxy exports, and none other.
+- docs/deployment.md's alert table lists the alerts of deploy/prometheus/rules.yaml, each once,
+  with its severity, and docs/runbooks.md's index lists them, each once.
 - The sizing figures quoted in docs/deployment.md and deploy/kubernetes/README.md are figures
   of bench/RESULTS.md, the benchmark's own output: a figure in µs, ms, MB or per second in
   their "Sizing" sections must be printed there with the same unit. A figure worked out from
@@ -230,3 +232,24 @@ def test_a_table_of_contents_lists_every_section_in_order(page: Path) -> None:
     assert listed == sections, (
         f"{page.relative_to(ROOT)}: its contents list {listed}, its ## sections are {sections}"
     )
+
+
+def rules_alerts() -> list[tuple[str, str]]:
+    """deploy/prometheus/rules.yaml's alerts, in order, with their severities."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yaml").read_text())
+    return [(rule["alert"], rule["labels"]["severity"])
+            for group in rules["groups"] for rule in group["rules"]]  # fmt: skip
+
+
+def test_deployments_alert_table_is_the_rules_alerts_with_their_severities() -> None:
+    text = section((ROOT / "docs" / "deployment.md").read_text(), "What to alert on")
+    rows = re.findall(r"^\| `(Dedup\w+)` \|.*\| (\w+) \|$", text, re.MULTILINE)
+    assert len(rows) == len(dict(rows)), "an alert listed twice"
+    assert dict(rows) == dict(rules_alerts())
+
+
+def test_the_runbooks_index_is_the_rules_alerts() -> None:
+    text = (ROOT / "docs" / "runbooks.md").read_text()
+    index = re.findall(r"^- \[(Dedup\w+)\]\(#(\w+)\)$", text, re.MULTILINE)
+    assert sorted(name for name, _ in index) == sorted(name for name, _ in rules_alerts())
+    assert all(anchor == name.lower() for name, anchor in index)

@@ -247,7 +247,8 @@ async def test_the_commands_take_the_id_as_the_provider_sent_it_and_the_logs_car
     assert redelivering[1].splitlines()[0] == f"redelivering: github 1:g-1 (claim {bound[1]})"
     assert discarding[:2] == (
         1,
-        f"discarded: github 1:g-2 (claim {bound[2]})\nnot found: github 1:g-3\n",
+        f"discarded: github 1:g-2 (claim {bound[2]})\n"
+        "not found: github 1:g-3 (looked for 1:g-3, 1:g-3~<digest>)\n",
     )
     lines = [r.fields for r in caplog.records if r.name == "proxy.pipeline"]  # type: ignore[attr-defined]
     assert [(line["event_id"], line["claim_id"]) for line in lines] == [
@@ -256,6 +257,43 @@ async def test_the_commands_take_the_id_as_the_provider_sent_it_and_the_logs_car
     (line,) = [r.fields for r in redelivered()]
     assert (line["event_id"], line["claim_id"], line["result"]) == ("1:g-1", bound[1], "delivered")
     assert redelivered()[0].getMessage() == "redelivery of github 1:g-1: delivered"
+
+
+GUID = "20ed78ab-6a3e-11ef-8d3c-5d1e2b1c9f00"
+
+
+async def test_a_github_guid_as_github_shows_it_finds_its_delivery_in_every_command(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path
+) -> None:
+    """GitHub's delivery page shows the GUID alone; the claim is ``<hook ID>:<GUID>`` bound
+    to the body: show, redeliver and forget take the GUID, with or without the hook ID, and
+    an unknown one is "not found" naming the forms looked for."""
+    upstream.respond = answering(503)
+    proxy = await make_proxy(routes=with_github(config_file), redeliverer=QUICK)
+    body = b'{"zen": "Design for failure."}'
+    kept = await proxy.post("/webhooks/github", data=body, headers=github_headers(body, GUID, "77"))
+    assert kept.status == 202
+    bound = webhooks.bound(f"77:{GUID}", "", hashlib.sha256(body).digest())
+
+    shown = {given: await cli(config_file, "show", "--route", "github", given)
+             for given in (GUID, f"77:{GUID}", bound)}  # fmt: skip
+    for given, (code, out, err) in shown.items():
+        fields = dict(line.split(":", 1) for line in out.splitlines() if not line.startswith(" "))
+        assert (code, err) == (0, ""), given
+        assert (fields["event"].strip(), fields["claim"].strip()) == (f"77:{GUID}", bound)
+    redelivering = await cli(config_file, "redeliver", "--route", "github", GUID)
+    assert redelivering[0] == 0
+    assert redelivering[1].splitlines()[0] == f"redelivering: github {GUID} (claim {bound})"
+    unknown = "0f0f0f0f-0000-4000-8000-000000000000"
+    code, out, err = await cli(config_file, "show", "--route", "github", unknown)
+    assert (code, out) == (1, "")
+    assert err == (
+        f"not found: github {unknown} (looked for {unknown}, {unknown}~<digest>, "
+        f"<X-GitHub-Hook-ID>:{unknown}[~<digest>])\n"
+    )
+    assert await cli(config_file, "forget", "--route", "github", GUID) == (
+        0, f"forgotten: github {GUID} (claim {bound})\n", ""
+    )  # fmt: skip
 
 
 async def test_show_escapes_what_a_terminal_would_act_on_in_kept_headers_and_target(

@@ -128,7 +128,7 @@ async def test_forget_takes_the_id_as_the_provider_sent_it_on_a_bound_route(
         f"forgotten: github {BACKSLASHED} (claim {bound(BACKSLASHED)})",
         f"ambiguous: github 1:two is 2 claims (bound to different bodies); give one of: "
         f"{two[0]} {two[1]}",
-        "not found: github 1:nope",
+        "not found: github 1:nope (looked for 1:nope, 1:nope~<digest>)",
     ]
     left = [event_id for _, event_id, _ in await claimed(pg_dsn, table)]
     assert sorted(left) == sorted([bound("1:xy"), bound("1:pq25"), bound("1:b"), *two])

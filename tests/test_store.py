@@ -4,12 +4,24 @@ the one translation of database errors."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import uuid
 from collections.abc import Callable
 
 import pytest
 
 from proxy import app_keys, config, database, embedded, errors
-from tests.helpers import FakeUpstream, MakeProxy, claimed, event, fetch, logged_errors, start_up
+from proxy.database import inbox_sql, sql
+from tests.helpers import (
+    FakeUpstream,
+    MakeProxy,
+    claimed,
+    event,
+    execute,
+    fetch,
+    logged_errors,
+    start_up,
+)
 
 
 async def test_connections_bound_lock_waits_and_abandoned_transactions(
@@ -264,3 +276,54 @@ async def test_a_claim_ends_by_one_named_step_only(pg_dsn: str, table: str) -> N
         assert [row[1] for row in await claimed(pg_dsn, table)] == ["once"]
     finally:
         await store.close()
+
+
+# 100,000 GitHub claims as a route with verify stores them: three hooks, each delivery's GUID
+# bound to a digest of its body (``<hook>:<GUID>~<32 hex digits>``), and one hook's GUID also
+# under a second hook (GitHub sends one delivery to each hook subscribed).
+GITHUB_ROWS = (
+    'INSERT INTO "{table}" (scope, event_id, received_at) '
+    "SELECT 'github', (n % 3 + 100)::text || ':' || md5(n::text)::uuid::text || '~' "
+    "|| md5('body' || n), now() - make_interval(secs => n) FROM generate_series(1, 100000) AS n; "
+    'INSERT INTO "{table}" (scope, event_id) '
+    "SELECT 'github', '999:' || md5('7')::uuid::text || '~' || md5('other'); "
+    'ANALYZE "{table}"'
+)
+
+
+async def test_a_github_guid_alone_names_its_claim_by_the_last_part_index(
+    pg_dsn: str, table: str
+) -> None:
+    """An operator gives a GitHub delivery's GUID as GitHub shows it, without the hook ID: it
+    names its claim (bound to the body) through the last part's index, not a scan of the
+    scope's 100,000 rows; a GUID under two hooks names both, for the operator to pick from."""
+    settings = config.DatabaseConfig(dsn=None, table=table, pool_size=1)
+    store = await database.Store.open(pg_dsn, settings, claim_wait=1, upstream_timeout=1)
+    try:
+        await store.ensure_schema()
+        await execute(pg_dsn, GITHUB_ROWS.format(table=table))
+        guid = str(uuid.UUID(hashlib.md5(b"42").hexdigest()))
+        twice = str(uuid.UUID(hashlib.md5(b"7").hexdigest()))
+        stored = f"100:{guid}~{hashlib.md5(b'body42').hexdigest()}"
+        found = await store.resolve("github", [guid, f"100:{guid}", twice, "nope"], last_part=True)
+        plain = await store.resolve("github", [guid])
+    finally:
+        await store.close()
+    assert found[guid] == found[f"100:{guid}"] == database.Resolved(stored)
+    assert found[twice].stored == ""
+    assert [c.partition("~")[0] for c in found[twice].candidates] == [
+        f"101:{twice}",
+        f"999:{twice}",
+    ]
+    assert found["nope"] == database.Resolved("")
+    assert plain[guid] == database.Resolved("")  # a route whose ID is not composite
+
+    queries = sql.for_table(table)
+    statements = inbox_sql.Statements(queries.quoted)
+    for statement, args in (
+        (queries.resolve_last_part, ("github", guid)),
+        (statements.lookup_last_part, (["github", "stripe"], guid)),
+    ):
+        plan = "\n".join(r[0] for r in await fetch(pg_dsn, f"EXPLAIN {statement}", *args))
+        assert f"{table}_last_part_idx" in plan, plan
+        assert "Seq Scan" not in plan, plan

@@ -98,6 +98,12 @@ class RouteConfig:
         )
 
     @property
+    def composite_id(self) -> bool:
+        """Whether the event ID is several parts joined (GitHub's ``<hook ID>:<GUID>``): an
+        operator may give its last part alone, as the provider shows it."""
+        return isinstance(self.event_id, tuple) and len(self.event_id) > 1
+
+    @property
     def binds_claims(self) -> bool:
         """Whether a claim's ID is the event ID bound to what is signed (``webhooks.bound``):
         a webhook route whose ``verify`` does not cover the ID (GitHub, Shopify, Twilio)."""

@@ -747,17 +747,29 @@ class Inbox:
         assert row is not None
         return Hour(*row)
 
-    async def lookup(self, scopes: list[str], scoped: list[str], event_id: str) -> list[Found]:
+    async def lookup(
+        self, scopes: list[str], scoped: list[str], composite: list[str], event_id: str
+    ) -> list[Found]:
         """The claims of ``event_id`` (as the provider sent it, or as stored) in ``scopes``, and
-        in the per-path scopes of ``scoped``, newest first."""
+        in the per-path scopes of ``scoped``, newest first; in the scopes of ``composite``
+        (routes whose ID is composite), also the claims whose last part it is (GitHub's
+        GUID without its hook ID)."""
+        part = event_id.replace("%", "%25")  # as ``event_ids.join`` escapes a part
+        composite = composite if ":" not in event_id else []
         async with self._acquire() as connection:
             with plainly("query failed"):
                 rows = await connection.fetch(
                     self.statements.lookup, scopes, event_id, timeout=self.op_timeout
                 )
+                if composite:
+                    rows += await connection.fetch(
+                        self.statements.lookup_last_part, composite, part,
+                        timeout=self.op_timeout,
+                    )  # fmt: skip
                 if scoped:
                     rows += await connection.fetch(
-                        self.statements.lookup_scoped, scoped, event_id, timeout=self.op_timeout
-                    )
-        found = [Found(*row) for row in rows]
-        return sorted(found, key=lambda f: f.received_at, reverse=True)
+                        self.statements.lookup_scoped, scoped, event_id, composite, part,
+                        timeout=self.op_timeout,
+                    )  # fmt: skip
+        found = {(row[0], row[1]): Found(*row) for row in rows}
+        return sorted(found.values(), key=lambda f: f.received_at, reverse=True)

@@ -14,6 +14,7 @@ parameter, not ``now()`` (Citus evaluates no such function inside ``CASE`` in a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -489,11 +490,7 @@ class Statements:
         if criteria.until is not None:
             where.append(f"received_at < {param(criteria.until, '::timestamptz')}")
         if criteria.event_id is not None:
-            given = param(criteria.event_id, "::text")
-            where.append(
-                f"(event_id = {given} OR (left(event_id, length({given}) + 1) = {given} || '~' "
-                f"AND length(event_id) = length({given}) + {1 + sql.BOUND_DIGITS}))"
-            )
+            where.append(_named_by(criteria.event_id, criteria.composite, param))
         if criteria.event_type is not None:
             where.append(f"event_type = {param(criteria.event_type, '::text')}")
         if criteria.body_bytes is not None:
@@ -550,13 +547,25 @@ class Statements:
         )
 
     @property
+    def lookup_last_part(self) -> str:
+        # $1 the scopes of routes whose ID is composite, $2 the last part of such an ID as the
+        # provider shows it (GitHub's GUID without its hook ID): its claims in those scopes,
+        # by the last part's index (sql's last_part_idx).
+        return (
+            "SELECT scope, event_id, event_type, received_at, inbox_state "
+            f"FROM {self.quoted} WHERE scope = ANY($1::text[]) AND {sql.last_part_named('$2')} "
+            "ORDER BY received_at DESC LIMIT 50"
+        )
+
+    @property
     def lookup_scoped(self) -> str:
         # $1 the scopes of routes with per-path (or per-client) scopes, $2 an ID: its claims in
         # their per-path scopes. Their names are not known ahead, so this reads the table.
         return (
             "SELECT scope, event_id, event_type, received_at, inbox_state "
             f"FROM {self.quoted} WHERE split_part(scope, '/', 1) = ANY($1::text[]) "
-            f"AND position('/' in scope) > 0 AND {_NAMED} ORDER BY received_at DESC LIMIT 50"
+            f"AND position('/' in scope) > 0 AND ({_NAMED} OR (split_part(scope, '/', 1) = "
+            f"ANY($3::text[]) AND {sql.last_part_named('$4')})) ORDER BY received_at DESC LIMIT 50"
         )
 
 
@@ -565,6 +574,22 @@ _NAMED = (
     f"(event_id = $2 OR (event_id >= $2 || '~' AND event_id <= $2 || '~{'f' * sql.BOUND_DIGITS}' "
     "AND left(event_id, length($2) + 1) = $2 || '~'))"
 )
+
+
+def _named_by(given: str, composite: tuple[str, ...], param: Callable[[object, str], str]) -> str:
+    """``browse``'s condition that a row is the claim of ``given``: as stored or bound to a
+    body, and in the scopes of ``composite``, as the last part of a composite ID."""
+    value = param(given, "::text")
+    named = (
+        f"event_id = {value} OR (left(event_id, length({value}) + 1) = {value} || '~' "
+        f"AND length(event_id) = length({value}) + {1 + sql.BOUND_DIGITS})"
+    )
+    if composite and ":" not in given:
+        # The last part of a composite ID, as the provider shows it (GitHub's GUID).
+        part = param(given.replace("%", "%25"), "::text")
+        scopes = param(list(composite), "::text[]")
+        named += f" OR (split_part(scope, '/', 1) = ANY({scopes}) AND {sql.last_part_named(part)})"
+    return f"({named})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -580,6 +605,8 @@ class Criteria:
     event_type: str | None = None
     # The configured routes' scopes: only their rows (and their per-path ones) are shown.
     scopes: tuple[str, ...] = ()
+    # The scopes of routes whose ID is composite: there, event_id may be its last part alone.
+    composite: tuple[str, ...] = ()
     body_bytes: bytes | None = None  # the body holds these bytes (``Inbox.browse``)
     after: tuple[datetime, str] | None = None
     limit: int = 50

@@ -64,6 +64,10 @@ OBJECT_BEHIND = 2
 # A claim bound to what is signed (``webhooks.bound``): the event ID, '~' and this many
 # lower-case hex digits of a digest of the query and body.
 BOUND_DIGITS = 32
+# A composite ID's last part (``event_ids.join``: its parts hold no ':'), for a row whose ID is
+# composite (or holds a ':' as sent): GitHub's delivery GUID in ``<hook ID>:<GUID>[~digest]``.
+COMPOSITE = "position(':' in event_id) > 0"
+LAST_PART = "substring(event_id FROM '[^:]*$')"
 # A route's scope ($1) and, for a templated path, its per-path scopes ("scope/acme").
 IN_SCOPE = "(scope = $1 OR left(scope, length($1) + 1) = $1 || '/')"
 # redeliver: the columns that keep a failed delivery in its claim's row (database.inbox).
@@ -195,6 +199,7 @@ class Queries:
     events_count: str
     forget: str
     resolve: str
+    resolve_last_part: str
     stats: str
     id_form_claims: str
     id_form: str
@@ -358,6 +363,16 @@ def duplicate_flags(status: str | None) -> tuple[bool, str | None]:
     return bool(flags & 1), state
 
 
+def last_part_named(given: str) -> str:
+    """The condition that a row's ID is composite and its last part is ``given`` (a
+    parameter), as stored or bound to a body: the last part's index serves it."""
+    return (
+        f"({COMPOSITE} AND ({LAST_PART} = {given} OR ({LAST_PART} >= {given} || '~' "
+        f"AND {LAST_PART} <= {given} || '~{'f' * BOUND_DIGITS}' "
+        f"AND left({LAST_PART}, length({given}) + 1) = {given} || '~')))"
+    )
+
+
 @functools.cache
 def for_table(table: str) -> Queries:
     """The statements over ``table`` (a validated ``[schema.]name``)."""
@@ -366,6 +381,7 @@ def for_table(table: str) -> Queries:
     index = f"{name}_received_at_idx"
     inbox_index = f"{name}_inbox_idx"
     kept_index = f"{name}_kept_idx"
+    last_part_index = f"{name}_last_part_idx"
     inbox_columns = ",\n".join(
         f"    ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in INBOX_TYPES.items()
     )
@@ -400,6 +416,12 @@ def for_table(table: str) -> Queries:
             # it, and not migrated since) has its console's list read by a scan.
             f'CREATE INDEX IF NOT EXISTS "{kept_index}" ON {quoted} (received_at, event_id)\n'
             "    WHERE inbox_state IS NOT NULL",
+            # An ID as the provider shows it, the last part of a composite one (GitHub's GUID
+            # without its hook ID: ``resolve_last_part``, the console's lookup): only the rows
+            # of composite IDs. Not required: without it (a table made before it, not migrated
+            # since) such a lookup reads the scope's rows.
+            f'CREATE INDEX IF NOT EXISTS "{last_part_index}" ON {quoted} (scope, {LAST_PART})\n'
+            f"    WHERE {COMPOSITE}",
         ),
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
         schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})",
@@ -528,6 +550,11 @@ def for_table(table: str) -> Queries:
             f"SELECT event_id FROM {quoted} WHERE scope = $1 AND (event_id = $2 OR "
             f"(event_id >= $2 || '~' AND event_id <= $2 || '~{'f' * BOUND_DIGITS}' "
             "AND left(event_id, length($2) + 1) = $2 || '~'))"
+        ),
+        # $2 the last part of a composite ID, as the provider shows it (GitHub's GUID): the
+        # claims whose last part it is, as stored or bound to a body, by the last part's index.
+        resolve_last_part=(
+            f"SELECT event_id FROM {quoted} WHERE scope = $1 AND {last_part_named('$2')}"
         ),
         stats=(
             "SELECT scope, count(*) AS n, min(received_at) AS oldest, max(received_at) AS newest, "

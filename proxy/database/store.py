@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from proxy import errors
 from proxy.database import holds, inbox, pool, receipts, sql
-from proxy.database.claim import Claim, Key, is_bound
+from proxy.database.claim import Claim, Key, is_bound, unbound
 from proxy.database.pool import Connection, Pool, translated
 
 if TYPE_CHECKING:
@@ -148,6 +148,23 @@ def _resolved(given: str, rows: list[str]) -> Resolved:
     if bound:
         return Resolved(bound[0])  # the given ID's own row is its legacy form, if any
     return Resolved(given if given in rows else "")
+
+
+def _resolved_by_last_part(given: str, rows: list[str]) -> Resolved:
+    """What ``given``, the last part of composite IDs (GitHub's GUID without its hook ID),
+    names among ``rows``, the claims whose last part it is: one claim, else the candidates
+    (one GUID under several hooks, or bound to several bodies)."""
+    by_id: dict[str, list[str]] = {}
+    for row in rows:
+        last = row.rpartition(":")[2]
+        if last != given and not is_bound(last, given):
+            continue  # an ID with a '~' of its own, not bound to a body
+        by_id.setdefault(unbound(row), []).append(row)
+    found = [_resolved(event_id, ids) for event_id, ids in sorted(by_id.items())]
+    found = [f for f in found if f.stored or f.candidates]
+    if len(found) == 1:
+        return found[0]
+    return Resolved("", tuple(sorted(c for f in found for c in (f.stored, *f.candidates) if c)))
 
 
 class ScopeStats(NamedTuple):
@@ -523,16 +540,27 @@ class Store:
         except errors.ReadOnly:
             pass  # a standby: the primary's first replica records it
 
-    async def resolve(self, scope: str, event_ids: Sequence[str]) -> dict[str, Resolved]:
+    async def resolve(
+        self, scope: str, event_ids: Sequence[str], *, last_part: bool = False
+    ) -> dict[str, Resolved]:
         """What each of these IDs (as an operator gave them: the provider's, or as stored)
         names in ``scope``: the stored row itself, else its one row bound to a body, else
-        the candidates when several are."""
+        the candidates when several are. With ``last_part`` (a route whose ID is composite),
+        an ID found neither way is also looked for as the last part of the stored IDs: a
+        GitHub delivery's GUID without its hook ID."""
         found = {}
         async with self._connection() as connection:
             with _plainly_missing(), translated("query failed"):
                 for event_id in dict.fromkeys(event_ids):
                     rows = await connection.fetch(self.queries.resolve, scope, event_id)
                     found[event_id] = _resolved(event_id, [row["event_id"] for row in rows])
+                    if found[event_id] != Resolved("") or not last_part or ":" in event_id:
+                        continue
+                    part = event_id.replace("%", "%25")  # as ``event_ids.join`` escapes it
+                    rows = await connection.fetch(self.queries.resolve_last_part, scope, part)
+                    found[event_id] = _resolved_by_last_part(
+                        part, [row["event_id"] for row in rows]
+                    )
         return found
 
     async def reconcile(self, key: Key) -> bool:
