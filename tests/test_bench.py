@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow  # one --quick run takes about a minute
+# One --quick run takes about a minute. Each script runs under a bound of its own (up to 400 s,
+# for a loaded machine under pytest -n): pytest-timeout's 120 s would cut it first.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
 
