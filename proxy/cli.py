@@ -375,6 +375,7 @@ def _describe(cfg: config.Config, source: str) -> str:
         + (
             f" (up to {cfg.workers * db.pool_size} database connections)" if cfg.workers > 1 else ""
         ),
+        f"admin:       {_admin(cfg.admin)}",
         "routes:",
     ]
     for route in cfg.routes:
@@ -412,6 +413,18 @@ def _describe(cfg: config.Config, source: str) -> str:
             lines.append(f"  *    {prefix} (and below) -> {cfg.upstream.url}  [pass-through]")
         lines.append("  *    (any other path) -> 404")
     return "\n".join(lines)
+
+
+def _admin(admin: config.AdminConfig) -> str:
+    """Where the admin listener answers, and the console on it, as ``check`` shows it."""
+    console = admin.console
+    if not console.enabled:
+        shown = "console off"
+    else:
+        who = "credentials asked" if console.credentials else "no credentials"
+        acts = "actions on" if console.actions else "read-only"
+        shown = f"console at http://{admin.listen}/console/ ({acts}, {who})"
+    return f"{admin.listen}: /metrics, /healthz, /readyz; {shown}"
 
 
 def _limit(cfg: config.Config) -> str:

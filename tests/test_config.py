@@ -917,6 +917,25 @@ def test_check_prints_routes_without_the_password(
     assert err == ""
 
 
+def test_check_says_where_the_console_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user learns of the console from ``check`` (issue 51: nothing pointed at it)."""
+    path = write(tmp_path, VALID_YAML.replace(DSN, "embedded"))
+    assert cli.main(["check", "-c", str(path)]) == 0
+    assert (
+        "admin:       127.0.0.1:9901: /metrics, /healthz, /readyz; console at "
+        "http://127.0.0.1:9901/console/ (read-only, no credentials)"
+    ) in capsys.readouterr().out
+    off = write(
+        tmp_path, VALID_YAML.replace(DSN, "embedded") + "admin: {console: {enabled: false}}\n"
+    )
+    assert cli.main(["check", "-c", str(off)]) == 0
+    assert "admin:       127.0.0.1:9901: /metrics, /healthz, /readyz; console off" in (
+        capsys.readouterr().out
+    )
+
+
 def test_check_describes_the_embedded_database(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
