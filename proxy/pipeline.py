@@ -324,16 +324,16 @@ class Cycle:
     async def _enter(self, room: app_limit.Room) -> str | None:
         """Take a place at the app (``app_limit``) before claiming, since a claim holds its
         connection for as long as the app works on it: None once taken. A route that
-        redelivers does not wait for one: why the delivery is kept instead ("limit"; or, its
-        route held, "paused" or "retry_after"). Any other route waits its turn up to
-        pool_timeout, then AppBusy; held, it is refused at once (RoutePaused). Their providers
-        retry."""
+        redelivers waits for one ``app_limit.KEEP_WAIT`` at most: why the delivery is kept
+        instead ("limit"; or, its route held, "paused" or "retry_after"). Any other route
+        waits its turn up to pool_timeout, then AppBusy; held, it is refused at once
+        (RoutePaused). Their providers retry."""
         route = self.route
         hold = self.request.app[app_keys.HOLDS].held(self.scope)
         if route.redeliver is not None:
             if hold is not None:
                 return hold.reason  # paused, or the app asked to wait: kept, sent after
-            return None if room.try_enter() else "limit"
+            return None if await room.enter(app_limit.KEEP_WAIT) else "limit"
         if hold is not None:
             raise errors.RoutePaused.holding(route.config.name, hold)
         await self._wait_for_room(room)
