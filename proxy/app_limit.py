@@ -81,7 +81,7 @@ class Room:
         self.quiet = quiet
         self.in_flight = 0  # places taken, by requests and lanes
         self.lanes_in = 0  # of them, by lanes
-        self.waited = 0  # how many requests entered after a wait (for the metrics)
+        self.waited = 0  # how many requests and lanes entered after a wait (for the metrics)
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._lanes: collections.deque[asyncio.Future[None]] = collections.deque()
         self._last_arrival = -math.inf  # monotonic: when a request last asked for a place
@@ -147,12 +147,15 @@ class Room:
         seconds: whether one was taken (``leave_lane`` gives it back)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience
+        waited = 0
         while True:
             now = time.monotonic()
             if self._lane_may_enter(now):
                 self.in_flight += 1
                 self.lanes_in += 1
+                self.waited += waited
                 return True
+            waited = 1
             left = deadline - loop.time()
             if left <= 0:
                 return False
@@ -167,6 +170,7 @@ class Room:
                     await waiter
             except TimeoutError:
                 if waiter.done() and not waiter.cancelled():
+                    self.waited += 1
                     return True  # handed a place just as the wait ended: it is this lane's
                 waiter.cancel()
                 self._forget(self._lanes, waiter)
@@ -178,6 +182,7 @@ class Room:
                     waiter.cancel()
                     self._forget(self._lanes, waiter)
                 raise
+            self.waited += 1
             return True  # handed a place by ``leave`` (counted there)
 
     @staticmethod
