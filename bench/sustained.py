@@ -167,7 +167,10 @@ async def run(load: Load, dsn: str, workdir: Path) -> Figures:
         await asyncio.to_thread(proxy.wait_listening)
         await burst._ready(f"http://{admin}/readyz")
         result.rss_mib["start"] = _rss(proxy) / MIB
-        result.places = int(await _metric_sum(f"http://{admin}/metrics", "dedup_app_limit"))
+        # The limit as configured; without one, what the workers report (each its share).
+        result.places = load.concurrency or int(
+            await _metric_sum(f"http://{admin}/metrics", "dedup_app_limit")
+        )
         answers = await _send(load, f"http://127.0.0.1:{port}/webhooks/github", result)
         result.rss_mib["end of load"] = _rss(proxy) / MIB
         await _drained(load, app, dsn, table, answers=answers, result=result)
