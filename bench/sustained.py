@@ -285,10 +285,14 @@ def table(load: Load, figures: Figures) -> str:
     answers = figures.answers
     accepted = answers["app"] + answers["kept"]
     limit = "none (the pool's places)" if load.concurrency is None else str(load.concurrency)
+    fails = (
+        f"fails the first call of 1 delivery in {load.fail_every}"
+        if load.fail_every
+        else "never fails"
+    )
     rows = [
         ("load", f"{load.senders} senders for {load.seconds:g} s, each delivery once; the app "
-                 f"takes {load.app_time * 1000:g} ms and fails the first call of 1 delivery "
-                 f"in {load.fail_every}; "
+                 f"takes {load.app_time * 1000:g} ms and {fails}; "
                  f"upstream.concurrency {limit}, {load.workers} workers, "
                  f"{figures.places} places"),
         ("answers", f"{sum(answers.values()):,} ({figures.sent_rate:.0f}/s): "
