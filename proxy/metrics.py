@@ -520,7 +520,8 @@ class Metrics:
         )
         self.app_waits = Counter(
             "dedup_app_waits",
-            "Requests and redeliveries that waited for room at the app (the limit reached).",
+            "Requests and redeliveries that waited for room at the app (the limit reached; a "
+            "request of a redeliver route waits KEEP_WAIT at most, then it is kept).",
             registry=self.registry,
         )
         self._hold_gauges()

@@ -385,20 +385,31 @@ class Cycle:
     async def _enter(self, room: app_limit.Room) -> str | None:
         """Take a place at the app (``app_limit``) before claiming, since a claim holds its
         connection for as long as the app works on it: None once taken. A route that
-        redelivers does not wait for one: why the delivery is kept instead ("limit"; or, its
-        route held, "paused" or "retry_after"). Any other route waits its turn up to
-        pool_timeout, then AppBusy; held, it is refused at once (RoutePaused). Their providers
-        retry."""
+        redelivers waits for one ``_keep_wait`` at most: why the delivery is kept
+        instead ("limit"; or, its route held, "paused" or "retry_after"). Any other route
+        waits its turn up to pool_timeout, then AppBusy; held, it is refused at once
+        (RoutePaused). Their providers retry."""
         route = self.route
         hold = self.request.app[app_keys.HOLDS].held(self.scope)
         if route.redeliver is not None:
             if hold is not None:
                 return hold.reason  # paused, or the app asked to wait: kept, sent after
-            return None if room.try_enter(behind=route.config.verify is None) else "limit"
+            behind = route.config.verify is None
+            return None if await room.enter(self._keep_wait(), behind=behind) else "limit"
         if hold is not None:
             raise errors.RoutePaused.holding(route.config.name, hold)
         await self._wait_for_room(room)
         return None
+
+    def _keep_wait(self) -> float:
+        """How long a request of a route that redelivers waits for a place before it is kept:
+        ``app_limit.KEEP_WAIT``, never past the route's hand_off (its provider is answered
+        by then)."""
+        hand_off = self.route.hand_off
+        if hand_off is None:
+            return app_limit.KEEP_WAIT
+        left = hand_off - (time.perf_counter() - self.started)
+        return max(0.0, min(app_limit.KEEP_WAIT, left))
 
     async def _wait_for_room(self, room: app_limit.Room) -> None:
         """A place at the app, waited for up to pool_timeout (behind the signed requests'

@@ -4,17 +4,17 @@ the app takes them or the route's ``for`` runs out.
 It runs in every replica and every worker, a few lanes each (``redeliverer.concurrency`` per
 replica, shared out among its workers, at least one each; by default as many as the limit at the
 app lets in). A lane first waits for a place at the app (``app_limit.Room``, shared with the
-first deliveries: while it waits, newcomers are kept rather than sent, so the oldest goes
-first), then takes the oldest due row no one else holds (``Inbox.take``: ``FOR UPDATE SKIP
-LOCKED``) and forwards it *while holding the row lock*, as the first delivery was forwarded
-while holding its claim: no two replicas send one event at once, and a replica killed mid-
-redelivery leaves the row as it was, due, for the next lane anywhere. The attempt is
-``delivery.attempt``, as a first delivery's is, and the row's transaction ends with
-``delivery.record``'s one step: ``delivered`` on a 2xx, else ``failed`` (the next attempt after
-the route's schedule, or dead past its ``for`` or on an answer retrying cannot fix:
-``delivery.UNFIXABLE``). Starts may be paced at ``redeliverer.rate`` per second per replica; the
-limit at the app bounds them anyway. While nothing is due, one lane per worker looks every
-``poll`` and wakes the others when it finds work.
+first deliveries: a lane takes only the places they leave, so a load the app can carry is
+answered by the app itself, and a place given back wakes a waiting lane at once), then takes the
+oldest due row no one else holds (``Inbox.take``: ``FOR UPDATE SKIP LOCKED``) and forwards it
+*while holding the row lock*, as the first delivery was forwarded while holding its claim: no
+two replicas send one event at once, and a replica killed mid- redelivery leaves the row as it
+was, due, for the next lane anywhere. The attempt is ``delivery.attempt``, as a first delivery's
+is, and the row's transaction ends with ``delivery.record``'s one step: ``delivered`` on a 2xx,
+else ``failed`` (the next attempt after the route's schedule, or dead past its ``for`` or on an
+answer retrying cannot fix: ``delivery.UNFIXABLE``). Starts may be paced at ``redeliverer.rate``
+per second per replica; the limit at the app bounds them anyway. While nothing is due, one lane
+per worker looks every ``poll`` and wakes the others when it finds work.
 
 A lane looks at and takes no row of a scope held (``holds``: an operator's ``events pause`` of
 a route, the app's Retry-After for the scope it answered, a tenant's on a templated route), on
@@ -135,7 +135,7 @@ class Redeliverer:
         """Redeliver while rows are due; when none is, the lane that ``looks`` looks again every
         ``poll``, and the others rest until a lane finds work. A lane takes its place at the app
         only once it knows a row is due: a place held to look would turn newcomers away."""
-        busy = False  # the last turn redelivered: likely more are due
+        busy: bool | None = False  # the last turn redelivered: likely more are due
         while not self._stopping.is_set():
             await self._paced()
             if self._stopping.is_set():
@@ -144,6 +144,8 @@ class Redeliverer:
             # in the room, which leaves the pool's reserve to the requests' short work.)
             if busy or await self._due():
                 busy = await self._in_turn()
+            if busy is None:
+                continue  # no place within LANE_WAIT: not a rest, look again at once
             if busy:
                 self.wake()
             elif looks:
@@ -177,15 +179,15 @@ class Redeliverer:
             self._failing(exc.message)
             return False
 
-    async def _in_turn(self) -> bool:
+    async def _in_turn(self) -> bool | None:
         """Redeliver one due row in a place at the app, waited for (``LANE_WAIT`` at most):
-        whether one was sent."""
-        if not await self._room.enter(app_limit.LANE_WAIT):
-            return False  # the app is busy with first deliveries: look again
+        whether one was sent; None when no place came (the app busy with first deliveries)."""
+        if not await self._room.enter_lane(app_limit.LANE_WAIT):
+            return None
         try:
             return await self._redeliver_safely()
         finally:
-            self._room.leave()
+            self._room.leave_lane()
 
     async def _redeliver_safely(self) -> bool:
         """``redeliver_one``, a failure logged rather than ending the lane."""

@@ -282,6 +282,28 @@ def test_the_burst_over_a_slow_app_is_all_accepted_each_event_once_within_the_li
     assert "| drain: last at the app - end of sending |" in done.stdout
 
 
+def test_the_sustained_load_is_answered_by_the_app_each_event_once_then_drained(
+    pg_dsn: str, tmp_path: Path
+) -> None:
+    """bench/sustained.py --quick: senders for 5 s under the app's capacity, one delivery in 50
+    failed by the app: none refused, every accepted event taken by the app once, the inbox
+    drained, the figures written."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sustained.py"), "--quick", "--dsn", pg_dsn,
+         "--json", str(tmp_path / "sustained.json")],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=240, check=False,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads((tmp_path / "sustained.json").read_text(encoding="utf-8"))["figures"]
+    assert figures["answers"]["refused"] == 0, figures["statuses"]
+    assert figures["answers"]["app"] > 0
+    assert figures["events"] > 0
+    assert (figures["taken_twice"], figures["never_taken"]) == (0, 0)
+    assert figures["drain"] is not None
+    assert "| answered by the app itself |" in done.stdout
+
+
 def test_the_keep_cost_run_keeps_every_webhook_on_one_proxy_and_forwards_on_the_other() -> None:
     """bench/keep_cost.py, one round: the proxy whose places at the app are held kept every
     webhook (its app got none), the other forwarded each once; no errors (it checks both)."""

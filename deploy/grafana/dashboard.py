@@ -286,9 +286,33 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 ),
             ),
             Panel(
+                title="Answered by the app, kept unsent",
+                description="Per route: webhooks the app answered at once (processed or "
+                "upstream_error) against those kept unsent, for want of a place or past the "
+                "route's hand_off. Under a load the app can carry, all but bursts are answered "
+                "at once. Alert: DedupKeptWithRoomAtApp.",
+                unit="ops",
+                targets=(
+                    Target(
+                        expr=rate(
+                            "dedup_requests_total",
+                            f'outcome=~"processed|upstream_error", {ROUTE}',
+                            "route",
+                        ),
+                        legend="{{route}} by the app",
+                    ),
+                    Target(
+                        expr=rate(
+                            "dedup_inbox_kept_total", f'reason=~"limit|deadline", {ROUTE}', "route"
+                        ),
+                        legend="{{route}} kept unsent",
+                    ),
+                ),
+            ),
+            Panel(
                 title="Waits for room",
-                description="Webhooks of routes without redeliver, and redeliveries, that waited "
-                "for room at the app.",
+                description="Webhooks and redeliveries that waited for room at the app (a "
+                "webhook of a redeliver route 0.5 s at most, then it is kept).",
                 unit="ops",
                 targets=(
                     Target(
