@@ -611,7 +611,7 @@ def _snapshot(config_path: str, copy: Path) -> config.Config:
     except OSError as exc:
         raise errors.ProxyError(f"cannot copy the configuration to {copy}: {exc}") from exc
     # Paths in it mean what they meant beside the operator's file, not beside the copy.
-    return config.load(copy, base=Path(config_path).absolute().parent)
+    return config.load(copy, base=Path(os.path.abspath(config_path)).parent)
 
 
 def restart_only(running: config.Config, new: config.Config) -> list[str]:

@@ -298,7 +298,7 @@ def load(path: str | os.PathLike[str], *, secrets: bool = True, base: Path | Non
         # 5000-digit integers or deep nesting.
         raise errors.ConfigError(source, [f"not valid YAML: {exc!r}"]) from exc
     cfg = parse(raw, source=source, secrets=secrets)
-    return _with_data_dir(cfg, Path(path).absolute().parent if base is None else base)
+    return _with_data_dir(cfg, Path(os.path.abspath(path)).parent if base is None else base)
 
 
 def _with_data_dir(cfg: Config, base: Path) -> Config:
