@@ -107,7 +107,7 @@ from typing import Any, Literal, Self
 Outcome = Literal[
     "processed", "duplicate", "upstream_error", "rejected", "unavailable", "passthrough",
     "unclaimed", "ambiguous_commit", "commit_not_sent", "in_progress", "key_reused", "queued",
-    "dead_letter", "duplicate_queued", "superseded",
+    "dead_letter", "duplicate_queued", "superseded", "handshake",
 ]  # fmt: skip
 
 

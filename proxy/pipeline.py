@@ -183,7 +183,7 @@ class Cycle:
         in_flight.inc()
         try:
             methods = route.config.methods
-            if request.method not in methods:
+            if request.method not in methods + signatures.handshake_methods(self.verifier):
                 raise errors.MethodNotAllowed(
                     f"route {route.config.name!r} takes {', '.join(methods)}", methods
                 )
@@ -218,6 +218,9 @@ class Cycle:
             # What the check needs from elsewhere (PayPal's certificate), fetched here: from
             # here to the claim's verify nothing awaits, so it is still in the cache.
             await signatures.prepare(self.verifier, self.request.headers)
+            answered = self._handshake()
+            if answered is not None:
+                return answered, "handshake"
         try:
             key = self._key()
         except errors.EventIdMissing:
@@ -226,6 +229,27 @@ class Cycle:
             return await self._unclaimed()
         route.semantics.refuse_in_flight(self.request.app[app_keys.FLIGHTS], key)
         return await self._once(key)
+
+    def _handshake(self) -> web.Response | None:
+        """The proxy's own answer to a provider's handshake (Meta's subscription check), never
+        claimed or forwarded; a failed one is refused as a forged signature is. None for any
+        other request, refused here if its method is the handshake's, not the route's."""
+        route, request = self.route.config, self.request
+        query = request.raw_path.partition("?")[2]
+        try:
+            answer = signatures.handshake(self.verifier, request.method, query)
+        except errors.SignatureInvalid as exc:
+            raise errors.SignatureInvalid(f"route {route.name!r}: {exc.message}") from None
+        if answer is not None:
+            return web.Response(
+                status=answer.status, text=answer.text, content_type=answer.content_type,
+                headers={"Dedup-Status": "handshake"},
+            )  # fmt: skip
+        if request.method not in route.methods:
+            raise errors.MethodNotAllowed(
+                f"route {route.name!r} takes {', '.join(route.methods)}", route.methods
+            )
+        return None
 
     async def _unclaimed(self) -> tuple[web.StreamResponse, errors.Outcome]:
         """Forward a request without an event ID, unclaimed (a handshake), in its turn at the

@@ -17,6 +17,7 @@ import binascii
 import datetime
 import hashlib
 import hmac
+import json
 import math
 import re
 import urllib.parse
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 SCHEMES: tuple[str, ...] = (
     "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "square",
-    "paypal", "hmac",
+    "paypal", "meta", "linear", "intercom", "hmac",
 )  # fmt: skip
 # The schemes that sign the URL the provider calls: they need ``public_url``.
 URL_SCHEMES = ("twilio", "square")
@@ -60,7 +61,13 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field name
 _BODY_SCHEMES = {
     "github": ("X-Hub-Signature-256", "sha256", "hex", "sha256="),
     "shopify": ("X-Shopify-Hmac-Sha256", "sha256", "base64", ""),
+    "intercom": ("X-Hub-Signature", "sha1", "hex", "sha1="),
 }
+# Meta's subscription check: a GET the proxy answers itself (``MetaSignature.handshake``).
+_META_HEADER = "X-Hub-Signature-256"
+_META_CHALLENGE = re.compile(r"[!-~]{1,512}")  # printable ASCII, no space: echoed as text
+_LINEAR_HEADER = "Linear-Signature"
+_LINEAR_STAMP = "webhookTimestamp"
 # scheme: (header, separator, timestamp key, signature key, joiner) for ``t=…,v1=…`` headers
 _LISTED_SCHEMES = {
     "stripe": ("Stripe-Signature", ",", "t", "v1", "."),
@@ -169,11 +176,110 @@ class BodySignature:
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
-        value = _header(headers, self.header)
-        if not value.startswith(self.prefix):
-            _fail(f"{self.header} malformed")
-        signature = _signature(value[len(self.prefix) :], self.encoding, self.header)
-        _match(self.secrets, self.algorithm, body, [signature])
+        _match_body(self, headers, body)
+
+
+def _match_body(signed: BodySignature, headers: event_ids.MultiMapping, body: bytes) -> None:
+    value = _header(headers, signed.header)
+    if not value.startswith(signed.prefix):
+        _fail(f"{signed.header} malformed")
+    signature = _signature(value[len(signed.prefix) :], signed.encoding, signed.header)
+    _match(signed.secrets, signed.algorithm, body, [signature])
+
+
+@dataclass(frozen=True, slots=True)
+class Handshake:
+    """The proxy's own answer to a provider's handshake: never claimed, never forwarded."""
+
+    status: int
+    content_type: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetaSignature:
+    """Meta's (WhatsApp, Instagram, Messenger): ``X-Hub-Signature-256: sha256=<hex>``, HMAC-SHA256
+    of the body with the app secret; and the subscription check, a GET with ``hub.mode=subscribe``,
+    ``hub.verify_token`` and ``hub.challenge``, answered with the challenge when the token is one
+    of ``verify_tokens`` (as Meta's sample app does), refused otherwise."""
+
+    scheme: str
+    secrets: tuple[bytes, ...] = field(repr=False)
+    verify_tokens: tuple[bytes, ...] = field(repr=False, default=())
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return (_META_HEADER,)
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset()
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        _match_body(BodySignature(self.scheme, _META_HEADER, "sha256", "hex", "sha256=",
+                                  self.secrets), headers, body)  # fmt: skip
+
+    def handshake(self, method: str, query: str) -> Handshake | None:
+        """The answer to a subscription check; None for any other request."""
+        if method != "GET":
+            return None
+        try:
+            params = urllib.parse.parse_qs(query, keep_blank_values=True, errors="strict")
+        except UnicodeDecodeError:
+            _fail("hub.* query parameters are not UTF-8")
+        if "hub.mode" not in params:
+            return None
+        sent = {
+            name: params.get(f"hub.{name}", []) for name in ("mode", "verify_token", "challenge")
+        }
+        if any(len(values) != 1 for values in sent.values()) or sent["mode"][0] != "subscribe":
+            _fail("hub.mode, hub.verify_token and hub.challenge must each appear once, "
+                  "hub.mode=subscribe")  # fmt: skip
+        token = sent["verify_token"][0].encode()
+        # Every configured token compared, in constant time: which one matched is not timed.
+        if not sum(hmac.compare_digest(token, wanted) for wanted in self.verify_tokens):
+            _fail("hub.verify_token matches no verify_token")
+        challenge = sent["challenge"][0]
+        if not _META_CHALLENGE.fullmatch(challenge):
+            _fail("hub.challenge malformed")
+        return Handshake(200, "text/plain", challenge)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearSignature:
+    """Linear's ``Linear-Signature``: hex HMAC-SHA256 of the body, as the SDK's
+    ``LinearWebhookClient.verify`` computes it; then, as it does, the body's ``webhookTimestamp``
+    (milliseconds), where there is one, within ``tolerance`` of now (the SDK's minute)."""
+
+    scheme: str
+    tolerance: float
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return (_LINEAR_HEADER,)
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset()
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        signature = _signature(_header(headers, _LINEAR_HEADER), "hex", _LINEAR_HEADER)
+        _match(self.secrets, "sha256", body, [signature])
+        try:
+            payload = json.loads(body)
+        except ValueError:  # not JSON, or not UTF-8: signed, without a timestamp to check
+            return
+        stamp = payload.get(_LINEAR_STAMP) if isinstance(payload, dict) else None
+        if stamp is None:
+            return  # the SDK checks the timestamp only where there is one
+        if isinstance(stamp, bool) or not isinstance(stamp, int):
+            _fail(f"{_LINEAR_STAMP} is not an integer")
+        _check_age(stamp / 1000, now, self.tolerance, _LINEAR_STAMP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -518,6 +624,20 @@ async def prepare(verifier: Verifier, headers: event_ids.MultiMapping) -> None:
         await verifier.prepare(headers)
 
 
+def handshake_methods(verifier: Verifier | None) -> tuple[str, ...]:
+    """The methods of the handshakes ``verifier``'s scheme answers besides its route's methods
+    (Meta's subscription check is a GET)."""
+    return ("GET",) if isinstance(verifier, MetaSignature) else ()
+
+
+def handshake(verifier: Verifier | None, method: str, query: str) -> Handshake | None:
+    """The proxy's answer to a provider's handshake on this route; None if the request is none.
+    SignatureInvalid for a handshake that fails its check (a wrong verify token)."""
+    if isinstance(verifier, MetaSignature):
+        return verifier.handshake(method, query)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class TenantSignatures:
     """A templated route's verifiers, one per tenant, so that a tenant's secrets verify its own
@@ -662,6 +782,7 @@ def build(
     public_url: str | None = None,
     cert_hosts: Sequence[str] | None = None,
     ca_file: str | None = None,
+    verify_tokens: Sequence[str] | None = None,
 ) -> Verifier:
     """The verifier for a route; ValueError messages complete "routes[0].verify: …".
 
@@ -671,11 +792,13 @@ def build(
     its query) applies to and is required by schemes ``twilio`` and ``square``. ``cert_hosts``
     (default ``PAYPAL_CERT_HOSTS``; ``host`` or ``host:port``) and ``ca_file`` (a PEM bundle;
     default the system's) apply to scheme ``paypal``, whose secrets are webhook IDs.
+    ``verify_tokens`` (the tokens Meta's subscription check may carry) apply to scheme ``meta``.
     ``tolerance`` bounds the age of timestamped schemes' timestamps, in both directions.
     """
     checked = settings(
         scheme, tolerance=tolerance, header=header, algorithm=algorithm, encoding=encoding,
         prefix=prefix, public_url=public_url, cert_hosts=cert_hosts, ca_file=ca_file,
+        verify_tokens=verify_tokens,
     )  # fmt: skip
     return checked.verifier(secrets)
 
@@ -694,6 +817,8 @@ class Settings:
     public_url: str = ""
     # PayPal's: one cache of certificates for the route, shared by its tenants' verifiers.
     certificates: certificates.Certificates | None = field(default=None, compare=False)
+    # Meta's: the subscription check's tokens, the route's (a GET names no tenant's secret).
+    verify_tokens: tuple[bytes, ...] = field(default=(), repr=False)
 
     def unread(self) -> SecretsUnread:
         """The verifier of these settings without their secrets (``SecretsUnread``)."""
@@ -712,6 +837,10 @@ class Settings:
             return ListedSignature(scheme, *_LISTED_SCHEMES[scheme], tolerance, material)
         if scheme in _BODY_SCHEMES:
             return BodySignature(scheme, *_BODY_SCHEMES[scheme], material)
+        if scheme == "meta":
+            return MetaSignature(scheme, material, self.verify_tokens)
+        if scheme == "linear":
+            return LinearSignature(scheme, tolerance, material)
         return self._other(material)
 
     def _other(self, material: tuple[bytes, ...]) -> Verifier:
@@ -753,6 +882,7 @@ def settings(
     public_url: str | None = None,
     cert_hosts: Sequence[str] | None = None,
     ca_file: str | None = None,
+    verify_tokens: Sequence[str] | None = None,
 ) -> Settings:
     """``build``'s settings checked without the secrets (ValueError as ``build``)."""
     if scheme not in SCHEMES:
@@ -761,6 +891,7 @@ def settings(
                     prefix=prefix)  # fmt: skip
     _refuse_foreign(scheme, URL_SCHEMES, public_url=public_url)
     _refuse_foreign(scheme, ("paypal",), cert_hosts=cert_hosts, ca_file=ca_file)
+    _refuse_foreign(scheme, ("meta",), verify_token=verify_tokens)
     if not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"tolerance must be a positive number of seconds, got {tolerance!r}")
     if scheme in URL_SCHEMES:
@@ -770,6 +901,9 @@ def settings(
         return Settings(scheme, tolerance, public_url=_public_url(public_url, provider))
     if scheme == "paypal":
         return Settings(scheme, tolerance, certificates=_paypal_certificates(cert_hosts, ca_file))
+    if scheme == "meta" and verify_tokens is not None:
+        tokens = tuple(token.encode() for token in verify_tokens)
+        return Settings(scheme, tolerance, verify_tokens=tokens)
     if scheme != "hmac":
         return Settings(scheme, tolerance)
     if header is None:

@@ -101,8 +101,14 @@ def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
     if scheme == "slack":
         mac = hex_mac(secret, f"v0:{stamp}:".encode() + body)
         return [("X-Slack-Request-Timestamp", str(stamp)), ("X-Slack-Signature", f"v0={mac}")]
-    if scheme == "github":
-        return [("X-Hub-Signature-256", f"sha256={hex_mac(secret, body)}")]
+    body_only = {
+        "github": ("X-Hub-Signature-256", f"sha256={hex_mac(secret, body)}"),
+        "meta": ("X-Hub-Signature-256", f"sha256={hex_mac(secret, body)}"),
+        "linear": ("Linear-Signature", hex_mac(secret, body)),
+        "intercom": ("X-Hub-Signature", f"sha1={hex_mac(secret, body, 'sha1')}"),
+    }
+    if scheme in body_only:
+        return [body_only[scheme]]
     if scheme == "shopify":
         return [("X-Shopify-Hmac-Sha256", b64_mac(secret.encode(), body))]
     if scheme == "twilio":
@@ -510,9 +516,15 @@ def test_hmac_prefix_is_required_when_configured() -> None:
             [SECRET],
             {},
             "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
-            "twilio, square, paypal, hmac; got 'adyen'",
+            "twilio, square, paypal, meta, linear, intercom, hmac; got 'adyen'",
         ),
         ("twilio", [SECRET], {}, "public_url is required for scheme twilio"),
+        (
+            "github",
+            [SECRET],
+            {"verify_tokens": ["t"]},
+            "verify_token: only for scheme meta, not github",
+        ),
         ("square", [SECRET], {}, "public_url is required for scheme square"),
         (
             "slack",

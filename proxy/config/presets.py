@@ -92,6 +92,49 @@ PRESETS: dict[str, Preset] = {
         retention=2 * DAY,
         deadline=15.0,
     ),
+    # Resend and Clerk deliver through Svix (svix-* headers, Svix's schedule and timeout).
+    "resend": Preset(
+        event_id=("header:svix-id",),
+        event_type="body:/type",
+        scheme="standard-webhooks",
+        retention=2 * DAY,
+        deadline=15.0,
+    ),
+    "clerk": Preset(
+        event_id=("header:svix-id",),
+        event_type="body:/type",
+        scheme="standard-webhooks",
+        retention=2 * DAY,
+        deadline=15.0,
+    ),
+    # Meta sends no delivery ID: the route names the field its product keys on (event_id is
+    # required). Retries span 36 hours (Graph API webhooks), WhatsApp's up to 7 days
+    # (unverified here): a week and a day. The subscription check (GET) is answered by the proxy.
+    "meta": Preset(
+        event_id=(),
+        event_type=None,
+        scheme="meta",
+        retention=8 * DAY,
+    ),
+    # Linear's SDK refuses a webhookTimestamp a minute off; retries after 1 min, 1 h and 6 h,
+    # each re-signed with a fresh timestamp (unverified: the SDK's check implies it). Whether
+    # Linear-Delivery is the same on a retry is unverified.
+    "linear": Preset(
+        event_id=("header:Linear-Delivery",),
+        event_type="body:/type",
+        scheme="linear",
+        retention=DAY,
+        tolerance=60.0,
+        deadline=5.0,
+    ),
+    # Intercom's notification ID; its retry horizon is unpublished (it suspends a subscription
+    # after seven days of errors): a week and a day.
+    "intercom": Preset(
+        event_id=("body:/id",),
+        event_type="body:/topic",
+        scheme="intercom",
+        retention=8 * DAY,
+    ),
     # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
     # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
     "slack": Preset(

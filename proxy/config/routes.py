@@ -211,7 +211,8 @@ def _defaults(
         )
     ids = preset.event_id
     return _Defaults(
-        event_id=values.parse_sources(ids if len(ids) > 1 else ids[0]),
+        # A preset without one (Meta's: no delivery ID): the route's event_id is required.
+        event_id=values.parse_sources(ids if len(ids) > 1 else ids[0]) if ids else None,
         event_type=values.parse_source(preset.event_type) if preset.event_type else None,
         upstream=inherited.upstream,
         max_body=preset.max_body or inherited.max_body,

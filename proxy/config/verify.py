@@ -19,7 +19,7 @@ from proxy import paths, signatures
 from proxy.config import presets, reader, values
 
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
-               "prefix", "public_url", "cert_hosts", "ca_file", "tenant_secrets",
+               "prefix", "public_url", "cert_hosts", "ca_file", "verify_token", "tenant_secrets",
                "shared_secret")  # fmt: skip
 # How signatures names a bad secret ("secrets[1] has leading or trailing whitespace").
 _NUMBERED = re.compile(r"secrets\[(\d+)\] ")
@@ -87,9 +87,15 @@ def _settings(
     if "cert_hosts" in section:
         options["cert_hosts"] = r.strings(section, "cert_hosts", path)
     options["ca_file"] = r.value(section, "ca_file", path, _absolute, None)
+    if "verify_token" in section:
+        # Meta's subscription check; a secret: whoever knows it can subscribe the route.
+        options["verify_tokens"] = r.strings(section, "verify_token", path, secret=True)
     default_tolerance = (preset and preset.tolerance) or signatures.DEFAULT_TOLERANCE
     tolerance = r.value(section, "tolerance", path, values.parse_duration, default_tolerance)
-    if scheme is None or ("cert_hosts" in section and options["cert_hosts"] is None):
+    if scheme is None or any(
+        key in section and options[option] is None
+        for key, option in (("cert_hosts", "cert_hosts"), ("verify_token", "verify_tokens"))
+    ):
         return None
     try:
         return signatures.settings(scheme, tolerance=tolerance, **options)
