@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import asyncpg
 import pytest
 from aiohttp import web
 
@@ -207,3 +208,46 @@ async def test_stale_versions_are_superseded_and_never_forwarded(
 
 async def _applied(app: LastWriterWins, count: int) -> bool:
     return len(app.applied) >= count
+
+
+async def test_a_kept_delivery_passed_in_the_keep_window_is_superseded_not_sent(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    # The window guarantees.md names: v1 waited past claim_wait and was kept, and v2, in
+    # flight at the same time, took the object between v1's wait and its keep's COMMIT and was
+    # accepted. The test holds the object as v2 did, then commits what v2's delivery leaves.
+    route = ordered(claim_wait="200ms", redeliver={"schedule": ["300ms"], "for": "1d"})
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    holder = await asyncpg.connect(pg_dsn)
+    try:
+        await holder.execute(
+            f'BEGIN; INSERT INTO "{table}" (scope, event_id, event_type, inbox_changed) '
+            "VALUES ('~order/hooks', 'cus_1', 'object', now()) ON CONFLICT (scope, event_id) "
+            "DO UPDATE SET inbox_changed = now()"
+        )
+        v1 = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+        assert (v1.status, (await v1.json())["kept_for"]) == (202, "ordering")
+        app.state["cus_1"] = 2  # v2 applied by the app
+        await holder.execute(
+            f"""UPDATE "{table}" SET inbox_request = '{{"v": 2}}' """
+            "WHERE scope = '~order/hooks' AND event_id = 'cus_1'; COMMIT"
+        )
+    finally:
+        await holder.close()
+
+    async def settled() -> bool:
+        rows = await fetch(
+            pg_dsn, f'SELECT inbox_state FROM "{table}" WHERE event_id = $1', "evt_1"
+        )
+        return rows[0]["inbox_state"] != "pending"
+
+    await wait_until(settled, "v1 settled by the redeliverer")
+    rows = await fetch(
+        pg_dsn,
+        f'SELECT inbox_state, inbox_body IS NOT NULL AS body FROM "{table}" WHERE event_id = $1',
+        "evt_1",
+    )
+    assert (rows[0]["inbox_state"], rows[0]["body"]) == ("superseded", True)
+    assert app.applied == []  # v1 never overwrote v2
+    assert app.state == {"cus_1": 2}

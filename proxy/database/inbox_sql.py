@@ -189,9 +189,20 @@ class Statements:
     def take_object(self) -> str:
         # The same parameters: the object's row locked for the redelivery; held by a delivery
         # at the app, passed over, not waited on (no row).
+        # With the newest version the app accepted (NULL: none).
         return (
-            f"SELECT event_id FROM {self.quoted} WHERE scope = $1 AND event_id = $2 "
-            "FOR UPDATE SKIP LOCKED"
+            f"SELECT inbox_request ->> 'v' AS accepted FROM {self.quoted} "
+            "WHERE scope = $1 AND event_id = $2 FOR UPDATE SKIP LOCKED"
+        )
+
+    @property
+    def superseded(self) -> str:
+        # $1 scope, $2 event ID: a kept delivery older than its object's accepted version, not
+        # sent; its request and body stay (an operator may still send it), and its bytes leave
+        # the cap (which counts pending and dead rows only).
+        return (
+            f"UPDATE {self.quoted} SET inbox_state = 'superseded', inbox_due = NULL, "
+            "inbox_changed = now() WHERE scope = $1 AND event_id = $2 RETURNING inbox_state"
         )
 
     @property
