@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from proxy import config, errors, ordering
-from tests.helpers import MakeProxy, fetch, wait_until
+from tests.helpers import MakeProxy, execute, fetch, sweeper_of, wait_until
 
 QUICK = {"poll": "100ms", "rate": 1000}
 
@@ -251,3 +251,39 @@ async def test_a_kept_delivery_passed_in_the_keep_window_is_superseded_not_sent(
     assert (rows[0]["inbox_state"], rows[0]["body"]) == ("superseded", True)
     assert app.applied == []  # v1 never overwrote v2
     assert app.state == {"cus_1": 2}
+
+
+async def test_object_rows_are_swept_with_the_retention_but_held_or_with_kept_deliveries(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    app.fail[("cus_2", 1)] = 1
+    route = ordered(retention="1d", redeliver={"schedule": ["1h"], "for": "1d"})
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    for n in (1, 2, 3):
+        await proxy.post("/hooks", data=version(f"evt_{n}", f"cus_{n}", 1))
+    objects = f"SELECT event_id FROM \"{table}\" WHERE scope = '~order/hooks' ORDER BY 1"
+    assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_1", "cus_2", "cus_3"]
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET inbox_changed = now() - interval '3 days' "
+        "WHERE scope = '~order/hooks'",
+    )
+    holder = await asyncpg.connect(pg_dsn)  # a delivery of cus_3 at the app
+    try:
+        async with holder.transaction():
+            await holder.execute(
+                f"SELECT FROM \"{table}\" WHERE scope = '~order/hooks' AND event_id = 'cus_3' "
+                "FOR UPDATE"
+            )
+            removed = await sweeper_of(proxy).sweep()
+    finally:
+        await holder.close()
+
+    assert removed is not None
+    assert removed["~order/hooks"] == 1
+    # cus_2 keeps a pending delivery; cus_3 was held.
+    assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_2", "cus_3"]
+    assert (await sweeper_of(proxy).sweep() or {})["~order/hooks"] == 1  # cus_3, freed
+    # A swept object is ordered again from its next delivery on.
+    assert (await proxy.post("/hooks", data=version("evt_4", "cus_1", 2))).status == 200
+    assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_1", "cus_2"]

@@ -715,6 +715,17 @@ class Inbox:
                 )
         return int(status.split()[-1])
 
+    async def sweep_objects(self, scope: str, retention: float, batch: int) -> int:
+        """Delete one batch of the object rows of ``scope`` (``object_scope``) not held for
+        ``retention`` seconds, whose object keeps no delivery."""
+        async with self._acquire() as connection:
+            with pool.translated("retention delete of object rows failed"):
+                status = await connection.execute(
+                    self.statements.sweep_objects, scope, retention, batch,
+                    timeout=self.op_timeout,
+                )  # fmt: skip
+        return int(status.split()[-1])
+
     # The operator console (``proxy.console``)
 
     async def browse(

@@ -374,6 +374,24 @@ class Statements:
             f"   LIMIT $3) AND {dead}"
         )
 
+    @property
+    def sweep_objects(self) -> str:
+        # $1 an object scope (sql.ORDER, "/", a route's scope), $2 the route's retention
+        # (seconds), $3 batch: the object rows not held since, whose object has no pending or
+        # dead delivery (those still need its accepted version, and its turn). A row held now
+        # (a delivery at the app, or a redelivery's take) is locked: passed over, not waited
+        # on. The age again on the DELETE, as ``sweep_dead``'s.
+        idle = "inbox_changed < now() - make_interval(secs => $2)"
+        return (
+            f"DELETE FROM {self.quoted} WHERE (scope, event_id) IN ("
+            f"  SELECT scope, event_id FROM {self.quoted} AS o WHERE {sql.IN_SCOPE} "
+            f"   AND event_type = 'object' AND {idle} AND NOT EXISTS (SELECT FROM {self.quoted} "
+            f"   AS k WHERE k.scope = substr(o.scope, {len(sql.ORDER) + 2}) "
+            "    AND k.inbox_state IN ('pending', 'dead') "
+            "    AND k.inbox_request ->> 'object' = o.event_id) "
+            f"   LIMIT $3 FOR UPDATE OF o SKIP LOCKED) AND {idle}"
+        )
+
     # The route holds (``database.holds``): a row in scope sql.HOLDS keyed by the scope it
     # holds ($1: a route's, or for the app's Retry-After a per-path one, "route/acme"), its
     # kind in inbox_state, its end in inbox_until (NULL: none), the end asked for in
