@@ -15,7 +15,9 @@ import pytest
 from aiohttp import web
 
 from proxy import config, errors, ordering
-from tests.helpers import MakeProxy, execute, fetch, sweeper_of, wait_until
+from proxy.database import inbox, sql
+from tests.helpers import MakeProxy, execute, fetch, start_up, sweeper_of, wait_until
+from tests.roles import DOCUMENTED, INBOX, limited_role
 
 QUICK = {"poll": "100ms", "rate": 1000}
 
@@ -287,3 +289,64 @@ async def test_object_rows_are_swept_with_the_retention_but_held_or_with_kept_de
     # A swept object is ordered again from its next delivery on.
     assert (await proxy.post("/hooks", data=version("evt_4", "cus_1", 2))).status == 200
     assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_1", "cus_2"]
+
+
+# --- least privilege ------------------------------------------------------------------------
+
+
+async def test_an_ordered_route_without_the_inbox_grant_refuses_to_start_naming_it(
+    proxy_config: Any, pg_dsn: str, table: str
+) -> None:
+    await execute(pg_dsn, sql.for_table(table).schema)
+    async with limited_role(pg_dsn, table, DOCUMENTED) as (role, dsn):
+        cfg = proxy_config(routes=[ordered()], database={"dsn": dsn, "create_schema": False})
+        with pytest.raises(errors.StoreUnavailable) as refused:
+            await start_up(cfg)
+    assert f'{inbox.GRANT_HINT} ON "{table}" TO {role}' in refused.value.message
+    assert "order locks an object's row" in refused.value.message
+
+
+async def test_with_exactly_the_documented_grants_an_ordered_route_holds_keeps_and_sweeps(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    await execute(pg_dsn, sql.for_table(table).schema)
+    app.fail[("cus_1", 1)] = 1
+    route = ordered(retention="1d", redeliver={"schedule": ["300ms"], "for": "1d"})
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    async with limited_role(pg_dsn, table, DOCUMENTED, INBOX) as (_, dsn):
+        proxy = await make_proxy(
+            routes=[route],
+            upstream={"url": app.url, "concurrency": 3},
+            redeliverer=QUICK,
+            database={"dsn": dsn, "create_schema": False, "pool_size": 6},
+        )
+        # The object's lock (INSERT ... ON CONFLICT DO UPDATE), a keep behind a failed head,
+        # the take's FOR UPDATE of the object's row, the accepted version, a superseded event.
+        first = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+        behind = await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))
+        assert (first.status, behind.status) == (202, 202)
+        await wait_until(lambda: _applied(app, 2), "both delivered, as the limited role")
+        stale = await proxy.post("/hooks", data=version("evt_0", "cus_1", 0))
+        assert stale.headers["Dedup-Status"] == "superseded"
+        answers = await asyncio.gather(
+            *(proxy.post("/hooks", data=version(f"e{n}", "cus_2", n)) for n in range(6))
+        )
+        assert {a.status for a in answers} <= {200, 202}  # 202: kept, the limit reached
+        await wait_until(lambda: _settled(pg_dsn, table), "none pending, as the limited role")
+        await execute(
+            pg_dsn,
+            f"UPDATE \"{table}\" SET inbox_changed = now() - interval '3 days' "
+            "WHERE scope = '~order/hooks'",
+        )
+        removed = await sweeper_of(proxy).sweep()  # the object rows' DELETE ... SKIP LOCKED
+    assert app.applied[:2] == [("cus_1", 1), ("cus_1", 2)]
+    # Versions kept by the limit and passed by a newer one are superseded, not sent after it.
+    assert app.state == {"cus_1": 2, "cus_2": 5}
+    assert app.overlaps == 0
+    assert removed is not None
+    assert removed["~order/hooks"] == 2
+
+
+async def _settled(pg_dsn: str, table: str) -> bool:
+    pending = f"SELECT FROM \"{table}\" WHERE inbox_state = 'pending'"
+    return not await fetch(pg_dsn, pending)
