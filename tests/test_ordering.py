@@ -10,13 +10,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import asyncpg
 import pytest
 from aiohttp import web
 
 from proxy import config, errors, ordering
 from proxy.database import inbox, sql
-from tests.helpers import MakeProxy, execute, fetch, start_up, sweeper_of, wait_until
+from tests.helpers import MakeProxy, Serve, execute, fetch, start_up, sweeper_of, wait_until
 from tests.roles import DOCUMENTED, INBOX, limited_role
 
 QUICK = {"poll": "100ms", "rate": 1000}
@@ -35,6 +36,9 @@ class LastWriterWins:
     # (object, version) answered 503 this many times first.
     fail: dict[tuple[str, int], int] = field(default_factory=dict)
     work: float = 0.02
+    # The event whose delivery hangs until its sender goes: the test server cancels a handler
+    # whose client went (an app whose transaction aborts with its request).
+    hang: str | None = None
 
     async def handle(self, request: web.Request) -> web.Response:
         event = json.loads(await request.read())
@@ -43,6 +47,8 @@ class LastWriterWins:
         if self.at_app[obj] > 1:
             self.overlaps += 1
         try:
+            if event["id"] == self.hang:
+                await asyncio.Event().wait()
             await asyncio.sleep(self.work)
             if self.fail.get((obj, version), 0) > 0:
                 self.fail[(obj, version)] -= 1
@@ -206,6 +212,97 @@ async def test_stale_versions_are_superseded_and_never_forwarded(
     assert {r["event_id"]: r["inbox_state"] for r in rows}["evt_1"] == "superseded"
     again = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
     assert again.headers["Dedup-Status"] == "duplicate"
+
+
+# --- serve processes: two replicas on one table -------------------------------------------
+
+
+def _replica(app: LastWriterWins, route: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "routes": [route],
+        "workers": 2,
+        "upstream": {"url": app.url, "timeout": "30s", "concurrency": 4},
+        "database": {"pool_size": 6},
+        "redeliverer": {"poll": "100ms"},
+    }
+
+
+async def _post(url: str, body: bytes) -> int:
+    async with aiohttp.ClientSession() as session, session.post(url, data=body) as answer:
+        return answer.status
+
+
+def _never_backwards(app: LastWriterWins) -> bool:
+    seen: dict[str, int] = {}
+    for obj, applied in app.applied:
+        if applied < seen.get(obj, applied):
+            return False
+        seen[obj] = applied
+    return True
+
+
+async def test_two_replicas_never_overlap_an_object_nor_apply_it_backwards(
+    serve: Serve, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    app.work = 0.05
+    route = ordered(claim_wait="10s")
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    replicas = [await serve(**_replica(app, route)) for _ in range(2)]
+    events = [(f"evt_{n}", f"cus_{n % 3}", n // 3 + 1) for n in range(18)]  # 6 versions each
+
+    answers = await asyncio.gather(
+        *(
+            _post(f"{replicas[n % 2].url}/hooks", version(event_id, obj, v))
+            for n, (event_id, obj, v) in enumerate(events)
+        )
+    )
+
+    assert answers == [200] * 18
+    assert app.overlaps == 0
+    assert _never_backwards(app)
+    assert app.state == {"cus_0": 6, "cus_1": 6, "cus_2": 6}
+    rows = await fetch(
+        pg_dsn, f"SELECT event_id, inbox_state FROM \"{table}\" WHERE scope = 'hooks'"
+    )
+    superseded = {r["event_id"] for r in rows if r["inbox_state"] == "superseded"}
+    # Every event applied once or superseded.
+    assert len(app.applied) + len(superseded) == 18
+    assert len(rows) == 18
+
+
+async def test_kill_9_of_a_replica_holding_an_object_frees_it_to_the_other(
+    serve: Serve, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    route = ordered(claim_wait="10s", redeliver={"schedule": ["200ms"], "for": "1d"})
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    holding, other = [await serve(**_replica(app, route)) for _ in range(2)]
+    app.hang = "evt_1"
+    v1 = asyncio.create_task(_post(f"{holding.url}/hooks", version("evt_1", "cus_1", 1)))
+    await wait_until(lambda: _at_app(app, "cus_1"), "v1 at the app, its object held")
+    v2 = asyncio.create_task(_post(f"{other.url}/hooks", version("evt_2", "cus_1", 2)))
+    await asyncio.sleep(0.3)  # v2 waits on the object's row lock
+    assert app.applied == []
+
+    await holding.kill()  # SIGKILL: the claim's transaction, and the object's lock, die with it
+
+    assert await v2 == 200  # the other replica delivers the object's next version
+    with pytest.raises(aiohttp.ClientError):
+        await v1
+    # The provider had no answer for v1, and sends it again: older than v2, superseded.
+    assert await _post(f"{other.url}/hooks", version("evt_1", "cus_1", 1)) == 200
+    assert app.applied == [("cus_1", 2)]
+    assert app.state == {"cus_1": 2}
+    assert app.overlaps == 0
+    rows = await fetch(
+        pg_dsn, f"SELECT event_id, inbox_state FROM \"{table}\" WHERE scope = 'hooks'"
+    )
+    assert {r["event_id"]: r["inbox_state"] for r in rows} == {
+        "evt_1": "superseded", "evt_2": None,
+    }  # fmt: skip
+
+
+async def _at_app(app: LastWriterWins, obj: str) -> bool:
+    return app.at_app[obj] > 0
 
 
 async def _applied(app: LastWriterWins, count: int) -> bool:
