@@ -15,9 +15,19 @@ import asyncpg
 import pytest
 from aiohttp import web
 
-from proxy import config, errors, ordering
+from proxy import app_keys, config, errors, inbox_commands, ordering
 from proxy.database import inbox, sql
-from tests.helpers import MakeProxy, Serve, execute, fetch, start_up, sweeper_of, wait_until
+from tests.helpers import (
+    MakeProxy,
+    Serve,
+    admin_client,
+    execute,
+    fetch,
+    scrape,
+    start_up,
+    sweeper_of,
+    wait_until,
+)
 from tests.roles import DOCUMENTED, INBOX, limited_role
 
 QUICK = {"poll": "100ms", "rate": 1000}
@@ -386,6 +396,47 @@ async def test_object_rows_are_swept_with_the_retention_but_held_or_with_kept_de
     # A swept object is ordered again from its next delivery on.
     assert (await proxy.post("/hooks", data=version("evt_4", "cus_1", 2))).status == 200
     assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_1", "cus_2"]
+
+
+# --- operators ----------------------------------------------------------------------------
+
+
+async def test_events_show_and_the_console_say_which_delivery_an_object_waits_behind(
+    make_proxy: MakeProxy, app: LastWriterWins, aiohttp_client: Any, pg_dsn: str, table: str
+) -> None:
+    app.fail[("cus_1", 1)] = 1
+    route = ordered(redeliver={"schedule": ["1h"], "for": "1d"})
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    assert (await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))).status == 202
+    assert (await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))).status == 202
+    assert (await proxy.post("/hooks", data=version("evt_3", "cus_2", 5))).status == 200
+    assert (await proxy.post("/hooks", data=version("evt_4", "cus_2", 4))).status == 200
+
+    store = proxy.app[app_keys.STORE]
+    shown = await store.inbox.show("hooks", "evt_2")
+    assert shown is not None
+    text = inbox_commands.describe(shown)
+    assert "kept for:    not sent: another delivery of its object" in text
+    assert "object:      cus_1 (version 2, accepted -)" in text
+    assert "behind:      evt_1, pending since " in text
+    assert inbox_commands.shown_json(shown)["object"]["behind"] == "evt_1"
+    head = await store.inbox.show("hooks", "evt_1")
+    assert head is not None
+    assert "behind:      none: first of its object" in inbox_commands.describe(head)
+
+    admin = await admin_client(aiohttp_client, proxy)
+    async with admin.get("/console/event?scope=hooks&id=evt_2") as response:
+        event_page = await response.text()
+    assert "Kept behind</dt><dd>evt_1, pending since" in event_page
+    async with admin.get("/console/events?state=superseded") as response:
+        assert response.status == 200
+        listed = await response.text()
+    assert "evt_4" in listed
+    assert "evt_3" not in listed
+    samples = await scrape(admin)
+    assert samples[("dedup_requests_total", (("outcome", "superseded"), ("route", "hooks")))] == 1
+    assert samples[("dedup_inbox_kept_total", (("reason", "ordering"), ("route", "hooks")))] == 1
 
 
 # --- least privilege ------------------------------------------------------------------------

@@ -250,6 +250,19 @@ class Shown(NamedTuple):
     due: datetime | None
     until: datetime | None
     changed: datetime | None
+    place: Place | None = None  # on an ordered route: its object's queue
+
+
+class Place(NamedTuple):
+    """A kept delivery's object (an ordered route's): its version, the newest the app
+    accepted, and the older pending delivery it is kept behind (None: it is its object's
+    first), which holds the object in the queue."""
+
+    object: str
+    version: str | None
+    accepted: str | None
+    behind: str | None
+    behind_since: datetime | None
 
 
 class Level(NamedTuple):
@@ -582,17 +595,26 @@ class Inbox:
                 row = await connection.fetchrow(
                     self.statements.show, scope, event_id, body_limit, timeout=self.op_timeout
                 )
-        if row is None:
-            return None
-        request = row["inbox_request"]
+                if row is None:
+                    return None
+            request, body = row["inbox_request"], row["inbox_body"] or b""
+            stored = None if request is None else StoredRequest.decoded(request, body)
+            place = None
+            if stored is not None and stored.object is not None:
+                ahead = await connection.fetchrow(
+                    self.statements.place, scope, event_id, object_scope(scope), stored.object,
+                    timeout=self.op_timeout,
+                )  # fmt: skip
+                place = Place(
+                    stored.object, stored.version, ahead and ahead["accepted"],
+                    ahead and ahead["behind"], ahead and ahead["since"],
+                )  # fmt: skip
         attempts = row["inbox_attempts"]
         return Shown(
             row["scope"], row["event_id"], row["event_type"], row["received_at"],
-            row["inbox_state"],
-            None if request is None else StoredRequest.decoded(request, row["inbox_body"] or b""),
-            row["body_bytes"],
+            row["inbox_state"], stored, row["body_bytes"],
             [] if attempts is None else json.loads(attempts),
-            row["inbox_due"], row["inbox_until"], row["inbox_changed"],
+            row["inbox_due"], row["inbox_until"], row["inbox_changed"], place,
         )  # fmt: skip
 
     async def redeliver(

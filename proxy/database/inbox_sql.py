@@ -271,6 +271,22 @@ class Statements:
         )
 
     @property
+    def place(self) -> str:
+        # $1 scope, $2 event ID, $3 its object's scope, $4 its object: the version the app
+        # accepted, and the oldest pending delivery of the object older than this one (the one
+        # it is kept behind), with since when. Reads only: never waits on a lock.
+        return (
+            f"SELECT (SELECT inbox_request ->> 'v' FROM {self.quoted} WHERE scope = $3 "
+            "AND event_id = $4) AS accepted, o.event_id AS behind, o.received_at AS since "
+            f"FROM (SELECT 1) AS one LEFT JOIN LATERAL (SELECT o.event_id, o.received_at FROM "
+            f"{self.quoted} AS o, {self.quoted} AS t WHERE t.scope = $1 AND t.event_id = $2 "
+            "AND o.scope = t.scope AND o.inbox_state = 'pending' "
+            "AND o.inbox_request ->> 'object' = $4 "
+            "AND (o.received_at, o.event_id) < (t.received_at, t.event_id) "
+            "ORDER BY o.received_at, o.event_id LIMIT 1) AS o ON true"
+        )
+
+    @property
     def redeliver(self) -> str:
         # $1 scope, $2 event IDs, $3 for (seconds): pending, due now, with the route's full
         # schedule again. Waits for a row being redelivered right now (OPERATOR_LOCK_WAIT);
