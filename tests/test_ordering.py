@@ -46,6 +46,7 @@ class LastWriterWins:
     # (object, version) answered 503 this many times first.
     fail: dict[tuple[str, int], int] = field(default_factory=dict)
     work: float = 0.02
+    fail_status: int = 503  # 400: dead at once (an answer retrying cannot fix)
     # The event whose delivery hangs until its sender goes: the test server cancels a handler
     # whose client went (an app whose transaction aborts with its request).
     hang: str | None = None
@@ -62,7 +63,7 @@ class LastWriterWins:
             await asyncio.sleep(self.work)
             if self.fail.get((obj, version), 0) > 0:
                 self.fail[(obj, version)] -= 1
-                return web.Response(status=503)
+                return web.Response(status=self.fail_status)
             self.state[obj] = version
             self.applied.append((obj, version))
             return web.Response(text="ok")
@@ -396,6 +397,39 @@ async def test_object_rows_are_swept_with_the_retention_but_held_or_with_kept_de
     # A swept object is ordered again from its next delivery on.
     assert (await proxy.post("/hooks", data=version("evt_4", "cus_1", 2))).status == 200
     assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_1", "cus_2"]
+
+
+async def test_a_bulk_redeliver_of_dead_versions_keeps_them_behind_a_failing_head(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    app.fail_status = 400
+    app.fail.update({("cus_1", 1): 1, ("cus_1", 2): 1, ("cus_1", 3): 1})
+    route = ordered(redeliver={"schedule": ["1h"], "for": "1d"})
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    for n in (1, 2, 3):
+        dead = await proxy.post("/hooks", data=version(f"evt_{n}", "cus_1", n))
+        assert dead.headers["Dedup-Status"] == "dead_letter"
+    app.fail_status, app.fail[("cus_1", 1)] = 503, 1  # v1 fails once more when redelivered
+    store = proxy.app[app_keys.STORE]
+
+    # Every dead row of the scope made due at once, as events redeliver --dead and the
+    # console's bulk redeliver do.
+    changed = await store.inbox.redeliver("hooks", None, None, 86400.0)
+
+    assert len(changed) == 3
+
+    async def v1_failed_again() -> bool:
+        rows = await fetch(
+            pg_dsn,
+            f'SELECT jsonb_array_length(inbox_attempts) AS n FROM "{table}" WHERE event_id = $1',
+            "evt_1",
+        )
+        return bool(rows[0]["n"] >= 2)
+
+    await wait_until(v1_failed_again, "v1 redelivered and failed")
+    await asyncio.sleep(0.5)  # the redeliverer's polls pass: v1 is due again in 1h
+    assert app.applied == []  # v2 and v3, due, wait behind their object's failed head
+    assert app.overlaps == 0
 
 
 # --- operators ----------------------------------------------------------------------------
