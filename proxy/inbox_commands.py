@@ -179,6 +179,7 @@ def describe(shown: inbox.Shown) -> str:
         *((("next due", _when(shown.due)),) if shown.due else ()),
         *((("until", _when(shown.until)),) if shown.until else ()),
         *((("changed", _when(shown.changed)),) if shown.changed else ()),
+        *(_place(shown.place) if shown.place else ()),
     ]
     text = io.StringIO()
     for name, value in fields:
@@ -193,11 +194,23 @@ def describe(shown: inbox.Shown) -> str:
     return text.getvalue()
 
 
+def _place(place: inbox.Place) -> list[tuple[str, str]]:
+    """An ordered route's kept delivery: its object, and the delivery it is kept behind."""
+    version = f"version {place.version or '-'}, accepted {place.accepted or '-'}"
+    behind = (
+        "none: first of its object (sent when its object is free)"
+        if place.behind is None
+        else f"{database.unbound(place.behind)}, pending since {_when(place.behind_since)}: "
+        "sent first"
+    )
+    return [("object", f"{place.object} ({version})"), ("behind", behind)]
+
+
 def shown_json(shown: inbox.Shown) -> dict[str, Any]:
     """``events show --json``: what ``describe`` shows, with stable keys. The target and the
     header values are strings, or ``{"base64": …}`` for one holding bytes that are not UTF-8
     (as the inbox stores them); masked headers' values are ``null``, with their size."""
-    request = shown.request
+    request, place = shown.request, shown.place
     return {
         "event_id": database.unbound(shown.event_id), "claim_id": shown.event_id,
         "scope": shown.scope, "event_type": shown.event_type,
@@ -211,6 +224,11 @@ def shown_json(shown: inbox.Shown) -> dict[str, Any]:
             "body_bytes": shown.body_bytes,
         },
         "attempts": shown.attempts,
+        "object": None if place is None else {
+            "key": place.object, "version": place.version, "accepted": place.accepted,
+            "behind": None if place.behind is None else database.unbound(place.behind),
+            "behind_since": operations.timestamp(place.behind_since),
+        },
     }  # fmt: skip
 
 

@@ -274,7 +274,8 @@ class Metrics:
             "dedup_redeliveries",
             "Redeliveries of kept deliveries by result: delivered (a 2xx), failed (tried "
             "again later), dead (given up on: past the route's 'for', or an answer retrying "
-            "cannot fix).",
+            "cannot fix), superseded (not sent: older than the version of its object the app "
+            "accepted, on a route with order).",
             ["route", "result"],
             registry=self.registry,
         )

@@ -715,6 +715,7 @@ class Cycle:
         stored = database.StoredRequest(
             config_.name, config_.upstream, self.request.method, self.target, self.sent,
             self.body, why, None if obj is None else obj.key, None if obj is None else obj.version,
+            obj is not None and obj.supersedes,
         )  # fmt: skip
         keep = delivery.keep(
             config_, route.redeliver, attempt, claim.key.scope,

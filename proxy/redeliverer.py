@@ -272,6 +272,9 @@ class Redeliverer:
         # A route renamed since (its scope kept): its upstream as stored, the default schedule.
         settings = None if route is None else route.redeliver
         upstream = stored.upstream if route is None else route.upstream
+        if redelivery.stale:
+            await self._supersede(redelivery)
+            return True
         started = time.perf_counter()
         receipt = await self._receipt(redelivery)
         sent = await self._send(upstream, redelivery, receipt)
@@ -284,6 +287,19 @@ class Redeliverer:
             trace.abort(exc)
             raise
         return True
+
+    async def _supersede(self, redelivery: database.Redelivery) -> None:
+        """Not sent: its object's app accepted a newer version while it was kept (a later
+        delivery went ahead of it, guarantees.md, "Order (per object)")."""
+        await redelivery.superseded()
+        stored = redelivery.request
+        self._meters.redeliveries.labels(stored.route, "superseded").inc()
+        event_id = self.provider_id(redelivery)
+        log.info("redelivery of %s %s: superseded", stored.route, event_id,
+                 extra={"fields": {"route": stored.route, "scope": redelivery.scope,
+                                   "event_id": event_id, "object": stored.object,
+                                   "version": stored.version, "accepted": redelivery.accepted,
+                                   "result": "superseded"}})  # fmt: skip
 
     async def _record(
         self,

@@ -10,7 +10,9 @@ transaction is deleting (an operator's ``events forget``) or locking, for at mos
 retried at the next interval. The batches themselves are the store's (``Store.sweep_batch``).
 
 Deliveries kept for redelivery (``redeliver``) are never removed while pending or dead; dead
-ones go after the route's ``dead_retention``, counted from when they died.
+ones go after the route's ``dead_retention``, counted from when they died. An ordered route's
+object rows (``order``) go after the route's ``retention`` since their object was last held, but
+while one is held or its object keeps a pending or dead delivery.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class Sweeper:
         self._dead_retention = _longest(
             (route.scope, route.redeliver.dead_retention) for route in routes if route.redeliver
         )
+        # An ordered route's object rows (``order``), for its retention since last held.
+        self._objects = _longest(
+            (database.object_scope(route.scope), route.retention) for route in routes if route.order
+        )
         self._settings = settings
         self._metrics = meters
 
@@ -80,6 +86,9 @@ class Sweeper:
         for scope, kept in self._dead_retention.items():
             dead = await self._batches(scope, self._store.inbox.sweep_dead, kept)
             removed[scope] = removed.get(scope, 0) + (dead or 0)
+        for scope, idle in self._objects.items():
+            objects = await self._batches(scope, self._store.inbox.sweep_objects, idle)
+            removed[scope] = objects or 0
         self._metrics.retention_last_run.set_to_current_time()
         if any(removed.values()):
             log.info(

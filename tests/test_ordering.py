@@ -10,11 +10,25 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+import asyncpg
 import pytest
 from aiohttp import web
 
-from proxy import config, errors, ordering
-from tests.helpers import MakeProxy, fetch, wait_until
+from proxy import app_keys, config, errors, inbox_commands, ordering
+from proxy.database import inbox, sql
+from tests.helpers import (
+    MakeProxy,
+    Serve,
+    admin_client,
+    execute,
+    fetch,
+    scrape,
+    start_up,
+    sweeper_of,
+    wait_until,
+)
+from tests.roles import DOCUMENTED, INBOX, limited_role
 
 QUICK = {"poll": "100ms", "rate": 1000}
 
@@ -32,6 +46,10 @@ class LastWriterWins:
     # (object, version) answered 503 this many times first.
     fail: dict[tuple[str, int], int] = field(default_factory=dict)
     work: float = 0.02
+    fail_status: int = 503  # 400: dead at once (an answer retrying cannot fix)
+    # The event whose delivery hangs until its sender goes: the test server cancels a handler
+    # whose client went (an app whose transaction aborts with its request).
+    hang: str | None = None
 
     async def handle(self, request: web.Request) -> web.Response:
         event = json.loads(await request.read())
@@ -40,10 +58,12 @@ class LastWriterWins:
         if self.at_app[obj] > 1:
             self.overlaps += 1
         try:
+            if event["id"] == self.hang:
+                await asyncio.Event().wait()
             await asyncio.sleep(self.work)
             if self.fail.get((obj, version), 0) > 0:
                 self.fail[(obj, version)] -= 1
-                return web.Response(status=503)
+                return web.Response(status=self.fail_status)
             self.state[obj] = version
             self.applied.append((obj, version))
             return web.Response(text="ok")
@@ -205,5 +225,310 @@ async def test_stale_versions_are_superseded_and_never_forwarded(
     assert again.headers["Dedup-Status"] == "duplicate"
 
 
+# --- serve processes: two replicas on one table -------------------------------------------
+
+
+def _replica(app: LastWriterWins, route: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "routes": [route],
+        "workers": 2,
+        "upstream": {"url": app.url, "timeout": "30s", "concurrency": 4},
+        "database": {"pool_size": 6},
+        "redeliverer": {"poll": "100ms"},
+    }
+
+
+async def _post(url: str, body: bytes) -> int:
+    async with aiohttp.ClientSession() as session, session.post(url, data=body) as answer:
+        return answer.status
+
+
+def _never_backwards(app: LastWriterWins) -> bool:
+    seen: dict[str, int] = {}
+    for obj, applied in app.applied:
+        if applied < seen.get(obj, applied):
+            return False
+        seen[obj] = applied
+    return True
+
+
+async def test_two_replicas_never_overlap_an_object_nor_apply_it_backwards(
+    serve: Serve, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    app.work = 0.05
+    route = ordered(claim_wait="10s")
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    replicas = [await serve(**_replica(app, route)) for _ in range(2)]
+    events = [(f"evt_{n}", f"cus_{n % 3}", n // 3 + 1) for n in range(18)]  # 6 versions each
+
+    answers = await asyncio.gather(
+        *(
+            _post(f"{replicas[n % 2].url}/hooks", version(event_id, obj, v))
+            for n, (event_id, obj, v) in enumerate(events)
+        )
+    )
+
+    assert answers == [200] * 18
+    assert app.overlaps == 0
+    assert _never_backwards(app)
+    assert app.state == {"cus_0": 6, "cus_1": 6, "cus_2": 6}
+    rows = await fetch(
+        pg_dsn, f"SELECT event_id, inbox_state FROM \"{table}\" WHERE scope = 'hooks'"
+    )
+    superseded = {r["event_id"] for r in rows if r["inbox_state"] == "superseded"}
+    # Every event applied once or superseded.
+    assert len(app.applied) + len(superseded) == 18
+    assert len(rows) == 18
+
+
+async def test_kill_9_of_a_replica_holding_an_object_frees_it_to_the_other(
+    serve: Serve, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    route = ordered(claim_wait="10s", redeliver={"schedule": ["200ms"], "for": "1d"})
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    holding, other = [await serve(**_replica(app, route)) for _ in range(2)]
+    app.hang = "evt_1"
+    v1 = asyncio.create_task(_post(f"{holding.url}/hooks", version("evt_1", "cus_1", 1)))
+    await wait_until(lambda: _at_app(app, "cus_1"), "v1 at the app, its object held")
+    v2 = asyncio.create_task(_post(f"{other.url}/hooks", version("evt_2", "cus_1", 2)))
+    await asyncio.sleep(0.3)  # v2 waits on the object's row lock
+    assert app.applied == []
+
+    await holding.kill()  # SIGKILL: the claim's transaction, and the object's lock, die with it
+
+    assert await v2 == 200  # the other replica delivers the object's next version
+    with pytest.raises(aiohttp.ClientError):
+        await v1
+    # The provider had no answer for v1, and sends it again: older than v2, superseded.
+    assert await _post(f"{other.url}/hooks", version("evt_1", "cus_1", 1)) == 200
+    assert app.applied == [("cus_1", 2)]
+    assert app.state == {"cus_1": 2}
+    assert app.overlaps == 0
+    rows = await fetch(
+        pg_dsn, f"SELECT event_id, inbox_state FROM \"{table}\" WHERE scope = 'hooks'"
+    )
+    assert {r["event_id"]: r["inbox_state"] for r in rows} == {
+        "evt_1": "superseded", "evt_2": None,
+    }  # fmt: skip
+
+
+async def _at_app(app: LastWriterWins, obj: str) -> bool:
+    return app.at_app[obj] > 0
+
+
 async def _applied(app: LastWriterWins, count: int) -> bool:
     return len(app.applied) >= count
+
+
+async def test_a_kept_delivery_passed_in_the_keep_window_is_superseded_not_sent(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    # The window guarantees.md names: v1 waited past claim_wait and was kept, and v2, in
+    # flight at the same time, took the object between v1's wait and its keep's COMMIT and was
+    # accepted. The test holds the object as v2 did, then commits what v2's delivery leaves.
+    route = ordered(claim_wait="200ms", redeliver={"schedule": ["300ms"], "for": "1d"})
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    holder = await asyncpg.connect(pg_dsn)
+    try:
+        await holder.execute(
+            f'BEGIN; INSERT INTO "{table}" (scope, event_id, event_type, inbox_changed) '
+            "VALUES ('~order/hooks', 'cus_1', 'object', now()) ON CONFLICT (scope, event_id) "
+            "DO UPDATE SET inbox_changed = now()"
+        )
+        v1 = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+        assert (v1.status, (await v1.json())["kept_for"]) == (202, "ordering")
+        app.state["cus_1"] = 2  # v2 applied by the app
+        await holder.execute(
+            f"""UPDATE "{table}" SET inbox_request = '{{"v": 2}}' """
+            "WHERE scope = '~order/hooks' AND event_id = 'cus_1'; COMMIT"
+        )
+    finally:
+        await holder.close()
+
+    async def settled() -> bool:
+        rows = await fetch(
+            pg_dsn, f'SELECT inbox_state FROM "{table}" WHERE event_id = $1', "evt_1"
+        )
+        return rows[0]["inbox_state"] != "pending"
+
+    await wait_until(settled, "v1 settled by the redeliverer")
+    rows = await fetch(
+        pg_dsn,
+        f'SELECT inbox_state, inbox_body IS NOT NULL AS body FROM "{table}" WHERE event_id = $1',
+        "evt_1",
+    )
+    assert (rows[0]["inbox_state"], rows[0]["body"]) == ("superseded", True)
+    assert app.applied == []  # v1 never overwrote v2
+    assert app.state == {"cus_1": 2}
+
+
+async def test_object_rows_are_swept_with_the_retention_but_held_or_with_kept_deliveries(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    app.fail[("cus_2", 1)] = 1
+    route = ordered(retention="1d", redeliver={"schedule": ["1h"], "for": "1d"})
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    for n in (1, 2, 3):
+        await proxy.post("/hooks", data=version(f"evt_{n}", f"cus_{n}", 1))
+    objects = f"SELECT event_id FROM \"{table}\" WHERE scope = '~order/hooks' ORDER BY 1"
+    assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_1", "cus_2", "cus_3"]
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET inbox_changed = now() - interval '3 days' "
+        "WHERE scope = '~order/hooks'",
+    )
+    holder = await asyncpg.connect(pg_dsn)  # a delivery of cus_3 at the app
+    try:
+        async with holder.transaction():
+            await holder.execute(
+                f"SELECT FROM \"{table}\" WHERE scope = '~order/hooks' AND event_id = 'cus_3' "
+                "FOR UPDATE"
+            )
+            removed = await sweeper_of(proxy).sweep()
+    finally:
+        await holder.close()
+
+    assert removed is not None
+    assert removed["~order/hooks"] == 1
+    # cus_2 keeps a pending delivery; cus_3 was held.
+    assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_2", "cus_3"]
+    assert (await sweeper_of(proxy).sweep() or {})["~order/hooks"] == 1  # cus_3, freed
+    # A swept object is ordered again from its next delivery on.
+    assert (await proxy.post("/hooks", data=version("evt_4", "cus_1", 2))).status == 200
+    assert [r["event_id"] for r in await fetch(pg_dsn, objects)] == ["cus_1", "cus_2"]
+
+
+async def test_a_bulk_redeliver_of_dead_versions_keeps_them_behind_a_failing_head(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    app.fail_status = 400
+    app.fail.update({("cus_1", 1): 1, ("cus_1", 2): 1, ("cus_1", 3): 1})
+    route = ordered(redeliver={"schedule": ["1h"], "for": "1d"})
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    for n in (1, 2, 3):
+        dead = await proxy.post("/hooks", data=version(f"evt_{n}", "cus_1", n))
+        assert dead.headers["Dedup-Status"] == "dead_letter"
+    app.fail_status, app.fail[("cus_1", 1)] = 503, 1  # v1 fails once more when redelivered
+    store = proxy.app[app_keys.STORE]
+
+    # Every dead row of the scope made due at once, as events redeliver --dead and the
+    # console's bulk redeliver do.
+    changed = await store.inbox.redeliver("hooks", None, None, 86400.0)
+
+    assert len(changed) == 3
+
+    async def v1_failed_again() -> bool:
+        rows = await fetch(
+            pg_dsn,
+            f'SELECT jsonb_array_length(inbox_attempts) AS n FROM "{table}" WHERE event_id = $1',
+            "evt_1",
+        )
+        return bool(rows[0]["n"] >= 2)
+
+    await wait_until(v1_failed_again, "v1 redelivered and failed")
+    await asyncio.sleep(0.5)  # the redeliverer's polls pass: v1 is due again in 1h
+    assert app.applied == []  # v2 and v3, due, wait behind their object's failed head
+    assert app.overlaps == 0
+
+
+# --- operators ----------------------------------------------------------------------------
+
+
+async def test_events_show_and_the_console_say_which_delivery_an_object_waits_behind(
+    make_proxy: MakeProxy, app: LastWriterWins, aiohttp_client: Any, pg_dsn: str, table: str
+) -> None:
+    app.fail[("cus_1", 1)] = 1
+    route = ordered(redeliver={"schedule": ["1h"], "for": "1d"})
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    assert (await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))).status == 202
+    assert (await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))).status == 202
+    assert (await proxy.post("/hooks", data=version("evt_3", "cus_2", 5))).status == 200
+    assert (await proxy.post("/hooks", data=version("evt_4", "cus_2", 4))).status == 200
+
+    store = proxy.app[app_keys.STORE]
+    shown = await store.inbox.show("hooks", "evt_2")
+    assert shown is not None
+    text = inbox_commands.describe(shown)
+    assert "kept for:    not sent: another delivery of its object" in text
+    assert "object:      cus_1 (version 2, accepted -)" in text
+    assert "behind:      evt_1, pending since " in text
+    assert inbox_commands.shown_json(shown)["object"]["behind"] == "evt_1"
+    head = await store.inbox.show("hooks", "evt_1")
+    assert head is not None
+    assert "behind:      none: first of its object" in inbox_commands.describe(head)
+
+    admin = await admin_client(aiohttp_client, proxy)
+    async with admin.get("/console/event?scope=hooks&id=evt_2") as response:
+        event_page = await response.text()
+    assert "Kept behind</dt><dd>evt_1, pending since" in event_page
+    async with admin.get("/console/events?state=superseded") as response:
+        assert response.status == 200
+        listed = await response.text()
+    assert "evt_4" in listed
+    assert "evt_3" not in listed
+    samples = await scrape(admin)
+    assert samples[("dedup_requests_total", (("outcome", "superseded"), ("route", "hooks")))] == 1
+    assert samples[("dedup_inbox_kept_total", (("reason", "ordering"), ("route", "hooks")))] == 1
+
+
+# --- least privilege ------------------------------------------------------------------------
+
+
+async def test_an_ordered_route_without_the_inbox_grant_refuses_to_start_naming_it(
+    proxy_config: Any, pg_dsn: str, table: str
+) -> None:
+    await execute(pg_dsn, sql.for_table(table).schema)
+    async with limited_role(pg_dsn, table, DOCUMENTED) as (role, dsn):
+        cfg = proxy_config(routes=[ordered()], database={"dsn": dsn, "create_schema": False})
+        with pytest.raises(errors.StoreUnavailable) as refused:
+            await start_up(cfg)
+    assert f'{inbox.GRANT_HINT} ON "{table}" TO {role}' in refused.value.message
+    assert "order locks an object's row" in refused.value.message
+
+
+async def test_with_exactly_the_documented_grants_an_ordered_route_holds_keeps_and_sweeps(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    await execute(pg_dsn, sql.for_table(table).schema)
+    app.fail[("cus_1", 1)] = 1
+    route = ordered(retention="1d", redeliver={"schedule": ["300ms"], "for": "1d"})
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    async with limited_role(pg_dsn, table, DOCUMENTED, INBOX) as (_, dsn):
+        proxy = await make_proxy(
+            routes=[route],
+            upstream={"url": app.url, "concurrency": 3},
+            redeliverer=QUICK,
+            database={"dsn": dsn, "create_schema": False, "pool_size": 6},
+        )
+        # The object's lock (INSERT ... ON CONFLICT DO UPDATE), a keep behind a failed head,
+        # the take's FOR UPDATE of the object's row, the accepted version, a superseded event.
+        first = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+        behind = await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))
+        assert (first.status, behind.status) == (202, 202)
+        await wait_until(lambda: _applied(app, 2), "both delivered, as the limited role")
+        stale = await proxy.post("/hooks", data=version("evt_0", "cus_1", 0))
+        assert stale.headers["Dedup-Status"] == "superseded"
+        answers = await asyncio.gather(
+            *(proxy.post("/hooks", data=version(f"e{n}", "cus_2", n)) for n in range(6))
+        )
+        assert {a.status for a in answers} <= {200, 202}  # 202: kept, the limit reached
+        await wait_until(lambda: _settled(pg_dsn, table), "none pending, as the limited role")
+        await execute(
+            pg_dsn,
+            f"UPDATE \"{table}\" SET inbox_changed = now() - interval '3 days' "
+            "WHERE scope = '~order/hooks'",
+        )
+        removed = await sweeper_of(proxy).sweep()  # the object rows' DELETE ... SKIP LOCKED
+    assert app.applied[:2] == [("cus_1", 1), ("cus_1", 2)]
+    # Versions kept by the limit and passed by a newer one are superseded, not sent after it.
+    assert app.state == {"cus_1": 2, "cus_2": 5}
+    assert app.overlaps == 0
+    assert removed is not None
+    assert removed["~order/hooks"] == 2
+
+
+async def _settled(pg_dsn: str, table: str) -> bool:
+    pending = f"SELECT FROM \"{table}\" WHERE inbox_state = 'pending'"
+    return not await fetch(pg_dsn, pending)

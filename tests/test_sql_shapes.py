@@ -237,8 +237,9 @@ def _problems(text: str, name: str, table: tuple[str | None, str] = _TABLE) -> l
 
 
 # Statements the store never sends to a table Citus distributes (``Inbox.take`` picks
-# ``take`` there instead; test_inbox_races runs both ways).
-_NOT_ON_CITUS = {"Statements.take_first_free"}
+# ``take`` there instead; test_inbox_races runs both ways), or only for an ordered route, which
+# is not supported there yet (guarantees.md, "Order (per object)").
+_NOT_ON_CITUS = {"Statements.take_first_free", "Statements.sweep_objects"}
 _ALL = {name: text for name, text in _statements().items() if name not in _NOT_ON_CITUS}
 
 

@@ -40,6 +40,7 @@ from proxy.database.inbox import (
     Redelivery,
     Shown,
     StoredRequest,
+    object_scope,
 )
 from proxy.database.pool import dsn_hosts, host_named, translated
 from proxy.database.receipts import Receipts
@@ -97,6 +98,7 @@ __all__ = [
     "host_named",
     "is_bound",
     "missing_schema",
+    "object_scope",
     "schema_sql",
     "translated",
     "unbound",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import decimal
 import enum
 import json
 import logging
@@ -106,9 +107,11 @@ class StoredRequest:
     body: bytes
     kept_for: str | None = None
     # On a route with ``order``: the object it is about (its kept deliveries are sent one at a
-    # time, oldest first) and its version (None: none).
+    # time, oldest first), its version (None: none), and whether its type is one the route
+    # supersedes (then it is not sent once older than its object's accepted version).
     object: str | None = None
     version: str | None = None
+    supersedes: bool = False
 
     def kept_because(self, tried: bool) -> str | None:
         """Why it was kept before its attempt ended, in words (None: the app failed it);
@@ -128,7 +131,8 @@ class StoredRequest:
              "headers": [(name, wire(value)) for name, value in self.headers],
              **({} if self.kept_for is None else {"kept_for": self.kept_for}),
              **({} if self.object is None else {"object": self.object,
-                                                "version": self.version})},
+                                                "version": self.version}),
+             **({"supersede": True} if self.supersedes else {})},
             ensure_ascii=False, separators=(",", ":"),
         )  # fmt: skip
 
@@ -139,6 +143,7 @@ class StoredRequest:
             fields["route"], fields["upstream"], fields["method"], _unwire(fields["target"]),
             tuple((name, _unwire(value)) for name, value in fields["headers"]), body,
             fields.get("kept_for"), fields.get("object"), fields.get("version"),
+            bool(fields.get("supersede")),
         )  # fmt: skip
 
 
@@ -245,6 +250,19 @@ class Shown(NamedTuple):
     due: datetime | None
     until: datetime | None
     changed: datetime | None
+    place: Place | None = None  # on an ordered route: its object's queue
+
+
+class Place(NamedTuple):
+    """A kept delivery's object (an ordered route's): its version, the newest the app
+    accepted, and the older pending delivery it is kept behind (None: it is its object's
+    first), which holds the object in the queue."""
+
+    object: str
+    version: str | None
+    accepted: str | None
+    behind: str | None
+    behind_since: datetime | None
 
 
 class Level(NamedTuple):
@@ -294,16 +312,24 @@ def _not_json(exc: errors.StoreUnavailable) -> bool:
 
 
 Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
+# A row taken for redelivery, and the version its object's app accepted (an ordered route's).
+Taken = tuple[pool.Record, str | None]
 
 
 class Redelivery:
     """A due row, its lock held until one named step ends its transaction (or the ``async
     with`` of ``Inbox.take`` rolls it back)."""
 
-    __slots__ = ("_connection", "_done", "_inbox", "_taken", "event_id", "failures",
+    __slots__ = ("_connection", "_done", "_inbox", "_taken", "accepted", "event_id", "failures",
                  "request", "scope")  # fmt: skip
 
-    def __init__(self, inbox: Inbox, connection: pool.Connection, row: pool.Record) -> None:
+    def __init__(
+        self,
+        inbox: Inbox,
+        connection: pool.Connection,
+        row: pool.Record,
+        accepted: str | None = None,
+    ) -> None:
         self._inbox = inbox
         self._connection = connection
         self._done = False
@@ -312,6 +338,24 @@ class Redelivery:
         self.request = StoredRequest.decoded(row["inbox_request"], row["inbox_body"])
         self.failures: int = row["inbox_failures"]
         self._taken: datetime = row["taken"]  # now() in this transaction
+        # On an ordered route: the newest version of its object the app accepted, read under
+        # the object's lock (None: none recorded).
+        self.accepted = accepted
+
+    @property
+    def stale(self) -> bool:
+        """Whether it is of a type its route supersedes and older than the version its object's
+        app accepted: a later delivery of the object went ahead of it (guarantees.md, "Order
+        (per object)"), and sending it would overwrite the newer one."""
+        request, accepted = self.request, self.accepted
+        if not request.supersedes or request.version is None or accepted is None:
+            return False
+        return decimal.Decimal(accepted) > decimal.Decimal(request.version)
+
+    async def superseded(self) -> None:
+        """Not sent, its object's app having accepted a newer version: superseded, committed;
+        its request and body kept, so that an operator can still send it."""
+        await self._end(self._inbox.statements.superseded)
 
     async def delivered(self, status: int | None) -> None:
         """The app answered 2xx: done, the body dropped, committed (on an ordered route, its
@@ -451,9 +495,9 @@ class Inbox:
             redelivery = None
             try:
                 with pool.translated("taking a due redelivery failed"):
-                    row = await self._first_free(connection, scopes, held, due)
-                if row is not None:
-                    redelivery = Redelivery(self, connection, row)
+                    taken = await self._first_free(connection, scopes, held, due)
+                if taken is not None:
+                    redelivery = Redelivery(self, connection, *taken)
                 yield redelivery
             finally:
                 if redelivery is not None:
@@ -468,7 +512,7 @@ class Inbox:
         scopes: list[str],
         held: list[str],
         due: list[pool.Record],
-    ) -> pool.Record | None:
+    ) -> Taken | None:
         """The first of the due rows, page after page, that this transaction could lock."""
         offset = 0
         while True:
@@ -484,7 +528,7 @@ class Inbox:
 
     async def _lock_first(
         self, connection: pool.Connection, due: list[pool.Record]
-    ) -> pool.Record | None:
+    ) -> Taken | None:
         """The oldest of one page of due rows that this transaction could lock: by one
         statement, or on Citus by one per key."""
         if not self.distributed:
@@ -495,8 +539,11 @@ class Inbox:
                     self.statements.take_first_free, [k[0] for k in keys],
                     [k[1] for k in keys], timeout=self.op_timeout,
                 )  # fmt: skip
-                if found is None or await self._object_taken(connection, found):
-                    return found
+                if found is None:
+                    return None
+                taken, accepted = await self._object_taken(connection, found)
+                if taken:
+                    return found, accepted
                 # Its row stays locked by this transaction (no other lane needs it meanwhile).
                 keys.remove((found["scope"], found["event_id"]))
             return None
@@ -505,24 +552,30 @@ class Inbox:
                 self.statements.take, candidate["scope"], candidate["event_id"],
                 timeout=self.op_timeout,
             )  # fmt: skip
-            if row is not None and await self._object_taken(connection, row):
-                return row
+            if row is None:
+                continue
+            taken, accepted = await self._object_taken(connection, row)
+            if taken:
+                return row, accepted
         return None
 
-    async def _object_taken(self, connection: pool.Connection, row: pool.Record) -> bool:
+    async def _object_taken(
+        self, connection: pool.Connection, row: pool.Record
+    ) -> tuple[bool, str | None]:
         """Whether the object of a taken row (an ordered route's) is this redelivery's now,
-        its row locked (True for a row of no object); False: a delivery of it is at the app."""
+        its row locked (True for a row of no object), and the newest version of it the app
+        accepted; False: a delivery of it is at the app."""
         request = row["inbox_request"]
         fields = json.loads(request) if isinstance(request, str) else request
         key = fields.get("object") if isinstance(fields, dict) else None
         if key is None:
-            return True
+            return True, None
         scope = object_scope(row["scope"])
         await connection.execute(self.statements.make_object, scope, key, timeout=self.op_timeout)
-        taken = await connection.fetchval(
+        taken = await connection.fetchrow(
             self.statements.take_object, scope, key, timeout=self.op_timeout
         )
-        return taken is not None
+        return taken is not None, None if taken is None else taken["accepted"]
 
     async def kept(self, scope: str, state: InboxState, limit: int) -> tuple[list[Listed], int]:
         """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""
@@ -542,17 +595,26 @@ class Inbox:
                 row = await connection.fetchrow(
                     self.statements.show, scope, event_id, body_limit, timeout=self.op_timeout
                 )
-        if row is None:
-            return None
-        request = row["inbox_request"]
+                if row is None:
+                    return None
+            request, body = row["inbox_request"], row["inbox_body"] or b""
+            stored = None if request is None else StoredRequest.decoded(request, body)
+            place = None
+            if stored is not None and stored.object is not None:
+                ahead = await connection.fetchrow(
+                    self.statements.place, scope, event_id, object_scope(scope), stored.object,
+                    timeout=self.op_timeout,
+                )  # fmt: skip
+                place = Place(
+                    stored.object, stored.version, ahead and ahead["accepted"],
+                    ahead and ahead["behind"], ahead and ahead["since"],
+                )  # fmt: skip
         attempts = row["inbox_attempts"]
         return Shown(
             row["scope"], row["event_id"], row["event_type"], row["received_at"],
-            row["inbox_state"],
-            None if request is None else StoredRequest.decoded(request, row["inbox_body"] or b""),
-            row["body_bytes"],
+            row["inbox_state"], stored, row["body_bytes"],
             [] if attempts is None else json.loads(attempts),
-            row["inbox_due"], row["inbox_until"], row["inbox_changed"],
+            row["inbox_due"], row["inbox_until"], row["inbox_changed"], place,
         )  # fmt: skip
 
     async def redeliver(
@@ -673,6 +735,17 @@ class Inbox:
                 status = await connection.execute(
                     self.statements.sweep_dead, scope, retention, batch, timeout=self.op_timeout
                 )
+        return int(status.split()[-1])
+
+    async def sweep_objects(self, scope: str, retention: float, batch: int) -> int:
+        """Delete one batch of the object rows of ``scope`` (``object_scope``) not held for
+        ``retention`` seconds, whose object keeps no delivery."""
+        async with self._acquire() as connection:
+            with pool.translated("retention delete of object rows failed"):
+                status = await connection.execute(
+                    self.statements.sweep_objects, scope, retention, batch,
+                    timeout=self.op_timeout,
+                )  # fmt: skip
         return int(status.split()[-1])
 
     # The operator console (``proxy.console``)

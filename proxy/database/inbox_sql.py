@@ -190,9 +190,20 @@ class Statements:
     def take_object(self) -> str:
         # The same parameters: the object's row locked for the redelivery; held by a delivery
         # at the app, passed over, not waited on (no row).
+        # With the newest version the app accepted (NULL: none).
         return (
-            f"SELECT event_id FROM {self.quoted} WHERE scope = $1 AND event_id = $2 "
-            "FOR UPDATE SKIP LOCKED"
+            f"SELECT inbox_request ->> 'v' AS accepted FROM {self.quoted} "
+            "WHERE scope = $1 AND event_id = $2 FOR UPDATE SKIP LOCKED"
+        )
+
+    @property
+    def superseded(self) -> str:
+        # $1 scope, $2 event ID: a kept delivery older than its object's accepted version, not
+        # sent; its request and body stay (an operator may still send it), and its bytes leave
+        # the cap (which counts pending and dead rows only).
+        return (
+            f"UPDATE {self.quoted} SET inbox_state = 'superseded', inbox_due = NULL, "
+            "inbox_changed = now() WHERE scope = $1 AND event_id = $2 RETURNING inbox_state"
         )
 
     @property
@@ -258,6 +269,22 @@ class Statements:
             "ELSE substring(inbox_body FROM 1 FOR $3::int) END AS inbox_body, "
             "octet_length(inbox_body) AS body_bytes, inbox_attempts, inbox_due, "
             f"inbox_until, inbox_changed FROM {self.quoted} WHERE scope = $1 AND event_id = $2"
+        )
+
+    @property
+    def place(self) -> str:
+        # $1 scope, $2 event ID, $3 its object's scope, $4 its object: the version the app
+        # accepted, and the oldest pending delivery of the object older than this one (the one
+        # it is kept behind), with since when. Reads only: never waits on a lock.
+        return (
+            f"SELECT (SELECT inbox_request ->> 'v' FROM {self.quoted} WHERE scope = $3 "
+            "AND event_id = $4) AS accepted, o.event_id AS behind, o.received_at AS since "
+            f"FROM (SELECT 1) AS one LEFT JOIN LATERAL (SELECT o.event_id, o.received_at FROM "
+            f"{self.quoted} AS o, {self.quoted} AS t WHERE t.scope = $1 AND t.event_id = $2 "
+            "AND o.scope = t.scope AND o.inbox_state = 'pending' "
+            "AND o.inbox_request ->> 'object' = $4 "
+            "AND (o.received_at, o.event_id) < (t.received_at, t.event_id) "
+            "ORDER BY o.received_at, o.event_id LIMIT 1) AS o ON true"
         )
 
     @property
@@ -362,6 +389,24 @@ class Statements:
             f"DELETE FROM {self.quoted} WHERE (scope, event_id) IN ("
             f"  SELECT scope, event_id FROM {self.quoted} WHERE {sql.IN_SCOPE} AND {dead} "
             f"   LIMIT $3) AND {dead}"
+        )
+
+    @property
+    def sweep_objects(self) -> str:
+        # $1 an object scope (sql.ORDER, "/", a route's scope), $2 the route's retention
+        # (seconds), $3 batch: the object rows not held since, whose object has no pending or
+        # dead delivery (those still need its accepted version, and its turn). A row held now
+        # (a delivery at the app, or a redelivery's take) is locked: passed over, not waited
+        # on. The age again on the DELETE, as ``sweep_dead``'s.
+        idle = "inbox_changed < now() - make_interval(secs => $2)"
+        return (
+            f"DELETE FROM {self.quoted} WHERE (scope, event_id) IN ("
+            f"  SELECT scope, event_id FROM {self.quoted} AS o WHERE {sql.IN_SCOPE} "
+            f"   AND event_type = 'object' AND {idle} AND NOT EXISTS (SELECT FROM {self.quoted} "
+            f"   AS k WHERE k.scope = substr(o.scope, {len(sql.ORDER) + 2}) "
+            "    AND k.inbox_state IN ('pending', 'dead') "
+            "    AND k.inbox_request ->> 'object' = o.event_id) "
+            f"   LIMIT $3 FOR UPDATE OF o SKIP LOCKED) AND {idle}"
         )
 
     # The route holds (``database.holds``): a row in scope sql.HOLDS keyed by the scope it

@@ -274,7 +274,8 @@ def _lacking(
     if kept and row["inbox"] is False:
         grants.append(
             f"{inbox.GRANT_HINT} ON {table} TO {role} (redeliver keeps failed deliveries and "
-            "locks them while redelivering: FOR UPDATE needs it)"
+            "locks them while redelivering: FOR UPDATE needs it; order locks an object's row "
+            "by INSERT ... ON CONFLICT DO UPDATE and records its accepted version)"
         )
     return f"role {role} lacks privileges: " + "; ".join(grants) if grants else ""
 
