@@ -700,11 +700,9 @@ class PayPalApp:
         if (fault := self._fault()) is not None:
             return fault
         form = await request.post()
-        try:
-            auth = aiohttp.BasicAuth.decode(request.headers.get("Authorization", ""))
-        except ValueError:
-            auth = None
-        if auth is None or (auth.login, auth.password) != (self.client_id, self.client_secret):
+        given = request.headers.get("Authorization", "")
+        expected = base64.b64encode(f"{self.client_id}:{self.client_secret}".encode()).decode()
+        if given != f"Basic {expected}":
             error = {"error": "invalid_client", "error_description": "Client Authentication failed"}
             return web.json_response(error, status=401)
         if form.get("grant_type") != "client_credentials":

@@ -24,6 +24,7 @@ and the hyphens PayPal's IDs have) before it goes into a URL; an answer otherwis
 
 from __future__ import annotations
 
+import base64
 import logging
 import re
 import time
@@ -66,7 +67,9 @@ class ClientCredentials:
 
     def __init__(self, settings: reconcile.Reconcile, session: aiohttp.ClientSession) -> None:
         self._url = settings.api_url.rstrip("/") + "/v1/oauth2/token"
-        self._auth = aiohttp.BasicAuth(settings.client_id, settings.client_secret)
+        # HTTP basic authentication, as PayPal's own examples send it (curl -u id:secret).
+        pair = f"{settings.client_id}:{settings.client_secret}".encode()
+        self._basic = "Basic " + base64.b64encode(pair).decode("ascii")
         self._client_id = settings.client_id
         self._session = session
         self._token = ""
@@ -87,7 +90,7 @@ class ClientCredentials:
             async with self._session.post(
                 self._url,
                 data={"grant_type": "client_credentials"},
-                auth=self._auth,
+                headers={"Authorization": self._basic},
                 allow_redirects=False,
             ) as response:
                 answered(response.status, response.headers, what)
