@@ -470,6 +470,12 @@ def _reconciled(route: routes.RouteConfig) -> str:
     )
     if settings.provider == "stripe":
         return f"reconcile stripe events -> {settings.deliver_to} {every} (key (masked))"
+    if settings.provider == "paddle":
+        return (f"reconcile paddle notifications of {settings.notification_setting_id} {every} "
+                "(API key (masked))")  # fmt: skip
+    if settings.provider == "paypal":
+        return (f"reconcile paypal events -> webhook {settings.webhook_id} {every} "
+                f"(client {settings.client_id}, secret (masked))")  # fmt: skip
     credential = (
         "token (masked)" if settings.app is None else f"App {settings.app}'s JWT, key (masked)"
     )

@@ -8,9 +8,10 @@ log. For each route with ``reconcile:``, every ``every`` the reconciler reads th
 and looks its claim up in the route's scope (``Store.resolve``: the ID as the provider sent it,
 or its form bound to the body). An event with a claim was processed (or is in flight) and is
 never sent again; one without is a gap, recovered the way the provider allows (GitHub: a
-redelivery, which arrives signed like any delivery and is claimed like any other; Stripe: the
-event object, signed with the route's endpoint secret and POSTed to the route by the
-reconciler itself; a copy of either is a duplicate by construction).
+redelivery, which arrives signed like any delivery and is claimed like any other; Paddle: a
+replay of the notification; PayPal: a resend to the route's webhook; Stripe: the event object,
+signed with the route's endpoint secret and POSTed to the route by the reconciler itself; a copy
+of any is a duplicate by construction).
 
 Bounded and polite: one replica runs a route's reconcile per period (``Store.reconcile_turn``);
 a run recovers at most ``max_per_run`` gaps, no faster than ``pace`` a second (the limit at the
@@ -40,7 +41,7 @@ import proxy
 from proxy import config, database, errors, logs, metrics, operations, providers_api
 from proxy.config import reconcile as reconciling
 from proxy.config import routes, values
-from proxy.providers_api import github, stripe
+from proxy.providers_api import github, paddle, paypal, stripe
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,9 +61,14 @@ DeliveryLogFactory = Callable[[reconciling.Reconcile], providers_api.DeliveryLog
 
 def delivery_log(settings: reconciling.Reconcile) -> providers_api.DeliveryLog:
     """The provider's delivery log for ``settings`` (its ``provider``)."""
+    user_agent = f"dedup-proxy/{proxy.__version__}"
     if settings.provider == "stripe":
-        return stripe.UndeliveredEvents(settings, user_agent=f"dedup-proxy/{proxy.__version__}")
-    return github.HookDeliveries(settings, user_agent=f"dedup-proxy/{proxy.__version__}")
+        return stripe.UndeliveredEvents(settings, user_agent=user_agent)
+    if settings.provider == "paddle":
+        return paddle.FailedNotifications(settings, user_agent=user_agent)
+    if settings.provider == "paypal":
+        return paypal.WebhookEvents(settings, user_agent=user_agent)
+    return github.HookDeliveries(settings, user_agent=user_agent)
 
 
 @dataclass(slots=True, kw_only=True)

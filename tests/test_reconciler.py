@@ -364,7 +364,10 @@ def test_reconcile_is_refused_where_the_provider_has_no_delivery_log_api() -> No
             "routes": [{"name": "s", "path": "/s", "preset": "shopify",
                         "reconcile": {"token": "x", "hook_id": 1}}],
         })  # fmt: skip
-    assert "routes[0].reconcile: only on a route with preset github or stripe" in str(raised.value)
+    assert (
+        "routes[0].reconcile: only on a route with preset github, stripe, paddle or paypal"
+        in str(raised.value)
+    )
 
 
 # --- An API that answers other than as GitHub does ----------------------------------------

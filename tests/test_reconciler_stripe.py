@@ -317,6 +317,9 @@ def test_a_stripe_route_reconciles_through_its_own_listener_signed_with_its_secr
          "routes[0].reconcile.repository: not on a Stripe route"),
         (stripe_route(reconcile={"token": KEY, "since": "31d", "every": "1h"}),
          "routes[0].reconcile.since: must be at most 30d"),
+        # Stripe keeps listing an event the reconciler delivered: its claim must outlive since.
+        (stripe_route(reconcile={"token": KEY, "since": "5d", "every": "1h"}),
+         "routes[0].reconcile.since: must be at most the route's retention (345600s)"),
         (stripe_route(reconcile={"token": KEY, "types": [f"t.{n}" for n in range(21)]}),
          "routes[0].reconcile.types: at most 20"),
         (stripe_route(verify=None, reconcile={"token": KEY}),

@@ -15,11 +15,18 @@ A Stripe route (``_parse_stripe``) names no hook: Stripe's log is the account's 
 is delivered by the proxy itself, signed with the route's endpoint secret (``signing_secret``,
 filled in from the route's ``verify``) and POSTed to ``deliver_to`` (by default the proxy's own
 listener on the route's path, filled in by ``config.parse``); ``types`` narrows the events read.
+
+A Paddle route (``_parse_paddle``) names its notification destination
+(``notification_setting_id``) and reads it with an API key (``token``); a PayPal route
+(``_parse_paypal``) names its webhook (``webhook_id``) and reads the REST app's events with the
+app's OAuth client credentials (``client_id``, and ``client_secret`` or ``client_secret_file``),
+``types`` narrowing them as Stripe's. Both recover a gap by asking the provider to send it again.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +35,8 @@ from proxy.config import reader, values
 
 RECONCILE_KEYS = ("every", "since", "token", "token_file", "repository", "organization",
                   "hook_id", "app_id", "client_id", "private_key", "private_key_file",
-                  "api_url", "max_per_run", "deliver_to", "types")  # fmt: skip
+                  "api_url", "max_per_run", "deliver_to", "types", "notification_setting_id",
+                  "webhook_id", "client_secret", "client_secret_file")  # fmt: skip
 DEFAULT_EVERY = 300.0
 DEFAULT_SINCE = 6 * 3600.0
 DEFAULT_MAX_PER_RUN = 1000
@@ -41,12 +49,23 @@ STRIPE_HISTORY = 30 * 86400.0
 STRIPE_API_URL = "https://api.stripe.com"
 # Stripe's List Events takes at most 20 ``types``.
 STRIPE_MAX_TYPES = 20
+# Paddle keeps notifications 90 days (its API description, List notifications).
+PADDLE_HISTORY = 90 * 86400.0
+PADDLE_API_URL = "https://api.paddle.com"
+# A notification destination's ID as Paddle's API description gives its pattern.
+PADDLE_SETTING_ID = re.compile(r"ntfset_[a-z0-9]{26}")
+PAYPAL_API_URL = "https://api-m.paypal.com"
+# PayPal's webhook IDs (1JE4291016473214C), and its REST apps' client IDs (letters, digits, - _).
+PAYPAL_WEBHOOK_ID = re.compile(r"[A-Za-z0-9]{1,50}")
+PAYPAL_CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 # The presets whose provider has an API this proxy reconciles against.
-PROVIDERS = ("github", "stripe")
+PROVIDERS = ("github", "stripe", "paddle", "paypal")
 # The keys of the section that apply to one provider only (a GitHub App's key is refused by
 # ``_token`` on any route read with a token).
-GITHUB_ONLY = ("repository", "organization", "hook_id", "app_id", "client_id")
-STRIPE_ONLY = ("deliver_to", "types")
+GITHUB_ONLY = ("repository", "organization", "hook_id", "app_id")
+STRIPE_ONLY = ("deliver_to",)
+PADDLE_ONLY = ("notification_setting_id",)
+PAYPAL_ONLY = ("webhook_id", "client_secret", "client_secret_file")
 # The extra that signs a GitHub App's JWT (PyJWT with cryptography), and the module it brings.
 GITHUB_APP_EXTRA = "github-app"
 GITHUB_APP_MODULES = ("jwt", "cryptography")
@@ -75,6 +94,12 @@ class Reconcile:
     deliver_to: str = ""
     types: tuple[str, ...] = ()
     signing_secret: bytes = field(default=b"", repr=False)
+    # Paddle: the notification destination whose failed notifications are read.
+    notification_setting_id: str = ""
+    # PayPal: the webhook a gap is resent to, and the REST app's OAuth client credentials.
+    webhook_id: str = ""
+    client_id: str = ""
+    client_secret: str = field(default="", repr=False)
 
     @property
     def hook(self) -> str:
@@ -130,14 +155,18 @@ def parse_reconcile(
     if preset not in PROVIDERS:
         r.problem(
             path,
-            f"only on a route with preset {' or '.join(PROVIDERS)} (the providers whose API "
+            f"only on a route with preset {', '.join(PROVIDERS[:-1])} or {PROVIDERS[-1]} "
+            "(the providers whose API "
             f"this proxy can read the delivery log of; docs/providers.md), got "
             f"{preset or 'no preset'}",
         )
         return None
-    if preset == "stripe":
-        return _parse_stripe(r, section, path)
+    if preset in _PARSERS:
+        return _PARSERS[preset](r, section, path)
     _refuse(r, section, path, STRIPE_ONLY, "only on a route with preset stripe")
+    _refuse(r, section, path, ("types",), "only on a route with preset stripe or paypal")
+    _refuse(r, section, path, PADDLE_ONLY, "only on a route with preset paddle")
+    _refuse(r, section, path, PAYPAL_ONLY, "only on a route with preset paypal")
     every = r.value(section, "every", path, values.parse_duration, DEFAULT_EVERY)
     if every < MIN_EVERY:
         r.problem(f"{path}.every", f"must be at least {MIN_EVERY:g}s, got {every:g}s")
@@ -290,22 +319,32 @@ def _pem(text: str) -> str:
     return key + "\n"
 
 
-def _parse_stripe(r: reader.Reader, section: dict[str, Any], path: str) -> Reconcile:
-    """A Stripe route's section: the account's events over the API, no hook to name."""
-    _refuse(r, section, path, GITHUB_ONLY, "not on a Stripe route: Stripe's log is the "
-            "account's events, read with the key (types narrows them)")  # fmt: skip
+def _period(
+    r: reader.Reader, section: dict[str, Any], path: str, history: float | None, why: str
+) -> tuple[float, float]:
+    """``every`` and ``since``: a run looks back at least a period, and no further than the
+    provider keeps its log (``history``; None: it does not say)."""
     every = r.value(section, "every", path, values.parse_duration, DEFAULT_EVERY)
     if every < MIN_EVERY:
         r.problem(f"{path}.every", f"must be at least {MIN_EVERY:g}s, got {every:g}s")
     since = r.value(section, "since", path, values.parse_duration, DEFAULT_SINCE)
-    if since > STRIPE_HISTORY:
-        r.problem(f"{path}.since", "must be at most 30d: Stripe lists events for 30 days")
+    if history is not None and since > history:
+        r.problem(f"{path}.since", f"must be at most {values.format_duration(history)}: {why}")
     if since < every:
         r.problem(
             f"{path}.since",
             f"must be at least 'every' ({every:g}s): a run must look back over the time since "
             "the last one",
         )
+    return every, since
+
+
+def _parse_stripe(r: reader.Reader, section: dict[str, Any], path: str) -> Reconcile:
+    """A Stripe route's section: the account's events over the API, no hook to name."""
+    _refuse(r, section, path, (*GITHUB_ONLY, "client_id"), "not on a Stripe route: Stripe's "
+            "log is the account's events, read with the key (types narrows them)")  # fmt: skip
+    _refuse(r, section, path, (*PADDLE_ONLY, *PAYPAL_ONLY), "not on a Stripe route")
+    every, since = _period(r, section, path, STRIPE_HISTORY, "Stripe lists events for 30 days")
     return Reconcile(
         provider="stripe",
         every=every,
@@ -318,6 +357,85 @@ def _parse_stripe(r: reader.Reader, section: dict[str, Any], path: str) -> Recon
         deliver_to=r.value(section, "deliver_to", path, values.parse_http_url, ""),
         types=r.value(section, "types", path, _types, ()),
     )
+
+
+def _parse_paddle(r: reader.Reader, section: dict[str, Any], path: str) -> Reconcile:
+    """A Paddle route's section: its notification destination's failed notifications, read
+    with an API key (``token``), each replayed by Paddle."""
+    _refuse(r, section, path, (*GITHUB_ONLY, "client_id", *STRIPE_ONLY, "types", *PAYPAL_ONLY),
+            "not on a Paddle route: its log is the notification destination's "
+            "(notification_setting_id), read with an API key (token)")  # fmt: skip
+    every, since = _period(r, section, path, PADDLE_HISTORY, "Paddle keeps notifications 90 days")
+    return Reconcile(
+        provider="paddle",
+        every=every,
+        since=since,
+        api_url=r.value(section, "api_url", path, values.parse_http_url, PADDLE_API_URL),
+        max_per_run=r.value(
+            section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
+        ),
+        token=_token(r, section, path),
+        notification_setting_id=r.required(
+            section, "notification_setting_id", path, _setting_id
+        ) or "",
+    )  # fmt: skip
+
+
+def _setting_id(value: object) -> str:
+    if not isinstance(value, str) or not PADDLE_SETTING_ID.fullmatch(value):
+        raise ValueError(f"must be a notification destination's ID (ntfset_...), got {value!r}")
+    return value
+
+
+def _parse_paypal(r: reader.Reader, section: dict[str, Any], path: str) -> Reconcile:
+    """A PayPal route's section: the REST app's webhook events, read with its OAuth client
+    credentials, each without a claim resent by PayPal to ``webhook_id``."""
+    _refuse(r, section, path, (*GITHUB_ONLY, *STRIPE_ONLY, *PADDLE_ONLY, "token", "token_file"),
+            "not on a PayPal route: its log is the REST app's events, read with the app's "
+            "client_id and client_secret")  # fmt: skip
+    for key in ("private_key", "private_key_file"):
+        if key in section:
+            r.problem(f"{path}.{key}", "only for a GitHub App's hook (app_id or client_id)")
+    every, since = _period(r, section, path, None, "")
+    if ("client_secret" in section) == ("client_secret_file" in section):
+        r.problem(path, "give either client_secret (e.g. ${PAYPAL_CLIENT_SECRET}) or "
+                  "client_secret_file, the REST app's secret")  # fmt: skip
+        secret = ""
+    elif "client_secret" in section:
+        secrets = r.strings(section, "client_secret", path, secret=True)
+        if secrets is not None and len(secrets) != 1:
+            r.problem(f"{path}.client_secret", "must be one string")
+        secret = secrets[0] if secrets and r.secrets else ""
+    else:
+        secret = r.value(section, "client_secret_file", path, _token_file, "") if r.secrets else ""
+    return Reconcile(
+        provider="paypal",
+        every=every,
+        since=since,
+        api_url=r.value(section, "api_url", path, values.parse_http_url, PAYPAL_API_URL),
+        max_per_run=r.value(
+            section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
+        ),
+        types=r.value(section, "types", path, _types, ()),
+        webhook_id=r.required(section, "webhook_id", path, _webhook_id) or "",
+        client_id=r.required(section, "client_id", path, _paypal_client_id) or "",
+        client_secret=secret,
+    )
+
+
+def _webhook_id(value: object) -> str:
+    if not isinstance(value, str) or not PAYPAL_WEBHOOK_ID.fullmatch(value):
+        raise ValueError(f"must be a PayPal webhook's ID (letters and digits), got {value!r}")
+    return value
+
+
+def _paypal_client_id(value: object) -> str:
+    if not isinstance(value, str) or not PAYPAL_CLIENT_ID.fullmatch(value):
+        raise ValueError(f"must be the REST app's client ID, got {value!r}")
+    return value
+
+
+_PARSERS = {"stripe": _parse_stripe, "paddle": _parse_paddle, "paypal": _parse_paypal}
 
 
 def _types(value: object) -> tuple[str, ...]:

@@ -373,6 +373,36 @@ def _check_options(
             "not on a path with {parameters} without an explicit scope: the provider's log "
             "does not say which path a delivery went to, so its claim's scope is unknown",
         )
+    _check_reconcile(r, path, route_config)
+
+
+def _check_reconcile(r: reader.Reader, path: str, route_config: RouteConfig) -> None:
+    """A ``reconcile`` against the rest of the route: its claims and its webhook."""
+    settings = route_config.reconcile
+    if settings is None:
+        return
+    # These logs keep listing an event after it is recovered (Stripe never saw the proxy's own
+    # delivery; Paddle's original notification stays failed; PayPal's list says nothing of
+    # deliveries): only its claim keeps it from being sent again, so the claim must outlive
+    # the look-back.
+    if settings.provider in ("stripe", "paddle", "paypal") and (
+        settings.since > route_config.retention
+    ):
+        r.problem(
+            f"{path}.reconcile.since",
+            f"must be at most the route's retention ({route_config.retention:g}s): an event "
+            "recovered before is sent again once its claim is gone",
+        )
+    if (
+        settings.provider == "paypal"
+        and isinstance(route_config.verify, signatures.PayPalSignature)
+        and settings.webhook_id.encode() not in route_config.verify.secrets
+    ):
+        r.problem(
+            f"{path}.reconcile.webhook_id",
+            "must be one of the route's verify secrets (its webhook IDs): PayPal signs a "
+            "resent event for that webhook, and the route checks it as any delivery",
+        )
 
 
 def _receipt(r: reader.Reader, raw: object, path: str) -> Receipt | None:

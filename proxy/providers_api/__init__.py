@@ -1,6 +1,6 @@
 """The providers' own delivery logs, read by the reconciler (``proxy.reconciler``): one interface,
 ``DeliveryLog``, and an implementation per provider whose API allows it (``github``,
-``stripe``).
+``stripe``, ``paddle``, ``paypal``).
 
 A closed family: it imports nothing from the package but the error tree and the route's
 ``reconcile`` settings. Every answer of a provider's API is translated here, once, into
