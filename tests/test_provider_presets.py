@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import sys
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -593,3 +594,14 @@ async def test_zoom_url_validation_is_answered_with_the_encrypted_token_once_ver
     assert token not in await forged.text()
     assert upstream.requests == []
     assert await claimed(pg_dsn, table) == []
+
+
+def test_discord_without_cryptography_is_a_configuration_error_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from proxy import signatures
+
+    monkeypatch.setitem(sys.modules, "cryptography", None)  # as if not installed
+
+    with pytest.raises(ValueError, match=r"install webhook-dedup-proxy\[discord\]"):
+        signatures.settings("discord")
