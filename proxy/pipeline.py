@@ -231,13 +231,17 @@ class Cycle:
         return await self._once(key)
 
     def _handshake(self) -> web.Response | None:
-        """The proxy's own answer to a provider's handshake (Meta's subscription check), never
-        claimed or forwarded; a failed one is refused as a forged signature is. None for any
-        other request, refused here if its method is the handshake's, not the route's."""
+        """The proxy's own answer to a provider's handshake (Meta's subscription check, Twitch's,
+        Discord's and Zoom's signed ones), never claimed or forwarded; a failed one is refused
+        as a forged signature is. None for any other request, refused here if its method is
+        the handshake's, not the route's."""
         route, request = self.route.config, self.request
         query = request.raw_path.partition("?")[2]
         try:
-            answer = signatures.handshake(self.verifier, request.method, query)
+            answer = signatures.handshake(
+                self.verifier, request.method, query, headers=request.headers, body=self.body,
+                now=time.time(),
+            )  # fmt: skip
         except errors.SignatureInvalid as exc:
             raise errors.SignatureInvalid(f"route {route.name!r}: {exc.message}") from None
         if answer is not None:

@@ -22,7 +22,7 @@ import math
 import re
 import urllib.parse
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, NoReturn, Protocol
@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 from proxy import errors, event_ids
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     from proxy import certificates
 
 SCHEMES: tuple[str, ...] = (
     "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "square",
-    "paypal", "meta", "linear", "intercom", "hmac",
+    "paypal", "meta", "linear", "intercom", "twitch", "discord", "zoom", "hmac",
 )  # fmt: skip
 # The schemes that sign the URL the provider calls: they need ``public_url``.
 URL_SCHEMES = ("twilio", "square")
@@ -65,7 +67,16 @@ _BODY_SCHEMES = {
 }
 # Meta's subscription check: a GET the proxy answers itself (``MetaSignature.handshake``).
 _META_HEADER = "X-Hub-Signature-256"
-_META_CHALLENGE = re.compile(r"[!-~]{1,512}")  # printable ASCII, no space: echoed as text
+# A challenge the proxy echoes (Meta's, Twitch's, Zoom's plainToken): printable ASCII, no space.
+_CHALLENGE = re.compile(r"[!-~]{1,512}")
+_TWITCH = "Twitch-Eventsub-Message-"
+_TWITCH_VERIFICATION = "webhook_callback_verification"
+_DISCORD_SIGNATURE = "X-Signature-Ed25519"
+_DISCORD_TIMESTAMP = "X-Signature-Timestamp"
+_DISCORD_PING = 1
+_ZOOM_SIGNATURE = "x-zm-signature"
+_ZOOM_TIMESTAMP = "x-zm-request-timestamp"
+_ZOOM_VALIDATION = "endpoint.url_validation"
 _LINEAR_HEADER = "Linear-Signature"
 _LINEAR_STAMP = "webhookTimestamp"
 # scheme: (header, separator, timestamp key, signature key, joiner) for ``t=…,v1=…`` headers
@@ -139,11 +150,12 @@ def _timestamp(text: str, name: str) -> int:
 
 def _match(
     secrets: tuple[bytes, ...], algorithm: str, message: bytes, signatures: list[bytes]
-) -> None:
+) -> bytes:
+    """The secret that signed ``message`` (Zoom's handshake answers with it)."""
     for secret in secrets:
         expected = hmac.digest(secret, message, algorithm)
         if any(hmac.compare_digest(expected, signature) for signature in signatures):
-            return
+            return secret
     _fail("no signature matches")
 
 
@@ -221,7 +233,9 @@ class MetaSignature:
         _match_body(BodySignature(self.scheme, _META_HEADER, "sha256", "hex", "sha256=",
                                   self.secrets), headers, body)  # fmt: skip
 
-    def handshake(self, method: str, query: str) -> Handshake | None:
+    def handshake(
+        self, method: str, query: str, headers: event_ids.MultiMapping, body: bytes, now: float
+    ) -> Handshake | None:
         """The answer to a subscription check; None for any other request."""
         if method != "GET":
             return None
@@ -242,9 +256,193 @@ class MetaSignature:
         if not sum(hmac.compare_digest(token, wanted) for wanted in self.verify_tokens):
             _fail("hub.verify_token matches no verify_token")
         challenge = sent["challenge"][0]
-        if not _META_CHALLENGE.fullmatch(challenge):
+        if not _CHALLENGE.fullmatch(challenge):
             _fail("hub.challenge malformed")
         return Handshake(200, "text/plain", challenge)
+
+
+def _json_object(body: bytes) -> dict[str, object] | None:
+    """The body as a JSON object; None if it is not one."""
+    try:
+        payload = json.loads(body)
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class TwitchSignature:
+    """Twitch EventSub's ``Twitch-Eventsub-Message-Signature: sha256=<hex>``: HMAC-SHA256 with the
+    subscription's secret over ``{Message-Id}{Message-Timestamp}{body}``, as twitchdev's sample
+    computes it; then the timestamp (RFC 3339) within ``tolerance`` (Twitch's 10 minutes).
+
+    ``Twitch-Eventsub-Message-Type`` is not signed, so it must agree with the signed body: a
+    ``webhook_callback_verification`` carries a ``challenge`` and nothing else does, a
+    ``notification`` carries an ``event`` and a ``revocation`` none. The verification is
+    answered by the proxy (``handshake``)."""
+
+    scheme: str
+    tolerance: float
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return tuple(_TWITCH + name for name in ("Id", "Timestamp", "Signature", "Type"))
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset({f"{_TWITCH}id".lower(), f"{_TWITCH}timestamp".lower()})
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        self._verified(headers, body, now)
+
+    def _verified(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float
+    ) -> dict[str, object] | None:
+        """The body as a JSON object (None if it is none), once the request is verified."""
+        id_name, stamp_name, signature_name, type_name = self.headers
+        id_text, stamp_text = _header(headers, id_name), _header(headers, stamp_name)
+        value = _header(headers, signature_name)
+        if not value.startswith("sha256="):
+            _fail(f"{signature_name} malformed")
+        signature = _signature(value.removeprefix("sha256="), "hex", signature_name)
+        stamp = _iso_time(stamp_text, stamp_name)
+        message = f"{id_text}{stamp_text}".encode("utf-8", "surrogateescape") + body
+        _match(self.secrets, "sha256", message, [signature])
+        _check_age(stamp, now, self.tolerance, stamp_name)
+        kind = _header(headers, type_name)
+        payload = _json_object(body)
+        fields = payload or {}
+        if (
+            (kind == _TWITCH_VERIFICATION) != ("challenge" in fields)
+            or (kind == "notification" and "event" not in fields)
+            or (kind == "revocation" and "event" in fields)
+        ):
+            # A signed message relabelled: a verification forwarded as a notification, or a
+            # notification shown to the app as its subscription's revocation.
+            _fail(f"{type_name} {kind!r} does not match the signed body")
+        return payload
+
+    def handshake(
+        self, method: str, query: str, headers: event_ids.MultiMapping, body: bytes, now: float
+    ) -> Handshake | None:
+        """A ``webhook_callback_verification``, verified, answered with its raw ``challenge``
+        as ``text/plain``; None for any other request."""
+        kind = headers.getall(self.headers[3], [])
+        if method != "POST" or kind != [_TWITCH_VERIFICATION]:
+            return None
+        challenge = (self._verified(headers, body, now) or {}).get("challenge")
+        if not isinstance(challenge, str) or not _CHALLENGE.fullmatch(challenge):
+            _fail("challenge malformed")
+        return Handshake(200, "text/plain", challenge)
+
+
+@dataclass(frozen=True, slots=True)
+class DiscordSignature:
+    """Discord interactions': ``X-Signature-Ed25519``, a hex Ed25519 signature over
+    ``{X-Signature-Timestamp}{body}`` under the application's public key, as
+    ``discord_interactions.verify_key`` checks it; then the timestamp (Unix seconds) within
+    ``tolerance``, which the library does not check. A PING (``type`` 1) is answered by the
+    proxy (``handshake``)."""
+
+    scheme: str
+    tolerance: float
+    keys: tuple[Ed25519PublicKey, ...] = field(repr=False)
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return (_DISCORD_SIGNATURE, _DISCORD_TIMESTAMP)
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset({_DISCORD_TIMESTAMP.lower()})
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        from cryptography.exceptions import InvalidSignature
+
+        signature = _signature(_header(headers, _DISCORD_SIGNATURE), "hex", _DISCORD_SIGNATURE)
+        stamp_text = _header(headers, _DISCORD_TIMESTAMP)
+        stamp = _timestamp(stamp_text, _DISCORD_TIMESTAMP)
+        message = stamp_text.encode() + body
+        for key in self.keys:
+            try:
+                key.verify(signature, message)
+            except InvalidSignature:
+                continue
+            _check_age(stamp, now, self.tolerance, _DISCORD_TIMESTAMP)
+            return
+        _fail("no signature matches")
+
+    def handshake(
+        self, method: str, query: str, headers: event_ids.MultiMapping, body: bytes, now: float
+    ) -> Handshake | None:
+        """A PING, verified, answered with a PONG (``{"type":1}``); None for any other request."""
+        payload = _json_object(body) if method == "POST" else None
+        kind = payload.get("type") if payload else None
+        if type(kind) is not int or kind != _DISCORD_PING:  # (True is no PING)
+            return None
+        self.verify(headers, body, now)
+        return Handshake(200, "application/json", '{"type":1}')
+
+
+@dataclass(frozen=True, slots=True)
+class ZoomSignature:
+    """Zoom's ``x-zm-signature: v0=<hex>``: HMAC-SHA256 with the secret token over
+    ``v0:{x-zm-request-timestamp}:{body}``, as Zoom's webhook sample computes it; then the
+    timestamp (Unix seconds) within ``tolerance``. An ``endpoint.url_validation``, signed like
+    any event, is answered by the proxy (``handshake``)."""
+
+    scheme: str
+    tolerance: float
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return (_ZOOM_SIGNATURE, _ZOOM_TIMESTAMP)
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return frozenset({_ZOOM_TIMESTAMP})
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        self._signer(headers, body, now)
+
+    def _signer(self, headers: event_ids.MultiMapping, body: bytes, now: float) -> bytes:
+        """The secret the request is signed with."""
+        stamp_text = _header(headers, _ZOOM_TIMESTAMP)
+        version, sep, text = _header(headers, _ZOOM_SIGNATURE).partition("=")
+        if version != "v0" or not sep:
+            _fail(f"{_ZOOM_SIGNATURE} malformed")
+        signature = _signature(text, "hex", _ZOOM_SIGNATURE)
+        stamp = _timestamp(stamp_text, _ZOOM_TIMESTAMP)
+        message = f"v0:{stamp_text}:".encode() + body
+        secret = _match(self.secrets, "sha256", message, [signature])
+        _check_age(stamp, now, self.tolerance, _ZOOM_TIMESTAMP)
+        return secret
+
+    def handshake(
+        self, method: str, query: str, headers: event_ids.MultiMapping, body: bytes, now: float
+    ) -> Handshake | None:
+        """An ``endpoint.url_validation``, verified, answered with its ``plainToken`` and
+        ``encryptedToken`` (hex HMAC-SHA256 of it with the secret that signed the request);
+        None for any other request."""
+        payload = _json_object(body) if method == "POST" else None
+        if payload is None or payload.get("event") != _ZOOM_VALIDATION:
+            return None
+        secret = self._signer(headers, body, now)
+        inner = payload.get("payload")
+        token = inner.get("plainToken") if isinstance(inner, dict) else None
+        if not isinstance(token, str) or not _CHALLENGE.fullmatch(token):
+            _fail("payload.plainToken malformed")
+        encrypted = hmac.digest(secret, token.encode(), "sha256").hex()
+        answer = json.dumps({"plainToken": token, "encryptedToken": encrypted})
+        return Handshake(200, "application/json", answer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,15 +824,25 @@ async def prepare(verifier: Verifier, headers: event_ids.MultiMapping) -> None:
 
 def handshake_methods(verifier: Verifier | None) -> tuple[str, ...]:
     """The methods of the handshakes ``verifier``'s scheme answers besides its route's methods
-    (Meta's subscription check is a GET)."""
+    (Meta's subscription check is a GET; the others are POSTs, the route's method)."""
     return ("GET",) if isinstance(verifier, MetaSignature) else ()
 
 
-def handshake(verifier: Verifier | None, method: str, query: str) -> Handshake | None:
-    """The proxy's answer to a provider's handshake on this route; None if the request is none.
-    SignatureInvalid for a handshake that fails its check (a wrong verify token)."""
-    if isinstance(verifier, MetaSignature):
-        return verifier.handshake(method, query)
+def handshake(
+    verifier: Verifier | None,
+    method: str,
+    query: str,
+    *,
+    headers: event_ids.MultiMapping,
+    body: bytes,
+    now: float,
+) -> Handshake | None:
+    """The proxy's answer to a provider's handshake on this route (Meta's subscription check,
+    Twitch's callback verification, Discord's PING, Zoom's URL validation); None if the request
+    is none. SignatureInvalid for a handshake that fails its check (a wrong verify token, a
+    forged or stale signature): a handshake is answered only once it is verified."""
+    if isinstance(verifier, MetaSignature | TwitchSignature | DiscordSignature | ZoomSignature):
+        return verifier.handshake(method, query, headers, body, now)
     return None
 
 
@@ -750,6 +958,38 @@ def _paypal_certificates(
     )
 
 
+def _need_cryptography(scheme: str) -> None:
+    """ValueError if ``scheme`` needs ``cryptography`` (the extra named after it: Discord's
+    Ed25519) and it is not installed."""
+    if scheme != "discord":
+        return
+    try:
+        import cryptography  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            f"scheme {scheme} needs the cryptography package: install "
+            f"webhook-dedup-proxy[{scheme}] ({exc})"
+        ) from None
+
+
+def _ed25519_keys(secrets: Sequence[str]) -> tuple[Ed25519PublicKey, ...]:
+    """Discord's application public keys, each 64 hex digits (as its developer portal shows)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    keys = []
+    for index, secret in enumerate(secrets):
+        try:
+            raw = bytes.fromhex(secret) if len(secret) == 64 else b""
+        except ValueError:
+            raw = b""
+        if not raw:
+            raise ValueError(
+                f"secrets[{index}] must be the application's public key, 64 hex digits"
+            )
+        keys.append(Ed25519PublicKey.from_public_bytes(raw))
+    return tuple(keys)
+
+
 def _standard_key(secret: str, index: int) -> bytes:
     """The HMAC key of a Standard Webhooks secret: ``whsec_`` (optional) and base64."""
     text = secret.removeprefix(_STANDARD_PREFIX)
@@ -793,7 +1033,9 @@ def build(
     (default ``PAYPAL_CERT_HOSTS``; ``host`` or ``host:port``) and ``ca_file`` (a PEM bundle;
     default the system's) apply to scheme ``paypal``, whose secrets are webhook IDs.
     ``verify_tokens`` (the tokens Meta's subscription check may carry) apply to scheme ``meta``.
-    ``tolerance`` bounds the age of timestamped schemes' timestamps, in both directions.
+    Scheme ``discord``'s secrets are the application's public keys (hex), and it needs
+    ``cryptography`` (the extra ``discord``). ``tolerance`` bounds the age of timestamped
+    schemes' timestamps, in both directions.
     """
     checked = settings(
         scheme, tolerance=tolerance, header=header, algorithm=algorithm, encoding=encoding,
@@ -839,15 +1081,15 @@ class Settings:
             return BodySignature(scheme, *_BODY_SCHEMES[scheme], material)
         if scheme == "meta":
             return MetaSignature(scheme, material, self.verify_tokens)
-        if scheme == "linear":
-            return LinearSignature(scheme, tolerance, material)
-        return self._other(material)
+        if scheme in _TIMED_SCHEMES:
+            return _TIMED_SCHEMES[scheme](scheme, tolerance, material)
+        return self._other(secrets, material)
 
-    def _other(self, material: tuple[bytes, ...]) -> Verifier:
+    def _other(self, secrets: Sequence[str], material: tuple[bytes, ...]) -> Verifier:
         """The verifier of a scheme with a class of its own, or of ``hmac``."""
         scheme, tolerance = self.scheme, self.tolerance
-        if scheme == "slack":
-            return SlackSignature(scheme, tolerance, material)
+        if scheme == "discord":
+            return DiscordSignature(scheme, tolerance, _ed25519_keys(secrets))
         if scheme == "twilio":
             return TwilioSignature(scheme, self.public_url, material)
         if scheme == "square":
@@ -858,6 +1100,15 @@ class Settings:
         return BodySignature(
             scheme, self.header, self.algorithm, self.encoding, self.prefix, material
         )
+
+
+# The schemes whose verifier takes the scheme, the tolerance and the secrets, nothing else.
+_TIMED_SCHEMES: dict[str, Callable[[str, float, tuple[bytes, ...]], Verifier]] = {
+    "slack": SlackSignature,
+    "linear": LinearSignature,
+    "twitch": TwitchSignature,
+    "zoom": ZoomSignature,
+}
 
 
 def _check_secrets(secrets: Sequence[str]) -> None:
@@ -901,6 +1152,7 @@ def settings(
         return Settings(scheme, tolerance, public_url=_public_url(public_url, provider))
     if scheme == "paypal":
         return Settings(scheme, tolerance, certificates=_paypal_certificates(cert_hosts, ca_file))
+    _need_cryptography(scheme)
     if scheme == "meta" and verify_tokens is not None:
         tokens = tuple(token.encode() for token in verify_tokens)
         return Settings(scheme, tolerance, verify_tokens=tokens)

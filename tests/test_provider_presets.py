@@ -1,17 +1,20 @@
-"""The presets of round two (Resend, Clerk, Meta, Linear, Intercom) end to end: a delivery signed
-as the provider signs it (by its own library where one is a test dependency) is forwarded once,
-a forged, stale or body-swapped one is refused 401 before any claim, and a handshake is answered
-by the proxy, never claimed or forwarded."""
+"""The presets of round two (Resend, Clerk, Meta, Linear, Intercom, Twitch, Discord, Zoom) end
+to end: a delivery signed as the provider signs it (by its own library where one is a test
+dependency) is forwarded once, a forged, stale or body-swapped one is refused 401 before any
+claim, and a handshake is answered by the proxy, once verified, never claimed or forwarded."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
+import sys
 import time
 from datetime import UTC, datetime
 from typing import Any
 
+import discord_interactions
+import nacl.signing
 import pytest
 import standardwebhooks
 
@@ -287,3 +290,318 @@ async def test_intercom_forwards_a_signed_notification_once_and_refuses_forgerie
     assert await claimed(pg_dsn, table) == [
         ("intercom", "notif_78c122d0-23ba-11e4-9464-79b01267cc2e", "user.created")
     ]
+
+
+# Twitch EventSub: sha256=<hex HMAC-SHA256 of message ID + timestamp + body>, as twitchdev's
+# eventsub-webhooks-node-sample computes it (Twitch publishes no library or vector for it).
+
+TWITCH_SECRET = "keepItSecretKeepItSafe"  # the secret of twitchdev's sample
+TWITCH_SUBSCRIPTION = {
+    "id": "f1c2a387-161a-49f9-a165-0f21d7a4e1c4", "status": "enabled", "type": "channel.follow",
+    "version": "2", "condition": {"broadcaster_user_id": "12826"},
+    "transport": {"method": "webhook", "callback": "https://example.com/hooks/twitch"},
+    "created_at": "2019-11-16T10:11:12.634234626Z",
+}  # fmt: skip
+
+
+def twitch_body(**fields: Any) -> bytes:
+    return json.dumps({"subscription": TWITCH_SUBSCRIPTION, **fields}).encode()
+
+
+def twitch_headers(
+    body: bytes, message_id: str, kind: str = "notification", *, age: float = 0.0,
+    secret: str = TWITCH_SECRET,
+) -> dict[str, str]:  # fmt: skip
+    stamp = datetime.fromtimestamp(time.time() - age, UTC).isoformat().replace("+00:00", "Z")
+    message = message_id.encode() + stamp.encode() + body
+    digest = hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return {
+        "Twitch-Eventsub-Message-Id": message_id,
+        "Twitch-Eventsub-Message-Timestamp": stamp,
+        "Twitch-Eventsub-Message-Signature": f"sha256={digest}",
+        "Twitch-Eventsub-Message-Type": kind,
+        "Twitch-Eventsub-Subscription-Type": "channel.follow",
+    }
+
+
+TWITCH_EVENT = twitch_body(event={"user_id": "1337", "user_login": "awesome_user",
+                                  "broadcaster_user_id": "12826"})  # fmt: skip
+
+
+async def test_twitch_forwards_a_signed_notification_once_and_refuses_forged_stale_and_swapped(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("twitch", {"secret": TWITCH_SECRET})])
+    swapped = TWITCH_EVENT.replace(b"1337", b"1338")
+
+    await assert_refused(
+        client,
+        "/hooks/twitch",
+        [
+            (TWITCH_EVENT, twitch_headers(TWITCH_EVENT, "m-1", secret="guessed-secret")),
+            (TWITCH_EVENT, twitch_headers(TWITCH_EVENT, "m-2", age=11 * 60)),
+            (swapped, twitch_headers(TWITCH_EVENT, "m-3")),
+            # A signed notification relabelled as its subscription's revocation.
+            (TWITCH_EVENT, twitch_headers(TWITCH_EVENT, "m-4", "revocation")),
+            (TWITCH_EVENT, {"Twitch-Eventsub-Message-Id": "m-5"}),
+        ],
+    )
+    assert await claimed(pg_dsn, table) == []
+
+    statuses = await deliver_twice(
+        client, "/hooks/twitch", TWITCH_EVENT, twitch_headers(TWITCH_EVENT, "m-6")
+    )
+
+    assert statuses == (200, 200)
+    assert upstream.bodies() == [TWITCH_EVENT]
+    assert await claimed(pg_dsn, table) == [("twitch", "m-6", "channel.follow")]
+
+
+async def test_twitch_callback_verification_is_answered_with_its_challenge_once_verified(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("twitch", {"secret": TWITCH_SECRET})])
+    challenge = "pogchamp-kappa-360noscope-vohiyo"
+    body = twitch_body(challenge=challenge)
+    kind = "webhook_callback_verification"
+
+    answered = await client.post(
+        "/hooks/twitch", data=body, headers=twitch_headers(body, "v-1", kind)
+    )
+    unsigned = await client.post(
+        "/hooks/twitch", data=body, headers={"Twitch-Eventsub-Message-Type": kind}
+    )
+    forged = await client.post(
+        "/hooks/twitch", data=body, headers=twitch_headers(body, "v-2", kind, secret="guessed")
+    )
+    stale = await client.post(
+        "/hooks/twitch", data=body, headers=twitch_headers(body, "v-3", kind, age=3600)
+    )
+    # A signed verification relabelled as a notification: never forwarded to the app as one.
+    relabelled = await client.post("/hooks/twitch", data=body, headers=twitch_headers(body, "v-4"))
+
+    assert answered.status == 200
+    assert await answered.text() == challenge
+    assert answered.headers["Content-Type"].startswith("text/plain")
+    assert answered.headers["Dedup-Status"] == "handshake"
+    assert [unsigned.status, forged.status, stale.status, relabelled.status] == [401] * 4
+    assert challenge not in await forged.text()
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []
+
+
+async def test_twitch_revocation_is_claimed_and_forwarded_once(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("twitch", {"secret": TWITCH_SECRET})])
+    body = twitch_body().replace(b'"enabled"', b'"authorization_revoked"')
+
+    statuses = await deliver_twice(
+        client, "/hooks/twitch", body, twitch_headers(body, "r-1", "revocation")
+    )
+
+    assert statuses == (200, 200)
+    assert upstream.bodies() == [body]
+    assert await claimed(pg_dsn, table) == [("twitch", "r-1", "channel.follow")]
+
+
+# Discord interactions: Ed25519 over X-Signature-Timestamp + body, signed here with PyNaCl and
+# checked both ways with Discord's own discord_interactions.verify_key.
+
+
+def discord_headers(
+    key: nacl.signing.SigningKey, body: bytes, *, age: float = 0.0
+) -> dict[str, str]:
+    stamp = str(int(time.time() - age))
+    signature = key.sign(stamp.encode() + body).signature.hex()
+    return {"X-Signature-Ed25519": signature, "X-Signature-Timestamp": stamp}
+
+
+DISCORD_KEY = nacl.signing.SigningKey(bytes(range(32)))
+DISCORD_PUBLIC = DISCORD_KEY.verify_key.encode().hex()
+DISCORD_COMMAND = (
+    b'{"application_id":"775799577604522054","id":"786008729715212338","token":"A_UNIQUE_TOKEN",'
+    b'"type":2,"version":1,"data":{"id":"771825006014889984","name":"blep"}}'
+)
+DISCORD_PING = b'{"application_id":"775799577604522054","id":"786008729715212339","type":1}'
+
+
+async def test_discord_forwards_a_signed_interaction_once_and_refuses_forged_stale_and_swapped(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("discord", {"secret": DISCORD_PUBLIC})])
+    other = nacl.signing.SigningKey(bytes(range(1, 33)))
+    swapped = DISCORD_COMMAND.replace(b"blep", b"ban")
+
+    await assert_refused(
+        client,
+        "/hooks/discord",
+        [
+            (DISCORD_COMMAND, discord_headers(other, DISCORD_COMMAND)),
+            (DISCORD_COMMAND, discord_headers(DISCORD_KEY, DISCORD_COMMAND, age=3600)),
+            (swapped, discord_headers(DISCORD_KEY, DISCORD_COMMAND)),
+            (DISCORD_COMMAND, {}),
+        ],
+    )
+    assert await claimed(pg_dsn, table) == []
+
+    headers = discord_headers(DISCORD_KEY, DISCORD_COMMAND)
+    first = await client.post("/hooks/discord", data=DISCORD_COMMAND, headers=headers)
+    second = await client.post("/hooks/discord", data=DISCORD_COMMAND, headers=headers)
+
+    assert (first.status, second.status) == (200, 200)
+    # The app's answer is the interaction's response: a duplicate replays it (the preset's).
+    assert await second.read() == await first.read()
+    assert upstream.bodies() == [DISCORD_COMMAND]
+    assert await claimed(pg_dsn, table) == [("discord", "786008729715212338", "2")]
+    # What the proxy accepted, Discord's library accepts; what it refused, the library refuses.
+    sent = upstream.requests[0].headers
+    assert discord_interactions.verify_key(
+        DISCORD_COMMAND, sent["x-signature-ed25519"][0], sent["x-signature-timestamp"][0],
+        DISCORD_PUBLIC,
+    )  # fmt: skip
+    assert not discord_interactions.verify_key(
+        swapped, headers["X-Signature-Ed25519"], headers["X-Signature-Timestamp"], DISCORD_PUBLIC
+    )
+
+
+async def test_discord_ping_is_answered_with_a_pong_once_verified_and_never_claimed(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("discord", {"secret": DISCORD_PUBLIC})])
+    other = nacl.signing.SigningKey(bytes(range(1, 33)))
+    headers = discord_headers(DISCORD_KEY, DISCORD_PING)
+    assert discord_interactions.verify_key(
+        DISCORD_PING, headers["X-Signature-Ed25519"], headers["X-Signature-Timestamp"],
+        DISCORD_PUBLIC,
+    )  # fmt: skip
+
+    answered = await client.post("/hooks/discord", data=DISCORD_PING, headers=headers)
+    unsigned = await client.post("/hooks/discord", data=DISCORD_PING)
+    forged = await client.post(
+        "/hooks/discord", data=DISCORD_PING, headers=discord_headers(other, DISCORD_PING)
+    )
+    stale = await client.post(
+        "/hooks/discord", data=DISCORD_PING,
+        headers=discord_headers(DISCORD_KEY, DISCORD_PING, age=3600),
+    )  # fmt: skip
+
+    assert answered.status == 200
+    assert answered.headers["Content-Type"].startswith("application/json")
+    assert await answered.json() == {"type": discord_interactions.InteractionResponseType.PONG}
+    assert answered.headers["Dedup-Status"] == "handshake"
+    assert [unsigned.status, forged.status, stale.status] == [401] * 3
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []
+
+
+def test_a_discord_public_key_that_is_not_64_hex_digits_is_a_configuration_error() -> None:
+    from proxy import config
+    from proxy.errors import ConfigError
+
+    raw = {
+        "database": {"dsn": "postgresql://u@localhost/db"},
+        "upstream": {"url": "http://app"},
+        "routes": [route("discord", {"secret": DISCORD_PUBLIC[:-2]})],
+    }
+    with pytest.raises(ConfigError, match=r"routes\[0\]\.verify\.secret: must be the appl"):
+        config.parse(raw)
+
+
+# Zoom: x-zm-signature v0=<hex HMAC-SHA256 of "v0:{timestamp}:{body}">, and the
+# endpoint.url_validation answered with hex HMAC-SHA256(secret, plainToken), both as Zoom's
+# webhook-sample (zoom/webhook-sample, index.js) computes them; Zoom signs JSON.stringify of the
+# body, which is the compact JSON built here.
+
+ZOOM_SECRET = "zoom-webhook-secret-token"
+ZOOM_ID = "body:/payload/object/uuid"
+
+
+def zoom_body(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":")).encode()
+
+
+def zoom_headers(body: bytes, *, age: float = 0.0, secret: str = ZOOM_SECRET) -> dict[str, str]:
+    stamp = str(int(time.time() - age))
+    message = f"v0:{stamp}:".encode() + body
+    digest = hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return {"x-zm-request-timestamp": stamp, "x-zm-signature": f"v0={digest}"}
+
+
+ZOOM_EVENT = zoom_body({
+    "event": "meeting.started",
+    "payload": {"account_id": "AAAAAABBBB", "object": {"id": "1234567890",
+                "uuid": "4444AAAiAAAAAiAiAiiAii==", "topic": "My Meeting", "type": 2}},
+    "event_ts": 1635885799302,
+})  # fmt: skip
+
+
+async def test_zoom_forwards_a_signed_event_once_and_refuses_forged_stale_and_swapped(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("zoom", {"secret": ZOOM_SECRET}, event_id=ZOOM_ID)])
+    swapped = ZOOM_EVENT.replace(b"My Meeting", b"Not Mine")
+
+    await assert_refused(
+        client,
+        "/hooks/zoom",
+        [
+            (ZOOM_EVENT, zoom_headers(ZOOM_EVENT, secret="guessed")),
+            (ZOOM_EVENT, zoom_headers(ZOOM_EVENT, age=6 * 60)),
+            (swapped, zoom_headers(ZOOM_EVENT)),
+            (ZOOM_EVENT, {}),
+        ],
+    )
+    assert await claimed(pg_dsn, table) == []
+
+    statuses = await deliver_twice(client, "/hooks/zoom", ZOOM_EVENT, zoom_headers(ZOOM_EVENT))
+
+    assert statuses == (200, 200)
+    assert upstream.bodies() == [ZOOM_EVENT]
+    assert await claimed(pg_dsn, table) == [("zoom", "4444AAAiAAAAAiAiAiiAii==", "meeting.started")]
+
+
+async def test_zoom_url_validation_is_answered_with_the_encrypted_token_once_verified(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    rotated = "the-new-secret-token"
+    client = await make_proxy(
+        routes=[route("zoom", {"secrets": [ZOOM_SECRET, rotated]}, event_id=ZOOM_ID)]
+    )
+    token = "qgg8vlvZRS6UYooatFL8Aw"
+    body = zoom_body(
+        {"payload": {"plainToken": token}, "event_ts": 1654503849680,
+         "event": "endpoint.url_validation"}
+    )  # fmt: skip
+
+    answered = await client.post("/hooks/zoom", data=body, headers=zoom_headers(body))
+    by_rotated = await client.post(
+        "/hooks/zoom", data=body, headers=zoom_headers(body, secret=rotated)
+    )
+    unsigned = await client.post("/hooks/zoom", data=body)
+    forged = await client.post("/hooks/zoom", data=body, headers=zoom_headers(body, secret="x"))
+    stale = await client.post("/hooks/zoom", data=body, headers=zoom_headers(body, age=3600))
+
+    assert answered.status == 200
+    assert answered.headers["Content-Type"].startswith("application/json")
+    assert answered.headers["Dedup-Status"] == "handshake"
+    expected = hmac.new(ZOOM_SECRET.encode(), token.encode(), hashlib.sha256).hexdigest()
+    assert await answered.json() == {"plainToken": token, "encryptedToken": expected}
+    # Answered with the secret that signed it, as Zoom checks it against the one it holds.
+    again = hmac.new(rotated.encode(), token.encode(), hashlib.sha256).hexdigest()
+    assert await by_rotated.json() == {"plainToken": token, "encryptedToken": again}
+    assert [unsigned.status, forged.status, stale.status] == [401] * 3
+    assert token not in await forged.text()
+    assert upstream.requests == []
+    assert await claimed(pg_dsn, table) == []
+
+
+def test_discord_without_cryptography_is_a_configuration_error_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from proxy import signatures
+
+    monkeypatch.setitem(sys.modules, "cryptography", None)  # as if not installed
+
+    with pytest.raises(ValueError, match=r"install webhook-dedup-proxy\[discord\]"):
+        signatures.settings("discord")

@@ -38,15 +38,19 @@ SW = "standard-webhooks"
 HEX = "ab" * 32  # well-formed, but nobody's signature
 B64 = base64.b64encode(b"\xab" * 32).decode()
 
-ALL = tuple(scheme for scheme in signatures.SCHEMES if scheme != "paypal")
+# PayPal's (RSA, tests/test_paypal.py) and Discord's (Ed25519, tests/test_provider_presets.py)
+# keys are not shared secrets.
+ALL = tuple(scheme for scheme in signatures.SCHEMES if scheme not in ("paypal", "discord"))
 URL_SIGNED = ("twilio", "square")
-TIMESTAMPED = ("stripe", "paddle", "slack", SW)
+TIMESTAMPED = ("stripe", "paddle", "slack", SW, "twitch", "zoom")
 MULTI = ("stripe", "paddle", SW)  # one header may carry several signatures
 STAMP = {
     "stripe": "Stripe-Signature timestamp",
     "paddle": "Paddle-Signature timestamp",
     "slack": "X-Slack-Request-Timestamp",
     SW: "webhook-timestamp",
+    "twitch": "Twitch-Eventsub-Message-Timestamp",
+    "zoom": "x-zm-request-timestamp",
 }
 
 Headers = list[tuple[str, str]]
@@ -98,9 +102,6 @@ def signed_multi(scheme: str, secrets: tuple[str, ...], body: bytes, stamp: int)
 
 def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
     """The headers of a scheme that signs with one secret only."""
-    if scheme == "slack":
-        mac = hex_mac(secret, f"v0:{stamp}:".encode() + body)
-        return [("X-Slack-Request-Timestamp", str(stamp)), ("X-Slack-Signature", f"v0={mac}")]
     body_only = {
         "github": ("X-Hub-Signature-256", f"sha256={hex_mac(secret, body)}"),
         "meta": ("X-Hub-Signature-256", f"sha256={hex_mac(secret, body)}"),
@@ -109,6 +110,8 @@ def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
     }
     if scheme in body_only:
         return [body_only[scheme]]
+    if scheme in ("slack", "zoom", "twitch"):
+        return signed_with_stamp(scheme, secret, body, stamp)
     if scheme == "shopify":
         return [("X-Shopify-Hmac-Sha256", b64_mac(secret.encode(), body))]
     if scheme == "twilio":
@@ -119,6 +122,23 @@ def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
         return [("x-square-hmacsha256-signature", signature)]
     assert scheme == "hmac"
     return [(HMAC_HEADER, hex_mac(secret, body))]
+
+
+def signed_with_stamp(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
+    """Slack's, Zoom's and Twitch's headers."""
+    if scheme == "slack":
+        mac = hex_mac(secret, f"v0:{stamp}:".encode() + body)
+        return [("X-Slack-Request-Timestamp", str(stamp)), ("X-Slack-Signature", f"v0={mac}")]
+    if scheme == "zoom":
+        mac = hex_mac(secret, f"v0:{stamp}:".encode() + body)
+        return [("x-zm-request-timestamp", str(stamp)), ("x-zm-signature", f"v0={mac}")]
+    assert scheme == "twitch"
+    when = datetime.fromtimestamp(stamp, UTC).isoformat()
+    mac = hex_mac(secret, MSG_ID.encode() + when.encode() + body)
+    # BODY carries no "event": as a message type, only a revocation's fits it.
+    return [(f"Twitch-Eventsub-Message-{name}", value) for name, value in
+            (("Id", MSG_ID), ("Timestamp", when), ("Signature", f"sha256={mac}"),
+             ("Type", "revocation"))]  # fmt: skip
 
 
 def build(scheme: str, *secrets: str, **options: object) -> signatures.Verifier:
@@ -516,7 +536,8 @@ def test_hmac_prefix_is_required_when_configured() -> None:
             [SECRET],
             {},
             "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
-            "twilio, square, paypal, meta, linear, intercom, hmac; got 'adyen'",
+            "twilio, square, paypal, meta, linear, intercom, twitch, discord, zoom, hmac; "
+            "got 'adyen'",
         ),
         ("twilio", [SECRET], {}, "public_url is required for scheme twilio"),
         (

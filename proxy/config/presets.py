@@ -135,6 +135,40 @@ PRESETS: dict[str, Preset] = {
         scheme="intercom",
         retention=8 * DAY,
     ),
+    # Twitch EventSub: the message ID is the same on a resent message; the timestamp must be
+    # within 10 minutes (Twitch's guidance); a callback verification is answered by the proxy,
+    # and a revocation is claimed and forwarded like a notification. The retry horizon is
+    # unpublished (a subscription that keeps failing is revoked): two days, unverified.
+    "twitch": Preset(
+        event_id=("header:Twitch-Eventsub-Message-Id",),
+        event_type="body:/subscription/type",
+        scheme="twitch",
+        retention=2 * DAY,
+        tolerance=600.0,
+    ),
+    # Discord interactions: never retried; the app's answer is the interaction's response, so a
+    # duplicate replays it; Discord waits 3 s for it (a copy waits 2 s, as Slack's). The PING
+    # is answered by the proxy. verify.secret is the application's public key.
+    "discord": Preset(
+        event_id=("body:/id",),
+        event_type="body:/type",
+        scheme="discord",
+        retention=DAY,
+        claim_wait=2.0,
+        on_duplicate="replay",
+        deadline=3.0,
+    ),
+    # Zoom sends no delivery ID (x-zm-trackingid's stability across retries is unverified):
+    # the route names its event_id. Retries after 5, 20 and 60 minutes; 3 s to answer. The
+    # endpoint.url_validation is answered by the proxy.
+    "zoom": Preset(
+        event_id=(),
+        event_type="body:/event",
+        scheme="zoom",
+        retention=DAY,
+        claim_wait=2.0,
+        deadline=3.0,
+    ),
     # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
     # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
     "slack": Preset(
