@@ -149,19 +149,19 @@ async def test_a_hand_off_keeps_its_place_until_the_app_answers(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     """The hand-off's keep commits the claim, and the place it held with it: a second place,
-    held on its own connection, carries the attempt's until the app answers."""
+    held on its own connection, carries the attempt's until the app answers. (Another proxy's
+    requests: this one's own room still counts the attempt.)"""
     upstream.gate = asyncio.Event()
     handed = {**KEPT, "hand_off": "300ms"}
-    proxy = await make_proxy(
-        routes=[handed], upstream={"concurrency": {"limit": 2, "shared": True}},
-        redeliverer=QUICK,
-    )  # fmt: skip
-    first = await proxy.post("/hooks", data=b'{"id": "slow"}')
+    settings = {"upstream": {"concurrency": {"limit": 2, "shared": True}}, "redeliverer": QUICK}
+    one = await make_proxy(routes=[handed], **settings)
+    two = await make_proxy(routes=[handed], **settings)
+    first = await one.post("/hooks", data=b'{"id": "slow"}')
     assert (await first.json())["kept_for"] == "deadline"  # answered; the app still works
-    second = asyncio.ensure_future(proxy.post("/hooks", data=b'{"id": "next"}'))
+    second = asyncio.ensure_future(two.post("/hooks", data=b'{"id": "next"}'))
     await wait_until(lambda: _at_app(upstream, 2), "the second at the app")
     # Two at the app, the first's place carried: a third is kept, not sent.
-    third = await proxy.post("/hooks", data=b'{"id": "third"}')
+    third = await two.post("/hooks", data=b'{"id": "third"}')
     assert (await third.json())["kept_for"] in ("limit", "deadline")
     await asyncio.sleep(0.5)
     assert len(upstream.requests) == 2
