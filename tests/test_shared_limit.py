@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from proxy import app_keys, app_limit, errors
 from proxy.database import slots
@@ -26,8 +27,11 @@ from tests.helpers import (
     github_route,
     wait_until,
 )
-from tests.test_flow_control import KEPT, PLAIN, QUICK, slow_app
 
+KEPT = {"name": "hooks", "path": "/hooks", "event_id": "body:/id",
+        "redeliver": {"schedule": ["200ms"], "for": "1d"}}  # fmt: skip
+PLAIN = {"name": "plain", "path": "/plain", "event_id": "body:/id"}
+QUICK = {"poll": "100ms"}
 SHARED = {"concurrency": {"limit": 2, "shared": True}}
 
 
@@ -53,6 +57,36 @@ def test_a_mapping_without_a_limit_or_with_an_unknown_key_is_refused(proxy_confi
         proxy_config(upstream={"concurrency": {"shared": True, "limt": 3}})
     assert "upstream.concurrency.limit: is required" in str(refused.value)
     assert "upstream.concurrency.limt: unknown key" in str(refused.value)
+
+
+class SlowApp:
+    """An app that takes ``delay`` per webhook: records each body it took and the most
+    requests it had at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.now = 0
+        self.peak = 0
+        self.took: list[bytes] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.now -= 1
+        self.took.append(body)
+        return web.Response(text="ok")
+
+
+async def slow_app(aiohttp_server: Any, delay: float) -> tuple[SlowApp, str]:
+    app = SlowApp(delay)
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", app.handle)
+    server = await aiohttp_server(application)
+    return app, str(server.make_url("")).rstrip("/")
 
 
 async def _slot_rows(dsn: str, table: str) -> list[str]:
@@ -220,7 +254,7 @@ async def test_three_replicas_never_have_more_than_the_shared_limit_at_the_app(
     print(f"shared limit 4 over 3 replicas: peak {app.peak}, answered {dict(answered)}")
 
 
-async def _all_taken(app: Any, n: int) -> bool:
+async def _all_taken(app: SlowApp, n: int) -> bool:
     return len(app.took) >= n
 
 
