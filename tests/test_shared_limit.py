@@ -16,17 +16,20 @@ import pytest
 from aiohttp import web
 
 from proxy import app_keys, app_limit, errors
-from proxy.database import slots
+from proxy.database import inbox, slots, sql
 from tests.helpers import (
     CORVEL,
     FakeUpstream,
     MakeProxy,
     Serve,
+    execute,
     fetch,
     github_headers,
     github_route,
+    start_up,
     wait_until,
 )
+from tests.roles import DOCUMENTED, INBOX, limited_role
 
 KEPT = {"name": "hooks", "path": "/hooks", "event_id": "body:/id",
         "redeliver": {"schedule": ["200ms"], "for": "1d"}}  # fmt: skip
@@ -294,3 +297,34 @@ async def test_a_replica_killed_holding_every_place_frees_them(
 def test_the_backoff_is_short_and_bounded() -> None:
     assert all(0 < slots.backoff(tries) <= slots.BACKOFF_MAX for tries in range(20))
     assert slots.backoff() <= slots.BACKOFF_MAX
+
+
+async def _made(dsn: str, table: str) -> None:
+    await execute(dsn, sql.for_table(table).schema)
+
+
+async def test_a_shared_limit_without_the_inbox_grant_refuses_to_start_naming_it(
+    proxy_config: Any, pg_dsn: str, table: str
+) -> None:
+    """FOR UPDATE needs UPDATE on a column: the inbox's grant is the one asked for."""
+    await _made(pg_dsn, table)
+    async with limited_role(pg_dsn, table, DOCUMENTED) as (role, dsn):
+        cfg = proxy_config(
+            routes=[PLAIN], upstream=SHARED, database={"dsn": dsn, "create_schema": False}
+        )
+        with pytest.raises(errors.StoreUnavailable) as refused:
+            await start_up(cfg)
+    assert f'{inbox.GRANT_HINT} ON "{table}" TO {role}' in refused.value.message
+
+
+async def test_with_the_documented_grants_a_shared_limit_takes_its_places(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    await _made(pg_dsn, table)
+    async with limited_role(pg_dsn, table, DOCUMENTED, INBOX) as (_, dsn):
+        proxy = await make_proxy(
+            routes=[PLAIN], upstream=SHARED, database={"dsn": dsn, "create_schema": False}
+        )
+        assert (await proxy.post("/plain", data=b'{"id": "granted"}')).status == 200
+        assert await proxy.app[app_keys.STORE].places_held() == 0
+    assert await _slot_rows(pg_dsn, table) == ["0", "1"]
