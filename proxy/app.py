@@ -95,7 +95,9 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     # the start, rather than fail every sweep or every stored answer later.
     replay = any(route.replay for route in cfg.routes)
     # An ordered route's object rows live in the inbox's columns, and are locked by an UPDATE.
-    kept = any(route.redeliver or route.order for route in cfg.routes)
+    # So is a shared limit's: its places are locked FOR UPDATE, which the inbox's grant allows.
+    shared = cfg.upstream.concurrency if cfg.upstream.shared else None
+    kept = any(route.redeliver or route.order for route in cfg.routes) or shared is not None
     # The scopes whose claims are bound, to their retention: the upgrade window's length.
     bound: dict[str, float] = {}
     for route in cfg.routes:
@@ -109,7 +111,12 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     try:
         try:
             await store.start(
-                answers=replay, kept=kept, bound=bound, unbound=unbound, receipted=receipted
+                answers=replay,
+                kept=kept,
+                bound=bound,
+                unbound=unbound,
+                receipted=receipted,
+                shared=shared,
             )
         except errors.NotPrepared:
             raise
@@ -123,7 +130,7 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
             )  # fmt: skip
             later = _start_later(
                 store, app[app_keys.START], cfg.database, began, answers=replay, kept=kept,
-                bound=bound, unbound=unbound, receipted=receipted,
+                bound=bound, unbound=unbound, receipted=receipted, shared=shared,
             )  # fmt: skip
             retrying = asyncio.create_task(later, name="database-start")
         yield
@@ -147,6 +154,7 @@ async def _start_later(
     bound: dict[str, float],
     unbound: list[str],
     receipted: bool,
+    shared: int | None = None,
 ) -> None:
     """Try the store's start again until it succeeds, is refused, or ``start_timeout`` has
     passed since ``began``."""
@@ -165,7 +173,12 @@ async def _start_later(
         await asyncio.sleep(pause)
         try:
             await store.start(
-                answers=answers, kept=kept, bound=bound, unbound=unbound, receipted=receipted
+                answers=answers,
+                kept=kept,
+                bound=bound,
+                unbound=unbound,
+                receipted=receipted,
+                shared=shared,
             )
         except errors.NotPrepared as exc:
             start.fail(exc)
@@ -470,7 +483,7 @@ def create_app(cfg: config.Config) -> web.Application:
     room = app[app_keys.ROOM] = app_limit.Room(
         app_limit.share(
             cfg.upstream.concurrency, cfg.workers, cfg.database.pool_size,
-            keeps=any(route.redeliver for route in cfg.routes),
+            keeps=any(route.redeliver for route in cfg.routes), shared=cfg.upstream.shared,
         )
     )  # fmt: skip
     meters.watch_room(room)

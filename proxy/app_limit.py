@@ -25,6 +25,12 @@ database several times a forward, and kept deliveries taking the places of newco
 are kept in turn, is a loop the load alone would keep going), and kept deliveries go out in
 the places the requests leave: a place given back wakes a waiting lane at once.
 
+With ``shared`` (``upstream.concurrency: {limit: N, shared: true}``) the room stays in front,
+each worker's as large as its pool allows (up to N): a worker never holds more claims at the app
+than its connections. The bound is then the N places every replica holds together, rows locked
+in the transaction of each delivery at the app (``database.slots``, taken by the pipeline and the
+redeliverer once they have a place here).
+
 The requests of a route without ``verify`` (``behind``), which anyone can send, wait behind
 the others: a place that frees goes to a signed request first, then to a lane (within its
 share), and to them last; they count as full only to each other and to signed requests. A flood
@@ -61,10 +67,16 @@ def room_for(pool_size: int, *, keeps: bool) -> int:
     return pool_size - (reserve(pool_size) if keeps else 0)
 
 
-def share(concurrency: int | None, workers: int, pool_size: int, *, keeps: bool) -> int:
-    """This worker's share of ``upstream.concurrency`` (None: as many as its pool allows)."""
+def share(
+    concurrency: int | None, workers: int, pool_size: int, *, keeps: bool, shared: bool = False
+) -> int:
+    """This worker's share of ``upstream.concurrency`` (None: as many as its pool allows);
+    ``shared`` (held by every replica together, ``database.slots``): as many as its pool
+    allows, up to the whole limit, the shared places being the bound."""
     if concurrency is None:
         return room_for(pool_size, keeps=keeps)
+    if shared:
+        return min(concurrency, room_for(pool_size, keeps=keeps))
     return concurrency // workers
 
 

@@ -431,10 +431,16 @@ def _limit(cfg: config.Config) -> str:
     """The limit at the app, as ``check`` shows it."""
     keeps = any(route.redeliver for route in cfg.routes)
     each = app_limit.share(
-        cfg.upstream.concurrency, cfg.workers, cfg.database.pool_size, keeps=keeps
-    )
+        cfg.upstream.concurrency, cfg.workers, cfg.database.pool_size, keeps=keeps,
+        shared=cfg.upstream.shared,
+    )  # fmt: skip
     if cfg.upstream.concurrency is None:
         return f"at most {each} at once per worker: what the pool allows"
+    if cfg.upstream.shared:
+        return (
+            f"at most {cfg.upstream.concurrency} at once held by every replica together "
+            f"(shared), {each} per worker at most"
+        )
     return f"at most {cfg.upstream.concurrency} at once per replica, {each} per worker"
 
 

@@ -50,6 +50,8 @@ class LogLine(TypedDict, total=False):
     object: str  # order: the object the request is about
     version_unparsed: str  # order: a version that reads as neither a number nor a time
     kept_for: str  # redeliver: kept without being sent, why (limit, paused, retry_after...)
+    place_waited: int  # a shared limit: the looks again for a free place (all held)
+    place_not_carried: str  # a shared limit: why a hand-off could not carry its place
     handed_off: str  # hand_off: what the app's answer came to after it (delivered, failed...)
     receipt: str  # receipt: what a look at the app's receipt found (written, absent, ...)
     inbox_full: bool  # redeliver: not kept, the route's inbox at its cap

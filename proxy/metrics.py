@@ -525,6 +525,19 @@ class Metrics:
             "request of a redeliver route waits KEEP_WAIT at most, then it is kept).",
             registry=self.registry,
         )
+        self.app_places_held = Gauge(
+            "dedup_app_places_held",
+            "The places at the app held by every replica together (upstream.concurrency with "
+            "shared: true), as the redeliverer's level reader last read them.",
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.app_place_waits = Counter(
+            "dedup_app_place_waits",
+            "Deliveries and redeliveries that found every shared place at the app held "
+            "(upstream.concurrency with shared: true) and waited for one.",
+            registry=self.registry,
+        )
         self._hold_gauges()
         self._reconcile_meters()
 

@@ -9,6 +9,8 @@ facts the error carries, and where each request's canonical log line (``log_line
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
@@ -42,7 +44,7 @@ from proxy import (
     webhooks,
 )
 from proxy.config import routes
-from proxy.database import inbox, receipts
+from proxy.database import inbox, receipts, slots
 from proxy.upstream import forwarder, http1, proxy_headers, transports
 
 log = logging.getLogger(__name__)
@@ -449,6 +451,41 @@ class Cycle:
                 "requests at it already (upstream.concurrency, this worker's share)"
             )
 
+    async def _take_place(
+        self, claim: database.Claim
+    ) -> tuple[web.StreamResponse, errors.Outcome] | None:
+        """With a limit shared by every replica (``database.slots``): one of its places, held
+        in the claim's transaction (after its claim row and its object's), looked for again
+        after a short backoff while none is free, the claim held meanwhile. None once held (or
+        the limit is not shared). None free within ``_keep_wait`` on a route that redelivers:
+        the delivery kept, as when this worker's room is full (202, kept_for "limit"); within
+        pool_timeout on any other route: AppBusy (503), the claim released on the way out."""
+        places = self.request.app[app_keys.STORE].slots
+        if places is None:
+            return None
+        route = self.route
+        keeps = route.redeliver is not None
+        patience = self._keep_wait() if keeps else route.pool_timeout
+        deadline = time.monotonic() + patience
+        tries = 0
+        while not await claim.take_place(places):
+            if tries == 0:
+                self.request.app[app_keys.METRICS].app_place_waits.inc()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.line["place_waited"] = tries
+                if keeps:
+                    return await self._keep_unsent(claim, "limit")
+                raise errors.AppBusy(
+                    f"no place at the app within {patience:g}s: {places.limit} requests at it "
+                    "already, from every replica (upstream.concurrency, shared)"
+                )
+            await asyncio.sleep(min(left, slots.backoff(tries)))
+            tries += 1
+        if tries:
+            self.line["place_waited"] = tries
+        return None
+
     async def _keep_unsent(
         self, claim: database.Claim, reason: str
     ) -> tuple[web.StreamResponse, errors.Outcome]:
@@ -478,7 +515,10 @@ class Cycle:
     ) -> tuple[web.StreamResponse, errors.Outcome]:
         """Forward, then commit on a 2xx (with the answer to replay, where the route does) and
         tell the copies queued in this process: the answer and the outcome. Any other answer
-        leaves the claim to be released on the way out."""
+        leaves the claim to be released on the way out. With a limit shared by every replica,
+        a place of it first (``_take_place``)."""
+        if (not_placed := await self._take_place(claim)) is not None:
+            return not_placed
         result, handed = await self._attempt(claim)
         if handed is not None:
             return handed
@@ -598,27 +638,54 @@ class Cycle:
         after = route.hand_off - (time.perf_counter() - self.started)
         if after <= 0:
             return delivery.Result(None), await self._keep_unsent(claim, "deadline")
-        result, handed = await delivery.handing_off(
-            self._call(), after, functools.partial(self._hand_off, claim)
-        )
-        if handed is not None:
-            await self._after_hand_off(claim, result)
+        # A shared place carried past the keep's COMMIT (``_carry_place``), until the attempt ends.
+        async with contextlib.AsyncExitStack() as place:
+            result, handed = await delivery.handing_off(
+                self._call(), after, functools.partial(self._hand_off, claim, place)
+            )
+            if handed is not None:
+                await self._after_hand_off(claim, result)
         return result, handed
 
+    async def _carry_place(self, place: contextlib.AsyncExitStack) -> bool:
+        """With a limit shared by every replica: before a hand-off's keep commits its claim,
+        and with it the place it holds, a second place held in a transaction of its own on a
+        connection free now, until the attempt ends (``place``): the app never has more than
+        the limit, two places held for an instant at most. Whether one was (True when the
+        limit is not shared); if not, no hand-off: the attempt is waited for in the claim's
+        place."""
+        store = self.request.app[app_keys.STORE]
+        if store.slots is None:
+            return True
+        keeper = store.place_keeper()
+        if keeper is None:
+            return False
+        try:
+            if await place.enter_async_context(keeper) is not None:
+                return True
+        except errors.StoreUnavailable as exc:
+            self.line["place_not_carried"] = exc.message
+        await place.aclose()
+        return False
+
     async def _hand_off(
-        self, claim: database.Claim
+        self, claim: database.Claim, place: contextlib.AsyncExitStack
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """The app has not answered by the route's hand_off: keep the delivery (committed),
         due only after the lease, let the copies queued here go on (they find it kept), and
-        answer the provider 202 now, while the attempt goes on. None: it could not be kept,
-        and the attempt's end is waited for as on any route."""
+        answer the provider 202 now, while the attempt goes on. None: it could not be kept
+        (or, the limit shared, its place not carried past the COMMIT: ``_carry_place``), and
+        the attempt's end is waited for as on any route."""
         route = self.route
+        if not await self._carry_place(place):
+            return None
         self.sent = self._unsent_headers()
         kept = await self._keep(
             claim, database.Attempt(None), reason="deadline", delay=route.lease,
             attempted=False, why="handed_off",
         )  # fmt: skip
         if kept is None:
+            await place.aclose()  # the claim still holds its place
             return None
         self.turn.let_go()
         response = kept[0]

@@ -39,7 +39,7 @@ from multidict import CIMultiDict
 from proxy import app_limit, database, delivery, errors, memory, metrics, tracing
 from proxy import holds as route_holds
 from proxy.config import redeliver, routes
-from proxy.database import receipts
+from proxy.database import receipts, slots
 from proxy.upstream import forwarder, transports
 
 if TYPE_CHECKING:
@@ -185,11 +185,17 @@ class Redeliverer:
         if not await self._room.enter_lane(app_limit.LANE_WAIT):
             return None
         try:
-            return await self._redeliver_safely()
+            sent = await self._redeliver_safely()
         finally:
             self._room.leave_lane()
+        if sent is None:
+            # Every place of a shared limit held (by any replica): its row rolled back, due as
+            # it was; a short backoff before the lane looks again, its room place given back.
+            self._meters.app_place_waits.inc()
+            await self._pause(slots.backoff())
+        return sent
 
-    async def _redeliver_safely(self) -> bool:
+    async def _redeliver_safely(self) -> bool | None:
         """``redeliver_one``, a failure logged rather than ending the lane."""
         try:
             redelivered = await self.redeliver_one()
@@ -247,9 +253,11 @@ class Redeliverer:
         """Their per-path scopes held now (a tenant's Retry-After), passed over."""
         return [] if self._holds is None else self._holds.held_paths(scopes)
 
-    async def redeliver_one(self) -> bool:
+    async def redeliver_one(self) -> bool | None:
         """Redeliver the oldest due row of a scope not held (``holds``), if one is: whether one
-        was sent."""
+        was sent; None when the limit is shared and every one of its places is held (the row
+        taken then rolled back: ``database.slots``, the place taken in the row's transaction,
+        after its row and its object's)."""
         scopes = self._unheld()
         if not scopes:
             return False
@@ -258,6 +266,9 @@ class Redeliverer:
         async with self._store.inbox.take(scopes, self._held_paths(scopes)) as redelivery:
             if redelivery is None:
                 return False
+            places = self._store.slots
+            if places is not None and not await redelivery.take_place(places):
+                return None
             self.in_flight += 1
             try:
                 return await self._redeliver(redelivery)
@@ -413,8 +424,13 @@ class Redeliverer:
         return result, trace
 
     async def _levels(self) -> None:
-        """Every LEVEL_INTERVAL, each route's inbox into the gauges."""
+        """Every LEVEL_INTERVAL, each route's inbox into the gauges, and the places of a shared
+        limit held by every replica."""
         while not self._stopping.is_set():
+            try:
+                await self.read_places()
+            except errors.StoreUnavailable as exc:
+                log.debug("reading the places held at the app failed: %s", exc.message)
             for name, route in self._routes.items():
                 try:
                     await self.read_level(name, route)
@@ -423,6 +439,12 @@ class Redeliverer:
                 except Exception:  # the gauges go stale; the redeliveries go on
                     log.exception("reading the inbox level of %s failed", name)
             await self._pause(LEVEL_INTERVAL)
+
+    async def read_places(self) -> None:
+        """The places of a shared limit held by every replica, into their gauge."""
+        held = await self._store.places_held()
+        if held is not None:
+            self._meters.app_places_held.set(held)
 
     async def read_level(self, name: str, route: routes.RouteConfig) -> None:
         """One route's inbox into the gauges."""

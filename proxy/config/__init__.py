@@ -134,6 +134,9 @@ class UpstreamConfig:
     # At most this many requests at the app at once, per replica (``app_limit``); None: as many
     # as each worker's pool allows.
     concurrency: int | None = None
+    # ``concurrency: {limit: N, shared: true}``: the limit is held by every replica and worker
+    # on the claim table together (``database.slots``), not per replica.
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -318,8 +321,8 @@ def _check_room(r: reader.Reader, config: Config) -> None:
     """``upstream.concurrency`` shared out among the workers must fit each worker's pool, less
     the connections kept for short transactions (``app_limit``)."""
     concurrency, workers = config.upstream.concurrency, config.workers
-    if concurrency is None:
-        return
+    if concurrency is None or config.upstream.shared:
+        return  # shared: each worker's room is what its pool allows, the slots the bound
     if concurrency < workers:
         r.problem(
             "upstream.concurrency",
@@ -341,6 +344,18 @@ def _check_room(r: reader.Reader, config: Config) -> None:
         )
 
 
+def _concurrency(r: reader.Reader, up: dict[str, Any]) -> tuple[int | None, bool]:
+    """``upstream.concurrency``: a number (per replica), or ``{limit: N, shared: true}`` (held
+    by every replica together; ``shared: false`` is the number's form)."""
+    raw = up.get("concurrency")
+    if not isinstance(raw, dict):
+        return r.value(up, "concurrency", "upstream", values.parse_positive_int, None), False
+    section = r.mapping(raw, "upstream.concurrency", ("limit", "shared"))
+    limit = r.required(section, "limit", "upstream.concurrency", values.parse_positive_int)
+    shared = r.value(section, "shared", "upstream.concurrency", values.parse_bool, False)
+    return limit, shared
+
+
 def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Config:
     """Validate an already-parsed YAML document (``secrets``: as ``load``)."""
     r = reader.Reader(secrets=secrets)
@@ -351,6 +366,7 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
         "upstream",
         ("url", "timeout", "preserve_host", "keepalive", "concurrency"),
     )
+    concurrency, shared = _concurrency(r, up)
     upstream = UpstreamConfig(
         url=r.required(up, "url", "upstream", values.parse_http_url) or "",
         timeout=r.value(up, "timeout", "upstream", _SHORT_DURATION, DEFAULT_UPSTREAM_TIMEOUT),
@@ -358,7 +374,8 @@ def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Con
         keepalive=r.value(
             up, "keepalive", "upstream", values.parse_duration, DEFAULT_UPSTREAM_KEEPALIVE
         ),
-        concurrency=r.value(up, "concurrency", "upstream", values.parse_positive_int, None),
+        concurrency=concurrency,
+        shared=shared,
     )
     db = r.mapping(top.get("database"), "database", DATABASE_KEYS)
     if top.get("database") is None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from proxy import errors
-from proxy.database import inbox, pool, sql
+from proxy.database import inbox, pool, slots, sql
 
 log = logging.getLogger(__name__)
 
@@ -327,6 +327,19 @@ class Claim:
         if flags & sql.OBJECT_BEHIND:
             return Turn.BEHIND
         return Turn.STALE if flags & sql.OBJECT_STALE else Turn.HELD
+
+    async def take_place(self, places: slots.Slots) -> bool:
+        """Hold one of the places at the app shared by every replica (``database.slots``) in
+        the claim's transaction, after its claim row and its object's: whether one was free.
+        Never waits. StoreUnavailable when the database fails (the claim abandoned)."""
+        if not self.acquired or self.state is not ClaimState.OPEN:
+            raise RuntimeError(f"claim of {self.key.event_id!r} takes no place")
+        try:
+            with pool.translated("taking a place at the app failed", self.abandon):
+                return await places.take(self._connection) is not None
+        except asyncio.CancelledError:
+            self._discard()
+            raise
 
     async def supersede(self) -> None:
         """Commit the claim as superseded (never forwarded): its copies are duplicates."""

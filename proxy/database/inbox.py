@@ -33,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from proxy import errors
-from proxy.database import inbox_sql, pool, sql
+from proxy.database import inbox_sql, pool, slots, sql
 
 log = logging.getLogger(__name__)
 
@@ -388,6 +388,12 @@ class Redelivery:
             )
             await self._connection.execute("COMMIT", timeout=timeout)
         return InboxState(state or InboxState.DELIVERED)
+
+    async def take_place(self, places: slots.Slots) -> bool:
+        """Hold one of the places at the app shared by every replica (``database.slots``) in
+        the redelivery's transaction, after its row (and its object's): whether one was free."""
+        with pool.translated("taking a place at the app failed", self._discard):
+            return await places.take(self._connection) is not None
 
     async def release(self) -> None:
         if self._done:

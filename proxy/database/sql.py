@@ -56,6 +56,10 @@ RECEIPT_KEY = "~receipt-key"
 # version the app accepted}. Locked by an INSERT ... ON CONFLICT DO UPDATE in the claim's
 # transaction: held while the app works, freed with the transaction.
 ORDER = "~order"
+# The scope of the places at the app held by every replica together (``database.slots``): SLOTS,
+# "/" and whose ("app"), keyed "0" to "N-1"; never a route's. Locked FOR UPDATE SKIP LOCKED in
+# the transaction of a delivery at the app, after its claim row and its object's row.
+SLOTS = "~slots"
 ORDER_SAVEPOINT = "ordered"
 # What ``Queries.hold_object``'s status says: the event is older than the version accepted; an
 # older delivery of the object is kept (pending).

@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, NamedTuple
 
 from proxy import errors
-from proxy.database import holds, inbox, pool, receipts, sql
+from proxy.database import holds, inbox, pool, receipts, slots, sql
 from proxy.database.claim import Claim, Key, is_bound, unbound
 from proxy.database.pool import Connection, Pool, translated
 
@@ -327,6 +327,8 @@ class Store:
         # A redelivery's transaction has a claim's bounds.
         self.inbox = inbox.Inbox(self.queries.quoted, self._connection, self._begin,
                                  settings.connect_timeout)  # fmt: skip
+        # The places at the app held by every replica together (``start``'s ``shared``).
+        self.slots: slots.Slots | None = None
         # The route holds (``events pause``, the app's Retry-After), in rows of scope sql.HOLDS.
         self.holds = holds.RouteHolds(self.queries.quoted, self._connection,
                                       settings.connect_timeout)  # fmt: skip
@@ -392,12 +394,13 @@ class Store:
         bound: Mapping[str, float] | None = None,
         unbound: Collection[str] = (),
         receipted: bool = False,
+        shared: int | None = None,
     ) -> None:
         """Fill the pool, check the claim table (creating or upgrading it if allowed) and the
         role's grants, read the upgrade windows of the ``bound`` route scopes (to their
         retention) and record the ``unbound`` ones' (``notice_id_forms``), the receipts' key if
-        a route is ``receipted`` (``receipt_keys``) and what readiness reports; then ``started``
-        is set.
+        a route is ``receipted`` (``receipt_keys``), make the rows of the ``shared`` places at
+        the app (``database.slots``) and what readiness reports; then ``started`` is set.
 
         Raises NotPrepared when the database answers but the table or the grants are not what
         the routes need (retrying does not fix that), StoreUnavailable when it does not answer
@@ -412,6 +415,8 @@ class Store:
                 await self.notice_id_forms(bound or {}, unbound)
                 if receipted:
                     await self._first_receipt_keys()
+                if shared is not None:
+                    await self._make_slots(shared)
             except errors.StoreUnavailable as exc:
                 if pool.refused_for_good(exc.__cause__):
                     # The server answered, and refused (a privilege, a schema): not an outage.
@@ -426,6 +431,34 @@ class Store:
 
     async def close(self) -> None:
         await self._pool.close(self.op_timeout)
+
+    async def _make_slots(self, limit: int) -> None:
+        """The rows of ``limit`` places at the app shared by every replica (those missing)."""
+        places = slots.Slots(self.queries.quoted, limit, self.op_timeout)
+        async with self._connection() as connection:
+            with translated("cannot make the places at the app"):
+                await places.make(connection)
+        self.slots = places
+
+    async def places_held(self) -> int | None:
+        """How many shared places at the app are held now, by every replica (None: the limit
+        is not shared)."""
+        if self.slots is None:
+            return None
+        return await self.slots.held(self._connection)
+
+    def place_keeper(self) -> contextlib.AbstractAsyncContextManager[str | None] | None:
+        """A place at the app held in a transaction of its own on a connection free now (a
+        hand-off's, while its claim commits: ``slots.Slots.kept``); None when the limit is not
+        shared or no connection is free at once (the hand-off does not happen)."""
+        if self.slots is None or not self._pool.ready(time.monotonic()):
+            return None
+        return self._kept_place(self.slots)
+
+    @contextlib.asynccontextmanager
+    async def _kept_place(self, places: slots.Slots) -> AsyncIterator[str | None]:
+        async with self._connection() as connection, places.kept(connection, self._begin) as held:
+            yield held
 
     # Serving
 

@@ -1,0 +1,106 @@
+"""The places at the app held by every replica together (``upstream.concurrency: {limit: N,
+shared: true}``): N rows of the claim table, each a place, held by a row lock.
+
+The rows are of scope ``sql.SLOTS`` ("~slots/app": no route's, so never swept, listed or
+counted), event IDs "0" to "N-1", made at start (``make``: INSERT ... ON CONFLICT DO NOTHING,
+so every replica may, and rows of a larger N before are left, never taken: only IDs below N
+are). A place is taken by ``take``, one statement (``FOR UPDATE SKIP LOCKED LIMIT 1``) in the
+transaction that holds the delivery at the app: a first delivery's claim (after its claim row,
+and its object's row on an ordered route: always in that order, and SKIP LOCKED never waits, so
+no two transactions wait on each other), a redelivery's take. It is freed with that
+transaction: COMMIT, ROLLBACK, or its connection dying with a replica killed, so a place cannot
+leak, with no lease, no heartbeat and no second store. None free: the caller looks again after
+a short backoff (``backoff``), or keeps or refuses the delivery.
+
+FOR UPDATE needs the UPDATE privilege on a column of the table: the inbox's grant (its columns,
+``inbox.GRANT_HINT``) is the one asked for, as the redeliverer's takes need it too.
+
+``held`` counts the places held cluster-wide for the metrics: the rows it cannot lock with SKIP
+LOCKED, in a transaction of its own that holds the free ones for an instant (a take then finds
+none, and looks again after its backoff).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+
+from proxy.database import pool, sql
+
+# The first wait between two looks for a free place, doubled after each up to BACKOFF_MAX.
+BACKOFF = 0.01
+BACKOFF_MAX = 0.1
+
+
+def backoff(tries: int | None = None) -> float:
+    """How long to wait before the look after ``tries`` failed ones (None: the longest; a
+    redeliverer's lane, behind the requests), jittered: the replicas looking at once do not
+    look again at once."""
+    longest = BACKOFF_MAX if tries is None else min(BACKOFF_MAX, BACKOFF * 2**tries)
+    return longest * random.uniform(0.5, 1.0)
+
+
+Acquire = Callable[[], AbstractAsyncContextManager[pool.Connection]]
+
+
+class Slots:
+    """The ``limit`` shared places over one claim table (``name``: whose; "app")."""
+
+    def __init__(self, quoted: str, limit: int, op_timeout: float, name: str = "app") -> None:
+        self.limit = limit
+        self.scope = f"{sql.SLOTS}/{name}"
+        self.ids = [str(i) for i in range(limit)]
+        self.op_timeout = op_timeout
+        self._make = (
+            f"INSERT INTO {quoted} (scope, event_id, event_type) "
+            "SELECT $1, g::text, 'slot' FROM generate_series(0, $2 - 1) AS g "
+            "ON CONFLICT (scope, event_id) DO NOTHING"
+        )
+        # $1 the scope, $2 the IDs below the limit. The rows held are passed over inside the
+        # server; no ORDER BY: which free place does not matter.
+        self._take = (
+            f"SELECT event_id FROM {quoted} WHERE scope = $1 AND event_id = ANY($2::text[]) "
+            "LIMIT 1 FOR UPDATE SKIP LOCKED"
+        )
+        self._free = (
+            f"SELECT count(*) FROM (SELECT FROM {quoted} WHERE scope = $1 "
+            "AND event_id = ANY($2::text[]) FOR UPDATE SKIP LOCKED) AS free"
+        )
+
+    async def make(self, connection: pool.Connection) -> None:
+        """The rows of the places, those missing made (every replica's start)."""
+        await connection.execute(self._make, self.scope, self.limit, timeout=self.op_timeout)
+
+    async def take(self, connection: pool.Connection) -> str | None:
+        """Hold a free place in ``connection``'s open transaction, until it ends: its ID, or
+        None when every one is held. Never waits on a lock."""
+        taken: str | None = await connection.fetchval(
+            self._take, self.scope, self.ids, timeout=self.op_timeout
+        )
+        return taken
+
+    async def held(self, acquire: Acquire) -> int:
+        """How many places are held now, by every replica (see the module's docstring)."""
+        async with acquire() as connection:
+            with pool.translated("reading the places held at the app failed"):
+                async with connection.transaction():
+                    free: int = await connection.fetchval(
+                        self._free, self.scope, self.ids, timeout=self.op_timeout
+                    )
+        return self.limit - free
+
+    @contextlib.asynccontextmanager
+    async def kept(self, connection: pool.Connection, begin: str) -> AsyncIterator[str | None]:
+        """A place held on ``connection`` in a transaction of its own (a hand-off's: its claim
+        commits while the app still works), until the block ends: its ID, or None when none
+        was free (the transaction ended at once)."""
+        with pool.translated("taking a place at the app failed"):
+            await connection.execute(begin, timeout=self.op_timeout)
+            taken = await self.take(connection)
+        try:
+            yield taken
+        finally:
+            with contextlib.suppress(Exception), pool.translated("rollback failed"):
+                await connection.execute("ROLLBACK", timeout=self.op_timeout)
