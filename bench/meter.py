@@ -8,14 +8,13 @@ The contenders: the proxy of ``HEAD``, the naive proxy (bench/naive.py) and ``HE
 ablation applied (bench/ablations/*.patch, in scratch worktrees as bench/ablate.py makes them;
 ``floor`` is the proxy doing only what the naive proxy does). Each runs as one process
 (``workers: 1``, with the pool and the share of ``upstream.concurrency`` of one of
-bench/ablate.py's workers) at ``nice 19`` with
-``PYTHONHASHSEED=0``, in front of the same app (bench/upstream.py) and embedded PostgreSQL, and
-gets the same stream from a small client in this process: ``--warmup`` webhooks, then
-``--webhooks`` measured ones, each with a new event ID, one at a time over one keep-alive
-connection (not wrk: the same requests in the same order every run, and no interleaving for
-the kernel to vary). The IDs are the same every run: the contender's claims are deleted first.
-Two counts, each in a run of its own, of the contender's process alone (not the app's, the
-database's or the client's), for the measured stream alone:
+bench/ablate.py's workers) at ``nice 19`` with ``PYTHONHASHSEED=0``, in front of the same app
+(bench/upstream.py) and embedded PostgreSQL, and gets the same stream from a small client in
+this process: ``--warmup`` webhooks, then ``--webhooks`` measured ones, each with a new event
+ID, one at a time over one keep-alive connection (not wrk: the same requests in the same order
+every run, and no interleaving for the kernel to vary). The IDs are the same every run: the
+contender's claims are deleted first. Two counts, each in a run of its own, of the contender's
+process alone (not the app's, the database's or the client's), for the measured stream alone:
 
 - instructions: under valgrind's callgrind, instrumentation off at start
   (``--instr-atstart=no``), switched on and off around the stream (``callgrind_control -i``),
@@ -23,13 +22,14 @@ database's or the client's), for the measured stream alone:
 - system calls: ``strace -c -f`` attached for the stream (SIGINT detaches it and prints its
   table).
 
-Each divided by the webhooks; each ÷ (and beyond) the naive proxy's on the same route, the
-least of the runs against the least (a busy machine only adds to a count). ``--runs``:
-everything again in fresh processes, the spread between runs reported beside the
-figures. Under callgrind a webhook takes about 50 times its native time: hence the modest
-defaults. ``--routes``: ``plain`` (the event ID at ``body:/id``) and ``stripe`` (Stripe's preset,
-each request signed; the naive proxy gets the same requests and checks nothing). Every webhook
-must be answered 200 and reach the app once, or the run fails. Needs valgrind and strace
+Each divided by the webhooks; each ÷ (and beyond) the naive proxy's on the same route, the least
+of the runs against the least (a busy machine only adds to a count). ``--runs``: everything
+again in fresh processes, the spread between runs reported beside the figures (instructions
+within 1 % on this machine, system calls a few %: the loop's wake-ups vary with when answers
+arrive). Under callgrind a webhook takes tens of times its native time: hence the modest
+defaults. ``--routes``: ``plain`` (the event ID at ``body:/id``) and ``stripe`` (Stripe's
+preset, each request signed; the naive proxy gets the same requests and checks nothing). Every
+webhook must be answered 200 and reach the app once, or the run fails. Needs valgrind and strace
 (Debian: ``apt-get install valgrind strace``).
 """
 
