@@ -1,7 +1,7 @@
 """What each part of a webhook's path costs: the proxy against itself with that part removed.
 
     python bench/ablate.py [--ablations floor,log-line,key,turn] [--rounds 4] [--duration 5]
-                           [--stripe] [--out FILE]
+                           [--stripe] [--out FILE] [--meter wall|instructions] [--webhooks 300]
 
 Each ablation is a patch in ``bench/ablations/`` (its first lines say what it removes), applied
 to a scratch worktree of ``HEAD``: ``floor`` removes everything the naive proxy does not do,
@@ -15,6 +15,11 @@ the rounds with their range. ``--stripe``: on the headline's Stripe-verified rou
 naive proxy gets the same signed requests and verifies nothing). An ablated proxy is not a
 product (it keeps no log, checks nothing); it only says what the part removed costs. A patch
 that no longer applies fails the run: each names the code it removes.
+
+``--meter instructions``: counts instead of the clock (bench/meter.py): each contender as one
+process, instructions (callgrind) and system calls (strace) per webhook over the same stream of
+``--webhooks``, twice; each part's cost is the proxy's count minus its ablated proxy's, which
+the clock of this 2-core machine cannot resolve (±10 % a round).
 """
 
 from __future__ import annotations
@@ -78,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
     parser.add_argument("--stripe", action="store_true", help="the Stripe-verified route")
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    parser.add_argument("--meter", choices=("wall", "instructions"), default="wall",
+                        help="CPU seconds under wrk, or counts (bench/meter.py)")  # fmt: skip
+    parser.add_argument("--webhooks", type=int, default=300, help="counted (--meter only)")
     args = parser.parse_args(argv)
     secret = STRIPE_SECRET if args.stripe else ""
     signed = {"mode": "stripe", "stripe_secret": STRIPE_SECRET} if args.stripe else {}
@@ -86,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     known = sorted(p.stem for p in ABLATIONS.glob("*.patch"))
     if unknown := [n for n in names if n not in known]:
         parser.error(f"no ablation {', '.join(unknown)}: one of {', '.join(known)}")
+    if args.meter == "instructions":
+        return _metered(names, args.stripe, args.webhooks, args.out)
     loads.wrk_path()
     settings = Settings(seconds=args.duration, pool=POOL, warmup=2, rounds=args.rounds)
     workdir = Path(tempfile.mkdtemp(prefix="dedup-ablate-"))
@@ -132,6 +142,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(text, encoding="utf-8")
     return 0
+
+
+def _metered(names: list[str], stripe: bool, webhooks: int, out: Path | None) -> int:
+    """``--meter instructions``: bench/meter.py over the same ablations and route."""
+    from bench import meter  # which imports this module
+
+    argv = ["--ablations", ",".join(names), "--routes", "stripe" if stripe else "plain",
+            "--webhooks", str(webhooks)]  # fmt: skip
+    return meter.main(argv + (["--out", str(out)] if out is not None else []))
 
 
 def _ratio(values: list[float]) -> str:

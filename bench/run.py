@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,7 +93,7 @@ class Bench:
         self, name: str, upstream: procs.Service, pool: int, workers: int = 1, log: str = "info",
         *, env: dict[str, str] | None = None, stripe_secret: str = "",
         concurrency: int | None = None, routes: list[dict[str, Any]] | None = None,
-        timeout: str = "30s",
+        timeout: str = "30s", launcher: Sequence[str] = (),
     ) -> procs.Service:  # fmt: skip
         port = procs.free_port()
         config_file = self.workdir / f"{name}.yaml"
@@ -120,25 +120,30 @@ class Bench:
             config["admin"] = {"listen": f"127.0.0.1:{procs.free_port()}"}
         proxy_config.parse(config, source=str(config_file))  # a clear error before starting
         config_file.write_text(yaml.safe_dump(config))
-        argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config_file)]
-        return self._start(name, argv, port, env)
+        argv = [*launcher, sys.executable, "-m", "proxy", "serve", "--config", str(config_file)]
+        return self._start(name, argv, port, env, slow=bool(launcher))
 
     def start_naive(
-        self, name: str, upstream: procs.Service, pool: int, workers: int = 1
-    ) -> procs.Service:
-        """bench/naive.py: the baseline a competent engineer writes in an afternoon."""
+        self, name: str, upstream: procs.Service, pool: int, workers: int = 1,
+        *, launcher: Sequence[str] = (),
+    ) -> procs.Service:  # fmt: skip
+        """bench/naive.py: the baseline a competent engineer writes in an afternoon. ``launcher``
+        (here and in start_proxy): a command the process runs under (bench/meter.py's valgrind
+        or ``env``)."""
         port = procs.free_port()
-        argv = [sys.executable, str(ROOT / "bench" / "naive.py"), "--port", str(port),
+        argv = [*launcher, sys.executable, str(ROOT / "bench" / "naive.py"), "--port", str(port),
                 "--upstream", f"http://127.0.0.1:{upstream.port}", "--dsn", self.dsn,
                 "--table", TABLE, "--pool", str(pool), "--workers", str(workers)]  # fmt: skip
-        return self._start(name, argv, port)
+        return self._start(name, argv, port, slow=bool(launcher))
 
     def _start(
-        self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None
-    ) -> procs.Service:
+        self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None,
+        *, slow: bool = False,
+    ) -> procs.Service:  # fmt: skip
         service = procs.Service(name, argv, self.workdir / f"{name}.log", port, env)
         self.services.append(service)
-        service.wait_listening()
+        # Under valgrind, the imports alone take a minute on a busy machine.
+        service.wait_listening(600.0 if slow else 30.0)
         return service
 
     def stop(self, service: procs.Service) -> None:

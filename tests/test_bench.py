@@ -362,3 +362,39 @@ def test_every_ablation_still_applies_and_its_proxy_answers_every_webhook() -> N
     assert sorted({name for name, _ in measured}) == ablations
     assert set(measured) == {(name, c) for name in ablations for c in ("32", "1")}
     assert set(measured.values()) == {"0"}, measured
+
+
+@pytest.mark.timeout(900)  # 24 processes started, 12 of them under valgrind
+def test_the_meter_counts_each_contender_twice_alike(tmp_path: Path) -> None:
+    """bench/meter.py with few webhooks: the proxy, the naive proxy and the floor counted on
+    both routes in both runs, every count positive, and the two runs' instructions per webhook
+    within 3 % of each other: counts, which a busy machine does not move (determinism, not
+    speed; bench/RESULTS.md has the figures and their spread at 300 webhooks)."""
+    for tool in ("valgrind", "strace"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"bench/meter.py needs {tool}: apt-get install valgrind strace")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "meter.py"), "--webhooks", "30", "--warmup", "10",
+         "--ablations", "floor", "--json", str(tmp_path / "counts.json")],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=900, check=False,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "| route | contender | instructions per webhook (each run) |" in done.stdout
+    assert "| route | part removed |" in done.stdout
+    counts = json.loads((tmp_path / "counts.json").read_text(encoding="utf-8"))
+    found = {(c["route"], c["contender"], c["run"]) for c in counts}
+    assert found == {
+        (route, contender, run)
+        for route in ("plain", "stripe")
+        for contender in ("naive", "proxy", "floor")
+        for run in (1, 2)
+    }
+    for count in counts:
+        assert count["instructions"] > 0, count
+        assert count["syscalls"] > 0, count
+        assert sum(count["calls"].values()) == pytest.approx(count["syscalls"])
+    for route, contender, _ in found:
+        one, two = (c["instructions"] for c in counts
+                    if (c["route"], c["contender"]) == (route, contender))  # fmt: skip
+        assert abs(one - two) / min(one, two) < 0.03, (route, contender, one, two)

@@ -7,13 +7,18 @@ import datetime
 import io
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
-from proxy import config, logs
+from proxy import config, log_line, logs
 from tests.helpers import FakeUpstream, MakeProxy, connection, free_port, run_cli
 
 PASSWORD = "S3cr3t-pw"
@@ -192,3 +197,53 @@ def test_the_short_way_writes_the_line_the_ordinary_way_writes(log_lines: io.Str
     assert short["worker"] == 3
     # The other handler got the record (which the worker's filter then tagged, as ever).
     assert [record.fields for record in seen] == [{**fields, "worker": 3}]  # type: ignore[attr-defined]
+
+
+def test_new_request_ids_are_distinct_and_drawn_from_the_kernel_in_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request without an X-Request-Id gets 128 random bits in hex; a getrandom call per
+    webhook was a system call the naive proxy does not make, so they come 256 at a time."""
+    draws: list[int] = []
+    urandom = os.urandom
+
+    def counted(size: int) -> bytes:
+        draws.append(size)
+        return urandom(size)
+
+    monkeypatch.setattr(os, "urandom", counted)
+    request = make_mocked_request("POST", "/webhooks/stripe")
+    ids = [log_line.start(request, "stripe", "stripe")["request_id"] for _ in range(600)]
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    assert len(draws) <= 3  # 600 IDs, 256 a draw (the first may find some ready)
+    # The provider's own ID is kept, and draws nothing.
+    before = len(draws)
+    given = make_mocked_request("POST", "/webhooks/stripe", headers={"X-Request-Id": "req-9"})
+    assert log_line.start(given, "stripe", "stripe")["request_id"] == "req-9"
+    assert len(draws) == before
+
+
+def test_a_forked_worker_draws_request_ids_of_its_own() -> None:
+    """IDs drawn ahead in the parent are never a forked worker's: the two would log, and send
+    the app, the same request IDs."""
+    script = (
+        "import os, sys\n"
+        "from aiohttp.test_utils import make_mocked_request\n"
+        "from proxy import log_line\n"
+        "request = make_mocked_request('POST', '/hook')\n"
+        "log_line.start(request, None, None)\n"  # the parent has IDs ready now
+        "read, write = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.write(write, log_line.start(request, None, None)['request_id'].encode())\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+        "print(os.read(read, 64).decode(), log_line.start(request, None, None)['request_id'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )  # fmt: skip
+    child, parent = done.stdout.split()
+    assert len(child) == len(parent) == 32
+    assert child != parent
