@@ -54,6 +54,15 @@ and writes the ``Dedup-Receipt`` in the same transaction (``ledger_app``), and t
 counts effects committed twice, read from the ledger, with no window to excuse one
 (``receipt_rule``).
 
+With ``--ordering`` (with or without ``--inbox``) the events are versions of a few hundred
+objects (``VERSIONS_PER_OBJECT`` each): Stripe's shape, ``data.object.id`` and ``created`` (a
+strictly increasing integer per object), of type ``ORDER_TYPE``. The route has ``order: {key:
+body:/data/object/id, version: body:/created, supersede: [ORDER_TYPE]}``. The sender interleaves
+a few objects at a time, so that an object's versions are in flight together, and sends some
+versions before the one older (``OUT_OF_ORDER``); the copies and the retries reorder more, as
+providers do. The app applies each version last-writer-wins when it answers 2xx and keeps each
+object's version; ``order_rules`` adds the ordering invariants to the checker's.
+
 Each replica reaches the app on a port of its own, so the app knows which replica sent a call,
 a redelivery included (it carries the headers of the delivery it redelivers).
 
@@ -64,6 +73,7 @@ Run it on demand (exit status 1 on any violation)::
     python -m tests.faults.campaign --minutes 5 --pgbouncer
     python -m tests.faults.campaign --minutes 5 --failover
     python -m tests.faults.campaign --minutes 5 --receipts [--inbox] [--pgbouncer | --failover]
+    python -m tests.faults.campaign --minutes 4 --ordering [--inbox]
 """
 
 from __future__ import annotations
@@ -82,7 +92,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -94,7 +104,14 @@ from aiohttp import web
 
 from proxy import app_limit, config, embedded, errors
 from proxy.database import pool
-from tests.faults import checker, databases, ledger_app, reconcile_rules, reconcile_sender
+from tests.faults import (
+    checker,
+    databases,
+    ledger_app,
+    order_rules,
+    reconcile_rules,
+    reconcile_sender,
+)
 from tests.faults.relay import Mode
 from tests.helpers import accepts, free_port
 
@@ -118,6 +135,13 @@ INBOX_CLAIM_WAIT = 2.0  # past the hand_off (1.4 s) and its COMMIT
 # of 4 the limit keeps free) was measured to shed 50 deliveries in 4 minutes (docs/guarantees.md).
 INBOX_CONCURRENCY = 3
 INBOX_SHORT_TRANSACTIONS = 5
+# --ordering: each object's versions, the objects interleaved at a time in the send order, and
+# the share of versions sent before the one older.
+VERSIONS_PER_OBJECT = 10
+ACTIVE_OBJECTS = 8
+OUT_OF_ORDER = 0.15
+ORDER_TYPE = "customer.updated"
+FIRST_VERSION = 1_700_000_000  # ``created``: whole seconds, as Stripe's
 
 
 class CampaignError(Exception):
@@ -160,6 +184,8 @@ class Settings:
     receipt_dsn: str | None = None  # that database, once started
     # --reconcile (with the inbox): the stand-in of GitHub's API the route reconciles against.
     reconcile_api: str | None = None
+    # --ordering: the route orders by object (key, version) and supersedes stale versions.
+    ordering: bool = False
 
     def with_inbox(self) -> Settings:
         """These settings in the inbox mode, with flow control as its user sets it up: a limit
@@ -199,6 +225,13 @@ class Settings:
         if self.reconcile_api is not None:
             route = reconcile_sender.route(route, self.reconcile_api)
         extra: dict[str, Any] = {}
+        if self.ordering:
+            route["event_type"] = "body:/type"
+            route["order"] = {
+                "key": "body:/data/object/id",
+                "version": "body:/created",
+                "supersede": [ORDER_TYPE],
+            }
         if self.receipt_dsn is not None:
             route["receipt"] = {"dsn": self.receipt_dsn}
         if self.inbox:
@@ -264,6 +297,59 @@ def event_body(event_id: str) -> bytes:
     return json.dumps({"id": event_id, "type": "camp.test"}).encode()
 
 
+@dataclass(frozen=True, slots=True)
+class Objects:
+    """--ordering: the events in the order they are sent, each one's object and version, and
+    its body."""
+
+    send_order: list[str]
+    versions: dict[str, tuple[str, int]]
+    bodies: dict[str, bytes]
+
+
+def objects_of(event_ids: Sequence[str], rng: random.Random) -> Objects:
+    """The events as versions of ``len(event_ids) / VERSIONS_PER_OBJECT`` objects (the n-th
+    event of an object its n-th version), and an order to send them in: ``ACTIVE_OBJECTS``
+    objects at a time, each version after the one older but for ``OUT_OF_ORDER`` of them,
+    sent before it."""
+    count = max(1, round(len(event_ids) / VERSIONS_PER_OBJECT))
+    queues: dict[str, list[str]] = {}
+    versions: dict[str, tuple[str, int]] = {}
+    bodies: dict[str, bytes] = {}
+    for n, event_id in enumerate(event_ids):
+        obj = f"cus_{n % count:04d}"
+        version = FIRST_VERSION + n // count
+        queues.setdefault(obj, []).append(event_id)
+        versions[event_id] = (obj, version)
+        body = {"id": event_id, "type": ORDER_TYPE, "created": version}
+        bodies[event_id] = json.dumps({**body, "data": {"object": {"id": obj}}}).encode()
+    waiting = list(queues.values())
+    rng.shuffle(waiting)
+    active: list[list[str]] = []
+    order: list[str] = []
+    while waiting or active:
+        while waiting and len(active) < ACTIVE_OBJECTS:
+            active.append(waiting.pop())
+        queue = rng.choice(active)
+        if len(queue) > 1 and rng.random() < OUT_OF_ORDER:
+            queue[0], queue[1] = queue[1], queue[0]
+        order.append(queue.pop(0))
+        if not queue:
+            active.remove(queue)
+    return Objects(order, versions, bodies)
+
+
+def object_of(event: Mapping[str, Any]) -> tuple[str, int] | None:
+    """A body's object and version (--ordering), or None."""
+    data = event.get("data")
+    obj = data.get("object") if isinstance(data, dict) else None
+    key = obj.get("id") if isinstance(obj, dict) else None
+    version = event.get("created")
+    if isinstance(key, str) and isinstance(version, int):
+        return key, version
+    return None
+
+
 def monotonic_of(stamp: object) -> float | None:
     """A log line's ``ts`` (``2024-05-01T12:00:00.123Z``, UTC) on this process's monotonic
     clock (the replicas share the host's wall clock); None if it is not one."""
@@ -304,6 +390,8 @@ class App:
         self.gates: dict[str, asyncio.Event] = {}  # event ID -> answer once set
         self._senders: dict[int, str] = {}  # the app's port -> the replica given it
         self.ledger: ledger_app.Ledger | None = None  # the receipt mode's database
+        # --ordering: each object's version, applied last-writer-wins on each 2xx.
+        self.versions: dict[str, int] = {}
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -354,8 +442,8 @@ class App:
         sender = self._sender(request)
         self.in_flight += 1
         try:
-            body = await request.read()
-            event_id = str(json.loads(body)["id"])
+            event = json.loads(await request.read())
+            event_id = str(event["id"])
             delivery = request.headers.get("X-Camp-Delivery")
             self.arrived.append((event_id, delivery, start))
             latency, status = self.decide(event_id)
@@ -371,17 +459,21 @@ class App:
                     event_id, receipt, latency, status, delivery=delivery, replica=sender
                 )
                 effect, status = done.effect, done.status
-            self.calls.append(
-                checker.UpstreamCall(
-                    event_id=event_id,
-                    delivery_id=delivery,
-                    replica=sender,
-                    start=start,
-                    end=time.monotonic(),
-                    status=status,
-                    effect=effect,
-                )
+            call = checker.UpstreamCall(
+                event_id=event_id,
+                delivery_id=delivery,
+                replica=sender,
+                start=start,
+                end=time.monotonic(),
+                status=status,
+                effect=effect,
             )
+            # Applied as the call ends, with no await between: the calls' ends are the order
+            # the versions were applied in.
+            versioned = object_of(event)
+            if versioned is not None and call.acted:
+                self.versions[versioned[0]] = versioned[1]
+            self.calls.append(call)
             return web.Response(status=status, text="acted" if status < 300 else "failed")
         finally:
             self.in_flight -= 1
@@ -523,6 +615,7 @@ class Provider:
         self.acked: set[str] = set()
         self.retrying = True  # copies retry while the nemesis runs; settling takes over after
         self.github: reconcile_sender.CampaignHook | None = None  # --reconcile: signs, logs
+        self.bodies: Mapping[str, bytes] = {}  # --ordering: each event's body
         self._ids = itertools.count(1)
         self._slots = asyncio.Semaphore(settings.max_in_flight)
         self._session: aiohttp.ClientSession | None = None
@@ -547,7 +640,7 @@ class Provider:
         dedup: str | None = None
         body = b""
         error: str | None = None
-        payload = event_body(event_id)
+        payload = self.bodies.get(event_id) or event_body(event_id)
         headers = {
             "Content-Type": "application/json",
             "X-Camp-Delivery": delivery_id,
@@ -873,15 +966,22 @@ async def claim_rows(dsn: str, table: str) -> dict[str, str | None]:
 
 async def settle_inbox(c: Cluster, provider: Provider, within: float) -> float:
     """Wait (bounded) until no row of the route is pending and the app has answered 2xx for
-    every event the provider got a 2xx for; return the time it took (past ``within`` the
-    checker reports what is left)."""
+    every event the provider got a 2xx for (or, --ordering, the proxy superseded it); return
+    the time it took (past ``within`` the checker reports what is left)."""
     started = time.monotonic()
-    query = f'SELECT count(*) FROM "{c.settings.table}" WHERE scope = $1 AND inbox_state = $2'
+    table = c.settings.table
+    query = f'SELECT count(*) FROM "{table}" WHERE scope = $1 AND inbox_state = $2'
+    superseded = f'SELECT event_id FROM "{table}" WHERE scope = $1 AND inbox_state = $2'
 
     async def drained() -> bool:
         rows = await fetch(c.dsn, query, ROUTE, "pending")
         taken = {call.event_id for call in c.app.calls if call.acted}
-        return rows[0][0] == 0 and provider.acked <= taken
+        if rows[0][0] != 0:
+            return False
+        if c.settings.ordering and not provider.acked <= taken:
+            # Superseded (never forwarded, by design) is taken too (order_rules judges it).
+            taken |= {row[0] for row in await fetch(c.dsn, superseded, ROUTE, "superseded")}
+        return provider.acked <= taken
 
     with contextlib.suppress(CampaignError):
         await poll(drained, "the inbox to drain", within, every=0.25)
@@ -1054,16 +1154,22 @@ async def run_campaign(
     database: str = "plain",
     receipts: bool = False,
     reconcile: bool = False,
+    ordering: bool = False,
     say: Callable[[str], None] = _quiet,
 ) -> checker.Report:
     """Run one campaign (``minutes`` of nemesis, then settling and checks); return the report,
     whose ``violations`` are empty when the invariant held. ``inbox``: the inbox mode;
     ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring);
     ``receipts``: the receipt mode (``ledger_app``); ``reconcile``: the inbox mode with GitHub's
-    sender and a reconciler (``reconcile_sender``)."""
+    sender and a reconciler (``reconcile_sender``); ``ordering``: versions of objects on a route
+    that orders them (``order_rules``)."""
     settings = settings or Settings()
     if receipts:
         settings = replace(settings, receipts=True)
+    if ordering:
+        if reconcile:
+            raise CampaignError("--ordering is not made for --reconcile's sender")
+        settings = replace(settings, ordering=True)
     if (inbox or reconcile) and not settings.inbox:
         settings = settings.with_inbox()
     seed = seed if seed is not None else random.SystemRandom().randrange(2**32)
@@ -1075,6 +1181,7 @@ async def run_campaign(
     mode = (" inbox" if settings.inbox else "") + ("" if database == "plain" else f" {database}")
     mode += " receipts" if settings.receipts else ""
     mode += " reconcile" if reconcile else ""
+    mode += " ordering" if settings.ordering else ""
     say(
         f"campaign{mode} seed={seed} replicas={replicas} events={count} nemesis={duration:g}s "
         f"in {work}"
@@ -1110,6 +1217,8 @@ async def _campaign(
     github: reconcile_sender.CampaignHook | None = None,
 ) -> checker.Report:
     rng = random.Random(seed)
+    # Its own generator: the other modes' traffic and faults draw as they did.
+    objects = objects_of(event_ids, random.Random(f"order-{seed}")) if settings.ordering else None
     async with cluster(work, settings, replicas, rng, mode=mode) as c:
         assert c.database is not None
         origin = time.monotonic()
@@ -1120,7 +1229,10 @@ async def _campaign(
             if github is not None:
                 assert isinstance(provider, OneShotProvider)
                 provider.github, github.redeliver = github, provider.redeliver
-            traffic = asyncio.create_task(_traffic(provider, event_ids, duration * 0.9))
+            sent = event_ids
+            if objects is not None:
+                provider.bodies, sent = objects.bodies, objects.send_order
+            traffic = asyncio.create_task(_traffic(provider, sent, duration * 0.9))
             try:
                 await nemesis.run(origin + duration)
                 provider.retrying = False
@@ -1144,6 +1256,7 @@ async def _campaign(
             post.append(await check_pools_free(c, provider))
             rows = await claim_rows(c.dsn, settings.table)
             ledger = None if c.app.ledger is None else await c.app.ledger.counts()
+            final_versions = dict(c.app.versions)
         for replica in c.replicas:
             await replica.stop()
         logs: list[Any] = [line for r in c.replicas for line in r.logs]
@@ -1166,6 +1279,8 @@ async def _campaign(
             request_bound=settings.request_bound,
             origin=origin,
             post_checks=post,
+            objects=None if objects is None else objects.versions,
+            final_versions=final_versions,
             settings={
                 "seed": seed,
                 "replicas": replicas,
@@ -1177,10 +1292,14 @@ async def _campaign(
                 "pool": settings.pool_size,
                 **_inbox_settings(settings),
                 **({"app_pool": c.app.ledger.described()} if c.app.ledger else {}),
+                **(_order_settings(objects) if objects is not None else {}),
             },
         )
         if github is not None:
             report, _ = reconcile_rules.check(records, github.recovery())
+            return report
+        if objects is not None:
+            report, _ = order_rules.check(records)
             return report
         report, _ = checker.check(records)
         return report
@@ -1213,6 +1332,13 @@ async def _settle(c: Cluster, provider: Provider, event_ids: Sequence[str]) -> f
         took = await provider.settle(event_ids, c.settings.settle_timeout)
     await poll(lambda: c.app.in_flight == 0, "the app's last answers", 30)
     return took
+
+
+def _order_settings(objects: Objects) -> dict[str, str]:
+    count = len({obj for obj, _ in objects.versions.values()})
+    return {
+        "order": f"{count} objects, key data.object.id, version created, supersede {ORDER_TYPE}",
+    }
 
 
 def _inbox_settings(settings: Settings) -> dict[str, str]:
@@ -1275,10 +1401,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the route has receipt; the app writes a ledger row and the receipt in one "
         "transaction in a database of its own",
     )
+    parser.add_argument(
+        "--ordering",
+        action="store_true",
+        help="the events are versions of a few hundred objects; the route orders them by "
+        "object and supersedes stale versions, and the checker adds the ordering invariants",
+    )
     parser.set_defaults(database="plain")
     args = parser.parse_args(argv)
     if args.reconcile and not args.inbox:
         parser.error("--reconcile needs --inbox")
+    if args.ordering and args.reconcile:
+        parser.error("--ordering is not made for --reconcile's sender")
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -1296,6 +1430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             database=args.database,
             receipts=args.receipts,
             reconcile=args.reconcile,
+            ordering=args.ordering,
             say=say,
         )
     )

@@ -64,6 +64,11 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
 - **Nothing left behind.** After the settle phase no row is pending, and none is dead unless
   the app answered a status retrying cannot fix (the campaign's app never does).
 
+On a route with ``order`` and ``supersede`` (``Records.objects``), an event the proxy
+*superseded* (answered ``200 superseded``, or its row marked ``superseded`` by the
+redeliverer) is taken, not lost: never forwarded, by design. ``order_rules`` judges whether it
+was superseded rightly, and the ordering invariants.
+
 In the receipt mode (``Records.ledger``: the app writes its effect and the receipt in one
 transaction), the rule on processing twice is the ledger's (``receipt_rule``): no event has
 two effects committed, whatever the faults, and every acknowledged event has its effect; a
@@ -119,13 +124,17 @@ DUPLICATE_ANSWERS = frozenset({"duplicate", "duplicate_queued"})
 # Dedup-Status saying the event is kept for redelivery (the proxy's own 202).
 KEPT_ANSWERS = frozenset({"queued", "dead_letter", "duplicate_queued"})
 # A ``queued`` answer's ``kept_for`` (none: the app failed it): kept before the app was sent it
-# (the limit at the app, a paused route, the app's Retry-After), or at the route's hand_off
+# (the limit at the app, a paused route, the app's Retry-After, its object held or an older
+# delivery of it kept: ``ordering``), or at the route's hand_off
 # (``deadline``: while the attempt goes on, or unsent if the hand_off passed before it began).
-UNSENT_KEEPS = frozenset({"limit", "paused", "retry_after"})
+UNSENT_KEEPS = frozenset({"limit", "paused", "retry_after", "ordering"})
 HANDED_OFF = "deadline"
 # The app's answers the inbox gives up on at once (proxy.delivery.UNFIXABLE).
 UNFIXABLE = frozenset({400, 405, 411, 413, 414, 415, 422})
 REDELIVERER = "proxy.redeliverer"  # the logger of the redeliverer's lines
+# Dedup-Status and inbox_state of an event older than its object's accepted version: committed,
+# never forwarded (a route with order and supersede).
+SUPERSEDED = "superseded"
 # An answer the proxy timed out on can measure this much shorter at the app (the request's
 # transit to the app, a busy event loop).
 TIMEOUT_SLACK = 0.5
@@ -218,6 +227,10 @@ class Records:
     hand_off: float | None = None  # the route's hand_off (None: none)
     # The receipt mode: the app's ledger rows per event, read at the end (None: not that mode).
     ledger: Mapping[str, int] | None = None
+    # --ordering: each event's object and version (None: not that mode), and each object's
+    # version at the app at the end (applied last-writer-wins).
+    objects: Mapping[str, tuple[str, int]] | None = None
+    final_versions: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,10 +272,11 @@ class InboxReport:
     results: Mapping[str, int]  # the redeliverer's logged attempts, by result
     rows: Mapping[str, int]  # the claim rows at the end, by inbox_state ("none": at first try)
     peak_at_app: Mapping[str, int]  # per replica, the most of its calls at the app at once
+    superseded: int = 0  # accepted events superseded, never at the app (a route with order)
 
     @property
     def lost(self) -> int:
-        return self.accepted - self.delivered
+        return self.accepted - self.delivered - self.superseded
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -294,6 +308,7 @@ class Report:
     unsent_commits: int = 0  # logged commit_not_sent: the claim certainly not stored
     accepted: int = 0  # events the provider got a 2xx for
     delivered: int = 0  # accepted events the app answered 2xx for
+    superseded: int = 0  # accepted events superseded, never at the app (a route with order)
     lost: int = 0  # accepted events the app never took, or whose claim row is missing unexcused
     receipts: receipt_rule.ReceiptReport | None = None  # the receipt mode's counts
     extra: tuple[tuple[str, str], ...] = ()  # a mode's own rows (reconcile_rules)
@@ -480,6 +495,13 @@ class _Event:
     def unsent(self) -> bool:
         return any(line.get("outcome") in UNSENT_OUTCOMES for line in self.logs)
 
+    def superseded(self, records: Records) -> bool:
+        """Whether the proxy superseded the event: answered a delivery ``superseded``, or its
+        row says so (the redeliverer's)."""
+        return records.inbox_states.get(self.event_id) == SUPERSEDED or any(
+            d.dedup_status == SUPERSEDED for d in self.deliveries
+        )
+
     def committed(self, delivery: Delivery) -> bool:
         """Whether the proxy logged ``delivery``'s claim committed on the connection that made
         it (``processed``, not ``reconciled`` on another): the claim then held its row lock
@@ -605,18 +627,20 @@ def _called_after_commit(records: Records, event: _Event) -> Iterator[Violation]
 def _loss_violations(
     records: Records, event: _Event, acted: Sequence[UpstreamCall]
 ) -> Iterator[Violation]:
-    """Nothing lost: a 2xx to the provider means the app acted and the claim row is there."""
+    """Nothing lost: a 2xx to the provider means the app acted (or the proxy superseded the
+    event: ``order_rules`` judges that) and the claim row is there."""
     acked = [d for d in event.deliveries if d.outcome == "ok"]
     claimed = event.event_id in records.claimed
+    taken = bool(acted) or event.superseded(records)
     if not acked and not records.inbox:  # with the inbox: refused (_refused_violations)
         yield event.violation(records, "unacknowledged", "no delivery answered 2xx, even settled")
-    if acked and not acted:
+    if acked and not taken:
         yield event.violation(records, "lost", "the provider got a 2xx, the app never acted")
     if acked and not claimed and not event.ambiguous and not event.settled_unstored:
         yield event.violation(
             records, "unclaimed", "the provider got a 2xx but no claim row exists"
         )
-    if claimed and not acted:
+    if claimed and not taken:
         yield event.violation(
             records, "claimed_not_processed", "claim row committed, the app never acted"
         )
@@ -628,7 +652,7 @@ def _answer_violations(records: Records, event: _Event) -> Iterator[Violation]:
     for d in event.deliveries:
         own = [c for c in forwards if c.delivery_id == d.delivery_id]
         relayed = any(c.status == d.status for c in own)
-        own_answer = not d.duplicate and d.dedup_status not in KEPT_ANSWERS
+        own_answer = not d.duplicate and d.dedup_status not in (*KEPT_ANSWERS, SUPERSEDED)
         settled = receipt_rule.settled_by_receipt(event.request_line(d))
         if d.outcome == "ok" and own_answer and not relayed and not settled:
             message = f"delivery {d.delivery_id} got {d.status}, which no app call for it answered"
@@ -883,6 +907,7 @@ def check(records: Records) -> tuple[Report, list[Violation]]:
         report,
         accepted=len(accepted),
         delivered=sum(any(c.acted for c in e.calls) for e in accepted),
+        superseded=sum(_superseded_only(records, e) for e in accepted),
         lost=len({v.event_id for v in violations if v.kind in LOSSES}),
     )
     if records.inbox:
@@ -893,6 +918,11 @@ def check(records: Records) -> tuple[Report, list[Violation]]:
         )
         report = replace(report, receipts=receipts)
     return report, violations
+
+
+def _superseded_only(records: Records, event: _Event) -> bool:
+    """Superseded, and never taken by the app."""
+    return event.superseded(records) and not any(c.acted for c in event.calls)
 
 
 def _inbox_report(records: Records, events: Collection[_Event]) -> InboxReport:
@@ -941,6 +971,7 @@ def _inbox_report(records: Records, events: Collection[_Event]) -> InboxReport:
         results=Counter(str(line.get("result")) for line in attempts),
         rows=states,
         peak_at_app=peak_at_app([c for e in events for c in e.calls]),
+        superseded=sum(_superseded_only(records, e) for e in accepted),
     )
 
 
@@ -1042,13 +1073,17 @@ def _counts(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
 
 
+def _superseded_text(superseded: int) -> str:
+    return f"superseded {superseded} (never at the app), " if superseded else ""
+
+
 def _inbox_rows(inbox: InboxReport) -> list[tuple[str, str]]:
     results = _counts(inbox.results)
     return [
         (
             "inbox: accepted",
             f"{inbox.accepted} events (a 2xx to the provider); delivered {inbox.delivered} "
-            f"(the app answered 2xx), lost {inbox.lost}",
+            f"(the app answered 2xx), {_superseded_text(inbox.superseded)}lost {inbox.lost}",
         ),
         (
             "  refused",
@@ -1121,7 +1156,8 @@ def format_report(report: Report, *, evidence: int = 2, per_kind: int = 10) -> s
                 (
                     "accepted",
                     f"{report.accepted} events (a 2xx to the provider); delivered "
-                    f"{report.delivered} (the app answered 2xx), lost {report.lost}",
+                    f"{report.delivered} (the app answered 2xx), "
+                    f"{_superseded_text(report.superseded)}lost {report.lost}",
                 ),
                 ("unacknowledged", str(report.unacknowledged)),
             ]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults import campaign, checker, reconcile_rules
+from tests.faults import campaign, checker, order_rules, reconcile_rules
 from tests.faults.relay import Relay
 
 
@@ -34,6 +34,7 @@ class Short:
     inbox: bool = False
     receipts: bool = False
     reconcile: bool = False  # with inbox: GitHub's sender, and a reconciler recovering refusals
+    ordering: bool = False  # versions of objects, on a route with order and supersede
     kinds: tuple[str, ...] = campaign.KINDS
     hurt: tuple[str, ...] = ("failed", "indeterminate")
 
@@ -83,6 +84,26 @@ class Short:
             marks=pytest.mark.timeout(150),
             id="receipts",
         ),
+        # Versions of objects, some sent out of order, on a route that orders them by object
+        # and supersedes stale ones, in front of a route that redelivers: never two of one
+        # object at the app at once, never applied backwards, each at its newest at the end.
+        pytest.param(
+            Short(minutes=0.4, events=300, inbox=True, ordering=True, hurt=()),
+            marks=[
+                pytest.mark.timeout(120),
+                # Not strict: a short run hits a hand-off of an object with a later version
+                # kept only now and then (the 4-minute run: 6 violations in 91 hand-offs).
+                pytest.mark.xfail(
+                    strict=False,
+                    reason="open (docs/guarantees.md, the --ordering run): a hand-off's "
+                    "delivered result does not record its object's accepted version, so an "
+                    "older kept version is redelivered after it (applied_backwards), and the "
+                    "hand-off releases the object before the app answers "
+                    "(object_in_flight_twice)",
+                ),
+            ],
+            id="ordering-inbox",
+        ),
     ],
 )
 async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
@@ -99,6 +120,7 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         database=short.database,
         receipts=short.receipts,
         reconcile=short.reconcile,
+        ordering=short.ordering,
         say=print,
     )
     table = checker.format_report(report)
@@ -119,6 +141,12 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
     if short.reconcile:
         assert report.by_phase.get(reconcile_rules.PHASE, 0) > 0, table  # the reconciler asked
         assert report.lost == 0, table
+    if short.ordering:
+        rows = dict(report.extra)
+        assert report.lost == 0, table
+        # The sender reordered, and the proxy superseded or kept for ordering.
+        assert not rows["ordering: objects"].endswith(" 0"), table
+        assert report.superseded + (report.inbox.superseded if report.inbox else 0) >= 0
     assert not report.violations, table
 
 
@@ -860,6 +888,107 @@ def test_checker_receipts_flag_a_call_after_a_claim_logged_committed() -> None:
     logs = (processed, _settled("d2", "r2"))
     _, violations = checker.check(_receipts(calls, deliveries, {"e": 1}, logs=logs))
     assert [v.kind for v in violations] == ["forwarded_after_commit"]
+
+
+# --- the checker, with ordering (--ordering) ----------------------------------------------
+
+# Three versions of one object: v1, v2 and v3 (created 1, 2, 3).
+VERSIONS = {"v1": ("cus_1", 1), "v2": ("cus_1", 2), "v3": ("cus_1", 3)}
+
+
+def _version_call(
+    event: str, start: float, took: float = 0.1, replica: str = "r1", status: int = 200
+) -> checker.UpstreamCall:
+    return checker.UpstreamCall(event, f"d-{event}", replica, start, start + took, status)
+
+
+def _version_sent(
+    event: str, start: float, status: int = 200, dedup: str | None = None
+) -> checker.Delivery:
+    return checker.Delivery(
+        f"d-{event}", event, "r1", "nemesis", start, start + 0.2, status, dedup_status=dedup
+    )
+
+
+def _ordered(
+    calls: list[checker.UpstreamCall],
+    deliveries: list[checker.Delivery],
+    final: int,
+    *,
+    actions: tuple[checker.Action, ...] = (),
+    states: Mapping[str, str] | None = None,
+) -> checker.Records:
+    return checker.Records(
+        events=list(VERSIONS),
+        deliveries=deliveries,
+        calls=calls,
+        actions=actions,
+        logs=(),
+        claimed=frozenset(VERSIONS),
+        upstream_timeout=TIMEOUT,
+        commit_margin=1.5,
+        request_bound=9.0,
+        inbox_states=states or {},
+        objects=VERSIONS,
+        final_versions={"cus_1": final},
+    )
+
+
+def test_ordering_accepts_versions_one_at_a_time_and_a_stale_one_superseded() -> None:
+    # v1 and v3 applied in turn; v2, sent last, answered superseded and never forwarded.
+    calls = [_version_call("v1", 1.0), _version_call("v3", 1.2)]
+    deliveries = [
+        _version_sent("v1", 0.95),
+        _version_sent("v3", 1.0),
+        _version_sent("v2", 1.4, dedup="superseded"),
+    ]
+    records = _ordered(calls, deliveries, 3, states={"v2": "superseded"})
+    report, summary = order_rules.check(records)
+    assert report.violations == ()
+    assert (report.accepted, report.delivered, report.superseded, report.lost) == (3, 2, 1, 0)
+    assert (summary.out_of_order, summary.superseded_answered, summary.overlaps) == (1, 1, 0)
+    assert (summary.backwards, summary.at_newest, summary.stale) == (0, 1, 0)
+    table = checker.format_report(report)
+    assert "superseded 1 (never at the app)" in table
+    assert "1 of 1 objects at the newest version applied" in table
+
+
+@pytest.mark.parametrize("kill", [None, checker.Action("kill", "r1", 1.05, 1.3)])
+def test_ordering_flags_two_versions_of_an_object_at_the_app_at_once_unless_a_window_explains_it(
+    kill: checker.Action | None,
+) -> None:
+    calls = [_version_call("v1", 1.0, took=0.5), _version_call("v2", 1.2, replica="r2")]
+    deliveries = [_version_sent("v1", 0.95), _version_sent("v2", 1.1), _version_sent("v3", 5.0)]
+    calls.append(_version_call("v3", 5.0))
+    records = _ordered(calls, deliveries, 3, actions=(kill,) if kill else ())
+    report, summary = order_rules.check(records)
+    # v1 applied after v2 as well: its call ended last.
+    kinds = [v.kind for v in report.violations]
+    assert kinds == ([] if kill else ["object_in_flight_twice", "applied_backwards"])
+    assert (summary.overlaps, summary.backwards) == (1, 1)
+    if kill:
+        assert summary.overlap_causes == {"kill": 1}
+    else:
+        evidence = report.violations[0].evidence
+        assert evidence[0] == "object cus_1: v1 created 1, v2 created 2"
+        assert {"event v1", "event v2"} <= set(evidence)
+
+
+def test_ordering_flags_an_object_left_at_an_older_version_and_a_wrong_supersede() -> None:
+    # v3 applied, then v2 forwarded and applied after it: backwards, and the object ends at 2;
+    # v1 superseded before any newer version was applied.
+    calls = [_version_call("v3", 1.0), _version_call("v2", 3.0)]
+    deliveries = [
+        _version_sent("v1", 0.1, dedup="superseded"),
+        _version_sent("v3", 0.95),
+        _version_sent("v2", 2.9),
+    ]
+    records = _ordered(calls, deliveries, 2, states={"v1": "superseded"})
+    report, summary = order_rules.check(records)
+    kinds = sorted(v.kind for v in report.violations)
+    assert kinds == ["applied_backwards", "stale_at_end", "superseded_wrongly"]
+    assert (summary.stale, summary.stale_unexplained, summary.superseded_wrongly) == (1, 1, 1)
+    assert report.lost == 0  # a superseded event is taken, rightly or not
 
 
 # --- the checker, with the reconciler (--reconcile) ---------------------------------------
