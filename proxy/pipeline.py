@@ -698,9 +698,11 @@ class Cycle:
         failed, due on the route's schedule), as a redelivery's is (``delivery.record``). If
         that fails, the row stays due at its lease's end, and is sent again then."""
         route, line = self.route, self.line
+        obj = self.object
         handed = database.HandedOff(
-            self.request.app[app_keys.STORE].inbox, claim.key.scope, claim.key.event_id
-        )
+            self.request.app[app_keys.STORE].inbox, claim.key.scope, claim.key.event_id,
+            obj=None if obj is None else obj.key, version=None if obj is None else obj.version,
+        )  # fmt: skip
         written = None if self.receipt is None else self._written
         try:
             line["handed_off"] = await delivery.record(handed, route.redeliver, result, written)

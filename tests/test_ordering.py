@@ -50,6 +50,8 @@ class LastWriterWins:
     # The event whose delivery hangs until its sender goes: the test server cancels a handler
     # whose client went (an app whose transaction aborts with its request).
     hang: str | None = None
+    # Seconds the app takes on these events (by ID), instead of ``work``.
+    slow: dict[str, float] = field(default_factory=dict)
 
     async def handle(self, request: web.Request) -> web.Response:
         event = json.loads(await request.read())
@@ -60,7 +62,7 @@ class LastWriterWins:
         try:
             if event["id"] == self.hang:
                 await asyncio.Event().wait()
-            await asyncio.sleep(self.work)
+            await asyncio.sleep(self.slow.get(event["id"], self.work))
             if self.fail.get((obj, version), 0) > 0:
                 self.fail[(obj, version)] -= 1
                 return web.Response(status=self.fail_status)
@@ -361,6 +363,75 @@ async def test_a_kept_delivery_passed_in_the_keep_window_is_superseded_not_sent(
     assert (rows[0]["inbox_state"], rows[0]["body"]) == ("superseded", True)
     assert app.applied == []  # v1 never overwrote v2
     assert app.state == {"cus_1": 2}
+
+
+def _handed_off_route() -> dict[str, Any]:
+    route = ordered(redeliver={"schedule": ["200ms"], "for": "1d"}, hand_off="300ms")
+    route["order"] = {**route["order"], "supersede": ["customer.updated"]}
+    return route
+
+
+async def _states(dsn: str, table: str) -> dict[str, str]:
+    rows = await fetch(
+        dsn, f'SELECT event_id, inbox_state FROM "{table}" WHERE scope = $1', "hooks"
+    )
+    return {row["event_id"]: row["inbox_state"] for row in rows}
+
+
+async def test_a_handed_off_version_the_app_accepts_supersedes_an_older_one_kept_behind_it(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    """The campaign's applied_backwards (seed 115614003): a hand-off's 2xx recorded no accepted
+    version, so the older version kept behind it was sent after it and applied over it."""
+    app.slow["evt_2"] = 1.5
+    proxy = await make_proxy(
+        routes=[_handed_off_route()], upstream={"url": app.url, "timeout": "10s"},
+        redeliverer=QUICK,
+    )  # fmt: skip
+    v2 = await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))
+    assert (v2.status, (await v2.json())["kept_for"]) == (202, "deadline")  # handed off
+    v1 = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+    assert (v1.status, (await v1.json())["kept_for"]) == (202, "ordering")
+
+    async def settled() -> bool:
+        return (await _states(pg_dsn, table)).get("evt_1") not in (None, "pending")
+
+    await wait_until(settled, "v1 settled by the redeliverer")
+    assert await _states(pg_dsn, table) == {"evt_2": "delivered", "evt_1": "superseded"}
+    assert app.applied == [("cus_1", 2)]
+    assert (app.state, app.overlaps) == ({"cus_1": 2}, 0)
+
+
+async def test_a_kept_version_is_not_sent_while_a_handed_off_one_of_its_object_is_at_the_app(
+    make_proxy: MakeProxy, app: LastWriterWins, pg_dsn: str, table: str
+) -> None:
+    """The campaign's object_in_flight_twice: the keep at a hand-off commits, and with it lets go
+    of the object's row, while the app still has the delivery. A kept row of the object that
+    arrived before it (the race the campaign met, set here by its times) is due meanwhile: it
+    waits for the attempt's end, then is superseded by the version the app accepted."""
+    app.slow["evt_2"] = 1.5
+    proxy = await make_proxy(
+        routes=[_handed_off_route()], upstream={"url": app.url, "timeout": "10s"},
+        redeliverer=QUICK,
+    )  # fmt: skip
+    v2 = await proxy.post("/hooks", data=version("evt_2", "cus_1", 2))
+    assert (v2.status, (await v2.json())["kept_for"]) == (202, "deadline")
+    v1 = await proxy.post("/hooks", data=version("evt_1", "cus_1", 1))
+    assert (v1.status, (await v1.json())["kept_for"]) == (202, "ordering")
+    await execute(
+        pg_dsn,
+        f"UPDATE \"{table}\" SET received_at = (SELECT received_at - interval '1 second' "
+        f"FROM \"{table}\" WHERE scope = 'hooks' AND event_id = 'evt_2'), inbox_due = now() "
+        "WHERE scope = 'hooks' AND event_id = 'evt_1'",
+    )
+
+    async def settled() -> bool:
+        return (await _states(pg_dsn, table)).get("evt_1") not in (None, "pending")
+
+    await wait_until(settled, "v1 settled by the redeliverer")
+    assert app.overlaps == 0  # never two of cus_1 at the app at once
+    assert await _states(pg_dsn, table) == {"evt_2": "delivered", "evt_1": "superseded"}
+    assert (app.applied, app.state) == ([("cus_1", 2)], {"cus_1": 2})
 
 
 async def test_object_rows_are_swept_with_the_retention_but_held_or_with_kept_deliveries(

@@ -418,14 +418,40 @@ class HandedOff:
 
     failures = 0
 
-    def __init__(self, inbox: Inbox, scope: str, event_id: str) -> None:
+    def __init__(
+        self,
+        inbox: Inbox,
+        scope: str,
+        event_id: str,
+        *,
+        obj: str | None = None,
+        version: str | None = None,
+    ) -> None:
         self._inbox = inbox
         self.scope = scope
         self.event_id = event_id
+        self._object = obj  # on an ordered route: its object's key, and its version
+        self._version = version
 
     async def delivered(self, status: int | None) -> None:
-        """The app took it: delivered, the body dropped."""
-        await self._update(self._inbox.statements.delivered, status)
+        """The app took it: delivered, the body dropped (on an ordered route, its version
+        recorded as its object's accepted one, if newer, as a redelivery's is: an older
+        version kept behind it is then superseded, not applied after it)."""
+        if self._object is None or self._version is None:
+            await self._update(self._inbox.statements.delivered, status)
+            return
+        inbox = self._inbox
+        async with inbox._acquire() as connection:
+            with pool.translated("recording the handed-off delivery's answer failed"):
+                async with connection.transaction():
+                    await connection.execute(
+                        inbox.statements.accepted, object_scope(self.scope), self._object,
+                        self._version, timeout=inbox.op_timeout,
+                    )  # fmt: skip
+                    await connection.fetchval(
+                        inbox.statements.delivered, self.scope, self.event_id, status,
+                        timeout=inbox.op_timeout,
+                    )  # fmt: skip
 
     async def failed(self, attempt: Attempt, delay: float, *, dead: bool) -> InboxState:
         """The app failed it: due ``delay`` from now (or dead)."""

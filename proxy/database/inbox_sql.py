@@ -68,12 +68,17 @@ _CAPPED = sql.IN_SCOPE.replace("$1", "{scope}") + " AND inbox_state IN ('pending
 # digits: a row whose ID ends with this claim's holds the same signed body (and query).
 _SIGNED = "right(event_id, length({part})) = {part}"
 # A kept row of an ordered route (``inbox_request`` names its object) waits for the older kept
-# rows of its object, due or not: a failed head holds back its own object only.
+# rows of its object, due or not: a failed head holds back its own object only. And for one of
+# its object handed off whose attempt is still at the app (``_AT_APP``), older or not: the keep
+# at the hand-off committed, and with it let go of the object's row lock, while the app still
+# has that delivery.
 _FIRST_OF_OBJECT = (
     "(t.inbox_request ->> 'object' IS NULL OR NOT EXISTS (SELECT FROM {quoted} AS o "
     "WHERE o.scope = t.scope AND o.inbox_state = 'pending' "
     "AND o.inbox_request ->> 'object' = t.inbox_request ->> 'object' "
-    "AND (o.received_at, o.event_id) < (t.received_at, t.event_id)))"
+    "AND ((o.received_at, o.event_id) < (t.received_at, t.event_id) "
+    "OR (o.event_id <> t.event_id AND o.inbox_request ->> 'kept_for' = 'handed_off' "
+    "AND jsonb_array_length(o.inbox_attempts) = 0 AND o.inbox_due > now()))))"
 )
 _ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
 
