@@ -605,3 +605,55 @@ def test_discord_without_cryptography_is_a_configuration_error_naming_the_extra(
 
     with pytest.raises(ValueError, match=r"install webhook-dedup-proxy\[discord\]"):
         signatures.settings("discord")
+
+
+# Mailgun: the body's signature object, hex HMAC-SHA256 of timestamp + token with the webhook
+# signing key (Mailgun's "securing webhooks" page); the event data is not signed.
+
+MAILGUN_KEY = "key-mailgun-signing"
+
+
+def mailgun_body(event: str, token: str, *, at: float | None = None, key: str = MAILGUN_KEY,
+                 stamp_type: type = str) -> bytes:  # fmt: skip
+    stamp = str(int(time.time() if at is None else at))
+    signature = hmac.new(key.encode(), (stamp + token).encode(), hashlib.sha256).hexdigest()
+    signed = {"timestamp": stamp_type(stamp), "token": token, "signature": signature}
+    data = {"event": event, "id": "CPgfbmQMTCKtHW6uIWtuVe", "recipient": "alice@example.com"}
+    return json.dumps({"signature": signed, "event-data": data}).encode()
+
+
+@pytest.mark.parametrize("stamp_type", [str, int])
+async def test_mailgun_forwards_a_signed_event_once_and_refuses_forgeries(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, stamp_type: type
+) -> None:
+    client = await make_proxy(routes=[route("mailgun", {"secret": MAILGUN_KEY})])
+    path = "/hooks/mailgun"
+    token = "e0b5477167110d68991efc6b9f89f0a11066af27834600e123"
+    body = mailgun_body("delivered", token, stamp_type=stamp_type)
+
+    await assert_refused(
+        client,
+        path,
+        [
+            (mailgun_body("delivered", token, key="key-guessed"), {}),
+            (mailgun_body("delivered", token, at=time.time() - 13 * 3600), {}),  # over 12 h
+            (body.replace(token.encode(), b"f" + token[1:].encode()), {}),  # another token
+            (json.dumps({"event-data": {"event": "delivered"}}).encode(), {}),
+        ],
+    )
+    assert await claimed(pg_dsn, table) == []
+    assert await deliver_twice(client, path, body, {}) == (200, 200)
+    # The event data is not signed: another body under the captured signature verifies, and
+    # the claim on the signed token makes it a duplicate, never forwarded.
+    swapped = body.replace(b'"delivered"', b'"failed"')
+    assert (await client.post(path, data=swapped)).headers["Dedup-Status"] == "duplicate"
+
+    assert upstream.bodies() == [body]
+    assert await claimed(pg_dsn, table) == [("mailgun", token, "delivered")]
+
+
+def test_mailgun_keeps_claims_longer_than_a_signature_stays_fresh() -> None:
+    # A captured signature is then a duplicate (within retention) or stale (past tolerance).
+    preset = presets.PRESETS["mailgun"]
+    assert preset.tolerance is not None
+    assert preset.tolerance < preset.retention

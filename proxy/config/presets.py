@@ -169,6 +169,16 @@ PRESETS: dict[str, Preset] = {
         claim_wait=2.0,
         deadline=3.0,
     ),
+    # Signs only timestamp + token, not the event data (docs/providers.md): claimed by the signed
+    # token, and the tolerance (12 h: retries span 8 hours and whether a retry is re-signed is
+    # unverified) below the retention, so a captured signature is a duplicate or stale.
+    "mailgun": Preset(
+        event_id=("body:/signature/token",),
+        event_type="body:/event-data/event",
+        scheme="mailgun",
+        retention=2 * DAY,
+        tolerance=12 * HOUR,
+    ),
     # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
     # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
     "slack": Preset(
