@@ -89,19 +89,7 @@ class Short:
         # object at the app at once, never applied backwards, each at its newest at the end.
         pytest.param(
             Short(minutes=0.4, events=300, inbox=True, ordering=True, hurt=()),
-            marks=[
-                pytest.mark.timeout(120),
-                # Not strict: a short run hits a hand-off of an object with a later version
-                # kept only now and then (the 4-minute run: 6 violations in 91 hand-offs).
-                pytest.mark.xfail(
-                    strict=False,
-                    reason="open (docs/guarantees.md, the --ordering run): a hand-off's "
-                    "delivered result does not record its object's accepted version, so an "
-                    "older kept version is redelivered after it (applied_backwards), and the "
-                    "hand-off releases the object before the app answers "
-                    "(object_in_flight_twice)",
-                ),
-            ],
+            marks=pytest.mark.timeout(120),
             id="ordering-inbox",
         ),
     ],
