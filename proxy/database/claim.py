@@ -183,7 +183,7 @@ class Store(Protocol):
     op_timeout: float
     distributed: bool  # Citus: the claim's INSERT bounded by statement_timeout too
 
-    async def reconcile(self, key: Key) -> bool:
+    async def confirm_commit(self, key: Key) -> bool:
         """After a COMMIT in doubt: whether the claim is stored now (see ``store.Store``)."""
 
 
@@ -225,7 +225,7 @@ class Claim:
         raise CommitFailed if that cannot be made certain.
 
         When COMMIT fails (the connection was lost, the server went away) the claim may or may
-        not have been stored. ``Store.reconcile`` then settles it on a fresh connection
+        not have been stored. ``Store.confirm_commit`` then settles it on a fresh connection
         (re-claimed there without an answer: its duplicates then get the proxy's own
         acknowledgement). When the server refuses to store the answer (the role may not UPDATE
         it), the claim is committed without it on the same connection.
@@ -262,7 +262,7 @@ class Claim:
                 return Commit(answer_refused=refused)
         except errors.StoreUnavailable as exc:
             self._discard()
-            if await store.reconcile(key):
+            if await store.confirm_commit(key):
                 return Commit(reconciled=True, answer_refused=refused)
             cause = exc.__cause__ if exc.__cause__ is not None else exc
             if unsent:
@@ -518,7 +518,7 @@ class Claim:
         hand-off that could not keep the delivery): the claim ended with it, so it is stored
         again on a fresh connection, as after a COMMIT that could not be sent."""
         self.state = ClaimState.COMMITTED
-        if await self._store.reconcile(self.key):
+        if await self._store.confirm_commit(self.key):
             return Commit(reconciled=True)
         raise errors.CommitNotSent(
             "the connection was closed before COMMIT could be sent, so the claim is not "

@@ -597,7 +597,7 @@ class Store:
                     )
         return found
 
-    async def reconcile(self, key: Key) -> bool:
+    async def confirm_commit(self, key: Key) -> bool:
         """After a COMMIT in doubt: is the claim stored now? Re-claims it if it is absent.
 
         On a fresh connection outside the pool (the pooled ones may sit behind the same broken
