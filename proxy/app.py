@@ -25,7 +25,6 @@ from proxy import (
     embedded,
     errors,
     flights,
-    holds,
     memory,
     metrics,
     pipeline,
@@ -33,6 +32,7 @@ from proxy import (
     redeliverer,
     request_body,
     retention,
+    route_holds,
     tracing,
 )
 from proxy.upstream import forwarder, proxy_headers
@@ -322,7 +322,7 @@ async def _holds(app: web.Application) -> AsyncIterator[None]:
     """This worker's copy of the route holds, read every ``redeliverer.poll`` from the store's
     start to the end of the drain."""
     cfg = app[app_keys.CONFIG]
-    copy = app[app_keys.HOLDS] = holds.Holds(
+    copy = app[app_keys.HOLDS] = route_holds.Holds(
         app[app_keys.STORE], cfg.routes, poll=cfg.redeliverer.poll, meters=app[app_keys.METRICS]
     )
     async with _running(copy.run(), "route-holds"):

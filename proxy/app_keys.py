@@ -10,7 +10,17 @@ import asyncio
 import jinja2
 from aiohttp import web
 
-from proxy import app_limit, config, database, errors, flights, holds, memory, metrics, tracing
+from proxy import (
+    app_limit,
+    config,
+    database,
+    errors,
+    flights,
+    memory,
+    metrics,
+    route_holds,
+    tracing,
+)
 from proxy.upstream import forwarder
 
 
@@ -36,7 +46,7 @@ STORE = web.AppKey("store", database.Store)
 FORWARDER = web.AppKey("forwarder", forwarder.Forwarder)
 FLIGHTS = web.AppKey("flights", flights.Flights)
 # This worker's copy of the route holds: ``held(scope)`` answers without a database round trip.
-HOLDS = web.AppKey("holds", holds.Holds)
+HOLDS = web.AppKey("holds", route_holds.Holds)
 METRICS = web.AppKey("metrics", metrics.Metrics)
 DRAINING = web.AppKey("draining", asyncio.Event)
 BUDGET = web.AppKey("budget", memory.Budget)

@@ -458,7 +458,7 @@ class Metrics:
         self._missing_grants: Callable[[], Sequence[str]] | None = None
 
     def _hold_gauges(self) -> None:
-        # The route holds (proxy.holds), as this worker's copy of them sees them: the largest
+        # The route holds (proxy.route_holds), as this worker's copy of them sees them: the largest
         # over the workers (a worker that has not read a new hold yet reports the old one).
         self.route_held = Gauge(
             "dedup_route_held",

@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
-from proxy import app_limit, database, delivery, errors, memory, metrics, tracing
-from proxy import holds as route_holds
+from proxy import app_limit, database, delivery, errors, memory, metrics, route_holds, tracing
 from proxy.config import redeliver, routes
 from proxy.database import receipts, slots
 from proxy.upstream import forwarder, transports

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from aiohttp import web
 
-from proxy import app_keys, database, errors, holds, operations
+from proxy import app_keys, database, errors, operations, route_holds
 from proxy.database import HoldKind
 from tests import roles
 from tests.helpers import (
@@ -316,7 +316,7 @@ async def test_a_retry_after_the_database_does_not_take_holds_this_worker_until_
     cfg = proxy_config(routes=[ROUTE])
     down = f"postgresql://dedup@127.0.0.1:{free_port()}/dedup"  # nothing listens there
     store = database.Store.create(down, cfg.database, claim_wait=1, upstream_timeout=1)
-    copy = holds.Holds(store, cfg.routes, poll=0.1)
+    copy = route_holds.Holds(store, cfg.routes, poll=0.1)
     try:
         hold = await copy.hold_for_retry_after("hooks", 3600)
         assert hold is not None
@@ -409,8 +409,8 @@ async def test_a_retry_after_hold_is_capped_and_a_tenants_ended_rows_do_not_pile
         assert await store.holds.release("hooks", by="bob") == HoldKind.RETRY_AFTER
         assert await store.holds.active() == {}
 
-        monkeypatch.setattr(holds, "MAX_PATH_HOLDS", 2)
-        copy = holds.Holds(store, cfg.routes, poll=1.0)
+        monkeypatch.setattr(route_holds, "MAX_PATH_HOLDS", 2)
+        copy = route_holds.Holds(store, cfg.routes, poll=1.0)
         for tenant in ("a", "b", "c"):
             await copy.hold_for_retry_after(f"hooks/{tenant}", 60)
         assert copy.held_paths(["hooks"]) == ["hooks/a", "hooks/b"]
