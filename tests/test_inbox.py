@@ -198,7 +198,10 @@ async def test_a_kept_row_records_the_bytes_it_stores_and_drops_them_once_delive
     answer = await proxy.post("/hooks", data=b'{"id": "s1"}', headers={"X-Pad": "p" * 500})
     assert answer.status == 202
 
-    stored = "octet_length(inbox_request::text) + octet_length(inbox_body)"
+    stored = (
+        "octet_length(inbox_request::text) + octet_length(inbox_body) "
+        "+ octet_length(inbox_attempts::text)"
+    )
     [row] = await fetch(pg_dsn, f'SELECT inbox_size, {stored} AS stored FROM "{table}"')
     assert row["inbox_size"] == row["stored"] > 500
 
