@@ -207,7 +207,8 @@ class Attempt:
         when no answer came through)."""
         fields = [(name, value) for name, value in headers
                   if name.lower() not in _ATTEMPT_UNKEPT]  # fmt: skip
-        first = [f for f in fields if f[0].lower() in _ATTEMPT_FIRST]
+        first = sorted((f for f in fields if f[0].lower() in _ATTEMPT_FIRST),
+                       key=lambda f: _ATTEMPT_FIRST.index(f[0].lower()))  # fmt: skip
         kept = first + [f for f in fields if f[0].lower() not in _ATTEMPT_FIRST]
         return cls(
             status, error, None if seconds is None else round(seconds * 1000, 1),
@@ -309,6 +310,36 @@ class Shown(NamedTuple):
     until: datetime | None
     changed: datetime | None
     place: Place | None = None  # on an ordered route: its object's queue
+
+    def reason(self, when: Callable[[datetime | None], str]) -> str | None:
+        """Why it is pending or dead now, in words (None in any other state), its times as
+        ``when`` writes them: the last attempt's failure; for a dead row, what made it so; for
+        one not tried yet, why it was kept (``StoredRequest.kept_because``)."""
+        last = self.attempts[-1] if self.attempts else None
+        if self.state == InboxState.DEAD:
+            if last is None:
+                return None
+            if self.until is not None and self.changed is not None and self.changed >= self.until:
+                return f"tried until {when(self.until)} (redeliver.for); the last attempt: " + (
+                    attempt_words(last)
+                )
+            return f"{attempt_words(last)}: retrying cannot fix it"
+        if self.state != InboxState.PENDING:
+            return None
+        if last is not None:
+            return f"attempt {last.get('n') or len(self.attempts)} failed: {attempt_words(last)}"
+        return None if self.request is None else self.request.kept_because(False)
+
+
+def attempt_words(attempt: dict[str, Any]) -> str:
+    """A recorded attempt in words: what the app answered, or the proxy's error where no answer
+    came, and how long it took."""
+    status, error, ms = attempt.get("status"), attempt.get("error"), attempt.get("ms")
+    if status is None:
+        words = "no answer" + (f": {error}" if error else "")
+    else:
+        words = f"the app answered {status}" + (f" ({error})" if error else "")
+    return words + (f" after {ms:g} ms" if isinstance(ms, int | float) else "")
 
 
 class Place(NamedTuple):

@@ -91,11 +91,13 @@ _ATTEMPT = (
 # The row's attempts with one more: past ATTEMPTS_KEPT, the oldest but the first is dropped.
 _FULL = f"jsonb_array_length(inbox_attempts) >= {ATTEMPTS_KEPT}"
 _APPENDED = "CASE WHEN " + _FULL + " THEN inbox_attempts - 1 ELSE inbox_attempts END || {attempt}"
-# What that changes of the row's stored bytes (inbox_size, counted against max_pending_bytes).
+# What that changes of the row's stored bytes (inbox_size, counted against max_pending_bytes):
+# its text's length, to the byte (", " between two attempts).
 _GROWN = (
-    "inbox_size + octet_length({attempt}::text) - CASE WHEN "
+    "inbox_size + octet_length({attempt}::text) + CASE WHEN "
     + _FULL
-    + " THEN octet_length((inbox_attempts -> 1)::text) ELSE 0 END"
+    + " THEN -octet_length((inbox_attempts -> 1)::text) "
+    "WHEN jsonb_array_length(inbox_attempts) > 0 THEN 2 ELSE 0 END"
 )
 
 
