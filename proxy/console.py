@@ -236,6 +236,12 @@ def _state(state: str | None) -> str:
     return state or "delivered at the first try"
 
 
+def _inert(text: str) -> str:
+    """An app's answer as a page shows it: each line's control and format characters as
+    escapes (``logs.printable``), which a page autoescapes then as any text."""
+    return "\n".join(logs.printable(line) for line in text.splitlines())
+
+
 def _render(request: web.Request, name: str, status: int = 200, **context: Any) -> web.Response:
     settings = request.app[app_keys.CONSOLE]
     operator = request.get(console_gate.OPERATOR)
@@ -400,14 +406,20 @@ async def event(request: web.Request) -> web.Response:
         body, cut = pretty_body(delivery.body, shown.body_bytes)
     headers = [(name, masked(name, value)) for name, value in delivery.headers] if delivery else []
     attempts = [
-        {"at": _attempt_at(a.get("at")), "status": a.get("status"), "error": a.get("error") or ""}
-        for a in shown.attempts
-    ]
+        {"n": a.get("n") or n, "at": _attempt_at(a.get("at")), "status": a.get("status"),
+         "error": a.get("error") or "", "ms": a.get("ms"), "headers": a.get("headers") or [],
+         "body": _inert(a.get("body") or ""), "body_bytes": a.get("body_bytes"),
+         "cut": (a.get("body_bytes") or 0) > inbox.ATTEMPT_BODY}
+        for n, a in enumerate(shown.attempts, 1)
+    ]  # fmt: skip
     return _render(
         request, "event.html", title="Event", shown=shown, event=database.unbound(shown.event_id),
         state=_state(shown.state), delivery=delivery, headers=headers, body=body, cut=cut,
         body_cap=BODY_CAP, attempts=attempts, route=route, when=_when,
-        kept_for=None if delivery is None else delivery.kept_because(bool(shown.attempts)),
+        why=shown.reason(_when), attempt_body=inbox.ATTEMPT_BODY,
+        # Why it was first kept, below the reason it is kept now: history, once it was tried.
+        kept_for=None if delivery is None or not shown.attempts
+        else delivery.kept_because(True),
         done=_DONE.get(request.query.get("done", "")),
         actionable=shown.state in ("pending", "dead") and route is not None
         and route.redeliver is not None and delivery is not None,

@@ -59,6 +59,7 @@ class Result:
     # What the app was sent, where it may be kept: the headers with the trace's, before the
     # transport took Host out (what a redelivery sends again, linking to this trace).
     sent: tuple[tuple[str, str], ...] = ()
+    seconds: float | None = None  # how long the attempt took, to its answer or its failure
 
     @property
     def status(self) -> int | None:
@@ -76,12 +77,17 @@ class Result:
 
     @property
     def attempt(self) -> database.Attempt:
-        """As the inbox records it: the status, and what went wrong (None when the app
-        answered, or took it)."""
-        if self.taken or self.failure is None:
-            return database.Attempt(self.status)
-        return database.Attempt(self.status, GONE if self.answer is not None else
-                                self.failure.message)  # fmt: skip
+        """As the inbox records it: the status, what went wrong (None when the app answered,
+        or took it), how long it took and what the app answered (bounded)."""
+        answer = self.answer
+        error = None
+        if not self.taken and self.failure is not None:
+            error = GONE if answer is not None else self.failure.message
+        if answer is None:
+            return database.Attempt.answered(self.status, error, self.seconds)
+        return database.Attempt.answered(
+            self.status, error, self.seconds, answer.headers.items(), answer.body
+        )
 
     def retry_after(self, now: float | None = None) -> float | None:
         """How long the app asked to be left alone: a 429 or 503 with ``Retry-After`` (seconds,
@@ -126,16 +132,18 @@ async def attempt(
     trace with."""
     span = trace.forwarding(outgoing.method, upstream, outgoing.target, outgoing.headers)
     sent = tuple(outgoing.headers.items()) if keeps else ()
+    started = time.monotonic()
     try:
         answer = await client.send(upstream, outgoing, reserve)
     except errors.UpstreamFailed as exc:
         trace.failed(span, exc.code, exc.message)
-        return Result(None, exc, sent)
+        return Result(None, exc, sent, time.monotonic() - started)
+    took = time.monotonic() - started
     trace.answered(span, answer.status, answer.resend_count)
     if answer.status == 410:
         gone = errors.UpstreamUnavailable(f"{GONE}; relayed as 502", upstream_status=410)
-        return Result(answer, gone, sent)
-    return Result(answer, None, sent)
+        return Result(answer, gone, sent, took)
+    return Result(answer, None, sent, took)
 
 
 async def handing_off(
@@ -201,7 +209,7 @@ class Recorded(Protocol):
 
     failures: int  # the failed attempts so far, for the schedule
 
-    async def delivered(self, status: int | None) -> None: ...
+    async def delivered(self, attempt: database.Attempt) -> None: ...
 
     async def failed(
         self, attempt: database.Attempt, delay: float, *, dead: bool
@@ -221,11 +229,11 @@ async def record(
     (``written``): written, the delivery is "delivered" (the app's effect committed)."""
     failed = result.attempt
     if result.taken and failed.status is not None:
-        await redelivery.delivered(failed.status)
+        await redelivery.delivered(failed)
         return "delivered"
     if written is not None and await written():
         # The app committed its receipt: the effect is done, whatever its answer said.
-        await redelivery.delivered(failed.status)
+        await redelivery.delivered(failed)
         return "delivered"
     settings = settings or redeliver.Redeliver()
     delay = max(settings.delay(redelivery.failures + 1), result.retry_after() or 0.0)

@@ -167,8 +167,11 @@ def _state(shown: inbox.Shown) -> str:
 
 def describe(shown: inbox.Shown) -> str:
     """``events show``'s block: the event (its ID as the provider sent it, and the claim's as
-    stored where that differs), its state, the request kept and every attempt."""
+    stored where that differs), its state and why it is so now (``Shown.reason``), the request
+    kept and every attempt with what the app answered. A dead row's schedule is over: no
+    ``until``."""
     event_id = database.unbound(shown.event_id)
+    why = shown.reason(_when)
     fields = [
         ("event", event_id),
         *((("claim", shown.event_id),) if event_id != shown.event_id else ()),
@@ -176,8 +179,9 @@ def describe(shown: inbox.Shown) -> str:
         ("type", shown.event_type or "-"),
         ("received_at", _when(shown.received_at)),
         ("state", _state(shown)),
+        *((("why", why),) if why else ()),
         *((("next due", _when(shown.due)),) if shown.due else ()),
-        *((("until", _when(shown.until)),) if shown.until else ()),
+        *((("until", _when(shown.until)),) if shown.until and shown.state != "dead" else ()),
         *((("changed", _when(shown.changed)),) if shown.changed else ()),
         *(_place(shown.place) if shown.place else ()),
     ]
@@ -215,6 +219,7 @@ def shown_json(shown: inbox.Shown) -> dict[str, Any]:
         "event_id": database.unbound(shown.event_id), "claim_id": shown.event_id,
         "scope": shown.scope, "event_type": shown.event_type,
         "received_at": operations.timestamp(shown.received_at), "state": shown.state,
+        "why": shown.reason(_when),
         "next_due": operations.timestamp(shown.due), "until": operations.timestamp(shown.until),
         "changed": operations.timestamp(shown.changed),
         "request": None if request is None else {
@@ -263,21 +268,47 @@ def _request(
 
 
 def _attempts(attempts: Sequence[dict[str, Any]]) -> str:
+    """Every attempt kept, oldest first, in a table (its number, time, the app's status, how
+    long it took, the proxy's error); then, for each that has one, what the app answered: its
+    headers kept and its body's first bytes, each line escaped for the terminal."""
     if not attempts:
         return "attempts:    none recorded\n"
     rows = []
-    for attempt in attempts:
+    answers = []
+    for index, attempt in enumerate(attempts, 1):
         try:
             at = _when(datetime.fromisoformat(attempt["at"]))
         except (TypeError, ValueError):
             at = str(attempt.get("at"))
-        status = attempt.get("status")
+        status, ms, n = attempt.get("status"), attempt.get("ms"), attempt.get("n") or index
         error = logs.printable(str(attempt.get("error") or "-"))
-        rows.append((at, "-" if status is None else status, error))
+        rows.append((n, at, "-" if status is None else status, "-" if ms is None else ms, error))
+        answers.append(_answer(n, attempt))
     text = io.StringIO()
-    operations.table(rows, ("at", "status", "error"), text)
+    operations.table(rows, ("#", "at", "status", "ms", "error"), text)
     indented = "".join(f"  {line}\n" for line in text.getvalue().splitlines())
-    return f"attempts:    {len(attempts)}\n{indented}"
+    made = rows[-1][0]
+    kept = f" ({len(attempts)} kept: the first and the newest)" if made != len(attempts) else ""
+    return f"attempts:    {made}{kept}\n{indented}" + "".join(answers)
+
+
+def _answer(n: object, attempt: dict[str, Any]) -> str:
+    """What the app answered at attempt ``n``, as ``_attempts`` prints it ("" when nothing
+    of it is kept)."""
+    headers, body, size = attempt.get("headers") or [], attempt.get("body") or "", None
+    if isinstance(attempt.get("body_bytes"), int):
+        size = attempt["body_bytes"]
+    if not headers and size is None:
+        return ""
+    lines = [f"  answer #{n}: {logs.printable(inbox.attempt_words(attempt))}"]
+    lines += (f"    {logs.printable(str(name))}: {logs.printable(str(value))}"
+              for name, value in headers)  # fmt: skip
+    if size is not None:
+        cut = f", the first {inbox.ATTEMPT_BODY} shown" if size > inbox.ATTEMPT_BODY else ""
+        lines.append(f"    body: {size} bytes{cut}" + (":" if body else ""))
+        # The app's bytes on an operator's terminal: each line escaped as the log lines are.
+        lines += (f"    | {logs.printable(line)}" for line in str(body).splitlines())
+    return "\n".join(lines) + "\n"
 
 
 class Verbs(NamedTuple):

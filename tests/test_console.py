@@ -24,6 +24,7 @@ from tests.helpers import (
     MakeProxy,
     admin_client,
     event,
+    execute,
     fetch,
     stripe_headers,
     stripe_route,
@@ -401,7 +402,7 @@ async def test_the_overview_shows_each_routes_hold_and_the_limits_use(
     async with proxy.post("/other", data=json.dumps({"id": "held_1"})) as answer:
         assert (await answer.json())["kept_for"] == "retry_after"
     shown = await page(admin, "/console/event?scope=other&id=held_1")
-    assert "<dt>Kept because</dt><dd>not sent: the app asked to wait (Retry-After)</dd>" in shown
+    assert "<dt>Why pending</dt><dd>not sent: the app asked to wait (Retry-After)</dd>" in shown
 
 
 async def test_pause_and_resume_need_the_credential_and_the_token(
@@ -547,3 +548,85 @@ async def test_the_console_can_be_turned_off(make_proxy: MakeProxy, aiohttp_clie
         assert response.status == 404
     async with admin.get("/healthz") as response:
         assert response.status == 200
+
+
+async def test_an_events_page_says_why_first_then_what_the_app_answered_at_each_attempt(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    # The app fails twice with an error page (markup, a terminal's controls), then takes it.
+    error_page = f"<h1>down</h1>{HOSTILE}\x1b[2J" + "z" * 3000
+    upstream.respond = lambda n: (
+        web.Response(status=500, text=error_page, content_type="text/html")
+        if n < 2
+        else web.Response(status=200, text="ok")
+    )
+    proxy = await make_proxy(routes=[KEPT], admin={}, redeliverer={"poll": "100ms"})
+    admin = await admin_client(aiohttp_client, proxy)
+    await send(proxy, "evt_twice")
+    store: database.Store = proxy.app[app_keys.STORE]
+
+    async def attempts(n: int) -> bool:
+        found = await fetch(
+            pg_dsn, f'SELECT jsonb_array_length(inbox_attempts) AS n FROM "{table}"'
+        )
+        return bool(found[0]["n"] == n)
+
+    await store.inbox.redeliver("hooks", ["evt_twice"], None, 86400.0)
+    await wait_until(lambda: attempts(2), "the second attempt")
+    # As if it had first been kept over the limit at the app, then tried twice.
+    await execute(
+        pg_dsn, f"UPDATE \"{table}\" SET inbox_request = inbox_request || "
+        "'{\"kept_for\": \"limit\"}'::jsonb",
+    )  # fmt: skip
+
+    shown = await page(admin, "/console/event?scope=hooks&id=evt_twice")
+
+    facts = re.findall(r"<dt>([^<]*)</dt><dd>(.*?)</dd>", shown)
+    names = [name for name, _ in facts]
+    # The current reason right below the state; the first one below, as history.
+    assert names.index("Why pending") == names.index("State") + 1
+    why = dict(facts)["Why pending"]
+    assert re.fullmatch(r"attempt 2 failed: the app answered 500 after [\d.]+ ms", why)
+    assert names.index("First kept because") > names.index("Why pending")
+    assert "limit at the app" in dict(facts)["First kept because"]
+    assert "Tried until" in names  # pending: tried until then
+    rows = re.findall(r'<tr><td class="n"><a href="#attempt-(\d)">.*?</tr>', shown)
+    assert rows == ["1", "2"]
+    assert len(re.findall(r'<td class="n">\d+\.?\d*</td><td>-</td></tr>', shown)) == 2  # the ms
+    assert shown.count("Attempt 1: what the app answered") == 1
+    assert f"{len(error_page)} bytes, the first {database.ATTEMPT_BODY} bytes shown" in shown
+    # The app's body, as text: never markup in the page, nor a raw control character.
+    assert "<script" not in shown
+    assert "<img" not in shown
+    assert "\x1b" not in shown
+    assert "&lt;/script&gt;&lt;img src=x onerror=alert(1)&gt;\\u001b[2J" in shown
+    assert "&lt;h1&gt;down&lt;/h1&gt;&lt;script&gt;window.pwned=1&lt;/script&gt;" in shown
+    assert "z" * 3000 not in shown  # cut at the bound
+
+    await execute(pg_dsn, f"UPDATE \"{table}\" SET inbox_request = inbox_request - 'kept_for'")
+    await store.inbox.redeliver("hooks", ["evt_twice"], None, 86400.0)
+
+    async def delivered() -> bool:
+        return await state(pg_dsn, table, "evt_twice") == "delivered"
+
+    await wait_until(delivered, "delivered")
+    shown = await page(admin, "/console/event?scope=hooks&id=evt_twice")
+    assert "<dt>Why" not in shown  # delivered: nothing to explain
+    assert "Attempt 3: what the app answered" in shown
+    assert "<p>2 bytes.</p>" in shown
+
+
+async def test_a_dead_events_page_says_why_and_no_longer_tried_until(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client)
+    failing(upstream, 422)
+    await send(proxy, "evt_dead")
+
+    shown = await page(admin, "/console/event?scope=hooks&id=evt_dead")
+
+    facts = dict(re.findall(r"<dt>([^<]*)</dt><dd>(.*?)</dd>", shown))
+    assert re.fullmatch(
+        r"the app answered 422 after [\d.]+ ms: retrying cannot fix it", facts["Why dead"]
+    )
+    assert "Tried until" not in facts

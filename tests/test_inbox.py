@@ -198,7 +198,10 @@ async def test_a_kept_row_records_the_bytes_it_stores_and_drops_them_once_delive
     answer = await proxy.post("/hooks", data=b'{"id": "s1"}', headers={"X-Pad": "p" * 500})
     assert answer.status == 202
 
-    stored = "octet_length(inbox_request::text) + octet_length(inbox_body)"
+    stored = (
+        "octet_length(inbox_request::text) + octet_length(inbox_body) "
+        "+ octet_length(inbox_attempts::text)"
+    )
     [row] = await fetch(pg_dsn, f'SELECT inbox_size, {stored} AS stored FROM "{table}"')
     assert row["inbox_size"] == row["stored"] > 500
 
@@ -507,3 +510,80 @@ def test_a_header_kept_before_header_refused_is_redelivered_as_its_bytes() -> No
 
     assert '{"base64":"Y2Fm6Q=="}' in kept.encoded()
     assert database.StoredRequest.decoded(kept.encoded(), b"") == kept
+
+
+# An app's error page: markup, a terminal's controls and a NUL, past the bound kept of a body.
+APP_ERROR = (
+    b"<h1>Internal Server Error</h1><script>alert(1)</script>\x1b]52;c;aGk=\x07\x1b[2J\x00"
+    + b"x" * 3000
+)
+
+
+def failing_with_a_body(until: int) -> Any:
+    """The first ``until`` requests answered 500 with ``APP_ERROR``, the others 200."""
+
+    def respond(n: int) -> web.Response:
+        if n >= until:
+            return web.Response(status=200, text="thanks")
+        headers = {"Retry-After": "1", "Set-Cookie": "session=s3cret", "X-Trace": "t" * 400}
+        headers.update({f"X-Extra-{i}": str(i) for i in range(20)})
+        return web.Response(status=500, body=APP_ERROR, headers=headers, content_type="text/html")
+
+    return respond
+
+
+async def test_each_attempt_keeps_what_the_app_answered_bounded_and_how_long_it_took(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing_with_a_body(2)
+    proxy = await make_proxy(routes=[route()], redeliverer=QUICK)
+    assert (await proxy.post("/hooks", data=b'{"id": "evt_body"}')).status == 202
+
+    await wait_until(lambda: _state(pg_dsn, table, "evt_body", "delivered"), "delivered")
+    attempts = json.loads((await rows(pg_dsn, table))["evt_body"]["inbox_attempts"])
+    assert [(a["n"], a["status"], a["error"]) for a in attempts] == [
+        (1, 500, None), (2, 500, None), (3, 200, None)
+    ]  # fmt: skip
+    assert all(isinstance(a["ms"], int | float) and a["ms"] >= 0 for a in attempts)
+    failed = attempts[0]
+    assert failed["body_bytes"] == len(APP_ERROR)
+    # The first ATTEMPT_BODY bytes, as text: the NUL (which jsonb cannot hold) replaced.
+    assert failed["body"] == APP_ERROR[: database.ATTEMPT_BODY].decode().replace("\0", "\ufffd")
+    assert len(failed["body"]) == database.ATTEMPT_BODY  # characters: one byte each but the NUL
+    names = [name.lower() for name, _ in failed["headers"]]
+    assert names[:2] == ["content-type", "retry-after"]  # the two that say most, first
+    assert len(names) == database.ATTEMPT_HEADERS
+    assert "set-cookie" not in names  # a credential the app sets: never kept
+    trace = dict((n.lower(), v) for n, v in failed["headers"])["x-trace"]
+    assert trace == "t" * database.ATTEMPT_HEADER_VALUE
+    assert (attempts[2]["body"], attempts[2]["body_bytes"]) == ("thanks", 6)
+
+
+async def test_a_row_keeps_its_first_and_newest_attempts_and_counts_their_bytes(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = failing_with_a_body(10**6)
+    proxy = await make_proxy(routes=[route(schedule=["10ms"])], redeliverer=QUICK)
+    assert (await proxy.post("/hooks", data=b'{"id": "evt_many"}')).status == 202
+    made = "(inbox_attempts -> -1 ->> 'n')::int"
+
+    async def tried() -> bool:
+        found = await fetch(pg_dsn, f'SELECT {made} AS n FROM "{table}"')
+        return found[0]["n"] >= database.ATTEMPTS_KEPT + 5
+
+    await wait_until(tried, "more attempts than a row keeps", 30)
+    stored = (
+        "octet_length(inbox_request::text) + octet_length(inbox_body) "
+        "+ octet_length(inbox_attempts::text)"
+    )
+    [row] = await fetch(
+        pg_dsn, f'SELECT inbox_attempts, inbox_size, {stored} AS stored FROM "{table}"'
+    )
+    numbers = [a["n"] for a in json.loads(row["inbox_attempts"])]
+    assert len(numbers) == database.ATTEMPTS_KEPT
+    assert numbers[0] == 1
+    assert numbers[1:] == list(range(numbers[-1] - database.ATTEMPTS_KEPT + 2, numbers[-1] + 1))
+    # Every answer's bytes are in the row's size, which the inbox's byte cap sums.
+    assert row["inbox_size"] == row["stored"] > database.ATTEMPTS_KEPT * database.ATTEMPT_BODY
+    listed, _ = await proxy.app[app_keys.STORE].inbox.kept("hooks", database.InboxState.PENDING, 5)
+    assert listed[0].attempts == numbers[-1]  # every attempt counted, not those kept

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -180,8 +181,8 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
     assert "  X-Signature: sig=abc" in out.splitlines()
     assert "s3cret" not in out
     attempts = out.splitlines()[out.splitlines().index("attempts:    1") + 1 :]
-    assert attempts[0].split() == ["at", "status", "error"]
-    assert attempts[1].split()[1] == "503"
+    assert attempts[0].split() == ["#", "at", "status", "ms", "error"]
+    assert attempts[1].split()[:3] == ["1", attempts[1].split()[1], "503"]
 
     code, raw, _ = await cli(config_file, "show", "--route", "hooks", "p1", "--body")
     assert (code, raw) == (0, body.decode())
@@ -446,7 +447,8 @@ async def test_a_dead_delivery_redelivered_by_the_operator_reaches_the_app(
     assert upstream.bodies() == [body, body]
     code, out, _ = await cli(config_file, "show", "--route", "hooks", "d1")
     assert "request:     dropped (delivered), headers and body" in out.splitlines()
-    assert [line.split()[1] for line in out.splitlines()[-2:]] == ["422", "200"]
+    attempted = out.splitlines()[out.splitlines().index("attempts:    2") + 2 :]
+    assert [line.split()[2] for line in attempted[:2]] == ["422", "200"]
 
 
 async def test_discard_drops_the_delivery_and_keeps_the_claim(
@@ -467,7 +469,8 @@ async def test_discard_drops_the_delivery_and_keeps_the_claim(
         assert (found["inbox_state"], found["inbox_body"]) == ("discarded", None)
     code, out, _ = await cli(config_file, "show", "--route", "hooks", "d1")
     assert "request:     dropped (discarded), headers and body" in out.splitlines()
-    assert "  422  " in out.splitlines()[-1]  # its attempts stay
+    attempted = out.splitlines()[out.splitlines().index("attempts:    1") + 2]
+    assert "  422  " in attempted  # its attempts stay
     # The claim stays: the provider's copy is an ordinary duplicate, never forwarded.
     copy = await proxy.post("/hooks", data=b'{"id": "p1"}')
     assert (copy.status, copy.headers["Dedup-Status"]) == (200, "duplicate")
@@ -851,3 +854,83 @@ async def test_show_json_is_valid_json_for_hostile_bytes_and_masks_credentials(
     assert {e["event_id"] for e in json.loads(out)["events"]} == {"t1", evil_id}
     code, _, err = await cli(config_file, "show", "--route", "hooks", "t1", "--json", "--body")
     assert (code, err) == (2, "dedup-proxy events show: --body and --json: one of them\n")
+
+
+# An app's error page: markup, a terminal's controls (an OSC 52 clipboard write, a screen
+# clear) and C1 CSI, with more lines than a terminal would want.
+APP_ERROR = "<h1>oops</h1><script>alert(1)</script>\n\x1b]52;c;aGk=\x07\x1b[2J\u009b2J\nline 3\n"
+
+
+async def test_show_says_why_first_then_each_attempt_with_what_the_app_answered(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    config_file: Path,
+    routes: list[dict[str, Any]],
+    pg_dsn: str,
+    table: str,
+) -> None:
+    def respond(n: int) -> web.Response:
+        if n < 2:
+            return web.Response(status=500, text=APP_ERROR, headers={"X-App": "v2"})
+        return web.Response(status=422, text="no such customer " + "y" * 3000)
+
+    upstream.respond = respond
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    await proxy.post("/hooks", data=b'{"id": "p1"}')
+    assert (await cli(config_file, "redeliver", "--route", "hooks", "p1"))[0] == 0
+
+    async def tried() -> bool:
+        found = await fetch(
+            pg_dsn, f"SELECT jsonb_array_length(inbox_attempts) AS n FROM \"{table}\" "
+            "WHERE event_id = 'p1'",
+        )  # fmt: skip
+        return bool(found[0]["n"] == 2)
+
+    await wait_until(tried, "the second attempt")
+    await proxy.post("/hooks", data=b'{"id": "d1"}')  # 422: dead at once
+
+    code, out, err = await cli(config_file, "show", "--route", "hooks", "p1")
+    print(out)
+
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert all(line.isprintable() for line in lines)
+    for raw in ("\x1b", "\x07", "\x9b"):
+        assert raw not in out
+    fields = [line.split(":", 1)[0] for line in lines if not line.startswith(" ")]
+    assert fields.index("why") == fields.index("state") + 1  # the current reason, first
+    why = next(line for line in lines if line.startswith("why:"))
+    assert re.fullmatch(r"why: +attempt 2 failed: the app answered 500 after [\d.]+ ms", why)
+    assert "until" in fields  # pending: tried until then
+    attempted = lines[lines.index("attempts:    2") + 1 :]
+    assert attempted[0].split() == ["#", "at", "status", "ms", "error"]
+    assert [row.split()[0] for row in attempted[1:3]] == ["1", "2"]
+    assert [row.split()[2] for row in attempted[1:3]] == ["500", "500"]
+    start = next(i for i, line in enumerate(attempted) if line.startswith("  answer #1: "))
+    first = attempted[start:]
+    assert re.fullmatch(r"  answer #1: the app answered 500 after [\d.]+ ms", first[0])
+    assert "    Content-Type: text/plain; charset=utf-8" in first
+    assert "    X-App: v2" in first
+    body = first.index(f"    body: {len(APP_ERROR.encode())} bytes:")
+    assert first[body + 1 : body + 4] == [
+        "    | <h1>oops</h1><script>alert(1)</script>",
+        r"    | \u001b]52;c;aGk=\u0007\u001b[2J\u009b2J",
+        "    | line 3",
+    ]
+
+    code, out, _ = await cli(config_file, "show", "--route", "hooks", "p1", "--json")
+    shown = json.loads(out)
+    assert shown["why"].startswith("attempt 2 failed: the app answered 500 after ")
+    assert [(a["n"], a["status"], a["body"]) for a in shown["attempts"]] == [
+        (1, 500, APP_ERROR), (2, 500, APP_ERROR)
+    ]  # fmt: skip
+    assert all(a["ms"] >= 0 for a in shown["attempts"])
+
+    code, out, _ = await cli(config_file, "show", "--route", "hooks", "d1")
+    print(out)
+    lines = out.splitlines()
+    fields = [line.split(":", 1)[0] for line in lines if not line.startswith(" ")]
+    assert "until" not in fields  # dead: its schedule is over
+    why = next(line for line in lines if line.startswith("why:"))
+    assert re.fullmatch(r"why: +the app answered 422 after [\d.]+ ms: retrying cannot fix it", why)
+    assert f"    body: {len('no such customer ') + 3000} bytes, the first 2048 shown:" in lines

@@ -32,6 +32,10 @@ from proxy.database.claim import (
 )
 from proxy.database.holds import MAX_RETRY_AFTER, Hold, HoldKind, RouteHolds
 from proxy.database.inbox import (
+    ATTEMPT_BODY,
+    ATTEMPT_HEADER_VALUE,
+    ATTEMPT_HEADERS,
+    ATTEMPTS_KEPT,
     Attempt,
     HandedOff,
     InboxState,
@@ -60,6 +64,10 @@ from proxy.database.store import (
 )
 
 __all__ = [
+    "ATTEMPTS_KEPT",
+    "ATTEMPT_BODY",
+    "ATTEMPT_HEADERS",
+    "ATTEMPT_HEADER_VALUE",
     "BOUND_DIGITS",
     "DDL_LOCK_WAIT",
     "DEGRADED",

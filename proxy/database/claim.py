@@ -431,7 +431,7 @@ class Claim:
             statements.keep, key.scope, key.event_id, state, request.encoded(),
             request.body, attempt.status, attempt.error, policy.delay, policy.until,
             policy.cap_scope, policy.max_pending, policy.max_pending_bytes, policy.signed,
-            1 if policy.attempted else 0, timeout=store.op_timeout,
+            1 if policy.attempted else 0, attempt.answer(), timeout=store.op_timeout,
         )  # fmt: skip
         if status.rpartition(" ")[2] == "1":
             return True, None

@@ -26,7 +26,7 @@ import decimal
 import enum
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -169,12 +169,71 @@ def _unwire(value: str | dict[str, str]) -> str:
     return value
 
 
+# What an attempt keeps of the app's answer, counted with its row in the inbox's byte cap
+# (``max_pending_bytes``): the first ``ATTEMPT_BODY`` bytes of its body, as text; its
+# Content-Type and Retry-After first, then its other headers, ``ATTEMPT_HEADERS`` at most in
+# all, each value cut at ``ATTEMPT_HEADER_VALUE`` characters; never a cookie it sets.
+ATTEMPT_BODY = 2048
+ATTEMPT_HEADERS = 10
+ATTEMPT_HEADER_VALUE = 256
+_ATTEMPT_FIRST = ("content-type", "retry-after")
+_ATTEMPT_UNKEPT = frozenset({"set-cookie", "set-cookie2"})
+ATTEMPTS_KEPT = inbox_sql.ATTEMPTS_KEPT
+
+
 @dataclass(frozen=True, slots=True)
 class Attempt:
-    """One failed or successful try: the app's status (None: no answer) and what went wrong."""
+    """One failed or successful try: the app's status (None: no answer) and what went wrong
+    (the proxy's own words: a timeout, a refused or reset connection); how long it took
+    (``ms``), and what the app answered, bounded (``answered``)."""
 
     status: int | None
     error: str | None = None
+    ms: float | None = None
+    headers: tuple[tuple[str, str], ...] = ()
+    body: str | None = None  # its first ATTEMPT_BODY bytes, decoded (U+FFFD for the others)
+    body_bytes: int | None = None  # the whole body's length
+
+    @classmethod
+    def answered(
+        cls,
+        status: int | None,
+        error: str | None,
+        seconds: float | None,
+        headers: Iterable[tuple[str, str]] = (),
+        body: bytes | None = None,
+    ) -> Attempt:
+        """An attempt with what it keeps of the app's answer (``headers``, ``body``: None
+        when no answer came through)."""
+        fields = [(name, value) for name, value in headers
+                  if name.lower() not in _ATTEMPT_UNKEPT]  # fmt: skip
+        first = sorted((f for f in fields if f[0].lower() in _ATTEMPT_FIRST),
+                       key=lambda f: _ATTEMPT_FIRST.index(f[0].lower()))  # fmt: skip
+        kept = first + [f for f in fields if f[0].lower() not in _ATTEMPT_FIRST]
+        return cls(
+            status, error, None if seconds is None else round(seconds * 1000, 1),
+            tuple((_readable(name.encode("utf-8", "surrogateescape")[:ATTEMPT_HEADER_VALUE]),
+                   _readable(value.encode("utf-8", "surrogateescape")[:ATTEMPT_HEADER_VALUE]))
+                  for name, value in kept[:ATTEMPT_HEADERS]),
+            None if not body else _readable(body[:ATTEMPT_BODY]),
+            None if body is None else len(body),
+        )  # fmt: skip
+
+    def answer(self) -> str | None:
+        """What it keeps beside its status and error, as the JSON its record in the row is
+        merged with (None: nothing)."""
+        fields = {
+            "ms": self.ms, "headers": [list(h) for h in self.headers] or None,
+            "body": self.body, "body_bytes": self.body_bytes,
+        }  # fmt: skip
+        kept = {name: value for name, value in fields.items() if value is not None}
+        return json.dumps(kept, ensure_ascii=False, separators=(",", ":")) if kept else None
+
+
+def _readable(raw: bytes) -> str:
+    """Bytes of the app's as text a row holds: UTF-8, each byte that is not as U+FFFD, and NUL
+    too (jsonb holds none)."""
+    return raw.decode("utf-8", "replace").replace("\x00", "\ufffd")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -251,6 +310,36 @@ class Shown(NamedTuple):
     until: datetime | None
     changed: datetime | None
     place: Place | None = None  # on an ordered route: its object's queue
+
+    def reason(self, when: Callable[[datetime | None], str]) -> str | None:
+        """Why it is pending or dead now, in words (None in any other state), its times as
+        ``when`` writes them: the last attempt's failure; for a dead row, what made it so; for
+        one not tried yet, why it was kept (``StoredRequest.kept_because``)."""
+        last = self.attempts[-1] if self.attempts else None
+        if self.state == InboxState.DEAD:
+            if last is None:
+                return None
+            if self.until is not None and self.changed is not None and self.changed >= self.until:
+                return f"tried until {when(self.until)} (redeliver.for); the last attempt: " + (
+                    attempt_words(last)
+                )
+            return f"{attempt_words(last)}: retrying cannot fix it"
+        if self.state != InboxState.PENDING:
+            return None
+        if last is not None:
+            return f"attempt {last.get('n') or len(self.attempts)} failed: {attempt_words(last)}"
+        return None if self.request is None else self.request.kept_because(False)
+
+
+def attempt_words(attempt: dict[str, Any]) -> str:
+    """A recorded attempt in words: what the app answered, or the proxy's error where no answer
+    came, and how long it took."""
+    status, error, ms = attempt.get("status"), attempt.get("error"), attempt.get("ms")
+    if status is None:
+        words = "no answer" + (f": {error}" if error else "")
+    else:
+        words = f"the app answered {status}" + (f" ({error})" if error else "")
+    return words + (f" after {ms:g} ms" if isinstance(ms, int | float) else "")
 
 
 class Place(NamedTuple):
@@ -357,7 +446,7 @@ class Redelivery:
         its request and body kept, so that an operator can still send it."""
         await self._end(self._inbox.statements.superseded)
 
-    async def delivered(self, status: int | None) -> None:
+    async def delivered(self, attempt: Attempt) -> None:
         """The app answered 2xx: done, the body dropped, committed (on an ordered route, its
         version recorded as its object's accepted one, if newer)."""
         request = self.request
@@ -367,14 +456,16 @@ class Redelivery:
                     self._inbox.statements.accepted, object_scope(self.scope), request.object,
                     request.version, timeout=self._inbox.op_timeout,
                 )  # fmt: skip
-        await self._end(self._inbox.statements.delivered, status)
+        await self._end(
+            self._inbox.statements.delivered, attempt.status, attempt.error, attempt.answer()
+        )
 
     async def failed(self, attempt: Attempt, delay: float, *, dead: bool) -> InboxState:
         """Record the attempt and schedule the next one ``delay`` from now (never past the
         deadline), or make the row dead (``dead``, or the deadline passed); the new state."""
         return await self._end(
             self._inbox.statements.failed, attempt.status, attempt.error,
-            self._taken + timedelta(seconds=delay), dead, self._taken,
+            self._taken + timedelta(seconds=delay), dead, self._taken, attempt.answer(),
         )  # fmt: skip
 
     async def _end(self, statement: str, *args: object) -> InboxState:
@@ -433,12 +524,14 @@ class HandedOff:
         self._object = obj  # on an ordered route: its object's key, and its version
         self._version = version
 
-    async def delivered(self, status: int | None) -> None:
+    async def delivered(self, attempt: Attempt) -> None:
         """The app took it: delivered, the body dropped (on an ordered route, its version
         recorded as its object's accepted one, if newer, as a redelivery's is: an older
         version kept behind it is then superseded, not applied after it)."""
+        statement = self._inbox.statements.delivered
+        args = (attempt.status, attempt.error, attempt.answer())
         if self._object is None or self._version is None:
-            await self._update(self._inbox.statements.delivered, status)
+            await self._update(statement, *args)
             return
         inbox = self._inbox
         async with inbox._acquire() as connection:
@@ -449,16 +542,15 @@ class HandedOff:
                         self._version, timeout=inbox.op_timeout,
                     )  # fmt: skip
                     await connection.fetchval(
-                        inbox.statements.delivered, self.scope, self.event_id, status,
-                        timeout=inbox.op_timeout,
-                    )  # fmt: skip
+                        statement, self.scope, self.event_id, *args, timeout=inbox.op_timeout
+                    )
 
     async def failed(self, attempt: Attempt, delay: float, *, dead: bool) -> InboxState:
         """The app failed it: due ``delay`` from now (or dead)."""
         now = datetime.now(UTC)
         state = await self._update(
             self._inbox.statements.failed, attempt.status, attempt.error,
-            now + timedelta(seconds=delay), dead, now,
+            now + timedelta(seconds=delay), dead, now, attempt.answer(),
         )  # fmt: skip
         return InboxState(state or InboxState.PENDING)
 

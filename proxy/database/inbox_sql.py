@@ -37,10 +37,16 @@ _SELECTED = (
     "AND ({since}::timestamptz IS NULL OR inbox_changed >= {since}) "
     "AND NOT ({again}::bool AND inbox_failures = 0)"
 )
+# The attempts a row keeps (``inbox.ATTEMPTS_KEPT``): the first, and the newest ones, each
+# numbered (``n``). A row redelivered for a year on a short schedule makes thousands.
+ATTEMPTS_KEPT = 20
+# The attempts made: the newest one's number (``n``; a row keeps ATTEMPTS_KEPT of them), or
+# for a row recorded before attempts were numbered, how many it holds.
+_MADE = "coalesce((inbox_attempts -> -1 ->> 'n')::int, jsonb_array_length(inbox_attempts))"
 # A kept row as ``events pending``/``dead`` list it (``inbox.Listed``).
 _LISTED = (
     "scope, event_id, event_type, received_at, inbox_state, "
-    "jsonb_array_length(inbox_attempts), inbox_due, octet_length(inbox_body), "
+    f"{_MADE}, inbox_due, octet_length(inbox_body), "
     "(inbox_attempts -> -1 ->> 'status')::int, inbox_attempts -> -1 ->> 'error'"
 )
 # A delivery handed off whose first attempt is still at the app: kept at its hand-off, no
@@ -55,12 +61,13 @@ _DISCARDED = (
     "inbox_state = 'discarded', inbox_body = NULL, inbox_request = NULL, inbox_size = NULL, "
     "inbox_due = NULL, inbox_changed = now()"
 )
-# What a kept row stores of its request, counted against max_pending_bytes: its inbox_size,
-# written by ``keep``; for a row kept without it (before the upgrade, or by a replica of
-# 0.2.0 on the same table), the same bytes read from the row, converting its jsonb to text.
+# What a kept row stores of its request and its attempts, counted against max_pending_bytes:
+# its inbox_size, written by ``keep`` and ``failed``; for a row kept without it (before the
+# upgrade, or by a replica of 0.2.0 on the same table), the same bytes read from the row,
+# converting its jsonb to text.
 _STORED = (
     "coalesce(inbox_size, coalesce(octet_length(inbox_request::text), 0) "
-    "+ coalesce(octet_length(inbox_body), 0))"
+    "+ coalesce(octet_length(inbox_body), 0) + coalesce(octet_length(inbox_attempts::text), 0))"
 )
 # The rows a route's cap counts: the kept rows of the cap's scope and its per-path ones.
 _CAPPED = sql.IN_SCOPE.replace("$1", "{scope}") + " AND inbox_state IN ('pending', 'dead')"
@@ -80,7 +87,23 @@ _FIRST_OF_OBJECT = (
     "OR (o.event_id <> t.event_id AND o.inbox_request ->> 'kept_for' = 'handed_off' "
     "AND jsonb_array_length(o.inbox_attempts) = 0 AND o.inbox_due > now()))))"
 )
-_ATTEMPT = "jsonb_build_object('at', now(), 'status', {status}::int, 'error', {error}::text)"
+# One attempt's record: its number, when, the app's status, the proxy's error, and what the app
+# answered (``inbox.Attempt.answer``: JSON text, or NULL).
+_ATTEMPT = (
+    "(jsonb_build_object('at', now(), 'n', {n}, 'status', {status}::int, 'error', "
+    "{error}::text) || coalesce({answer}::jsonb, '{{}}'::jsonb))"
+)
+# The row's attempts with one more: past ATTEMPTS_KEPT, the oldest but the first is dropped.
+_FULL = f"jsonb_array_length(inbox_attempts) >= {ATTEMPTS_KEPT}"
+_APPENDED = "CASE WHEN " + _FULL + " THEN inbox_attempts - 1 ELSE inbox_attempts END || {attempt}"
+# What that changes of the row's stored bytes (inbox_size, counted against max_pending_bytes):
+# its text's length, to the byte (", " between two attempts).
+_GROWN = (
+    "inbox_size + octet_length({attempt}::text) + CASE WHEN "
+    + _FULL
+    + " THEN -octet_length((inbox_attempts -> 1)::text) "
+    "WHEN jsonb_array_length(inbox_attempts) > 0 THEN 2 ELSE 0 END"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,22 +118,30 @@ class Statements:
         # delay, $9 until, $10 the cap's scope, $11 max count, $12 max bytes, $13 the
         # claim's signed part or NULL, $14 the attempts made (1; 0 for a delivery kept
         # before its attempt ended: the array's element $14 is removed, so the attempt is
-        # recorded only if made). Under the cap only: the kept rows of the cap's scope and
-        # its per-path ones (pending and dead: both hold requests), this one counted, each
-        # by what it stores (its headers as well as its body: the headers alone can be 1
-        # MiB). And, on a route whose claims are bound to what is signed, only if none of
-        # those rows holds this signed body already under another ID (a replay:
-        # ``KEPT_AS``; ``keep_signed`` first, so that concurrent replays see the one kept).
+        # recorded only if made), $15 what the app answered (``_ATTEMPT``). Under the cap
+        # only: the kept rows of the cap's scope and its per-path ones (pending and dead: both
+        # hold requests), this one counted, each by what it stores (its headers as well as its
+        # body: the headers alone can be 1 MiB; its attempts' answers). And, on a route whose
+        # claims are bound to what is signed, only if none of those rows holds this signed
+        # body already under another ID (a replay: ``KEPT_AS``; ``keep_signed`` first, so
+        # that concurrent replays see the one kept).
         # Concurrent failures each see the others' uncommitted rows as absent, so the cap
         # can be passed by the deliveries failing at that moment (at most the pool's size).
-        # inbox_size: what the row stores, from the
-        # parameters (no row's jsonb converted), so that the next keep's cap reads a number.
-        size = "octet_length($4::jsonb::text) + octet_length($5::bytea)"
+        # inbox_size: what the row stores, from the parameters (no row's jsonb converted), its
+        # attempt's answer included, so that the next keep's cap reads a number.
+        attempts = (
+            "(jsonb_build_array("
+            + _ATTEMPT.format(n="1", status="$6", error="$7", answer="$15")
+            + ") - $14::int)"
+        )
+        size = (
+            "octet_length($4::jsonb::text) + octet_length($5::bytea) "
+            f"+ octet_length({attempts}::text)"
+        )
         return (
             f"UPDATE {self.quoted} SET inbox_state = $3, inbox_request = $4::jsonb, "
-            f"inbox_body = $5::bytea, inbox_size = {size}, inbox_attempts = jsonb_build_array("
-            + _ATTEMPT.format(status="$6", error="$7")
-            + ") - $14::int, inbox_failures = $14::int, "
+            f"inbox_body = $5::bytea, inbox_size = {size}, inbox_attempts = {attempts}"
+            ", inbox_failures = $14::int, "
             # No due time for a dead row; the CASE reads no function (Citus runs none in one).
             "inbox_due = now() + make_interval(secs => "
             "CASE WHEN $3 = 'pending' THEN $8::float8 END), "
@@ -222,13 +253,14 @@ class Statements:
 
     @property
     def delivered(self) -> str:
-        # $1 scope, $2 event ID, $3 status.
+        # $1 scope, $2 event ID, $3 status, $4 error (a failure the app's receipt settled), $5
+        # what the app answered.
+        attempt = _ATTEMPT.format(n=f"{_MADE} + 1", status="$3", error="$4", answer="$5")
         return (
             f"UPDATE {self.quoted} SET inbox_state = 'delivered', inbox_body = NULL, "
             "inbox_request = NULL, inbox_size = NULL, inbox_due = NULL, inbox_changed = now(), "
-            "inbox_attempts = inbox_attempts || "
-            + _ATTEMPT.format(status="$3", error="NULL")
-            + " WHERE scope = $1 AND event_id = $2"
+            f"inbox_attempts = {_APPENDED.format(attempt=attempt)} "
+            "WHERE scope = $1 AND event_id = $2"
         )
 
     @property
@@ -238,12 +270,14 @@ class Statements:
         # transaction). Dead once a failed attempt is at or past the deadline; the next attempt
         # is never later than the deadline, so the last one is made at it. The times are
         # parameters: Citus runs no function that is not immutable (now(), timestamptz +
-        # interval) inside a CASE of an UPDATE.
+        # interval) inside a CASE of an UPDATE. $8 what the app answered, its bytes counted in
+        # the row's inbox_size.
         dead = "($6 OR inbox_until <= $7::timestamptz)"
+        attempt = _ATTEMPT.format(n=f"{_MADE} + 1", status="$3", error="$4", answer="$8")
         return (
-            f"UPDATE {self.quoted} SET inbox_attempts = inbox_attempts || "
-            + _ATTEMPT.format(status="$3", error="$4")
-            + ", inbox_failures = inbox_failures + 1, "
+            f"UPDATE {self.quoted} SET inbox_attempts = {_APPENDED.format(attempt=attempt)}, "
+            f"inbox_size = {_GROWN.format(attempt=attempt)}, "
+            "inbox_failures = inbox_failures + 1, "
             f"inbox_state = CASE WHEN {dead} THEN 'dead' ELSE 'pending' END, "
             f"inbox_due = CASE WHEN {dead} THEN NULL "
             "ELSE least($5::timestamptz, inbox_until) END, "
@@ -555,7 +589,7 @@ class Statements:
             )
         statement = (
             "SELECT scope, event_id, event_type, received_at, inbox_state, "
-            "coalesce(jsonb_array_length(inbox_attempts), 0), inbox_due, "
+            f"coalesce({_MADE}, 0), inbox_due, "
             "octet_length(inbox_body), (inbox_attempts -> -1 ->> 'status')::int, "
             f"inbox_attempts -> -1 ->> 'error' FROM {self.quoted} "
             f"WHERE {' AND '.join(where)} ORDER BY received_at DESC, event_id DESC "
