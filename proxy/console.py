@@ -406,12 +406,19 @@ async def event(request: web.Request) -> web.Response:
         body, cut = pretty_body(delivery.body, shown.body_bytes)
     headers = [(name, masked(name, value)) for name, value in delivery.headers] if delivery else []
     attempts = [
-        {"n": a.get("n") or n, "at": _attempt_at(a.get("at")), "status": a.get("status"),
-         "error": a.get("error") or "", "ms": a.get("ms"), "headers": a.get("headers") or [],
-         "body": _inert(a.get("body") or ""), "body_bytes": a.get("body_bytes"),
-         "cut": (a.get("body_bytes") or 0) > inbox.ATTEMPT_BODY}
+        {
+            "n": a.get("n") or n,
+            "at": _attempt_at(a.get("at")),
+            "status": a.get("status"),
+            "error": a.get("error") or "",
+            "ms": a.get("ms"),
+            "headers": a.get("headers") or [],
+            "body": _inert(a.get("body") or ""),
+            "body_bytes": a.get("body_bytes"),
+            "cut": (a.get("body_bytes") or 0) > inbox.ATTEMPT_BODY,
+        }
         for n, a in enumerate(shown.attempts, 1)
-    ]  # fmt: skip
+    ]
     return _render(
         request, "event.html", title="Event", shown=shown, event=database.unbound(shown.event_id),
         state=_state(shown.state), delivery=delivery, headers=headers, body=body, cut=cut,

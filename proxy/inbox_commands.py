@@ -301,8 +301,9 @@ def _answer(n: object, attempt: dict[str, Any]) -> str:
     if not headers and size is None:
         return ""
     lines = [f"  answer #{n}: {logs.printable(inbox.attempt_words(attempt))}"]
-    lines += (f"    {logs.printable(str(name))}: {logs.printable(str(value))}"
-              for name, value in headers)  # fmt: skip
+    lines += (
+        f"    {logs.printable(str(name))}: {logs.printable(str(value))}" for name, value in headers
+    )
     if size is not None:
         cut = f", the first {inbox.ATTEMPT_BODY} shown" if size > inbox.ATTEMPT_BODY else ""
         lines.append(f"    body: {size} bytes{cut}" + (":" if body else ""))

@@ -205,27 +205,36 @@ class Attempt:
     ) -> Attempt:
         """An attempt with what it keeps of the app's answer (``headers``, ``body``: None
         when no answer came through)."""
-        fields = [(name, value) for name, value in headers
-                  if name.lower() not in _ATTEMPT_UNKEPT]  # fmt: skip
-        first = sorted((f for f in fields if f[0].lower() in _ATTEMPT_FIRST),
-                       key=lambda f: _ATTEMPT_FIRST.index(f[0].lower()))  # fmt: skip
+        fields = [(name, value) for name, value in headers if name.lower() not in _ATTEMPT_UNKEPT]
+        first = sorted(
+            (f for f in fields if f[0].lower() in _ATTEMPT_FIRST),
+            key=lambda f: _ATTEMPT_FIRST.index(f[0].lower()),
+        )
         kept = first + [f for f in fields if f[0].lower() not in _ATTEMPT_FIRST]
         return cls(
-            status, error, None if seconds is None else round(seconds * 1000, 1),
-            tuple((_readable(name.encode("utf-8", "surrogateescape")[:ATTEMPT_HEADER_VALUE]),
-                   _readable(value.encode("utf-8", "surrogateescape")[:ATTEMPT_HEADER_VALUE]))
-                  for name, value in kept[:ATTEMPT_HEADERS]),
+            status,
+            error,
+            None if seconds is None else round(seconds * 1000, 1),
+            tuple(
+                (
+                    _readable(name.encode("utf-8", "surrogateescape")[:ATTEMPT_HEADER_VALUE]),
+                    _readable(value.encode("utf-8", "surrogateescape")[:ATTEMPT_HEADER_VALUE]),
+                )
+                for name, value in kept[:ATTEMPT_HEADERS]
+            ),
             None if not body else _readable(body[:ATTEMPT_BODY]),
             None if body is None else len(body),
-        )  # fmt: skip
+        )
 
     def answer(self) -> str | None:
         """What it keeps beside its status and error, as the JSON its record in the row is
         merged with (None: nothing)."""
         fields = {
-            "ms": self.ms, "headers": [list(h) for h in self.headers] or None,
-            "body": self.body, "body_bytes": self.body_bytes,
-        }  # fmt: skip
+            "ms": self.ms,
+            "headers": [list(h) for h in self.headers] or None,
+            "body": self.body,
+            "body_bytes": self.body_bytes,
+        }
         kept = {name: value for name, value in fields.items() if value is not None}
         return json.dumps(kept, ensure_ascii=False, separators=(",", ":")) if kept else None
 
