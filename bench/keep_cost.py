@@ -1,7 +1,7 @@
 """What a delivery kept by the limit at the app costs, against a forwarded one, side by side.
 
     python bench/keep_cost.py [--rounds 4] [--duration 5] [--workers 2] [--pool 40]
-                              [--connections 32,1] [--grow] [--out FILE]
+                              [--connections 32,1] [--grow | --ordered] [--out FILE]
 
 Two proxies on the same embedded PostgreSQL and the same ``redeliver`` route: one forwards
 to a fast app under a limit it never reaches (``upstream.concurrency`` 64); the other has
@@ -10,8 +10,10 @@ answers, so that every webhook wrk sends it is kept by the limit (the short keep
 claim, the row's UPDATE, COMMIT, answered 202), each kept run from an empty inbox unless
 ``--grow``. Each round runs wrk (new event IDs) against each, the order reversed every other
 round, and reports CPU per webhook (the proxy and PostgreSQL), throughput and latency, and
-kept ÷ forwarded. Loopback only; every load run is
-bounded; every process started is stopped by PID.
+kept ÷ forwarded. With ``--ordered``, what ``order`` costs instead: the second proxy forwards
+too, to an app of its own, on the same route with ``order: {key: body:/id}`` (each event its own
+object, so that nothing waits: the object row's statement alone), and the table is ordered ÷
+plain. Loopback only; every load run is bounded; every process started is stopped by PID.
 """
 
 from __future__ import annotations
@@ -39,14 +41,18 @@ from bench import loads, procs, report
 from bench.run import SCOPE, TABLE, Bench, Settings, prepare_database
 
 LIMIT = 64  # the forwarding proxy's: above what c32 sends
+# The two proxies compared: the first forwards to a fast app on a plain route.
+KEPT = ("forwarded", "kept")
+ORDERED = ("plain", "ordered")
 KEPT_LIMIT = 'dedup_inbox_kept_total{reason="limit",route="kept"}'
 
 
-def route(name: str) -> dict[str, Any]:
+def route(name: str, *, ordered: bool = False) -> dict[str, Any]:
     """The redeliver route, its scope its own: the forwarding proxy's redeliverer must not
     take the rows the other one keeps (replicas on one scope share their inbox)."""
     return {"name": name, "path": "/hook", "event_id": "body:/id",
-            "redeliver": {"max_pending": 1_000_000, "max_pending_bytes": "4GiB"}}  # fmt: skip
+            "redeliver": {"max_pending": 1_000_000, "max_pending_bytes": "4GiB"},
+            **({"order": {"key": "body:/id"}} if ordered else {})}  # fmt: skip
 
 
 class Held(loads.Upstream):
@@ -106,6 +112,39 @@ def empty_the_inbox(bench: Bench) -> None:
     bench.sql(f"VACUUM {TABLE}")
 
 
+Run = tuple[procs.Service, procs.Service, loads.Upstream]
+
+
+def start(
+    bench: Bench, args: argparse.Namespace, names: tuple[str, str], warmup: int
+) -> dict[str, Run]:
+    """The two proxies and their apps, by name: with the counters of each app's calls."""
+    fast = bench.start_upstream("app")
+    forwarded = bench.start_proxy(names[0], fast, args.pool, workers=args.workers,
+                                  concurrency=LIMIT, routes=[route(SCOPE)])  # fmt: skip
+    if args.ordered:
+        other = bench.start_upstream("app-ordered")
+        second = bench.start_proxy("ordered", other, args.pool, workers=args.workers,
+                                   concurrency=LIMIT,
+                                   routes=[route("ordered", ordered=True)])  # fmt: skip
+        counters: loads.Upstream = loads.Upstream(other.port)
+    else:
+        other = bench.start_upstream("app-held", delay=86_400)
+        # Its app's time-out past the run's end: the places stay taken throughout.
+        second = bench.start_proxy("kept", other, args.pool, workers=args.workers,
+                                   timeout="1h", concurrency=args.workers,
+                                   routes=[route("kept")])  # fmt: skip
+        counters = Held(other.port)
+        fill_the_app(bench, second, args.workers)
+    bench.wrk("", f"warm-up {names[0]}", forwarded, fast, 32, seconds=warmup)
+    if args.ordered:
+        bench.wrk("", "warm-up ordered", second, other, 32, seconds=warmup)
+    return {
+        names[0]: (forwarded, fast, loads.Upstream(fast.port)),
+        names[1]: (second, other, counters),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -115,32 +154,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
     parser.add_argument("--grow", action="store_true", help="keep the kept rows from run to "
                         "run (default: each kept run starts with an empty inbox)")  # fmt: skip
+    parser.add_argument("--ordered", action="store_true", help="compare a route with order "
+                        "against the same route without, both forwarding")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     parser.add_argument("--json", type=Path, help="also write the runs as JSON here")
     args = parser.parse_args(argv)
+    if args.ordered and args.grow:
+        parser.error("--grow is for the kept runs; --ordered has none")
     loads.wrk_path()
     settings = Settings(seconds=args.duration, pool=args.pool, warmup=2, rounds=args.rounds)
     workdir = Path(tempfile.mkdtemp(prefix="dedup-keep-cost-"))
     bench = Bench(settings, workdir)
     results: dict[tuple[str, int, int], loads.Result] = {}
+    names = ORDERED if args.ordered else KEPT
+    kept_total = 0.0
     try:
         prepare_database(bench)
-        fast = bench.start_upstream("app")
-        held = bench.start_upstream("app-held", delay=86_400)
-        forwarded = bench.start_proxy("forwarded", fast, args.pool, workers=args.workers,
-                                      concurrency=LIMIT, routes=[route(SCOPE)])  # fmt: skip
-        # Its app's time-out past the run's end: the places stay taken throughout.
-        kept = bench.start_proxy("kept", held, args.pool, workers=args.workers, timeout="1h",
-                                 concurrency=args.workers, routes=[route("kept")])  # fmt: skip
-        fill_the_app(bench, kept, args.workers)
-        bench.wrk("", "warm-up forwarded", forwarded, fast, 32, seconds=settings.warmup)
-        runs = {
-            "forwarded": (forwarded, fast, loads.Upstream(fast.port)),
-            "kept": (kept, held, Held(held.port)),
-        }
+        runs = start(bench, args, names, settings.warmup)
         for round_ in range(1, args.rounds + 1):
             for connections in (int(c) for c in args.connections.split(",")):
-                order = ("forwarded", "kept") if round_ % 2 else ("kept", "forwarded")
+                order = names if round_ % 2 else names[::-1]
                 for name in order:
                     proxy, app, counters = runs[name]
                     if name == "kept" and not args.grow:
@@ -151,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                         seconds=settings.seconds, probes=bench.probes(proxy=proxy, upstream=app),
                         upstream=counters, run_id=bench.run_id(),
                     ))  # fmt: skip
-        kept_total = metric(admin_url(bench, "kept"), KEPT_LIMIT)
+        if not args.ordered:
+            kept_total = metric(admin_url(bench, "kept"), KEPT_LIMIT)
     finally:
         bench.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -159,13 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "bench/keep_cost.py", *given])
     machine = report.machine()
+    setup = (
+        f"plain and ordered (order: {{key: body:/id}}, each event its own object) both forward, "
+        f"upstream.concurrency {LIMIT}, each to an app of its own"
+        if args.ordered
+        else f"forwarded: upstream.concurrency {LIMIT}, kept: {args.workers} (each place held); "
+        f"{kept_total:,.0f} kept by the limit in all; each kept run started with "
+        f"{'the rows the runs before it kept' if args.grow else 'an empty inbox'}"
+    )
     text = (
         f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
-        f"{args.workers} workers, pool {args.pool} each; a redeliver route; forwarded: "
-        f"upstream.concurrency {LIMIT}, kept: {args.workers} (each place held); "
-        f"{kept_total:,.0f} kept by the limit in all; each kept run started with "
-        f"{'the rows the runs before it kept' if args.grow else 'an empty inbox'}\n\n"
-        f"{_table(results)}\n"
+        f"{args.workers} workers, pool {args.pool} each; a redeliver route; {setup}\n\n"
+        f"{_table(results, names)}\n"
     )
     print(text)
     if args.out is not None:
@@ -177,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check(results: dict[tuple[str, int, int], loads.Result]) -> None:
-    """Every kept run reached no app; every forwarded one reached it once per webhook."""
+    """Every kept run reached no app; every other one reached it once per webhook."""
     for (name, _, _), result in results.items():
         calls = result.upstream.get("calls", -1)
         expected = 0 if name == "kept" else result.uniques
@@ -191,11 +230,12 @@ def _figures(result: loads.Result) -> dict[str, Any]:
             "errors": result.errors, "sent": result.sent}  # fmt: skip
 
 
-def _table(results: dict[tuple[str, int, int], loads.Result]) -> str:
+def _table(results: dict[tuple[str, int, int], loads.Result], names: tuple[str, str]) -> str:
+    a, b = names
     lines = [
-        "| connections | round | forwarded: webhooks/s, p50, p99 ms, CPU µs proxy, PostgreSQL "
-        "| kept: webhooks/s, p50, p99 ms, CPU µs proxy, PostgreSQL | proxy CPU kept ÷ forwarded "
-        "| PostgreSQL CPU kept ÷ forwarded | throughput kept ÷ forwarded |",
+        f"| connections | round | {a}: webhooks/s, p50, p99 ms, CPU µs proxy, PostgreSQL "
+        f"| {b}: webhooks/s, p50, p99 ms, CPU µs proxy, PostgreSQL | proxy CPU {b} ÷ {a} "
+        f"| PostgreSQL CPU {b} ÷ {a} | throughput {b} ÷ {a} |",
         "|---|---|---|---|---|---|---|",
     ]
 
@@ -206,7 +246,7 @@ def _table(results: dict[tuple[str, int, int], loads.Result]) -> str:
     for connections in sorted({c for _, c, _ in results}, reverse=True):
         cpu, pg, rate = [], [], []
         for round_ in sorted({r for _, c, r in results if c == connections}):
-            f, k = results["forwarded", connections, round_], results["kept", connections, round_]
+            f, k = results[a, connections, round_], results[b, connections, round_]
             cpu.append(k.cpu_us("proxy") / f.cpu_us("proxy"))
             pg.append(k.cpu_us("postgres") / f.cpu_us("postgres"))
             rate.append(k.rate / f.rate)

@@ -199,6 +199,29 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
             "--limit", type=_positive, default=50, help="at most this many (default 50)"
         )
         _json_option(kept)
+    blocking = action(
+        "blocked",
+        "objects of a route with order held back by a pending delivery, oldest first",
+        lambda cfg, args: inbox_commands.blocked(
+            cfg, args.route, args.older_than, args.limit, as_json=args.json
+        ),
+        "Objects of a route with order whose oldest pending delivery (the head) holds later "
+        "deliveries of the object behind it, oldest head first: the object, the head's event "
+        "ID, since when it is pending, its state, attempts and last answer, and how many "
+        "deliveries wait behind it. The head is sent, and the object freed, when the app takes "
+        "it, or when it is discarded or dead.",
+        every_route=True,
+    )
+    blocking.add_argument(
+        "--older-than",
+        type=_duration,
+        default=0.0,
+        help="only objects whose head has been pending this long (e.g. 10m; default: all)",
+    )
+    blocking.add_argument(
+        "--limit", type=_positive, default=50, help="at most this many (default 50)"
+    )
+    _json_option(blocking)
     showing = action(
         "show",
         "one event: its state, the request kept and every attempt",

@@ -53,6 +53,8 @@ from proxy.database import inbox
 log = logging.getLogger(__name__)
 
 PAGE = 50
+# The overview lists at most this many blocked objects per route with order, oldest first.
+BLOCKED_SHOWN = 20
 # An event's body is read and shown up to this many bytes (pretty-printed if it is JSON whole).
 BODY_CAP = 64 * 1024
 # How long a console request waits for this worker's one before it is answered 503.
@@ -347,11 +349,35 @@ async def overview(request: web.Request) -> web.Response:
                      "held": held(holds.get(route.scope), now),
                      "outcomes": outcomes, "requests": sum(n for _, n in outcomes)})  # fmt: skip
     in_flight, limit = meters.app_use()
+    blocked = await _blocked(store, routes)
     return _render(
         request, "overview.html", title="Overview", rows=rows, now=_when(_now()),
         in_flight=in_flight, limit=limit, done=_HELD.get(request.query.get("done", "")),
-        note_max=NOTE_MAX,
+        note_max=NOTE_MAX, blocked=blocked, blocked_shown=BLOCKED_SHOWN,
     )  # fmt: skip
+
+
+async def _blocked(
+    store: database.Store, routes: tuple[routes_module.RouteConfig, ...]
+) -> list[dict[str, Any]] | None:
+    """Per route with ``order`` and ``redeliver``: its ``BLOCKED_SHOWN`` oldest blocked objects
+    and how many there are (None: no such route)."""
+    ordered = [route for route in routes if route.order is not None and route.redeliver]
+    if not ordered:
+        return None
+    shown, now = [], _now()
+    for route in ordered:
+        found, total = await store.inbox.blocked(route.scope, 0.0, BLOCKED_SHOWN)
+        objects = [
+            {"row": row, "since": _when(row.since), "age": _age((now - row.since).total_seconds()),
+             "head": database.unbound(row.head),
+             "link": urllib.parse.urlencode({"scope": row.scope, "id": row.head}),
+             "state": "at the app" if row.at_app else f"pending, due {_when(row.due)}",
+             "last": str(row.last_status or " ".join((row.last_error or "-").split()))}
+            for row in found
+        ]  # fmt: skip
+        shown.append({"route": route, "objects": objects, "total": total})
+    return shown
 
 
 def _now() -> datetime:

@@ -1,7 +1,7 @@
-"""The inbox's operator commands: ``events pending``, ``dead``, ``show``, ``redeliver`` and
-``discard``, over the rows a route with ``redeliver`` keeps (``proxy.database.inbox``); and
-``events pause`` and ``resume``, which hold and release a route's scope on every replica
-(``proxy.database.holds``).
+"""The inbox's operator commands: ``events pending``, ``dead``, ``blocked``, ``show``,
+``redeliver`` and ``discard``, over the rows a route with ``redeliver`` keeps
+(``proxy.database.inbox``); and ``events pause`` and ``resume``, which hold and release a
+route's scope on every replica (``proxy.database.holds``).
 
 Each opens a store of one connection (``operations.open_store``), as the other operator
 commands do. None sends anything to the app: ``redeliver`` makes rows due now, and a running
@@ -117,6 +117,75 @@ def _listed_json(row: inbox.Listed) -> dict[str, Any]:
         "received_at": operations.timestamp(row.received_at), "state": row.state,
         "attempts": row.attempts, "last_status": row.last_status, "last_error": row.last_error,
         "next_due": operations.timestamp(row.due), "body_bytes": row.body_bytes,
+    }  # fmt: skip
+
+
+async def blocked(
+    cfg: config.Config,
+    route: str | None,
+    older_than: float,
+    limit: int,
+    *,
+    as_json: bool = False,
+    out: TextIO = sys.stdout,
+) -> int:
+    """The ``limit`` oldest blocked objects (``inbox.Blocked``) whose head has been pending
+    at least ``older_than`` seconds, of the route, or of every route with ``order`` when
+    ``route`` is None."""
+    if route is not None and operations.route_of(cfg, route).order is None:
+        raise errors.UsageError(f"route {route!r} has no order: its deliveries name no object")
+    ordered = [r for r in cfg.routes if r.order is not None and route in (None, r.name)]
+    scopes = [
+        s for s in _scopes(cfg, None) if any(operations.in_scope(r.scope, s) for r in ordered)
+    ]
+    rows: list[inbox.Blocked] = []
+    total = 0
+    async with operations.open_store(cfg) as store:
+        for scope in scopes:
+            found, count = await store.inbox.blocked(scope, older_than, limit)
+            rows += found
+            total += count
+    rows = sorted(rows, key=lambda r: (r.since, r.scope, r.object))[:limit]
+    if as_json:
+        out.write(operations.json_document({
+            "scopes": scopes, "older_than_seconds": older_than, "total": total,
+            "objects": [_blocked_json(r) for r in rows],
+        }))  # fmt: skip
+        return 0
+    operations.table(
+        [
+            (logs.printable(r.scope), logs.printable(r.object),
+             logs.printable(database.unbound(r.head)), logs.printable(r.event_type or "-"),
+             _when(r.since), _head_state(r), r.attempts,
+             logs.printable(_last(r.last_status, r.last_error)), r.behind)
+            for r in rows
+        ],
+        ("scope", "object", "head", "event_type", "pending_since", "state", "attempts", "last",
+         "behind"),
+        out,
+    )  # fmt: skip
+    what = f"blocked object(s) in scope {', '.join(scopes) if scopes else '-'}"
+    if older_than:
+        what += f", head pending for {values.format_duration(older_than)} or more"
+    if total > len(rows):
+        out.write(f"showing the {len(rows)} oldest of {total} {what}\n")
+    else:
+        out.write(f"{len(rows)} {what}\n")
+    return 0
+
+
+def _head_state(row: inbox.Blocked) -> str:
+    """A head's state in a column: at the app (handed off), or pending and when it is due."""
+    return "at the app" if row.at_app else f"pending, due {_when(row.due)}"
+
+
+def _blocked_json(row: inbox.Blocked) -> dict[str, Any]:
+    return {
+        "scope": row.scope, "object": row.object, "head": database.unbound(row.head),
+        "head_claim_id": row.head, "event_type": row.event_type,
+        "pending_since": operations.timestamp(row.since), "at_app": row.at_app,
+        "attempts": row.attempts, "last_status": row.last_status, "last_error": row.last_error,
+        "next_due": operations.timestamp(row.due), "behind": row.behind,
     }  # fmt: skip
 
 

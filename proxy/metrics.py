@@ -457,6 +457,25 @@ class Metrics:
         self._grants: Sequence[str] = ()
         self._missing_grants: Callable[[], Sequence[str]] | None = None
 
+    def _ordering_gauges(self) -> None:
+        # The routes with order, as the redeliverer's level reader reads them (redeliverer).
+        self.ordering_blocked = Gauge(
+            "dedup_ordering_blocked_objects",
+            "Objects of a route with order whose oldest pending delivery holds later ones of "
+            "it behind (events blocked).",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+        self.ordering_oldest_blocked = Gauge(
+            "dedup_ordering_oldest_blocked_seconds",
+            "Age of the oldest blocked object's head, the pending delivery that holds later "
+            "ones of its object behind, from its first delivery (0: none).",
+            ["route"],
+            registry=self.registry,
+            multiprocess_mode="mostrecent",
+        )
+
     def _hold_gauges(self) -> None:
         # The route holds (proxy.route_holds), as this worker's copy of them sees them: the largest
         # over the workers (a worker that has not read a new hold yet reports the old one).
@@ -484,7 +503,8 @@ class Metrics:
         )
 
     def _flow_meters(self) -> None:
-        """The inbox's keeps by why, the limit at the app, and the route holds."""
+        """The inbox's keeps by why, the limit at the app, the route holds and the blocked
+        objects of the routes with order."""
         self.inbox_kept = Counter(
             "dedup_inbox_kept",
             "Deliveries kept for the redeliverer (answered 202), by why: failed (the app "
@@ -539,6 +559,7 @@ class Metrics:
             registry=self.registry,
         )
         self._hold_gauges()
+        self._ordering_gauges()
         self._reconcile_meters()
 
     def _reconcile_meters(self) -> None:

@@ -446,7 +446,7 @@ class Redeliverer:
             self._meters.app_places_held.set(held)
 
     async def read_level(self, name: str, route: routes.RouteConfig) -> None:
-        """One route's inbox into the gauges."""
+        """One route's inbox into the gauges (a route with ``order``: its blocked objects too)."""
         level = await self._store.inbox.level(route.scope)
         meters = self._meters
         meters.inbox_pending.labels(name).set(level.pending)
@@ -455,4 +455,8 @@ class Redeliverer:
         meters.inbox_oldest_pending.labels(name).set(level.oldest_pending or 0)
         meters.inbox_overdue.labels(name).set(max(0.0, level.most_overdue or 0))
         meters.inbox_oldest_dead.labels(name).set(level.oldest_dead or 0)
+        if route.order is not None:
+            blocked = await self._store.inbox.blocked_level(route.scope)
+            meters.ordering_blocked.labels(name).set(blocked.objects)
+            meters.ordering_oldest_blocked.labels(name).set(blocked.oldest or 0)
         meters.inbox_level_read.labels(name).set_to_current_time()

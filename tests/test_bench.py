@@ -217,6 +217,17 @@ def test_the_ab_run_compares_two_checkouts() -> None:
     assert rows[0][-1].strip(" |") == "0, 0"
 
 
+def test_the_ordered_cost_run_compares_an_ordered_route_with_a_plain_one() -> None:
+    """bench/keep_cost.py --ordered, one short round: both proxies' apps took each webhook once
+    (the script checks it), and the table has their ratios."""
+    stdout = _script("bench/keep_cost.py", "--ordered", "--rounds", "1", "--duration", "1",
+                     "--connections", "32", timeout=180)  # fmt: skip
+    assert "| proxy CPU ordered ÷ plain | PostgreSQL CPU ordered ÷ plain |" in stdout
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 32 | 1 |")]
+    assert len(rows) == 1
+    assert float(rows[0][-1].strip(" |")) > 0
+
+
 def test_the_scale_run_measures_growth_the_sweep_and_open_claims(tmp_path: Path) -> None:
     """bench/scale.py --quick: a full table, a sweep that deleted rows, and each pool size."""
     stdout = _script("bench/scale.py", "--quick", "--out", str(tmp_path / "SCALE.md"), timeout=400)

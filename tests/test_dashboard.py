@@ -40,6 +40,7 @@ HOOKS: dict[str, Any] = {
     "path": "/hooks",
     "event_id": "body:/id",
     "redeliver": {"schedule": ["100ms"], "for": "1d"},
+    "order": {"key": "body:/id"},  # each event its own object: the blocked objects' gauges
 }
 # The app's answers by event ID, in turn (the last one repeated); 200 for any other.
 ANSWERS = {

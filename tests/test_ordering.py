@@ -5,9 +5,11 @@ records whether two deliveries of one object were ever at it at once."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -15,7 +17,7 @@ import asyncpg
 import pytest
 from aiohttp import web
 
-from proxy import app_keys, config, errors, inbox_commands, ordering
+from proxy import app_keys, config, errors, inbox_commands, logs, ordering, redeliverer
 from proxy.database import inbox, sql
 from tests.helpers import (
     MakeProxy,
@@ -23,6 +25,7 @@ from tests.helpers import (
     admin_client,
     execute,
     fetch,
+    run_cli,
     scrape,
     start_up,
     sweeper_of,
@@ -542,6 +545,83 @@ async def test_events_show_and_the_console_say_which_delivery_an_object_waits_be
     samples = await scrape(admin)
     assert samples[("dedup_requests_total", (("outcome", "superseded"), ("route", "hooks")))] == 1
     assert samples[("dedup_inbox_kept_total", (("reason", "ordering"), ("route", "hooks")))] == 1
+
+
+async def test_events_blocked_lists_objects_held_behind_a_failing_head_until_it_is_delivered(
+    make_proxy: MakeProxy,
+    app: LastWriterWins,
+    aiohttp_client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    pg_dsn: str,
+    table: str,
+) -> None:
+    monkeypatch.setattr(redeliverer, "LEVEL_INTERVAL", 0.05)
+    # An object key the route takes (no control or format character) that a terminal or a log
+    # viewer would still break into a forged line.
+    hostile = "cus_\u2028evt_9\u00a0hooks"
+    app.fail.update({("cus_1", 1): 1, (hostile, 1): 1, ("cus_4", 1): 1})
+    route = ordered(redeliver={"schedule": ["1h"], "for": "1d"})
+    proxy = await make_proxy(routes=[route], upstream={"url": app.url}, redeliverer=QUICK)
+    sent = [("cus_1", 1), ("cus_1", 2), ("cus_1", 3), (hostile, 1), (hostile, 2), ("cus_2", 1),
+            ("cus_4", 1)]  # fmt: skip
+    for n, (obj, v) in enumerate(sent, 1):
+        await proxy.post("/hooks", data=version(f"evt_{n}", obj, v))
+    assert app.applied == [("cus_2", 1)]
+    cfg = proxy.app[app_keys.CONFIG]
+
+    async def blocked(older_than: float = 0.0) -> dict[str, Any]:
+        out = io.StringIO()
+        assert (
+            await inbox_commands.blocked(cfg, "hooks", older_than, 50, as_json=True, out=out) == 0
+        )
+        return json.loads(out.getvalue())
+
+    listed = await blocked()
+    # cus_4's failed head holds nothing behind it: not blocked; cus_2 was delivered.
+    assert {o["object"]: (o["head"], o["behind"]) for o in listed["objects"]} == {
+        "cus_1": ("evt_1", 2), hostile: ("evt_4", 1),
+    }  # fmt: skip
+    head = listed["objects"][0]
+    assert (head["attempts"], head["last_status"], head["at_app"]) == (1, 503, False)
+    assert (await blocked(3600.0))["objects"] == []  # no head pending for an hour yet
+
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps({
+        "upstream": {"url": app.url}, "database": {"dsn": pg_dsn, "table": table},
+        "routes": [route],
+    }))  # fmt: skip
+    status, out, err = await run_cli("events", "blocked", "--route", "hooks", "--config", str(path))
+    assert (status, err) == (0, "")
+    assert out.isascii()
+    lines = out.splitlines()
+    assert lines[0].split() == ["scope", "object", "head", "event_type", "pending_since", "state",
+                                "attempts", "last", "behind"]  # fmt: skip
+    assert lines[1].split()[:3] == ["hooks", "cus_1", "evt_1"]
+    assert lines[1].split()[-3:] == ["1", "503", "2"]
+    assert lines[2].split()[:3] == ["hooks", logs.printable(hostile), "evt_4"]
+    assert lines[-1] == "2 blocked object(s) in scope hooks"
+
+    admin = await admin_client(aiohttp_client, proxy)
+    async with admin.get("/console/") as response:
+        overview = await response.text()
+    assert "Route hooks: 2 blocked objects" in overview
+    assert '<a href="event?scope=hooks&amp;id=evt_1">evt_1</a>' in overview
+
+    async def gauges(objects: float) -> bool:
+        samples = await scrape(admin)
+        labels = (("route", "hooks"),)
+        oldest = samples.get(("dedup_ordering_oldest_blocked_seconds", labels), 0.0)
+        return samples.get(("dedup_ordering_blocked_objects", labels)) == objects and oldest > 0
+
+    await wait_until(lambda: gauges(2), "the level reader's blocked objects")
+
+    # The app takes cus_1's head now: its versions follow in order, and it is blocked no more.
+    await proxy.app[app_keys.STORE].inbox.redeliver("hooks", ["evt_1"], None, 86400.0)
+    await wait_until(lambda: _applied(app, 4), "cus_1's three versions delivered")
+    assert app.applied[1:] == [("cus_1", 1), ("cus_1", 2), ("cus_1", 3)]
+    assert [o["object"] for o in (await blocked())["objects"]] == [hostile]
+    await wait_until(lambda: gauges(1), "cus_1 no longer counted")
 
 
 # --- least privilege ------------------------------------------------------------------------

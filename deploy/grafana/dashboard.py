@@ -346,13 +346,24 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
                 title="Inbox age",
                 description="The oldest pending delivery's age; how long the most overdue one has "
                 "been due (above a few poll intervals redelivery is stuck: DedupRedeliveryStuck); "
-                "how long the oldest dead one has waited for an operator.",
+                "how long the oldest dead one has waited for an operator; on routes with order, "
+                "the oldest blocked object's head (DedupObjectBlocked past 30 minutes).",
                 unit="s",
                 targets=(
                     inbox("dedup_inbox_oldest_pending_seconds", "{{route}} oldest pending"),
                     inbox("dedup_inbox_overdue_seconds", "{{route}} most overdue"),
                     inbox("dedup_inbox_oldest_dead_seconds", "{{route}} oldest dead"),
+                    inbox("dedup_ordering_oldest_blocked_seconds", "{{route}} oldest blocked"),
                 ),
+            ),
+            Panel(
+                title="Blocked objects",
+                description="On routes with order: objects whose oldest pending delivery holds "
+                "later deliveries of them behind (dedup-proxy events blocked lists them). Alert: "
+                "DedupObjectBlocked, once the oldest has held them for 30 minutes (Inbox age: "
+                "oldest blocked).",
+                unit="short",
+                targets=(inbox("dedup_ordering_blocked_objects", "{{route}} blocked"),),
             ),
             Panel(
                 title="Dead letters",

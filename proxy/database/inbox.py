@@ -374,6 +374,30 @@ class Level(NamedTuple):
     oldest_dead: float | None  # seconds since the oldest dead row became dead
 
 
+class Blocked(NamedTuple):
+    """An ordered route's blocked object: its oldest pending delivery (its head) holds later
+    ones of it behind (``events blocked``, the console's overview)."""
+
+    scope: str
+    object: str
+    head: str  # the head's event ID, as stored
+    event_type: str | None
+    since: datetime  # when the head was received
+    at_app: bool  # handed off, its first attempt still at the app
+    attempts: int
+    last_status: int | None
+    last_error: str | None
+    due: datetime | None  # the head's next attempt
+    behind: int  # its object's pending deliveries after it
+
+
+class BlockedLevel(NamedTuple):
+    """A route's blocked objects, for the metrics: how many, and the oldest head's age."""
+
+    objects: int
+    oldest: float | None
+
+
 class Hour(NamedTuple):
     """A route's claims received in the last hour, by what became of them (the console)."""
 
@@ -861,6 +885,26 @@ class Inbox:
         assert row is not None
         return Level(row["pending"], row["pending_bytes"], row["dead"], row["oldest"],
                      row["overdue"], row["oldest_dead"])  # fmt: skip
+
+    async def blocked_level(self, scope: str) -> BlockedLevel:
+        async with self._acquire() as connection:
+            with pool.translated("reading the blocked objects failed"):
+                row = await connection.fetchrow(
+                    self.statements.blocked_level, scope, timeout=self.op_timeout
+                )
+        assert row is not None
+        return BlockedLevel(row["objects"], row["oldest"])
+
+    async def blocked(self, scope: str, older_than: float, limit: int) -> tuple[list[Blocked], int]:
+        """The ``limit`` oldest objects of ``scope`` blocked by a head pending at least
+        ``older_than`` seconds, and how many such objects there are."""
+        async with self._acquire() as connection:
+            with plainly("query failed"):
+                rows = await connection.fetch(
+                    self.statements.blocked, scope, older_than, limit, timeout=self.op_timeout
+                )
+        total = rows[0]["total"] if rows else 0
+        return [Blocked(*row[:-1]) for row in rows], total
 
     async def sweep_dead(self, scope: str, retention: float, batch: int) -> int:
         async with self._acquire() as connection:

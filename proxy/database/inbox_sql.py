@@ -104,6 +104,15 @@ _GROWN = (
     + " THEN -octet_length((inbox_attempts -> 1)::text) "
     "WHEN jsonb_array_length(inbox_attempts) > 0 THEN 2 ELSE 0 END"
 )
+# An ordered route's blocked objects: each object whose oldest pending delivery (its head)
+# holds later ones of it behind, with the head's arrival and how many wait behind it. One pass
+# over the pending rows (the inbox index), grouped by object: what a route's caps bound.
+_BLOCKED = (
+    "SELECT scope, inbox_request ->> 'object' AS object, min(received_at) AS since, "
+    "count(*) - 1 AS behind FROM {quoted} WHERE {in_scope} AND inbox_state = 'pending' "
+    "AND inbox_request ->> 'object' IS NOT NULL GROUP BY scope, inbox_request ->> 'object' "
+    "HAVING count(*) > 1"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +425,36 @@ class Statements:
             "extract(epoch FROM now() - min(inbox_changed) FILTER (WHERE inbox_state = 'dead'))"
             f"::float8 AS oldest_dead FROM {self.quoted} "
             f"WHERE {sql.IN_SCOPE} AND inbox_state IN ('pending', 'dead')"
+        )
+
+    @property
+    def blocked_level(self) -> str:
+        # $1 scope: how many objects are blocked, and the age of the oldest head.
+        blocked = _BLOCKED.format(quoted=self.quoted, in_scope=sql.IN_SCOPE)
+        return (
+            "SELECT count(*) AS objects, "
+            f"extract(epoch FROM now() - min(since))::float8 AS oldest FROM ({blocked}) AS b"
+        )
+
+    @property
+    def blocked(self) -> str:
+        # $1 scope, $2 a head pending at least this long (seconds), $3 how many: the oldest
+        # blocked objects, how many there are in all, and each head's row, found by the
+        # received_at index (a head is its object's pending row received at ``since``; of two
+        # received at once, the one first in event_id order, as the redeliverer takes them).
+        blocked = _BLOCKED.format(quoted=self.quoted, in_scope=sql.IN_SCOPE)
+        return (
+            "SELECT b.scope, b.object, h.event_id, h.event_type, b.since, "
+            f"{_AT_APP} AS at_app, jsonb_array_length(h.inbox_attempts) AS attempts, "
+            "(h.inbox_attempts -> -1 ->> 'status')::int AS last_status, "
+            "h.inbox_attempts -> -1 ->> 'error' AS last_error, h.inbox_due, b.behind, b.total "
+            f"FROM (SELECT *, count(*) OVER () AS total FROM ({blocked}) AS g "
+            "WHERE since <= now() - make_interval(secs => $2) "
+            "ORDER BY since, scope, object LIMIT $3) AS b "
+            f"CROSS JOIN LATERAL (SELECT * FROM {self.quoted} AS h WHERE h.received_at = b.since "
+            "AND h.scope = b.scope AND h.inbox_state = 'pending' "
+            "AND h.inbox_request ->> 'object' = b.object ORDER BY h.event_id LIMIT 1) AS h "
+            "ORDER BY b.since, b.scope, b.object"
         )
 
     @property
