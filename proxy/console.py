@@ -369,13 +369,17 @@ async def _blocked(
     for route in ordered:
         found, total = await store.inbox.blocked(route.scope, 0.0, BLOCKED_SHOWN)
         objects = [
-            {"row": row, "since": _when(row.since), "age": _age((now - row.since).total_seconds()),
-             "head": database.unbound(row.head),
-             "link": urllib.parse.urlencode({"scope": row.scope, "id": row.head}),
-             "state": "at the app" if row.at_app else f"pending, due {_when(row.due)}",
-             "last": str(row.last_status or " ".join((row.last_error or "-").split()))}
+            {
+                "row": row,
+                "since": _when(row.since),
+                "age": _age((now - row.since).total_seconds()),
+                "head": database.unbound(row.head),
+                "link": urllib.parse.urlencode({"scope": row.scope, "id": row.head}),
+                "state": "at the app" if row.at_app else f"pending, due {_when(row.due)}",
+                "last": str(row.last_status or " ".join((row.last_error or "-").split())),
+            }
             for row in found
-        ]  # fmt: skip
+        ]
         shown.append({"route": route, "objects": objects, "total": total})
     return shown
 

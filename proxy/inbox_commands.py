@@ -147,23 +147,45 @@ async def blocked(
             total += count
     rows = sorted(rows, key=lambda r: (r.since, r.scope, r.object))[:limit]
     if as_json:
-        out.write(operations.json_document({
-            "scopes": scopes, "older_than_seconds": older_than, "total": total,
-            "objects": [_blocked_json(r) for r in rows],
-        }))  # fmt: skip
+        out.write(
+            operations.json_document(
+                {
+                    "scopes": scopes,
+                    "older_than_seconds": older_than,
+                    "total": total,
+                    "objects": [_blocked_json(r) for r in rows],
+                }
+            )
+        )
         return 0
     operations.table(
         [
-            (logs.printable(r.scope), logs.printable(r.object),
-             logs.printable(database.unbound(r.head)), logs.printable(r.event_type or "-"),
-             _when(r.since), _head_state(r), r.attempts,
-             logs.printable(_last(r.last_status, r.last_error)), r.behind)
+            (
+                logs.printable(r.scope),
+                logs.printable(r.object),
+                logs.printable(database.unbound(r.head)),
+                logs.printable(r.event_type or "-"),
+                _when(r.since),
+                _head_state(r),
+                r.attempts,
+                logs.printable(_last(r.last_status, r.last_error)),
+                r.behind,
+            )
             for r in rows
         ],
-        ("scope", "object", "head", "event_type", "pending_since", "state", "attempts", "last",
-         "behind"),
+        (
+            "scope",
+            "object",
+            "head",
+            "event_type",
+            "pending_since",
+            "state",
+            "attempts",
+            "last",
+            "behind",
+        ),
         out,
-    )  # fmt: skip
+    )
     what = f"blocked object(s) in scope {', '.join(scopes) if scopes else '-'}"
     if older_than:
         what += f", head pending for {values.format_duration(older_than)} or more"
@@ -181,12 +203,19 @@ def _head_state(row: inbox.Blocked) -> str:
 
 def _blocked_json(row: inbox.Blocked) -> dict[str, Any]:
     return {
-        "scope": row.scope, "object": row.object, "head": database.unbound(row.head),
-        "head_claim_id": row.head, "event_type": row.event_type,
-        "pending_since": operations.timestamp(row.since), "at_app": row.at_app,
-        "attempts": row.attempts, "last_status": row.last_status, "last_error": row.last_error,
-        "next_due": operations.timestamp(row.due), "behind": row.behind,
-    }  # fmt: skip
+        "scope": row.scope,
+        "object": row.object,
+        "head": database.unbound(row.head),
+        "head_claim_id": row.head,
+        "event_type": row.event_type,
+        "pending_since": operations.timestamp(row.since),
+        "at_app": row.at_app,
+        "attempts": row.attempts,
+        "last_status": row.last_status,
+        "last_error": row.last_error,
+        "next_due": operations.timestamp(row.due),
+        "behind": row.behind,
+    }
 
 
 async def show(

@@ -386,6 +386,7 @@ def for_table(table: str) -> Queries:
     inbox_index = f"{name}_inbox_idx"
     kept_index = f"{name}_kept_idx"
     last_part_index = f"{name}_last_part_idx"
+    object_index = f"{name}_object_idx"
     inbox_columns = ",\n".join(
         f"    ADD COLUMN IF NOT EXISTS {name} {kind}" for name, kind in INBOX_TYPES.items()
     )
@@ -426,6 +427,12 @@ def for_table(table: str) -> Queries:
             # since) such a lookup reads the scope's rows.
             f'CREATE INDEX IF NOT EXISTS "{last_part_index}" ON {quoted} (scope, {LAST_PART})\n'
             f"    WHERE {COMPOSITE}",
+            # An ordered route's pending deliveries by object (``order``: is one of this
+            # object's kept? the redeliverer's oldest of an object first, the sweep, blocked
+            # objects): only the pending rows, written on the keep path alone. Not required:
+            # without it those reads scan the scope's pending rows.
+            f'CREATE INDEX IF NOT EXISTS "{object_index}" ON {quoted} '
+            "(scope, (inbox_request ->> 'object'))\n    WHERE inbox_state = 'pending'",
         ),
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
         schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})",
