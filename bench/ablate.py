@@ -145,12 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _metered(names: list[str], stripe: bool, webhooks: int, out: Path | None) -> int:
-    """``--meter instructions``: bench/meter.py over the same ablations and route."""
-    from bench import meter  # which imports this module
-
+    """``--meter instructions``: bench/meter.py over the same ablations and route, as a process
+    of its own (it reads the ablations from this module: no import back)."""
     argv = ["--ablations", ",".join(names), "--routes", "stripe" if stripe else "plain",
             "--webhooks", str(webhooks)]  # fmt: skip
-    return meter.main(argv + (["--out", str(out)] if out is not None else []))
+    argv += ["--out", str(out)] if out is not None else []
+    meter = Path(__file__).resolve().parent / "meter.py"
+    return subprocess.run([sys.executable, str(meter), *argv], check=False).returncode
 
 
 def _ratio(values: list[float]) -> str:
