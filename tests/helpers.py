@@ -33,7 +33,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import admin, app, app_keys, config, errors, retention
+from proxy import admin, app, app_keys, config, errors, reconciler, retention
 from tests.faults.relay import Relay
 
 WITHIN = 10.0  # the default bound on every wait for the proxy (an answer, a close, a start)
@@ -570,3 +570,23 @@ async def closed(stream: Stream, what: str, within: float = WITHIN) -> None:
     except ConnectionResetError:
         rest = b""
     assert rest == b"", f"{what} got {rest!r}"
+
+
+async def reconcile_once(
+    proxy: TestClient[Any, Any],
+    *,
+    open_log: reconciler.DeliveryLogFactory = reconciler.delivery_log,
+    **kwargs: Any,
+) -> reconciler.Report:
+    """One reconcile run of the test proxy's first route, driven by the test (no pause between
+    recoveries); ``kwargs`` go to ``Reconciler.reconcile``."""
+    application = proxy.app
+    assert application is not None
+    runs = reconciler.Reconciler(
+        application[app_keys.STORE],
+        application[app_keys.CONFIG].routes,
+        application[app_keys.METRICS],
+        pace=1000.0,
+        open_log=open_log,
+    )
+    return await runs.reconcile(application[app_keys.CONFIG].routes[0], **kwargs)
