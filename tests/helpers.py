@@ -91,6 +91,36 @@ MakeProxy = Callable[..., Awaitable[TestClient[Any, Any]]]
 STRIPE_SECRET = "whsec_test_secret_for_the_proxy"
 
 
+class SlowApp:
+    """An app that takes ``delay`` per webhook: records each body it took and the most
+    requests it had at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.now = 0
+        self.peak = 0
+        self.took: list[bytes] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.now -= 1
+        self.took.append(body)
+        return web.Response(text="ok")
+
+
+async def slow_app(aiohttp_server: Any, delay: float) -> tuple[SlowApp, str]:
+    stand_in = SlowApp(delay)
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", stand_in.handle)
+    server = await aiohttp_server(application)
+    return stand_in, str(server.make_url("")).rstrip("/")
+
+
 def event(event_id: object, event_type: str = "charge.succeeded", **extra: Any) -> bytes:
     """A JSON event as providers send them: its ID, its type, and ``extra`` fields."""
     return json.dumps({"id": event_id, "type": event_type, **extra}).encode()
