@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -106,18 +107,20 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
     receipted = any(route.receipt for route in cfg.routes)
     # The others: one whose claims were bound (verify removed) records that they are not.
     unbound = sorted({route.scope for route in cfg.routes} - bound.keys())
+    start = functools.partial(
+        store.start,
+        answers=replay,
+        kept=kept,
+        bound=bound,
+        unbound=unbound,
+        receipted=receipted,
+        shared=shared,
+    )
     began = time.monotonic()
     retrying = None
     try:
         try:
-            await store.start(
-                answers=replay,
-                kept=kept,
-                bound=bound,
-                unbound=unbound,
-                receipted=receipted,
-                shared=shared,
-            )
+            await start()
         except errors.NotPrepared:
             raise
         except errors.StoreUnavailable as exc:
@@ -128,10 +131,7 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
                 "up to %s (database.start_timeout)",
                 exc.message, config.values.format_duration(cfg.database.start_timeout),
             )  # fmt: skip
-            later = _start_later(
-                store, app[app_keys.START], cfg.database, began, answers=replay, kept=kept,
-                bound=bound, unbound=unbound, receipted=receipted, shared=shared,
-            )  # fmt: skip
+            later = _start_later(store, start, app[app_keys.START], cfg.database, began)
             retrying = asyncio.create_task(later, name="database-start")
         yield
     finally:
@@ -145,19 +145,13 @@ async def _claim_store(app: web.Application) -> AsyncIterator[None]:
 
 async def _start_later(
     store: database.Store,
+    start_store: Callable[[], Awaitable[None]],
     start: app_keys.Start,
     settings: config.DatabaseConfig,
     began: float,
-    *,
-    answers: bool,
-    kept: bool,
-    bound: dict[str, float],
-    unbound: list[str],
-    receipted: bool,
-    shared: int | None = None,
 ) -> None:
-    """Try the store's start again until it succeeds, is refused, or ``start_timeout`` has
-    passed since ``began``."""
+    """Try ``start_store`` (the store's start, with its arguments) again until it succeeds, is
+    refused, or ``start_timeout`` has passed since ``began``."""
     limit = settings.start_timeout
     for attempt in itertools.count(1):
         ceiling = min(START_RETRY_MAX, START_RETRY_BASE * 2 ** (attempt - 1))
@@ -172,14 +166,7 @@ async def _start_later(
             return
         await asyncio.sleep(pause)
         try:
-            await store.start(
-                answers=answers,
-                kept=kept,
-                bound=bound,
-                unbound=unbound,
-                receipted=receipted,
-                shared=shared,
-            )
+            await start_store()
         except errors.NotPrepared as exc:
             start.fail(exc)
             return

@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, NoReturn, Protocol
+from typing import TYPE_CHECKING, ClassVar, NoReturn, Protocol
 
 from proxy import errors, event_ids
 
@@ -166,6 +166,73 @@ def _check_age(stamp: float, now: float, tolerance: float, name: str) -> None:
         _fail(f"{name} outside tolerance of {tolerance:g}s")
 
 
+def _prefixed(headers: event_ids.MultiMapping, name: str, prefix: str, encoding: str) -> bytes:
+    """The raw bytes of the signature in header ``name``, which must start with ``prefix``."""
+    value = _header(headers, name)
+    if not value.startswith(prefix):
+        _fail(f"{name} malformed")
+    return _signature(value[len(prefix) :], encoding, name)
+
+
+@dataclass(frozen=True, slots=True)
+class _Scheme:
+    """A verifier whose header fields (``HEADERS``) and signed ones (``SIGNED``) are constants of
+    its class, not settings: every scheme's but ``BodySignature``'s and ``ListedSignature``'s."""
+
+    HEADERS: ClassVar[tuple[str, ...]] = ()
+    SIGNED: ClassVar[frozenset[str]] = frozenset()
+
+    scheme: str
+
+    @property
+    def headers(self) -> tuple[str, ...]:
+        return self.HEADERS
+
+    @property
+    def signed_headers(self) -> frozenset[str]:
+        return self.SIGNED
+
+
+@dataclass(frozen=True, slots=True)
+class _Timed(_Scheme):
+    """A scheme whose verifier takes the scheme, the tolerance that bounds the age of a signed
+    timestamp, and the secrets: each of ``_TIMED_SCHEMES``, and PayPal besides its certificates."""
+
+    tolerance: float
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+
+def _match_fresh(
+    signed: _Timed, message: bytes, signatures: list[bytes], *, stamp: float, now: float, name: str
+) -> bytes:
+    """``_match`` with HMAC-SHA256, then ``_check_age`` of the timestamp in ``name``: the secret
+    that signed ``message``."""
+    secret = _match(signed.secrets, "sha256", message, signatures)
+    _check_age(stamp, now, signed.tolerance, name)
+    return secret
+
+
+def _match_v0(
+    signed: _Timed,
+    headers: event_ids.MultiMapping,
+    body: bytes,
+    now: float,
+    *,
+    stamp_name: str,
+    signature_name: str,
+) -> bytes:
+    """``{signature_name}: v0=<hex>``, HMAC-SHA256 over ``v0:{timestamp}:{body}`` with the
+    timestamp (Unix seconds) in ``stamp_name`` (Slack, Zoom): the secret that signed it."""
+    stamp_text = _header(headers, stamp_name)
+    version, sep, text = _header(headers, signature_name).partition("=")
+    if version != "v0" or not sep:
+        _fail(f"{signature_name} malformed")
+    signature = _signature(text, "hex", signature_name)
+    stamp = _timestamp(stamp_text, stamp_name)
+    message = f"v0:{stamp_text}:".encode() + body
+    return _match_fresh(signed, message, [signature], stamp=stamp, now=now, name=stamp_name)
+
+
 @dataclass(frozen=True, slots=True)
 class BodySignature:
     """One signature over the raw body alone, in one header: GitHub, Shopify, generic HMAC."""
@@ -192,10 +259,7 @@ class BodySignature:
 
 
 def _match_body(signed: BodySignature, headers: event_ids.MultiMapping, body: bytes) -> None:
-    value = _header(headers, signed.header)
-    if not value.startswith(signed.prefix):
-        _fail(f"{signed.header} malformed")
-    signature = _signature(value[len(signed.prefix) :], signed.encoding, signed.header)
+    signature = _prefixed(headers, signed.header, signed.prefix, signed.encoding)
     _match(signed.secrets, signed.algorithm, body, [signature])
 
 
@@ -209,23 +273,16 @@ class Handshake:
 
 
 @dataclass(frozen=True, slots=True)
-class MetaSignature:
+class MetaSignature(_Scheme):
     """Meta's (WhatsApp, Instagram, Messenger): ``X-Hub-Signature-256: sha256=<hex>``, HMAC-SHA256
     of the body with the app secret; and the subscription check, a GET with ``hub.mode=subscribe``,
     ``hub.verify_token`` and ``hub.challenge``, answered with the challenge when the token is one
     of ``verify_tokens`` (as Meta's sample app does), refused otherwise."""
 
-    scheme: str
+    HEADERS = (_META_HEADER,)
+
     secrets: tuple[bytes, ...] = field(repr=False)
     verify_tokens: tuple[bytes, ...] = field(repr=False, default=())
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return (_META_HEADER,)
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset()
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
@@ -271,7 +328,7 @@ def _json_object(body: bytes) -> dict[str, object] | None:
 
 
 @dataclass(frozen=True, slots=True)
-class TwitchSignature:
+class TwitchSignature(_Timed):
     """Twitch EventSub's ``Twitch-Eventsub-Message-Signature: sha256=<hex>``: HMAC-SHA256 with the
     subscription's secret over ``{Message-Id}{Message-Timestamp}{body}``, as twitchdev's sample
     computes it; then the timestamp (RFC 3339) within ``tolerance`` (Twitch's 10 minutes).
@@ -281,17 +338,8 @@ class TwitchSignature:
     ``notification`` carries an ``event`` and a ``revocation`` none. The verification is
     answered by the proxy (``handshake``)."""
 
-    scheme: str
-    tolerance: float
-    secrets: tuple[bytes, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return tuple(_TWITCH + name for name in ("Id", "Timestamp", "Signature", "Type"))
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset({f"{_TWITCH}id".lower(), f"{_TWITCH}timestamp".lower()})
+    HEADERS = tuple(_TWITCH + name for name in ("Id", "Timestamp", "Signature", "Type"))
+    SIGNED = frozenset({f"{_TWITCH}id".lower(), f"{_TWITCH}timestamp".lower()})
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
@@ -304,14 +352,10 @@ class TwitchSignature:
         """The body as a JSON object (None if it is none), once the request is verified."""
         id_name, stamp_name, signature_name, type_name = self.headers
         id_text, stamp_text = _header(headers, id_name), _header(headers, stamp_name)
-        value = _header(headers, signature_name)
-        if not value.startswith("sha256="):
-            _fail(f"{signature_name} malformed")
-        signature = _signature(value.removeprefix("sha256="), "hex", signature_name)
+        signature = _prefixed(headers, signature_name, "sha256=", "hex")
         stamp = _iso_time(stamp_text, stamp_name)
         message = f"{id_text}{stamp_text}".encode("utf-8", "surrogateescape") + body
-        _match(self.secrets, "sha256", message, [signature])
-        _check_age(stamp, now, self.tolerance, stamp_name)
+        _match_fresh(self, message, [signature], stamp=stamp, now=now, name=stamp_name)
         kind = _header(headers, type_name)
         payload = _json_object(body)
         fields = payload or {}
@@ -340,24 +384,18 @@ class TwitchSignature:
 
 
 @dataclass(frozen=True, slots=True)
-class DiscordSignature:
+class DiscordSignature(_Scheme):
     """Discord interactions': ``X-Signature-Ed25519``, a hex Ed25519 signature over
     ``{X-Signature-Timestamp}{body}`` under the application's public key, as
     ``discord_interactions.verify_key`` checks it; then the timestamp (Unix seconds) within
     ``tolerance``, which the library does not check. A PING (``type`` 1) is answered by the
     proxy (``handshake``)."""
 
-    scheme: str
+    HEADERS = (_DISCORD_SIGNATURE, _DISCORD_TIMESTAMP)
+    SIGNED = frozenset({_DISCORD_TIMESTAMP.lower()})
+
     tolerance: float
     keys: tuple[Ed25519PublicKey, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return (_DISCORD_SIGNATURE, _DISCORD_TIMESTAMP)
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset({_DISCORD_TIMESTAMP.lower()})
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
@@ -390,23 +428,14 @@ class DiscordSignature:
 
 
 @dataclass(frozen=True, slots=True)
-class ZoomSignature:
+class ZoomSignature(_Timed):
     """Zoom's ``x-zm-signature: v0=<hex>``: HMAC-SHA256 with the secret token over
     ``v0:{x-zm-request-timestamp}:{body}``, as Zoom's webhook sample computes it; then the
     timestamp (Unix seconds) within ``tolerance``. An ``endpoint.url_validation``, signed like
     any event, is answered by the proxy (``handshake``)."""
 
-    scheme: str
-    tolerance: float
-    secrets: tuple[bytes, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return (_ZOOM_SIGNATURE, _ZOOM_TIMESTAMP)
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset({_ZOOM_TIMESTAMP})
+    HEADERS = (_ZOOM_SIGNATURE, _ZOOM_TIMESTAMP)
+    SIGNED = frozenset({_ZOOM_TIMESTAMP})
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
@@ -415,16 +444,9 @@ class ZoomSignature:
 
     def _signer(self, headers: event_ids.MultiMapping, body: bytes, now: float) -> bytes:
         """The secret the request is signed with."""
-        stamp_text = _header(headers, _ZOOM_TIMESTAMP)
-        version, sep, text = _header(headers, _ZOOM_SIGNATURE).partition("=")
-        if version != "v0" or not sep:
-            _fail(f"{_ZOOM_SIGNATURE} malformed")
-        signature = _signature(text, "hex", _ZOOM_SIGNATURE)
-        stamp = _timestamp(stamp_text, _ZOOM_TIMESTAMP)
-        message = f"v0:{stamp_text}:".encode() + body
-        secret = _match(self.secrets, "sha256", message, [signature])
-        _check_age(stamp, now, self.tolerance, _ZOOM_TIMESTAMP)
-        return secret
+        return _match_v0(
+            self, headers, body, now, stamp_name=_ZOOM_TIMESTAMP, signature_name=_ZOOM_SIGNATURE
+        )
 
     def handshake(
         self, method: str, query: str, headers: event_ids.MultiMapping, body: bytes, now: float
@@ -446,22 +468,12 @@ class ZoomSignature:
 
 
 @dataclass(frozen=True, slots=True)
-class LinearSignature:
+class LinearSignature(_Timed):
     """Linear's ``Linear-Signature``: hex HMAC-SHA256 of the body, as the SDK's
     ``LinearWebhookClient.verify`` computes it; then, as it does, the body's ``webhookTimestamp``
     (milliseconds), where there is one, within ``tolerance`` of now (the SDK's minute)."""
 
-    scheme: str
-    tolerance: float
-    secrets: tuple[bytes, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return (_LINEAR_HEADER,)
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset()
+    HEADERS = (_LINEAR_HEADER,)
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
@@ -481,7 +493,7 @@ class LinearSignature:
 
 
 @dataclass(frozen=True, slots=True)
-class MailgunSignature:
+class MailgunSignature(_Timed):
     """Mailgun's: the body's ``signature`` object, whose ``signature`` (and, for a subaccount's
     event, ``parent-signature``, under the primary account's key) is hex HMAC-SHA256 with the
     webhook signing key over ``{timestamp}{token}``, as Mailgun's "securing webhooks" page
@@ -490,18 +502,6 @@ class MailgunSignature:
     Mailgun signs neither the event data nor the rest of the body: a captured signature verifies
     under any body until it is stale. The preset claims by the signed ``token``, so a second body
     under it is a duplicate, never forwarded; the first to arrive is the one forwarded."""
-
-    scheme: str
-    tolerance: float
-    secrets: tuple[bytes, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return ()
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset()
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
@@ -521,9 +521,10 @@ class MailgunSignature:
         ]
         if not received:
             _fail("signature.signature missing")
-        stamp_value = _timestamp(stamp, "signature.timestamp")
-        _match(self.secrets, "sha256", f"{stamp}{token}".encode(), received)
-        _check_age(stamp_value, now, self.tolerance, "signature.timestamp")
+        name = "signature.timestamp"
+        stamp_value = _timestamp(stamp, name)
+        message = f"{stamp}{token}".encode()
+        _match_fresh(self, message, received, stamp=stamp_value, now=now, name=name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,52 +575,28 @@ class ListedSignature:
 
 
 @dataclass(frozen=True, slots=True)
-class SlackSignature:
+class SlackSignature(_Timed):
     """``X-Slack-Signature: v0=<hex>`` over ``v0:{X-Slack-Request-Timestamp}:{body}``."""
 
-    scheme: str
-    tolerance: float
-    secrets: tuple[bytes, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return ("X-Slack-Request-Timestamp", "X-Slack-Signature")
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset({"x-slack-request-timestamp"})
+    HEADERS = ("X-Slack-Request-Timestamp", "X-Slack-Signature")
+    SIGNED = frozenset({"x-slack-request-timestamp"})
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
-        stamp_name, signature_name = "X-Slack-Request-Timestamp", "X-Slack-Signature"
-        stamp_text = _header(headers, stamp_name)
-        version, sep, text = _header(headers, signature_name).partition("=")
-        if version != "v0" or not sep:
-            _fail(f"{signature_name} malformed")
-        signature = _signature(text, "hex", signature_name)
-        stamp = _timestamp(stamp_text, stamp_name)
-        _match(self.secrets, "sha256", f"v0:{stamp_text}:".encode() + body, [signature])
-        _check_age(stamp, now, self.tolerance, stamp_name)
+        _match_v0(
+            self, headers, body, now, stamp_name=self.HEADERS[0], signature_name=self.HEADERS[1]
+        )
 
 
 @dataclass(frozen=True, slots=True)
-class StandardWebhooksSignature:
+class StandardWebhooksSignature(_Timed):
     """Standard Webhooks' ``webhook-*`` headers, or Svix's ``svix-*`` when only those are sent."""
 
-    scheme: str
-    tolerance: float
-    secrets: tuple[bytes, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return tuple(f"{prefix}-{name}" for prefix in ("webhook", "svix")
-                     for name in ("id", "timestamp", "signature"))  # fmt: skip
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        # Both sets: verify() refuses a request whose two sets differ.
-        return frozenset({"webhook-id", "webhook-timestamp", "svix-id", "svix-timestamp"})
+    HEADERS = tuple(f"{prefix}-{name}" for prefix in ("webhook", "svix")
+                    for name in ("id", "timestamp", "signature"))  # fmt: skip
+    # Both sets: verify() refuses a request whose two sets differ.
+    SIGNED = frozenset({"webhook-id", "webhook-timestamp", "svix-id", "svix-timestamp"})
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
@@ -653,12 +630,38 @@ class StandardWebhooksSignature:
         stamp = _timestamp(stamp_text, f"{prefix}-timestamp")
         # aiohttp decodes header bytes as UTF-8 with surrogateescape: this restores them exactly.
         message = f"{msg_id}.{stamp_text}.".encode("utf-8", "surrogateescape") + body
-        _match(self.secrets, "sha256", message, signatures)
-        _check_age(stamp, now, self.tolerance, f"{prefix}-timestamp")
+        _match_fresh(self, message, signatures, stamp=stamp, now=now, name=f"{prefix}-timestamp")
 
 
 @dataclass(frozen=True, slots=True)
-class TwilioSignature:
+class _UrlSigned(_Scheme):
+    """A scheme that signs the URL the provider calls (``URL_SCHEMES``), without a timestamp."""
+
+    public_url: str
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    def url(self, query: str) -> str:
+        """The URL the provider called: ``public_url`` with the request's raw query, if any."""
+        return f"{self.public_url}?{query}" if query else self.public_url
+
+
+def _match_text(
+    secrets: tuple[bytes, ...], algorithm: str, messages: Sequence[bytes], received: str
+) -> None:
+    """Return if some secret's base64 HMAC over one of ``messages`` is ``received``: the text is
+    compared, as Twilio's and Square's libraries compare it, so no other base64 spelling of the
+    MAC passes."""
+    wanted = received.encode("utf-8", "surrogateescape")
+    for secret in secrets:
+        for message in messages:
+            expected = binascii.b2a_base64(hmac.digest(secret, message, algorithm), newline=False)
+            if hmac.compare_digest(expected, wanted):
+                return
+    _fail("no signature matches")
+
+
+@dataclass(frozen=True, slots=True)
+class TwilioSignature(_UrlSigned):
     """``X-Twilio-Signature``: base64 HMAC over the URL Twilio called and the form parameters.
 
     Computed as the reference library (``twilio.request_validator.RequestValidator``) does: the
@@ -671,18 +674,8 @@ class TwilioSignature:
     and no header: ``I-Twilio-Idempotency-Token`` is not covered.
     """
 
-    scheme: str
-    public_url: str
-    secrets: tuple[bytes, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        # Content-Type too: it decides how the body is signed.
-        return ("X-Twilio-Signature", _TWILIO_SETTINGS, "Content-Type")
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset()
+    # Content-Type too: it decides how the body is signed.
+    HEADERS = ("X-Twilio-Signature", _TWILIO_SETTINGS, "Content-Type")
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
@@ -691,7 +684,7 @@ class TwilioSignature:
         received = _header(headers, name)
         _signature(received, "base64", name)
         algorithm = _twilio_algorithm(headers)
-        url = urllib.parse.urlsplit(f"{self.public_url}?{query}" if query else self.public_url)
+        url = urllib.parse.urlsplit(self.url(query))
         if _media_type(headers) == _FORM:
             message = "".join(key + value for key, value in _form(body))
         elif (stamp := urllib.parse.parse_qs(url.query).get("bodySHA256")) is not None:
@@ -705,17 +698,11 @@ class TwilioSignature:
             _fail(f"body is neither {_FORM} nor named by a bodySHA256 query parameter")
         else:
             message = ""
-        wanted = received.encode("utf-8", "surrogateescape")
-        for secret in self.secrets:
-            for candidate in _twilio_urls(url):
-                signed = (candidate + message).encode("utf-8", "surrogateescape")
-                expected = binascii.b2a_base64(
-                    hmac.digest(secret, signed, algorithm), newline=False
-                )
-                # The text compared, as the library does: no other base64 spelling of the MAC.
-                if hmac.compare_digest(expected, wanted):
-                    return
-        _fail("no signature matches")
+        signed = [
+            (candidate + message).encode("utf-8", "surrogateescape")
+            for candidate in _twilio_urls(url)
+        ]
+        _match_text(self.secrets, algorithm, signed, received)
 
 
 def _media_type(headers: event_ids.MultiMapping) -> str:
@@ -758,7 +745,7 @@ def _twilio_urls(url: urllib.parse.SplitResult) -> tuple[str, str]:
 
 
 @dataclass(frozen=True, slots=True)
-class SquareSignature:
+class SquareSignature(_UrlSigned):
     """``x-square-hmacsha256-signature``: base64 HMAC-SHA256 with the subscription's signature
     key over the notification URL followed by the raw body.
 
@@ -768,35 +755,19 @@ class SquareSignature:
     header is signed: a replay is refused only as a duplicate of its event.
     """
 
-    scheme: str
-    public_url: str
-    secrets: tuple[bytes, ...] = field(repr=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return (_SQUARE,)
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset()
+    HEADERS = (_SQUARE,)
 
     def verify(
         self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
     ) -> None:
         received = _header(headers, _SQUARE)
         _signature(received, "base64", _SQUARE)
-        url = f"{self.public_url}?{query}" if query else self.public_url
-        message = url.encode("utf-8", "surrogateescape") + body
-        wanted = received.encode("utf-8", "surrogateescape")
-        for secret in self.secrets:
-            expected = binascii.b2a_base64(hmac.digest(secret, message, "sha256"), newline=False)
-            if hmac.compare_digest(expected, wanted):
-                return
-        _fail("no signature matches")
+        message = self.url(query).encode("utf-8", "surrogateescape") + body
+        _match_text(self.secrets, "sha256", [message], received)
 
 
 @dataclass(frozen=True, slots=True)
-class PayPalSignature:
+class PayPalSignature(_Timed):
     """PayPal's ``PAYPAL-TRANSMISSION-SIG``: base64 RSA (PKCS#1 v1.5, SHA-256) over
     ``{PAYPAL-TRANSMISSION-ID}|{PAYPAL-TRANSMISSION-TIME}|{webhook ID}|{CRC32 of the body}``
     (the CRC32 unsigned, in decimal), under the certificate at ``PAYPAL-CERT-URL``.
@@ -809,20 +780,12 @@ class PayPalSignature:
     transmission time, which the signature covers.
     """
 
-    scheme: str
-    tolerance: float
-    secrets: tuple[bytes, ...] = field(repr=False)
+    HEADERS = tuple(f"PAYPAL-{name}" for name in
+                    ("TRANSMISSION-ID", "TRANSMISSION-TIME", "TRANSMISSION-SIG", "CERT-URL",
+                     "AUTH-ALGO"))  # fmt: skip
+    SIGNED = frozenset({"paypal-transmission-id", "paypal-transmission-time"})
+
     certificates: certificates.Certificates = field(repr=False, compare=False)
-
-    @property
-    def headers(self) -> tuple[str, ...]:
-        return tuple(f"PAYPAL-{name}" for name in
-                     ("TRANSMISSION-ID", "TRANSMISSION-TIME", "TRANSMISSION-SIG", "CERT-URL",
-                      "AUTH-ALGO"))  # fmt: skip
-
-    @property
-    def signed_headers(self) -> frozenset[str]:
-        return frozenset({"paypal-transmission-id", "paypal-transmission-time"})
 
     async def prepare(self, headers: event_ids.MultiMapping) -> None:
         """Fetch the certificate the request names, if it may be fetched and is not cached."""

@@ -30,9 +30,10 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from proxy import app, app_keys, config, embedded
+from proxy import app, app_keys, config, embedded, reconciler
 from proxy.upstream import forwarder
 from tests import helpers
+from tests.faults.relay import Relay
 from tests.helpers import FakeUpstream, Handler, MakeProxy, RawServer, Serve, Served, Stream
 
 DEFAULT_ROUTES = [
@@ -279,6 +280,20 @@ async def serve(
     finally:
         for served in started:
             await served.kill()
+
+
+@pytest.fixture
+async def relayed_database(pg_dsn: str) -> AsyncIterator[tuple[Relay, str]]:
+    """The database link through a fault relay, and the DSN through it (``helpers.database_relay``;
+    the module sets ``RELAY_IN_LOOP``)."""
+    async with helpers.database_relay(pg_dsn) as linked:
+        yield linked
+
+
+@pytest.fixture
+def no_background_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests drive each reconcile run themselves: the proxy's own runs wait past the test."""
+    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 3600.0)
 
 
 @pytest.fixture

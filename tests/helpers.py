@@ -33,7 +33,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import admin, app, app_keys, config, errors, retention
+from proxy import admin, app, app_keys, config, errors, reconciler, retention
 from tests.faults.relay import Relay
 
 WITHIN = 10.0  # the default bound on every wait for the proxy (an answer, a close, a start)
@@ -89,6 +89,36 @@ MakeProxy = Callable[..., Awaitable[TestClient[Any, Any]]]
 # --- webhooks -----------------------------------------------------------------------------
 
 STRIPE_SECRET = "whsec_test_secret_for_the_proxy"
+
+
+class SlowApp:
+    """An app that takes ``delay`` per webhook: records each body it took and the most
+    requests it had at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.now = 0
+        self.peak = 0
+        self.took: list[bytes] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.now -= 1
+        self.took.append(body)
+        return web.Response(text="ok")
+
+
+async def slow_app(aiohttp_server: Any, delay: float) -> tuple[SlowApp, str]:
+    stand_in = SlowApp(delay)
+    application = web.Application()
+    application.router.add_route("*", "/{tail:.*}", stand_in.handle)
+    server = await aiohttp_server(application)
+    return stand_in, str(server.make_url("")).rstrip("/")
 
 
 def event(event_id: object, event_type: str = "charge.succeeded", **extra: Any) -> bytes:
@@ -570,3 +600,23 @@ async def closed(stream: Stream, what: str, within: float = WITHIN) -> None:
     except ConnectionResetError:
         rest = b""
     assert rest == b"", f"{what} got {rest!r}"
+
+
+async def reconcile_once(
+    proxy: TestClient[Any, Any],
+    *,
+    open_log: reconciler.DeliveryLogFactory = reconciler.delivery_log,
+    **kwargs: Any,
+) -> reconciler.Report:
+    """One reconcile run of the test proxy's first route, driven by the test (no pause between
+    recoveries); ``kwargs`` go to ``Reconciler.reconcile``."""
+    application = proxy.app
+    assert application is not None
+    runs = reconciler.Reconciler(
+        application[app_keys.STORE],
+        application[app_keys.CONFIG].routes,
+        application[app_keys.METRICS],
+        pace=1000.0,
+        open_log=open_log,
+    )
+    return await runs.reconcile(application[app_keys.CONFIG].routes[0], **kwargs)

@@ -26,10 +26,12 @@ from tests.helpers import (
     FakeUpstream,
     MakeProxy,
     Serve,
+    SlowApp,
     admin_client,
     fetch,
     github_headers,
     github_route,
+    slow_app,
     wait_until,
 )
 
@@ -37,36 +39,6 @@ KEPT = {"name": "hooks", "path": "/hooks", "event_id": "body:/id",
         "redeliver": {"schedule": ["200ms"], "for": "1d"}}  # fmt: skip
 PLAIN = {"name": "plain", "path": "/plain", "event_id": "body:/id"}
 QUICK = {"poll": "100ms"}
-
-
-class SlowApp:
-    """An app that takes ``delay`` per webhook: records each body it took and the most
-    requests it had at once."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.now = 0
-        self.peak = 0
-        self.took: list[bytes] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        self.now += 1
-        self.peak = max(self.peak, self.now)
-        try:
-            await asyncio.sleep(self.delay)
-        finally:
-            self.now -= 1
-        self.took.append(body)
-        return web.Response(text="ok")
-
-
-async def slow_app(aiohttp_server: Any, delay: float) -> tuple[SlowApp, str]:
-    app = SlowApp(delay)
-    application = web.Application()
-    application.router.add_route("*", "/{tail:.*}", app.handle)
-    server = await aiohttp_server(application)
-    return app, str(server.make_url("")).rstrip("/")
 
 
 async def test_over_the_limit_a_redeliver_route_keeps_the_delivery_and_sends_it_when_there_is_room(

@@ -22,7 +22,6 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 import yaml
 from aiohttp import web
-from aiohttp.test_utils import TestClient
 
 from proxy import app_keys, config, errors, providers_api, reconciler
 from proxy.config import reconcile as reconciling
@@ -32,10 +31,10 @@ from tests.helpers import (
     GITHUB_SECRET,
     FakeUpstream,
     MakeProxy,
-    database_relay,
     github_route,
     metrics_text,
     reaches_database,
+    reconcile_once,
     wait_until,
 )
 from tests.provider_standins import GitHubHook, json_schema
@@ -60,12 +59,6 @@ async def hook(aiohttp_server: Any) -> GitHubHook:
     return stand_in
 
 
-@pytest.fixture
-def no_background_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tests drive each run themselves: the proxy's own runs wait past the test."""
-    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 3600.0)
-
-
 def _body(n: int) -> bytes:
     return json.dumps({"ref": "refs/heads/main", "n": n}).encode()
 
@@ -74,28 +67,14 @@ def _delivered(upstream: FakeUpstream) -> Counter[str]:
     return Counter(r.headers["x-github-delivery"][0] for r in upstream.requests)
 
 
-async def _run(proxy: TestClient[Any, Any], **kwargs: Any) -> reconciler.Report:
-    app = proxy.app
-    assert app is not None
-    runs = reconciler.Reconciler(
-        app[app_keys.STORE], app[app_keys.CONFIG].routes, app[app_keys.METRICS], pace=1000.0
-    )
-    route = app[app_keys.CONFIG].routes[0]
-    return await runs.reconcile(route, **kwargs)
-
-
-@pytest.fixture
-async def relay(pg_dsn: str) -> AsyncIterator[tuple[Relay, str]]:
-    """The database link through a fault relay, and the DSN through it."""
-    async with database_relay(pg_dsn) as linked:
-        yield linked
-
-
 @pytest.mark.usefixtures("no_background_runs")
 async def test_events_refused_while_the_database_was_unreachable_reach_the_app_once_after_a_run(
-    make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, relay: tuple[Relay, str]
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    hook: GitHubHook,
+    relayed_database: tuple[Relay, str],
 ) -> None:
-    link, dsn = relay
+    link, dsn = relayed_database
     proxy = await make_proxy(
         routes=[_route(hook.api_url, since="1h")],
         database={"dsn": dsn, "connect_timeout": "1s", "pool_timeout": "1s"},
@@ -112,7 +91,7 @@ async def test_events_refused_while_the_database_was_unreachable_reach_the_app_o
         lambda: reaches_database(proxy), "the proxy reaches its database again", within=30
     )
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert len(report.failed) == 50
     assert len(report.gaps) == 50
@@ -123,7 +102,7 @@ async def test_events_refused_while_the_database_was_unreachable_reach_the_app_o
     assert set(delivered) == {f"before-{n}" for n in range(5)} | {f"during-{n}" for n in range(50)}
     # Run again: every failed event has its claim now; nothing is asked for again.
     asked = len(hook.redelivery_requests)
-    again = await _run(proxy)
+    again = await reconcile_once(proxy)
     assert (len(again.gaps), len(again.recovered), len(hook.redelivery_requests)) == (0, 0, asked)
     assert set(_delivered(upstream).values()) == {1}
     metrics = metrics_text(proxy)
@@ -141,7 +120,7 @@ async def test_a_failed_event_with_a_claim_is_never_asked_for_again(
     assert await hook.deliver("slow", _body(1)) == 200
     hook.attempts[-1].status_code = 504  # as GitHub logs a delivery it gave up waiting on
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert [d.event_id for d in report.failed] == ["1:slow"]
     assert [d.event_id for d in report.claimed] == ["1:slow"]
@@ -212,7 +191,7 @@ async def test_pages_are_walked_with_the_cursor_and_a_retry_after_is_waited_out(
     hook.target = str(proxy.make_url("/webhooks/github"))
     hook.faults.append((429, {"Retry-After": "1"}))
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert hook.list_requests == 1 + 3  # the 429, then 20 attempts in pages of 7
     assert len(report.recovered) == 20
@@ -278,7 +257,7 @@ async def test_an_expired_token_or_an_outage_ends_the_run_and_the_next_one_recov
     hook.target = str(proxy.make_url("/webhooks/github"))
     hook.faults.append(fault)
 
-    stopped = await _run(proxy)
+    stopped = await reconcile_once(proxy)
 
     assert stopped.stopped is not None
     assert stopped.stopped.kind == kind
@@ -287,7 +266,7 @@ async def test_an_expired_token_or_an_outage_ends_the_run_and_the_next_one_recov
     assert f'dedup_reconcile_errors_total{{kind="{kind}",route="github"}} 1.0' in metrics
     assert "dedup_reconcile_last_success_timestamp_seconds{" not in metrics
 
-    report = await _run(proxy)  # the next period: the token renewed, the API back
+    report = await reconcile_once(proxy)  # the next period: the token renewed, the API back
 
     assert len(report.recovered) == 3
     assert report.stopped is None
@@ -408,7 +387,7 @@ async def test_a_next_page_on_another_host_is_not_followed_and_the_token_stays_h
     await _gaps(hook, 3)
     hook.next_origin = url
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert seen == []  # before: ["Bearer github_pat_stand_in_token_0123456789"]
     assert report.stopped is not None
@@ -426,7 +405,7 @@ async def test_a_delivery_id_that_is_not_a_number_is_never_put_in_a_url(
     hook.target = str(proxy.make_url("/webhooks/github"))
     hook.tamper = lambda page: [{**item, "id": "../../../../user/keys"} for item in page]
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert report.stopped is not None
     assert "a delivery's id is not a number" in report.stopped.message  # before: a 404's
@@ -442,7 +421,7 @@ async def test_an_answer_over_the_bound_is_refused_unread(
     padding = "x" * (8 * 1024 * 1024 + 1)  # providers_api.MAX_ANSWER, and a byte
     hook.tamper = lambda page: [{**item, "padding": padding} for item in page]
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert report.stopped is not None
     assert report.stopped.kind == "refused"
@@ -469,7 +448,7 @@ async def test_an_answer_not_as_described_stops_the_run_and_the_command_exits_1_
     await _gaps(hook, 2)
     hook.tamper = tamper
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
     out = io.StringIO()
     status = await reconciler.command(
         proxy_config(routes=routes), "github", since=None, dry_run=False, out=out
@@ -496,7 +475,7 @@ async def test_a_run_that_reaches_its_page_bound_says_so_counts_it_and_exits_3(
     proxy = await make_proxy(routes=routes)
     await _gaps(hook, 5)
 
-    report = await _run(proxy, dry_run=True)
+    report = await reconcile_once(proxy, dry_run=True)
     out = io.StringIO()
     status = await reconciler.command(
         proxy_config(routes=routes), "github", since=None, dry_run=True, out=out

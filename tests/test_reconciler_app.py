@@ -21,14 +21,21 @@ import jsonschema  # type: ignore[import-untyped]
 import jwt
 import pytest
 import yaml
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from proxy import app_keys, cli, config, errors, reconciler
+from proxy import cli, config, errors, reconciler
 from proxy.config import reconcile as reconciling
 from proxy.providers_api import github_app
-from tests.helpers import GITHUB_SECRET, FakeUpstream, MakeProxy, github_route, metrics_text
+from tests.helpers import (
+    GITHUB_SECRET,
+    FakeUpstream,
+    MakeProxy,
+    github_route,
+    metrics_text,
+    reconcile_once,
+)
 from tests.provider_standins import GitHubHook, json_schema
 
 CLIENT_ID = "Iv23liStandInClient"
@@ -59,10 +66,8 @@ async def hook(aiohttp_server: Any, app_key: tuple[str, Any]) -> GitHubHook:
     return stand_in
 
 
-@pytest.fixture(autouse=True)
-def no_background_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tests drive each run themselves: the proxy's own runs wait past the test."""
-    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 3600.0)
+# The tests drive each run themselves.
+pytestmark = pytest.mark.usefixtures("no_background_runs")
 
 
 def _route(api_url: str, private_key: str, **reconcile: Any) -> dict[str, Any]:
@@ -79,15 +84,6 @@ def _delivered(upstream: FakeUpstream) -> Counter[str]:
     return Counter(r.headers["x-github-delivery"][0] for r in upstream.requests)
 
 
-async def _run(proxy: TestClient[Any, Any]) -> reconciler.Report:
-    app = proxy.app
-    assert app is not None
-    runs = reconciler.Reconciler(
-        app[app_keys.STORE], app[app_keys.CONFIG].routes, app[app_keys.METRICS], pace=1000.0
-    )
-    return await runs.reconcile(app[app_keys.CONFIG].routes[0])
-
-
 async def test_failed_deliveries_to_an_app_hook_are_redelivered_and_reach_the_app_once(
     make_proxy: MakeProxy, upstream: FakeUpstream, hook: GitHubHook, app_key: tuple[str, Any]
 ) -> None:
@@ -99,7 +95,7 @@ async def test_failed_deliveries_to_an_app_hook_are_redelivered_and_reach_the_ap
         await hook.deliver(f"missed-{n}", _body(n))
     hook.target = str(proxy.make_url("/webhooks/github"))
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert report.stopped is None
     assert len(report.deliveries) == 6
@@ -109,7 +105,7 @@ async def test_failed_deliveries_to_an_app_hook_are_redelivered_and_reach_the_ap
     assert set(delivered) == {"before"} | {f"missed-{n}" for n in range(5)}
     # The next run: each has its claim now, and a successful attempt; nothing is asked again.
     asked = list(hook.redelivery_requests)
-    again = await _run(proxy)
+    again = await reconcile_once(proxy)
     assert (again.gaps, again.recovered, hook.redelivery_requests) == ([], [], asked)
     assert set(_delivered(upstream).values()) == {1}
     assert 'dedup_reconcile_recovered_total{route="github"} 5.0' in metrics_text(proxy)
@@ -124,7 +120,7 @@ async def test_a_failed_app_delivery_with_a_claim_is_never_asked_for_again(
     assert await hook.deliver("slow", _body(1)) == 200
     hook.attempts[-1].status_code = 504
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert [d.event_id for d in report.claimed] == ["1:slow"]
     assert (report.gaps, hook.redelivery_requests, report.stopped) == ([], [], None)
@@ -158,7 +154,7 @@ async def test_a_wrong_expired_or_unusable_key_ends_the_run_unauthorized_and_is_
         await hook.deliver(f"gap-{n}", _body(n))
     hook.target = str(proxy.make_url("/webhooks/github"))
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert report.stopped is not None
     assert report.stopped.kind == "unauthorized"
@@ -171,7 +167,9 @@ async def test_a_wrong_expired_or_unusable_key_ends_the_run_unauthorized_and_is_
     if key == "an hour-slow clock":
         monkeypatch.undo()
         monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 3600.0)
-        recovered = await _run(proxy)  # the clock set right: the next run recovers each once
+        recovered = await reconcile_once(
+            proxy
+        )  # the clock set right: the next run recovers each once
         assert len(recovered.recovered) == 3
         assert set(_delivered(upstream).values()) == {1}
 

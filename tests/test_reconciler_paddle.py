@@ -12,7 +12,6 @@ import asyncio
 import io
 import json
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,16 +22,16 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from yarl import URL
 
-from proxy import app_keys, cli, config, errors, reconciler
+from proxy import cli, config, errors, reconciler
 from proxy.providers_api import paddle
 from tests.faults.relay import Relay
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
     claimed,
-    database_relay,
     metrics_text,
     reaches_database,
+    reconcile_once,
     wait_until,
 )
 from tests.provider_standins import PaddleDestination, json_schema
@@ -61,29 +60,8 @@ async def destination(aiohttp_server: Any) -> PaddleDestination:
     return stand_in
 
 
-@pytest.fixture
-def no_background_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tests drive each run themselves: the proxy's own runs wait past the test."""
-    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 3600.0)
-
-
-@pytest.fixture
-async def relay(pg_dsn: str) -> AsyncIterator[tuple[Relay, str]]:
-    async with database_relay(pg_dsn) as linked:
-        yield linked
-
-
 def _delivered(upstream: FakeUpstream) -> Counter[str]:
     return Counter(json.loads(r.body)["event_id"] for r in upstream.requests)
-
-
-async def _run(proxy: TestClient[Any, Any], **kwargs: Any) -> reconciler.Report:
-    app = proxy.app
-    assert app is not None
-    runs = reconciler.Reconciler(
-        app[app_keys.STORE], app[app_keys.CONFIG].routes, app[app_keys.METRICS], pace=1000.0
-    )
-    return await runs.reconcile(app[app_keys.CONFIG].routes[0], **kwargs)
 
 
 async def _gaps(destination: PaddleDestination, proxy: TestClient[Any, Any], count: int) -> None:
@@ -100,11 +78,11 @@ async def test_notifications_refused_while_the_database_was_unreachable_are_repl
     make_proxy: MakeProxy,
     upstream: FakeUpstream,
     destination: PaddleDestination,
-    relay: tuple[Relay, str],
+    relayed_database: tuple[Relay, str],
     pg_dsn: str,
     table: str,
 ) -> None:
-    link, dsn = relay
+    link, dsn = relayed_database
     proxy = await make_proxy(
         routes=[_route(destination.api_url)],
         database={"dsn": dsn, "connect_timeout": "1s", "pool_timeout": "1s"},
@@ -119,7 +97,7 @@ async def test_notifications_refused_while_the_database_was_unreachable_are_repl
         lambda: reaches_database(proxy), "the proxy reaches its database again", within=30
     )
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert (len(report.failed), len(report.gaps), len(report.recovered)) == (20, 20, 20)
     assert report.stopped is None
@@ -131,7 +109,7 @@ async def test_notifications_refused_while_the_database_was_unreachable_are_repl
     query = destination.list_requests[0]
     assert (query["status"], query["notification_setting_id"]) == ("failed", SETTING)
     # Paddle still lists the original notifications as failed: each has its claim now.
-    again = await _run(proxy)
+    again = await reconcile_once(proxy)
     assert (len(again.failed), len(again.claimed), len(again.recovered)) == (20, 20, 0)
     assert len(destination.replay_requests) == 20
     assert len(upstream.requests) == 23
@@ -152,7 +130,7 @@ async def test_pages_are_walked_through_meta_pagination_next_and_bounded(
     await _gaps(destination, proxy, 7)
     newest_first = sorted((n.id for n in destination.notifications), reverse=True)
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     cursors = [query.get("after") for query in destination.list_requests]
     assert cursors == [None, newest_first[2], newest_first[5]]
@@ -198,7 +176,7 @@ async def test_a_next_page_on_another_host_is_not_followed_and_the_key_stays_hom
     await _gaps(destination, proxy, 3)
     destination.next_origin = url
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert seen == []
     assert report.stopped is not None
@@ -240,7 +218,7 @@ async def test_an_answer_not_as_described_stops_the_run_with_one_line_and_replay
     await _gaps(destination, proxy, 2)
     destination.tamper = tamper
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
     out = io.StringIO()
     status = await reconciler.command(
         proxy_config(routes=routes), "paddle", since=None, dry_run=False, out=out
@@ -272,13 +250,13 @@ async def test_a_revoked_key_or_an_outage_ends_the_run_and_the_next_one_recovers
     await _gaps(destination, proxy, 3)
     destination.faults.append(fault)
 
-    stopped = await _run(proxy)
+    stopped = await reconcile_once(proxy)
 
     assert stopped.stopped is not None
     assert stopped.stopped.kind == kind
     assert (stopped.recovered, upstream.requests) == ([], [])
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert (len(report.recovered), report.stopped) == (3, None)
     assert set(_delivered(upstream).values()) == {1}
@@ -297,7 +275,7 @@ async def test_a_replayed_notification_that_failed_is_not_replayed_but_its_origi
     await destination.replay(original.id)  # a replay that failed too
     destination.target = str(proxy.make_url("/webhooks/paddle"))
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert [d.ref for d in report.recovered] == [original.id]
     assert destination.replay_requests == [original.id]

@@ -15,7 +15,6 @@ import io
 import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,9 @@ from tests.helpers import (
     FakeUpstream,
     MakeProxy,
     claimed,
-    database_relay,
     metrics_text,
     reaches_database,
+    reconcile_once,
     wait_until,
 )
 from tests.provider_standins import PayPalApp, json_schema
@@ -117,28 +116,8 @@ def route(app_api: PayPalApp, cert_host: CertHost, ca_file: str) -> Any:
     return build
 
 
-@pytest.fixture
-def no_background_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 3600.0)
-
-
-@pytest.fixture
-async def relay(pg_dsn: str) -> AsyncIterator[tuple[Relay, str]]:
-    async with database_relay(pg_dsn) as linked:
-        yield linked
-
-
 def _delivered(upstream: FakeUpstream) -> Counter[str]:
     return Counter(json.loads(r.body)["id"] for r in upstream.requests)
-
-
-async def _run(proxy: TestClient[Any, Any], **kwargs: Any) -> reconciler.Report:
-    app = proxy.app
-    assert app is not None
-    runs = reconciler.Reconciler(
-        app[app_keys.STORE], app[app_keys.CONFIG].routes, app[app_keys.METRICS], pace=1000.0
-    )
-    return await runs.reconcile(app[app_keys.CONFIG].routes[0], **kwargs)
 
 
 async def _gaps(app_api: PayPalApp, proxy: TestClient[Any, Any], count: int) -> None:
@@ -154,11 +133,11 @@ async def test_events_refused_while_the_database_was_unreachable_are_resent_once
     upstream: FakeUpstream,
     app_api: PayPalApp,
     route: Any,
-    relay: tuple[Relay, str],
+    relayed_database: tuple[Relay, str],
     pg_dsn: str,
     table: str,
 ) -> None:
-    link, dsn = relay
+    link, dsn = relayed_database
     proxy = await make_proxy(
         routes=[route()], database={"dsn": dsn, "connect_timeout": "1s", "pool_timeout": "1s"}
     )
@@ -171,7 +150,7 @@ async def test_events_refused_while_the_database_was_unreachable_are_resent_once
         lambda: reaches_database(proxy), "the proxy reaches its database again", within=30
     )
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     # PayPal lists every event, delivered or not: the 3 claimed, the 20 gaps resent.
     assert (len(report.failed), len(report.claimed), len(report.recovered)) == (23, 3, 20)
@@ -181,7 +160,7 @@ async def test_events_refused_while_the_database_was_unreachable_are_resent_once
     assert {event_id for _, event_id, _ in await claimed(pg_dsn, table)} == events
     assert {tuple(body["webhook_ids"]) for _, body in app_api.resend_requests} == {(WEBHOOK_ID,)}
     assert app_api.token_requests == 1  # one token for the run's 1 page and 20 resends
-    again = await _run(proxy)
+    again = await reconcile_once(proxy)
     assert (len(again.claimed), len(again.recovered)) == (23, 0)
     assert len(app_api.resend_requests) == 20
     assert len(upstream.requests) == 23
@@ -196,12 +175,12 @@ async def test_a_token_near_its_end_is_asked_for_again_and_a_wrong_secret_is_una
     proxy = await make_proxy(routes=[route()])
     await _gaps(app_api, proxy, 2)
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert (len(report.recovered), app_api.token_requests) == (2, 3)  # the page, 2 resends
 
     wrong = await make_proxy(routes=[route(client_secret="not-the-secret")])
-    refused = await _run(wrong)
+    refused = await reconcile_once(wrong)
 
     assert refused.stopped is not None
     assert refused.stopped.kind == "unauthorized"
@@ -227,7 +206,7 @@ async def test_a_token_answer_not_as_rfc_6749_says_stops_the_run_without_the_tok
     await _gaps(app_api, proxy, 1)
     app_api.tamper_token = tamper
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert report.stopped is not None
     assert report.stopped.kind == "refused"
@@ -250,7 +229,7 @@ async def test_pages_are_walked_through_the_next_link_and_bounded(
     proxy = await make_proxy(routes=routes)
     await _gaps(app_api, proxy, 7)
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert [query.get("page") for query in app_api.list_requests] == [None, "3", "6"]
     assert {query["page_size"] for query in app_api.list_requests} == {"3"}
@@ -295,7 +274,7 @@ async def test_a_next_page_on_another_host_is_not_followed_and_the_token_stays_h
     await _gaps(app_api, proxy, 3)
     app_api.next_origin = url
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert seen == []
     assert report.stopped is not None
@@ -332,7 +311,7 @@ async def test_an_answer_not_as_described_stops_the_run_with_one_line_and_resend
     await _gaps(app_api, proxy, 2)
     app_api.tamper = tamper
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
     out = io.StringIO()
     status = await reconciler.command(
         proxy_config(routes=routes), "paypal", since=None, dry_run=False, out=out
@@ -361,7 +340,7 @@ async def test_an_event_of_a_type_the_webhook_does_not_ask_for_is_never_resent(
     await app_api.send("PAYMENT.CAPTURE.REFUNDED", n=3)
     app_api.target = str(proxy.make_url("/webhooks/paypal"))
 
-    report = await _run(proxy)
+    report = await reconcile_once(proxy)
 
     assert sorted(d.event for d in report.recovered) == [
         "PAYMENT.CAPTURE.COMPLETED", "PAYMENT.CAPTURE.REFUNDED"
@@ -379,8 +358,8 @@ async def test_the_client_secret_is_never_in_a_log_line_nor_a_repr(
     await _gaps(app_api, proxy, 1)
     app_api.faults.append((500, {}))
 
-    await _run(proxy)
-    await _run(proxy)
+    await reconcile_once(proxy)
+    await reconcile_once(proxy)
 
     app = proxy.app
     assert app is not None

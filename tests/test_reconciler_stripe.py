@@ -13,7 +13,6 @@ import dataclasses
 import io
 import json
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from proxy import app_keys, cli, config, errors, providers_api, reconciler
+from proxy import cli, config, errors, providers_api, reconciler
 from proxy.config import reconcile as reconciling
 from proxy.providers_api import stripe
 from tests.faults.relay import Relay
@@ -31,9 +30,9 @@ from tests.helpers import (
     STRIPE_SECRET,
     FakeUpstream,
     MakeProxy,
-    database_relay,
     metrics_text,
     reaches_database,
+    reconcile_once,
     stripe_route,
     wait_until,
 )
@@ -59,12 +58,6 @@ async def account(aiohttp_server: Any) -> StripeAccount:
     return stand_in
 
 
-@pytest.fixture
-def no_background_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tests drive each run themselves: the proxy's own runs wait past the test."""
-    monkeypatch.setattr(reconciler, "FIRST_RUN_DELAY", 3600.0)
-
-
 def _delivered(upstream: FakeUpstream) -> Counter[str]:
     return Counter(json.loads(r.body)["id"] for r in upstream.requests)
 
@@ -86,30 +79,17 @@ def _to(proxy: TestClient[Any, Any], secret: bytes | None = None) -> reconciler.
 async def _run(
     proxy: TestClient[Any, Any], *, secret: bytes | None = None, **kwargs: Any
 ) -> reconciler.Report:
-    app = proxy.app
-    assert app is not None
-    runs = reconciler.Reconciler(
-        app[app_keys.STORE],
-        app[app_keys.CONFIG].routes,
-        app[app_keys.METRICS],
-        pace=1000.0,
-        open_log=_to(proxy, secret),
-    )
-    return await runs.reconcile(app[app_keys.CONFIG].routes[0], **kwargs)
-
-
-@pytest.fixture
-async def relay(pg_dsn: str) -> AsyncIterator[tuple[Relay, str]]:
-    """The database link through a fault relay, and the DSN through it."""
-    async with database_relay(pg_dsn) as linked:
-        yield linked
+    return await reconcile_once(proxy, open_log=_to(proxy, secret), **kwargs)
 
 
 @pytest.mark.usefixtures("no_background_runs")
 async def test_events_refused_while_the_database_was_unreachable_reach_the_app_once_after_a_run(
-    make_proxy: MakeProxy, upstream: FakeUpstream, account: StripeAccount, relay: tuple[Relay, str]
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    account: StripeAccount,
+    relayed_database: tuple[Relay, str],
 ) -> None:
-    link, dsn = relay
+    link, dsn = relayed_database
     proxy = await make_proxy(
         routes=[_route(account.api_url)],
         database={"dsn": dsn, "connect_timeout": "1s", "pool_timeout": "1s"},

@@ -13,7 +13,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from proxy import app_keys, app_limit, errors
 from proxy.database import inbox, slots, sql
@@ -22,10 +21,12 @@ from tests.helpers import (
     FakeUpstream,
     MakeProxy,
     Serve,
+    SlowApp,
     execute,
     fetch,
     github_headers,
     github_route,
+    slow_app,
     start_up,
     wait_until,
 )
@@ -60,36 +61,6 @@ def test_a_mapping_without_a_limit_or_with_an_unknown_key_is_refused(proxy_confi
         proxy_config(upstream={"concurrency": {"shared": True, "limt": 3}})
     assert "upstream.concurrency.limit: is required" in str(refused.value)
     assert "upstream.concurrency.limt: unknown key" in str(refused.value)
-
-
-class SlowApp:
-    """An app that takes ``delay`` per webhook: records each body it took and the most
-    requests it had at once."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay = delay
-        self.now = 0
-        self.peak = 0
-        self.took: list[bytes] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        self.now += 1
-        self.peak = max(self.peak, self.now)
-        try:
-            await asyncio.sleep(self.delay)
-        finally:
-            self.now -= 1
-        self.took.append(body)
-        return web.Response(text="ok")
-
-
-async def slow_app(aiohttp_server: Any, delay: float) -> tuple[SlowApp, str]:
-    app = SlowApp(delay)
-    application = web.Application()
-    application.router.add_route("*", "/{tail:.*}", app.handle)
-    server = await aiohttp_server(application)
-    return app, str(server.make_url("")).rstrip("/")
 
 
 async def _slot_rows(dsn: str, table: str) -> list[str]:

@@ -29,7 +29,7 @@ import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from proxy.config import reader, values
 
@@ -196,14 +196,11 @@ def parse_reconcile(
         provider=str(preset),
         every=every,
         since=since,
-        api_url=r.value(section, "api_url", path, values.parse_http_url, GITHUB_API_URL),
+        **_api(r, section, path, GITHUB_API_URL),
         repository=repository,
         organization=organization,
         app=app,
         hook_id=hook_id,
-        max_per_run=r.value(
-            section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
-        ),
         token="" if app is not None else _token(r, section, path),
         private_key=_private_key(r, section, path) if app is not None else "",
     )
@@ -319,6 +316,22 @@ def _pem(text: str) -> str:
     return key + "\n"
 
 
+class _API(TypedDict):
+    api_url: str
+    max_per_run: int
+
+
+def _api(r: reader.Reader, section: dict[str, Any], path: str, default_url: str) -> _API:
+    """``api_url`` (``default_url``, the provider's, unless given) and ``max_per_run``: every
+    provider's log is read over an API, a bounded number of events a run."""
+    return _API(
+        api_url=r.value(section, "api_url", path, values.parse_http_url, default_url),
+        max_per_run=r.value(
+            section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
+        ),
+    )
+
+
 def _period(
     r: reader.Reader, section: dict[str, Any], path: str, history: float | None, why: str
 ) -> tuple[float, float]:
@@ -349,10 +362,7 @@ def _parse_stripe(r: reader.Reader, section: dict[str, Any], path: str) -> Recon
         provider="stripe",
         every=every,
         since=since,
-        api_url=r.value(section, "api_url", path, values.parse_http_url, STRIPE_API_URL),
-        max_per_run=r.value(
-            section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
-        ),
+        **_api(r, section, path, STRIPE_API_URL),
         token=_token(r, section, path),
         deliver_to=r.value(section, "deliver_to", path, values.parse_http_url, ""),
         types=r.value(section, "types", path, _types, ()),
@@ -370,10 +380,7 @@ def _parse_paddle(r: reader.Reader, section: dict[str, Any], path: str) -> Recon
         provider="paddle",
         every=every,
         since=since,
-        api_url=r.value(section, "api_url", path, values.parse_http_url, PADDLE_API_URL),
-        max_per_run=r.value(
-            section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
-        ),
+        **_api(r, section, path, PADDLE_API_URL),
         token=_token(r, section, path),
         notification_setting_id=r.required(
             section, "notification_setting_id", path, _setting_id
@@ -412,10 +419,7 @@ def _parse_paypal(r: reader.Reader, section: dict[str, Any], path: str) -> Recon
         provider="paypal",
         every=every,
         since=since,
-        api_url=r.value(section, "api_url", path, values.parse_http_url, PAYPAL_API_URL),
-        max_per_run=r.value(
-            section, "max_per_run", path, values.parse_positive_int, DEFAULT_MAX_PER_RUN
-        ),
+        **_api(r, section, path, PAYPAL_API_URL),
         types=r.value(section, "types", path, _types, ()),
         webhook_id=r.required(section, "webhook_id", path, _webhook_id) or "",
         client_id=r.required(section, "client_id", path, _paypal_client_id) or "",

@@ -4,12 +4,13 @@
 
 A closed family: it imports nothing from the package but the error tree and the route's
 ``reconcile`` settings. Every answer of a provider's API is translated here, once, into
-``errors.ProviderAPIError`` (``answered``), and aiohttp's client errors with it (``reaching``).
+``errors.ProviderAPIError`` (``answered``), and aiohttp's client errors with it (``reaching``);
+a log's pages are walked, each implementation asking for one page at a time, by ``pages``.
 
 The API is trusted with the events' IDs and states, not with where the token goes nor with the
 proxy's memory: an answer is read up to ``MAX_ANSWER`` bytes (``read_json``), a next page is
-followed only on the configured API's origin (``same_origin``), and what goes into a URL is
-checked against the form the provider documents first.
+followed only on the configured API's origin (``next_page``), and what goes into a URL is
+checked against the form the provider documents first (``of_form``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import json
+import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import yarl
@@ -34,6 +37,8 @@ DEFAULT_RETRY_AFTER = 60.0
 # An answer of the API read at most (a page of 100 Stripe events is about 1 MiB, of GitHub's
 # deliveries 50 KiB): a larger one is refused unread rather than held and parsed.
 MAX_ANSWER = 8 * 1024 * 1024
+
+Cursor = TypeVar("Cursor")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,3 +156,72 @@ def same_origin(url: str, base: str) -> bool:
         )  # fmt: skip
     except (TypeError, ValueError):
         return False
+
+
+def next_page(
+    url: str, link: str, api_url: str, what: str, *, credential: str = "the token"
+) -> str:
+    """``link``, the next page's as the answer to ``url`` names it, resolved against ``url``;
+    ``ProviderRefused`` if it leaves ``api_url``'s origin, where ``credential`` may go.
+    ValueError for a link that is no URL."""
+    after = yarl.URL(url).join(yarl.URL(link))
+    if not same_origin(str(after), api_url):
+        raise errors.ProviderRefused(
+            f"{what}: the next page's link leads to another host than api_url's "
+            f"({after.host!r:.100}): not followed, {credential} goes to api_url only"
+        )
+    return str(after)
+
+
+def of_form(value: object, form: re.Pattern[str], message: str) -> str:
+    """``value``, a string of the provider's ``form`` (an ID that goes into a URL);
+    ValueError(``message``) otherwise."""
+    if not isinstance(value, str) or not form.fullmatch(value):
+        raise ValueError(message)
+    return value
+
+
+def session(headers: Mapping[str, str] | None = None) -> aiohttp.ClientSession:
+    """A client session whose every request carries ``headers``, within ``REQUEST_TIMEOUT``."""
+    return aiohttp.ClientSession(
+        headers=headers, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
+    )
+
+
+async def fetch_json(
+    request: AbstractAsyncContextManager[aiohttp.ClientResponse], what: str
+) -> tuple[Any, Mapping[str, str]]:
+    """The answer to ``request``, once ``answered``: its JSON (``read_json``) and headers."""
+    async with request as response:
+        answered(response.status, response.headers, what)
+        return await read_json(response, what), response.headers
+
+
+async def send(request: AbstractAsyncContextManager[aiohttp.ClientResponse], what: str) -> None:
+    """``request`` sent and its answer ``answered``; its body is not read."""
+    async with request as response:
+        answered(response.status, response.headers, what)
+
+
+class Walked(Protocol):
+    truncated: bool
+
+
+async def pages(
+    log: Walked,
+    first: Cursor,
+    fetch: Callable[[Cursor], Awaitable[tuple[list[Any], Cursor | None]]],
+    *,
+    max_pages: int,
+) -> AsyncIterator[list[Any]]:
+    """The log's pages, the first ``fetch``ed at ``first``, each next at the cursor the one before
+    names (None: the last), ``max_pages`` at most: ``log.truncated`` says whether pages were left
+    at that bound. A walk stopped early by its reader is not truncated."""
+    log.truncated = False
+    cursor: Cursor | None = first
+    for _ in range(max_pages):
+        if cursor is None:
+            return
+        page, cursor = await fetch(cursor)
+        yield page
+    log.truncated = cursor is not None

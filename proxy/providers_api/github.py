@@ -22,19 +22,17 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
-import aiohttp
-import yarl
-
 from proxy import errors, event_ids
 from proxy.config import reconcile
 from proxy.providers_api import (
-    REQUEST_TIMEOUT,
     Delivery,
-    answered,
+    fetch_json,
     github_app,
+    next_page,
+    pages,
     reaching,
-    read_json,
-    same_origin,
+    send,
+    session,
 )
 
 API_VERSION = "2022-11-28"
@@ -55,13 +53,12 @@ class HookDeliveries:
         self._app = (
             None if settings.app is None else github_app.AppJWT(settings.app, settings.private_key)
         )
-        self._session = aiohttp.ClientSession(
-            headers={
+        self._session = session(
+            {
                 "Accept": "application/vnd.github+json",
                 "X-GitHub-Api-Version": API_VERSION,
                 "User-Agent": user_agent,
-            },
-            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+            }
         )
         self.truncated = False
 
@@ -77,20 +74,17 @@ class HookDeliveries:
         """Each GUID attempted at or after ``since`` once, its attempts taken together (all of
         them within the window: the log is read to its end before any is yielded)."""
         events: dict[str, list[dict[str, Any]]] = {}
-        url: str | None = f"{self._hook}/deliveries?per_page={PER_PAGE}"
-        self.truncated = False
-        for _ in range(MAX_PAGES):
-            if url is None:
-                break
-            page, url = await self._page(url)
+        url = f"{self._hook}/deliveries?per_page={PER_PAGE}"
+        async for page in pages(self, url, self._page, max_pages=MAX_PAGES):
+            older = False
             with reaching("listing the hook's deliveries"):
                 for attempt in page:
                     if _time(attempt["delivered_at"]) < since:
-                        url = None  # newest first: the rest of the log is older still
+                        older = True  # newest first: the rest of the log is older still
                         continue
                     events.setdefault(str(attempt["guid"]), []).append(attempt)
-        else:
-            self.truncated = url is not None
+            if older:
+                break
         with reaching("listing the hook's deliveries"):
             found = [self._delivery(guid, attempts) for guid, attempts in events.items()]
         for delivery in found:
@@ -114,32 +108,23 @@ class HookDeliveries:
     async def _page(self, url: str) -> tuple[list[dict[str, Any]], str | None]:
         what = "listing the hook's deliveries"
         with reaching(what):
-            async with self._session.get(url, headers=self._authorization()) as response:
-                answered(response.status, response.headers, what)
-                page = await read_json(response, what)
-                following = _NEXT.search(response.headers.get("Link", ""))
+            page, headers = await fetch_json(
+                self._session.get(url, headers=self._authorization()), what
+            )
+            following = _NEXT.search(headers.get("Link", ""))
             if not isinstance(page, list):
                 raise ValueError("the deliveries are not a list")
-        if following is None:
-            return page, None
-        with reaching(what):
-            after = yarl.URL(url).join(yarl.URL(following[1]))
-        if not same_origin(str(after), self._settings.api_url):
-            raise errors.ProviderRefused(
-                f"{what}: the next page's link leads to another host than api_url's "
-                f"({after.host!r:.100}): not followed, the token goes to api_url only"
-            )
-        return page, str(after)
+            if following is None:
+                return page, None
+            return page, next_page(url, following[1], self._settings.api_url, what)
 
     async def recover(self, delivery: Delivery) -> None:
         what = f"redelivering delivery {delivery.ref}"
         if not _DELIVERY_ID.fullmatch(delivery.ref):
             raise errors.ProviderRefused(f"{what}: a delivery's id is not a number")
         with reaching(what):
-            async with self._session.post(
-                f"{self._hook}/deliveries/{delivery.ref}/attempts", headers=self._authorization()
-            ) as response:
-                answered(response.status, response.headers, what)
+            attempts = f"{self._hook}/deliveries/{delivery.ref}/attempts"
+            await send(self._session.post(attempts, headers=self._authorization()), what)
 
 
 def _succeeded(attempt: dict[str, Any]) -> bool:

@@ -24,18 +24,19 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
 import yarl
 
 from proxy import errors
 from proxy.config import reconcile
 from proxy.providers_api import (
-    REQUEST_TIMEOUT,
     Delivery,
-    answered,
+    fetch_json,
+    next_page,
+    of_form,
+    pages,
     reaching,
-    read_json,
-    same_origin,
+    send,
+    session,
 )
 
 # Paddle's page size at most.
@@ -52,13 +53,12 @@ class FailedNotifications:
     def __init__(self, settings: reconcile.Reconcile, *, user_agent: str) -> None:
         self._settings = settings
         self._api = settings.api_url.rstrip("/")
-        self._session = aiohttp.ClientSession(
-            headers={
+        self._session = session(
+            {
                 "Authorization": f"Bearer {settings.token}",
                 "Accept": "application/json",
                 "User-Agent": user_agent,
-            },
-            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+            }
         )
         self.truncated = False
 
@@ -69,7 +69,7 @@ class FailedNotifications:
         """Each event with a notification that failed at or after ``since``, once (its
         ``origin: event`` notification, which a replay is asked of)."""
         start = datetime.fromtimestamp(since, UTC).isoformat(timespec="seconds")
-        url: str | None = str(
+        url = str(
             yarl.URL(f"{self._api}/notifications").with_query(
                 status="failed",
                 notification_setting_id=self._settings.notification_setting_id,
@@ -78,11 +78,7 @@ class FailedNotifications:
             )
         )
         events: dict[str, Delivery] = {}
-        self.truncated = False
-        for _ in range(MAX_PAGES):
-            if url is None:
-                break
-            page, url = await self._page(url)
+        async for page in pages(self, url, self._page, max_pages=MAX_PAGES):
             with reaching("listing the destination's failed notifications"):
                 for item in page:
                     delivery = _delivery(item)
@@ -91,8 +87,6 @@ class FailedNotifications:
                     known = events.get(delivery.event_id)
                     if known is None or (known.ref == "" and delivery.ref):
                         events[delivery.event_id] = delivery
-        else:
-            self.truncated = url is not None
         for delivery in events.values():
             if delivery.ref:  # only replays of it listed: its own notification was delivered
                 yield delivery
@@ -100,9 +94,7 @@ class FailedNotifications:
     async def _page(self, url: str) -> tuple[list[dict[str, Any]], str | None]:
         what = "listing the destination's failed notifications"
         with reaching(what):
-            async with self._session.get(url, allow_redirects=False) as response:
-                answered(response.status, response.headers, what)
-                page = await read_json(response, what)
+            page, _ = await fetch_json(self._session.get(url, allow_redirects=False), what)
             pagination = page["meta"]["pagination"]
             if not isinstance(page["data"], list) or not isinstance(pagination["has_more"], bool):
                 raise ValueError("the notifications are not a paginated list")
@@ -111,34 +103,31 @@ class FailedNotifications:
             following = pagination["next"]
             if not isinstance(following, str):
                 raise ValueError("meta.pagination.next is not a URL")
-            after = yarl.URL(url).join(yarl.URL(following))
-        if not same_origin(str(after), self._settings.api_url):
-            raise errors.ProviderRefused(
-                f"{what}: the next page's link leads to another host than api_url's "
-                f"({after.host!r:.100}): not followed, the API key goes to api_url only"
-            )
-        return page["data"], str(after)
+            api_url = self._settings.api_url
+            after = next_page(url, following, api_url, what, credential="the API key")
+        return page["data"], after
 
     async def recover(self, delivery: Delivery) -> None:
         what = f"replaying notification {delivery.ref}"
         if not _NOTIFICATION_ID.fullmatch(delivery.ref):
             raise errors.ProviderRefused(f"{what}: not a notification's ID (ntf_...)")
         with reaching(what):
-            async with self._session.post(
-                f"{self._api}/notifications/{delivery.ref}/replay", allow_redirects=False
-            ) as response:
-                answered(response.status, response.headers, what)
+            replay = f"{self._api}/notifications/{delivery.ref}/replay"
+            await send(self._session.post(replay, allow_redirects=False), what)
 
 
 def _delivery(item: dict[str, Any]) -> Delivery | None:
     """The notification as an event to recover (``ref`` "" for a replay's, which cannot be
     replayed); None for one not failed (an API that answers more than it was asked)."""
     notification_id, payload = item["id"], item["payload"]
-    if not isinstance(notification_id, str) or not _NOTIFICATION_ID.fullmatch(notification_id):
-        raise ValueError("a notification's id is not of Paddle's form (ntf_...)")
-    event_id = payload["event_id"]
-    if not isinstance(event_id, str) or not _EVENT_ID.fullmatch(event_id):
-        raise ValueError("a notification's payload.event_id is not of Paddle's form (evt_...)")
+    notification_id = of_form(
+        notification_id, _NOTIFICATION_ID, "a notification's id is not of Paddle's form (ntf_...)"
+    )
+    event_id = of_form(
+        payload["event_id"],
+        _EVENT_ID,
+        "a notification's payload.event_id is not of Paddle's form (evt_...)",
+    )
     status, origin, attempted = item["status"], item["origin"], item.get("times_attempted")
     if status != "failed":
         return None

@@ -38,12 +38,14 @@ import yarl
 from proxy import errors
 from proxy.config import reconcile
 from proxy.providers_api import (
-    REQUEST_TIMEOUT,
     Delivery,
-    answered,
+    fetch_json,
+    next_page,
+    of_form,
+    pages,
     reaching,
-    read_json,
-    same_origin,
+    send,
+    session,
 )
 
 log = logging.getLogger(__name__)
@@ -87,14 +89,13 @@ class ClientCredentials:
     async def _ask(self) -> tuple[str, float]:
         what = "asking PayPal for an access token"
         with reaching(what):
-            async with self._session.post(
+            request = self._session.post(
                 self._url,
                 data={"grant_type": "client_credentials"},
                 headers={"Authorization": self._basic},
                 allow_redirects=False,
-            ) as response:
-                answered(response.status, response.headers, what)
-                answer = await read_json(response, what)
+            )
+            answer, _ = await fetch_json(request, what)
             token, kind, lifetime = (
                 answer["access_token"], answer["token_type"], answer["expires_in"]
             )  # fmt: skip
@@ -114,10 +115,7 @@ class WebhookEvents:
     def __init__(self, settings: reconcile.Reconcile, *, user_agent: str) -> None:
         self._settings = settings
         self._api = settings.api_url.rstrip("/")
-        self._session = aiohttp.ClientSession(
-            headers={"Accept": "application/json", "User-Agent": user_agent},
-            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
-        )
+        self._session = session({"Accept": "application/json", "User-Agent": user_agent})
         self._credentials = ClientCredentials(settings, self._session)
         self.truncated = False
 
@@ -133,17 +131,11 @@ class WebhookEvents:
         }
         if len(self._settings.types) == 1:
             query["event_type"] = self._settings.types[0]
-        url: str | None = str(
-            yarl.URL(f"{self._api}/v1/notifications/webhooks-events").with_query(query)
-        )
+        url = str(yarl.URL(f"{self._api}/v1/notifications/webhooks-events").with_query(query))
         seen: set[str] = set()
         others = 0
         found: list[Delivery] = []
-        self.truncated = False
-        for _ in range(MAX_PAGES):
-            if url is None:
-                break
-            page, url = await self._page(url)
+        async for page in pages(self, url, self._page, max_pages=MAX_PAGES):
             with reaching("listing the app's webhook events"):
                 for item in page:
                     delivery = self._delivery(item)
@@ -152,8 +144,6 @@ class WebhookEvents:
                     elif delivery.event_id not in seen:  # listed twice: the list shifted
                         seen.add(delivery.event_id)
                         found.append(delivery)
-        else:
-            self.truncated = url is not None
         if others:
             log.info("PayPal listed %d event(s) of types the route does not ask for "
                      "(reconcile.types): not resent", others)  # fmt: skip
@@ -161,9 +151,9 @@ class WebhookEvents:
             yield delivery
 
     def _delivery(self, item: dict[str, Any]) -> Delivery | None:
-        event_id = item["id"]
-        if not isinstance(event_id, str) or not _EVENT_ID.fullmatch(event_id):
-            raise ValueError("an event's id is not of PayPal's form (letters and digits)")
+        event_id = of_form(
+            item["id"], _EVENT_ID, "an event's id is not of PayPal's form (letters and digits)"
+        )
         kind = item["event_type"]
         if not isinstance(kind, str):
             raise ValueError("an event's event_type is not a string")
@@ -182,11 +172,8 @@ class WebhookEvents:
         what = "listing the app's webhook events"
         authorization = await self._credentials.authorization()
         with reaching(what):
-            async with self._session.get(
-                url, headers=authorization, allow_redirects=False
-            ) as response:
-                answered(response.status, response.headers, what)
-                page = await read_json(response, what)
+            request = self._session.get(url, headers=authorization, allow_redirects=False)
+            page, _ = await fetch_json(request, what)
             events, links = page["events"], page.get("links") or []
             if not isinstance(events, list) or not isinstance(links, list):
                 raise ValueError("the events are not an event list")
@@ -195,13 +182,7 @@ class WebhookEvents:
                 return events, None
             if not isinstance(following[0], str):
                 raise ValueError("the next link's href is not a URL")
-            after = yarl.URL(url).join(yarl.URL(following[0]))
-        if not same_origin(str(after), self._settings.api_url):
-            raise errors.ProviderRefused(
-                f"{what}: the next page's link leads to another host than api_url's "
-                f"({after.host!r:.100}): not followed, the token goes to api_url only"
-            )
-        return events, str(after)
+            return events, next_page(url, following[0], self._settings.api_url, what)
 
     async def recover(self, delivery: Delivery) -> None:
         what = f"resending event {delivery.ref} to webhook {self._settings.webhook_id}"
@@ -209,13 +190,13 @@ class WebhookEvents:
             raise errors.ProviderRefused(f"{what}: not an event's ID of PayPal's form")
         authorization = await self._credentials.authorization()
         with reaching(what):
-            async with self._session.post(
+            request = self._session.post(
                 f"{self._api}/v1/notifications/webhooks-events/{delivery.ref}/resend",
                 json={"webhook_ids": [self._settings.webhook_id]},
                 headers=authorization,
                 allow_redirects=False,
-            ) as response:
-                answered(response.status, response.headers, what)
+            )
+            await send(request, what)
 
 
 def _stamp(moment: float) -> str:

@@ -34,7 +34,7 @@ import aiohttp
 
 from proxy import errors
 from proxy.config import reconcile
-from proxy.providers_api import REQUEST_TIMEOUT, Delivery, answered, reaching, read_json
+from proxy.providers_api import Delivery, fetch_json, of_form, pages, reaching, session
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +55,8 @@ class UndeliveredEvents:
         self._user_agent = user_agent
         # The event objects listed, by ID: what ``recover`` sends.
         self._events: dict[str, dict[str, Any]] = {}
-        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
-        self._api = aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {settings.token}", "User-Agent": user_agent},
-            timeout=timeout,
-        )
-        self._route = aiohttp.ClientSession(timeout=timeout)
+        self._api = session({"Authorization": f"Bearer {settings.token}", "User-Agent": user_agent})
+        self._route = session()
         self.truncated = False
 
     async def close(self) -> None:
@@ -75,13 +71,8 @@ class UndeliveredEvents:
             ("limit", str(LIMIT)),
             *(("types[]", kind) for kind in self._settings.types),
         ]
-        after: str | None = None
         seen: set[str] = set()
-        self.truncated = False
-        for _ in range(MAX_PAGES):
-            page = await self._page([*query, ("starting_after", after)] if after else query)
-            with reaching("listing the account's undelivered events"):
-                listed = [self._delivery(item) for item in page["data"]]
+        async for listed in pages(self, query, self._page, max_pages=MAX_PAGES):
             if None in listed:
                 log.warning("Stripe listed %d event(s) of types the route does not ask for "
                             "(reconcile.types): not delivered", listed.count(None))  # fmt: skip
@@ -90,16 +81,10 @@ class UndeliveredEvents:
                     continue  # not asked for; or listed twice, the list shifted meanwhile
                 seen.add(delivery.event_id)
                 yield delivery
-            if not page["has_more"] or not page["data"]:
-                return
-            after = str(page["data"][-1]["id"])
-        self.truncated = True
 
     def _delivery(self, item: dict[str, Any]) -> Delivery | None:
         """The event as a delivery to recover; None for a type the route did not ask for."""
-        event_id = item["id"]
-        if not isinstance(event_id, str) or not _EVENT_ID.fullmatch(event_id):
-            raise ValueError("an event's id is not of Stripe's form (evt_...)")
+        event_id = of_form(item["id"], _EVENT_ID, "an event's id is not of Stripe's form (evt_...)")
         kind = item.get("type")
         if self._settings.types and kind not in self._settings.types:
             return None
@@ -113,19 +98,26 @@ class UndeliveredEvents:
             status=f"pending_webhooks {item.get('pending_webhooks')}",
         )
 
-    async def _page(self, query: list[tuple[str, str]]) -> dict[str, Any]:
+    async def _page(
+        self, query: list[tuple[str, str]]
+    ) -> tuple[list[Delivery | None], list[tuple[str, str]] | None]:
+        """A page's events as deliveries (None for a type not asked for), and the query of the
+        next page (None: the last)."""
         what = "listing the account's undelivered events"
         with reaching(what):
-            async with self._api.get(self._url, params=query) as response:
-                answered(response.status, response.headers, what)
-                page = await read_json(response, what)
+            page, _ = await fetch_json(self._api.get(self._url, params=query), what)
             if not (
                 isinstance(page, dict)
                 and isinstance(page.get("data"), list)
                 and isinstance(page.get("has_more"), bool)
             ):
                 raise ValueError("the events are not a list object")
-        return page
+            listed = [self._delivery(item) for item in page["data"]]
+        if not page["has_more"] or not page["data"]:
+            return listed, None
+        after = str(page["data"][-1]["id"])
+        first = [(key, value) for key, value in query if key != "starting_after"]
+        return listed, [*first, ("starting_after", after)]
 
     async def recover(self, delivery: Delivery) -> None:
         """The event object, signed now with the route's secret, POSTed to the route."""
