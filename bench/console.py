@@ -32,7 +32,7 @@ from proxy import embedded
 from proxy.database import sql
 from proxy.database.store import apply_schema
 
-ROUTE = {
+ROUTE: dict[str, object] = {
     "name": "hooks",
     "path": "/hooks",
     "event_id": "body:/id",
@@ -88,15 +88,19 @@ async def drop(dsn: str, table: str) -> None:
         await connection.close()
 
 
-async def serve(dsn: str, table: str, workdir: Path) -> tuple[asyncio.subprocess.Process, str]:
-    port, admin_port = free_port(), free_port()
+async def serve(
+    dsn: str, table: str, workdir: Path, *, upstream: str = "http://127.0.0.1:9",
+    routes: list[dict[str, object]] | None = None, port: int | None = None,
+) -> tuple[asyncio.subprocess.Process, str]:  # fmt: skip
+    """A ``serve`` process over ``table`` (its webhooks on ``port``): it and its admin URL."""
+    port, admin_port = port or free_port(), free_port()
     settings = {
         "listen": f"127.0.0.1:{port}",
         "admin": {"listen": f"127.0.0.1:{admin_port}"},
-        "upstream": {"url": "http://127.0.0.1:9"},
+        "upstream": {"url": upstream},
         "database": {"dsn": dsn, "table": table, "pool_size": 4, "create_schema": False},
         "log": {"format": "json", "level": "warning"},
-        "routes": [ROUTE],
+        "routes": routes or [ROUTE],
     }
     config = workdir / "config.yaml"
     config.write_text(yaml.safe_dump(settings))

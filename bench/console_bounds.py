@@ -1,8 +1,10 @@
 """What one console page costs a ``dedup-proxy serve`` process: its RSS (and peak) before and
 after an event page of a kept body of 19.5 MiB, and two body-filter pages over 120 kept bodies
 of 1 MiB; and the slowest ``/healthz`` answer while each is served (polled every 10 ms).
+``--lookups``: instead, the webhooks' median answer alone and while 16 loops ask the console's
+"Was this event processed?" over 400,000 claims of a route with a path parameter.
 
-    python -m bench.console_bounds [--dsn postgresql://...] [--proxy /work/main]
+    python -m bench.console_bounds [--dsn postgresql://...] [--proxy /work/main] [--lookups]
 
 ``--proxy``: the checkout whose ``proxy`` package the served process runs (to compare a release
 with this one). Without ``--dsn`` an embedded PostgreSQL is started in a temporary directory;
@@ -20,9 +22,11 @@ import uuid
 from pathlib import Path
 
 import aiohttp
+import aiohttp.web
 import asyncpg
 
 from bench import console as console_bench
+from bench import procs
 from proxy import embedded
 from proxy.database import sql
 from proxy.database.store import apply_schema
@@ -95,6 +99,14 @@ async def run(args: argparse.Namespace) -> None:
             dsn = server.start()
         table = f"bench_bounds_{uuid.uuid4().hex[:8]}"
         process = None
+        if args.lookups:
+            try:
+                await lookups(args, dsn, workdir, table)
+            finally:
+                await console_bench.drop(dsn, table)
+                if server is not None:
+                    server.stop()
+            return
         try:
             connection = await asyncpg.connect(dsn)
             try:
@@ -127,10 +139,89 @@ async def run(args: argparse.Namespace) -> None:
                 server.stop()
 
 
+LOOKUP_ROUTES: list[dict[str, object]] = [
+    {"name": "hooks", "path": "/hooks", "event_id": "body:/id"},
+    {"name": "tenants", "path": "/t/{tenant}/hooks", "event_id": "body:/id"},
+]
+CLAIMS = """
+INSERT INTO {table} (scope, event_id, received_at)
+SELECT 'tenants/t' || (n % 100), 'evt_' || n, now() - make_interval(secs => n)
+FROM generate_series(1, $1::int) AS n
+"""
+
+
+async def webhooks(session: aiohttp.ClientSession, url: str, prefix: str, count: int) -> float:
+    """The median answer (ms) of ``count`` new webhooks sent one after the other."""
+    took = []
+    for n in range(count):
+        started = time.perf_counter()
+        async with session.post(f"{url}/hooks", data=f'{{"id": "{prefix}{n}"}}') as answer:
+            await answer.read()
+            assert answer.status == 200, answer.status
+        took.append((time.perf_counter() - started) * 1000)
+    return sorted(took)[len(took) // 2]
+
+
+async def lookups(args: argparse.Namespace, dsn: str, workdir: Path, table: str) -> None:
+    """Webhooks' median alone, then with 16 lookup loops over 400,000 claims."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        await apply_schema(connection, sql.for_table(table))
+        await connection.execute(CLAIMS.format(table=f'"{table}"'), 400_000)
+        await connection.execute(f'ANALYZE "{table}"')
+    finally:
+        await connection.close()
+    app = aiohttp.web.Application()
+    app.router.add_post("/{tail:.*}", _ok)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    app_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    port = procs.free_port()
+    process, admin = await console_bench.serve(
+        dsn, table, workdir, upstream=app_url, routes=LOOKUP_ROUTES, port=port
+    )
+    proxy_url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            alone = await webhooks(session, proxy_url, "alone_", 300)
+            stop = asyncio.Event()
+            asked = 0
+
+            async def loop(n: int) -> None:
+                nonlocal asked
+                for k in range(100_000):  # bounded; stopped long before
+                    if stop.is_set():
+                        return
+                    target = f"{admin}/console/lookup?id=evt_{(n * 7919 + k * 104729) % 400_000}"
+                    async with session.get(target) as answer:
+                        await answer.read()
+                    asked += 1
+
+            loops = [asyncio.create_task(loop(n)) for n in range(16)]
+            await asyncio.sleep(1)
+            during = await webhooks(session, proxy_url, "during_", 300)
+            stop.set()
+            await asyncio.gather(*loops)
+        print(f"400,000 claims: webhooks' median {alone:.1f} ms alone, {during:.1f} ms with 16 "
+              f"lookup loops ({asked} lookups answered meanwhile)")  # fmt: skip
+    finally:
+        process.terminate()
+        await process.wait()
+        await runner.cleanup()
+
+
+async def _ok(request: aiohttp.web.Request) -> aiohttp.web.Response:
+    await request.read()
+    return aiohttp.web.Response(text="ok")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dsn")
     parser.add_argument("--proxy", help="the checkout whose proxy package is served")
+    parser.add_argument("--lookups", action="store_true", help="the lookup loops' case alone")
     args = parser.parse_args()
     if args.proxy:
         os.environ["PYTHONPATH"] = str(Path(args.proxy).resolve())
