@@ -188,24 +188,26 @@ async def lookups(args: argparse.Namespace, dsn: str, workdir: Path, table: str)
             alone = await webhooks(session, proxy_url, "alone_", 300)
             stop = asyncio.Event()
             asked = 0
+            statuses: dict[int, int] = {}
 
             async def loop(n: int) -> None:
                 nonlocal asked
                 for k in range(100_000):  # bounded; stopped long before
                     if stop.is_set():
                         return
-                    target = f"{admin}/console/lookup?id=evt_{(n * 7919 + k * 104729) % 400_000}"
+                    target = f"{admin}/console/lookup?id=gone_{n}_{k}"  # never claimed: read to the end
                     async with session.get(target) as answer:
                         await answer.read()
+                        statuses[answer.status] = statuses.get(answer.status, 0) + 1
                     asked += 1
 
             loops = [asyncio.create_task(loop(n)) for n in range(16)]
             await asyncio.sleep(1)
-            during = await webhooks(session, proxy_url, "during_", 300)
+            during = await webhooks(session, proxy_url, "during_", 1500)
             stop.set()
             await asyncio.gather(*loops)
         print(f"400,000 claims: webhooks' median {alone:.1f} ms alone, {during:.1f} ms with 16 "
-              f"lookup loops ({asked} lookups answered meanwhile)")  # fmt: skip
+              f"lookup loops ({asked} lookups answered meanwhile: {statuses})")  # fmt: skip
     finally:
         process.terminate()
         await process.wait()
