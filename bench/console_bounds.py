@@ -195,7 +195,9 @@ async def lookups(args: argparse.Namespace, dsn: str, workdir: Path, table: str)
                 for k in range(100_000):  # bounded; stopped long before
                     if stop.is_set():
                         return
-                    target = f"{admin}/console/lookup?id=gone_{n}_{k}"  # never claimed: read to the end
+                    target = (
+                        f"{admin}/console/lookup?id=gone_{n}_{k}"  # never claimed: read to the end
+                    )
                     async with session.get(target) as answer:
                         await answer.read()
                         statuses[answer.status] = statuses.get(answer.status, 0) + 1
