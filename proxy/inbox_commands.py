@@ -98,9 +98,8 @@ def _table(rows: Sequence[inbox.Listed], pending: bool, out: TextIO) -> None:
     operations.table(
         [
             (
-                _when(r.received_at), logs.printable(r.scope), logs.printable(r.event_id),
-                logs.printable(r.event_type or "-"), r.attempts,
-                logs.printable(_last(r.last_status, r.last_error)),
+                _when(r.received_at), r.scope, r.event_id, r.event_type or "-", r.attempts,
+                _last(r.last_status, r.last_error),
                 *((_when(r.due),) if pending else ()),
                 "-" if r.body_bytes is None else r.body_bytes,
             )
@@ -161,14 +160,14 @@ async def blocked(
     operations.table(
         [
             (
-                logs.printable(r.scope),
-                logs.printable(r.object),
-                logs.printable(database.unbound(r.head)),
-                logs.printable(r.event_type or "-"),
+                r.scope,
+                r.object,
+                database.unbound(r.head),
+                r.event_type or "-",
                 _when(r.since),
                 _head_state(r),
                 r.attempts,
-                logs.printable(_last(r.last_status, r.last_error)),
+                _last(r.last_status, r.last_error),
                 r.behind,
             )
             for r in rows

@@ -207,8 +207,8 @@ async def list_events(
         return 0
     table(
         [
-            (r.received_at.isoformat(timespec="seconds"), logs.printable(r.scope),
-             logs.printable(r.event_id), logs.printable(r.event_type or "-"), r.state or "-")
+            (r.received_at.isoformat(timespec="seconds"), r.scope, r.event_id,
+             r.event_type or "-", r.state or "-")
             for r in rows
         ],
         ("received_at", "scope", "event_id", "event_type", "state"),
