@@ -19,11 +19,13 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, BinaryIO, NamedTuple, TextIO
+from typing import Any, BinaryIO, NamedTuple, TextIO, TypeVar
 
 from proxy import config, database, errors, logs, operations
 from proxy.config import routes, values
 from proxy.database import inbox
+
+T = TypeVar("T")
 
 # Their values are credentials of the sender's session, not of the event: masked in ``show``.
 # Signature headers are printed: they are the event's, and useless without the secret.
@@ -61,13 +63,8 @@ async def listing(
     """The oldest ``limit`` rows in ``state``, pending or dead, of the route (all its scopes),
     or of every route when ``route`` is None."""
     scopes = _scopes(cfg, route)
-    rows: list[inbox.Listed] = []
-    total = 0
     async with operations.open_store(cfg) as store:
-        for scope in scopes:
-            found, count = await store.inbox.kept(scope, state, limit)
-            rows += found
-            total += count
+        rows, total = await _each_scope(scopes, lambda scope: store.inbox.kept(scope, state, limit))
     rows = sorted(rows, key=lambda r: (r.received_at, r.scope, r.event_id))[:limit]
     if as_json:
         out.write(operations.json_document({
@@ -90,6 +87,19 @@ def _scopes(cfg: config.Config, route: str | None) -> list[str]:
         return [operations.route_scope(cfg, route)]
     every = list(dict.fromkeys(r.scope for r in cfg.routes))
     return [s for s in every if not any(s != o and operations.in_scope(s, o) for o in every)]
+
+
+async def _each_scope(
+    scopes: Sequence[str], read: Callable[[str], Awaitable[tuple[list[T], int]]]
+) -> tuple[list[T], int]:
+    """``read`` of each scope (its rows, up to a limit, and how many there are), put together."""
+    rows: list[T] = []
+    total = 0
+    for scope in scopes:
+        found, count = await read(scope)
+        rows += found
+        total += count
+    return rows, total
 
 
 def _table(rows: Sequence[inbox.Listed], pending: bool, out: TextIO) -> None:
@@ -137,13 +147,10 @@ async def blocked(
     scopes = [
         s for s in _scopes(cfg, None) if any(operations.in_scope(r.scope, s) for r in ordered)
     ]
-    rows: list[inbox.Blocked] = []
-    total = 0
     async with operations.open_store(cfg) as store:
-        for scope in scopes:
-            found, count = await store.inbox.blocked(scope, older_than, limit)
-            rows += found
-            total += count
+        rows, total = await _each_scope(
+            scopes, lambda scope: store.inbox.blocked(scope, older_than, limit)
+        )
     rows = sorted(rows, key=lambda r: (r.since, r.scope, r.object))[:limit]
     if as_json:
         out.write(
