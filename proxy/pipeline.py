@@ -249,7 +249,8 @@ class Cycle:
         if answer is not None:
             return web.Response(
                 status=answer.status, text=answer.text, content_type=answer.content_type,
-                headers={"Dedup-Status": "handshake"},
+                # The challenge is the sender's text, echoed: never to be read as a page.
+                headers={"Dedup-Status": "handshake", "X-Content-Type-Options": "nosniff"},
             )  # fmt: skip
         if request.method not in route.methods:
             raise errors.MethodNotAllowed(
