@@ -1,14 +1,17 @@
 """What a delivery kept by the limit at the app costs, against a forwarded one, side by side.
 
     python bench/keep_cost.py [--rounds 4] [--duration 5] [--workers 2] [--pool 40]
-                              [--connections 32,1] [--grow | --ordered] [--out FILE]
+                              [--connections 32,1] [--grow | --ordered] [--statements]
+                              [--out FILE]
 
 Two proxies on the same embedded PostgreSQL and the same ``redeliver`` route: one forwards
 to a fast app under a limit it never reaches (``upstream.concurrency`` 64); the other has
 ``upstream.concurrency`` = its workers (one place each), taken by a request its app never
 answers, so that every webhook wrk sends it is kept by the limit (the short keep transaction:
-claim, the row's UPDATE, COMMIT, answered 202), each kept run from an empty inbox unless
-``--grow``. Each round runs wrk (new event IDs) against each, the order reversed every other
+claim, the row's UPDATE, COMMIT, answered 202; its route's ``hand_off`` of 1 ms keeps it at
+once, where a route waits ``app_limit.KEEP_WAIT`` for a place first), each kept run from an
+empty inbox unless ``--grow``. ``--statements`` loads pg_stat_statements and adds where
+PostgreSQL's time goes in the kept runs, per statement and kept webhook. Each round runs wrk (new event IDs) against each, the order reversed every other
 round, and reports CPU per webhook (the proxy and PostgreSQL), throughput and latency, and
 kept ÷ forwarded. With ``--ordered``, what ``order`` costs instead: the second proxy forwards
 too, to an app of its own, on the same route with ``order: {key: body:/id}`` (each event its own
@@ -47,12 +50,15 @@ ORDERED = ("plain", "ordered")
 KEPT_LIMIT = 'dedup_inbox_kept_total{reason="limit",route="kept"}'
 
 
-def route(name: str, *, ordered: bool = False) -> dict[str, Any]:
+def route(name: str, *, ordered: bool = False, kept: bool = False) -> dict[str, Any]:
     """The redeliver route, its scope its own: the forwarding proxy's redeliverer must not
-    take the rows the other one keeps (replicas on one scope share their inbox)."""
+    take the rows the other one keeps (replicas on one scope share their inbox). ``kept``: a
+    hand_off of 1 ms, so that a webhook finding every place held is kept at once instead of
+    waiting ``app_limit.KEEP_WAIT`` for one (the keep measured, not that wait)."""
     return {"name": name, "path": "/hook", "event_id": "body:/id",
             "redeliver": {"max_pending": 1_000_000, "max_pending_bytes": "4GiB"},
-            **({"order": {"key": "body:/id"}} if ordered else {})}  # fmt: skip
+            **({"order": {"key": "body:/id"}} if ordered else {}),
+            **({"hand_off": "1ms"} if kept else {})}  # fmt: skip
 
 
 class Held(loads.Upstream):
@@ -133,7 +139,7 @@ def start(
         # Its app's time-out past the run's end: the places stay taken throughout.
         second = bench.start_proxy("kept", other, args.pool, workers=args.workers,
                                    timeout="1h", concurrency=args.workers,
-                                   routes=[route("kept")])  # fmt: skip
+                                   routes=[route("kept", kept=True)])  # fmt: skip
         counters = Held(other.port)
         fill_the_app(bench, second, args.workers)
     bench.wrk("", f"warm-up {names[0]}", forwarded, fast, 32, seconds=warmup)
@@ -143,6 +149,46 @@ def start(
         names[0]: (forwarded, fast, loads.Upstream(fast.port)),
         names[1]: (second, other, counters),
     }
+
+
+Results = dict[tuple[str, int, int], loads.Result]
+
+
+def measure(
+    bench: Bench, args: argparse.Namespace, runs: dict[str, Run], names: tuple[str, str]
+) -> tuple[Results, dict[str, list[float]]]:
+    """The rounds: each proxy under wrk at each connection count, the order reversed every
+    other round; with ``--statements``, each kept run's time per statement too."""
+    results: Results = {}
+    statements: dict[str, list[float]] = {}
+    for round_ in range(1, args.rounds + 1):
+        for connections in (int(c) for c in args.connections.split(",")):
+            for name in names if round_ % 2 else names[::-1]:
+                proxy, app, counters = runs[name]
+                if name == "kept" and not args.grow:
+                    empty_the_inbox(bench)
+                watched = args.statements and name == "kept"
+                if watched:
+                    bench.sql("SELECT pg_stat_statements_reset()")
+                result = results[name, connections, round_] = bench._record("", loads.wrk(
+                    f"{name} c{connections} (round {round_})",
+                    f"http://127.0.0.1:{proxy.port}/hook", connections=connections,
+                    seconds=args.duration, probes=bench.probes(proxy=proxy, upstream=app),
+                    upstream=counters, run_id=bench.run_id(),
+                ))  # fmt: skip
+                if watched:
+                    for text, total in statement_times(bench, result.sent).items():
+                        statements.setdefault(text, []).append(total)
+    return results, statements
+
+
+def load_statements(bench: Bench) -> None:
+    """pg_stat_statements in the bench's server: its library loads at the server's start."""
+    for setting, value in STATEMENTS_SETTINGS.items():
+        bench.sql(f"ALTER SYSTEM SET {setting} = '{value}'")
+    bench.database.stop()
+    bench.dsn = bench.database.start()
+    bench.sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                         "run (default: each kept run starts with an empty inbox)")  # fmt: skip
     parser.add_argument("--ordered", action="store_true", help="compare a route with order "
                         "against the same route without, both forwarding")  # fmt: skip
+    parser.add_argument("--statements", action="store_true", help="load pg_stat_statements "
+                        "and also report where PostgreSQL's time goes in the kept runs, by "
+                        "statement")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     parser.add_argument("--json", type=Path, help="also write the runs as JSON here")
     args = parser.parse_args(argv)
@@ -165,27 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings(seconds=args.duration, pool=args.pool, warmup=2, rounds=args.rounds)
     workdir = Path(tempfile.mkdtemp(prefix="dedup-keep-cost-"))
     bench = Bench(settings, workdir)
-    results: dict[tuple[str, int, int], loads.Result] = {}
     names = ORDERED if args.ordered else KEPT
-    kept_total = 0.0
     try:
         prepare_database(bench)
+        if args.statements:
+            load_statements(bench)
         runs = start(bench, args, names, settings.warmup)
-        for round_ in range(1, args.rounds + 1):
-            for connections in (int(c) for c in args.connections.split(",")):
-                order = names if round_ % 2 else names[::-1]
-                for name in order:
-                    proxy, app, counters = runs[name]
-                    if name == "kept" and not args.grow:
-                        empty_the_inbox(bench)
-                    label = f"{name} c{connections} (round {round_})"
-                    results[name, connections, round_] = bench._record("", loads.wrk(
-                        label, f"http://127.0.0.1:{proxy.port}/hook", connections=connections,
-                        seconds=settings.seconds, probes=bench.probes(proxy=proxy, upstream=app),
-                        upstream=counters, run_id=bench.run_id(),
-                    ))  # fmt: skip
-        if not args.ordered:
-            kept_total = metric(admin_url(bench, "kept"), KEPT_LIMIT)
+        results, statements = measure(bench, args, runs, names)
+        kept_total = 0.0 if args.ordered else metric(admin_url(bench, "kept"), KEPT_LIMIT)
     finally:
         bench.close()
         shutil.rmtree(workdir, ignore_errors=True)
@@ -206,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.workers} workers, pool {args.pool} each; a redeliver route; {setup}\n\n"
         f"{_table(results, names)}\n"
     )
+    if statements:
+        text += "\n" + _statements_table(statements) + "\n"
     print(text)
     if args.out is not None:
         args.out.write_text(text, encoding="utf-8")
@@ -215,7 +253,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check(results: dict[tuple[str, int, int], loads.Result]) -> None:
+# pg_stat_statements, for --statements: its library loaded at the server's start.
+STATEMENTS_SETTINGS = {"shared_preload_libraries": "pg_stat_statements",
+                       "pg_stat_statements.track_planning": "on"}  # fmt: skip
+
+
+def statement_times(bench: Bench, webhooks: int) -> dict[str, float]:
+    """PostgreSQL's time (planning and execution, µs) per kept webhook for each statement since
+    the last reset, by the statement's first 70 characters (the kept runs reset it first)."""
+    rows = bench.value(
+        "SELECT json_agg(json_build_array(text, ms)) FROM (SELECT left(regexp_replace(query, "
+        "'\\s+', ' ', 'g'), 70) AS text, sum(total_exec_time + total_plan_time) AS ms "
+        "FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_statements%' GROUP BY 1 "
+        "ORDER BY 2 DESC LIMIT 8) AS top"
+    )
+    return {str(t): float(ms) * 1000 / max(webhooks, 1) for t, ms in json.loads(rows or "[]")}
+
+
+def _statements_table(statements: dict[str, list[float]]) -> str:
+    """Each statement's median µs per kept webhook over the kept runs, the largest first."""
+    medians = {text: statistics.median(times) for text, times in statements.items()}
+    lines = ["| statement (its start) | PostgreSQL µs per kept webhook, median of the kept runs |",
+             "|---|---|"]  # fmt: skip
+    for text, median in sorted(medians.items(), key=lambda item: -item[1]):
+        lines.append(f"| `{text}` | {median:,.0f} |")
+    return "\n".join(lines)
+
+
+def _check(results: Results) -> None:
     """Every kept run reached no app; every other one reached it once per webhook."""
     for (name, _, _), result in results.items():
         calls = result.upstream.get("calls", -1)
@@ -230,7 +295,7 @@ def _figures(result: loads.Result) -> dict[str, Any]:
             "errors": result.errors, "sent": result.sent}  # fmt: skip
 
 
-def _table(results: dict[tuple[str, int, int], loads.Result], names: tuple[str, str]) -> str:
+def _table(results: Results, names: tuple[str, str]) -> str:
     a, b = names
     lines = [
         f"| connections | round | {a}: webhooks/s, p50, p99 ms, CPU µs proxy, PostgreSQL "
