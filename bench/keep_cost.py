@@ -4,19 +4,20 @@
                               [--connections 32,1] [--grow | --ordered] [--statements]
                               [--out FILE]
 
-Two proxies on the same embedded PostgreSQL and the same ``redeliver`` route: one forwards
-to a fast app under a limit it never reaches (``upstream.concurrency`` 64); the other has
+Two proxies on the same embedded PostgreSQL and the same ``redeliver`` route: one forwards to a
+fast app under a limit it never reaches (``upstream.concurrency`` 64); the other has
 ``upstream.concurrency`` = its workers (one place each), taken by a request its app never
 answers, so that every webhook wrk sends it is kept by the limit (the short keep transaction:
 claim, the row's UPDATE, COMMIT, answered 202; its route's ``hand_off`` of 1 ms keeps it at
 once, where a route waits ``app_limit.KEEP_WAIT`` for a place first), each kept run from an
 empty inbox unless ``--grow``. ``--statements`` loads pg_stat_statements and adds where
-PostgreSQL's time goes in the kept runs, per statement and kept webhook. Each round runs wrk (new event IDs) against each, the order reversed every other
-round, and reports CPU per webhook (the proxy and PostgreSQL), throughput and latency, and
-kept ÷ forwarded. With ``--ordered``, what ``order`` costs instead: the second proxy forwards
-too, to an app of its own, on the same route with ``order: {key: body:/id}`` (each event its own
-object, so that nothing waits: the object row's statement alone), and the table is ordered ÷
-plain. Loopback only; every load run is bounded; every process started is stopped by PID.
+PostgreSQL's time goes in the kept runs, per statement and kept webhook. Each round runs wrk
+(new event IDs) against each, the order reversed every other round, and reports CPU per webhook
+(the proxy and PostgreSQL), throughput and latency, and kept ÷ forwarded. With ``--ordered``,
+what ``order`` costs instead: the second proxy forwards too, to an app of its own, on the same
+route with ``order: {key: body:/id}`` (each event its own object, so that nothing waits: the
+object row's statement alone), and the table is ordered ÷ plain. Loopback only; every load run
+is bounded; every process started is stopped by PID.
 """
 
 from __future__ import annotations
