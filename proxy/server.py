@@ -251,10 +251,12 @@ class _Server:
         if on_listening is not None:
             on_listening()  # first: once the line below is out, the supervisor has been told
         cfg = self.cfg
+        console = cfg.admin.console
         log.info(
-            "listening on %s (admin on %s), %d route(s), upstream %s%s",
+            "listening on %s (admin on %s%s), %d route(s), upstream %s%s",
             cfg.listen,
             cfg.admin.listen,
+            f", console at http://{cfg.admin.listen}/console/" if console.enabled else "",
             len(cfg.routes),
             cfg.upstream.url,
             "" if self.worker is None else f", worker {self.worker} of {cfg.workers}",

@@ -95,6 +95,15 @@ async def _post(url: str, event_id: str) -> aiohttp.ClientResponse:
         return response
 
 
+def test_each_workers_start_up_line_says_where_the_console_is(supervised: Served) -> None:
+    """The console is found from the log too, not only from ``check`` (a new user's first
+    look is the start-up output)."""
+    started = [x["msg"] for x in supervised.lines() if x["msg"].startswith("listening")]
+
+    assert len(started) == 2
+    assert all(f"console at {supervised.admin_url}/console/" in msg for msg in started)
+
+
 async def test_workers_share_the_port_and_add_up_their_metrics(
     supervised: Served, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
