@@ -23,6 +23,7 @@ from proxy import (
     app_limit,
     config,
     database,
+    delivery,
     embedded,
     errors,
     flights,
@@ -316,16 +317,29 @@ async def _holds(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+async def _executor(app: web.Application) -> AsyncIterator[None]:
+    """This worker's attempts at the app and what each leads to (``delivery.Executor``), for
+    the pipeline and the redeliverer alike: once the forwarder, the receipts and the holds
+    are."""
+    app[app_keys.EXECUTOR] = delivery.Executor(
+        app[app_keys.STORE],
+        app[app_keys.FORWARDER],
+        holds=app[app_keys.HOLDS],
+        receipts_=app[app_keys.RECEIPTS],
+        meters=app[app_keys.METRICS],
+    )
+    yield
+
+
 async def _redeliverer(app: web.Application) -> AsyncIterator[None]:
     """With a route that redelivers: this worker's lanes, from start-up to the drain. On
     SIGTERM they take no more rows; at the end of the drain, a redelivery still in flight past
     ``shutdown_timeout`` is cancelled (its row rolled back: released for the next try)."""
     cfg = app[app_keys.CONFIG]
     lanes = redeliverer.Redeliverer(
-        app[app_keys.STORE], app[app_keys.FORWARDER], cfg.routes, settings=cfg.redeliverer,
+        app[app_keys.STORE], app[app_keys.EXECUTOR], cfg.routes, settings=cfg.redeliverer,
         meters=app[app_keys.METRICS], budget=app[app_keys.BUDGET], room=app[app_keys.ROOM],
-        workers=cfg.workers, traces=app[app_keys.TRACING], holds=app[app_keys.HOLDS],
-        receipts_=app[app_keys.RECEIPTS],
+        workers=cfg.workers, traces=app[app_keys.TRACING],
     )  # fmt: skip
     if not lanes.configured:
         yield
@@ -488,6 +502,7 @@ def create_app(cfg: config.Config) -> web.Application:
             _sweeper,
             _receipts,
             _holds,
+            _executor,
             _redeliverer,
             _reconciler,
         ]

@@ -14,6 +14,7 @@ from proxy import (
     app_limit,
     config,
     database,
+    delivery,
     errors,
     flights,
     memory,
@@ -53,6 +54,8 @@ BUDGET = web.AppKey("budget", memory.Budget)
 ROOM = web.AppKey("room", app_limit.Room)
 # The receipts' databases (``database.receipts``), by the name of each route with ``receipt``.
 RECEIPTS = web.AppKey("receipts", dict[str, database.Receipts])
+# This worker's attempts at the app and what each leads to (receipts, Retry-After holds).
+EXECUTOR = web.AppKey("executor", delivery.Executor)
 # On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
 PROXY = web.AppKey("proxy", web.Application)
 # On the console's (``console``): its settings and its page templates.

@@ -1,9 +1,11 @@
 """One attempt at the app, a first delivery or a redelivery: send it, trace it, classify what
-came back into one ``Result``, and the inbox's policy for a failed one (kept pending or dead,
-when it is due again). The pipeline (a first delivery) and the redeliverer (a kept one) both
-attempt through ``attempt`` and keep or record through ``keep`` and ``record``, so an answer is
-decided the same on both paths (river's job executor runs every attempt, first or retry;
-procrastinate keeps its retry decision in ``retry.py``).
+came back into one ``Result``, and what it leads to: the inbox's policy for a failed one (kept
+pending or dead, when it is due again), the app's receipt that settles a doubtful one, and the
+hold its ``Retry-After`` puts on its scope. The pipeline (a first delivery, a hand-off) and the
+redeliverer (a kept one) both attempt through this worker's ``Executor`` and keep or record
+through ``keep`` and ``Executor.record``, so an answer is decided the same on every path
+(river's job executor runs every attempt, first or retry; procrastinate keeps its retry
+decision in ``retry.py``): only this module touches the receipts and the Retry-After holds.
 
 What an attempt is wrapped in stays with its caller: the pipeline's claim, log line and HTTP
 answer; the redeliverer's row lock, memory reservation and log record. A caller that keeps a
@@ -15,17 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from proxy import database, errors
 from proxy.config import redeliver
+from proxy.database import receipts
 from proxy.upstream import http1, transports
 
 if TYPE_CHECKING:
-    from proxy import tracing
+    from proxy import metrics, route_holds, tracing
     from proxy.config import routes
     from proxy.tracing.spans import RequestTrace
     from proxy.upstream import forwarder
@@ -46,6 +50,8 @@ MAX_RETRY_AFTER = database.MAX_RETRY_AFTER
 
 # Standard Webhooks senders disable an endpoint that answers 410: it is never relayed.
 GONE = "upstream answered 410 Gone"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,3 +245,129 @@ async def record(
     delay = max(settings.delay(redelivery.failures + 1), result.retry_after() or 0.0)
     state = await redelivery.failed(failed, delay, dead=failed.status in UNFIXABLE)
     return "dead" if state == database.InboxState.DEAD else "failed"
+
+
+class Executor:
+    """This worker's attempts at the app and what each leads to beyond its own row, for a first
+    delivery, a hand-off and a redelivery alike: built once (``app``) with the forwarder, the
+    route holds, the receipts' databases of the routes with ``receipt`` and the meters."""
+
+    __slots__ = ("_client", "_meters", "_receipts", "_store", "holds")
+
+    def __init__(
+        self,
+        store: database.Store,
+        client: forwarder.Forwarder,
+        *,
+        holds: route_holds.Holds | None,
+        receipts_: dict[str, database.Receipts],
+        meters: metrics.Metrics,
+    ) -> None:
+        self._store = store
+        self._client = client
+        self._receipts = receipts_  # by route name: the routes with receipt
+        self._meters = meters
+        self.holds = holds  # None: no route is held (a worker without the holds' task)
+
+    async def attempt(
+        self,
+        upstream: str,
+        outgoing: transports.Request,
+        reserve: http1.Reserve,
+        trace: Trace,
+        *,
+        keeps: bool = False,
+    ) -> Result:
+        """One attempt at the app (``attempt``)."""
+        return await attempt(self._client, upstream, outgoing, reserve, trace, keeps=keeps)
+
+    async def prepare(self) -> None:
+        """With a route with ``receipt``, the receipts' keys read (a round trip the first
+        time only): before a row or a claim holds a connection."""
+        if self._receipts:
+            await self._store.receipt_keys()
+
+    async def receipt_keys(self, route: routes.RouteConfig) -> receipts.Keys | None:
+        """On a route with ``receipt``, what names its claims' receipts (read at start: a round
+        trip only when it could not be then, a standby's start); else None."""
+        if route.receipt is None or route.name not in self._receipts:
+            return None
+        return await self._store.receipt_keys()
+
+    async def receipt_key(self, route: routes.RouteConfig, scope: str, event_id: str) -> str | None:
+        """On a route with ``receipt``, the key a claim's app is sent (every attempt's the
+        same: it names the claim), else None."""
+        keys = await self.receipt_keys(route)
+        return None if keys is None else keys.key(self._store.table, scope, event_id)
+
+    @staticmethod
+    def with_receipt(headers: MutableMapping[str, str], key: str | None) -> None:
+        """The receipt's key in the headers the app is sent (``Dedup-Receipt``)."""
+        if key is not None:
+            headers[receipts.HEADER] = key
+
+    async def receipt_written(self, route: routes.RouteConfig, key: str) -> tuple[bool | None, str]:
+        """Whether the app committed the receipt ``key`` names (True, False, None: undecided,
+        waited for ``receipt.wait`` at most), and that in words, counted."""
+        assert route.receipt is not None
+        found = await self._receipts[route.name].written(key, route.receipt.wait)
+        described = receipts.described(found)
+        self._meters.receipts.labels(route.name, described).inc()
+        return found, described
+
+    def receipt_probe(
+        self, route: routes.RouteConfig | None, key: str | None
+    ) -> Callable[[], Awaitable[bool | None]] | None:
+        """On a route with ``receipt`` (``key`` its claim's): what settles a failed attempt
+        by the app's receipt (``record``); else None."""
+        if route is None or route.receipt is None or key is None:
+            return None
+        if route.name not in self._receipts:
+            return None
+        found_route = route
+
+        async def written() -> bool | None:
+            return (await self.receipt_written(found_route, key))[0]
+
+        return written
+
+    async def receipt_missing(self, route: routes.RouteConfig, key: str) -> bool:
+        """After a 2xx on a route with ``receipt``: True if the app wrote no receipt (a
+        warning, ``dedup_receipts_total{result="missing"}``): otherwise the doubt it was meant
+        to settle would be settled as "not done", and the event sent again. False when it did,
+        or the look failed (logged)."""
+        try:
+            committed = await self._receipts[route.name].committed(key)
+        except errors.StoreUnavailable as exc:
+            log.warning("checking a receipt failed: %s", exc.message)
+            return False
+        if committed:
+            return False
+        self._meters.receipts.labels(route.name, "missing").inc()
+        return True
+
+    async def back_off(self, scope: str, result: Result) -> float | None:
+        """The app's ``Retry-After`` on a 429 or 503 (seconds, capped), and its scope held as
+        long on every replica (on a templated route the tenant's, not the route's): the
+        scope's redeliveries and new deliveries wait too. None when the app did not ask."""
+        retry_after = result.retry_after()
+        if retry_after is not None and self.holds is not None:
+            await self.holds.hold_for_retry_after(scope, retry_after)
+        return retry_after
+
+    async def record(
+        self,
+        recorded: Recorded,
+        route: routes.RouteConfig | None,
+        result: Result,
+        scope: str,
+        receipt: str | None,
+    ) -> str:
+        """A kept delivery's attempt (a redelivery, or a hand-off's) in its row (``record``,
+        settled by the app's receipt where the route has one), then the app's Retry-After
+        on its scope (``back_off``): "delivered", "failed" or "dead"."""
+        settings = None if route is None else route.redeliver
+        try:
+            return await record(recorded, settings, result, self.receipt_probe(route, receipt))
+        finally:  # held even when the row could not be written: the app asked all the same
+            await self.back_off(scope, result)

@@ -44,7 +44,7 @@ from proxy import (
     webhooks,
 )
 from proxy.config import routes
-from proxy.database import inbox, receipts, slots
+from proxy.database import inbox, slots
 from proxy.upstream import forwarder, http1, proxy_headers, transports
 
 log = logging.getLogger(__name__)
@@ -334,8 +334,7 @@ class Cycle:
         duplicate."""
         route, trace = self.route, self.trace
         store = self.request.app[app_keys.STORE]
-        # Read at start: a round trip only when it could not be then (a standby's start).
-        keys = None if route.config.receipt is None else await store.receipt_keys()
+        keys = await self.request.app[app_keys.EXECUTOR].receipt_keys(route.config)
         room = self.request.app[app_keys.ROOM]
         kept_for = await self._enter(room)  # None: a place at the app is this request's
         try:
@@ -575,14 +574,11 @@ class Cycle:
     async def _written(self) -> bool | None:
         """Whether the app committed this delivery's receipt (``database.receipts``): True,
         False, None (undecided); counted and on the log line."""
-        route = self.route
-        receipts_ = self.request.app[app_keys.RECEIPTS][route.config.name]
         assert self.receipt is not None
-        assert route.config.receipt is not None
-        written = await receipts_.written(self.receipt, route.config.receipt.wait)
-        result = receipts.described(written)
-        self.line["receipt"] = result
-        route.meters.receipts[result].inc()
+        executor = self.request.app[app_keys.EXECUTOR]
+        written, self.line["receipt"] = await executor.receipt_written(
+            self.route.config, self.receipt
+        )
         return written
 
     async def _settled_by_receipt(
@@ -610,16 +606,10 @@ class Cycle:
         (a warning, ``dedup_receipts_total{result="missing"}``): otherwise the doubt it was
         meant to settle would be settled as "not done", and the event sent again."""
         route = self.route
-        receipts_ = self.request.app[app_keys.RECEIPTS][route.config.name]
         assert self.receipt is not None
-        try:
-            committed = await receipts_.committed(self.receipt)
-        except errors.StoreUnavailable as exc:
-            log.warning("checking a receipt failed: %s", exc.message)
-            return
-        if not committed:
+        executor = self.request.app[app_keys.EXECUTOR]
+        if await executor.receipt_missing(route.config, self.receipt):
             self.line["receipt"] = "missing"
-            route.meters.receipts["missing"].inc()
             log.warning(
                 "route %s asks for receipts, but the app answered %s 2xx without writing one "
                 "(Dedup-Receipt: SELECT dedup_receipt($1) in its transaction): doubtful "
@@ -704,17 +694,14 @@ class Cycle:
             self.request.app[app_keys.STORE].inbox, claim.key.scope, claim.key.event_id,
             obj=None if obj is None else obj.key, version=None if obj is None else obj.version,
         )  # fmt: skip
-        written = None if self.receipt is None else self._written
+        executor = self.request.app[app_keys.EXECUTOR]
         try:
-            line["handed_off"] = await delivery.record(handed, route.redeliver, result, written)
+            line["handed_off"] = await executor.record(
+                handed, route.config, result, claim.key.scope, self.receipt
+            )
         except errors.StoreUnavailable as exc:
             line["handed_off"] = "unrecorded"
             line["commit_error"] = exc.message
-        retry_after = result.retry_after()
-        if retry_after is not None:
-            await self.request.app[app_keys.HOLDS].hold_for_retry_after(
-                claim.key.scope, retry_after
-            )
 
     async def _failed(
         self, claim: database.Claim, result: delivery.Result
@@ -744,11 +731,12 @@ class Cycle:
         after the app's ``Retry-After`` if it asked for longer, which then holds the claim's
         scope (on a templated route the tenant's, not the route's) as long (``holds``)."""
         route = self.route
-        retry_after = result.retry_after()
-        if retry_after is None or route.redeliver is None:
-            return await self._keep(claim, result.attempt)
+        if route.redeliver is None:
+            return None  # relayed, the claim released: the provider's retry is the next try
         # Its redeliveries, and its scope's, wait as long on every replica.
-        await self.request.app[app_keys.HOLDS].hold_for_retry_after(claim.key.scope, retry_after)
+        retry_after = await self.request.app[app_keys.EXECUTOR].back_off(claim.key.scope, result)
+        if retry_after is None:
+            return await self._keep(claim, result.attempt)
         delay = max(retry_after, route.redeliver.schedule[0])
         return await self._keep(claim, result.attempt, reason="retry_after", delay=delay)
 
@@ -760,8 +748,7 @@ class Cycle:
         """The request the app is sent (with the receipt's key, on a route with receipt)."""
         client = self.request.app[app_keys.FORWARDER]
         outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
-        if self.receipt is not None:
-            outgoing.headers[receipts.HEADER] = self.receipt
+        self.request.app[app_keys.EXECUTOR].with_receipt(outgoing.headers, self.receipt)
         return outgoing
 
     async def _keep(
@@ -862,10 +849,9 @@ class Cycle:
         when an answer came through."""
         route, line = self.route, self.line
         started = time.perf_counter()
-        client = self.request.app[app_keys.FORWARDER]
         outgoing = self._outgoing()
-        result = await delivery.attempt(
-            client, route.config.upstream, outgoing, self.reservation.answer, self.trace,
+        result = await self.request.app[app_keys.EXECUTOR].attempt(
+            route.config.upstream, outgoing, self.reservation.answer, self.trace,
             keeps=route.redeliver is not None,
         )  # fmt: skip
         self.sent = result.sent

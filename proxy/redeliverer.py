@@ -31,14 +31,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from multidict import CIMultiDict
 
-from proxy import app_limit, database, delivery, errors, memory, metrics, route_holds, tracing
+from proxy import app_limit, database, delivery, errors, memory, metrics, tracing
 from proxy.config import redeliver, routes
-from proxy.database import receipts, slots
+from proxy.database import slots
 from proxy.upstream import forwarder, transports
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ class Redeliverer:
     def __init__(
         self,
         store: database.Store,
-        client: forwarder.Forwarder,
+        executor: delivery.Executor,
         configured: tuple[routes.RouteConfig, ...],
         *,
         settings: redeliver.RedelivererConfig,
@@ -69,14 +68,10 @@ class Redeliverer:
         room: app_limit.Room,
         workers: int = 1,
         traces: tracing.Tracing | None = None,
-        holds: route_holds.Holds | None = None,
-        receipts_: dict[str, database.Receipts] | None = None,
     ) -> None:
         self._store = store
-        self._holds = holds
-        self._receipts = receipts_ or {}  # by route name: the routes with receipt
+        self._executor = executor  # the attempt, and what it leads to (receipts, holds)
         self._tracing = traces
-        self._client = client
         self._routes = {route.name: route for route in configured if route.redeliver}
         self._scopes = sorted({route.scope for route in self._routes.values()})
         self._settings = settings
@@ -246,11 +241,13 @@ class Redeliverer:
 
     def _unheld(self) -> list[str]:
         """This worker's route scopes not held now (``holds``: no database round trip)."""
-        return self._scopes if self._holds is None else self._holds.unheld(self._scopes)
+        holds = self._executor.holds
+        return self._scopes if holds is None else holds.unheld(self._scopes)
 
     def _held_paths(self, scopes: list[str]) -> list[str]:
         """Their per-path scopes held now (a tenant's Retry-After), passed over."""
-        return [] if self._holds is None else self._holds.held_paths(scopes)
+        holds = self._executor.holds
+        return [] if holds is None else holds.held_paths(scopes)
 
     async def redeliver_one(self) -> bool | None:
         """Redeliver the oldest due row of a scope not held (``holds``), if one is: whether one
@@ -260,8 +257,7 @@ class Redeliverer:
         scopes = self._unheld()
         if not scopes:
             return False
-        if self._receipts:
-            await self._store.receipt_keys()  # read at start: before a row holds a connection
+        await self._executor.prepare()
         async with self._store.inbox.take(scopes, self._held_paths(scopes)) as redelivery:
             if redelivery is None:
                 return False
@@ -280,19 +276,20 @@ class Redeliverer:
         stored = redelivery.request
         route = self._routes.get(stored.route)
         # A route renamed since (its scope kept): its upstream as stored, the default schedule.
-        settings = None if route is None else route.redeliver
         upstream = stored.upstream if route is None else route.upstream
         if redelivery.stale:
             await self._supersede(redelivery)
             return True
         started = time.perf_counter()
-        receipt = await self._receipt(redelivery)
+        receipt = None
+        if route is not None:
+            receipt = await self._executor.receipt_key(route, redelivery.scope, redelivery.event_id)
         sent = await self._send(upstream, redelivery, receipt)
         if sent is None:
             return False  # no room in this worker's memory budget now: due as it was
         result, trace = sent
         try:
-            await self._record(redelivery, settings, result, trace, started, receipt=receipt)
+            await self._record(redelivery, result, trace, started, receipt=receipt)
         except BaseException as exc:  # cancelled at shutdown_timeout: its spans end too
             trace.abort(exc)
             raise
@@ -314,16 +311,15 @@ class Redeliverer:
     async def _record(
         self,
         redelivery: database.Redelivery,
-        settings: redeliver.Redeliver | None,
         attempted: delivery.Result,
         trace: Trace,
         started: float,
         *,
         receipt: str | None,
     ) -> None:
-        """The attempt's outcome (``delivery.record``), in its row (committed), the metrics,
-        the log and the trace; ``receipt``: the key it was sent with, on a route with
-        receipt."""
+        """The attempt's outcome (``delivery.Executor.record``: on its route's schedule, or the
+        default one for a route renamed since), in its row (committed), the metrics, the log
+        and the trace; ``receipt``: the key it was sent with, on a route with receipt."""
         stored = redelivery.request
         status, error = attempted.attempt.status, attempted.attempt.error
         took = round((time.perf_counter() - started) * 1000, 2)
@@ -332,14 +328,11 @@ class Redeliverer:
                   **({} if event_id == redelivery.event_id else {"claim_id": redelivery.event_id}),
                   "attempt": redelivery.failures + 1, "upstream_status": status,
                   "upstream_ms": took}  # fmt: skip
-        result = await delivery.record(
-            redelivery, settings, attempted, self._receipt_probe(stored.route, receipt)
+        # The app asked to wait (Retry-After): the scope's other redeliveries (on a templated
+        # route, the tenant's) wait as long, everywhere.
+        result = await self._executor.record(
+            redelivery, self._routes.get(stored.route), attempted, redelivery.scope, receipt
         )
-        retry_after = attempted.retry_after()
-        if retry_after is not None and self._holds is not None:
-            # The app asked to wait: the scope's other redeliveries (on a templated route,
-            # the tenant's) wait as long, everywhere.
-            await self._holds.hold_for_retry_after(redelivery.scope, retry_after)
         level = LEVELS[result]
         if error:
             fields["error"] = error
@@ -351,35 +344,6 @@ class Redeliverer:
         )
         log.log(level, "redelivery of %s %s: %s", stored.route, event_id, result,
                 extra={"fields": fields})  # fmt: skip
-
-    async def _receipt(self, redelivery: database.Redelivery) -> str | None:
-        """On a route with ``receipt``, the key the app is sent (the first attempt's: it
-        names the claim), else None."""
-        name = redelivery.request.route
-        route = self._routes.get(name)
-        if route is None or route.receipt is None or name not in self._receipts:
-            return None
-        keys = await self._store.receipt_keys()
-        return keys.key(self._store.table, redelivery.scope, redelivery.event_id)
-
-    def _receipt_probe(
-        self, name: str, key: str | None
-    ) -> Callable[[], Awaitable[bool | None]] | None:
-        """On a route with ``receipt`` (``key`` is its key): what settles a failed redelivery
-        by the app's receipt (``delivery.record``)."""
-        route = self._routes.get(name)
-        receipts_ = self._receipts.get(name)
-        if route is None or route.receipt is None or receipts_ is None or key is None:
-            return None
-        wait = route.receipt.wait
-        counters = self._meters.receipts
-
-        async def written() -> bool | None:
-            found = await receipts_.written(key, wait)
-            counters.labels(name, receipts.described(found)).inc()
-            return found
-
-        return written
 
     def provider_id(self, redelivery: database.Redelivery) -> str:
         """The redelivered event's ID as the provider sent it: on a route whose claims are
@@ -397,8 +361,7 @@ class Redeliverer:
         does not fit the worker's memory budget now (not sent, not an attempt, not traced)."""
         stored = redelivery.request
         headers = forwarder.without_own(CIMultiDict(stored.headers))
-        if receipt is not None:
-            headers[receipts.HEADER] = receipt
+        self._executor.with_receipt(headers, receipt)
         outgoing = transports.Request(stored.method, stored.target, headers, stored.body)
         with self._budget.reservation() as reservation:
             try:
@@ -414,9 +377,7 @@ class Redeliverer:
                     None if event_id == redelivery.event_id else redelivery.event_id,
                 )  # fmt: skip
             try:
-                result = await delivery.attempt(
-                    self._client, upstream, outgoing, reservation.answer, trace
-                )
+                result = await self._executor.attempt(upstream, outgoing, reservation.answer, trace)
             except BaseException as exc:
                 trace.abort(exc)
                 raise

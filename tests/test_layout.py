@@ -96,6 +96,16 @@ def test_only_the_database_package_imports_the_driver() -> None:
     assert [name for name in importers if not name.startswith("proxy.database")] == []
 
 
+def test_what_an_attempt_leads_to_is_decided_in_delivery_alone() -> None:
+    """The receipts and the Retry-After holds are reached through ``delivery.Executor``: the
+    paths that attempt (the pipeline: a first delivery and a hand-off; the redeliverer) import
+    neither, not even for annotations, so a consequence added there holds on every path."""
+    consequences = {"proxy.database.receipts", "proxy.route_holds"}
+    for attempting in ("proxy.pipeline", "proxy.redeliverer"):
+        assert consequences & ANNOTATED[attempting] == set(), attempting
+    assert consequences <= ANNOTATED["proxy.delivery"]
+
+
 def test_only_the_tracing_package_imports_opentelemetry() -> None:
     """The extra is optional: the rest of the package runs without it installed."""
     importers = sorted(
