@@ -26,7 +26,7 @@ RUN pip install --no-cache-dir --disable-pip-version-check --no-warn-script-loca
 FROM python:3.11-slim-bookworm
 # proxy.__version__, the tag the image is pushed under (docs/development.md, "Releases").
 LABEL org.opencontainers.image.title="dedup-proxy" \
-      org.opencontainers.image.version="0.3.0.dev0"
+      org.opencontainers.image.version="0.3.0"
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN groupadd --system --gid 10001 dedup \

@@ -3,6 +3,8 @@
 to the body (``webhooks.bound``). For one retention after a route's first bound claim, a claim
 in either form is a duplicate of the other (``Store.notice_id_forms``): release 0.1.0 itself,
 run side by side with this tree on one table, and pre-upgrade claims written as it writes them.
+And the previous release, 0.2.0, side by side with this tree on a table this tree migrated, as
+its upgrade notes have the rollout go (docs/deployment.md, "From 0.2.0 to 0.3.0").
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from aiohttp import web
 
 from proxy import config, operations, webhooks
 from tests.helpers import (
+    CORVEL,
     FakeUpstream,
     MakeProxy,
     execute,
     fetch,
     github_headers,
     github_route,
+    run_cli,
+    run_python,
     serve_settings,
     start_serve,
     wait_for_lock_waiters,
@@ -40,6 +45,8 @@ from tests.helpers import (
 
 # Release 0.1.0, before claims were bound (docs/deployment.md, "Upgrades").
 OLD_RELEASE = "88bf7da"
+# Release 0.2.0: the commit that finished its CHANGELOG section, before 0.3.0's first change.
+RELEASE_0_2_0 = "0d66c8e"
 ROOT = Path(__file__).resolve().parents[1]
 SHOPIFY_SECRET = "shpss_upgrade"
 TWILIO_TOKEN = "12345678901234567890123456789012"
@@ -47,27 +54,38 @@ TWILIO_URL = "https://hooks.example.com/twilio/sms"
 TWIML = b"<Response><Message>ok</Message></Response>"
 
 
-@pytest.fixture(scope="session")
-def old_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Release 0.1.0's tree, from this repository's history (CI clones it whole), once per
-    session: run with this environment's dependencies, as its own ``proxy`` package."""
+def release_tree(factory: pytest.TempPathFactory, commit: str, version: str) -> Path:
+    """A release's ``proxy`` package, from this repository's history (CI clones it whole): run
+    with this environment's dependencies, as its own ``proxy`` package."""
     found = subprocess.run(
-        ["git", "-C", str(ROOT), "cat-file", "-e", f"{OLD_RELEASE}^{{commit}}"],
+        ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
         capture_output=True,
         check=False,
     )
     if found.returncode != 0:
         pytest.fail(
-            f"commit {OLD_RELEASE} (release 0.1.0) is not in this clone: the upgrade test needs "
+            f"commit {commit} (release {version}) is not in this clone: the upgrade test needs "
             "the history (git fetch --unshallow)"
         )
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", OLD_RELEASE, "proxy"], capture_output=True, check=True
+        ["git", "-C", str(ROOT), "archive", commit, "proxy"], capture_output=True, check=True
     ).stdout
-    tree = tmp_path_factory.mktemp("release-0.1.0")
+    tree = factory.mktemp(f"release-{version}")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(tree, filter="data")
     return tree
+
+
+@pytest.fixture(scope="session")
+def old_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Release 0.1.0's tree, once per session."""
+    return release_tree(tmp_path_factory, OLD_RELEASE, "0.1.0")
+
+
+@pytest.fixture(scope="session")
+def release_0_2_0(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Release 0.2.0's tree, once per session."""
+    return release_tree(tmp_path_factory, RELEASE_0_2_0, "0.2.0")
 
 
 async def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str | None]:
@@ -116,6 +134,54 @@ async def test_release_0_1_0_and_this_one_on_one_table_process_a_delivery_and_it
     assert claimed_new == (200, None)
     assert copy_at_old == (200, "duplicate")  # 0.1.0 sees this release's claim
     assert upstream.bodies() == [first, second]
+
+
+async def test_release_0_2_0_beside_this_one_on_a_migrated_table_processes_each_event_once(
+    tmp_path: Path, release_0_2_0: Path, pg_dsn: str, table: str, upstream: FakeUpstream
+) -> None:
+    """The rollout 0.3.0's notes ask for: this release's ``migrate`` first (its column and
+    indexes), then 0.2.0 replicas still serving beside this release's. A delivery claimed by
+    either, on a route that binds its claims and on one that does not, is a duplicate at the
+    other, and 0.2.0 says its own version."""
+    routes = [CORVEL, github_route()]
+    served = []
+
+    def configured(name: str) -> Path:
+        settings = serve_settings(upstream.url, pg_dsn, table, routes=routes)
+        config_file = tmp_path / f"{name}.yaml"
+        config_file.write_text(yaml.safe_dump(settings))
+        return config_file
+
+    async def start(name: str, **kwargs: Any) -> str:
+        served.append(await start_serve(configured(name), tmp_path / f"{name}.log", **kwargs))
+        return served[-1].url
+
+    status, _, stderr = await run_cli("migrate", "--config", str(configured("migrate")))
+    assert status == 0, stderr
+    _, old_version, _ = await run_python("-m", "proxy", "--version", cwd=release_0_2_0)
+    bodies = [json.dumps({"id": f"evt_{n}", "ref": "refs/heads/main"}).encode() for n in (1, 2)]
+    corvel = {"Content-Type": "application/json"}
+    try:
+        # cwd: ``python -m proxy`` imports the package from there, before this tree's.
+        old = await start("old", env={"PYTHONPATH": str(release_0_2_0)}, cwd=release_0_2_0)
+        new = await start("new")
+        answers = [
+            await post(f"{old}/webhooks/corvel", bodies[0], corvel),
+            await post(f"{new}/webhooks/corvel", bodies[0], corvel),
+            await post(f"{new}/webhooks/corvel", bodies[1], corvel),
+            await post(f"{old}/webhooks/corvel", bodies[1], corvel),
+            await post(f"{old}/webhooks/github", bodies[0], github_headers(bodies[0], "d-1")),
+            await post(f"{new}/webhooks/github", bodies[0], github_headers(bodies[0], "d-1")),
+            await post(f"{new}/webhooks/github", bodies[1], github_headers(bodies[1], "d-2")),
+            await post(f"{old}/webhooks/github", bodies[1], github_headers(bodies[1], "d-2")),
+        ]
+    finally:
+        for process in served:
+            await process.kill()
+
+    assert old_version == "dedup-proxy 0.2.0\n"
+    assert answers == [(200, None), (200, "duplicate"), (200, None), (200, "duplicate")] * 2
+    assert upstream.bodies() == bodies * 2  # each event once per route
 
 
 # --- the window, against claims written as 0.1.0 writes them ------------------------------
