@@ -18,7 +18,17 @@ import pytest
 from aiohttp import web
 
 from tests import prometheus
-from tests.helpers import CORVEL, FakeUpstream, Serve, Served, event, wait_until
+from tests.helpers import (
+    CORVEL,
+    GITHUB_SECRET,
+    FakeUpstream,
+    Serve,
+    Served,
+    event,
+    github_route,
+    wait_until,
+)
+from tests.provider_standins import GitHubHook
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "dedup-proxy.json"
 # What Grafana puts in place of each template variable with "All" selected, and of its own
@@ -42,6 +52,9 @@ HOOKS: dict[str, Any] = {
     "redeliver": {"schedule": ["100ms"], "for": "1d"},
     "order": {"key": "body:/id"},  # each event its own object: the blocked objects' gauges
 }
+# A route with receipt whose app writes none: its 2xx counted as a receipt missing.
+PAY: dict[str, Any] = {"name": "pay", "path": "/pay", "event_id": "body:/id", "receipt": True}
+TOKEN = "github_pat_stand_in_token_0123456789"
 # The app's answers by event ID, in turn (the last one repeated); 200 for any other.
 ANSWERS = {
     "evt_retry": (503, 200),  # kept (queued), then delivered at a redelivery
@@ -99,6 +112,7 @@ async def send_traffic(served: Served, upstream: FakeUpstream) -> None:
         outcomes.append(await post(session, corvel, b'{"type": "no id"}'))
         for event_id in ("evt_retry", "evt_dead", "evt_dead_later", "evt_ok", "evt_ok"):
             outcomes.append(await post(session, hooks, event(event_id)))
+        assert await post(session, served.url + PAY["path"], event("pay_1")) == "200"
     # The app's own answer relayed (processed) carries no Dedup-Status: its status stands in.
     assert outcomes == [*["200"] * 5, "duplicate", "duplicate", "rejected",
                         "queued", "dead_letter", "queued", "200", "duplicate"]  # fmt: skip
@@ -124,19 +138,34 @@ async def shed(served: Served) -> bool:
     return samples.get('dedup_shed_requests_total{reason="connections"}', 0.0) > 0
 
 
+@pytest.fixture
+async def hook(aiohttp_server: Any) -> GitHubHook:
+    """GitHub's hook deliveries API (a stand-in), holding one delivery that never arrived: the
+    reconciler's first run finds it a gap and recovers it."""
+    stand_in = GitHubHook(secret=GITHUB_SECRET, token=TOKEN)
+    server = await aiohttp_server(stand_in.app())
+    stand_in.api_url = str(server.make_url(""))
+    stand_in.target = "http://127.0.0.1:9/webhooks/github"  # nothing listens: status 0
+    assert await stand_in.deliver("lost-1", b'{"ref": "refs/heads/main"}') == 0
+    return stand_in
+
+
 async def test_every_panel_of_the_dashboard_returns_data_from_a_real_prometheus(
-    serve: Serve, upstream: FakeUpstream, tmp_path: Path
+    serve: Serve, upstream: FakeUpstream, hook: GitHubHook, tmp_path: Path
 ) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     queries = targets(dashboard)
     assert len(queries) >= 20, "the dashboard lost its panels"
     upstream.respond = answering(upstream)
+    reconcile = {"every": "1h", "since": "1h", "repository": "octo/app", "hook_id": 1,
+                 "token": TOKEN, "api_url": hook.api_url}  # fmt: skip
     served = await serve(
         workers=2,
-        routes=[CORVEL, HOOKS],
+        routes=[CORVEL, HOOKS, PAY, github_route(reconcile=reconcile)],
         redeliverer={"poll": "100ms"},
         max_connections=MAX_CONNECTIONS,
     )
+    hook.target = served.url + "/webhooks/github"  # its redelivery, if the run comes after
     async with prometheus.scraping([f"127.0.0.1:{served.admin_port}"], tmp_path / "prom") as prom:
         await send_traffic(served, upstream)
 

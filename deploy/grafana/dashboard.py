@@ -419,6 +419,84 @@ ROWS: tuple[tuple[str, tuple[Panel, ...]], ...] = (
             ),
         ),
     ),
+    (
+        "Silent losses",
+        (
+            Panel(
+                title="Refused by the proxy",
+                description="The share of a route's requests the proxy answered 4xx itself "
+                "(outcome rejected: a signature that does not verify, an event ID missing, a body "
+                "over max_body): nothing is claimed or kept, and a sender like GitHub never "
+                "retries. A rotated secret makes it all of them. Alert: DedupRequestsRejected.",
+                unit="percentunit",
+                targets=(
+                    Target(
+                        expr=rate("dedup_requests_total", f'outcome="rejected", {ROUTE}', "route")
+                        + " / "
+                        + rate("dedup_requests_total", ROUTE, "route"),
+                        legend="{{route}} refused",
+                    ),
+                ),
+            ),
+            Panel(
+                title="Routes held",
+                description="1 while a route is held: paused (events pause) or by the app's "
+                "Retry-After; its redeliveries wait, and a route without redeliver answers 503. "
+                "Alert: DedupRoutePausedTooLong, past 4 hours or past the end asked for.",
+                unit="short",
+                targets=(
+                    Target(
+                        expr=f"max by (route, reason) (dedup_route_held{{{ROUTE}}})",
+                        legend="{{route}} {{reason}}",
+                    ),
+                ),
+            ),
+            Panel(
+                title="Receipts",
+                description="Looks at the app's receipts on routes with receipt, by what they "
+                "found: written, absent, undecided, and missing (a 2xx without a receipt: a COMMIT "
+                "in doubt is then not settled by it). Alert: DedupReceiptsMissing.",
+                unit="ops",
+                targets=(
+                    Target(
+                        expr=rate("dedup_receipts_total", ROUTE, "route, result"),
+                        legend="{{route}} {{result}}",
+                    ),
+                ),
+            ),
+            Panel(
+                title="Reconcile: gaps and recoveries",
+                description="Events the provider reports it failed to deliver and no claim holds "
+                "(found again by each run until recovered), and those recovered. Alert: "
+                "DedupReconcileGapsPersist.",
+                unit="ops",
+                targets=(
+                    Target(
+                        expr=rate("dedup_reconcile_gaps_total", ROUTE, "route"),
+                        legend="{{route}} gaps found",
+                    ),
+                    Target(
+                        expr=rate("dedup_reconcile_recovered_total", ROUTE, "route"),
+                        legend="{{route}} recovered",
+                    ),
+                ),
+            ),
+            Panel(
+                title="Reconcile: since the last run",
+                description="How long since a reconcile run of the route last completed, on any "
+                "replica. Alert: DedupReconcileFailing, past 15 minutes (3 periods of the default "
+                "every).",
+                unit="s",
+                targets=(
+                    Target(
+                        expr="time() - max by (route) "
+                        f"(dedup_reconcile_last_success_timestamp_seconds{{{ROUTE}}})",
+                        legend="{{route}}",
+                    ),
+                ),
+            ),
+        ),
+    ),
 )
 
 
