@@ -14,8 +14,10 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -620,3 +622,22 @@ async def reconcile_once(
         open_log=open_log,
     )
     return await runs.reconcile(application[app_keys.CONFIG].routes[0], **kwargs)
+
+
+def npm_install(where: Path, *packages: str) -> Path:
+    """``packages`` installed from npm under ``where`` (its ``node_modules``): for the tests that
+    run a provider's or a framework's own JavaScript. Node and npm are Debian's ``nodejs`` and
+    ``npm``: without them the test fails in CI (``CI=true``, which installs them) and is skipped
+    elsewhere, saying what to install."""
+    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
+    if missing:
+        message = f"{' and '.join(missing)} not installed (apt-get install nodejs npm)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    subprocess.run(
+        ["npm", "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(where),
+         *packages],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return where / "node_modules"
