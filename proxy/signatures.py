@@ -470,8 +470,10 @@ class ZoomSignature(_Timed):
 @dataclass(frozen=True, slots=True)
 class LinearSignature(_Timed):
     """Linear's ``Linear-Signature``: hex HMAC-SHA256 of the body, as the SDK's
-    ``LinearWebhookClient.verify`` computes it; then, as it does, the body's ``webhookTimestamp``
-    (milliseconds), where there is one, within ``tolerance`` of now (the SDK's minute)."""
+    ``LinearWebhookClient.verify`` computes it; then, as it does (``@linear/sdk`` 98), the body's
+    ``webhookTimestamp`` (milliseconds, a finite number), which must be there, within
+    ``tolerance`` of now (the SDK's minute): a signed body without one is refused, so that no
+    captured delivery verifies for ever."""
 
     HEADERS = (_LINEAR_HEADER,)
 
@@ -480,15 +482,15 @@ class LinearSignature(_Timed):
     ) -> None:
         signature = _signature(_header(headers, _LINEAR_HEADER), "hex", _LINEAR_HEADER)
         _match(self.secrets, "sha256", body, [signature])
-        try:
-            payload = json.loads(body)
-        except ValueError:  # not JSON, or not UTF-8: signed, without a timestamp to check
-            return
-        stamp = payload.get(_LINEAR_STAMP) if isinstance(payload, dict) else None
+        stamp = (_json_object(body) or {}).get(_LINEAR_STAMP)
         if stamp is None:
-            return  # the SDK checks the timestamp only where there is one
-        if isinstance(stamp, bool) or not isinstance(stamp, int):
-            _fail(f"{_LINEAR_STAMP} is not an integer")
+            _fail(f"the body has no {_LINEAR_STAMP}")
+        if (
+            isinstance(stamp, bool)
+            or not isinstance(stamp, int | float)
+            or not math.isfinite(stamp)
+        ):
+            _fail(f"{_LINEAR_STAMP} is not a number")
         _check_age(stamp / 1000, now, self.tolerance, _LINEAR_STAMP)
 
 

@@ -149,7 +149,14 @@ async def test_linear_sdk_verifies_what_the_proxy_forwarded_and_the_proxy_refuse
     sent = forwarded.headers["linear-signature"][0]
     assert node(libraries, "linear_verify.mjs", LINEAR_SECRET, forwarded.body, sent) == "true"
     assert node(libraries, "linear_verify.mjs", LINEAR_SECRET, swapped, sent).startswith("false")
-    # What the proxy refused as stale, the library refuses too.
+    # What the proxy refused as stale, or for want of a timestamp, the library refuses too.
+    untimed = b'{"action":"create","type":"Issue","data":{"id":"9c1f"}}'
+    await refused(client, "/hooks/linear", untimed, linear_headers(untimed, "d-6"))
+    untimed_check = node(
+        libraries, "linear_verify.mjs", LINEAR_SECRET, untimed,
+        linear_headers(untimed, "x")["Linear-Signature"],
+    )  # fmt: skip
+    assert untimed_check == "false Missing webhook timestamp"
     stale_check = node(
         libraries,
         "linear_verify.mjs",

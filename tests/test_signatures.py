@@ -41,7 +41,10 @@ B64 = base64.b64encode(b"\xab" * 32).decode()
 # PayPal's (RSA, tests/test_paypal.py) and Discord's (Ed25519, tests/test_provider_presets.py)
 # keys are not shared secrets; Mailgun's signature is in the body, not a header
 # (tests/test_provider_presets.py).
-ALL = tuple(s for s in signatures.SCHEMES if s not in ("paypal", "discord", "mailgun"))
+# The schemes that sign bytes any body can carry. PayPal's, Discord's, Mailgun's and Linear's
+# read the body itself (a certificate, an Ed25519 key, a signature object, a timestamp in it):
+# each has its own end to end tests (test_provider_presets.py, test_provider_libraries_node.py).
+ALL = tuple(s for s in signatures.SCHEMES if s not in ("paypal", "discord", "mailgun", "linear"))
 URL_SIGNED = ("twilio", "square")
 TIMESTAMPED = ("stripe", "paddle", "slack", SW, "twitch", "zoom")
 MULTI = ("stripe", "paddle", SW)  # one header may carry several signatures
