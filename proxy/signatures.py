@@ -8,7 +8,8 @@ tenant has a verifier of its own (``TenantSignatures``), so one tenant's secret 
 another tenant's path. A refusal's reason names the header at fault and never contains a secret or
 a received signature. PayPal's scheme checks an RSA signature under a certificate the request
 names: ``prepare`` fetches it first (``certificates``, the one part that reaches the network),
-and ``verify`` reads it from the cache.
+and ``verify`` reads it from the cache. SendGrid's (ECDSA) and Discord's (Ed25519) check a
+public key's signature with ``cryptography``, imported only for such a route.
 """
 
 from __future__ import annotations
@@ -30,16 +31,21 @@ from typing import TYPE_CHECKING, ClassVar, NoReturn, Protocol
 from proxy import errors, event_ids
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     from proxy import certificates
 
 SCHEMES: tuple[str, ...] = (
     "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "square",
-    "paypal", "meta", "linear", "intercom", "twitch", "discord", "zoom", "mailgun", "hmac",
+    "paypal", "meta", "linear", "intercom", "twitch", "discord", "zoom", "mailgun", "sendgrid",
+    "hubspot", "hmac",
 )  # fmt: skip
 # The schemes that sign the URL the provider calls: they need ``public_url``.
-URL_SCHEMES = ("twilio", "square")
+URL_SCHEMES = ("twilio", "square", "hubspot")
+# The schemes that check a public key's signature with ``cryptography`` (the extra named after
+# each: ``discord``, ``sendgrid``).
+KEY_SCHEMES = ("discord", "sendgrid")
 # PayPal's certificate hosts (its live and sandbox APIs), and the domain its certificate names.
 PAYPAL_CERT_HOSTS = (
     "api.paypal.com", "api-m.paypal.com", "api.sandbox.paypal.com", "api-m.sandbox.paypal.com",
@@ -77,6 +83,11 @@ _DISCORD_PING = 1
 _ZOOM_SIGNATURE = "x-zm-signature"
 _ZOOM_TIMESTAMP = "x-zm-request-timestamp"
 _ZOOM_VALIDATION = "endpoint.url_validation"
+_SENDGRID = "X-Twilio-Email-Event-Webhook-"
+_HUBSPOT_SIGNATURE = "X-HubSpot-Signature-v3"
+_HUBSPOT_TIMESTAMP = "X-HubSpot-Request-Timestamp"
+# The escapes HubSpot decodes in the URI it signs (its request validation page's table).
+_HUBSPOT_DECODED = {f"%{ord(char):02X}": char for char in ":/?@!$'()*,;"}
 _LINEAR_HEADER = "Linear-Signature"
 _LINEAR_STAMP = "webhookTimestamp"
 # scheme: (header, separator, timestamp key, signature key, joiner) for ``t=…,v1=…`` headers
@@ -428,6 +439,42 @@ class DiscordSignature(_Scheme):
 
 
 @dataclass(frozen=True, slots=True)
+class SendGridSignature(_Scheme):
+    """SendGrid's Event Webhook: ``X-Twilio-Email-Event-Webhook-Signature``, a base64 DER
+    ECDSA (P-256, SHA-256) signature over ``{X-Twilio-Email-Event-Webhook-Timestamp}{body}``
+    under the verification key SendGrid shows, as its library's
+    ``EventWebhook.verify_signature`` checks it; then the timestamp (Unix seconds) within
+    ``tolerance``, which the library does not check."""
+
+    HEADERS = (f"{_SENDGRID}Signature", f"{_SENDGRID}Timestamp")
+    SIGNED = frozenset({f"{_SENDGRID}Timestamp".lower()})
+
+    tolerance: float
+    keys: tuple[EllipticCurvePublicKey, ...] = field(repr=False)
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        signature_name, stamp_name = self.HEADERS
+        signature = _signature(_header(headers, signature_name), "base64", signature_name)
+        stamp_text = _header(headers, stamp_name)
+        stamp = _timestamp(stamp_text, stamp_name)
+        message = stamp_text.encode() + body
+        for key in self.keys:
+            try:
+                key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+            except InvalidSignature:
+                continue
+            _check_age(stamp, now, self.tolerance, stamp_name)
+            return
+        _fail("no signature matches")
+
+
+@dataclass(frozen=True, slots=True)
 class ZoomSignature(_Timed):
     """Zoom's ``x-zm-signature: v0=<hex>``: HMAC-SHA256 with the secret token over
     ``v0:{x-zm-request-timestamp}:{body}``, as Zoom's webhook sample computes it; then the
@@ -767,6 +814,40 @@ class SquareSignature(_UrlSigned):
 
 
 @dataclass(frozen=True, slots=True)
+class HubSpotSignature(_UrlSigned):
+    """HubSpot's v3: ``X-HubSpot-Signature-v3``, base64 HMAC-SHA256 with the app's client
+    secret over ``POST`` + the URI HubSpot called + the body + ``X-HubSpot-Request-Timestamp``
+    (milliseconds), as ``hubspot.utils.signature.Signature`` computes it; then the timestamp
+    within ``tolerance`` (HubSpot's 5 minutes), in both directions where the library checks
+    only the past. The URI is ``public_url`` with the request's raw query; HubSpot decodes a
+    few escapes (``%3A``, ``%2F``, …) in what it signs, so the query is tried as sent and with
+    those decoded. The method signed is POST, the only one HubSpot's webhooks use."""
+
+    HEADERS = (_HUBSPOT_SIGNATURE, _HUBSPOT_TIMESTAMP)
+    SIGNED = frozenset({_HUBSPOT_TIMESTAMP.lower()})
+
+    tolerance: float = DEFAULT_TOLERANCE
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        received = _header(headers, _HUBSPOT_SIGNATURE)
+        _signature(received, "base64", _HUBSPOT_SIGNATURE)
+        stamp_text = _header(headers, _HUBSPOT_TIMESTAMP)
+        stamp = _timestamp(stamp_text, _HUBSPOT_TIMESTAMP)
+        decoded = re.sub(
+            "%[0-9A-Fa-f]{2}", lambda m: _HUBSPOT_DECODED.get(m[0].upper(), m[0]), query
+        )
+        tail = body + stamp_text.encode()
+        messages = [
+            b"POST" + self.url(sent).encode("utf-8", "surrogateescape") + tail
+            for sent in dict.fromkeys((query, decoded))
+        ]
+        _match_text(self.secrets, "sha256", messages, received)
+        _check_age(stamp / 1000, now, self.tolerance, _HUBSPOT_TIMESTAMP)
+
+
+@dataclass(frozen=True, slots=True)
 class PayPalSignature(_Timed):
     """PayPal's ``PAYPAL-TRANSMISSION-SIG``: base64 RSA (PKCS#1 v1.5, SHA-256) over
     ``{PAYPAL-TRANSMISSION-ID}|{PAYPAL-TRANSMISSION-TIME}|{webhook ID}|{CRC32 of the body}``
@@ -969,8 +1050,8 @@ def _paypal_certificates(
 
 def _need_cryptography(scheme: str) -> None:
     """ValueError if ``scheme`` needs ``cryptography`` (the extra named after it: Discord's
-    Ed25519) and it is not installed."""
-    if scheme != "discord":
+    Ed25519, SendGrid's ECDSA) and it is not installed."""
+    if scheme not in KEY_SCHEMES:
         return
     try:
         import cryptography  # noqa: F401
@@ -996,6 +1077,27 @@ def _ed25519_keys(secrets: Sequence[str]) -> tuple[Ed25519PublicKey, ...]:
                 f"secrets[{index}] must be the application's public key, 64 hex digits"
             )
         keys.append(Ed25519PublicKey.from_public_bytes(raw))
+    return tuple(keys)
+
+
+def _p256_keys(secrets: Sequence[str]) -> tuple[EllipticCurvePublicKey, ...]:
+    """SendGrid's verification keys: each the base64 of a DER P-256 public key, as SendGrid's
+    settings show it (its library wraps that text in a PEM)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_der_public_key
+
+    keys = []
+    for index, secret in enumerate(secrets):
+        try:
+            key = load_der_public_key(binascii.a2b_base64(secret, strict_mode=True))
+        except ValueError:  # not base64, or not a DER public key
+            key = None
+        if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
+            raise ValueError(
+                f"secrets[{index}] must be SendGrid's verification key: the base64 of a P-256 "
+                "public key (DER), as its Event Webhook settings show it"
+            )
+        keys.append(key)
     return tuple(keys)
 
 
@@ -1038,13 +1140,14 @@ def build(
     ``header``, ``algorithm`` (sha1, sha256, sha512; default sha256), ``encoding`` (hex, base64;
     default hex) and ``prefix`` (default none) apply to scheme ``hmac`` only, where ``header`` is
     required. ``public_url`` (``scheme://host[:port]/path``, the URL the provider was given, without
-    its query) applies to and is required by schemes ``twilio`` and ``square``. ``cert_hosts``
-    (default ``PAYPAL_CERT_HOSTS``; ``host`` or ``host:port``) and ``ca_file`` (a PEM bundle;
-    default the system's) apply to scheme ``paypal``, whose secrets are webhook IDs.
+    its query) applies to and is required by schemes ``twilio``, ``square`` and ``hubspot``.
+    ``cert_hosts`` (default ``PAYPAL_CERT_HOSTS``; ``host`` or ``host:port``) and ``ca_file`` (a
+    PEM bundle; default the system's) apply to scheme ``paypal``, whose secrets are webhook IDs.
     ``verify_tokens`` (the tokens Meta's subscription check may carry) apply to scheme ``meta``.
-    Scheme ``discord``'s secrets are the application's public keys (hex), and it needs
-    ``cryptography`` (the extra ``discord``). ``tolerance`` bounds the age of timestamped
-    schemes' timestamps, in both directions.
+    Scheme ``discord``'s secrets are the application's public keys (hex), scheme ``sendgrid``'s
+    the Event Webhook's verification keys (base64 DER); each needs ``cryptography`` (the extra
+    named after the scheme). ``hubspot`` signs the URL: it needs ``public_url`` too.
+    ``tolerance`` bounds the age of timestamped schemes' timestamps, in both directions.
     """
     checked = settings(
         scheme, tolerance=tolerance, header=header, algorithm=algorithm, encoding=encoding,
@@ -1073,8 +1176,12 @@ class Settings:
 
     def unread(self) -> SecretsUnread:
         """The verifier of these settings without their secrets (``SecretsUnread``)."""
-        shape = self.verifier([_ANY_SECRET])
-        return SecretsUnread(shape.scheme, shape.headers, shape.signed_headers)
+        if self.scheme in KEY_SCHEMES:
+            # A public key is no secret any scheme takes: the shape is the class's.
+            shape: type[_Scheme] = _KEY_SCHEMES[self.scheme]
+            return SecretsUnread(self.scheme, shape.HEADERS, shape.SIGNED)
+        verifier = self.verifier([_ANY_SECRET])
+        return SecretsUnread(verifier.scheme, verifier.headers, verifier.signed_headers)
 
     def verifier(self, secrets: Sequence[str]) -> Verifier:
         """The verifier with ``secrets``; ValueError messages complete "routes[0].verify: …"."""
@@ -1097,8 +1204,10 @@ class Settings:
     def _other(self, secrets: Sequence[str], material: tuple[bytes, ...]) -> Verifier:
         """The verifier of a scheme with a class of its own, or of ``hmac``."""
         scheme, tolerance = self.scheme, self.tolerance
-        if scheme == "discord":
-            return DiscordSignature(scheme, tolerance, _ed25519_keys(secrets))
+        if scheme in KEY_SCHEMES:
+            return self._keyed(secrets)
+        if scheme == "hubspot":
+            return HubSpotSignature(scheme, self.public_url, material, tolerance)
         if scheme == "twilio":
             return TwilioSignature(scheme, self.public_url, material)
         if scheme == "square":
@@ -1110,7 +1219,17 @@ class Settings:
             scheme, self.header, self.algorithm, self.encoding, self.prefix, material
         )
 
+    def _keyed(self, secrets: Sequence[str]) -> Verifier:
+        """The verifier of a scheme whose "secrets" are public keys (``KEY_SCHEMES``)."""
+        if self.scheme == "discord":
+            return DiscordSignature(self.scheme, self.tolerance, _ed25519_keys(secrets))
+        return SendGridSignature(self.scheme, self.tolerance, _p256_keys(secrets))
 
+
+_KEY_SCHEMES: dict[str, type[_Scheme]] = {
+    "discord": DiscordSignature,
+    "sendgrid": SendGridSignature,
+}
 # The schemes whose verifier takes the scheme, the tolerance and the secrets, nothing else.
 _TIMED_SCHEMES: dict[str, Callable[[str, float, tuple[bytes, ...]], Verifier]] = {
     "slack": SlackSignature,
@@ -1158,7 +1277,7 @@ def settings(
     if scheme in URL_SCHEMES:
         if public_url is None:
             raise ValueError(f"public_url is required for scheme {scheme}")
-        provider = scheme.capitalize()
+        provider = {"hubspot": "HubSpot"}.get(scheme, scheme.capitalize())
         return Settings(scheme, tolerance, public_url=_public_url(public_url, provider))
     if scheme == "paypal":
         return Settings(scheme, tolerance, certificates=_paypal_certificates(cert_hosts, ca_file))

@@ -17,6 +17,7 @@ import json
 import re
 from datetime import UTC, datetime, tzinfo
 from types import ModuleType
+from typing import Any
 
 import pytest
 from multidict import CIMultiDict
@@ -34,16 +35,16 @@ MSG_ID = "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"
 HMAC_HEADER = "X-Signature"
 TWILIO_URL = "https://hooks.example.com/twilio/voice"
 SQUARE_URL = "https://hooks.example.com/square"
+HUBSPOT_URL = "https://hooks.example.com/hubspot"
 SW = "standard-webhooks"
 HEX = "ab" * 32  # well-formed, but nobody's signature
 B64 = base64.b64encode(b"\xab" * 32).decode()
 
-# PayPal's (RSA, tests/test_paypal.py) and Discord's (Ed25519, tests/test_provider_presets.py)
-# keys are not shared secrets; Mailgun's signature is in the body, not a header
-# (tests/test_provider_presets.py).
-ALL = tuple(s for s in signatures.SCHEMES if s not in ("paypal", "discord", "mailgun"))
-URL_SIGNED = ("twilio", "square")
-TIMESTAMPED = ("stripe", "paddle", "slack", SW, "twitch", "zoom")
+# PayPal's (RSA, tests/test_paypal.py), Discord's (Ed25519) and SendGrid's (ECDSA) keys are not
+# shared secrets; Mailgun's signature is in the body, not a header (tests/test_provider_presets.py).
+ALL = tuple(s for s in signatures.SCHEMES if s not in ("paypal", "discord", "mailgun", "sendgrid"))
+URL_SIGNED = ("twilio", "square", "hubspot")
+TIMESTAMPED = ("stripe", "paddle", "slack", SW, "twitch", "zoom", "hubspot")
 MULTI = ("stripe", "paddle", SW)  # one header may carry several signatures
 STAMP = {
     "stripe": "Stripe-Signature timestamp",
@@ -52,6 +53,7 @@ STAMP = {
     SW: "webhook-timestamp",
     "twitch": "Twitch-Eventsub-Message-Timestamp",
     "zoom": "x-zm-request-timestamp",
+    "hubspot": "X-HubSpot-Request-Timestamp",
 }
 
 Headers = list[tuple[str, str]]
@@ -111,7 +113,7 @@ def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
     }
     if scheme in body_only:
         return [body_only[scheme]]
-    if scheme in ("slack", "zoom", "twitch"):
+    if scheme in ("slack", "zoom", "twitch", "hubspot"):
         return signed_with_stamp(scheme, secret, body, stamp)
     if scheme == "shopify":
         return [("X-Shopify-Hmac-Sha256", b64_mac(secret.encode(), body))]
@@ -126,7 +128,11 @@ def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
 
 
 def signed_with_stamp(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
-    """Slack's, Zoom's and Twitch's headers."""
+    """Slack's, Zoom's, HubSpot's and Twitch's headers."""
+    if scheme == "hubspot":
+        millis = str(stamp * 1000)  # HubSpot's timestamp is in milliseconds
+        signature = b64_mac(secret.encode(), f"POST{HUBSPOT_URL}".encode() + body + millis.encode())
+        return [("X-HubSpot-Signature-v3", signature), ("X-HubSpot-Request-Timestamp", millis)]
     if scheme == "slack":
         mac = hex_mac(secret, f"v0:{stamp}:".encode() + body)
         return [("X-Slack-Request-Timestamp", str(stamp)), ("X-Slack-Signature", f"v0={mac}")]
@@ -149,6 +155,8 @@ def build(scheme: str, *secrets: str, **options: object) -> signatures.Verifier:
         options.setdefault("public_url", TWILIO_URL)
     if scheme == "square":
         options.setdefault("public_url", SQUARE_URL)
+    if scheme == "hubspot":
+        options.setdefault("public_url", HUBSPOT_URL)
     return signatures.build(scheme, list(secrets or (SECRET,)), **options)  # type: ignore[arg-type]
 
 
@@ -533,12 +541,12 @@ def test_hmac_prefix_is_required_when_configured() -> None:
     ("scheme", "secrets", "options", "message"),
     [
         (
-            "adyen",
+            "worldpay",
             [SECRET],
             {},
             "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
-            "twilio, square, paypal, meta, linear, intercom, twitch, discord, zoom, mailgun, hmac; "
-            "got 'adyen'",
+            "twilio, square, paypal, meta, linear, intercom, twitch, discord, zoom, mailgun, "
+            "sendgrid, hubspot, hmac; got 'worldpay'",
         ),
         ("twilio", [SECRET], {}, "public_url is required for scheme twilio"),
         (
@@ -552,7 +560,7 @@ def test_hmac_prefix_is_required_when_configured() -> None:
             "slack",
             [SECRET],
             {"public_url": TWILIO_URL},
-            "public_url: only for schemes twilio, square, not slack",
+            "public_url: only for schemes twilio, square, hubspot, not slack",
         ),
         (
             "square",
@@ -889,3 +897,186 @@ def test_square_signs_the_query_the_notification_url_carries() -> None:
         verifier.verify(headers, BODY, NOW, query="tenant=globex")
     with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
         verifier.verify(headers, BODY, NOW)
+
+
+# HubSpot v3: base64 HMAC-SHA256 of POST + the URI + body + timestamp (ms), cross-checked with
+# HubSpot's own library (hubspot-api-client's hubspot.utils.signature.Signature) both ways.
+
+HUBSPOT_BODY = (
+    b'[{"eventId":1,"subscriptionId":12345,"portalId":62515,"occurredAt":1564113600000,'
+    b'"subscriptionType":"contact.creation","attemptNumber":0,"objectId":123,'
+    b'"changeSource":"CRM","changeFlag":"NEW","appId":54321}]'
+)
+
+
+@pytest.fixture
+def hubspot_signature(monkeypatch: pytest.MonkeyPatch) -> Any:
+    provider_library("hubspot")
+    module = importlib.import_module("hubspot.utils.signature")
+    monkeypatch.setattr(module, "datetime", FrozenDatetime)  # its clock reads NOW
+    return module.Signature
+
+
+@pytest.mark.parametrize("query", ["", "portal=62515&app=54321"])
+def test_hubspot_library_signature_is_accepted_and_ours_by_it(
+    hubspot_signature: Any, query: str
+) -> None:
+    uri = f"{HUBSPOT_URL}?{query}" if query else HUBSPOT_URL
+    millis = str(NOW * 1000)
+    theirs = hubspot_signature.get_signature(
+        SECRET, HUBSPOT_BODY.decode(), "v3", http_uri=uri, http_method="POST", timestamp=millis
+    )
+    headers = CIMultiDict({"X-HubSpot-Signature-v3": theirs, "X-HubSpot-Request-Timestamp": millis})
+    verifier = build("hubspot")
+
+    verifier.verify(headers, HUBSPOT_BODY, NOW, query=query)
+    assert hubspot_signature.is_valid(
+        theirs, SECRET, HUBSPOT_BODY.decode(), http_uri=uri, signature_version="v3",
+        timestamp=millis,
+    )  # fmt: skip
+    # What the library refuses (another body, URI or time), the proxy refuses.
+    for body, sent_query, stamp in [
+        (HUBSPOT_BODY.replace(b'"eventId":1', b'"eventId":2'), query, millis),
+        (HUBSPOT_BODY, query + "&x=1", millis),
+        (HUBSPOT_BODY, query, str(NOW * 1000 + 1)),
+    ]:
+        changed = CIMultiDict(headers)
+        changed["X-HubSpot-Request-Timestamp"] = stamp
+        assert not hubspot_signature.is_valid(
+            theirs, SECRET, body.decode(), http_uri=f"{HUBSPOT_URL}?{sent_query}".rstrip("?"),
+            signature_version="v3", timestamp=stamp,
+        )  # fmt: skip
+        with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+            verifier.verify(changed, body, NOW, query=sent_query)
+
+
+def test_hubspot_timestamp_is_milliseconds_within_five_minutes() -> None:
+    stale = signed("hubspot", stamp=NOW - 301)
+    assert refused("hubspot", stale) == "X-HubSpot-Request-Timestamp outside tolerance of 300s"
+    check("hubspot", signed("hubspot", stamp=NOW - 299))
+
+
+def test_hubspot_signs_the_query_with_its_listed_escapes_decoded() -> None:
+    # HubSpot decodes %3A, %2F, %40, ... in the URI it signs: either spelling verifies.
+    sent = "next=https%3A%2F%2Fexample.com%2Fa&who=a%40b&space=a%20b"
+    decoded = "next=https://example.com/a&who=a@b&space=a%20b"
+    millis = str(NOW * 1000)
+    verifier = build("hubspot")
+    for signed_query in (sent, decoded):
+        message = f"POST{HUBSPOT_URL}?{signed_query}".encode() + BODY + millis.encode()
+        headers = CIMultiDict(
+            {"X-HubSpot-Signature-v3": b64_mac(SECRET.encode(), message),
+             "X-HubSpot-Request-Timestamp": millis}
+        )  # fmt: skip
+        verifier.verify(headers, BODY, NOW, query=sent)
+        with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+            verifier.verify(headers, BODY, NOW, query=sent.replace("a%20b", "a%21b"))
+
+
+# SendGrid's Event Webhook: ECDSA P-256 over timestamp + body; the vectors of SendGrid's own
+# library (sendgrid/sendgrid-python, test/unit/test_eventwebhook.py), and its EventWebhook
+# checked against the same requests.
+
+SENDGRID_KEY = (
+    "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE83T4O/n84iotIvIW4mdBgQ/7dAfSmpqIM8kF9mN1flpVKS3GRqe62gw"
+    "+2fNNRaINXvVpiglSI8eNEc6wEA3F+g=="
+)
+SENDGRID_SIGNATURE = (
+    "MEUCIGHQVtGj+Y3LkG9fLcxf3qfI10QysgDWmMOVmxG0u6ZUAiEAyBiXDWzM"
+    "+uOe5W0JuG+luQAbPIqHh89M15TluLtEZtM="
+)
+SENDGRID_STAMP = "1600112502"
+SENDGRID_BODY = (
+    json.dumps(
+        [{"email": "hello@world.com", "event": "dropped", "reason": "Bounced Address",
+          "sg_event_id": "ZHJvcC0xMDk5NDkxOS1MUnpYbF9OSFN0T0doUTRrb2ZTbV9BLTA",
+          "sg_message_id":
+              "LRzXl_NHStOGhQ4kofSm_A.filterdrecv-p3mdw1-756b745b58-kmzbl-18-5F5FC76C-9.0",
+          "smtp-id": "<LRzXl_NHStOGhQ4kofSm_A@ismtpd0039p1iad1.sendgrid.net>",
+          "timestamp": 1600112492}],
+        sort_keys=True, separators=(",", ":"),
+    ) + "\r\n"
+).encode()  # fmt: skip
+SENDGRID_OTHER_KEY = (
+    "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEqTxd43gyp8IOEto2LdIfjRQrIbsd4SXZkLW6jDutdhXSJCWHw8REntlo7"
+    "aNDthvj+y7GjUuFDb/R1NGe1OPzpA=="
+)
+SENDGRID_BAD_SIGNATURE = (
+    "MEUCIQCtIHJeH93Y+qpYeWrySphQgpNGNr/U+UyUlBkU6n7RAwIgJTz2C+8a"
+    "8xonZGi6BpSzoQsbVRamr2nlxFDWYNH3j/0="
+)
+
+
+def sendgrid_check(key: str, body: bytes, signature: str, stamp: str) -> None:
+    headers = CIMultiDict(
+        {"X-Twilio-Email-Event-Webhook-Signature": signature,
+         "X-Twilio-Email-Event-Webhook-Timestamp": stamp}
+    )  # fmt: skip
+    signatures.build("sendgrid", [key]).verify(headers, body, int(SENDGRID_STAMP))
+
+
+def test_sendgrid_library_vectors_are_accepted_as_it_accepts_them() -> None:
+    library = provider_library("sendgrid").EventWebhook(SENDGRID_KEY)
+    assert library.verify_signature(SENDGRID_BODY.decode(), SENDGRID_SIGNATURE, SENDGRID_STAMP)
+    sendgrid_check(SENDGRID_KEY, SENDGRID_BODY, SENDGRID_SIGNATURE, SENDGRID_STAMP)
+    # Rotation: the key SendGrid shows now among others.
+    headers = CIMultiDict(
+        {"X-Twilio-Email-Event-Webhook-Signature": SENDGRID_SIGNATURE,
+         "X-Twilio-Email-Event-Webhook-Timestamp": SENDGRID_STAMP}
+    )  # fmt: skip
+    both = signatures.build("sendgrid", [SENDGRID_OTHER_KEY, SENDGRID_KEY])
+    both.verify(headers, SENDGRID_BODY, int(SENDGRID_STAMP))
+
+
+@pytest.mark.parametrize(
+    ("key", "body", "signature", "stamp"),
+    [
+        # Another key, body, signature or timestamp: as the library's tests refuse.
+        (SENDGRID_OTHER_KEY, SENDGRID_BODY, SENDGRID_SIGNATURE, SENDGRID_STAMP),
+        (SENDGRID_KEY, b"payload", SENDGRID_SIGNATURE, SENDGRID_STAMP),
+        (SENDGRID_KEY, SENDGRID_BODY, SENDGRID_BAD_SIGNATURE, SENDGRID_STAMP),
+        (SENDGRID_KEY, SENDGRID_BODY, SENDGRID_SIGNATURE, "1600112503"),
+    ],
+)
+def test_sendgrid_library_vectors_refused_are_refused(
+    key: str, body: bytes, signature: str, stamp: str
+) -> None:
+    library = provider_library("sendgrid").EventWebhook(key)
+    assert not library.verify_signature(body.decode(), signature, stamp)
+    with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+        sendgrid_check(key, body, signature, stamp)
+
+
+def test_sendgrid_timestamp_is_checked_where_the_library_does_not() -> None:
+    headers = CIMultiDict(
+        {"X-Twilio-Email-Event-Webhook-Signature": SENDGRID_SIGNATURE,
+         "X-Twilio-Email-Event-Webhook-Timestamp": SENDGRID_STAMP}
+    )  # fmt: skip
+    verifier = signatures.build("sendgrid", [SENDGRID_KEY])
+    with pytest.raises(errors.SignatureInvalid, match="Timestamp outside tolerance of 300s"):
+        verifier.verify(headers, SENDGRID_BODY, int(SENDGRID_STAMP) + 301)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "not base64!",
+        base64.b64encode(b"\x30\x03\x02\x01\x01").decode(),  # DER, but no public key
+        # An Ed25519 key (Discord's kind), not P-256.
+        "MCowBQYDK2VwAyEAGb9ECWmEzf6FQbrBZ9w7lshQhqowtrbLDFw4rXAxZuE=",
+        SENDGRID_KEY.rstrip("="),
+    ],
+)
+def test_a_sendgrid_key_that_is_no_base64_p256_key_is_refused(key: str) -> None:
+    with pytest.raises(ValueError, match=r"^secrets\[0\] must be SendGrid's verification key"):
+        signatures.build("sendgrid", [key])
+
+
+@pytest.mark.parametrize("scheme", ["discord", "sendgrid"])
+def test_a_public_key_scheme_describes_itself_with_its_keys_unread(scheme: str) -> None:
+    unread = signatures.settings(scheme).unread()
+    assert unread.scheme == scheme
+    assert unread.headers
+    assert unread.signed_headers
+    with pytest.raises(errors.SignatureInvalid, match="the signing secrets were not read"):
+        unread.verify(CIMultiDict(), BODY, NOW)

@@ -179,6 +179,29 @@ PRESETS: dict[str, Preset] = {
         retention=2 * DAY,
         tolerance=12 * HOUR,
     ),
+    # SendGrid's Event Webhook posts a batch (an array of events, each with its sg_event_id):
+    # keyed by every sg_event_id in it (event_ids: one event's as it is, several hashed), so a
+    # batch regrouped on a retry is forwarded again, never dropped. Retries span 24 hours;
+    # whether a retry is re-signed with a fresh timestamp is unverified, so, as for Paddle, the
+    # window spans the retention, inside which a replay is a duplicate anyway. No event type:
+    # a batch mixes them. verify.secret is the verification key (public).
+    "sendgrid": Preset(
+        event_id=("body:/*/sg_event_id",),
+        event_type=None,
+        scheme="sendgrid",
+        retention=2 * DAY,
+        tolerance=2 * DAY,
+    ),
+    # HubSpot posts a batch of up to 100 events; eventId is "not guaranteed to be unique" (its
+    # webhooks page), so each event is keyed with its portal and subscription. Each retry
+    # (up to 10 over 24 hours) is a new body (attemptNumber) re-signed at a fresh timestamp:
+    # HubSpot's 5 minutes. verify needs public_url, as Twilio's does.
+    "hubspot": Preset(
+        event_id=("body:/*/portalId", "body:/*/subscriptionId", "body:/*/eventId"),
+        event_type=None,
+        scheme="hubspot",
+        retention=2 * DAY,
+    ),
     # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
     # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
     "slack": Preset(
