@@ -20,6 +20,7 @@ import discord_interactions
 import nacl.signing
 import pytest
 import standardwebhooks
+from multidict import CIMultiDict
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
@@ -516,6 +517,24 @@ def test_a_discord_public_key_that_is_not_64_hex_digits_is_a_configuration_error
     }
     with pytest.raises(ConfigError, match=r"routes\[0\]\.verify\.secret: must be the appl"):
         config.parse(raw)
+
+
+@pytest.mark.parametrize("preset", ["discord", "sendgrid"])
+def test_a_public_key_route_is_read_without_its_keys_by_the_commands_that_verify_nothing(
+    preset: str,
+) -> None:
+    from proxy import config, errors
+
+    raw = {
+        "database": {"dsn": "postgresql://u@localhost/db"},
+        "upstream": {"url": "http://app"},
+        "routes": [route(preset, {"secret": "${DEDUP_TEST_NEVER_SET_KEY}"})],
+    }
+    (unread,) = config.parse(raw, secrets=False).routes
+    assert unread.verify is not None
+    assert unread.verify.scheme == preset
+    with pytest.raises(errors.SignatureInvalid, match="the signing secrets were not read"):
+        unread.verify.verify(CIMultiDict(), b"{}", time.time())
 
 
 # Zoom: x-zm-signature v0=<hex HMAC-SHA256 of "v0:{timestamp}:{body}">, and the
