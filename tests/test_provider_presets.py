@@ -20,10 +20,10 @@ import discord_interactions
 import nacl.signing
 import pytest
 import standardwebhooks
-from multidict import CIMultiDict
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from multidict import CIMultiDict
 
 from proxy.config import presets
 from tests.helpers import FakeUpstream, MakeProxy, claimed
