@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 SCHEMES: tuple[str, ...] = (
     "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "square",
     "paypal", "meta", "linear", "intercom", "twitch", "discord", "zoom", "mailgun", "sendgrid",
-    "hubspot", "hmac",
+    "hubspot", "adyen", "hmac",
 )  # fmt: skip
 # The schemes that sign the URL the provider calls: they need ``public_url``.
 URL_SCHEMES = ("twilio", "square", "hubspot")
@@ -88,6 +88,20 @@ _HUBSPOT_SIGNATURE = "X-HubSpot-Signature-v3"
 _HUBSPOT_TIMESTAMP = "X-HubSpot-Request-Timestamp"
 # The escapes HubSpot decodes in the URI it signs (its request validation page's table).
 _HUBSPOT_DECODED = {f"%{ord(char):02X}": char for char in ":/?@!$'()*,;"}
+# Adyen's signed fields of a NotificationRequestItem, in order (amount's value and currency
+# in the middle); the ones that must hold no ":" (the joiner), so that no other split of the
+# signed text moves the event's key (pspReference, eventCode, success).
+_ADYEN_FIELDS = (
+    "pspReference",
+    "originalReference",
+    "merchantAccountCode",
+    "merchantReference",
+    "value",
+    "currency",
+    "eventCode",
+    "success",
+)
+_ADYEN_FIXED = ("pspReference", "value", "currency", "eventCode", "success")
 _LINEAR_HEADER = "Linear-Signature"
 _LINEAR_STAMP = "webhookTimestamp"
 # scheme: (header, separator, timestamp key, signature key, joiner) for ``t=…,v1=…`` headers
@@ -572,6 +586,70 @@ class MailgunSignature(_Timed):
         stamp_value = _timestamp(stamp, name)
         message = f"{stamp}{token}".encode()
         _match_fresh(self, message, received, stamp=stamp_value, now=now, name=name)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        # Parsers disagree on which duplicate wins: the app could read an unsigned value.
+        raise ValueError("duplicate JSON key")
+    return dict(pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class AdyenSignature(_Scheme):
+    """Adyen's: each ``NotificationRequestItem`` of the body carries, in
+    ``additionalData.hmacSignature``, the base64 HMAC-SHA256 with the HMAC key (hex) of its
+    fields ``pspReference``, ``originalReference``, ``merchantAccountCode``,
+    ``merchantReference``, ``amount.value``, ``amount.currency``, ``eventCode`` and ``success``
+    joined by ``:`` (a missing one empty), as ``Adyen.util.is_valid_hmac_notification``
+    computes it; every item must verify, where the library checks the first.
+
+    Adyen signs those fields, not the body, and no timestamp: the rest (``additionalData``,
+    ``reason``, ``eventDate``, ``live``) is unsigned, so the preset claims by what is signed, and
+    a body with a JSON key twice is refused (the app's parser could read the other value). The
+    joiner is not escaped: the fields the event is keyed by, and the amount, may hold no ``:``,
+    so no other split of the signed text changes them."""
+
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        try:
+            payload = json.loads(body, object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or a key twice
+            payload = None
+        items = payload.get("notificationItems") if isinstance(payload, dict) else None
+        if not isinstance(items, list) or not items:
+            _fail("the body has no notificationItems")
+        for index, wrapper in enumerate(items):
+            item = wrapper.get("NotificationRequestItem") if isinstance(wrapper, dict) else None
+            if not isinstance(item, dict):
+                _fail(f"notificationItems[{index}] has no NotificationRequestItem")
+            _adyen_item(self.secrets, item, index)
+
+
+def _adyen_item(secrets: tuple[bytes, ...], item: dict[str, object], index: int) -> None:
+    """Verify one NotificationRequestItem."""
+    name = f"notificationItems[{index}]"
+    extra, amount = item.get("additionalData"), item.get("amount")
+    received = extra.get("hmacSignature") if isinstance(extra, dict) else None
+    if not isinstance(received, str):
+        _fail(f"{name} has no additionalData.hmacSignature")
+    _signature(received, "base64", f"{name}.additionalData.hmacSignature")
+    values = {**item, **(amount if isinstance(amount, dict) else {})}
+    texts = []
+    for key in _ADYEN_FIELDS:
+        value = values.get(key)
+        if value is None:
+            value = ""
+        elif type(value) is int and key == "value":
+            value = str(value)
+        if not isinstance(value, str) or (key in _ADYEN_FIXED and ":" in value):
+            _fail(f"{name}.{key} malformed")
+        texts.append(value)
+    _match_text(secrets, "sha256", [":".join(texts).encode()], received)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1101,6 +1179,17 @@ def _p256_keys(secrets: Sequence[str]) -> tuple[EllipticCurvePublicKey, ...]:
     return tuple(keys)
 
 
+def _hex_key(secret: str, index: int) -> bytes:
+    """Adyen's HMAC key: hex digits, as its Customer Area shows it."""
+    try:
+        key = bytes.fromhex(secret) if secret.isascii() and secret.isalnum() else b""
+    except ValueError:
+        key = b""
+    if not key:
+        raise ValueError(f"secrets[{index}] must be the HMAC key in hex, as Adyen shows it")
+    return key
+
+
 def _standard_key(secret: str, index: int) -> bytes:
     """The HMAC key of a Standard Webhooks secret: ``whsec_`` (optional) and base64."""
     text = secret.removeprefix(_STANDARD_PREFIX)
@@ -1146,7 +1235,8 @@ def build(
     ``verify_tokens`` (the tokens Meta's subscription check may carry) apply to scheme ``meta``.
     Scheme ``discord``'s secrets are the application's public keys (hex), scheme ``sendgrid``'s
     the Event Webhook's verification keys (base64 DER); each needs ``cryptography`` (the extra
-    named after the scheme). ``hubspot`` signs the URL: it needs ``public_url`` too.
+    named after the scheme). Scheme ``adyen``'s secrets are HMAC keys in hex. ``hubspot``
+    signs the URL: it needs ``public_url`` too.
     ``tolerance`` bounds the age of timestamped schemes' timestamps, in both directions.
     """
     checked = settings(
@@ -1176,9 +1266,9 @@ class Settings:
 
     def unread(self) -> SecretsUnread:
         """The verifier of these settings without their secrets (``SecretsUnread``)."""
-        if self.scheme in KEY_SCHEMES:
-            # A public key is no secret any scheme takes: the shape is the class's.
-            shape: type[_Scheme] = _KEY_SCHEMES[self.scheme]
+        if self.scheme in _SHAPED:
+            # A public key or a hex key is no secret any scheme takes: the shape is the class's.
+            shape = _SHAPED[self.scheme]
             return SecretsUnread(self.scheme, shape.HEADERS, shape.SIGNED)
         verifier = self.verifier([_ANY_SECRET])
         return SecretsUnread(verifier.scheme, verifier.headers, verifier.signed_headers)
@@ -1204,7 +1294,7 @@ class Settings:
     def _other(self, secrets: Sequence[str], material: tuple[bytes, ...]) -> Verifier:
         """The verifier of a scheme with a class of its own, or of ``hmac``."""
         scheme, tolerance = self.scheme, self.tolerance
-        if scheme in KEY_SCHEMES:
+        if scheme in _SHAPED:
             return self._keyed(secrets)
         if scheme == "hubspot":
             return HubSpotSignature(scheme, self.public_url, material, tolerance)
@@ -1220,15 +1310,21 @@ class Settings:
         )
 
     def _keyed(self, secrets: Sequence[str]) -> Verifier:
-        """The verifier of a scheme whose "secrets" are public keys (``KEY_SCHEMES``)."""
+        """The verifier of a scheme whose secrets are keys of a form of their own (``_SHAPED``:
+        public keys, Adyen's hex)."""
+        if self.scheme == "adyen":
+            keys = tuple(_hex_key(secret, index) for index, secret in enumerate(secrets))
+            return AdyenSignature(self.scheme, keys)
         if self.scheme == "discord":
             return DiscordSignature(self.scheme, self.tolerance, _ed25519_keys(secrets))
         return SendGridSignature(self.scheme, self.tolerance, _p256_keys(secrets))
 
 
-_KEY_SCHEMES: dict[str, type[_Scheme]] = {
+# The schemes whose secrets are keys of a form of their own (``Settings.unread``).
+_SHAPED: dict[str, type[_Scheme]] = {
     "discord": DiscordSignature,
     "sendgrid": SendGridSignature,
+    "adyen": AdyenSignature,
 }
 # The schemes whose verifier takes the scheme, the tolerance and the secrets, nothing else.
 _TIMED_SCHEMES: dict[str, Callable[[str, float, tuple[bytes, ...]], Verifier]] = {

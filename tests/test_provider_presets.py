@@ -835,3 +835,70 @@ async def test_hubspot_forwards_a_signed_batch_once_and_refuses_forged_stale_and
         sent["x-hubspot-signature-v3"][0], HUBSPOT_SECRET, body.decode(), http_uri=HUBSPOT_URL,
         signature_version="v3", timestamp=sent["x-hubspot-request-timestamp"][0],
     )  # fmt: skip
+
+
+# Adyen: each NotificationRequestItem's key fields joined by ":", base64 HMAC-SHA256 under a
+# hex key, signed here by Adyen's own library (Adyen.util), which also checks what the proxy
+# forwarded. Nothing signed ages: a replay is refused only as a duplicate.
+
+adyen_util = importlib.import_module("Adyen.util")
+ADYEN_KEY = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056"
+
+
+def adyen_item(psp: str, code: str = "AUTHORISATION", success: str = "true") -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "pspReference": psp, "merchantReference": "order-42", "merchantAccountCode": "Shop",
+        "amount": {"currency": "EUR", "value": 1130}, "eventCode": code, "success": success,
+        "eventDate": "2026-12-06T09:00:00+01:00", "reason": "039404:1111:03/2030",
+    }  # fmt: skip
+    signature = adyen_util.generate_notification_sig(item, ADYEN_KEY).decode()
+    return {**item, "additionalData": {"hmacSignature": signature, "authCode": "039404"}}
+
+
+def adyen_body(*items: dict[str, Any]) -> bytes:
+    wrapped = [{"NotificationRequestItem": item} for item in items]
+    return json.dumps({"live": "false", "notificationItems": wrapped}).encode()
+
+
+async def test_adyen_forwards_a_signed_notification_once_and_refuses_forged_and_swapped(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("adyen", {"secret": ADYEN_KEY})])
+    path = "/hooks/adyen"
+    item = adyen_item("7914073381342284")
+    body = adyen_body(item)
+    forged = {**item, "additionalData": {"hmacSignature": adyen_util.generate_notification_sig(
+        item, "00" * 32).decode()}}  # fmt: skip
+
+    await assert_refused(
+        client,
+        path,
+        [
+            (adyen_body(forged), {}),
+            (body.replace(b'"value": 1130', b'"value": 11300'), {}),  # a signed field
+            (body.replace(b"7914073381342284", b"7914073381342285"), {}),  # the event's key
+            (adyen_body(item, {**item, "pspReference": "7914073381342299"}), {}),
+            (b'{"live": "false"}', {}),
+        ],
+    )
+    assert await claimed(pg_dsn, table) == []
+
+    assert await deliver_twice(client, path, body, {}) == (200, 200)
+    # The unsigned rest of the body under the captured signature: a duplicate, never forwarded.
+    swapped = body.replace(b'"authCode": "039404"', b'"authCode": "999999"')
+    assert (await client.post(path, data=swapped)).headers["Dedup-Status"] == "duplicate"
+    # An AUTHORISATION that failed and one that succeeded are two events.
+    failed = adyen_body(adyen_item("7914073381342284", success="false"))
+    assert (await client.post(path, data=failed)).status == 200
+
+    assert upstream.bodies() == [body, failed]
+    assert sorted(await claimed(pg_dsn, table)) == [
+        ("adyen", "7914073381342284:AUTHORISATION:false", "AUTHORISATION"),
+        ("adyen", "7914073381342284:AUTHORISATION:true", "AUTHORISATION"),
+    ]
+    # What the proxy accepted, Adyen's library accepts.
+    assert adyen_util.is_valid_hmac_notification(json.loads(upstream.bodies()[0]), ADYEN_KEY)
+
+
+def test_adyen_keeps_claims_through_its_30_days_of_retries() -> None:
+    assert presets.PRESETS["adyen"].retention > 30 * 86400

@@ -42,7 +42,10 @@ B64 = base64.b64encode(b"\xab" * 32).decode()
 
 # PayPal's (RSA, tests/test_paypal.py), Discord's (Ed25519) and SendGrid's (ECDSA) keys are not
 # shared secrets; Mailgun's signature is in the body, not a header (tests/test_provider_presets.py).
-ALL = tuple(s for s in signatures.SCHEMES if s not in ("paypal", "discord", "mailgun", "sendgrid"))
+# Adyen's signature is in the body too, and its key is hex.
+ALL = tuple(
+    s for s in signatures.SCHEMES if s not in ("paypal", "discord", "mailgun", "sendgrid", "adyen")
+)
 URL_SIGNED = ("twilio", "square", "hubspot")
 TIMESTAMPED = ("stripe", "paddle", "slack", SW, "twitch", "zoom", "hubspot")
 MULTI = ("stripe", "paddle", SW)  # one header may carry several signatures
@@ -546,7 +549,7 @@ def test_hmac_prefix_is_required_when_configured() -> None:
             {},
             "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
             "twilio, square, paypal, meta, linear, intercom, twitch, discord, zoom, mailgun, "
-            "sendgrid, hubspot, hmac; got 'worldpay'",
+            "sendgrid, hubspot, adyen, hmac; got 'worldpay'",
         ),
         ("twilio", [SECRET], {}, "public_url is required for scheme twilio"),
         (
@@ -1080,3 +1083,130 @@ def test_a_public_key_scheme_describes_itself_with_its_keys_unread(scheme: str) 
     assert unread.signed_headers
     with pytest.raises(errors.SignatureInvalid, match="the signing secrets were not read"):
         unread.verify(CIMultiDict(), BODY, NOW)
+
+
+# Adyen: each NotificationRequestItem's fields joined by ":", base64 HMAC-SHA256 under a hex key;
+# the vectors of Adyen's Python library (Adyen/adyen-python-api-library, test/test_util.py and
+# test/mocks/util/*.json), and Adyen.util checked against the same bodies both ways.
+
+ADYEN_KEY = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056"
+ADYEN_ITEM: dict[str, object] = {
+    "pspReference": "7914073381342284",
+    "merchantReference": "TestPayment-1407325143704",
+    "merchantAccountCode": "TestMerchant",
+    "amount": {"currency": "EUR", "value": 1130},
+    "eventCode": "AUTHORISATION",
+    "success": "true",
+    "eventDate": "2019-05-06T17:15:34.121+02:00",
+    "operations": ["CANCEL", "CAPTURE", "REFUND"],
+    "paymentMethod": "visa",
+    "additionalData": {"hmacSignature": "coqCmt/IZ4E3CzPvMY8zTjQVL5hYJUiBRg8UU+iCWo0="},
+}
+# Notifications Adyen signed, whose merchantReference holds a ":" or backslashes (unescaped).
+ADYEN_MOCK_KEY = "74F490DD33F7327BAECC88B2947C011FC02D014A473AAA33A8EC93E4DC069174"
+ADYEN_MOCKS: list[dict[str, object]] = [
+    {"additionalData": {"hmacSignature": "2EQYm7YJpKO4EtHSPu55SQTyWf8dkW5u2nD1tJFpViA="},
+     "amount": {"currency": "EUR", "value": 1000}, "eventCode": "AUTHORISATION",
+     "eventDate": "2023-01-10T13:40:54+01:00", "merchantAccountCode": "AntoniStroinski",
+     "merchantReference": ":slashes are fun", "pspReference": "M8NB66SBZSGLNK82",
+     "reason": "039404:1111:03/2030", "success": "true"},
+    {"additionalData": {"hmacSignature": "nIgT81gaB5oJpn2jPXupDq68iRo2wUlBsuYjtYfwKqo="},
+     "amount": {"currency": "EUR", "value": 1000}, "eventCode": "AUTHORISATION",
+     "eventDate": "2023-01-09T16:27:29+01:00", "merchantAccountCode": "AntoniStroinski",
+     "merchantReference": "\\\\slashes are fun", "pspReference": "T7FD4VM4D3RZNN82",
+     "reason": "076181:1111:03/2030", "success": "true"},
+]  # fmt: skip
+
+
+def adyen_body(*items: dict[str, object]) -> bytes:
+    wrapped = [{"NotificationRequestItem": item} for item in items]
+    return json.dumps({"live": "false", "notificationItems": wrapped}).encode()
+
+
+def adyen_check(body: bytes, *keys: str) -> None:
+    signatures.build("adyen", list(keys or (ADYEN_KEY,))).verify(CIMultiDict(), body, NOW)
+
+
+def adyen_refused(body: bytes, *keys: str) -> str:
+    with pytest.raises(errors.SignatureInvalid) as info:
+        adyen_check(body, *keys)
+    return info.value.message
+
+
+@pytest.fixture
+def adyen_util() -> Any:
+    provider_library("Adyen")
+    return importlib.import_module("Adyen.util")
+
+
+@pytest.mark.parametrize(
+    ("key", "item"), [(ADYEN_KEY, ADYEN_ITEM)] + [(ADYEN_MOCK_KEY, mock) for mock in ADYEN_MOCKS]
+)
+def test_adyen_library_vectors_are_accepted_as_it_accepts_them(
+    adyen_util: Any, key: str, item: dict[str, object]
+) -> None:
+    assert adyen_util.is_valid_hmac_notification(json.loads(adyen_body(item)), key)
+    adyen_check(adyen_body(item), key)
+    adyen_check(adyen_body(item), ADYEN_MOCK_KEY.lower(), key)  # rotation; either case
+
+
+def test_adyen_library_signature_is_accepted_and_what_we_refuse_it_refuses(
+    adyen_util: Any,
+) -> None:
+    item = {key: value for key, value in ADYEN_ITEM.items() if key != "additionalData"}
+    item |= {"originalReference": "8313842560770001", "eventCode": "REFUND"}
+    signature = adyen_util.generate_notification_sig(item, ADYEN_KEY).decode()
+    adyen_check(adyen_body({**item, "additionalData": {"hmacSignature": signature}}))
+    for name, value in [("pspReference", "7914073381342285"), ("merchantReference", "x"),
+                        ("success", "false"), ("amount", {"currency": "EUR", "value": 1131}),
+                        ("originalReference", None)]:  # fmt: skip
+        changed = {**item, name: value, "additionalData": {"hmacSignature": signature}}
+        if value is None:
+            del changed[name]
+        body = adyen_body(changed)
+        assert not adyen_util.is_valid_hmac_notification(json.loads(body), ADYEN_KEY)
+        assert adyen_refused(body) == "no signature matches"
+
+
+def test_adyen_verifies_every_item_where_its_library_checks_the_first(adyen_util: Any) -> None:
+    forged = {**ADYEN_ITEM, "pspReference": "7914073381342299"}
+    body = adyen_body(ADYEN_ITEM, forged)
+
+    assert adyen_util.is_valid_hmac_notification(json.loads(body), ADYEN_KEY)
+    assert adyen_refused(body) == "no signature matches"
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"[]", "the body has no notificationItems"),
+        (b'{"notificationItems": []}', "the body has no notificationItems"),
+        (b'{"notificationItems": [{"Item": {}}]}',
+         "notificationItems[0] has no NotificationRequestItem"),
+        (adyen_body({k: v for k, v in ADYEN_ITEM.items() if k != "additionalData"}),
+         "notificationItems[0] has no additionalData.hmacSignature"),
+        (adyen_body({**ADYEN_ITEM, "additionalData": {"hmacSignature": "not base64!"}}),
+         "notificationItems[0].additionalData.hmacSignature malformed"),
+        (adyen_body({**ADYEN_ITEM, "success": True}), "notificationItems[0].success malformed"),
+        (adyen_body({**ADYEN_ITEM, "amount": {"currency": "EUR", "value": 11.3}}),
+         "notificationItems[0].value malformed"),
+        # A ":" where the joiner would let another split of the signed text move the key.
+        (adyen_body({**ADYEN_ITEM, "pspReference": "7914073381342284:"}),
+         "notificationItems[0].pspReference malformed"),
+        (adyen_body({**ADYEN_ITEM, "eventCode": "AUTHORISATION:x"}),
+         "notificationItems[0].eventCode malformed"),
+        # A key twice: the app's parser may read the one that was not verified.
+        (adyen_body(ADYEN_ITEM).replace(b'"pspReference"', b'"pspReference": "1", "pspReference"'),
+         "the body has no notificationItems"),
+    ],
+)  # fmt: skip
+def test_an_adyen_body_that_is_not_a_signed_notification_is_refused(
+    body: bytes, reason: str
+) -> None:
+    assert adyen_refused(body) == reason
+
+
+@pytest.mark.parametrize("key", ["not hex", ADYEN_KEY[:-1], "0x" + ADYEN_KEY, "é" * 4])
+def test_an_adyen_key_that_is_not_hex_is_refused(key: str) -> None:
+    with pytest.raises(ValueError, match=r"^secrets\[0\] must be the HMAC key in hex"):
+        signatures.build("adyen", [key])

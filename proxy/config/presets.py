@@ -202,6 +202,20 @@ PRESETS: dict[str, Preset] = {
         scheme="hubspot",
         retention=2 * DAY,
     ),
+    # Adyen signs each NotificationRequestItem's key fields (not the body, no timestamp), with
+    # an HMAC key in hex. An event is its pspReference, eventCode and success (an AUTHORISATION
+    # refused, then one that succeeded, are two); a body's items are keyed together as a batch.
+    # A failing webhook is retried for 30 days; any 2xx accepts it (Adyen no longer needs
+    # "[accepted]"). A replay after the retention is forwarded again: nothing signed ages.
+    "adyen": Preset(
+        event_id=tuple(
+            f"body:/notificationItems/*/NotificationRequestItem/{name}"
+            for name in ("pspReference", "eventCode", "success")
+        ),
+        event_type="body:/notificationItems/0/NotificationRequestItem/eventCode",
+        scheme="adyen",
+        retention=31 * DAY,
+    ),
     # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
     # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
     "slack": Preset(
