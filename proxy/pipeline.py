@@ -219,7 +219,7 @@ class Cycle:
         if self.verifier is not None:
             # What the check needs from elsewhere (PayPal's certificate), fetched here: from
             # here to the claim's verify nothing awaits, so it is still in the cache.
-            await signatures.prepare(self.verifier, self.request.headers)
+            await signatures.prepare(self.verifier, self.request.headers, self.body)
             answered = self._handshake()
             if answered is not None:
                 return answered, "handshake"

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 SCHEMES: tuple[str, ...] = (
     "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "square",
     "paypal", "meta", "linear", "intercom", "twitch", "discord", "zoom", "mailgun", "sendgrid",
-    "hubspot", "adyen", "hmac",
+    "hubspot", "adyen", "sns", "hmac",
 )  # fmt: skip
 # The schemes that sign the URL the provider calls: they need ``public_url``.
 URL_SCHEMES = ("twilio", "square", "hubspot")
@@ -51,6 +51,11 @@ PAYPAL_CERT_HOSTS = (
     "api.paypal.com", "api-m.paypal.com", "api.sandbox.paypal.com", "api-m.sandbox.paypal.com",
 )  # fmt: skip
 PAYPAL_DOMAIN = "paypal.com"
+# AWS SNS's certificate hosts, sns.<region>.amazonaws.com (.cn in China), as AWS's validators
+# hold SigningCertURL to them; the allow-list of the ``sns`` scheme unless cert_hosts replaces it.
+SNS_CERT_HOST = re.compile(r"sns\.[a-z0-9-]+\.amazonaws\.com(\.cn)?")
+# The schemes that fetch a signing certificate (``certificates``): cert_hosts and ca_file.
+CERT_SCHEMES = ("paypal", "sns")
 DEFAULT_TOLERANCE = 300.0  # seconds
 ALGORITHMS = ("sha1", "sha256", "sha512")
 ENCODINGS = ("hex", "base64")
@@ -102,6 +107,13 @@ _ADYEN_FIELDS = (
     "success",
 )
 _ADYEN_FIXED = ("pspReference", "value", "currency", "eventCode", "success")
+# SNS: the fields each message type signs, in order ("Subject" only where the message has one).
+_SNS_CONFIRMATION = ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn")
+_SNS_SIGNED = {
+    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
+    "SubscriptionConfirmation": (*_SNS_CONFIRMATION, "Type"),
+}
+_SNS_SIGNED["UnsubscribeConfirmation"] = _SNS_SIGNED["SubscriptionConfirmation"]
 _LINEAR_HEADER = "Linear-Signature"
 _LINEAR_STAMP = "webhookTimestamp"
 # scheme: (header, separator, timestamp key, signature key, joiner) for ``t=…,v1=…`` headers
@@ -971,6 +983,86 @@ class PayPalSignature(_Timed):
         _check_age(stamp, now, self.tolerance, "PAYPAL-TRANSMISSION-TIME")
 
 
+@dataclass(frozen=True, slots=True)
+class SnsSignature(_Scheme):
+    """AWS SNS's: the body's ``Signature``, base64 RSA (PKCS#1 v1.5; SHA-1 for
+    ``SignatureVersion`` 1, SHA-256 for 2) over the message type's fields, each
+    ``{name}\n{value}\n`` in AWS's order, under the certificate at ``SigningCertURL`` (fetched
+    from AWS's SNS hosts only, ``certificates``); then the signed ``Timestamp`` within
+    ``tolerance``.
+
+    ``secrets`` are the topic ARNs the route takes: AWS signs every topic's messages, so a
+    message from anyone's topic would verify without them. The unsigned
+    ``x-amz-sns-message-type`` and ``x-amz-sns-message-id`` headers, where sent, must agree
+    with the signed body. A body with a JSON key twice is refused."""
+
+    SIGNED = frozenset({"x-amz-sns-message-type", "x-amz-sns-message-id"})
+
+    tolerance: float
+    topics: tuple[str, ...]
+    certificates: certificates.Certificates = field(repr=False, compare=False)
+
+    async def prepare(self, body: bytes) -> None:
+        """Fetch the certificate the message names, if it may be fetched and is not cached."""
+        url = (_sns_message(body) or {}).get("SigningCertURL")
+        if isinstance(url, str):
+            await self.certificates.fetch(url)
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        message = _sns_message(body)
+        if message is None:
+            _fail("the body is not an SNS message (JSON, each key once)")
+        signed = _sns_signed(message)
+        version = message.get("SignatureVersion")
+        if version not in ("1", "2"):
+            _fail("SignatureVersion is neither 1 nor 2")
+        signature, url = message.get("Signature"), message.get("SigningCertURL")
+        if not isinstance(signature, str) or not isinstance(url, str):
+            _fail("Signature or SigningCertURL missing")
+        raw = _signature(signature, "base64", "Signature")
+        certificate = self.certificates.get(url, now)
+        if not certificate.verifies(raw, signed, sha1=version == "1"):
+            _fail("no signature matches")
+        if message["TopicArn"] not in self.topics:
+            _fail("TopicArn is none of the route's topics (verify.secrets)")
+        for header, name in (
+            ("x-amz-sns-message-type", "Type"),
+            ("x-amz-sns-message-id", "MessageId"),
+        ):
+            value = str(message[name])
+            if headers.getall(header, [value]) != [value]:
+                # The app may dispatch on the header: it must say what is signed.
+                _fail(f"{header} does not match the signed {name}")
+        stamp = _iso_time(str(message["Timestamp"]), "Timestamp")
+        _check_age(stamp, now, self.tolerance, "Timestamp")
+
+
+def _sns_signed(message: dict[str, object]) -> bytes:
+    """What AWS signs of ``message``: each field its type signs, ``{name}\n{value}\n``."""
+    kind = message.get("Type")
+    if not isinstance(kind, str) or kind not in _SNS_SIGNED:
+        _fail("Type is not an SNS message type")
+    text = []
+    for name in _SNS_SIGNED[kind]:
+        value = message.get(name)
+        if value is None and name == "Subject":
+            continue
+        if not isinstance(value, str):
+            _fail(f"{name} missing or not a string")
+        text.append(f"{name}\n{value}\n")
+    return "".join(text).encode()
+
+
+def _sns_message(body: bytes) -> dict[str, object] | None:
+    try:
+        payload = json.loads(body, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError):
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
 def _iso_time(text: str, name: str) -> float:
     """An ISO 8601 time with its offset (``2024-05-01T12:00:00Z``), as a Unix time."""
     try:
@@ -982,12 +1074,14 @@ def _iso_time(text: str, name: str) -> float:
     return moment.timestamp()
 
 
-async def prepare(verifier: Verifier, headers: event_ids.MultiMapping) -> None:
+async def prepare(verifier: Verifier, headers: event_ids.MultiMapping, body: bytes) -> None:
     """Before ``verifier.verify``: fetch what it needs from elsewhere (the certificate a PayPal
-    request names); nothing for a scheme that needs only its secrets. CertificateUnavailable
-    if the provider could not be reached."""
+    request or an SNS message names); nothing for a scheme that needs only its secrets.
+    CertificateUnavailable if the provider could not be reached."""
     if isinstance(verifier, PayPalSignature):
         await verifier.prepare(headers)
+    elif isinstance(verifier, SnsSignature):
+        await verifier.prepare(body)
 
 
 def handshake_methods(verifier: Verifier | None) -> tuple[str, ...]:
@@ -1096,22 +1190,23 @@ def _refuse_foreign(scheme: str, owners: tuple[str, ...], **options: object) -> 
         raise ValueError(f"{', '.join(given)}: only for {which}, not {scheme}")
 
 
-def _paypal_certificates(
-    hosts: Sequence[str] | None, ca_file: str | None
+def _certificates(
+    scheme: str, hosts: Sequence[str] | None, ca_file: str | None
 ) -> certificates.Certificates:
-    """The route's certificate fetcher and cache; ValueError for a bad host, an unreadable CA
-    bundle, or no ``cryptography`` (the extra ``paypal``)."""
+    """The route's certificate fetcher and cache (``CERT_SCHEMES``); ValueError for a bad host,
+    an unreadable CA bundle, or no ``cryptography`` (the extra named after the scheme)."""
     try:
         from proxy import certificates
     except ImportError as exc:
         raise ValueError(
-            f"scheme paypal needs the cryptography package: install webhook-dedup-proxy[paypal] "
-            f"({exc})"
+            f"scheme {scheme} needs the cryptography package: install "
+            f"webhook-dedup-proxy[{scheme}] ({exc})"
         ) from None
     if hosts is not None and (isinstance(hosts, str) or not hosts):
         raise ValueError("cert_hosts must be a non-empty list of host or host:port")
+    paypal = scheme == "paypal"
     checked = []
-    for index, host in enumerate(PAYPAL_CERT_HOSTS if hosts is None else hosts):
+    for index, host in enumerate((PAYPAL_CERT_HOSTS if paypal else ()) if hosts is None else hosts):
         try:
             checked.append(certificates.check_host(host))
         except ValueError as exc:
@@ -1121,6 +1216,16 @@ def _paypal_certificates(
         roots = certificates.load_roots(path)
     except ValueError as exc:
         raise ValueError(f"ca_file: {exc}") from None
+    if not paypal:
+        pattern = SNS_CERT_HOST if hosts is None else None
+        return certificates.Certificates(
+            header="SigningCertURL",
+            hosts=checked,
+            roots=roots,
+            ca_file=path,
+            domain=None,
+            host_pattern=pattern,
+        )
     return certificates.Certificates(
         header="PAYPAL-CERT-URL", hosts=checked, roots=roots, ca_file=path, domain=PAYPAL_DOMAIN
     )
@@ -1302,12 +1407,19 @@ class Settings:
             return TwilioSignature(scheme, self.public_url, material)
         if scheme == "square":
             return SquareSignature(scheme, self.public_url, material)
-        if scheme == "paypal":
-            assert self.certificates is not None  # settings() gives paypal its certificates
-            return PayPalSignature(scheme, tolerance, material, self.certificates)
+        if scheme in CERT_SCHEMES:
+            return self._certified(secrets, material)
         return BodySignature(
             scheme, self.header, self.algorithm, self.encoding, self.prefix, material
         )
+
+    def _certified(self, secrets: Sequence[str], material: tuple[bytes, ...]) -> Verifier:
+        """The verifier of a scheme that signs under a fetched certificate (``CERT_SCHEMES``):
+        PayPal's secrets are webhook IDs, SNS's topic ARNs."""
+        assert self.certificates is not None  # settings() gives them their certificates
+        if self.scheme == "sns":
+            return SnsSignature(self.scheme, self.tolerance, tuple(secrets), self.certificates)
+        return PayPalSignature(self.scheme, self.tolerance, material, self.certificates)
 
     def _keyed(self, secrets: Sequence[str]) -> Verifier:
         """The verifier of a scheme whose secrets are keys of a form of their own (``_SHAPED``:
@@ -1366,7 +1478,7 @@ def settings(
     _refuse_foreign(scheme, ("hmac",), header=header, algorithm=algorithm, encoding=encoding,
                     prefix=prefix)  # fmt: skip
     _refuse_foreign(scheme, URL_SCHEMES, public_url=public_url)
-    _refuse_foreign(scheme, ("paypal",), cert_hosts=cert_hosts, ca_file=ca_file)
+    _refuse_foreign(scheme, CERT_SCHEMES, cert_hosts=cert_hosts, ca_file=ca_file)
     _refuse_foreign(scheme, ("meta",), verify_token=verify_tokens)
     if not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"tolerance must be a positive number of seconds, got {tolerance!r}")
@@ -1375,8 +1487,9 @@ def settings(
             raise ValueError(f"public_url is required for scheme {scheme}")
         provider = {"hubspot": "HubSpot"}.get(scheme, scheme.capitalize())
         return Settings(scheme, tolerance, public_url=_public_url(public_url, provider))
-    if scheme == "paypal":
-        return Settings(scheme, tolerance, certificates=_paypal_certificates(cert_hosts, ca_file))
+    if scheme in CERT_SCHEMES:
+        found = _certificates(scheme, cert_hosts, ca_file)
+        return Settings(scheme, tolerance, certificates=found)
     _need_cryptography(scheme)
     if scheme == "meta" and verify_tokens is not None:
         tokens = tuple(token.encode() for token in verify_tokens)

@@ -42,10 +42,10 @@ B64 = base64.b64encode(b"\xab" * 32).decode()
 
 # PayPal's (RSA, tests/test_paypal.py), Discord's (Ed25519) and SendGrid's (ECDSA) keys are not
 # shared secrets; Mailgun's signature is in the body, not a header (tests/test_provider_presets.py).
-# Adyen's signature is in the body too, and its key is hex.
-ALL = tuple(
-    s for s in signatures.SCHEMES if s not in ("paypal", "discord", "mailgun", "sendgrid", "adyen")
-)
+# Adyen's signature is in the body too, and its key is hex; SNS's is RSA under a fetched
+# certificate, as PayPal's (tests/test_sns.py).
+NOT_SHARED = ("paypal", "discord", "mailgun", "sendgrid", "adyen", "sns")
+ALL = tuple(s for s in signatures.SCHEMES if s not in NOT_SHARED)
 URL_SIGNED = ("twilio", "square", "hubspot")
 TIMESTAMPED = ("stripe", "paddle", "slack", SW, "twitch", "zoom", "hubspot")
 MULTI = ("stripe", "paddle", SW)  # one header may carry several signatures
@@ -549,7 +549,7 @@ def test_hmac_prefix_is_required_when_configured() -> None:
             {},
             "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
             "twilio, square, paypal, meta, linear, intercom, twitch, discord, zoom, mailgun, "
-            "sendgrid, hubspot, adyen, hmac; got 'worldpay'",
+            "sendgrid, hubspot, adyen, sns, hmac; got 'worldpay'",
         ),
         ("twilio", [SECRET], {}, "public_url is required for scheme twilio"),
         (
@@ -569,7 +569,7 @@ def test_hmac_prefix_is_required_when_configured() -> None:
             "square",
             [SECRET],
             {"public_url": SQUARE_URL, "cert_hosts": ["api.paypal.com"]},
-            "cert_hosts: only for scheme paypal, not square",
+            "cert_hosts: only for schemes paypal, sns, not square",
         ),
         (
             "twilio",

@@ -216,6 +216,19 @@ PRESETS: dict[str, Preset] = {
         scheme="adyen",
         retention=31 * DAY,
     ),
+    # AWS SNS over HTTPS: signed with RSA under a certificate fetched from sns.<region>.
+    # amazonaws.com only; verify.secrets are the topic ARNs the route takes. A retry is the
+    # same signed message (its Timestamp is the publish time): the tolerance spans the retry
+    # horizon (an hour at most, by the delivery policy's limits: unverified) with a wide margin,
+    # below the retention, so a replay is a duplicate or stale. A SubscriptionConfirmation is
+    # claimed by its MessageId and forwarded: the app confirms it.
+    "sns": Preset(
+        event_id=("body:/MessageId",),
+        event_type="body:/Type",
+        scheme="sns",
+        retention=2 * DAY,
+        tolerance=DAY,
+    ),
     # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
     # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
     "slack": Preset(
