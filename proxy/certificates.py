@@ -1,5 +1,6 @@
 """Signing certificates fetched from the URL a request names (PayPal's ``PAYPAL-CERT-URL``, AWS
-SNS's ``SigningCertURL``).
+SNS's ``SigningCertURL``), and the one other GET such a host is sent (SNS's ``SubscribeURL``,
+where the proxy confirms a subscription).
 
 A URL is fetched only if it is https on an allowed host (and port; SNS's: a host pattern),
 never following a redirect, read up to ``MAX_SIZE`` within ``timeout`` seconds; the
@@ -141,8 +142,9 @@ class Certificates:
         self._fetching: dict[str, asyncio.Future[None]] = {}
         self._slots: asyncio.Semaphore | None = None
 
-    def refusal(self, url: str) -> str | None:
-        """Why ``url`` may not be fetched at all (None: it may)."""
+    def refusal(self, url: str, name: str | None = None) -> str | None:
+        """Why ``url`` (in ``name``, default the certificate's header) may not be fetched at all
+        (None: it may)."""
         parts = urllib.parse.urlsplit(url)
         try:
             port = parts.port or 443
@@ -163,7 +165,9 @@ class Certificates:
             or parts.fragment
             or not allowed
         ):
-            return f"{self.header} is not an https URL on an allowed host (verify.cert_hosts)"
+            return (
+                f"{name or self.header} is not an https URL on an allowed host (verify.cert_hosts)"
+            )
         return None
 
     def get(self, url: str, now: float) -> Certificate:
@@ -224,7 +228,21 @@ class Certificates:
         while len(self._cache) > MAX_CACHED:
             self._cache.popitem(last=False)
 
-    async def _download(self, url: str) -> bytes:
+    async def confirm(self, url: str, name: str) -> None:
+        """GET ``url`` (in ``name``; SNS's ``SubscribeURL``) on an allowed host, as for a
+        certificate, and expect a 200: CertificateUnavailable (503, so the provider sends it
+        again) if the host cannot be reached in time or answers otherwise."""
+        assert self.refusal(url, name) is None  # the caller refused it already
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._download(url, name)
+        except TimeoutError as exc:
+            raise errors.CertificateUnavailable(f"{name}: no answer in time") from exc
+        except _Unusable as exc:
+            raise errors.CertificateUnavailable(str(exc)) from None
+
+    async def _download(self, url: str, name: str | None = None) -> bytes:
+        label = name or self.header
         connector = aiohttp.TCPConnector(ssl=self._tls, force_close=True)
         try:
             async with (
@@ -232,19 +250,17 @@ class Certificates:
                 session.get(url, allow_redirects=False) as response,
             ):
                 if response.status != 200:
-                    raise _Unusable(f"{self.header} answered {response.status}, not 200")
+                    raise _Unusable(f"{label} answered {response.status}, not 200")
                 if (response.content_length or 0) > MAX_SIZE:
-                    raise _Unusable(f"{self.header}'s answer is over {MAX_SIZE} bytes")
+                    raise _Unusable(f"{label}'s answer is over {MAX_SIZE} bytes")
                 data = bytearray()
                 async for chunk in response.content.iter_chunked(16384):
                     data += chunk
                     if len(data) > MAX_SIZE:
-                        raise _Unusable(f"{self.header}'s answer is over {MAX_SIZE} bytes")
+                        raise _Unusable(f"{label}'s answer is over {MAX_SIZE} bytes")
                 return bytes(data)
         except aiohttp.ClientError as exc:
-            raise errors.CertificateUnavailable(
-                f"{self.header}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise errors.CertificateUnavailable(f"{label}: {type(exc).__name__}: {exc}") from exc
 
     def _check(self, data: bytes, now: float) -> Certificate:
         """The leaf certificate of ``data`` (PEM, the leaf first, then intermediates), if it

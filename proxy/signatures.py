@@ -302,11 +302,13 @@ def _match_body(signed: BodySignature, headers: event_ids.MultiMapping, body: by
 
 @dataclass(frozen=True, slots=True)
 class Handshake:
-    """The proxy's own answer to a provider's handshake: never claimed, never forwarded."""
+    """The proxy's own answer to a provider's handshake: never claimed, never forwarded.
+    ``confirm``: a URL the proxy GETs first (``confirm``: SNS's ``SubscribeURL``)."""
 
     status: int
     content_type: str
     text: str
+    confirm: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1001,6 +1003,8 @@ class SnsSignature(_Scheme):
     tolerance: float
     topics: tuple[str, ...]
     certificates: certificates.Certificates = field(repr=False, compare=False)
+    # verify.confirm_subscription: the proxy confirms a SubscriptionConfirmation (``handshake``).
+    confirms: bool = False
 
     async def prepare(self, body: bytes) -> None:
         """Fetch the certificate the message names, if it may be fetched and is not cached."""
@@ -1037,6 +1041,21 @@ class SnsSignature(_Scheme):
                 _fail(f"{header} does not match the signed {name}")
         stamp = _iso_time(str(message["Timestamp"]), "Timestamp")
         _check_age(stamp, now, self.tolerance, "Timestamp")
+
+    def handshake(
+        self, method: str, query: str, headers: event_ids.MultiMapping, body: bytes, now: float
+    ) -> Handshake | None:
+        """With ``confirms``, a SubscriptionConfirmation, verified (so of one of the route's
+        topics), answered once the proxy has visited its ``SubscribeURL`` (on an allowed host,
+        as the certificate); None for any other request, or without ``confirms``."""
+        message = _sns_message(body) if self.confirms and method == "POST" else None
+        if message is None or message.get("Type") != "SubscriptionConfirmation":
+            return None
+        self.verify(headers, body, now)
+        url = str(message["SubscribeURL"])
+        if (reason := self.certificates.refusal(url, "SubscribeURL")) is not None:
+            _fail(reason)
+        return Handshake(200, "text/plain", "subscription confirmed", confirm=url)
 
 
 def _sns_signed(message: dict[str, object]) -> bytes:
@@ -1103,9 +1122,19 @@ def handshake(
     Twitch's callback verification, Discord's PING, Zoom's URL validation); None if the request
     is none. SignatureInvalid for a handshake that fails its check (a wrong verify token, a
     forged or stale signature): a handshake is answered only once it is verified."""
-    if isinstance(verifier, MetaSignature | TwitchSignature | DiscordSignature | ZoomSignature):
+    if isinstance(
+        verifier,
+        MetaSignature | TwitchSignature | DiscordSignature | ZoomSignature | SnsSignature,
+    ):
         return verifier.handshake(method, query, headers, body, now)
     return None
+
+
+async def confirm(verifier: Verifier | None, answer: Handshake) -> None:
+    """Before ``answer`` is sent: the GET it asks for (SNS's ``SubscribeURL``), if any.
+    CertificateUnavailable if the provider could not be reached or did not answer 200."""
+    if answer.confirm and isinstance(verifier, SnsSignature):
+        await verifier.certificates.confirm(answer.confirm, "SubscribeURL")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1328,6 +1357,7 @@ def build(
     cert_hosts: Sequence[str] | None = None,
     ca_file: str | None = None,
     verify_tokens: Sequence[str] | None = None,
+    confirm_subscription: bool | None = None,
 ) -> Verifier:
     """The verifier for a route; ValueError messages complete "routes[0].verify: …".
 
@@ -1337,7 +1367,8 @@ def build(
     its query) applies to and is required by schemes ``twilio``, ``square`` and ``hubspot``.
     ``cert_hosts`` (default ``PAYPAL_CERT_HOSTS``; ``host`` or ``host:port``) and ``ca_file`` (a
     PEM bundle; default the system's) apply to scheme ``paypal``, whose secrets are webhook IDs.
-    ``verify_tokens`` (the tokens Meta's subscription check may carry) apply to scheme ``meta``.
+    ``verify_tokens`` (the tokens Meta's subscription check may carry) apply to scheme ``meta``,
+    ``confirm_subscription`` (the proxy confirms SNS subscriptions) to scheme ``sns``.
     Scheme ``discord``'s secrets are the application's public keys (hex), scheme ``sendgrid``'s
     the Event Webhook's verification keys (base64 DER); each needs ``cryptography`` (the extra
     named after the scheme). Scheme ``adyen``'s secrets are HMAC keys in hex. ``hubspot``
@@ -1347,7 +1378,7 @@ def build(
     checked = settings(
         scheme, tolerance=tolerance, header=header, algorithm=algorithm, encoding=encoding,
         prefix=prefix, public_url=public_url, cert_hosts=cert_hosts, ca_file=ca_file,
-        verify_tokens=verify_tokens,
+        verify_tokens=verify_tokens, confirm_subscription=confirm_subscription,
     )  # fmt: skip
     return checked.verifier(secrets)
 
@@ -1368,6 +1399,8 @@ class Settings:
     certificates: certificates.Certificates | None = field(default=None, compare=False)
     # Meta's: the subscription check's tokens, the route's (a GET names no tenant's secret).
     verify_tokens: tuple[bytes, ...] = field(default=(), repr=False)
+    # SNS's: the proxy confirms a subscription itself.
+    confirm_subscription: bool = False
 
     def unread(self) -> SecretsUnread:
         """The verifier of these settings without their secrets (``SecretsUnread``)."""
@@ -1418,7 +1451,10 @@ class Settings:
         PayPal's secrets are webhook IDs, SNS's topic ARNs."""
         assert self.certificates is not None  # settings() gives them their certificates
         if self.scheme == "sns":
-            return SnsSignature(self.scheme, self.tolerance, tuple(secrets), self.certificates)
+            topics = tuple(secrets)
+            return SnsSignature(
+                self.scheme, self.tolerance, topics, self.certificates, self.confirm_subscription
+            )
         return PayPalSignature(self.scheme, self.tolerance, material, self.certificates)
 
     def _keyed(self, secrets: Sequence[str]) -> Verifier:
@@ -1471,6 +1507,7 @@ def settings(
     cert_hosts: Sequence[str] | None = None,
     ca_file: str | None = None,
     verify_tokens: Sequence[str] | None = None,
+    confirm_subscription: bool | None = None,
 ) -> Settings:
     """``build``'s settings checked without the secrets (ValueError as ``build``)."""
     if scheme not in SCHEMES:
@@ -1480,6 +1517,7 @@ def settings(
     _refuse_foreign(scheme, URL_SCHEMES, public_url=public_url)
     _refuse_foreign(scheme, CERT_SCHEMES, cert_hosts=cert_hosts, ca_file=ca_file)
     _refuse_foreign(scheme, ("meta",), verify_token=verify_tokens)
+    _refuse_foreign(scheme, ("sns",), confirm_subscription=confirm_subscription)
     if not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"tolerance must be a positive number of seconds, got {tolerance!r}")
     if scheme in URL_SCHEMES:
@@ -1489,7 +1527,8 @@ def settings(
         return Settings(scheme, tolerance, public_url=_public_url(public_url, provider))
     if scheme in CERT_SCHEMES:
         found = _certificates(scheme, cert_hosts, ca_file)
-        return Settings(scheme, tolerance, certificates=found)
+        confirms = bool(confirm_subscription)
+        return Settings(scheme, tolerance, certificates=found, confirm_subscription=confirms)
     _need_cryptography(scheme)
     if scheme == "meta" and verify_tokens is not None:
         tokens = tuple(token.encode() for token in verify_tokens)

@@ -47,6 +47,8 @@ class Host:
         self.hits[request.path] += 1
         if request.path == "/redirect":
             return web.Response(status=302, headers={"Location": CERT_PATH})
+        if request.path == "/" and request.query.get("Action") == "ConfirmSubscription":
+            return web.Response(text="<ConfirmSubscriptionResponse/>")
         if request.path != CERT_PATH:
             return web.Response(status=404)
         return web.Response(body=self.pem)
@@ -338,3 +340,51 @@ async def test_sns_preset_forwards_a_signed_message_once_and_refuses_forgeries_u
         ("sns", "c-1", "SubscriptionConfirmation"),
     ]
     assert host.hits == Counter({CERT_PATH: 1})
+
+
+async def test_with_confirm_subscription_the_proxy_confirms_a_verified_subscription_itself(
+    make_proxy: MakeProxy,
+    upstream: FakeUpstream,
+    host: Host,
+    ca_file: str,
+    pg_dsn: str,
+    table: str,
+) -> None:
+    where = host.url.removeprefix("https://")
+    verify = {"secret": TOPIC, "cert_hosts": [where], "ca_file": ca_file,
+              "confirm_subscription": True}  # fmt: skip
+    client = await make_proxy(routes=[{"name": "sns", "path": "/sns", "preset": "sns",
+                                       "verify": verify}])  # fmt: skip
+    confirmation = message(host, "SubscriptionConfirmation")
+
+    refused_ones = [
+        {**confirmation, "Token": "another"},  # forged
+        message(host, "SubscriptionConfirmation", TopicArn=TOPIC + "-theirs"),
+        message(host, "SubscriptionConfirmation", SubscribeURL="https://169.254.169.254/x"),
+    ]
+    statuses = [
+        (await client.post("/sns", data=json.dumps(sent).encode())).status for sent in refused_ones
+    ]
+    answer = await client.post("/sns", data=json.dumps(confirmation).encode())
+    failing = message(
+        host, "SubscriptionConfirmation", MessageId="c-2", SubscribeURL=host.url + "/gone"
+    )
+    unreachable = await client.post("/sns", data=json.dumps(failing).encode())
+    notified = await client.post("/sns", data=json.dumps(message(host)).encode())
+
+    assert statuses == [401, 401, 401]
+    assert (answer.status, await answer.text()) == (200, "subscription confirmed")
+    assert answer.headers["Dedup-Status"] == "handshake"
+    # AWS answered 404: the proxy's 503, so that SNS sends the confirmation again.
+    assert unreachable.status == 503
+    assert notified.status == 200
+    assert host.hits == Counter({CERT_PATH: 1, "/": 1, "/gone": 1})
+    assert [json.loads(body)["Type"] for body in upstream.bodies()] == ["Notification"]
+    assert await claimed(pg_dsn, table) == [
+        ("sns", "22b80b92-fdea-4c2c-8f9d-bdfb0c7bf324", "Notification")
+    ]
+
+
+def test_confirm_subscription_is_for_sns_only() -> None:
+    with pytest.raises(ValueError, match="confirm_subscription: only for scheme sns, not stripe"):
+        signatures.build("stripe", ["whsec_x"], confirm_subscription=True)
