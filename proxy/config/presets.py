@@ -192,8 +192,9 @@ PRESETS: dict[str, Preset] = {
         retention=2 * DAY,
         tolerance=2 * DAY,
     ),
-    # HubSpot posts a batch of up to 100 events; eventId is "not guaranteed to be unique" (its
-    # webhooks page), so each event is keyed with its portal and subscription. Each retry
+    # HubSpot posts a batch of up to 100 events; eventId may not be unique on its own (its
+    # webhooks page, as recalled: unverified), so each event is keyed with its portal and
+    # subscription. Each retry
     # (up to 10 over 24 hours) is a new body (attemptNumber) re-signed at a fresh timestamp:
     # HubSpot's 5 minutes. verify needs public_url, as Twilio's does.
     "hubspot": Preset(
