@@ -1,14 +1,18 @@
-"""Signing certificates fetched from the URL a request names (PayPal's ``PAYPAL-CERT-URL``).
+"""Signing certificates fetched from the URL a request names (PayPal's ``PAYPAL-CERT-URL``, AWS
+SNS's ``SigningCertURL``), and the one other GET such a host is sent (SNS's ``SubscribeURL``,
+where the proxy confirms a subscription).
 
-A URL is fetched only if it is https on an allowed host (and port), never following a
-redirect, read up to ``MAX_SIZE`` within ``timeout`` seconds; the certificate's chain is checked
-against a CA bundle and its name against the provider's domain; the outcome, a certificate or
+A URL is fetched only if it is https on an allowed host (and port; SNS's: a host pattern),
+never following a redirect, read up to ``MAX_SIZE`` within ``timeout`` seconds; the
+certificate's chain is checked against a CA bundle and its name against the provider's domain
+(PayPal's; SNS serves the leaf alone, so there the TLS-checked fetch from an AWS host is the
+trust, as in AWS's own validators); the outcome, a certificate or
 the reason there is none, is cached by URL (``MAX_CACHED`` URLs), so a sender cannot make the
 proxy fetch one URL again and again. aiohttp's client errors and timeouts are translated here,
 into CertificateUnavailable (503: the proxy could not reach the provider); what is wrong with
 what was fetched, or with the URL, is the reason a request is refused (401). Needs the
-``cryptography`` package (extra ``paypal``): ``signatures`` imports this module only for a
-route that verifies with a certificate.
+``cryptography`` package (extra ``paypal`` or ``sns``): ``signatures`` imports this module only
+for a route that verifies with a certificate.
 """
 
 from __future__ import annotations
@@ -87,10 +91,12 @@ class Certificate:
     key: rsa.RSAPublicKey
     until: float
 
-    def verifies(self, signature: bytes, message: bytes) -> bool:
-        """Whether ``signature`` is this key's RSA PKCS#1 v1.5 SHA-256 signature of ``message``."""
+    def verifies(self, signature: bytes, message: bytes, *, sha1: bool = False) -> bool:
+        """Whether ``signature`` is this key's RSA PKCS#1 v1.5 SHA-256 (or SHA-1: SNS's
+        SignatureVersion 1) signature of ``message``."""
+        digest: hashes.HashAlgorithm = hashes.SHA1() if sha1 else hashes.SHA256()
         try:
-            self.key.verify(signature, message, padding.PKCS1v15(), hashes.SHA256())
+            self.key.verify(signature, message, padding.PKCS1v15(), digest)
         except InvalidSignature:
             return False
         return True
@@ -118,12 +124,15 @@ class Certificates:
         hosts: Iterable[str],
         roots: tuple[x509.Certificate, ...],
         ca_file: str,
-        domain: str,
+        domain: str | None,
+        host_pattern: re.Pattern[str] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.header = header
         self.hosts = frozenset(hosts)
-        self.domain = domain.lower()
+        # None: the leaf is not chained or named (SNS's); the fetch's TLS is the trust.
+        self.domain = domain.lower() if domain is not None else None
+        self.host_pattern = host_pattern
         self.timeout = timeout
         self._roots = roots
         self._tls = ssl.create_default_context(cafile=ca_file)
@@ -133,8 +142,9 @@ class Certificates:
         self._fetching: dict[str, asyncio.Future[None]] = {}
         self._slots: asyncio.Semaphore | None = None
 
-    def refusal(self, url: str) -> str | None:
-        """Why ``url`` may not be fetched at all (None: it may)."""
+    def refusal(self, url: str, name: str | None = None) -> str | None:
+        """Why ``url`` (in ``name``, default the certificate's header) may not be fetched at all
+        (None: it may)."""
         parts = urllib.parse.urlsplit(url)
         try:
             port = parts.port or 443
@@ -142,6 +152,8 @@ class Certificates:
             port = 0
         host = (parts.hostname or "").lower()
         allowed = host in self.hosts if port == 443 else f"{host}:{port}" in self.hosts
+        if port == 443 and self.host_pattern is not None:
+            allowed = allowed or self.host_pattern.fullmatch(host) is not None
         if (
             len(url) > _MAX_URL
             or not url.isascii()
@@ -153,7 +165,9 @@ class Certificates:
             or parts.fragment
             or not allowed
         ):
-            return f"{self.header} is not an https URL on an allowed host (verify.cert_hosts)"
+            return (
+                f"{name or self.header} is not an https URL on an allowed host (verify.cert_hosts)"
+            )
         return None
 
     def get(self, url: str, now: float) -> Certificate:
@@ -214,7 +228,21 @@ class Certificates:
         while len(self._cache) > MAX_CACHED:
             self._cache.popitem(last=False)
 
-    async def _download(self, url: str) -> bytes:
+    async def confirm(self, url: str, name: str) -> None:
+        """GET ``url`` (in ``name``; SNS's ``SubscribeURL``) on an allowed host, as for a
+        certificate, and expect a 200: CertificateUnavailable (503, so the provider sends it
+        again) if the host cannot be reached in time or answers otherwise."""
+        assert self.refusal(url, name) is None  # the caller refused it already
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._download(url, name)
+        except TimeoutError as exc:
+            raise errors.CertificateUnavailable(f"{name}: no answer in time") from exc
+        except _Unusable as exc:
+            raise errors.CertificateUnavailable(str(exc)) from None
+
+    async def _download(self, url: str, name: str | None = None) -> bytes:
+        label = name or self.header
         connector = aiohttp.TCPConnector(ssl=self._tls, force_close=True)
         try:
             async with (
@@ -222,19 +250,17 @@ class Certificates:
                 session.get(url, allow_redirects=False) as response,
             ):
                 if response.status != 200:
-                    raise _Unusable(f"{self.header} answered {response.status}, not 200")
+                    raise _Unusable(f"{label} answered {response.status}, not 200")
                 if (response.content_length or 0) > MAX_SIZE:
-                    raise _Unusable(f"{self.header}'s answer is over {MAX_SIZE} bytes")
+                    raise _Unusable(f"{label}'s answer is over {MAX_SIZE} bytes")
                 data = bytearray()
                 async for chunk in response.content.iter_chunked(16384):
                     data += chunk
                     if len(data) > MAX_SIZE:
-                        raise _Unusable(f"{self.header}'s answer is over {MAX_SIZE} bytes")
+                        raise _Unusable(f"{label}'s answer is over {MAX_SIZE} bytes")
                 return bytes(data)
         except aiohttp.ClientError as exc:
-            raise errors.CertificateUnavailable(
-                f"{self.header}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise errors.CertificateUnavailable(f"{label}: {type(exc).__name__}: {exc}") from exc
 
     def _check(self, data: bytes, now: float) -> Certificate:
         """The leaf certificate of ``data`` (PEM, the leaf first, then intermediates), if it
@@ -246,6 +272,8 @@ class Certificates:
         if not chain:
             raise _Unusable(f"{self.header} served no PEM certificate")
         leaf = chain[0]
+        if self.domain is None:
+            return _unchained(leaf, self.header, now)
         policy = (
             verification.PolicyBuilder()
             .store(verification.Store(list(self._roots)))
@@ -270,6 +298,17 @@ class Certificates:
     def _ours(self, name: str) -> bool:
         name = name.lower()
         return name == self.domain or name.endswith(f".{self.domain}")
+
+
+def _unchained(leaf: x509.Certificate, header: str, now: float) -> Certificate:
+    """The leaf of a provider that serves no chain (SNS), trusted for where it came from: it
+    must be within its validity and hold an RSA key."""
+    if not leaf.not_valid_before_utc.timestamp() <= now <= leaf.not_valid_after_utc.timestamp():
+        raise _Unusable(f"{header}'s certificate is not valid now")
+    key = leaf.public_key()
+    if not isinstance(key, rsa.RSAPublicKey):
+        raise _Unusable(f"{header}'s certificate holds no RSA key")
+    return Certificate(key, min(leaf.not_valid_after_utc.timestamp(), now + KEPT_FOR))
 
 
 def _names(leaf: x509.Certificate) -> list[str]:

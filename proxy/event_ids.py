@@ -2,7 +2,10 @@
 
 A source is written ``body:/json/pointer`` (RFC 6901), ``header:Name`` or ``query:name``. Sources
 are parsed once at start-up; extraction is a pure function of the request's headers, query and
-raw body, so this module knows nothing of aiohttp.
+raw body, so this module knows nothing of aiohttp. A batch (SendGrid's, HubSpot's, Adyen's: one
+POST, an array of events) is keyed by a pointer with one ``*`` token, every element of the array
+at that point: the delivery's ID is the elements' IDs, one element's as it is, several hashed
+(``Extractor.extract``).
 
 Only input that every reader decodes the same way is accepted: a UTF-8 JSON body (RFC 8259) with
 no duplicate keys and no ``NaN``/``Infinity``, a query parameter that is percent-encoded UTF-8,
@@ -12,6 +15,7 @@ the proxy and the app must never read two IDs, or two events as one, out of the 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import unicodedata
@@ -23,6 +27,8 @@ from urllib.parse import unquote_to_bytes
 from proxy import errors
 
 MAX_ID_BYTES = 256
+EACH = "*"  # the pointer token for every element of an array (a batch of events)
+BATCH_PREFIX = "batch:sha256:"
 _KINDS = ("body", "header", "query")
 _MISSING = object()
 # Control characters (NUL above all: PostgreSQL text cannot hold it), surrogates, and format
@@ -52,6 +58,15 @@ class Source:
     def __str__(self) -> str:
         return f"{self.kind}:{self.name}"
 
+    @property
+    def each(self) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+        """For a batch's source (a ``*`` token in the pointer): the pointer to the array and
+        the pointer inside each of its elements; None for any other source."""
+        if self.kind != "body" or EACH not in self.pointer:
+            return None
+        at = self.pointer.index(EACH)
+        return self.pointer[:at], self.pointer[at + 1 :]
+
 
 def parse_source(text: str) -> Source:
     """Parse ``kind:name``; raises ValueError with a message fit for a config error."""
@@ -61,7 +76,10 @@ def parse_source(text: str) -> Source:
     if kind == "body":
         if name and not name.startswith("/"):
             raise ValueError(f"a JSON pointer must be empty or start with '/', got {name!r}")
-        tokens = tuple(token.replace("~1", "/").replace("~0", "~") for token in name.split("/")[1:])
+        raw = name.split("/")[1:]
+        if raw.count(EACH) > 1:
+            raise ValueError(f"a JSON pointer may hold one '{EACH}' (every element), got {name!r}")
+        tokens = tuple(token.replace("~1", "/").replace("~0", "~") for token in raw)
         return Source("body", name, tokens)
     if not name or not name.isprintable() or " " in name:
         raise ValueError(f"{kind} name must be a non-empty token, got {name!r}")
@@ -219,6 +237,17 @@ def join(parts: list[str]) -> str:
     return ":".join(part.replace("%", "%25").replace(":", "%3A") for part in parts)
 
 
+def check_batch(sources: tuple[Source, ...]) -> None:
+    """ValueError unless an event ID's sources are all a batch's (``*``) into the same array,
+    or none is."""
+    arrays = {source.each[0] if source.each else None for source in sources}
+    if len(arrays) > 1:
+        raise ValueError(
+            f"a batch's event ID ('{EACH}' in a pointer) reads every part inside the elements of "
+            "one array: each part's pointer must have the same path to its '*'"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Extractor:
     """Finds one route's event ID (required) and event type (informational) in a request.
@@ -233,6 +262,7 @@ class Extractor:
     _header_names: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        check_batch(self.id_sources)
         sources = [*self.id_sources, *([self.event_type] if self.event_type else [])]
         names = {s.name.lower(): s.name for s in sources if s.kind == "header"}
         object.__setattr__(self, "_header_names", names)
@@ -264,12 +294,43 @@ class Extractor:
                 # Also invalid UTF-8 and integers too long to convert.
                 if in_body:
                     self._fail(f"body is not valid JSON (needed for {in_body[0]})")
-        parts = [self._part(source, headers, query, document) for source in sources]
+        if sources[0].each is not None:
+            event_id = self._batch(headers, query, document)
+        else:
+            parts = [self._part(source, headers, query, document) for source in sources]
+            event_id = parts[0] if len(parts) == 1 else join(parts)
         event_type = None
         if self.event_type is not None:
             # The type is informational: a missing or odd one is stored as NULL, never refused.
             event_type = _normalise(self._lookup(self.event_type, headers, query, document))
-        return (parts[0] if len(parts) == 1 else join(parts)), event_type
+        return event_id, event_type
+
+    def _batch(self, headers: MultiMapping, query: str | MultiMapping, document: object) -> str:
+        """A batch's ID: its one element's ID (the sources read inside it, joined as a composite
+        key's parts), or, for several elements, ``batch:sha256:`` and the hex SHA-256 of their
+        distinct IDs, sorted and joined. Each element must carry a valid ID. A batch regrouped
+        by its sender is another delivery (its events forwarded again, never dropped); one
+        resent with its events in another order is the same delivery."""
+        first = self.id_sources[0]
+        array = _resolve_pointer(document, first.pointer[: first.pointer.index(EACH)])
+        if isinstance(array, _Refused):
+            self._fail(array.reason)
+        if not isinstance(array, list) or not array:
+            raise errors.EventIdMissing(
+                f"route {self.route!r}: no event ID at {first} (no array, or an empty one)"
+            )
+        inner = [
+            Source("body", source.name, source.pointer[source.pointer.index(EACH) + 1 :])
+            for source in self.id_sources
+        ]
+        ids: set[str] = set()
+        for element in array:
+            parts = [self._part(source, headers, query, element) for source in inner]
+            ids.add(parts[0] if len(parts) == 1 else join(parts))
+        if len(ids) == 1:
+            return ids.pop()
+        digest = hashlib.sha256(join(sorted(ids)).encode("utf-8", "surrogatepass")).hexdigest()
+        return BATCH_PREFIX + digest
 
     def _part(
         self, source: Source, headers: MultiMapping, query: str | MultiMapping, document: object

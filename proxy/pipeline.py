@@ -219,8 +219,8 @@ class Cycle:
         if self.verifier is not None:
             # What the check needs from elsewhere (PayPal's certificate), fetched here: from
             # here to the claim's verify nothing awaits, so it is still in the cache.
-            await signatures.prepare(self.verifier, self.request.headers)
-            answered = self._handshake()
+            await signatures.prepare(self.verifier, self.request.headers, self.body)
+            answered = await self._handshake()
             if answered is not None:
                 return answered, "handshake"
         try:
@@ -232,11 +232,11 @@ class Cycle:
         route.semantics.refuse_in_flight(self.request.app[app_keys.FLIGHTS], key)
         return await self._once(key)
 
-    def _handshake(self) -> web.Response | None:
+    async def _handshake(self) -> web.Response | None:
         """The proxy's own answer to a provider's handshake (Meta's subscription check, Twitch's,
-        Discord's and Zoom's signed ones), never claimed or forwarded; a failed one is refused
-        as a forged signature is. None for any other request, refused here if its method is
-        the handshake's, not the route's."""
+        Discord's and Zoom's signed ones, SNS's subscription where the proxy confirms it), never
+        claimed or forwarded; a failed one is refused as a forged signature is. None for any
+        other request, refused here if its method is the handshake's, not the route's."""
         route, request = self.route.config, self.request
         query = request.raw_path.partition("?")[2]
         try:
@@ -247,6 +247,7 @@ class Cycle:
         except errors.SignatureInvalid as exc:
             raise errors.SignatureInvalid(f"route {route.name!r}: {exc.message}") from None
         if answer is not None:
+            await signatures.confirm(self.verifier, answer)
             return web.Response(
                 status=answer.status, text=answer.text, content_type=answer.content_type,
                 # The challenge is the sender's text, echoed: never to be read as a page.

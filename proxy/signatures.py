@@ -8,7 +8,8 @@ tenant has a verifier of its own (``TenantSignatures``), so one tenant's secret 
 another tenant's path. A refusal's reason names the header at fault and never contains a secret or
 a received signature. PayPal's scheme checks an RSA signature under a certificate the request
 names: ``prepare`` fetches it first (``certificates``, the one part that reaches the network),
-and ``verify`` reads it from the cache.
+and ``verify`` reads it from the cache. SendGrid's (ECDSA) and Discord's (Ed25519) check a
+public key's signature with ``cryptography``, imported only for such a route.
 """
 
 from __future__ import annotations
@@ -30,21 +31,31 @@ from typing import TYPE_CHECKING, ClassVar, NoReturn, Protocol
 from proxy import errors, event_ids
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePublicKey
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     from proxy import certificates
 
 SCHEMES: tuple[str, ...] = (
     "stripe", "github", "shopify", "standard-webhooks", "slack", "paddle", "twilio", "square",
-    "paypal", "meta", "linear", "intercom", "twitch", "discord", "zoom", "mailgun", "hmac",
+    "paypal", "meta", "linear", "intercom", "twitch", "discord", "zoom", "mailgun", "sendgrid",
+    "hubspot", "adyen", "sns", "hmac",
 )  # fmt: skip
 # The schemes that sign the URL the provider calls: they need ``public_url``.
-URL_SCHEMES = ("twilio", "square")
+URL_SCHEMES = ("twilio", "square", "hubspot")
+# The schemes that check a public key's signature with ``cryptography`` (the extra named after
+# each: ``discord``, ``sendgrid``).
+KEY_SCHEMES = ("discord", "sendgrid")
 # PayPal's certificate hosts (its live and sandbox APIs), and the domain its certificate names.
 PAYPAL_CERT_HOSTS = (
     "api.paypal.com", "api-m.paypal.com", "api.sandbox.paypal.com", "api-m.sandbox.paypal.com",
 )  # fmt: skip
 PAYPAL_DOMAIN = "paypal.com"
+# AWS SNS's certificate hosts, sns.<region>.amazonaws.com (.cn in China), as AWS's validators
+# hold SigningCertURL to them; the allow-list of the ``sns`` scheme unless cert_hosts replaces it.
+SNS_CERT_HOST = re.compile(r"sns\.[a-z0-9-]+\.amazonaws\.com(\.cn)?")
+# The schemes that fetch a signing certificate (``certificates``): cert_hosts and ca_file.
+CERT_SCHEMES = ("paypal", "sns")
 DEFAULT_TOLERANCE = 300.0  # seconds
 ALGORITHMS = ("sha1", "sha256", "sha512")
 ENCODINGS = ("hex", "base64")
@@ -77,6 +88,32 @@ _DISCORD_PING = 1
 _ZOOM_SIGNATURE = "x-zm-signature"
 _ZOOM_TIMESTAMP = "x-zm-request-timestamp"
 _ZOOM_VALIDATION = "endpoint.url_validation"
+_SENDGRID = "X-Twilio-Email-Event-Webhook-"
+_HUBSPOT_SIGNATURE = "X-HubSpot-Signature-v3"
+_HUBSPOT_TIMESTAMP = "X-HubSpot-Request-Timestamp"
+# The escapes HubSpot decodes in the URI it signs (its request validation page's table).
+_HUBSPOT_DECODED = {f"%{ord(char):02X}": char for char in ":/?@!$'()*,;"}
+# Adyen's signed fields of a NotificationRequestItem, in order (amount's value and currency
+# in the middle); the ones that must hold no ":" (the joiner), so that no other split of the
+# signed text moves the event's key (pspReference, eventCode, success).
+_ADYEN_FIELDS = (
+    "pspReference",
+    "originalReference",
+    "merchantAccountCode",
+    "merchantReference",
+    "value",
+    "currency",
+    "eventCode",
+    "success",
+)
+_ADYEN_FIXED = ("pspReference", "value", "currency", "eventCode", "success")
+# SNS: the fields each message type signs, in order ("Subject" only where the message has one).
+_SNS_CONFIRMATION = ("Message", "MessageId", "SubscribeURL", "Timestamp", "Token", "TopicArn")
+_SNS_SIGNED = {
+    "Notification": ("Message", "MessageId", "Subject", "Timestamp", "TopicArn", "Type"),
+    "SubscriptionConfirmation": (*_SNS_CONFIRMATION, "Type"),
+}
+_SNS_SIGNED["UnsubscribeConfirmation"] = _SNS_SIGNED["SubscriptionConfirmation"]
 _LINEAR_HEADER = "Linear-Signature"
 _LINEAR_STAMP = "webhookTimestamp"
 # scheme: (header, separator, timestamp key, signature key, joiner) for ``t=…,v1=…`` headers
@@ -265,11 +302,13 @@ def _match_body(signed: BodySignature, headers: event_ids.MultiMapping, body: by
 
 @dataclass(frozen=True, slots=True)
 class Handshake:
-    """The proxy's own answer to a provider's handshake: never claimed, never forwarded."""
+    """The proxy's own answer to a provider's handshake: never claimed, never forwarded.
+    ``confirm``: a URL the proxy GETs first (``confirm``: SNS's ``SubscribeURL``)."""
 
     status: int
     content_type: str
     text: str
+    confirm: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,6 +467,42 @@ class DiscordSignature(_Scheme):
 
 
 @dataclass(frozen=True, slots=True)
+class SendGridSignature(_Scheme):
+    """SendGrid's Event Webhook: ``X-Twilio-Email-Event-Webhook-Signature``, a base64 DER
+    ECDSA (P-256, SHA-256) signature over ``{X-Twilio-Email-Event-Webhook-Timestamp}{body}``
+    under the verification key SendGrid shows, as its library's
+    ``EventWebhook.verify_signature`` checks it; then the timestamp (Unix seconds) within
+    ``tolerance``, which the library does not check."""
+
+    HEADERS = (f"{_SENDGRID}Signature", f"{_SENDGRID}Timestamp")
+    SIGNED = frozenset({f"{_SENDGRID}Timestamp".lower()})
+
+    tolerance: float
+    keys: tuple[EllipticCurvePublicKey, ...] = field(repr=False)
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        signature_name, stamp_name = self.HEADERS
+        signature = _signature(_header(headers, signature_name), "base64", signature_name)
+        stamp_text = _header(headers, stamp_name)
+        stamp = _timestamp(stamp_text, stamp_name)
+        message = stamp_text.encode() + body
+        for key in self.keys:
+            try:
+                key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
+            except InvalidSignature:
+                continue
+            _check_age(stamp, now, self.tolerance, stamp_name)
+            return
+        _fail("no signature matches")
+
+
+@dataclass(frozen=True, slots=True)
 class ZoomSignature(_Timed):
     """Zoom's ``x-zm-signature: v0=<hex>``: HMAC-SHA256 with the secret token over
     ``v0:{x-zm-request-timestamp}:{body}``, as Zoom's webhook sample computes it; then the
@@ -527,6 +602,70 @@ class MailgunSignature(_Timed):
         stamp_value = _timestamp(stamp, name)
         message = f"{stamp}{token}".encode()
         _match_fresh(self, message, received, stamp=stamp_value, now=now, name=name)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        # Parsers disagree on which duplicate wins: the app could read an unsigned value.
+        raise ValueError("duplicate JSON key")
+    return dict(pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class AdyenSignature(_Scheme):
+    """Adyen's: each ``NotificationRequestItem`` of the body carries, in
+    ``additionalData.hmacSignature``, the base64 HMAC-SHA256 with the HMAC key (hex) of its
+    fields ``pspReference``, ``originalReference``, ``merchantAccountCode``,
+    ``merchantReference``, ``amount.value``, ``amount.currency``, ``eventCode`` and ``success``
+    joined by ``:`` (a missing one empty), as ``Adyen.util.is_valid_hmac_notification``
+    computes it; every item must verify, where the library checks the first.
+
+    Adyen signs those fields, not the body, and no timestamp: the rest (``additionalData``,
+    ``reason``, ``eventDate``, ``live``) is unsigned, so the preset claims by what is signed, and
+    a body with a JSON key twice is refused (the app's parser could read the other value). The
+    joiner is not escaped: the fields the event is keyed by, and the amount, may hold no ``:``,
+    so no other split of the signed text changes them."""
+
+    secrets: tuple[bytes, ...] = field(repr=False)
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        try:
+            payload = json.loads(body, object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, or a key twice
+            payload = None
+        items = payload.get("notificationItems") if isinstance(payload, dict) else None
+        if not isinstance(items, list) or not items:
+            _fail("the body has no notificationItems")
+        for index, wrapper in enumerate(items):
+            item = wrapper.get("NotificationRequestItem") if isinstance(wrapper, dict) else None
+            if not isinstance(item, dict):
+                _fail(f"notificationItems[{index}] has no NotificationRequestItem")
+            _adyen_item(self.secrets, item, index)
+
+
+def _adyen_item(secrets: tuple[bytes, ...], item: dict[str, object], index: int) -> None:
+    """Verify one NotificationRequestItem."""
+    name = f"notificationItems[{index}]"
+    extra, amount = item.get("additionalData"), item.get("amount")
+    received = extra.get("hmacSignature") if isinstance(extra, dict) else None
+    if not isinstance(received, str):
+        _fail(f"{name} has no additionalData.hmacSignature")
+    _signature(received, "base64", f"{name}.additionalData.hmacSignature")
+    values = {**item, **(amount if isinstance(amount, dict) else {})}
+    texts = []
+    for key in _ADYEN_FIELDS:
+        value = values.get(key)
+        if value is None:
+            value = ""
+        elif type(value) is int and key == "value":
+            value = str(value)
+        if not isinstance(value, str) or (key in _ADYEN_FIXED and ":" in value):
+            _fail(f"{name}.{key} malformed")
+        texts.append(value)
+    _match_text(secrets, "sha256", [":".join(texts).encode()], received)
 
 
 @dataclass(frozen=True, slots=True)
@@ -769,6 +908,40 @@ class SquareSignature(_UrlSigned):
 
 
 @dataclass(frozen=True, slots=True)
+class HubSpotSignature(_UrlSigned):
+    """HubSpot's v3: ``X-HubSpot-Signature-v3``, base64 HMAC-SHA256 with the app's client
+    secret over ``POST`` + the URI HubSpot called + the body + ``X-HubSpot-Request-Timestamp``
+    (milliseconds), as ``hubspot.utils.signature.Signature`` computes it; then the timestamp
+    within ``tolerance`` (HubSpot's 5 minutes), in both directions where the library checks
+    only the past. The URI is ``public_url`` with the request's raw query; HubSpot decodes a
+    few escapes (``%3A``, ``%2F``, …) in what it signs, so the query is tried as sent and with
+    those decoded. The method signed is POST, the only one HubSpot's webhooks use."""
+
+    HEADERS = (_HUBSPOT_SIGNATURE, _HUBSPOT_TIMESTAMP)
+    SIGNED = frozenset({_HUBSPOT_TIMESTAMP.lower()})
+
+    tolerance: float = DEFAULT_TOLERANCE
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        received = _header(headers, _HUBSPOT_SIGNATURE)
+        _signature(received, "base64", _HUBSPOT_SIGNATURE)
+        stamp_text = _header(headers, _HUBSPOT_TIMESTAMP)
+        stamp = _timestamp(stamp_text, _HUBSPOT_TIMESTAMP)
+        decoded = re.sub(
+            "%[0-9A-Fa-f]{2}", lambda m: _HUBSPOT_DECODED.get(m[0].upper(), m[0]), query
+        )
+        tail = body + stamp_text.encode()
+        messages = [
+            b"POST" + self.url(sent).encode("utf-8", "surrogateescape") + tail
+            for sent in dict.fromkeys((query, decoded))
+        ]
+        _match_text(self.secrets, "sha256", messages, received)
+        _check_age(stamp / 1000, now, self.tolerance, _HUBSPOT_TIMESTAMP)
+
+
+@dataclass(frozen=True, slots=True)
 class PayPalSignature(_Timed):
     """PayPal's ``PAYPAL-TRANSMISSION-SIG``: base64 RSA (PKCS#1 v1.5, SHA-256) over
     ``{PAYPAL-TRANSMISSION-ID}|{PAYPAL-TRANSMISSION-TIME}|{webhook ID}|{CRC32 of the body}``
@@ -814,6 +987,103 @@ class PayPalSignature(_Timed):
         _check_age(stamp, now, self.tolerance, "PAYPAL-TRANSMISSION-TIME")
 
 
+@dataclass(frozen=True, slots=True)
+class SnsSignature(_Scheme):
+    """AWS SNS's: the body's ``Signature``, base64 RSA (PKCS#1 v1.5; SHA-1 for
+    ``SignatureVersion`` 1, SHA-256 for 2) over the message type's fields, each
+    ``{name}\n{value}\n`` in AWS's order, under the certificate at ``SigningCertURL`` (fetched
+    from AWS's SNS hosts only, ``certificates``); then the signed ``Timestamp`` within
+    ``tolerance``.
+
+    ``secrets`` are the topic ARNs the route takes: AWS signs every topic's messages, so a
+    message from anyone's topic would verify without them. The unsigned
+    ``x-amz-sns-message-type`` and ``x-amz-sns-message-id`` headers, where sent, must agree
+    with the signed body. A body with a JSON key twice is refused."""
+
+    SIGNED = frozenset({"x-amz-sns-message-type", "x-amz-sns-message-id"})
+
+    tolerance: float
+    topics: tuple[str, ...]
+    certificates: certificates.Certificates = field(repr=False, compare=False)
+    # verify.confirm_subscription: the proxy confirms a SubscriptionConfirmation (``handshake``).
+    confirms: bool = False
+
+    async def prepare(self, body: bytes) -> None:
+        """Fetch the certificate the message names, if it may be fetched and is not cached."""
+        url = (_sns_message(body) or {}).get("SigningCertURL")
+        if isinstance(url, str):
+            await self.certificates.fetch(url)
+
+    def verify(
+        self, headers: event_ids.MultiMapping, body: bytes, now: float, *, query: str = ""
+    ) -> None:
+        message = _sns_message(body)
+        if message is None:
+            _fail("the body is not an SNS message (JSON, each key once)")
+        signed = _sns_signed(message)
+        version = message.get("SignatureVersion")
+        if version not in ("1", "2"):
+            _fail("SignatureVersion is neither 1 nor 2")
+        signature, url = message.get("Signature"), message.get("SigningCertURL")
+        if not isinstance(signature, str) or not isinstance(url, str):
+            _fail("Signature or SigningCertURL missing")
+        raw = _signature(signature, "base64", "Signature")
+        certificate = self.certificates.get(url, now)
+        if not certificate.verifies(raw, signed, sha1=version == "1"):
+            _fail("no signature matches")
+        if message["TopicArn"] not in self.topics:
+            _fail("TopicArn is none of the route's topics (verify.secrets)")
+        for header, name in (
+            ("x-amz-sns-message-type", "Type"),
+            ("x-amz-sns-message-id", "MessageId"),
+        ):
+            value = str(message[name])
+            if headers.getall(header, [value]) != [value]:
+                # The app may dispatch on the header: it must say what is signed.
+                _fail(f"{header} does not match the signed {name}")
+        stamp = _iso_time(str(message["Timestamp"]), "Timestamp")
+        _check_age(stamp, now, self.tolerance, "Timestamp")
+
+    def handshake(
+        self, method: str, query: str, headers: event_ids.MultiMapping, body: bytes, now: float
+    ) -> Handshake | None:
+        """With ``confirms``, a SubscriptionConfirmation, verified (so of one of the route's
+        topics), answered once the proxy has visited its ``SubscribeURL`` (on an allowed host,
+        as the certificate); None for any other request, or without ``confirms``."""
+        message = _sns_message(body) if self.confirms and method == "POST" else None
+        if message is None or message.get("Type") != "SubscriptionConfirmation":
+            return None
+        self.verify(headers, body, now)
+        url = str(message["SubscribeURL"])
+        if (reason := self.certificates.refusal(url, "SubscribeURL")) is not None:
+            _fail(reason)
+        return Handshake(200, "text/plain", "subscription confirmed", confirm=url)
+
+
+def _sns_signed(message: dict[str, object]) -> bytes:
+    """What AWS signs of ``message``: each field its type signs, ``{name}\n{value}\n``."""
+    kind = message.get("Type")
+    if not isinstance(kind, str) or kind not in _SNS_SIGNED:
+        _fail("Type is not an SNS message type")
+    text = []
+    for name in _SNS_SIGNED[kind]:
+        value = message.get(name)
+        if value is None and name == "Subject":
+            continue
+        if not isinstance(value, str):
+            _fail(f"{name} missing or not a string")
+        text.append(f"{name}\n{value}\n")
+    return "".join(text).encode()
+
+
+def _sns_message(body: bytes) -> dict[str, object] | None:
+    try:
+        payload = json.loads(body, object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError):
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
 def _iso_time(text: str, name: str) -> float:
     """An ISO 8601 time with its offset (``2024-05-01T12:00:00Z``), as a Unix time."""
     try:
@@ -825,12 +1095,14 @@ def _iso_time(text: str, name: str) -> float:
     return moment.timestamp()
 
 
-async def prepare(verifier: Verifier, headers: event_ids.MultiMapping) -> None:
+async def prepare(verifier: Verifier, headers: event_ids.MultiMapping, body: bytes) -> None:
     """Before ``verifier.verify``: fetch what it needs from elsewhere (the certificate a PayPal
-    request names); nothing for a scheme that needs only its secrets. CertificateUnavailable
-    if the provider could not be reached."""
+    request or an SNS message names); nothing for a scheme that needs only its secrets.
+    CertificateUnavailable if the provider could not be reached."""
     if isinstance(verifier, PayPalSignature):
         await verifier.prepare(headers)
+    elif isinstance(verifier, SnsSignature):
+        await verifier.prepare(body)
 
 
 def handshake_methods(verifier: Verifier | None) -> tuple[str, ...]:
@@ -852,9 +1124,19 @@ def handshake(
     Twitch's callback verification, Discord's PING, Zoom's URL validation); None if the request
     is none. SignatureInvalid for a handshake that fails its check (a wrong verify token, a
     forged or stale signature): a handshake is answered only once it is verified."""
-    if isinstance(verifier, MetaSignature | TwitchSignature | DiscordSignature | ZoomSignature):
+    if isinstance(
+        verifier,
+        MetaSignature | TwitchSignature | DiscordSignature | ZoomSignature | SnsSignature,
+    ):
         return verifier.handshake(method, query, headers, body, now)
     return None
+
+
+async def confirm(verifier: Verifier | None, answer: Handshake) -> None:
+    """Before ``answer`` is sent: the GET it asks for (SNS's ``SubscribeURL``), if any.
+    CertificateUnavailable if the provider could not be reached or did not answer 200."""
+    if answer.confirm and isinstance(verifier, SnsSignature):
+        await verifier.certificates.confirm(answer.confirm, "SubscribeURL")
 
 
 @dataclass(frozen=True, slots=True)
@@ -939,22 +1221,23 @@ def _refuse_foreign(scheme: str, owners: tuple[str, ...], **options: object) -> 
         raise ValueError(f"{', '.join(given)}: only for {which}, not {scheme}")
 
 
-def _paypal_certificates(
-    hosts: Sequence[str] | None, ca_file: str | None
+def _certificates(
+    scheme: str, hosts: Sequence[str] | None, ca_file: str | None
 ) -> certificates.Certificates:
-    """The route's certificate fetcher and cache; ValueError for a bad host, an unreadable CA
-    bundle, or no ``cryptography`` (the extra ``paypal``)."""
+    """The route's certificate fetcher and cache (``CERT_SCHEMES``); ValueError for a bad host,
+    an unreadable CA bundle, or no ``cryptography`` (the extra named after the scheme)."""
     try:
         from proxy import certificates
     except ImportError as exc:
         raise ValueError(
-            f"scheme paypal needs the cryptography package: install webhook-dedup-proxy[paypal] "
-            f"({exc})"
+            f"scheme {scheme} needs the cryptography package: install "
+            f"webhook-dedup-proxy[{scheme}] ({exc})"
         ) from None
     if hosts is not None and (isinstance(hosts, str) or not hosts):
         raise ValueError("cert_hosts must be a non-empty list of host or host:port")
+    paypal = scheme == "paypal"
     checked = []
-    for index, host in enumerate(PAYPAL_CERT_HOSTS if hosts is None else hosts):
+    for index, host in enumerate((PAYPAL_CERT_HOSTS if paypal else ()) if hosts is None else hosts):
         try:
             checked.append(certificates.check_host(host))
         except ValueError as exc:
@@ -964,6 +1247,16 @@ def _paypal_certificates(
         roots = certificates.load_roots(path)
     except ValueError as exc:
         raise ValueError(f"ca_file: {exc}") from None
+    if not paypal:
+        pattern = SNS_CERT_HOST if hosts is None else None
+        return certificates.Certificates(
+            header="SigningCertURL",
+            hosts=checked,
+            roots=roots,
+            ca_file=path,
+            domain=None,
+            host_pattern=pattern,
+        )
     return certificates.Certificates(
         header="PAYPAL-CERT-URL", hosts=checked, roots=roots, ca_file=path, domain=PAYPAL_DOMAIN
     )
@@ -971,8 +1264,8 @@ def _paypal_certificates(
 
 def _need_cryptography(scheme: str) -> None:
     """ValueError if ``scheme`` needs ``cryptography`` (the extra named after it: Discord's
-    Ed25519) and it is not installed."""
-    if scheme != "discord":
+    Ed25519, SendGrid's ECDSA) and it is not installed."""
+    if scheme not in KEY_SCHEMES:
         return
     try:
         import cryptography  # noqa: F401
@@ -999,6 +1292,38 @@ def _ed25519_keys(secrets: Sequence[str]) -> tuple[Ed25519PublicKey, ...]:
             )
         keys.append(Ed25519PublicKey.from_public_bytes(raw))
     return tuple(keys)
+
+
+def _p256_keys(secrets: Sequence[str]) -> tuple[EllipticCurvePublicKey, ...]:
+    """SendGrid's verification keys: each the base64 of a DER P-256 public key, as SendGrid's
+    settings show it (its library wraps that text in a PEM)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_der_public_key
+
+    keys = []
+    for index, secret in enumerate(secrets):
+        try:
+            key = load_der_public_key(binascii.a2b_base64(secret, strict_mode=True))
+        except ValueError:  # not base64, or not a DER public key
+            key = None
+        if not isinstance(key, ec.EllipticCurvePublicKey) or key.curve.name != "secp256r1":
+            raise ValueError(
+                f"secrets[{index}] must be SendGrid's verification key: the base64 of a P-256 "
+                "public key (DER), as its Event Webhook settings show it"
+            )
+        keys.append(key)
+    return tuple(keys)
+
+
+def _hex_key(secret: str, index: int) -> bytes:
+    """Adyen's HMAC key: hex digits, as its Customer Area shows it."""
+    try:
+        key = bytes.fromhex(secret) if secret.isascii() and secret.isalnum() else b""
+    except ValueError:
+        key = b""
+    if not key:
+        raise ValueError(f"secrets[{index}] must be the HMAC key in hex, as Adyen shows it")
+    return key
 
 
 def _standard_key(secret: str, index: int) -> bytes:
@@ -1034,24 +1359,28 @@ def build(
     cert_hosts: Sequence[str] | None = None,
     ca_file: str | None = None,
     verify_tokens: Sequence[str] | None = None,
+    confirm_subscription: bool | None = None,
 ) -> Verifier:
     """The verifier for a route; ValueError messages complete "routes[0].verify: …".
 
     ``header``, ``algorithm`` (sha1, sha256, sha512; default sha256), ``encoding`` (hex, base64;
     default hex) and ``prefix`` (default none) apply to scheme ``hmac`` only, where ``header`` is
     required. ``public_url`` (``scheme://host[:port]/path``, the URL the provider was given, without
-    its query) applies to and is required by schemes ``twilio`` and ``square``. ``cert_hosts``
-    (default ``PAYPAL_CERT_HOSTS``; ``host`` or ``host:port``) and ``ca_file`` (a PEM bundle;
-    default the system's) apply to scheme ``paypal``, whose secrets are webhook IDs.
-    ``verify_tokens`` (the tokens Meta's subscription check may carry) apply to scheme ``meta``.
-    Scheme ``discord``'s secrets are the application's public keys (hex), and it needs
-    ``cryptography`` (the extra ``discord``). ``tolerance`` bounds the age of timestamped
-    schemes' timestamps, in both directions.
+    its query) applies to and is required by schemes ``twilio``, ``square`` and ``hubspot``.
+    ``cert_hosts`` (default ``PAYPAL_CERT_HOSTS``; ``host`` or ``host:port``) and ``ca_file`` (a
+    PEM bundle; default the system's) apply to scheme ``paypal``, whose secrets are webhook IDs.
+    ``verify_tokens`` (the tokens Meta's subscription check may carry) apply to scheme ``meta``,
+    ``confirm_subscription`` (the proxy confirms SNS subscriptions) to scheme ``sns``.
+    Scheme ``discord``'s secrets are the application's public keys (hex), scheme ``sendgrid``'s
+    the Event Webhook's verification keys (base64 DER); each needs ``cryptography`` (the extra
+    named after the scheme). Scheme ``adyen``'s secrets are HMAC keys in hex. ``hubspot``
+    signs the URL: it needs ``public_url`` too.
+    ``tolerance`` bounds the age of timestamped schemes' timestamps, in both directions.
     """
     checked = settings(
         scheme, tolerance=tolerance, header=header, algorithm=algorithm, encoding=encoding,
         prefix=prefix, public_url=public_url, cert_hosts=cert_hosts, ca_file=ca_file,
-        verify_tokens=verify_tokens,
+        verify_tokens=verify_tokens, confirm_subscription=confirm_subscription,
     )  # fmt: skip
     return checked.verifier(secrets)
 
@@ -1072,11 +1401,17 @@ class Settings:
     certificates: certificates.Certificates | None = field(default=None, compare=False)
     # Meta's: the subscription check's tokens, the route's (a GET names no tenant's secret).
     verify_tokens: tuple[bytes, ...] = field(default=(), repr=False)
+    # SNS's: the proxy confirms a subscription itself.
+    confirm_subscription: bool = False
 
     def unread(self) -> SecretsUnread:
         """The verifier of these settings without their secrets (``SecretsUnread``)."""
-        shape = self.verifier([_ANY_SECRET])
-        return SecretsUnread(shape.scheme, shape.headers, shape.signed_headers)
+        if self.scheme in _SHAPED:
+            # A public key or a hex key is no secret any scheme takes: the shape is the class's.
+            shape = _SHAPED[self.scheme]
+            return SecretsUnread(self.scheme, shape.HEADERS, shape.SIGNED)
+        verifier = self.verifier([_ANY_SECRET])
+        return SecretsUnread(verifier.scheme, verifier.headers, verifier.signed_headers)
 
     def verifier(self, secrets: Sequence[str]) -> Verifier:
         """The verifier with ``secrets``; ValueError messages complete "routes[0].verify: …"."""
@@ -1099,20 +1434,48 @@ class Settings:
     def _other(self, secrets: Sequence[str], material: tuple[bytes, ...]) -> Verifier:
         """The verifier of a scheme with a class of its own, or of ``hmac``."""
         scheme, tolerance = self.scheme, self.tolerance
-        if scheme == "discord":
-            return DiscordSignature(scheme, tolerance, _ed25519_keys(secrets))
+        if scheme in _SHAPED:
+            return self._keyed(secrets)
+        if scheme == "hubspot":
+            return HubSpotSignature(scheme, self.public_url, material, tolerance)
         if scheme == "twilio":
             return TwilioSignature(scheme, self.public_url, material)
         if scheme == "square":
             return SquareSignature(scheme, self.public_url, material)
-        if scheme == "paypal":
-            assert self.certificates is not None  # settings() gives paypal its certificates
-            return PayPalSignature(scheme, tolerance, material, self.certificates)
+        if scheme in CERT_SCHEMES:
+            return self._certified(secrets, material)
         return BodySignature(
             scheme, self.header, self.algorithm, self.encoding, self.prefix, material
         )
 
+    def _certified(self, secrets: Sequence[str], material: tuple[bytes, ...]) -> Verifier:
+        """The verifier of a scheme that signs under a fetched certificate (``CERT_SCHEMES``):
+        PayPal's secrets are webhook IDs, SNS's topic ARNs."""
+        assert self.certificates is not None  # settings() gives them their certificates
+        if self.scheme == "sns":
+            topics = tuple(secrets)
+            return SnsSignature(
+                self.scheme, self.tolerance, topics, self.certificates, self.confirm_subscription
+            )
+        return PayPalSignature(self.scheme, self.tolerance, material, self.certificates)
 
+    def _keyed(self, secrets: Sequence[str]) -> Verifier:
+        """The verifier of a scheme whose secrets are keys of a form of their own (``_SHAPED``:
+        public keys, Adyen's hex)."""
+        if self.scheme == "adyen":
+            keys = tuple(_hex_key(secret, index) for index, secret in enumerate(secrets))
+            return AdyenSignature(self.scheme, keys)
+        if self.scheme == "discord":
+            return DiscordSignature(self.scheme, self.tolerance, _ed25519_keys(secrets))
+        return SendGridSignature(self.scheme, self.tolerance, _p256_keys(secrets))
+
+
+# The schemes whose secrets are keys of a form of their own (``Settings.unread``).
+_SHAPED: dict[str, type[_Scheme]] = {
+    "discord": DiscordSignature,
+    "sendgrid": SendGridSignature,
+    "adyen": AdyenSignature,
+}
 # The schemes whose verifier takes the scheme, the tolerance and the secrets, nothing else.
 _TIMED_SCHEMES: dict[str, Callable[[str, float, tuple[bytes, ...]], Verifier]] = {
     "slack": SlackSignature,
@@ -1146,6 +1509,7 @@ def settings(
     cert_hosts: Sequence[str] | None = None,
     ca_file: str | None = None,
     verify_tokens: Sequence[str] | None = None,
+    confirm_subscription: bool | None = None,
 ) -> Settings:
     """``build``'s settings checked without the secrets (ValueError as ``build``)."""
     if scheme not in SCHEMES:
@@ -1153,17 +1517,20 @@ def settings(
     _refuse_foreign(scheme, ("hmac",), header=header, algorithm=algorithm, encoding=encoding,
                     prefix=prefix)  # fmt: skip
     _refuse_foreign(scheme, URL_SCHEMES, public_url=public_url)
-    _refuse_foreign(scheme, ("paypal",), cert_hosts=cert_hosts, ca_file=ca_file)
+    _refuse_foreign(scheme, CERT_SCHEMES, cert_hosts=cert_hosts, ca_file=ca_file)
     _refuse_foreign(scheme, ("meta",), verify_token=verify_tokens)
+    _refuse_foreign(scheme, ("sns",), confirm_subscription=confirm_subscription)
     if not (math.isfinite(tolerance) and tolerance > 0):
         raise ValueError(f"tolerance must be a positive number of seconds, got {tolerance!r}")
     if scheme in URL_SCHEMES:
         if public_url is None:
             raise ValueError(f"public_url is required for scheme {scheme}")
-        provider = scheme.capitalize()
+        provider = {"hubspot": "HubSpot"}.get(scheme, scheme.capitalize())
         return Settings(scheme, tolerance, public_url=_public_url(public_url, provider))
-    if scheme == "paypal":
-        return Settings(scheme, tolerance, certificates=_paypal_certificates(cert_hosts, ca_file))
+    if scheme in CERT_SCHEMES:
+        found = _certificates(scheme, cert_hosts, ca_file)
+        confirms = bool(confirm_subscription)
+        return Settings(scheme, tolerance, certificates=found, confirm_subscription=confirms)
     _need_cryptography(scheme)
     if scheme == "meta" and verify_tokens is not None:
         tokens = tuple(token.encode() for token in verify_tokens)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import re
 import sys
@@ -635,3 +636,84 @@ def test_parsing_makes_no_python_call_per_json_object() -> None:
         sys.setprofile(None)
         gc.enable()
     assert calls < 100
+
+
+# --- batches: one POST, an array of events (SendGrid, HubSpot, Adyen) ---------------------------
+
+
+def batch_of(*ids: object, key: str = "sg_event_id") -> bytes:
+    return json.dumps([{key: value, "event": "delivered"} for value in ids]).encode()
+
+
+def digest(*ids: str) -> str:
+    return "batch:sha256:" + hashlib.sha256(event_ids.join(sorted(ids)).encode()).hexdigest()
+
+
+def test_a_batch_of_one_event_is_keyed_by_its_id() -> None:
+    assert extract("body:/*/sg_event_id", batch_of("ZHJvcC0x")) == ("ZHJvcC0x", None)
+    assert extract("body:/*/sg_event_id", batch_of(7, 7)) == ("7", None)
+
+
+def test_a_batch_of_several_events_is_keyed_by_the_digest_of_their_ids_in_any_order() -> None:
+    key, _ = extract("body:/*/sg_event_id", batch_of("a", "b", "c"))
+
+    assert key == digest("a", "b", "c")
+    assert extract("body:/*/sg_event_id", batch_of("c", "a", "b", "a"))[0] == key
+    # Regrouped, the events make other deliveries: forwarded again, never dropped as copies.
+    assert extract("body:/*/sg_event_id", batch_of("a", "b"))[0] not in (key, "a", "b")
+    assert extract("body:/*/sg_event_id", batch_of("a", "b", "c", "d"))[0] != key
+
+
+def test_a_composite_batch_key_pairs_each_events_parts() -> None:
+    def notification(*items: tuple[str, str]) -> bytes:
+        return json.dumps({"notificationItems": [
+            {"NotificationRequestItem": {"pspReference": psp, "eventCode": code}}
+            for psp, code in items
+        ]}).encode()  # fmt: skip
+
+    body = notification(("p1", "AUTHORISATION"), ("p2", "REFUND"))
+    swapped = notification(("p1", "REFUND"), ("p2", "AUTHORISATION"))
+    extractor = event_ids.Extractor(ROUTE, (
+        event_ids.parse_source("body:/notificationItems/*/NotificationRequestItem/pspReference"),
+        event_ids.parse_source("body:/notificationItems/*/NotificationRequestItem/eventCode"),
+    ))  # fmt: skip
+
+    key, _ = extractor.extract(CIMultiDict(), "", body)
+
+    assert key == digest("p1:AUTHORISATION", "p2:REFUND")
+    assert extractor.extract(CIMultiDict(), "", swapped)[0] != key
+    one = notification(("p1", "AUTHORISATION"))
+    assert extractor.extract(CIMultiDict(), "", one)[0] == "p1:AUTHORISATION"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"[]", "no event ID at body:/*/sg_event_id (no array, or an empty one)"),
+        (b'{"sg_event_id": "a"}', "no event ID at body:/*/sg_event_id (no array, or an empty one)"),
+        (batch_of("a")[:-1] + b', {"event": "open"}]', "no event ID at body:/*/sg_event_id"),
+    ],
+)
+def test_a_batch_without_an_id_in_every_event_has_none(body: bytes, message: str) -> None:
+    assert rejected("body:/*/sg_event_id", body) == f"route 'stripe': {message}"
+
+
+def test_a_batch_event_with_an_invalid_id_is_refused() -> None:
+    with pytest.raises(errors.EventIdInvalid, match="must be a non-empty string"):
+        extract("body:/*/sg_event_id", batch_of("a", ""))
+    body = b'[{"sg_event_id": "a"}, {"sg_event_id": "b", "sg_event_id": "c"}]'
+    with pytest.raises(errors.EventIdInvalid, match="duplicate JSON key 'sg_event_id'"):
+        extract("body:/*/sg_event_id", body)
+
+
+def test_a_pointer_holds_one_star_and_a_composite_batch_key_one_array() -> None:
+    with pytest.raises(ValueError, match="may hold one"):
+        event_ids.parse_source("body:/*/items/*/id")
+    with pytest.raises(ValueError, match="same path to its"):
+        event_ids.Extractor(ROUTE, (
+            event_ids.parse_source("body:/a/*/id"), event_ids.parse_source("body:/b/*/id")
+        ))  # fmt: skip
+    with pytest.raises(ValueError, match="same path to its"):
+        event_ids.Extractor(ROUTE, (
+            event_ids.parse_source("body:/a/*/id"), event_ids.parse_source("header:X-Id")
+        ))  # fmt: skip

@@ -135,7 +135,7 @@ def signed(
 async def check(
     verifier: signatures.Verifier, headers: CIMultiDict[str], body: bytes = BODY, now: float = NOW
 ) -> None:
-    await signatures.prepare(verifier, headers)
+    await signatures.prepare(verifier, headers, body)
     verifier.verify(headers, body, now)
 
 

@@ -1,12 +1,15 @@
-"""The presets of round two (Resend, Clerk, Meta, Linear, Intercom, Twitch, Discord, Zoom) end
+"""The presets of round two (Resend, Clerk, Meta, Linear, Intercom, Twitch, Discord, Zoom, Mailgun,
+SendGrid, HubSpot) end
 to end: a delivery signed as the provider signs it (by its own library where one is a test
 dependency) is forwarded once, a forged, stale or body-swapped one is refused 401 before any
 claim, and a handshake is answered by the proxy, once verified, never claimed or forwarded."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
+import importlib
 import json
 import sys
 import time
@@ -17,9 +20,20 @@ import discord_interactions
 import nacl.signing
 import pytest
 import standardwebhooks
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from multidict import CIMultiDict
 
 from proxy.config import presets
 from tests.helpers import FakeUpstream, MakeProxy, claimed
+
+
+def library(name: str) -> Any:
+    """A provider's own library from the test extra, imported where a test uses it (so that one
+    missing fails its tests, not the module's); these ship no type information."""
+    return importlib.import_module(name)
+
 
 SVIX_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 META_SECRET = "meta-app-secret"
@@ -508,6 +522,24 @@ def test_a_discord_public_key_that_is_not_64_hex_digits_is_a_configuration_error
         config.parse(raw)
 
 
+@pytest.mark.parametrize("preset", ["discord", "sendgrid"])
+def test_a_public_key_route_is_read_without_its_keys_by_the_commands_that_verify_nothing(
+    preset: str,
+) -> None:
+    from proxy import config, errors
+
+    raw = {
+        "database": {"dsn": "postgresql://u@localhost/db"},
+        "upstream": {"url": "http://app"},
+        "routes": [route(preset, {"secret": "${DEDUP_TEST_NEVER_SET_KEY}"})],
+    }
+    (unread,) = config.parse(raw, secrets=False).routes
+    assert unread.verify is not None
+    assert unread.verify.scheme == preset
+    with pytest.raises(errors.SignatureInvalid, match="the signing secrets were not read"):
+        unread.verify.verify(CIMultiDict(), b"{}", time.time())
+
+
 # Zoom: x-zm-signature v0=<hex HMAC-SHA256 of "v0:{timestamp}:{body}">, and the
 # endpoint.url_validation answered with hex HMAC-SHA256(secret, plainToken), both as Zoom's
 # webhook-sample (zoom/webhook-sample, index.js) computes them; Zoom signs JSON.stringify of the
@@ -657,3 +689,220 @@ def test_mailgun_keeps_claims_longer_than_a_signature_stays_fresh() -> None:
     preset = presets.PRESETS["mailgun"]
     assert preset.tolerance is not None
     assert preset.tolerance < preset.retention
+
+
+# SendGrid's Event Webhook: ECDSA P-256 over timestamp + body under the verification key; the
+# proxy's acceptance checked with SendGrid's own EventWebhook (its published vectors, the other
+# way, are in tests/test_signatures.py). A POST is a batch, keyed by every sg_event_id in it.
+
+SENDGRID_KEY = ec.derive_private_key(0x5E4D_6121D, ec.SECP256R1())
+SENDGRID_PUBLIC = base64.b64encode(
+    SENDGRID_KEY.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+).decode()
+
+
+def sendgrid_body(*ids: str) -> bytes:
+    events = [{"email": "alice@example.com", "event": "delivered", "sg_event_id": event_id,
+               "sg_message_id": "LRzXl_NHStOGhQ4kofSm_A.0", "timestamp": 1600112492}
+              for event_id in ids]  # fmt: skip
+    return json.dumps(events, separators=(",", ":")).encode() + b"\r\n"
+
+
+def sendgrid_headers(
+    body: bytes, *, age: float = 0.0, key: ec.EllipticCurvePrivateKey = SENDGRID_KEY
+) -> dict[str, str]:
+    stamp = str(int(time.time() - age))
+    signature = key.sign(stamp.encode() + body, ec.ECDSA(hashes.SHA256()))
+    return {"X-Twilio-Email-Event-Webhook-Signature": base64.b64encode(signature).decode(),
+            "X-Twilio-Email-Event-Webhook-Timestamp": stamp}  # fmt: skip
+
+
+async def test_sendgrid_forwards_a_signed_batch_once_and_refuses_forged_stale_and_swapped(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("sendgrid", {"secret": SENDGRID_PUBLIC})])
+    path = "/hooks/sendgrid"
+    body = sendgrid_body("ZHJvcC0xMDk5NDkxOS1MUnpYbF9OSFN0T0doUTRrb2ZTbV9BLTA")
+    other = ec.derive_private_key(0xBAD, ec.SECP256R1())
+
+    await assert_refused(
+        client,
+        path,
+        [
+            (body, sendgrid_headers(body, key=other)),
+            (body, sendgrid_headers(body, age=3 * 86400)),  # over the preset's 2 days
+            (body.replace(b"delivered", b"bounce"), sendgrid_headers(body)),
+            (body, {}),
+        ],
+    )
+    assert await claimed(pg_dsn, table) == []
+
+    # A retry is signed again (a fresh timestamp): the same batch, a duplicate.
+    first = await client.post(path, data=body, headers=sendgrid_headers(body))
+    again = await client.post(path, data=body, headers=sendgrid_headers(body, age=60))
+    assert (first.status, again.status) == (200, 200)
+    assert again.headers["Dedup-Status"] == "duplicate"
+    assert upstream.bodies() == [body]
+    assert await claimed(pg_dsn, table) == [
+        ("sendgrid", "ZHJvcC0xMDk5NDkxOS1MUnpYbF9OSFN0T0doUTRrb2ZTbV9BLTA", None)
+    ]
+    # What the proxy accepted, SendGrid's library accepts.
+    sent = upstream.requests[0].headers
+    webhook = library("sendgrid").EventWebhook(SENDGRID_PUBLIC)
+    assert webhook.verify_signature(
+        body.decode(), sent["x-twilio-email-event-webhook-signature"][0],
+        sent["x-twilio-email-event-webhook-timestamp"][0],
+    )  # fmt: skip
+
+
+async def test_sendgrid_batches_are_one_delivery_each_keyed_by_all_their_events(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("sendgrid", {"secret": SENDGRID_PUBLIC})])
+    path = "/hooks/sendgrid"
+    batch = sendgrid_body("evt-a", "evt-b")
+    reordered = sendgrid_body("evt-b", "evt-a")
+    regrouped = sendgrid_body("evt-b", "evt-c")
+
+    answers = [
+        await client.post(path, data=sent, headers=sendgrid_headers(sent))
+        for sent in (batch, reordered, regrouped)
+    ]
+
+    # The same events in another order are a copy; a batch with one new event is forwarded.
+    assert [answer.status for answer in answers] == [200] * 3
+    assert [answer.headers.get("Dedup-Status") for answer in answers] == [None, "duplicate", None]
+    assert upstream.bodies() == [batch, regrouped]
+    ids = sorted(event_id for _, event_id, _ in await claimed(pg_dsn, table))
+    assert len(ids) == 2
+    assert all(i.startswith("batch:sha256:") for i in ids)
+
+
+# HubSpot v3: base64 HMAC-SHA256 of POST + the public URL + body + timestamp (ms), signed here
+# by HubSpot's own library (hubspot-api-client), which also checks what the proxy forwarded.
+
+HUBSPOT_SECRET = "yyyyyyyy-yyyy-yyyy-yyyy-yyyyyyyyyyyy"
+HUBSPOT_URL = "https://hooks.example.com/hubspot"
+
+
+def hubspot_body(*event_ids: int, attempt: int = 0) -> bytes:
+    events = [{"eventId": event_id, "subscriptionId": 12345, "portalId": 62515,
+               "occurredAt": 1564113600000, "subscriptionType": "contact.creation",
+               "attemptNumber": attempt, "objectId": 123, "changeSource": "CRM",
+               "changeFlag": "NEW", "appId": 54321} for event_id in event_ids]  # fmt: skip
+    return json.dumps(events, separators=(",", ":")).encode()
+
+
+def hubspot_headers(
+    body: bytes, *, age: float = 0.0, secret: str = HUBSPOT_SECRET, url: str = HUBSPOT_URL
+) -> dict[str, str]:
+    stamp = str(int((time.time() - age) * 1000))
+    signature = library("hubspot.utils.signature").Signature.get_signature(
+        secret, body.decode(), "v3", http_uri=url, http_method="POST", timestamp=stamp
+    )
+    return {"X-HubSpot-Signature-v3": signature, "X-HubSpot-Request-Timestamp": stamp}
+
+
+async def test_hubspot_forwards_a_signed_batch_once_and_refuses_forged_stale_and_swapped(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    verify = {"secret": HUBSPOT_SECRET, "public_url": HUBSPOT_URL}
+    client = await make_proxy(routes=[route("hubspot", verify)])
+    path = "/hooks/hubspot"
+    body = hubspot_body(1)
+
+    await assert_refused(
+        client,
+        path,
+        [
+            (body, hubspot_headers(body, secret="guessed")),
+            (body, hubspot_headers(body, age=600)),  # HubSpot's 5 minutes
+            (body.replace(b'"objectId":123', b'"objectId":124'), hubspot_headers(body)),
+            (body, hubspot_headers(body, url="https://elsewhere.example.com/hubspot")),
+            (body, {}),
+        ],
+    )
+    assert await claimed(pg_dsn, table) == []
+
+    # A retry is another body (attemptNumber) signed again: the same event, a duplicate.
+    retry = hubspot_body(1, attempt=1)
+    first = await client.post(path, data=body, headers=hubspot_headers(body))
+    again = await client.post(path, data=retry, headers=hubspot_headers(retry))
+    assert (first.status, again.status) == (200, 200)
+    assert again.headers["Dedup-Status"] == "duplicate"
+    assert upstream.bodies() == [body]
+    assert await claimed(pg_dsn, table) == [("hubspot", "62515:12345:1", None)]
+    # What the proxy accepted, HubSpot's library accepts (it reads the clock: within 5 min).
+    sent = upstream.requests[0].headers
+    assert library("hubspot.utils.signature").Signature.is_valid(
+        sent["x-hubspot-signature-v3"][0], HUBSPOT_SECRET, body.decode(), http_uri=HUBSPOT_URL,
+        signature_version="v3", timestamp=sent["x-hubspot-request-timestamp"][0],
+    )  # fmt: skip
+
+
+# Adyen: each NotificationRequestItem's key fields joined by ":", base64 HMAC-SHA256 under a
+# hex key, signed here by Adyen's own library (Adyen.util), which also checks what the proxy
+# forwarded. Nothing signed ages: a replay is refused only as a duplicate.
+
+ADYEN_KEY = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056"
+
+
+def adyen_item(psp: str, code: str = "AUTHORISATION", success: str = "true") -> dict[str, Any]:
+    item: dict[str, Any] = {
+        "pspReference": psp, "merchantReference": "order-42", "merchantAccountCode": "Shop",
+        "amount": {"currency": "EUR", "value": 1130}, "eventCode": code, "success": success,
+        "eventDate": "2026-12-06T09:00:00+01:00", "reason": "039404:1111:03/2030",
+    }  # fmt: skip
+    signature = library("Adyen.util").generate_notification_sig(item, ADYEN_KEY).decode()
+    return {**item, "additionalData": {"hmacSignature": signature, "authCode": "039404"}}
+
+
+def adyen_body(*items: dict[str, Any]) -> bytes:
+    wrapped = [{"NotificationRequestItem": item} for item in items]
+    return json.dumps({"live": "false", "notificationItems": wrapped}).encode()
+
+
+async def test_adyen_forwards_a_signed_notification_once_and_refuses_forged_and_swapped(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    client = await make_proxy(routes=[route("adyen", {"secret": ADYEN_KEY})])
+    path = "/hooks/adyen"
+    item = adyen_item("7914073381342284")
+    body = adyen_body(item)
+    guessed = library("Adyen.util").generate_notification_sig(item, "00" * 32).decode()
+    forged = {**item, "additionalData": {"hmacSignature": guessed}}
+
+    await assert_refused(
+        client,
+        path,
+        [
+            (adyen_body(forged), {}),
+            (body.replace(b'"value": 1130', b'"value": 11300'), {}),  # a signed field
+            (body.replace(b"7914073381342284", b"7914073381342285"), {}),  # the event's key
+            (adyen_body(item, {**item, "pspReference": "7914073381342299"}), {}),
+            (b'{"live": "false"}', {}),
+        ],
+    )
+    assert await claimed(pg_dsn, table) == []
+
+    assert await deliver_twice(client, path, body, {}) == (200, 200)
+    # The unsigned rest of the body under the captured signature: a duplicate, never forwarded.
+    swapped = body.replace(b'"authCode": "039404"', b'"authCode": "999999"')
+    assert (await client.post(path, data=swapped)).headers["Dedup-Status"] == "duplicate"
+    # An AUTHORISATION that failed and one that succeeded are two events.
+    failed = adyen_body(adyen_item("7914073381342284", success="false"))
+    assert (await client.post(path, data=failed)).status == 200
+
+    assert upstream.bodies() == [body, failed]
+    assert sorted(await claimed(pg_dsn, table)) == [
+        ("adyen", "7914073381342284:AUTHORISATION:false", "AUTHORISATION"),
+        ("adyen", "7914073381342284:AUTHORISATION:true", "AUTHORISATION"),
+    ]
+    # What the proxy accepted, Adyen's library accepts.
+    assert library("Adyen.util").is_valid_hmac_notification(
+        json.loads(upstream.bodies()[0]), ADYEN_KEY
+    )
+
+
+def test_adyen_keeps_claims_through_its_30_days_of_retries() -> None:
+    assert presets.PRESETS["adyen"].retention > 30 * 86400

@@ -17,6 +17,7 @@ import json
 import re
 from datetime import UTC, datetime, tzinfo
 from types import ModuleType
+from typing import Any
 
 import pytest
 from multidict import CIMultiDict
@@ -34,19 +35,20 @@ MSG_ID = "msg_2KWPBgLlAfxdpx2AI54pPJ85f4W"
 HMAC_HEADER = "X-Signature"
 TWILIO_URL = "https://hooks.example.com/twilio/voice"
 SQUARE_URL = "https://hooks.example.com/square"
+HUBSPOT_URL = "https://hooks.example.com/hubspot"
 SW = "standard-webhooks"
 HEX = "ab" * 32  # well-formed, but nobody's signature
 B64 = base64.b64encode(b"\xab" * 32).decode()
 
-# PayPal's (RSA, tests/test_paypal.py) and Discord's (Ed25519, tests/test_provider_presets.py)
-# keys are not shared secrets; Mailgun's signature is in the body, not a header
-# (tests/test_provider_presets.py).
-# The schemes that sign bytes any body can carry. PayPal's, Discord's, Mailgun's and Linear's
-# read the body itself (a certificate, an Ed25519 key, a signature object, a timestamp in it):
-# each has its own end to end tests (test_provider_presets.py, test_provider_libraries_node.py).
-ALL = tuple(s for s in signatures.SCHEMES if s not in ("paypal", "discord", "mailgun", "linear"))
-URL_SIGNED = ("twilio", "square")
-TIMESTAMPED = ("stripe", "paddle", "slack", SW, "twitch", "zoom")
+# PayPal's (RSA, tests/test_paypal.py), Discord's (Ed25519) and SendGrid's (ECDSA) keys are not
+# shared secrets; Mailgun's signature is in the body, not a header (tests/test_provider_presets.py).
+# Adyen's signature is in the body too, and its key is hex; SNS's is RSA under a fetched
+# certificate, as PayPal's (tests/test_sns.py). Linear's reads a timestamp inside the body
+# (tests/test_provider_presets.py, tests/test_provider_libraries_node.py).
+NOT_SHARED = ("paypal", "discord", "mailgun", "sendgrid", "adyen", "sns", "linear")
+ALL = tuple(s for s in signatures.SCHEMES if s not in NOT_SHARED)
+URL_SIGNED = ("twilio", "square", "hubspot")
+TIMESTAMPED = ("stripe", "paddle", "slack", SW, "twitch", "zoom", "hubspot")
 MULTI = ("stripe", "paddle", SW)  # one header may carry several signatures
 STAMP = {
     "stripe": "Stripe-Signature timestamp",
@@ -55,6 +57,7 @@ STAMP = {
     SW: "webhook-timestamp",
     "twitch": "Twitch-Eventsub-Message-Timestamp",
     "zoom": "x-zm-request-timestamp",
+    "hubspot": "X-HubSpot-Request-Timestamp",
 }
 
 Headers = list[tuple[str, str]]
@@ -114,7 +117,7 @@ def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
     }
     if scheme in body_only:
         return [body_only[scheme]]
-    if scheme in ("slack", "zoom", "twitch"):
+    if scheme in ("slack", "zoom", "twitch", "hubspot"):
         return signed_with_stamp(scheme, secret, body, stamp)
     if scheme == "shopify":
         return [("X-Shopify-Hmac-Sha256", b64_mac(secret.encode(), body))]
@@ -129,7 +132,11 @@ def signed_single(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
 
 
 def signed_with_stamp(scheme: str, secret: str, body: bytes, stamp: int) -> Headers:
-    """Slack's, Zoom's and Twitch's headers."""
+    """Slack's, Zoom's, HubSpot's and Twitch's headers."""
+    if scheme == "hubspot":
+        millis = str(stamp * 1000)  # HubSpot's timestamp is in milliseconds
+        signature = b64_mac(secret.encode(), f"POST{HUBSPOT_URL}".encode() + body + millis.encode())
+        return [("X-HubSpot-Signature-v3", signature), ("X-HubSpot-Request-Timestamp", millis)]
     if scheme == "slack":
         mac = hex_mac(secret, f"v0:{stamp}:".encode() + body)
         return [("X-Slack-Request-Timestamp", str(stamp)), ("X-Slack-Signature", f"v0={mac}")]
@@ -152,6 +159,8 @@ def build(scheme: str, *secrets: str, **options: object) -> signatures.Verifier:
         options.setdefault("public_url", TWILIO_URL)
     if scheme == "square":
         options.setdefault("public_url", SQUARE_URL)
+    if scheme == "hubspot":
+        options.setdefault("public_url", HUBSPOT_URL)
     return signatures.build(scheme, list(secrets or (SECRET,)), **options)  # type: ignore[arg-type]
 
 
@@ -536,12 +545,12 @@ def test_hmac_prefix_is_required_when_configured() -> None:
     ("scheme", "secrets", "options", "message"),
     [
         (
-            "adyen",
+            "worldpay",
             [SECRET],
             {},
             "scheme must be one of stripe, github, shopify, standard-webhooks, slack, paddle, "
-            "twilio, square, paypal, meta, linear, intercom, twitch, discord, zoom, mailgun, hmac; "
-            "got 'adyen'",
+            "twilio, square, paypal, meta, linear, intercom, twitch, discord, zoom, mailgun, "
+            "sendgrid, hubspot, adyen, sns, hmac; got 'worldpay'",
         ),
         ("twilio", [SECRET], {}, "public_url is required for scheme twilio"),
         (
@@ -555,13 +564,13 @@ def test_hmac_prefix_is_required_when_configured() -> None:
             "slack",
             [SECRET],
             {"public_url": TWILIO_URL},
-            "public_url: only for schemes twilio, square, not slack",
+            "public_url: only for schemes twilio, square, hubspot, not slack",
         ),
         (
             "square",
             [SECRET],
             {"public_url": SQUARE_URL, "cert_hosts": ["api.paypal.com"]},
-            "cert_hosts: only for scheme paypal, not square",
+            "cert_hosts: only for schemes paypal, sns, not square",
         ),
         (
             "twilio",
@@ -892,3 +901,313 @@ def test_square_signs_the_query_the_notification_url_carries() -> None:
         verifier.verify(headers, BODY, NOW, query="tenant=globex")
     with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
         verifier.verify(headers, BODY, NOW)
+
+
+# HubSpot v3: base64 HMAC-SHA256 of POST + the URI + body + timestamp (ms), cross-checked with
+# HubSpot's own library (hubspot-api-client's hubspot.utils.signature.Signature) both ways.
+
+HUBSPOT_BODY = (
+    b'[{"eventId":1,"subscriptionId":12345,"portalId":62515,"occurredAt":1564113600000,'
+    b'"subscriptionType":"contact.creation","attemptNumber":0,"objectId":123,'
+    b'"changeSource":"CRM","changeFlag":"NEW","appId":54321}]'
+)
+
+
+@pytest.fixture
+def hubspot_signature(monkeypatch: pytest.MonkeyPatch) -> Any:
+    provider_library("hubspot")
+    module = importlib.import_module("hubspot.utils.signature")
+    monkeypatch.setattr(module, "datetime", FrozenDatetime)  # its clock reads NOW
+    return module.Signature
+
+
+@pytest.mark.parametrize("query", ["", "portal=62515&app=54321"])
+def test_hubspot_library_signature_is_accepted_and_ours_by_it(
+    hubspot_signature: Any, query: str
+) -> None:
+    uri = f"{HUBSPOT_URL}?{query}" if query else HUBSPOT_URL
+    millis = str(NOW * 1000)
+    theirs = hubspot_signature.get_signature(
+        SECRET, HUBSPOT_BODY.decode(), "v3", http_uri=uri, http_method="POST", timestamp=millis
+    )
+    headers = CIMultiDict({"X-HubSpot-Signature-v3": theirs, "X-HubSpot-Request-Timestamp": millis})
+    verifier = build("hubspot")
+
+    verifier.verify(headers, HUBSPOT_BODY, NOW, query=query)
+    assert hubspot_signature.is_valid(
+        theirs, SECRET, HUBSPOT_BODY.decode(), http_uri=uri, signature_version="v3",
+        timestamp=millis,
+    )  # fmt: skip
+    # What the library refuses (another body, URI or time), the proxy refuses.
+    for body, sent_query, stamp in [
+        (HUBSPOT_BODY.replace(b'"eventId":1', b'"eventId":2'), query, millis),
+        (HUBSPOT_BODY, query + "&x=1", millis),
+        (HUBSPOT_BODY, query, str(NOW * 1000 + 1)),
+    ]:
+        changed = CIMultiDict(headers)
+        changed["X-HubSpot-Request-Timestamp"] = stamp
+        assert not hubspot_signature.is_valid(
+            theirs, SECRET, body.decode(), http_uri=f"{HUBSPOT_URL}?{sent_query}".rstrip("?"),
+            signature_version="v3", timestamp=stamp,
+        )  # fmt: skip
+        with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+            verifier.verify(changed, body, NOW, query=sent_query)
+
+
+def test_hubspot_timestamp_is_milliseconds_within_five_minutes() -> None:
+    stale = signed("hubspot", stamp=NOW - 301)
+    assert refused("hubspot", stale) == "X-HubSpot-Request-Timestamp outside tolerance of 300s"
+    check("hubspot", signed("hubspot", stamp=NOW - 299))
+
+
+def test_hubspot_signs_the_query_with_its_listed_escapes_decoded() -> None:
+    # HubSpot decodes %3A, %2F, %40, ... in the URI it signs: either spelling verifies.
+    sent = "next=https%3A%2F%2Fexample.com%2Fa&who=a%40b&space=a%20b"
+    decoded = "next=https://example.com/a&who=a@b&space=a%20b"
+    millis = str(NOW * 1000)
+    verifier = build("hubspot")
+    for signed_query in (sent, decoded):
+        message = f"POST{HUBSPOT_URL}?{signed_query}".encode() + BODY + millis.encode()
+        headers = CIMultiDict(
+            {"X-HubSpot-Signature-v3": b64_mac(SECRET.encode(), message),
+             "X-HubSpot-Request-Timestamp": millis}
+        )  # fmt: skip
+        verifier.verify(headers, BODY, NOW, query=sent)
+        with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+            verifier.verify(headers, BODY, NOW, query=sent.replace("a%20b", "a%21b"))
+
+
+# SendGrid's Event Webhook: ECDSA P-256 over timestamp + body; the vectors of SendGrid's own
+# library (sendgrid/sendgrid-python, test/unit/test_eventwebhook.py), and its EventWebhook
+# checked against the same requests.
+
+SENDGRID_KEY = (
+    "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAE83T4O/n84iotIvIW4mdBgQ/7dAfSmpqIM8kF9mN1flpVKS3GRqe62gw"
+    "+2fNNRaINXvVpiglSI8eNEc6wEA3F+g=="
+)
+SENDGRID_SIGNATURE = (
+    "MEUCIGHQVtGj+Y3LkG9fLcxf3qfI10QysgDWmMOVmxG0u6ZUAiEAyBiXDWzM"
+    "+uOe5W0JuG+luQAbPIqHh89M15TluLtEZtM="
+)
+SENDGRID_STAMP = "1600112502"
+SENDGRID_BODY = (
+    json.dumps(
+        [{"email": "hello@world.com", "event": "dropped", "reason": "Bounced Address",
+          "sg_event_id": "ZHJvcC0xMDk5NDkxOS1MUnpYbF9OSFN0T0doUTRrb2ZTbV9BLTA",
+          "sg_message_id":
+              "LRzXl_NHStOGhQ4kofSm_A.filterdrecv-p3mdw1-756b745b58-kmzbl-18-5F5FC76C-9.0",
+          "smtp-id": "<LRzXl_NHStOGhQ4kofSm_A@ismtpd0039p1iad1.sendgrid.net>",
+          "timestamp": 1600112492}],
+        sort_keys=True, separators=(",", ":"),
+    ) + "\r\n"
+).encode()  # fmt: skip
+SENDGRID_OTHER_KEY = (
+    "MFkwEwYHKoZIzj0CAQYIKoZIzj0DAQcDQgAEqTxd43gyp8IOEto2LdIfjRQrIbsd4SXZkLW6jDutdhXSJCWHw8REntlo7"
+    "aNDthvj+y7GjUuFDb/R1NGe1OPzpA=="
+)
+SENDGRID_BAD_SIGNATURE = (
+    "MEUCIQCtIHJeH93Y+qpYeWrySphQgpNGNr/U+UyUlBkU6n7RAwIgJTz2C+8a"
+    "8xonZGi6BpSzoQsbVRamr2nlxFDWYNH3j/0="
+)
+
+
+def sendgrid_check(key: str, body: bytes, signature: str, stamp: str) -> None:
+    headers = CIMultiDict(
+        {"X-Twilio-Email-Event-Webhook-Signature": signature,
+         "X-Twilio-Email-Event-Webhook-Timestamp": stamp}
+    )  # fmt: skip
+    signatures.build("sendgrid", [key]).verify(headers, body, int(SENDGRID_STAMP))
+
+
+def test_sendgrid_library_vectors_are_accepted_as_it_accepts_them() -> None:
+    library = provider_library("sendgrid").EventWebhook(SENDGRID_KEY)
+    assert library.verify_signature(SENDGRID_BODY.decode(), SENDGRID_SIGNATURE, SENDGRID_STAMP)
+    sendgrid_check(SENDGRID_KEY, SENDGRID_BODY, SENDGRID_SIGNATURE, SENDGRID_STAMP)
+    # Rotation: the key SendGrid shows now among others.
+    headers = CIMultiDict(
+        {"X-Twilio-Email-Event-Webhook-Signature": SENDGRID_SIGNATURE,
+         "X-Twilio-Email-Event-Webhook-Timestamp": SENDGRID_STAMP}
+    )  # fmt: skip
+    both = signatures.build("sendgrid", [SENDGRID_OTHER_KEY, SENDGRID_KEY])
+    both.verify(headers, SENDGRID_BODY, int(SENDGRID_STAMP))
+
+
+@pytest.mark.parametrize(
+    ("key", "body", "signature", "stamp"),
+    [
+        # Another key, body, signature or timestamp: as the library's tests refuse.
+        (SENDGRID_OTHER_KEY, SENDGRID_BODY, SENDGRID_SIGNATURE, SENDGRID_STAMP),
+        (SENDGRID_KEY, b"payload", SENDGRID_SIGNATURE, SENDGRID_STAMP),
+        (SENDGRID_KEY, SENDGRID_BODY, SENDGRID_BAD_SIGNATURE, SENDGRID_STAMP),
+        (SENDGRID_KEY, SENDGRID_BODY, SENDGRID_SIGNATURE, "1600112503"),
+    ],
+)
+def test_sendgrid_library_vectors_refused_are_refused(
+    key: str, body: bytes, signature: str, stamp: str
+) -> None:
+    library = provider_library("sendgrid").EventWebhook(key)
+    assert not library.verify_signature(body.decode(), signature, stamp)
+    with pytest.raises(errors.SignatureInvalid, match=r"^no signature matches$"):
+        sendgrid_check(key, body, signature, stamp)
+
+
+def test_sendgrid_timestamp_is_checked_where_the_library_does_not() -> None:
+    headers = CIMultiDict(
+        {"X-Twilio-Email-Event-Webhook-Signature": SENDGRID_SIGNATURE,
+         "X-Twilio-Email-Event-Webhook-Timestamp": SENDGRID_STAMP}
+    )  # fmt: skip
+    verifier = signatures.build("sendgrid", [SENDGRID_KEY])
+    with pytest.raises(errors.SignatureInvalid, match="Timestamp outside tolerance of 300s"):
+        verifier.verify(headers, SENDGRID_BODY, int(SENDGRID_STAMP) + 301)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "not base64!",
+        base64.b64encode(b"\x30\x03\x02\x01\x01").decode(),  # DER, but no public key
+        # An Ed25519 key (Discord's kind), not P-256.
+        "MCowBQYDK2VwAyEAGb9ECWmEzf6FQbrBZ9w7lshQhqowtrbLDFw4rXAxZuE=",
+        SENDGRID_KEY.rstrip("="),
+    ],
+)
+def test_a_sendgrid_key_that_is_no_base64_p256_key_is_refused(key: str) -> None:
+    with pytest.raises(ValueError, match=r"^secrets\[0\] must be SendGrid's verification key"):
+        signatures.build("sendgrid", [key])
+
+
+@pytest.mark.parametrize("scheme", ["discord", "sendgrid"])
+def test_a_public_key_scheme_describes_itself_with_its_keys_unread(scheme: str) -> None:
+    unread = signatures.settings(scheme).unread()
+    assert unread.scheme == scheme
+    assert unread.headers
+    assert unread.signed_headers
+    with pytest.raises(errors.SignatureInvalid, match="the signing secrets were not read"):
+        unread.verify(CIMultiDict(), BODY, NOW)
+
+
+# Adyen: each NotificationRequestItem's fields joined by ":", base64 HMAC-SHA256 under a hex key;
+# the vectors of Adyen's Python library (Adyen/adyen-python-api-library, test/test_util.py and
+# test/mocks/util/*.json), and Adyen.util checked against the same bodies both ways.
+
+ADYEN_KEY = "44782DEF547AAA06C910C43932B1EB0C71FC68D9D0C057550C48EC2ACF6BA056"
+ADYEN_ITEM: dict[str, object] = {
+    "pspReference": "7914073381342284",
+    "merchantReference": "TestPayment-1407325143704",
+    "merchantAccountCode": "TestMerchant",
+    "amount": {"currency": "EUR", "value": 1130},
+    "eventCode": "AUTHORISATION",
+    "success": "true",
+    "eventDate": "2019-05-06T17:15:34.121+02:00",
+    "operations": ["CANCEL", "CAPTURE", "REFUND"],
+    "paymentMethod": "visa",
+    "additionalData": {"hmacSignature": "coqCmt/IZ4E3CzPvMY8zTjQVL5hYJUiBRg8UU+iCWo0="},
+}
+# Notifications Adyen signed, whose merchantReference holds a ":" or backslashes (unescaped).
+ADYEN_MOCK_KEY = "74F490DD33F7327BAECC88B2947C011FC02D014A473AAA33A8EC93E4DC069174"
+ADYEN_MOCKS: list[dict[str, object]] = [
+    {"additionalData": {"hmacSignature": "2EQYm7YJpKO4EtHSPu55SQTyWf8dkW5u2nD1tJFpViA="},
+     "amount": {"currency": "EUR", "value": 1000}, "eventCode": "AUTHORISATION",
+     "eventDate": "2023-01-10T13:40:54+01:00", "merchantAccountCode": "AntoniStroinski",
+     "merchantReference": ":slashes are fun", "pspReference": "M8NB66SBZSGLNK82",
+     "reason": "039404:1111:03/2030", "success": "true"},
+    {"additionalData": {"hmacSignature": "nIgT81gaB5oJpn2jPXupDq68iRo2wUlBsuYjtYfwKqo="},
+     "amount": {"currency": "EUR", "value": 1000}, "eventCode": "AUTHORISATION",
+     "eventDate": "2023-01-09T16:27:29+01:00", "merchantAccountCode": "AntoniStroinski",
+     "merchantReference": "\\\\slashes are fun", "pspReference": "T7FD4VM4D3RZNN82",
+     "reason": "076181:1111:03/2030", "success": "true"},
+]  # fmt: skip
+
+
+def adyen_body(*items: dict[str, object]) -> bytes:
+    wrapped = [{"NotificationRequestItem": item} for item in items]
+    return json.dumps({"live": "false", "notificationItems": wrapped}).encode()
+
+
+def adyen_check(body: bytes, *keys: str) -> None:
+    signatures.build("adyen", list(keys or (ADYEN_KEY,))).verify(CIMultiDict(), body, NOW)
+
+
+def adyen_refused(body: bytes, *keys: str) -> str:
+    with pytest.raises(errors.SignatureInvalid) as info:
+        adyen_check(body, *keys)
+    return info.value.message
+
+
+@pytest.fixture
+def adyen_util() -> Any:
+    provider_library("Adyen")
+    return importlib.import_module("Adyen.util")
+
+
+@pytest.mark.parametrize(
+    ("key", "item"), [(ADYEN_KEY, ADYEN_ITEM)] + [(ADYEN_MOCK_KEY, mock) for mock in ADYEN_MOCKS]
+)
+def test_adyen_library_vectors_are_accepted_as_it_accepts_them(
+    adyen_util: Any, key: str, item: dict[str, object]
+) -> None:
+    assert adyen_util.is_valid_hmac_notification(json.loads(adyen_body(item)), key)
+    adyen_check(adyen_body(item), key)
+    adyen_check(adyen_body(item), ADYEN_MOCK_KEY.lower(), key)  # rotation; either case
+
+
+def test_adyen_library_signature_is_accepted_and_what_we_refuse_it_refuses(
+    adyen_util: Any,
+) -> None:
+    item = {key: value for key, value in ADYEN_ITEM.items() if key != "additionalData"}
+    item |= {"originalReference": "8313842560770001", "eventCode": "REFUND"}
+    signature = adyen_util.generate_notification_sig(item, ADYEN_KEY).decode()
+    adyen_check(adyen_body({**item, "additionalData": {"hmacSignature": signature}}))
+    for name, value in [("pspReference", "7914073381342285"), ("merchantReference", "x"),
+                        ("success", "false"), ("amount", {"currency": "EUR", "value": 1131}),
+                        ("originalReference", None)]:  # fmt: skip
+        changed = {**item, name: value, "additionalData": {"hmacSignature": signature}}
+        if value is None:
+            del changed[name]
+        body = adyen_body(changed)
+        assert not adyen_util.is_valid_hmac_notification(json.loads(body), ADYEN_KEY)
+        assert adyen_refused(body) == "no signature matches"
+
+
+def test_adyen_verifies_every_item_where_its_library_checks_the_first(adyen_util: Any) -> None:
+    forged = {**ADYEN_ITEM, "pspReference": "7914073381342299"}
+    body = adyen_body(ADYEN_ITEM, forged)
+
+    assert adyen_util.is_valid_hmac_notification(json.loads(body), ADYEN_KEY)
+    assert adyen_refused(body) == "no signature matches"
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"[]", "the body has no notificationItems"),
+        (b'{"notificationItems": []}', "the body has no notificationItems"),
+        (b'{"notificationItems": [{"Item": {}}]}',
+         "notificationItems[0] has no NotificationRequestItem"),
+        (adyen_body({k: v for k, v in ADYEN_ITEM.items() if k != "additionalData"}),
+         "notificationItems[0] has no additionalData.hmacSignature"),
+        (adyen_body({**ADYEN_ITEM, "additionalData": {"hmacSignature": "not base64!"}}),
+         "notificationItems[0].additionalData.hmacSignature malformed"),
+        (adyen_body({**ADYEN_ITEM, "success": True}), "notificationItems[0].success malformed"),
+        (adyen_body({**ADYEN_ITEM, "amount": {"currency": "EUR", "value": 11.3}}),
+         "notificationItems[0].value malformed"),
+        # A ":" where the joiner would let another split of the signed text move the key.
+        (adyen_body({**ADYEN_ITEM, "pspReference": "7914073381342284:"}),
+         "notificationItems[0].pspReference malformed"),
+        (adyen_body({**ADYEN_ITEM, "eventCode": "AUTHORISATION:x"}),
+         "notificationItems[0].eventCode malformed"),
+        # A key twice: the app's parser may read the one that was not verified.
+        (adyen_body(ADYEN_ITEM).replace(b'"pspReference"', b'"pspReference": "1", "pspReference"'),
+         "the body has no notificationItems"),
+    ],
+)  # fmt: skip
+def test_an_adyen_body_that_is_not_a_signed_notification_is_refused(
+    body: bytes, reason: str
+) -> None:
+    assert adyen_refused(body) == reason
+
+
+@pytest.mark.parametrize("key", ["not hex", ADYEN_KEY[:-1], "0x" + ADYEN_KEY, "é" * 4])
+def test_an_adyen_key_that_is_not_hex_is_refused(key: str) -> None:
+    with pytest.raises(ValueError, match=r"^secrets\[0\] must be the HMAC key in hex"):
+        signatures.build("adyen", [key])

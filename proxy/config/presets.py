@@ -179,6 +179,57 @@ PRESETS: dict[str, Preset] = {
         retention=2 * DAY,
         tolerance=12 * HOUR,
     ),
+    # SendGrid's Event Webhook posts a batch (an array of events, each with its sg_event_id):
+    # keyed by every sg_event_id in it (event_ids: one event's as it is, several hashed), so a
+    # batch regrouped on a retry is forwarded again, never dropped. Retries span 24 hours;
+    # whether a retry is re-signed with a fresh timestamp is unverified, so, as for Paddle, the
+    # window spans the retention, inside which a replay is a duplicate anyway. No event type:
+    # a batch mixes them. verify.secret is the verification key (public).
+    "sendgrid": Preset(
+        event_id=("body:/*/sg_event_id",),
+        event_type=None,
+        scheme="sendgrid",
+        retention=2 * DAY,
+        tolerance=2 * DAY,
+    ),
+    # HubSpot posts a batch of up to 100 events; eventId may not be unique on its own (its
+    # webhooks page, as recalled: unverified), so each event is keyed with its portal and
+    # subscription. Each retry
+    # (up to 10 over 24 hours) is a new body (attemptNumber) re-signed at a fresh timestamp:
+    # HubSpot's 5 minutes. verify needs public_url, as Twilio's does.
+    "hubspot": Preset(
+        event_id=("body:/*/portalId", "body:/*/subscriptionId", "body:/*/eventId"),
+        event_type=None,
+        scheme="hubspot",
+        retention=2 * DAY,
+    ),
+    # Adyen signs each NotificationRequestItem's key fields (not the body, no timestamp), with
+    # an HMAC key in hex. An event is its pspReference, eventCode and success (an AUTHORISATION
+    # refused, then one that succeeded, are two); a body's items are keyed together as a batch.
+    # A failing webhook is retried for 30 days; any 2xx accepts it (Adyen no longer needs
+    # "[accepted]"). A replay after the retention is forwarded again: nothing signed ages.
+    "adyen": Preset(
+        event_id=tuple(
+            f"body:/notificationItems/*/NotificationRequestItem/{name}"
+            for name in ("pspReference", "eventCode", "success")
+        ),
+        event_type="body:/notificationItems/0/NotificationRequestItem/eventCode",
+        scheme="adyen",
+        retention=31 * DAY,
+    ),
+    # AWS SNS over HTTPS: signed with RSA under a certificate fetched from sns.<region>.
+    # amazonaws.com only; verify.secrets are the topic ARNs the route takes. A retry is the
+    # same signed message (its Timestamp is the publish time): the tolerance spans the retry
+    # horizon (an hour at most, by the delivery policy's limits: unverified) with a wide margin,
+    # below the retention, so a replay is a duplicate or stale. A SubscriptionConfirmation is
+    # claimed by its MessageId and forwarded: the app confirms it.
+    "sns": Preset(
+        event_id=("body:/MessageId",),
+        event_type="body:/Type",
+        scheme="sns",
+        retention=2 * DAY,
+        tolerance=DAY,
+    ),
     # 3 retries within minutes; the url_verification handshake carries no event_id. Slack gives
     # up on an answer after 3 s (and retries while the first copy may still run): a copy waits 2 s.
     "slack": Preset(

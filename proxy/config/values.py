@@ -339,7 +339,9 @@ def parse_sources(value: object) -> event_ids.Source | tuple[event_ids.Source, .
     if isinstance(value, list | tuple):
         if len(value) < 2:
             raise ValueError("a composite event_id needs at least two sources")
-        return tuple(parse_source(item) for item in value)
+        sources = tuple(parse_source(item) for item in value)
+        event_ids.check_batch(sources)
+        return sources
     return parse_source(value)
 
 

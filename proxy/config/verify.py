@@ -20,7 +20,7 @@ from proxy.config import presets, reader, values
 
 VERIFY_KEYS = ("scheme", "secret", "secrets", "tolerance", "header", "algorithm", "encoding",
                "prefix", "public_url", "cert_hosts", "ca_file", "verify_token", "tenant_secrets",
-               "shared_secret")  # fmt: skip
+               "shared_secret", "confirm_subscription")  # fmt: skip
 # How signatures names a bad secret ("secrets[1] has leading or trailing whitespace").
 _NUMBERED = re.compile(r"secrets\[(\d+)\] ")
 SHARED_SECRET = (
@@ -90,6 +90,9 @@ def _settings(
     if "verify_token" in section:
         # Meta's subscription check; a secret: whoever knows it can subscribe the route.
         options["verify_tokens"] = r.strings(section, "verify_token", path, secret=True)
+    options["confirm_subscription"] = r.value(
+        section, "confirm_subscription", path, values.parse_bool, None
+    )
     default_tolerance = (preset and preset.tolerance) or signatures.DEFAULT_TOLERANCE
     tolerance = r.value(section, "tolerance", path, values.parse_duration, default_tolerance)
     if scheme is None or any(
