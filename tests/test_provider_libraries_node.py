@@ -1,11 +1,14 @@
-"""GitHub's and Linear's schemes cross-checked with the providers' own JavaScript libraries, run
-by node: ``@octokit/webhooks-methods`` (GitHub's, behind Octokit's webhooks) signs what the
-proxy forwards once and verifies what it forwarded; ``@linear/sdk``'s ``LinearWebhookClient``
-verifies what the proxy forwarded (it signs nothing: the test signs as its ``verify``
-computes). A forged, a stale and a body-swapped copy are refused 401 before any claim."""
+"""GitHub's, Linear's and Shopify's schemes cross-checked with the providers' own JavaScript
+libraries, run by node: ``@octokit/webhooks-methods`` (GitHub's, behind Octokit's webhooks)
+signs what the proxy forwards once and verifies what it forwarded; ``@linear/sdk``'s
+``LinearWebhookClient`` and ``@shopify/shopify-api``'s ``webhooks.validate`` verify what the
+proxy forwarded (they sign nothing: the test signs as their checks compute). A forged, a stale
+(where the scheme dates its requests) and a body-swapped copy are refused 401 before any
+claim."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -26,8 +29,9 @@ from tests.helpers import (
 )
 
 # The libraries' major versions, as their tests here were written against.
-PACKAGES = ("@octokit/webhooks-methods@5", "@linear/sdk@98")
+PACKAGES = ("@octokit/webhooks-methods@5", "@linear/sdk@98", "@shopify/shopify-api@11")
 LINEAR_SECRET = "lin_wh_2b9d3c1e5f"
+SHOPIFY_SECRET = "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"
 
 # Each script runs inside the npm prefix, so that its imports resolve to the packages installed
 # there (ES modules do not read NODE_PATH). Arguments: the secret, a file holding the body, and
@@ -54,6 +58,23 @@ try {
 } catch (error) {
   console.log(false, error.message);
 }
+""",
+    # Arguments: the secret, the body's file, and the request's headers as JSON.
+    "shopify_validate.mjs": """
+import { readFileSync } from "node:fs";
+import "@shopify/shopify-api/adapters/node";
+import { shopifyApi, LATEST_API_VERSION, LogSeverity } from "@shopify/shopify-api";
+const [secret, file, headers] = process.argv.slice(2);
+const shopify = shopifyApi({
+  apiKey: "stand-in", apiSecretKey: secret, scopes: [], hostName: "localhost",
+  apiVersion: LATEST_API_VERSION, isEmbeddedApp: false, logger: { level: LogSeverity.Error },
+});
+const result = await shopify.webhooks.validate({
+  rawBody: readFileSync(file, "utf8"),
+  rawRequest: { headers: JSON.parse(headers), method: "POST", url: "/hooks/shopify" },
+  rawResponse: {},
+});
+console.log(result.valid, result.reason ?? "");
 """,
 }
 
@@ -165,3 +186,40 @@ async def test_linear_sdk_verifies_what_the_proxy_forwarded_and_the_proxy_refuse
         linear_headers(stale, "x")["Linear-Signature"],
     )
     assert stale_check == "false Invalid webhook timestamp"
+
+
+def shopify_headers(body: bytes, event: str, secret: str = SHOPIFY_SECRET) -> dict[str, str]:
+    digest = base64.b64encode(hmac.digest(secret.encode(), body, "sha256")).decode()
+    return {"X-Shopify-Hmac-Sha256": digest, "X-Shopify-Event-Id": event,
+            "X-Shopify-Topic": "orders/create", "X-Shopify-API-Version": "2025-10",
+            "X-Shopify-Shop-Domain": "ledger.myshopify.com",
+            "X-Shopify-Webhook-Id": f"w-{event}"}  # fmt: skip
+
+
+async def test_shopify_api_validates_what_the_proxy_forwarded_and_the_proxy_refuses_forgeries(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str, libraries: Path
+) -> None:
+    route = {"name": "shopify", "path": "/hooks/shopify", "preset": "shopify",
+             "verify": {"secret": SHOPIFY_SECRET}}  # fmt: skip
+    client = await make_proxy(routes=[route])
+    body = b'{"id":820982911946154508,"email":"jon@example.com","total_price":"254.98"}'
+    swapped = body.replace(b"254.98", b"0.01")
+
+    await refused(client, "/hooks/shopify", body, shopify_headers(body, "e-1", "guessed"))
+    await refused(client, "/hooks/shopify", swapped, shopify_headers(body, "e-2"))
+    assert await claimed(pg_dsn, table) == []
+    headers = shopify_headers(body, "e-3")
+    first = await client.post("/hooks/shopify", data=body, headers=headers)
+    second = await client.post("/hooks/shopify", data=body, headers=headers)
+
+    assert (first.status, second.status) == (200, 200)
+    assert upstream.bodies() == [body]
+    # Shopify signs the body, not the event ID: the claim is bound to the body's digest.
+    [(scope, claim, event_type)] = await claimed(pg_dsn, table)
+    assert (scope, claim.partition("~")[0], event_type) == ("shopify", "e-3", "orders/create")
+    forwarded = upstream.requests[0]
+    sent = json.dumps({name: values[0] for name, values in forwarded.headers.items()})
+    library = node(libraries, "shopify_validate.mjs", SHOPIFY_SECRET, forwarded.body, sent)
+    assert library == "true"
+    swapped_check = node(libraries, "shopify_validate.mjs", SHOPIFY_SECRET, swapped, sent)
+    assert swapped_check == "false invalid_hmac"
