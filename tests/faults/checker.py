@@ -176,6 +176,14 @@ class UpstreamCall:
     status: int
     # The receipt mode's (``receipt_rule``): what the app's transaction did; None without it.
     effect: str | None = None
+    # When the proxy's connection closed before the answer (None: it did not): the proxy no
+    # longer waited on the call (its upstream.timeout, its replica killed); the app went on.
+    dropped: float | None = None
+
+    @property
+    def waited_until(self) -> float:
+        """Until when the proxy waited on the call: its end, or its connection's close."""
+        return self.end if self.dropped is None else min(self.end, self.dropped)
 
     @property
     def acted(self) -> bool:
@@ -231,6 +239,11 @@ class Records:
     # version at the app at the end (applied last-writer-wins).
     objects: Mapping[str, tuple[str, int]] | None = None
     final_versions: Mapping[str, int] = field(default_factory=dict)
+    # --shared-limit: the limit at the app every replica shares (None: not that mode).
+    shared_limit: int | None = None
+    # When the campaign began stopping the replicas (SIGTERM: each drains for shutdown_timeout,
+    # then gives up on what is still at the app).
+    stopped: float = float("inf")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults import campaign, checker, order_rules, reconcile_rules
+from tests.faults import campaign, checker, limit_rules, order_rules, reconcile_rules
 from tests.faults.relay import Relay
 
 
@@ -35,6 +35,7 @@ class Short:
     receipts: bool = False
     reconcile: bool = False  # with inbox: GitHub's sender, and a reconciler recovering refusals
     ordering: bool = False  # versions of objects, on a route with order and supersede
+    shared_limit: int | None = None  # with inbox: the limit at the app every replica shares
     kinds: tuple[str, ...] = campaign.KINDS
     hurt: tuple[str, ...] = ("failed", "indeterminate")
 
@@ -92,6 +93,14 @@ class Short:
             marks=pytest.mark.timeout(120),
             id="ordering-inbox",
         ),
+        # Every replica shares a limit of 4 at the app, in front of a route that redelivers:
+        # never more than 4 at the app that a proxy still waits on (but for places a database
+        # fault freed under them), nothing lost, every double explained.
+        pytest.param(
+            Short(minutes=0.4, events=300, inbox=True, shared_limit=4, hurt=()),
+            marks=pytest.mark.timeout(120),
+            id="shared-limit-inbox",
+        ),
     ],
 )
 async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
@@ -109,6 +118,7 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         receipts=short.receipts,
         reconcile=short.reconcile,
         ordering=short.ordering,
+        shared_limit=short.shared_limit,
         say=print,
     )
     table = checker.format_report(report)
@@ -135,6 +145,13 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         # The sender reordered, and the proxy superseded or kept for ordering.
         assert not rows["ordering: objects"].endswith(" 0"), table
         assert report.superseded + (report.inbox.superseded if report.inbox else 0) >= 0
+    if short.shared_limit is not None:
+        assert report.inbox is not None
+        # The places were all taken (each replica's own room is the whole limit here), and
+        # the proxy gave up on calls the app went on with: the two ways of counting differ.
+        assert report.inbox.kept_for.get("limit", 0) > 0, table
+        assert "shared limit" in dict(report.extra), table
+        assert report.lost == report.inbox.lost == 0, table
     assert not report.violations, table
 
 
@@ -876,6 +893,85 @@ def test_checker_receipts_flag_a_call_after_a_claim_logged_committed() -> None:
     logs = (processed, _settled("d2", "r2"))
     _, violations = checker.check(_receipts(calls, deliveries, {"e": 1}, logs=logs))
     assert [v.kind for v in violations] == ["forwarded_after_commit"]
+
+
+# --- the checker, with a shared limit (--shared-limit) ------------------------------------
+
+
+def _at_app(
+    event: str, replica: str, start: float, end: float, dropped: float | None = None
+) -> checker.UpstreamCall:
+    return checker.UpstreamCall(event, f"d-{event}", replica, start, end, 200, dropped=dropped)
+
+
+def _limited(
+    calls: list[checker.UpstreamCall], actions: tuple[checker.Action, ...] = ()
+) -> tuple[checker.Report, limit_rules.LimitReport]:
+    records = checker.Records(
+        events=[],  # the limit's rules read the calls alone
+        deliveries=[],
+        calls=calls,
+        actions=actions,
+        logs=(),
+        claimed=frozenset(),
+        upstream_timeout=TIMEOUT,
+        commit_margin=1.5,
+        request_bound=9.0,
+        shared_limit=2,
+    )
+    return limit_rules.check(records, checker.check(records)[0])
+
+
+def test_shared_limit_counts_a_call_the_proxy_gave_up_on_only_while_it_waited() -> None:
+    # e1's upstream.timeout fired at 3.0 (the proxy closed the connection; the app went on until
+    # 4.0); e2 and e3 at the app from 3.5 are the limit of 2, counted the strict way.
+    calls = [
+        _at_app("e1", "r1", 1.0, 4.0, dropped=3.0),
+        _at_app("e2", "r2", 2.0, 5.0),
+        _at_app("e3", "r3", 3.5, 4.5),
+        _at_app("e4", "r1", 6.0, 6.5, dropped=6.2),  # its replica killed at 6.2
+    ]
+    kill = checker.Action("kill", "r1", 6.2, 7.0)
+    report, summary = _limited(calls, (kill,))
+    assert report.violations == ()
+    assert (summary.peak_strict, summary.peak_loose, summary.peak_held) == (2, 3, 2)
+    assert summary.dropped == {"late": 1, "kill": 1}
+    assert (summary.over, summary.over_unexplained) == (0, 0)
+    assert "2 waited on (strict), 3 with the abandoned (loose)" in checker.format_report(report)
+
+
+@pytest.mark.parametrize(
+    ("fault", "explained"),
+    [
+        (None, False),
+        # A reset of r1's database link closes its connections: PostgreSQL rolls e1's
+        # transaction back and its place goes to e3 while r1 still waits on the app.
+        (checker.Action("reset", "r1", 2.5, 2.6), True),
+        (checker.Action("pg_restart", "postgres", 2.5, 3.2), True),
+        # A blackhole ends no transaction; a reset of another replica's link not e1's or e2's.
+        (checker.Action("blackhole", "r1", 2.5, 4.0), False),
+        (checker.Action("reset", "r2", 1.0, 1.1), False),  # before e2's claim
+        # Between e3's claim and its call: its own place was lost, e3 went to the app anyway.
+        (checker.Action("reset", "r3", 2.6, 2.7), True),
+        # The fault came after e3 started: the places were over the limit before it.
+        (checker.Action("reset", "r1", 3.2, 3.3), False),
+    ],
+)
+def test_shared_limit_flags_more_waited_on_than_the_limit_unless_a_fault_freed_a_place(
+    fault: checker.Action | None, explained: bool
+) -> None:
+    calls = [
+        _at_app("e1", "r1", 1.0, 4.0),
+        _at_app("e2", "r2", 2.0, 5.0),
+        _at_app("e3", "r3", 3.0, 3.5),
+    ]
+    report, summary = _limited(calls, (fault,) if fault else ())
+    assert (summary.peak_strict, summary.over) == (3, 1)
+    assert summary.over_unexplained == (0 if explained else 1)
+    assert [v.kind for v in report.violations] == ([] if explained else ["over_shared_limit"])
+    if not explained:
+        evidence = report.violations[0].evidence
+        assert evidence[0].startswith("upstream call t=1.000..t=4.000")
 
 
 # --- the checker, with ordering (--ordering) ----------------------------------------------
