@@ -63,6 +63,15 @@ versions before the one older (``OUT_OF_ORDER``); the copies and the retries reo
 providers do. The app applies each version last-writer-wins when it answers 2xx and keeps each
 object's version; ``order_rules`` adds the ordering invariants to the checker's.
 
+With ``--shared-limit N`` (and ``--inbox``) every replica has ``upstream.concurrency: {limit:
+N, shared: true}`` on the one claim table (each replica's own room what its pool allows, up
+to N). The app records, besides each call's start and end, when the proxy's connection
+closed before the answer (``UpstreamCall.dropped``): its ``upstream.timeout`` fired or its
+replica was killed, and the place went with the transaction's ROLLBACK or its dead connection.
+``limit_rules`` adds: at no instant more than N calls at the app that a proxy still waits on,
+but for those whose place a database fault freed under them; after the nemesis, every place
+is free.
+
 Each replica reaches the app on a port of its own, so the app knows which replica sent a call,
 a redelivery included (it carries the headers of the delivery it redelivers).
 
@@ -74,6 +83,7 @@ Run it on demand (exit status 1 on any violation)::
     python -m tests.faults.campaign --minutes 5 --failover
     python -m tests.faults.campaign --minutes 5 --receipts [--inbox] [--pgbouncer | --failover]
     python -m tests.faults.campaign --minutes 4 --ordering [--inbox]
+    python -m tests.faults.campaign --minutes 4 --inbox --shared-limit 4
 """
 
 from __future__ import annotations

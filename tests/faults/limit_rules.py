@@ -21,9 +21,12 @@ by every replica").
   fault may begin up to ``checker.CLAIM_LEAD`` before the call, between its take and its
   start). The proxy does not learn of it until its COMMIT, so it still waits, and another
   replica may take the place meanwhile. At every instant the calls waited on and not exposed
-  are at most N (``over_shared_limit``). A blackhole ends no transaction (every socket stays
-  open, no byte moves), nor does a replica's kill leave a call waited on (its connections to
-  the app and the database close together), so neither is an excuse.
+  are at most N (``over_shared_limit``). A call that was a delivery's first forward whose
+  claim the proxy logged committed on its own connection (``processed``, not ``reconciled``)
+  is exposed to nothing: its transaction lived until after the answer. A blackhole ends no
+  transaction (every socket stays open, no byte moves), nor does a replica's kill leave a call
+  waited on (its connections to the app and the database close together), so neither is an
+  excuse.
 
 The report counts the calls, those the proxy stopped waiting on (by why: ``late``, its answer
 after ``upstream.timeout``; ``kill``, its replica killed; ``stop``, a redelivery of the last
@@ -57,6 +60,7 @@ class LimitReport:
     peak_loose: int  # the most at the app at once, abandoned ones until the app answered
     peak_held: int  # the most waited on and not exposed: holding their places for sure
     over: int  # instants (starts) at which more than the limit were waited on
+    over_causes: Mapping[str, int]  # of the explained ones, by the faults that exposed calls
     over_unexplained: int  # of which more than the limit not exposed
 
     def rows(self) -> tuple[tuple[str, str], ...]:
@@ -74,28 +78,44 @@ class LimitReport:
             ),
             (
                 "  over the limit",
-                f"{self.over} times (explained {self.over - self.over_unexplained}: a place lost "
-                f"to a database fault; unexplained {self.over_unexplained})",
+                f"{self.over} times (explained {self.over - self.over_unexplained}, places lost "
+                f"to {checker._counts(self.over_causes)}; unexplained {self.over_unexplained})",
             ),
         )
 
 
-def exposed_from(records: checker.Records, call: checker.UpstreamCall) -> float:
-    """From when ``call``'s place may have been freed under it: the start of the first fault
-    in ``PLACE_LOSSES`` on its replica (or the database) that overlaps it, from its claim on
-    (infinity: none did)."""
+_NEVER = (float("inf"), "")
+
+
+def exposed_from(records: checker.Records, call: checker.UpstreamCall) -> tuple[float, str]:
+    """From when ``call``'s place may have been freed under it, and by what: the start of the
+    first fault in ``PLACE_LOSSES`` on its replica (or the database) that overlaps it, from its
+    claim on (infinity: none did)."""
     low = call.start - checker.CLAIM_LEAD
     return min(
         (
-            max(call.start, a.start)
+            (max(call.start, a.start), a.kind)
             for a in records.actions
             if a.kind in PLACE_LOSSES
             and (a.kind in checker.GLOBAL_KINDS or a.target == call.replica)
             and a.start <= call.waited_until
             and a.end >= low
         ),
-        default=float("inf"),
+        default=_NEVER,
     )
+
+
+def _held_throughout(records: checker.Records) -> set[int]:
+    """The calls (ids) that were a delivery's first forward whose claim the proxy logged
+    committed on its own connection (``checker._Event.committed``): its transaction, and the
+    place in it, lived until after the answer, whatever the faults around it."""
+    held = set()
+    for event in checker.events_of(records).values():
+        for call in event.forwards:
+            own = next((d for d in event.deliveries if d.delivery_id == call.delivery_id), None)
+            if own is not None and event.committed(own):
+                held.add(id(call))
+    return held
 
 
 def _why_dropped(records: checker.Records, call: checker.UpstreamCall) -> str:
@@ -130,11 +150,13 @@ def check(records: checker.Records, report: checker.Report) -> tuple[checker.Rep
     if limit is None:
         raise ValueError("the shared limit's rules need the limit (Records.shared_limit)")
     calls = list(records.calls)
-    exposure = {id(c): exposed_from(records, c) for c in calls}
+    throughout = _held_throughout(records)
+    exposure = {id(c): _NEVER if id(c) in throughout else exposed_from(records, c) for c in calls}
     strict = [(c.start, c.waited_until) for c in calls]
-    held = [(c.start, min(c.waited_until, exposure[id(c)])) for c in calls]
+    held = [(c.start, min(c.waited_until, exposure[id(c)][0])) for c in calls]
     found: list[checker.Violation] = []
     over = unexplained = 0
+    causes: Counter[str] = Counter()
     waited: list[checker.UpstreamCall] = []
     # The count only grows when a call starts: looking at each start is looking at every instant.
     for call in sorted(calls, key=lambda c: c.start):
@@ -143,8 +165,9 @@ def check(records: checker.Records, report: checker.Report) -> tuple[checker.Rep
         if len(waited) <= limit:
             continue
         over += 1
-        holding = [c for c in waited if t < exposure[id(c)]]
+        holding = [c for c in waited if t < exposure[id(c)][0]]
         if len(holding) <= limit:
+            causes.update({exposure[id(c)][1] for c in waited if c not in holding})
             continue
         unexplained += 1
         found.append(_violation(records, limit, t, waited, exposure))
@@ -156,6 +179,7 @@ def check(records: checker.Records, report: checker.Report) -> tuple[checker.Rep
         peak_loose=_peak([(c.start, c.end) for c in calls]),
         peak_held=_peak(held),
         over=over,
+        over_causes=causes,
         over_unexplained=unexplained,
     )
     amended = replace(
@@ -169,9 +193,9 @@ def _violation(
     limit: int,
     t: float,
     waited: Sequence[checker.UpstreamCall],
-    exposure: Mapping[int, float],
+    exposure: Mapping[int, tuple[float, str]],
 ) -> checker.Violation:
-    holding = [c for c in waited if t < exposure[id(c)]]
+    holding = [c for c in waited if t < exposure[id(c)][0]]
     message = (
         f"{len(waited)} calls at the app at {checker._rel(records, t)} that a proxy still waited "
         f"on, {len(holding)} of them exposed to no fault that frees a place: over the shared "

@@ -905,15 +905,20 @@ def _at_app(
 
 
 def _limited(
-    calls: list[checker.UpstreamCall], actions: tuple[checker.Action, ...] = ()
+    calls: list[checker.UpstreamCall],
+    actions: tuple[checker.Action, ...] = (),
+    *,
+    deliveries: tuple[checker.Delivery, ...] = (),
+    logs: tuple[Mapping[str, object], ...] = (),
 ) -> tuple[checker.Report, limit_rules.LimitReport]:
+    events = [d.event_id for d in deliveries]  # the others' calls count at the app all the same
     records = checker.Records(
-        events=[],  # the limit's rules read the calls alone
-        deliveries=[],
+        events=events,
+        deliveries=deliveries,
         calls=calls,
         actions=actions,
-        logs=(),
-        claimed=frozenset(),
+        logs=logs,
+        claimed=frozenset(events),
         upstream_timeout=TIMEOUT,
         commit_margin=1.5,
         request_bound=9.0,
@@ -972,6 +977,25 @@ def test_shared_limit_flags_more_waited_on_than_the_limit_unless_a_fault_freed_a
     if not explained:
         evidence = report.violations[0].evidence
         assert evidence[0].startswith("upstream call t=1.000..t=4.000")
+
+
+def test_shared_limit_takes_no_fault_as_freeing_the_place_of_a_claim_committed_on_its_own() -> None:
+    # e1's claim was committed on the connection that made it (logged processed): the reset
+    # of r1's link came before its claim, or after its COMMIT; its place was held throughout.
+    calls = [
+        _at_app("e1", "r1", 1.0, 4.0),
+        _at_app("e2", "r2", 2.0, 5.0),
+        _at_app("e3", "r3", 3.0, 3.5),
+    ]
+    sent = checker.Delivery("d-e1", "e1", "r1", "nemesis", 0.9, 4.1, 200)
+    line = {"event_id": "e1", "request_id": "d-e1", "outcome": "processed", "replica": "r1"}
+    reset = checker.Action("reset", "r1", 2.5, 2.6)
+    report, summary = _limited(calls, (reset,), deliveries=(sent,), logs=(line,))
+    assert summary.over_unexplained == 1
+    assert [v.kind for v in report.violations] == ["over_shared_limit"]
+    # Without the line (the claim's COMMIT failed, say) the reset explains it.
+    _, summary = _limited(calls, (reset,), deliveries=(sent,))
+    assert (summary.over_unexplained, summary.over_causes) == (0, {"reset": 1})
 
 
 # --- the checker, with ordering (--ordering) ----------------------------------------------
