@@ -587,9 +587,11 @@ def split_calls(
     deliveries: Sequence[Delivery], calls: Sequence[UpstreamCall], unsent: Collection[str] = ()
 ) -> list[UpstreamCall]:
     """The redeliveries among one event's ``calls``: a delivery's first call while it was in
-    flight is its forward; any other call carrying its ID (the redeliverer sends the headers of
-    the delivery it keeps) is a redelivery, and so is every call of a delivery kept ``unsent``
-    (the redeliverer may send it before its 202 reached the provider)."""
+    flight, from the replica it was sent to, is its forward; any other call carrying its ID
+    (the redeliverer sends the headers of the delivery it keeps) is a redelivery, and so is
+    every call of a delivery kept ``unsent`` (the redeliverer may send it before its 202
+    reached the provider). A keep can be committed while its replica still answers: one whose
+    COMMIT failed in doubt answers 503, and another replica's lane may send the row first."""
     spans = {d.delivery_id: d for d in deliveries if d.delivery_id not in unsent}
     forwarded: set[str] = set()
     again: list[UpstreamCall] = []
@@ -597,7 +599,10 @@ def split_calls(
         delivery = spans.get(call.delivery_id or "")
         if delivery is None or delivery.delivery_id in forwarded:
             again.append(call)
-        elif delivery.start <= call.start <= delivery.end:
+        elif delivery.start <= call.start <= delivery.end and call.replica in (
+            None,
+            delivery.replica,
+        ):
             forwarded.add(delivery.delivery_id)
         else:
             again.append(call)

@@ -547,6 +547,25 @@ def test_checker_inbox_flags_a_copy_forwarded_while_its_event_is_kept() -> None:
     assert [v.kind for v in violations] == ["forwarded_while_kept"]
 
 
+def test_checker_inbox_takes_a_call_from_another_replica_for_a_redelivery_not_a_forward() -> None:
+    # d1 went to r3, whose keep was committed though r3 took it as failed (503, the keep's
+    # COMMIT in doubt under a failover); the copy d2 found the row kept; r2's redeliverer sent
+    # it with d1's headers while d1 was still in flight. Seen in the --failover --inbox
+    # --shared-limit 4 campaign (seed 5402): not a forward of d1's, which r3 alone could make.
+    calls = [_call("d1", "r2", 2.0)]
+    deliveries = [
+        checker.Delivery("d1", "e", "r3", "nemesis", 1.0, 3.0, 503),
+        checker.Delivery(
+            "d2", "e", "r1", "nemesis", 1.5, 1.6, 202, duplicate=True,
+            dedup_status="duplicate_queued",
+        ),
+    ]  # fmt: skip
+    report, violations = checker.check(_inbox(calls, deliveries))
+    assert violations == []
+    assert report.inbox is not None
+    assert (report.inbox.redeliveries, report.inbox.lost) == (1, 0)
+
+
 def test_checker_inbox_flags_a_queued_answer_to_a_delivery_the_app_took() -> None:
     calls = [_call("d1", "r1", 1.0)]  # answered 200 in 0.01 s
     _, violations = checker.check(_inbox(calls, [_kept("d1", "r1", 1.0, None)]))
