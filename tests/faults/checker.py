@@ -56,7 +56,8 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
   ``upstream.timeout``), never to ``no_answer``; a kill of its replica during the wait, after
   which the row is sent again at the lease's end, is counted as ``hand_off_kill``.
 - **Redeliveries are doubles only in the windows.** A call carrying a delivery's ID that is not
-  that delivery's first forward is a redelivery, made by the replica whose port it reached.
+  that delivery's first forward (its first call while it was in flight, from the replica it
+  was sent to) is a redelivery, made by the replica whose port it reached.
   The windows are the same (a fault on *that* replica, or a PostgreSQL restart, from the call
   until the COMMIT of ``delivered``; an answer after ``upstream.timeout``), and one more: the
   replica logged that attempt (``proxy.redeliverer``) with no answer from the app, or the first
