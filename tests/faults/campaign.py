@@ -63,6 +63,15 @@ versions before the one older (``OUT_OF_ORDER``); the copies and the retries reo
 providers do. The app applies each version last-writer-wins when it answers 2xx and keeps each
 object's version; ``order_rules`` adds the ordering invariants to the checker's.
 
+With ``--shared-limit N`` (and ``--inbox``) every replica has ``upstream.concurrency: {limit:
+N, shared: true}`` on the one claim table (each replica's own room what its pool allows, up
+to N). The app records, besides each call's start and end, when the proxy's connection
+closed before the answer (``UpstreamCall.dropped``): its ``upstream.timeout`` fired or its
+replica was killed, and the place went with the transaction's ROLLBACK or its dead connection.
+``limit_rules`` adds: at no instant more than N calls at the app that a proxy still waits on,
+but for those whose place a database fault freed under them; after the nemesis, every place
+is free.
+
 Each replica reaches the app on a port of its own, so the app knows which replica sent a call,
 a redelivery included (it carries the headers of the delivery it redelivers).
 
@@ -74,6 +83,7 @@ Run it on demand (exit status 1 on any violation)::
     python -m tests.faults.campaign --minutes 5 --failover
     python -m tests.faults.campaign --minutes 5 --receipts [--inbox] [--pgbouncer | --failover]
     python -m tests.faults.campaign --minutes 4 --ordering [--inbox]
+    python -m tests.faults.campaign --minutes 4 --inbox --shared-limit 4
 """
 
 from __future__ import annotations
@@ -103,11 +113,12 @@ import yaml
 from aiohttp import web
 
 from proxy import app_limit, config, embedded, errors
-from proxy.database import pool
+from proxy.database import pool, sql
 from tests.faults import (
     checker,
     databases,
     ledger_app,
+    limit_rules,
     order_rules,
     reconcile_rules,
     reconcile_sender,
@@ -186,6 +197,9 @@ class Settings:
     reconcile_api: str | None = None
     # --ordering: the route orders by object (key, version) and supersedes stale versions.
     ordering: bool = False
+    # --shared-limit: upstream.concurrency {limit: N, shared: true} on every replica, in place
+    # of ``concurrency`` per replica.
+    shared_limit: int | None = None
 
     def with_inbox(self) -> Settings:
         """These settings in the inbox mode, with flow control as its user sets it up: a limit
@@ -214,6 +228,13 @@ class Settings:
             + 3 * self.connect_timeout
             + 1.0
         )
+
+    @property
+    def limit_config(self) -> int | dict[str, Any] | None:
+        """``upstream.concurrency`` as configured: shared, per replica, or unset."""
+        if self.shared_limit is not None:
+            return {"limit": self.shared_limit, "shared": True}
+        return self.concurrency
 
     @property
     def commit_margin(self) -> float:
@@ -251,7 +272,7 @@ class Settings:
                 "upstream": {
                     "url": upstream,
                     "timeout": f"{self.upstream_timeout}s",
-                    **({} if self.concurrency is None else {"concurrency": self.concurrency}),
+                    **({} if self.limit_config is None else {"concurrency": self.limit_config}),
                 },
                 "database": {
                     "dsn": dsn,
@@ -392,12 +413,18 @@ class App:
         self.ledger: ledger_app.Ledger | None = None  # the receipt mode's database
         # --ordering: each object's version, applied last-writer-wins on each 2xx.
         self.versions: dict[str, int] = {}
+        self._working: set[asyncio.Future[web.Response]] = set()
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         application = web.Application()
         application.router.add_post(HOOK, self._handle)
-        self._runner = web.AppRunner(application, access_log=None, shutdown_timeout=1.0)
+        # The handler is cancelled when the proxy's connection closes before the answer (its
+        # upstream.timeout, its replica killed): the moment the proxy stopped waiting
+        # (``UpstreamCall.dropped``). The work itself goes on (``_work``), as a real app's does.
+        self._runner = web.AppRunner(
+            application, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+        )
         await self._runner.setup()
 
     async def listen(self, replica: str) -> str:
@@ -439,6 +466,24 @@ class App:
 
     async def _handle(self, request: web.Request) -> web.Response:
         start = time.monotonic()
+        dropped: list[float] = []
+        work = asyncio.ensure_future(self._work(request, start, dropped))
+        self._working.add(work)
+        work.add_done_callback(self._worked)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            dropped.append(time.monotonic())
+            raise
+
+    def _worked(self, work: asyncio.Future[web.Response]) -> None:
+        self._working.discard(work)
+        if not work.cancelled():
+            work.exception()  # retrieved: a request the proxy dropped while it was being read
+
+    async def _work(
+        self, request: web.Request, start: float, dropped: Sequence[float]
+    ) -> web.Response:
         sender = self._sender(request)
         self.in_flight += 1
         try:
@@ -467,6 +512,7 @@ class App:
                 end=time.monotonic(),
                 status=status,
                 effect=effect,
+                dropped=dropped[0] if dropped else None,
             )
             # Applied as the call ends, with no await between: the calls' ends are the order
             # the versions were applied in.
@@ -1016,6 +1062,28 @@ def check_restarts(nemesis: Nemesis, replicas: Sequence[Replica]) -> checker.Pos
     )
 
 
+async def check_places_free(c: Cluster, within: float = 2.0) -> checker.PostCheck:
+    """--shared-limit: once nothing is in flight, every place at the app is free (none is held
+    by a transaction left behind, idle or not)."""
+    limit = c.settings.shared_limit
+    assert limit is not None
+    name = f"every one of the {limit} shared places free"
+    query = (
+        f'SELECT count(*) FROM (SELECT FROM "{c.settings.table}" WHERE scope = $1 '
+        "AND event_id = ANY($2::text[]) FOR UPDATE SKIP LOCKED) AS free"
+    )
+    scope, ids = f"{sql.SLOTS}/app", [str(n) for n in range(limit)]
+    free = [0]
+
+    async def all_free() -> bool:
+        free[0] = (await fetch(c.dsn, query, scope, ids))[0][0]
+        return free[0] == limit
+
+    with contextlib.suppress(CampaignError):
+        await poll(all_free, name, within)
+    return checker.PostCheck(name, free[0] == limit, f"{free[0]} free of {limit}")
+
+
 async def check_no_idle_transactions(
     dsn: str, within: float = 2.0, where: str = ""
 ) -> checker.PostCheck:
@@ -1066,11 +1134,17 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
     a 503: a pool slot leaked by a fault would make one of them wait past ``pool_timeout``.
     With a limit at the app (the inbox mode), ``upstream.concurrency`` of them are forwarded
     (a place at the app leaked would keep one more) and the others kept for the limit (a
-    connection leaked would leave none to keep them with)."""
+    connection leaked would leave none to keep them with); with a shared limit, that many of
+    them all replicas together (a place leaked, held by no delivery, would keep one more)."""
     settings = c.settings
     limit = settings.concurrency if settings.inbox else None
+    shared = settings.shared_limit
+    if shared is not None:
+        limit = shared
     name = f"{settings.pool_size} concurrent slow events per replica" + (
-        f" ({limit} forwarded, the others kept for the limit)" if limit else ""
+        f" ({limit} forwarded{' by all' if shared else ''}, the others kept for the limit)"
+        if limit
+        else ""
     )
     slow = settings.pool_timeout + 0.5
     if limit is not None and settings.hand_off is not None:
@@ -1092,7 +1166,10 @@ async def check_pools_free(c: Cluster, provider: Provider) -> checker.PostCheck:
         )
     )
     bad = [d for d in results if not _served(d, limit)]
-    if limit is not None:
+    if shared is not None:
+        if sum(_forwarded(d) for d in results) < shared:
+            bad += [d for d in results if d not in bad]
+    elif limit is not None:
         for replica in c.replicas:
             forwarded = [d for d in results if d.replica == replica.name and _forwarded(d)]
             if len(forwarded) < min(limit, settings.pool_size):
@@ -1155,6 +1232,7 @@ async def run_campaign(
     receipts: bool = False,
     reconcile: bool = False,
     ordering: bool = False,
+    shared_limit: int | None = None,
     say: Callable[[str], None] = _quiet,
 ) -> checker.Report:
     """Run one campaign (``minutes`` of nemesis, then settling and checks); return the report,
@@ -1162,8 +1240,12 @@ async def run_campaign(
     ``database``: ``plain``, ``pgbouncer`` or ``failover`` (see the module's docstring);
     ``receipts``: the receipt mode (``ledger_app``); ``reconcile``: the inbox mode with GitHub's
     sender and a reconciler (``reconcile_sender``); ``ordering``: versions of objects on a route
-    that orders them (``order_rules``)."""
+    that orders them (``order_rules``); ``shared_limit``: the inbox mode with that limit at the
+    app shared by every replica (``limit_rules``)."""
     settings = settings or Settings()
+    if shared_limit is not None:
+        settings = replace(settings, shared_limit=shared_limit)
+        inbox = True
     if receipts:
         settings = replace(settings, receipts=True)
     if ordering:
@@ -1182,6 +1264,7 @@ async def run_campaign(
     mode += " receipts" if settings.receipts else ""
     mode += " reconcile" if reconcile else ""
     mode += " ordering" if settings.ordering else ""
+    mode += f" shared-limit={settings.shared_limit}" if settings.shared_limit is not None else ""
     say(
         f"campaign{mode} seed={seed} replicas={replicas} events={count} nemesis={duration:g}s "
         f"in {work}"
@@ -1247,16 +1330,11 @@ async def _campaign(
             if github is not None:
                 settle += await _settle_reconcile(c, provider, github)
             say(f"{time.monotonic() - origin:7.2f}s  settled in {settle:.1f}s; checking")
-            post = [check_restarts(nemesis, c.replicas)]
-            post.append(await check_no_idle_transactions(c.dsn))
-            if c.app.ledger is not None:  # before the pool check's events reach the app
-                post.append(
-                    await check_no_idle_transactions(c.app.ledger.dsn, where=" (the app's)")
-                )
-            post.append(await check_pools_free(c, provider))
+            post = await _post_checks(c, nemesis, provider)
             rows = await claim_rows(c.dsn, settings.table)
             ledger = None if c.app.ledger is None else await c.app.ledger.counts()
             final_versions = dict(c.app.versions)
+        stopped = time.monotonic()
         for replica in c.replicas:
             await replica.stop()
         logs: list[Any] = [line for r in c.replicas for line in r.logs]
@@ -1281,6 +1359,8 @@ async def _campaign(
             post_checks=post,
             objects=None if objects is None else objects.versions,
             final_versions=final_versions,
+            shared_limit=settings.shared_limit,
+            stopped=stopped,
             settings={
                 "seed": seed,
                 "replicas": replicas,
@@ -1295,14 +1375,35 @@ async def _campaign(
                 **(_order_settings(objects) if objects is not None else {}),
             },
         )
-        if github is not None:
-            report, _ = reconcile_rules.check(records, github.recovery())
-            return report
-        if objects is not None:
-            report, _ = order_rules.check(records)
-            return report
+        return _judge(records, github)
+
+
+async def _post_checks(c: Cluster, nemesis: Nemesis, provider: Provider) -> list[checker.PostCheck]:
+    """The checks once the campaign settled: replicas restarted, nothing left in a transaction
+    (nor, with a shared limit, holding a place), no pool slot leaked."""
+    post = [check_restarts(nemesis, c.replicas)]
+    post.append(await check_no_idle_transactions(c.dsn))
+    if c.app.ledger is not None:  # before the pool check's events reach the app
+        post.append(await check_no_idle_transactions(c.app.ledger.dsn, where=" (the app's)"))
+    if c.settings.shared_limit is not None:
+        post.append(await check_places_free(c))
+    post.append(await check_pools_free(c, provider))
+    return post
+
+
+def _judge(
+    records: checker.Records, github: reconcile_sender.CampaignHook | None
+) -> checker.Report:
+    """The report of the mode's rules."""
+    if github is not None:
+        report, _ = reconcile_rules.check(records, github.recovery())
+    elif records.objects is not None:
+        report, _ = order_rules.check(records)
+    else:
         report, _ = checker.check(records)
-        return report
+    if records.shared_limit is not None:
+        report, _ = limit_rules.check(records, report)
+    return report
 
 
 async def _settle_reconcile(
@@ -1350,7 +1451,11 @@ def _inbox_settings(settings: Settings) -> dict[str, str]:
             f"{settings.redeliverer_concurrency} lanes, {settings.redeliverer_rate:g}/s, "
             f"poll {settings.redeliverer_poll:g}s"
         ),
-        "upstream.concurrency": str(settings.concurrency or "unset"),
+        "upstream.concurrency": (
+            f"{settings.shared_limit} shared"
+            if settings.shared_limit is not None
+            else str(settings.concurrency or "unset")
+        ),
         "hand_off": f"{settings.hand_off:g}s" if settings.hand_off else "off",
         **(
             {"reconcile": f"every {reconcile_sender.EVERY:g}s since {reconcile_sender.SINCE}"}
@@ -1407,12 +1512,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the events are versions of a few hundred objects; the route orders them by "
         "object and supersedes stale versions, and the checker adds the ordering invariants",
     )
+    parser.add_argument(
+        "--shared-limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --inbox: every replica has upstream.concurrency {limit: N, shared: true}; "
+        "the checker adds: never more than N at the app that a proxy still waits on",
+    )
     parser.set_defaults(database="plain")
     args = parser.parse_args(argv)
     if args.reconcile and not args.inbox:
         parser.error("--reconcile needs --inbox")
     if args.ordering and args.reconcile:
         parser.error("--ordering is not made for --reconcile's sender")
+    if args.shared_limit is not None and not args.inbox:
+        parser.error("--shared-limit needs --inbox")
+    if args.shared_limit is not None and args.shared_limit < 1:
+        parser.error("--shared-limit must be at least 1")
 
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -1431,6 +1548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             receipts=args.receipts,
             reconcile=args.reconcile,
             ordering=args.ordering,
+            shared_limit=args.shared_limit,
             say=say,
         )
     )

@@ -56,7 +56,8 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
   ``upstream.timeout``), never to ``no_answer``; a kill of its replica during the wait, after
   which the row is sent again at the lease's end, is counted as ``hand_off_kill``.
 - **Redeliveries are doubles only in the windows.** A call carrying a delivery's ID that is not
-  that delivery's first forward is a redelivery, made by the replica whose port it reached.
+  that delivery's first forward (its first call while it was in flight, from the replica it
+  was sent to) is a redelivery, made by the replica whose port it reached.
   The windows are the same (a fault on *that* replica, or a PostgreSQL restart, from the call
   until the COMMIT of ``delivered``; an answer after ``upstream.timeout``), and one more: the
   replica logged that attempt (``proxy.redeliverer``) with no answer from the app, or the first
@@ -176,6 +177,14 @@ class UpstreamCall:
     status: int
     # The receipt mode's (``receipt_rule``): what the app's transaction did; None without it.
     effect: str | None = None
+    # When the proxy's connection closed before the answer (None: it did not): the proxy no
+    # longer waited on the call (its upstream.timeout, its replica killed); the app went on.
+    dropped: float | None = None
+
+    @property
+    def waited_until(self) -> float:
+        """Until when the proxy waited on the call: its end, or its connection's close."""
+        return self.end if self.dropped is None else min(self.end, self.dropped)
 
     @property
     def acted(self) -> bool:
@@ -231,6 +240,11 @@ class Records:
     # version at the app at the end (applied last-writer-wins).
     objects: Mapping[str, tuple[str, int]] | None = None
     final_versions: Mapping[str, int] = field(default_factory=dict)
+    # --shared-limit: the limit at the app every replica shares (None: not that mode).
+    shared_limit: int | None = None
+    # When the campaign began stopping the replicas (SIGTERM: each drains for shutdown_timeout,
+    # then gives up on what is still at the app).
+    stopped: float = float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,9 +588,11 @@ def split_calls(
     deliveries: Sequence[Delivery], calls: Sequence[UpstreamCall], unsent: Collection[str] = ()
 ) -> list[UpstreamCall]:
     """The redeliveries among one event's ``calls``: a delivery's first call while it was in
-    flight is its forward; any other call carrying its ID (the redeliverer sends the headers of
-    the delivery it keeps) is a redelivery, and so is every call of a delivery kept ``unsent``
-    (the redeliverer may send it before its 202 reached the provider)."""
+    flight, from the replica it was sent to, is its forward; any other call carrying its ID
+    (the redeliverer sends the headers of the delivery it keeps) is a redelivery, and so is
+    every call of a delivery kept ``unsent`` (the redeliverer may send it before its 202
+    reached the provider). A keep can be committed while its replica still answers: one whose
+    COMMIT failed in doubt answers 503, and another replica's lane may send the row first."""
     spans = {d.delivery_id: d for d in deliveries if d.delivery_id not in unsent}
     forwarded: set[str] = set()
     again: list[UpstreamCall] = []
@@ -584,7 +600,10 @@ def split_calls(
         delivery = spans.get(call.delivery_id or "")
         if delivery is None or delivery.delivery_id in forwarded:
             again.append(call)
-        elif delivery.start <= call.start <= delivery.end:
+        elif delivery.start <= call.start <= delivery.end and call.replica in (
+            None,
+            delivery.replica,
+        ):
             forwarded.add(delivery.delivery_id)
         else:
             again.append(call)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults import campaign, checker, order_rules, reconcile_rules
+from tests.faults import campaign, checker, limit_rules, order_rules, reconcile_rules
 from tests.faults.relay import Relay
 
 
@@ -35,6 +35,7 @@ class Short:
     receipts: bool = False
     reconcile: bool = False  # with inbox: GitHub's sender, and a reconciler recovering refusals
     ordering: bool = False  # versions of objects, on a route with order and supersede
+    shared_limit: int | None = None  # with inbox: the limit at the app every replica shares
     kinds: tuple[str, ...] = campaign.KINDS
     hurt: tuple[str, ...] = ("failed", "indeterminate")
 
@@ -92,6 +93,14 @@ class Short:
             marks=pytest.mark.timeout(120),
             id="ordering-inbox",
         ),
+        # Every replica shares a limit of 4 at the app, in front of a route that redelivers:
+        # never more than 4 at the app that a proxy still waits on (but for places a database
+        # fault freed under them), nothing lost, every double explained.
+        pytest.param(
+            Short(minutes=0.4, events=300, inbox=True, shared_limit=4, hurt=()),
+            marks=pytest.mark.timeout(120),
+            id="shared-limit-inbox",
+        ),
     ],
 )
 async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
@@ -109,6 +118,7 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         receipts=short.receipts,
         reconcile=short.reconcile,
         ordering=short.ordering,
+        shared_limit=short.shared_limit,
         say=print,
     )
     table = checker.format_report(report)
@@ -135,6 +145,13 @@ async def test_a_short_campaign_keeps_the_invariant_under_every_kind_of_fault(
         # The sender reordered, and the proxy superseded or kept for ordering.
         assert not rows["ordering: objects"].endswith(" 0"), table
         assert report.superseded + (report.inbox.superseded if report.inbox else 0) >= 0
+    if short.shared_limit is not None:
+        assert report.inbox is not None
+        # The places were all taken (each replica's own room is the whole limit here), and
+        # the proxy gave up on calls the app went on with: the two ways of counting differ.
+        assert report.inbox.kept_for.get("limit", 0) > 0, table
+        assert "shared limit" in dict(report.extra), table
+        assert report.lost == report.inbox.lost == 0, table
     assert not report.violations, table
 
 
@@ -530,6 +547,25 @@ def test_checker_inbox_flags_a_copy_forwarded_while_its_event_is_kept() -> None:
     assert [v.kind for v in violations] == ["forwarded_while_kept"]
 
 
+def test_checker_inbox_takes_a_call_from_another_replica_for_a_redelivery_not_a_forward() -> None:
+    # d1 went to r3, whose keep was committed though r3 took it as failed (503, the keep's
+    # COMMIT in doubt under a failover); the copy d2 found the row kept; r2's redeliverer sent
+    # it with d1's headers while d1 was still in flight. Seen in the --failover --inbox
+    # --shared-limit 4 campaign (seed 5402): not a forward of d1's, which r3 alone could make.
+    calls = [_call("d1", "r2", 2.0)]
+    deliveries = [
+        checker.Delivery("d1", "e", "r3", "nemesis", 1.0, 3.0, 503),
+        checker.Delivery(
+            "d2", "e", "r1", "nemesis", 1.5, 1.6, 202, duplicate=True,
+            dedup_status="duplicate_queued",
+        ),
+    ]  # fmt: skip
+    report, violations = checker.check(_inbox(calls, deliveries))
+    assert violations == []
+    assert report.inbox is not None
+    assert (report.inbox.redeliveries, report.inbox.lost) == (1, 0)
+
+
 def test_checker_inbox_flags_a_queued_answer_to_a_delivery_the_app_took() -> None:
     calls = [_call("d1", "r1", 1.0)]  # answered 200 in 0.01 s
     _, violations = checker.check(_inbox(calls, [_kept("d1", "r1", 1.0, None)]))
@@ -876,6 +912,109 @@ def test_checker_receipts_flag_a_call_after_a_claim_logged_committed() -> None:
     logs = (processed, _settled("d2", "r2"))
     _, violations = checker.check(_receipts(calls, deliveries, {"e": 1}, logs=logs))
     assert [v.kind for v in violations] == ["forwarded_after_commit"]
+
+
+# --- the checker, with a shared limit (--shared-limit) ------------------------------------
+
+
+def _at_app(
+    event: str, replica: str, start: float, end: float, dropped: float | None = None
+) -> checker.UpstreamCall:
+    return checker.UpstreamCall(event, f"d-{event}", replica, start, end, 200, dropped=dropped)
+
+
+def _limited(
+    calls: list[checker.UpstreamCall],
+    actions: tuple[checker.Action, ...] = (),
+    *,
+    deliveries: tuple[checker.Delivery, ...] = (),
+    logs: tuple[Mapping[str, object], ...] = (),
+) -> tuple[checker.Report, limit_rules.LimitReport]:
+    events = [d.event_id for d in deliveries]  # the others' calls count at the app all the same
+    records = checker.Records(
+        events=events,
+        deliveries=deliveries,
+        calls=calls,
+        actions=actions,
+        logs=logs,
+        claimed=frozenset(events),
+        upstream_timeout=TIMEOUT,
+        commit_margin=1.5,
+        request_bound=9.0,
+        shared_limit=2,
+    )
+    return limit_rules.check(records, checker.check(records)[0])
+
+
+def test_shared_limit_counts_a_call_the_proxy_gave_up_on_only_while_it_waited() -> None:
+    # e1's upstream.timeout fired at 3.0 (the proxy closed the connection; the app went on until
+    # 4.0); e2 and e3 at the app from 3.5 are the limit of 2, counted the strict way.
+    calls = [
+        _at_app("e1", "r1", 1.0, 4.0, dropped=3.0),
+        _at_app("e2", "r2", 2.0, 5.0),
+        _at_app("e3", "r3", 3.5, 4.5),
+        _at_app("e4", "r1", 6.0, 6.5, dropped=6.2),  # its replica killed at 6.2
+    ]
+    kill = checker.Action("kill", "r1", 6.2, 7.0)
+    report, summary = _limited(calls, (kill,))
+    assert report.violations == ()
+    assert (summary.peak_strict, summary.peak_loose, summary.peak_held) == (2, 3, 2)
+    assert summary.dropped == {"late": 1, "kill": 1}
+    assert (summary.over, summary.over_unexplained) == (0, 0)
+    assert "2 waited on (strict), 3 with the abandoned (loose)" in checker.format_report(report)
+
+
+@pytest.mark.parametrize(
+    ("fault", "explained"),
+    [
+        (None, False),
+        # A reset of r1's database link closes its connections: PostgreSQL rolls e1's
+        # transaction back and its place goes to e3 while r1 still waits on the app.
+        (checker.Action("reset", "r1", 2.5, 2.6), True),
+        (checker.Action("pg_restart", "postgres", 2.5, 3.2), True),
+        # A blackhole ends no transaction; a reset of another replica's link not e1's or e2's.
+        (checker.Action("blackhole", "r1", 2.5, 4.0), False),
+        (checker.Action("reset", "r2", 1.0, 1.1), False),  # before e2's claim
+        # Between e3's claim and its call: its own place was lost, e3 went to the app anyway.
+        (checker.Action("reset", "r3", 2.6, 2.7), True),
+        # The fault came after e3 started: the places were over the limit before it.
+        (checker.Action("reset", "r1", 3.2, 3.3), False),
+    ],
+)
+def test_shared_limit_flags_more_waited_on_than_the_limit_unless_a_fault_freed_a_place(
+    fault: checker.Action | None, explained: bool
+) -> None:
+    calls = [
+        _at_app("e1", "r1", 1.0, 4.0),
+        _at_app("e2", "r2", 2.0, 5.0),
+        _at_app("e3", "r3", 3.0, 3.5),
+    ]
+    report, summary = _limited(calls, (fault,) if fault else ())
+    assert (summary.peak_strict, summary.over) == (3, 1)
+    assert summary.over_unexplained == (0 if explained else 1)
+    assert [v.kind for v in report.violations] == ([] if explained else ["over_shared_limit"])
+    if not explained:
+        evidence = report.violations[0].evidence
+        assert evidence[0].startswith("upstream call t=1.000..t=4.000")
+
+
+def test_shared_limit_takes_no_fault_as_freeing_the_place_of_a_claim_committed_on_its_own() -> None:
+    # e1's claim was committed on the connection that made it (logged processed): the reset
+    # of r1's link came before its claim, or after its COMMIT; its place was held throughout.
+    calls = [
+        _at_app("e1", "r1", 1.0, 4.0),
+        _at_app("e2", "r2", 2.0, 5.0),
+        _at_app("e3", "r3", 3.0, 3.5),
+    ]
+    sent = checker.Delivery("d-e1", "e1", "r1", "nemesis", 0.9, 4.1, 200)
+    line = {"event_id": "e1", "request_id": "d-e1", "outcome": "processed", "replica": "r1"}
+    reset = checker.Action("reset", "r1", 2.5, 2.6)
+    report, summary = _limited(calls, (reset,), deliveries=(sent,), logs=(line,))
+    assert summary.over_unexplained == 1
+    assert [v.kind for v in report.violations] == ["over_shared_limit"]
+    # Without the line (the claim's COMMIT failed, say) the reset explains it.
+    _, summary = _limited(calls, (reset,), deliveries=(sent,))
+    assert (summary.over_unexplained, summary.over_causes) == (0, {"reset": 1})
 
 
 # --- the checker, with ordering (--ordering) ----------------------------------------------
