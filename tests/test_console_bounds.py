@@ -239,9 +239,14 @@ async def test_the_kept_deliveries_are_read_by_their_own_index(pg_dsn: str, tabl
     statements = inbox_sql.Statements(queries.quoted)
     for criteria in (
         inbox_sql.Criteria(scopes=("hooks",)),
-        inbox_sql.Criteria(scopes=("hooks",), scope="hooks", state="pending"),
+        inbox_sql.Criteria(scopes=("hooks",), scope="hooks", states=("pending",)),
+        inbox_sql.Criteria(scopes=("hooks",), states=console.ATTENTION),
     ):
-        statement, args = statements.browse(criteria)
-        plan = "\n".join(r[0] for r in await fetch(pg_dsn, f"EXPLAIN {statement}", *args))
-        assert f"{table}_kept_idx" in plan, plan
-        assert "Seq Scan" not in plan, plan
+        # The page, and the list's total (counted so, up to console.COUNT_MAX + 1 rows).
+        for statement, args in (
+            statements.browse(criteria),
+            statements.count(criteria, console.COUNT_MAX),
+        ):
+            plan = "\n".join(r[0] for r in await fetch(pg_dsn, f"EXPLAIN {statement}", *args))
+            assert f"{table}_kept_idx" in plan, plan
+            assert "Seq Scan" not in plan, plan

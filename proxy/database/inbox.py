@@ -962,6 +962,15 @@ class Inbox:
             return rows, (rows[-1].received_at, rows[-1].event_id)
         return rows, (last["received_at"], last["event_id"])
 
+    async def count(self, criteria: Criteria, most: int) -> int:
+        """How many kept rows ``criteria`` select, up to ``most`` + 1 (more: ``most`` + 1),
+        read through the kept rows' index; not with a body filter (``Statements.count``)."""
+        statement, args = self.statements.count(criteria, most)
+        async with self._acquire() as connection:
+            with plainly("query failed"):
+                counted: int = await connection.fetchval(statement, *args, timeout=self.op_timeout)
+        return counted
+
     async def _matching(
         self, connection: pool.Connection, batch: list[pool.Record], path: tuple[str, ...],
         value: str,
