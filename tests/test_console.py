@@ -653,10 +653,10 @@ async def test_the_list_shows_what_needs_attention_by_default_and_every_state_on
 ) -> None:
     proxy, admin = await start(make_proxy, aiohttp_client)
     failing(upstream)
-    await send(proxy, "evt_pending")
+    await send(proxy, "evt_pending", data={"customer": "cus_1"})
     failing(upstream, 422)
-    await send(proxy, "evt_dead")
-    await send(proxy, "evt_gone")
+    await send(proxy, "evt_dead", data={"customer": "cus_1"})
+    await send(proxy, "evt_gone", data={"customer": "cus_1"})
     store: database.Store = proxy.app[app_keys.STORE]
     assert await store.inbox.discard("hooks", ["evt_gone"])
 
@@ -671,6 +671,11 @@ async def test_the_list_shows_what_needs_attention_by_default_and_every_state_on
     assert "Only those that need attention" in shown
     discarded = await page(admin, "/console/events?state=discarded")
     assert re.findall(r">(evt_\w+)</a>", discarded) == ["evt_gone"]
+    # With a body filter too (the states then checked by Inbox.browse, not its statement).
+    by_body = "/console/events?body=data.customer%3Dcus_1"
+    assert re.findall(r">(evt_\w+)</a>", await page(admin, by_body)) == ["evt_dead", "evt_pending"]
+    dead = await page(admin, by_body + "&state=dead")
+    assert re.findall(r">(evt_\w+)</a>", dead) == ["evt_dead"]
 
 
 async def test_the_list_says_how_many_rows_its_filters_select_up_to_a_bound(

@@ -933,19 +933,25 @@ class Inbox:
         """A page of the kept rows ``criteria`` select, newest first, and the cursor of the next
         page (None: this was the last). With ``criteria.body_bytes``, only the rows whose body
         is JSON holding ``body_value`` at ``body_path``, checked by the server
-        (``Statements.body_match``: no body is read here), ``BROWSE_SCAN`` rows at most: a page
-        may then be short, or empty, with a next one."""
+        (``Statements.body_match``: no body is read here), in ``criteria.states``, among the
+        newest ``BROWSE_SCAN`` rows at most: a page may then be short, or empty, with a next
+        one."""
         rows: list[Listed] = []
         scanned = 0
         cursor = criteria
+        states = set(criteria.states)  # with a body filter, checked here (``_kept_where``)
         async with self._acquire() as connection:
             with plainly("query failed"):
                 while True:
                     statement, args = self.statements.browse(cursor)
                     batch = await connection.fetch(statement, *args, timeout=self.op_timeout)
                     if criteria.body_bytes is not None:
-                        matched = await self._matching(connection, batch, body_path, body_value)
-                        rows += (Listed(*row) for row in batch if (row[0], row[1]) in matched)
+                        wanted = [r for r in batch if not states or r["inbox_state"] in states]
+                        if wanted:
+                            matched = await self._matching(
+                                connection, wanted, body_path, body_value
+                            )
+                            rows += (Listed(*r) for r in wanted if (r[0], r[1]) in matched)
                     else:
                         rows += (Listed(*row) for row in batch)
                     if len(batch) < cursor.limit:
@@ -964,7 +970,8 @@ class Inbox:
 
     async def count(self, criteria: Criteria, most: int) -> int:
         """How many kept rows ``criteria`` select, up to ``most`` + 1 (more: ``most`` + 1),
-        read through the kept rows' index; not with a body filter (``Statements.count``)."""
+        read through an index (the kept rows', or the inbox's for pending and dead); not with a
+        body filter (``Statements.count``)."""
         statement, args = self.statements.count(criteria, most)
         async with self._acquire() as connection:
             with plainly("query failed"):

@@ -700,7 +700,10 @@ def _kept_where(criteria: Criteria, param: Callable[[object, str], str]) -> list
     where.append(f"split_part(scope, '/', 1) = ANY({param(list(criteria.scopes), '::text[]')})")
     if criteria.scope is not None:
         where.append(sql.IN_SCOPE.replace("$1", param(criteria.scope, "::text")))
-    if criteria.states:
+    if criteria.states and criteria.body_bytes is None:
+        # With a body filter, ``Inbox.browse`` checks the state of the rows it walks: a state
+        # here steers the plan to every pending and dead row's body at each batch (the inbox's
+        # index), not the newest ``BROWSE_SCAN`` rows' by the kept index.
         where.append(f"inbox_state = ANY({param(list(criteria.states), '::text[]')})")
     if criteria.since is not None:
         where.append(f"received_at >= {param(criteria.since, '::timestamptz')}")
