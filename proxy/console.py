@@ -75,6 +75,8 @@ ATTENTION = (inbox.InboxState.PENDING.value, inbox.InboxState.DEAD.value)
 ALL = "all"
 # The kept deliveries' list counts the rows its filters select up to this many ("10,000+").
 COUNT_MAX = 10_000
+# ...and gives up counting after this many seconds (a filter no index answers, over many rows).
+COUNT_TIME = 0.5
 # The header values shown only by their first characters: credentials of the sender's session
 # and signatures (a signature is useless without the secret, but it is not the console's to
 # hand around).
@@ -432,9 +434,9 @@ async def events(request: web.Request) -> web.Response:
     filters = Filters.of(request.query)
     routes = request.app[app_keys.PROXY][app_keys.CONFIG].routes
     criteria, path, value = _criteria(filters, routes, PAGE)
-    total = None
+    total = None  # not counted with a body filter
     if criteria.body_bytes is None:
-        total = await store.inbox.count(criteria, COUNT_MAX)
+        total = _counted(await store.inbox.count(criteria, COUNT_MAX, COUNT_TIME))
     after = _cursor(request.query)
     if after is not None:
         criteria = inbox.Criteria(**{**_fields(criteria), "after": after})
@@ -447,7 +449,8 @@ async def events(request: web.Request) -> web.Response:
     return _render(
         request, "events.html", title="Kept deliveries", filters=filters, listed=listed,
         next_page=next_page, first_page=filters.query() if after else None,
-        bulk=filters.query(), total=_counted(total), all_states=replace(filters, state=ALL),
+        bulk=filters.query(), total=total, count_time=COUNT_TIME,
+        all_states=replace(filters, state=ALL),
         attention=replace(filters, state=""), showing=_showing(filters),
     )  # fmt: skip
 
@@ -459,10 +462,11 @@ def _listed(row: inbox.Listed) -> dict[str, Any]:
             "link": urllib.parse.urlencode({"scope": row.scope, "id": row.event_id})}  # fmt: skip
 
 
-def _counted(total: int | None) -> str | None:
-    """A bounded count as the list says it: ``1,234``, or ``10,000+`` past ``COUNT_MAX``."""
+def _counted(total: int | None) -> str:
+    """A bounded count as the list says it: ``1,234``, ``10,000+`` past ``COUNT_MAX`` ("":
+    not counted within ``COUNT_TIME``)."""
     if total is None:
-        return None
+        return ""
     return f"{COUNT_MAX:,}+" if total > COUNT_MAX else f"{total:,}"
 
 

@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy import app_keys, config, console, console_gate, database
+from proxy.database import inbox_sql
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -708,6 +709,20 @@ async def test_the_list_says_how_many_rows_its_filters_select_up_to_a_bound(
     assert "not counted" in by_body
     monkeypatch.setattr(console, "COUNT_MAX", 10)
     assert total(await page(admin, "/console/events")) == "10+"
+    # A count that takes longer than COUNT_TIME is given up by the server: the page is shown.
+    monkeypatch.setattr(console, "COUNT_TIME", 0.05)
+    counting = inbox_sql.Statements.count
+
+    def slow(self: inbox_sql.Statements, *args: Any) -> tuple[str, list[object]]:
+        statement, values = counting(self, *args)
+        return f"SELECT ({statement}) FROM pg_sleep(5)", values
+
+    monkeypatch.setattr(inbox_sql.Statements, "count", slow)
+    slowly = await page(admin, "/console/events")
+    assert "not counted (counting took over 0.05 s" in slowly
+    assert len(re.findall(r">(evt_\w+)</a>", slowly)) == console.PAGE
+    monkeypatch.setattr(inbox_sql.Statements, "count", counting)
+    assert total(await page(admin, "/console/events")) == "10+"  # its connection serves on
 
 
 @pytest.mark.parametrize(

@@ -968,14 +968,22 @@ class Inbox:
             return rows, (rows[-1].received_at, rows[-1].event_id)
         return rows, (last["received_at"], last["event_id"])
 
-    async def count(self, criteria: Criteria, most: int) -> int:
+    async def count(self, criteria: Criteria, most: int, within: float) -> int | None:
         """How many kept rows ``criteria`` select, up to ``most`` + 1 (more: ``most`` + 1),
         read through an index (the kept rows', or the inbox's for pending and dead); not with a
-        body filter (``Statements.count``)."""
+        body filter (``Statements.count``). None: not counted within ``within`` seconds (a
+        filter the indexes do not answer, over many kept rows)."""
         statement, args = self.statements.count(criteria, most)
         async with self._acquire() as connection:
-            with plainly("query failed"):
-                counted: int = await connection.fetchval(statement, *args, timeout=self.op_timeout)
+            try:
+                with plainly("query failed"):
+                    async with connection.transaction():
+                        await connection.execute(sql.statement_timeout(within))
+                        counted: int = await connection.fetchval(
+                            statement, *args, timeout=self.op_timeout
+                        )
+            except errors.StatementCancelled:
+                return None
         return counted
 
     async def _matching(
