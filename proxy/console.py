@@ -2,19 +2,23 @@
 
 Four pages read the claim table through the proxy's own store: the overview (per route: the inbox's
 pending and dead rows, the oldest pending one's age, and what became of the last hour's claims), the
-kept deliveries (filtered by route, state, time, ID, event type or a key inside the JSON body; paged
-by (received_at, event_id), so rows arriving meanwhile move no page), an event's page (its request,
+kept deliveries (those that need attention, pending and dead, unless the filter asks for a state or
+``all``; filtered by route, state, time (a time, or a time ago as the CLI's ``--since`` takes it:
+``1h``), ID, event type or a key inside the JSON body; counted up to ``COUNT_MAX``; paged by
+(received_at, event_id), so rows arriving meanwhile move no page), an event's page (its request,
 headers masked where they carry credentials or signatures, its body's first ``BODY_CAP`` bytes,
 pretty-printed when that is all of it, every attempt) and the lookup of a provider's event ID on
 every route, among all claims. Only the configured routes' rows are shown: not another deployment's
 on a shared table, nor the reserved scopes' (``~holds``). The overview also says which routes are
 held (an operator's pause, or the app's Retry-After: ``database.holds``, read from the database, so
-as every replica holds them), this replica's requests at the app against its limit, and this
+as every replica holds them), this replica's requests at the app against its limit (and a shared
+limit's places held by every replica, read from their rows), and this
 replica's requests since it started by outcome (``dedup_requests_total``, which also counts what
 leaves no claim: a duplicate, a rejected signature, a refusal). With ``admin.console.actions`` an
-operator redelivers or discards an event, redelivers what a filter shows (its count first, then a
-confirmation, then how many it still shows pending, linked to that list), or pauses and resumes a
-route (``inbox_commands``' pause and resume); each action is logged with who did it.
+operator redelivers or discards an event, redelivers what a filter shows (its count and its first
+events, then a confirmation, answered by a redirect to a page saying how many it still shows
+pending, linked to that list: a reload reads it again, redelivering nothing), or pauses and resumes
+a route (``inbox_commands``' pause and resume); each action is logged with who did it.
 
 Everything shown is what a sender sent, so it is escaped (Jinja2's autoescape), and the pages
 hold no script; ``console_gate`` adds the policy that keeps it so, the credential and the
@@ -38,14 +42,14 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import jinja2
 from aiohttp import web
 
-from proxy import app_keys, console_gate, database, errors, inbox_commands, logs
+from proxy import app_keys, console_gate, database, errors, inbox_commands, logs, metrics
 from proxy.config import routes as routes_module
 from proxy.config import values
 from proxy.database import inbox
@@ -62,7 +66,17 @@ BUSY_WAIT = 5.0
 # A bulk redeliver acts on at most this many rows; a wider filter is refused, to be narrowed.
 BULK_MAX = 10_000
 _BULK_PAGE = 500
+# A bulk redeliver's confirmation lists this many of the events it would redeliver.
+BULK_SHOWN = 50
 STATES = tuple(inbox.InboxState)
+# The kept deliveries shown when the filter names no state: those that need an operator (a
+# blocked object's head and those behind it are pending); ``state=all`` shows every state.
+ATTENTION = (inbox.InboxState.PENDING.value, inbox.InboxState.DEAD.value)
+ALL = "all"
+# The kept deliveries' list counts the rows its filters select up to this many ("10,000+").
+COUNT_MAX = 10_000
+# ...and gives up counting after this many seconds (a filter no index answers, over many rows).
+COUNT_TIME = 0.5
 # The header values shown only by their first characters: credentials of the sender's session
 # and signatures (a signature is useless without the secret, but it is not the console's to
 # hand around).
@@ -106,6 +120,12 @@ class Filters:
     def pairs(self) -> list[tuple[str, str]]:
         return [(name, getattr(self, name)) for name in _FILTER_NAMES if getattr(self, name)]
 
+    def states(self) -> tuple[str, ...]:
+        """The states shown: those that need attention unless the filter names one, or all."""
+        if self.state == ALL:
+            return ()
+        return (self.state,) if self.state else ATTENTION
+
 
 _FILTER_NAMES = ("route", "state", "since", "until", "event_id", "event_type", "body")
 
@@ -119,12 +139,20 @@ class BadForm(ValueError):
 
 
 def _time(text: str, name: str) -> datetime | None:
+    """A time filter: a time (UTC unless it says), or how long ago, as the CLI's ``--since``
+    reads it (``1h``, ``30m``, ``2d``: ``values.parse_duration``), from now."""
     if not text:
         return None
     try:
         at = datetime.fromisoformat(text)
     except ValueError:
-        raise BadFilter(f"{name}: not a time like 2026-01-31T12:00, got {text!r}") from None
+        try:
+            return _now() - timedelta(seconds=values.parse_duration(text))
+        except (ValueError, OverflowError):
+            raise BadFilter(
+                f"{name}: not a time like 2026-01-31T12:00 or a time ago like 1h, 30m or 2d, "
+                f"got {text!r}"
+            ) from None
     return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
@@ -161,11 +189,11 @@ def _criteria(
         if route is None:
             raise BadFilter(f"route: no route named {filters.route!r}")
         scope = route.scope
-    if filters.state and filters.state not in STATES:
-        raise BadFilter(f"state: one of {', '.join(STATES)}, got {filters.state!r}")
+    if filters.state and filters.state not in STATES and filters.state != ALL:
+        raise BadFilter(f"state: {ALL} or one of {', '.join(STATES)}, got {filters.state!r}")
     body = _body_filter(filters.body)
     criteria = inbox.Criteria(
-        scopes=_scopes(routes), scope=scope, state=filters.state or None,
+        scopes=_scopes(routes), scope=scope, states=filters.states(),
         since=_time(filters.since, "since"), until=_time(filters.until, "until"),
         event_id=filters.event_id or None,
         composite=tuple(sorted({r.scope for r in routes if r.composite_id})),
@@ -354,7 +382,20 @@ async def overview(request: web.Request) -> web.Response:
         request, "overview.html", title="Overview", rows=rows, now=_when(_now()),
         in_flight=in_flight, limit=limit, done=_HELD.get(request.query.get("done", "")),
         note_max=NOTE_MAX, blocked=blocked, blocked_shown=BLOCKED_SHOWN,
+        places=await _places(store, meters),
     )  # fmt: skip
+
+
+async def _places(store: database.Store, meters: metrics.Metrics) -> dict[str, int] | None:
+    """A limit shared by every replica (``upstream.concurrency: {shared: true}``): its places
+    held now, read from their rows (``slots.Slots.held``: N rows by their key, never waiting
+    on a lock) rather than the gauge the redeliverer last set, and this replica's waits for one
+    (``dedup_app_place_waits_total``). None: the limit is not shared."""
+    held = await store.places_held()
+    if held is None or store.slots is None:
+        return None
+    waits = meters.exposition_registry().get_sample_value("dedup_app_place_waits_total")
+    return {"held": held, "limit": store.slots.limit, "waits": int(waits or 0)}
 
 
 async def _blocked(
@@ -393,6 +434,9 @@ async def events(request: web.Request) -> web.Response:
     filters = Filters.of(request.query)
     routes = request.app[app_keys.PROXY][app_keys.CONFIG].routes
     criteria, path, value = _criteria(filters, routes, PAGE)
+    total = None  # not counted with a body filter
+    if criteria.body_bytes is None:
+        total = _counted(await store.inbox.count(criteria, COUNT_MAX, COUNT_TIME))
     after = _cursor(request.query)
     if after is not None:
         criteria = inbox.Criteria(**{**_fields(criteria), "after": after})
@@ -401,17 +445,37 @@ async def events(request: web.Request) -> web.Response:
     if cursor is not None:
         at, event_id = cursor
         next_page = filters.query(after_at=at.isoformat(), after_id=event_id)
-    listed = [
-        {"row": row, "received": _when(row.received_at), "due": _when(row.due),
-         "event": database.unbound(row.event_id),
-         "link": urllib.parse.urlencode({"scope": row.scope, "id": row.event_id})}
-        for row in rows
-    ]  # fmt: skip
+    listed = [_listed(row) for row in rows]
     return _render(
         request, "events.html", title="Kept deliveries", filters=filters, listed=listed,
         next_page=next_page, first_page=filters.query() if after else None,
-        bulk=filters.query(),
+        bulk=filters.query(), total=total, count_time=COUNT_TIME,
+        all_states=replace(filters, state=ALL),
+        attention=replace(filters, state=""), showing=_showing(filters),
     )  # fmt: skip
+
+
+def _listed(row: inbox.Listed) -> dict[str, Any]:
+    """A kept row as a list shows it (the kept deliveries, a bulk redeliver's confirmation)."""
+    return {"row": row, "received": _when(row.received_at), "due": _when(row.due),
+            "event": database.unbound(row.event_id),
+            "link": urllib.parse.urlencode({"scope": row.scope, "id": row.event_id})}  # fmt: skip
+
+
+def _counted(total: int | None) -> str:
+    """A bounded count as the list says it: ``1,234``, ``10,000+`` past ``COUNT_MAX`` ("":
+    not counted within ``COUNT_TIME``)."""
+    if total is None:
+        return ""
+    return f"{COUNT_MAX:,}+" if total > COUNT_MAX else f"{total:,}"
+
+
+def _showing(filters: Filters) -> str:
+    if filters.state == ALL:
+        return "in any state"
+    if filters.state:
+        return f"in state {filters.state}"
+    return "that need attention (pending or dead)"
 
 
 def _fields(criteria: inbox.Criteria) -> dict[str, Any]:
@@ -563,13 +627,26 @@ async def _selected(request: web.Request, filters: Filters) -> list[inbox.Listed
             and _route_of(routes, r.scope).redeliver is not None]  # fmt: skip
 
 
+def _confirm(
+    request: web.Request,
+    filters: Filters,
+    selected: list[inbox.Listed],
+    status: int = 200,
+    **context: Any,
+) -> web.Response:
+    """The bulk redeliver's confirmation: how many the filter selects, and the first
+    ``BULK_SHOWN`` of them."""
+    shown = [_listed(row) for row in selected[:BULK_SHOWN]]
+    return _render(
+        request, "bulk.html", status, title="Redeliver what the filter shows", filters=filters,
+        count=len(selected), too_many=len(selected) > BULK_MAX, bulk_max=BULK_MAX, shown=shown,
+        **context,
+    )  # fmt: skip
+
+
 async def bulk_form(request: web.Request) -> web.Response:
     filters = Filters.of(request.query)
-    selected = await _selected(request, filters)
-    return _render(
-        request, "bulk.html", title="Redeliver what the filter shows", filters=filters,
-        count=len(selected), too_many=len(selected) > BULK_MAX, bulk_max=BULK_MAX,
-    )  # fmt: skip
+    return _confirm(request, filters, await _selected(request, filters))
 
 
 async def bulk(request: web.Request) -> web.Response:
@@ -581,11 +658,7 @@ async def bulk(request: web.Request) -> web.Response:
         raise web.HTTPBadRequest(text="the confirmed count is missing\n") from None
     selected = await _selected(request, filters)
     if len(selected) > min(expected, BULK_MAX):
-        return _render(
-            request, "bulk.html", 409, title="Redeliver what the filter shows", filters=filters,
-            count=len(selected), too_many=len(selected) > BULK_MAX, bulk_max=BULK_MAX,
-            changed_since=expected,
-        )  # fmt: skip
+        return _confirm(request, filters, selected, 409, changed_since=expected)
     store = _store(request)
     routes = request.app[app_keys.PROXY][app_keys.CONFIG].routes
     by_scope: dict[str, list[str]] = {}
@@ -600,12 +673,26 @@ async def bulk(request: web.Request) -> web.Response:
         logs.printable(filters.query()),
         logs.printable(", ".join(f"{scope} {event_id}" for scope, event_id in changed)),
     )  # fmt: skip
+    # Post/Redirect/Get: the answer is a page of its own, which a reload reads again without
+    # sending the redeliver again.
+    done = filters.query(changed=str(len(changed)), of=str(len(selected)))
+    raise web.HTTPSeeOther(f"redelivering?{done}")
+
+
+async def redelivering(request: web.Request) -> web.Response:
+    """What a bulk redeliver did (its counts, as its answer's URL carries them) and how many
+    of what its filter shows are still pending, as of now: reloading it follows the progress."""
+    filters = Filters.of(request.query)
+    try:
+        changed, count = int(request.query.get("changed", "")), int(request.query.get("of", ""))
+    except ValueError:
+        raise BadFilter("changed, of: the counts of a bulk redeliver, as numbers") from None
     pending = replace(filters, state="pending")
     still = len(await _selected(request, pending))
     return _render(
-        request, "bulk_done.html", title="Redelivering", changed=len(changed),
-        count=len(selected), now=_when(_now()), pending=pending.query(), still=still,
-        too_many=still > BULK_MAX, bulk_max=BULK_MAX,
+        request, "bulk_done.html", title="Redelivering", changed=changed, count=count,
+        now=_when(_now()), pending=pending.query(), still=still, too_many=still > BULK_MAX,
+        bulk_max=BULK_MAX,
     )  # fmt: skip
 
 
@@ -687,4 +774,5 @@ def create_console_app(proxy: web.Application) -> web.Application:
     console.router.add_post("/resume", resume)
     if settings.actions and settings.credentials:
         console.router.add_get("/bulk", bulk_form)
+        console.router.add_get("/redelivering", redelivering)
     return console

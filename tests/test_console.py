@@ -2,13 +2,16 @@
 aiohttp's test client over a real PostgreSQL: the pages with kept deliveries the proxy made from
 real webhooks, the headers on every answer, escaping, the credential, the checks on an action
 (origin, token) and the read-only default; the routes' holds, the limit at the app and this
-replica's requests by outcome on the overview, and pausing and resuming a route from it; what a
-bulk redeliver's answer links to, to follow it. The browser's view of it is in
-tests/test_console_browser.py.
+replica's requests by outcome on the overview, a shared limit's places held by every replica,
+and pausing and resuming a route from it; the list's default (what needs attention), its total
+and its time filters (a time ago, as the CLI takes it); a bulk redeliver's confirmation (its
+events) and its answer (a redirect to a page whose reload redelivers nothing), to follow it.
+The browser's view of it is in tests/test_console_browser.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -19,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from proxy import app_keys, config, console, console_gate, database
+from proxy.database import inbox_sql
 from tests.helpers import (
     FakeUpstream,
     MakeProxy,
@@ -329,6 +333,10 @@ async def test_bulk_redeliver_counts_first_then_acts_on_what_the_filter_shows(
     await send(proxy, "evt_b", "b.failed")
     confirm = await page(admin, "/console/bulk?event_type=a.failed&state=dead", headers=basic())
     assert "<strong>3</strong>" in confirm
+    # The confirmation names the events, newest first, each linked to its page.
+    assert re.findall(r'<a href="event\?scope=hooks&amp;id=(evt_\w+)">', confirm) == [
+        "evt_a2", "evt_a1", "evt_a0"
+    ]  # fmt: skip
     fields = form_fields(confirm, "bulk")
     assert fields["expected"] == "3"
     assert await state(pg_dsn, table, "evt_a0") == "dead"  # the GET changed nothing
@@ -338,10 +346,15 @@ async def test_bulk_redeliver_counts_first_then_acts_on_what_the_filter_shows(
         assert response.status == 409
         fields = form_fields(await response.text(), "bulk")
     upstream.respond = lambda n: web.Response(status=200)
-    async with admin.post("/console/bulk", data=fields, headers=headers) as response:
-        assert response.status == 200
-        answer = await response.text()
-    assert "4 delivery(ies) made due now" in answer
+    # Post/Redirect/Get: the answer is a page of its own, whose reload sends nothing again.
+    async with admin.post(
+        "/console/bulk", data=fields, headers=headers, allow_redirects=False
+    ) as response:
+        assert response.status == 303
+        done = response.headers["Location"]
+    assert done.startswith("redelivering?")
+    answer = await page(admin, "/console/" + done, headers=basic())
+    assert "4 delivery(ies) made due now, of 4" in answer
     # Progress is followed on the list of what the filter still shows pending (the redeliverer
     # may have sent some already), and on the overview.
     still = re.search(
@@ -364,6 +377,10 @@ async def test_bulk_redeliver_counts_first_then_acts_on_what_the_filter_shows(
     await wait_until(redelivered, "the redeliveries")
     assert (await states())[4] == ("evt_b", "dead")
     assert len(upstream.requests) == 5 + 4
+    reloaded = await page(admin, "/console/" + done, headers=basic())
+    assert re.search(r"<strong>0</strong> still pending", reloaded)
+    assert await states() == [(f"evt_a{n}", "delivered") for n in range(4)] + [("evt_b", "dead")]
+    assert len(upstream.requests) == 5 + 4  # the reload sent nothing again
     left = await page(admin, "/console/" + still[1].replace("&amp;", "&"), headers=basic())
     assert "evt_a" not in left
 
@@ -630,3 +647,148 @@ async def test_a_dead_events_page_says_why_and_no_longer_tried_until(
         r"the app answered 422 after [\d.]+ ms: retrying cannot fix it", facts["Why dead"]
     )
     assert "Tried until" not in facts
+
+
+async def test_the_list_shows_what_needs_attention_by_default_and_every_state_on_asking(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    proxy, admin = await start(make_proxy, aiohttp_client)
+    failing(upstream)
+    await send(proxy, "evt_pending", data={"customer": "cus_1"})
+    failing(upstream, 422)
+    await send(proxy, "evt_dead", data={"customer": "cus_1"})
+    await send(proxy, "evt_gone", data={"customer": "cus_1"})
+    store: database.Store = proxy.app[app_keys.STORE]
+    assert await store.inbox.discard("hooks", ["evt_gone"])
+
+    default = await page(admin, "/console/events?route=hooks")
+    assert re.findall(r">(evt_\w+)</a>", default) == ["evt_dead", "evt_pending"]
+    assert "that need attention (pending or dead)" in default
+    every = re.search(r'<a href="(events\?route=hooks&amp;state=all)">Show every state', default)
+    assert every is not None, default
+    shown = await page(admin, "/console/" + every[1].replace("&amp;", "&"))
+    assert re.findall(r">(evt_\w+)</a>", shown) == ["evt_gone", "evt_dead", "evt_pending"]
+    assert '<option value="all" selected>any</option>' in shown
+    assert "Only those that need attention" in shown
+    discarded = await page(admin, "/console/events?state=discarded")
+    assert re.findall(r">(evt_\w+)</a>", discarded) == ["evt_gone"]
+    # With a body filter too (the states then checked by Inbox.browse, not its statement).
+    by_body = "/console/events?body=data.customer%3Dcus_1"
+    assert re.findall(r">(evt_\w+)</a>", await page(admin, by_body)) == ["evt_dead", "evt_pending"]
+    dead = await page(admin, by_body + "&state=dead")
+    assert re.findall(r">(evt_\w+)</a>", dead) == ["evt_dead"]
+
+
+async def test_the_list_says_how_many_rows_its_filters_select_up_to_a_bound(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    proxy, admin = await start(make_proxy, aiohttp_client)
+    failing(upstream)
+    for n in range(console.PAGE + 3):
+        await send(proxy, f"evt_{n:03}", "a.failed" if n % 2 else "b.failed")
+    failing(upstream, 422)
+    await send(proxy, "evt_dead", "a.failed")
+
+    def total(html: str) -> str:
+        found = re.search(r"<strong>([\d,+]+)</strong> kept deliveries", html)
+        assert found is not None, html
+        return found[1]
+
+    first = await page(admin, "/console/events")
+    assert total(first) == str(console.PAGE + 4)  # every page's, not this page's 50
+    older = re.search(r'href="events\?([^"]+)" rel="next"', first)
+    assert older is not None
+    assert total(await page(admin, "/console/events?" + older[1].replace("&amp;", "&"))) == "54"
+    assert total(await page(admin, "/console/events?event_type=a.failed")) == "27"
+    assert total(await page(admin, "/console/events?event_type=a.failed&state=dead")) == "1"
+    assert total(await page(admin, "/console/events?since=1h")) == "54"
+    assert total(await page(admin, "/console/events?event_id=evt_001")) == "1"
+    # A body filter's rows are checked by the server as each page is read: no total.
+    by_body = await page(admin, "/console/events?body=type%3Da.failed")
+    assert "not counted" in by_body
+    monkeypatch.setattr(console, "COUNT_MAX", 10)
+    assert total(await page(admin, "/console/events")) == "10+"
+    # A count that takes longer than COUNT_TIME is given up by the server: the page is shown.
+    monkeypatch.setattr(console, "COUNT_TIME", 0.05)
+    counting = inbox_sql.Statements.count
+
+    def slow(self: inbox_sql.Statements, *args: Any) -> tuple[str, list[object]]:
+        statement, values = counting(self, *args)
+        return f"SELECT ({statement}) FROM pg_sleep(5)", values
+
+    monkeypatch.setattr(inbox_sql.Statements, "count", slow)
+    slowly = await page(admin, "/console/events")
+    assert "not counted (counting took over 0.05 s" in slowly
+    assert len(re.findall(r">(evt_\w+)</a>", slowly)) == console.PAGE
+    monkeypatch.setattr(inbox_sql.Statements, "count", counting)
+    assert total(await page(admin, "/console/events")) == "10+"  # its connection serves on
+
+
+@pytest.mark.parametrize(
+    ("since", "until", "listed"),
+    [("1h", "", True), ("90m", "", True), ("2d", "", True), ("", "1h", False),
+     ("2000-01-01T00:00", "", True), ("", "2000-01-01", False)],
+)  # fmt: skip
+async def test_time_filters_take_a_time_ago_as_the_cli_does(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream, since: str,
+    until: str, listed: bool,
+) -> None:  # fmt: skip
+    proxy, admin = await start(make_proxy, aiohttp_client)
+    failing(upstream)
+    await send(proxy, "evt_recent")
+    shown = await page(admin, "/console/events", params={"since": since, "until": until})
+    assert ("evt_recent" in shown) is listed
+
+
+async def test_a_time_filter_neither_a_time_nor_a_time_ago_is_refused_saying_so(
+    make_proxy: MakeProxy, aiohttp_client: Any
+) -> None:
+    _proxy, admin = await start(make_proxy, aiohttp_client)
+    for given in ("yesterday", "-1h", "1y", "9" * 30 + "d"):
+        async with admin.get("/console/events", params={"since": given}) as response:
+            assert response.status == 400, given
+            assert "a time ago like 1h, 30m or 2d" in await response.text()
+
+
+async def test_the_overview_shows_the_shared_limits_places_held_and_the_waits(
+    make_proxy: MakeProxy, aiohttp_client: Any, upstream: FakeUpstream
+) -> None:
+    """Two proxies on one table (two replicas): what one holds, the other's overview shows."""
+    plain = {"name": "plain", "path": "/plain", "event_id": "body:/id"}
+    settings: dict[str, Any] = {
+        "routes": [plain], "upstream": {"concurrency": {"limit": 1, "shared": True}},
+        "database": {"pool_timeout": "300ms"},
+    }  # fmt: skip
+    one, proxy = await make_proxy(**settings), await make_proxy(**settings)
+    admin = await admin_client(aiohttp_client, proxy)
+
+    def places(html: str) -> tuple[str, str, str]:
+        found = re.search(
+            r"<strong>(\d+)</strong> of (\d+) places at the app held by every replica together"
+            r".*?Waits for a place: <strong>(\d+)</strong>", html, re.S,
+        )  # fmt: skip
+        assert found is not None, html
+        return found[1], found[2], found[3]
+
+    assert places(await page(admin, "/console/")) == ("0", "1", "0")
+    upstream.gate = asyncio.Event()
+    first = asyncio.ensure_future(one.post("/plain", data=b'{"id": "a"}'))
+    await wait_until(lambda: _arrived(upstream), "the first at the app")
+    async with proxy.post("/plain", data=b'{"id": "b"}') as refused:
+        assert refused.status == 503  # the other replica holds the place: none within 300ms
+    assert places(await page(admin, "/console/")) == ("1", "1", "1")
+    upstream.gate.set()
+    assert (await first).status == 200
+    assert places(await page(admin, "/console/")) == ("0", "1", "1")
+
+
+async def test_a_limit_not_shared_says_nothing_of_places(
+    make_proxy: MakeProxy, aiohttp_client: Any
+) -> None:
+    _proxy, admin = await start(make_proxy, aiohttp_client)
+    assert "places at the app" not in await page(admin, "/console/")
+
+
+async def _arrived(upstream: FakeUpstream) -> bool:
+    return bool(upstream.requests)

@@ -7,8 +7,10 @@ the paging work as an operator uses them; an event whose body, headers, ID and t
 ``<script>`` and ``onerror=`` payloads renders them as text and runs nothing; following every
 link of every page changes nothing in the database; an action is refused without the
 credential, and from a page of another origin, and redelivers with it (the app gets the event
-once); a route paused from the overview holds its deliveries, and resumed sends each once;
-axe-core finds no serious or critical accessibility violation. Screenshots of each page
+once); a route paused from the overview holds its deliveries, and resumed sends each once; on
+a phone's 390 px no page scrolls sideways (the lists are cards, wider tables scroll in their own
+box) and a bulk redeliver's answer reloads without redelivering; axe-core finds no serious or
+critical accessibility violation. Screenshots of each page
 are saved in the test's tmp_path (``console-*.png``).
 """
 
@@ -25,7 +27,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from axe_playwright_python.async_playwright import Axe
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page, ViewportSize, async_playwright
 from playwright.async_api import Error as PlaywrightError
 
 from tests.helpers import (
@@ -378,4 +380,77 @@ async def test_a_route_paused_from_the_overview_holds_and_resumed_sends_each_eve
 
     await wait_until(delivered, "the kept deliveries to reach the app", within=15)
     assert sorted(json.loads(r.body)["id"] for r in upstream.requests) == ["ok_1", "ok_2"]
+    assert seen == []
+
+
+# A phone's viewport: the console is read there without scrolling sideways.
+PHONE: ViewportSize = {"width": 390, "height": 844}
+# An ID as long as a GitHub delivery's (its hook ID and GUID), without a space to break at.
+LONG_ID = "pend_" + "0123456789abcdef" * 3
+
+
+async def test_on_a_phone_the_pages_do_not_scroll_sideways_and_a_bulk_redeliver_reloads_safely(
+    serve: Serve, upstream: FakeUpstream, browser: Browser, pg_dsn: str, table: str,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """At 390 px the lists are cards, each cell under its column's name, and the wider tables
+    (the overview's routes, an event's headers and attempts) scroll in their own box: the page
+    itself is never wider than the screen. A bulk redeliver's answer is a page of its own (Post/
+    Redirect/Get): reloading it sends nothing again."""
+    by_event(upstream)
+    served = await serve(**SETTINGS, admin=ACTIONS)
+    await send(served, LONG_ID, "invoice.payment_failed")
+    await send(served, "dead_1", "customer.deleted")
+    await send(served, "ok_1")
+    console = f"{served.admin_url}/console/"
+    context = await browser.new_context(
+        viewport=PHONE, http_credentials={"username": "alice", "password": PASSWORD}
+    )
+    page = await context.new_page()
+    seen = await watched(page)
+    pages = {
+        "overview": console,
+        "events": console + "events",
+        "events-all": console + "events?state=all&since=1h",
+        "event": console + "event?" + urllib.parse.urlencode({"scope": "hooks", "id": LONG_ID}),
+        "lookup": console + "lookup?" + urllib.parse.urlencode({"id": "ok_1"}),
+        "bulk": console + "bulk?event_type=customer.deleted",
+    }  # fmt: skip
+    for name, url in pages.items():
+        assert await status(page, url) == 200, name
+        width = await page.evaluate("document.scrollingElement.scrollWidth")
+        await page.screenshot(path=tmp_path / f"console-phone-{name}.png", full_page=True)
+        assert width <= PHONE["width"], (name, width)
+        assert await accessible(page) == [], name
+
+    # The list's rows as cards: each cell under its column's name, the long ID whole.
+    await page.goto(pages["events"])
+    card = page.locator("tbody tr", has_text="pend_")
+    labels = await card.evaluate(
+        "tr => [...tr.cells].map(td => getComputedStyle(td, '::before').content)"
+    )
+    assert labels[:5] == ['"Received (UTC): "', '"Scope: "', '"Event: "', '"Type: "', '"State: "']
+    box = await card.bounding_box()
+    assert box is not None
+    assert box["width"] <= PHONE["width"]
+    assert LONG_ID in (await card.inner_text()).replace("\n", "")
+    assert "ok_1" not in await page.inner_text("tbody")  # delivered: not what needs attention
+
+    await page.goto(pages["bulk"])
+    assert "dead_1" in await page.inner_text("main")
+    await page.click("button:text-is('Redeliver these 1 now')")
+    assert "/console/redelivering?" in page.url
+    assert "1 delivery(ies) made due now" in await page.inner_text("main")
+
+    async def delivered() -> bool:
+        rows = await fetch(pg_dsn, f'SELECT inbox_state FROM "{table}" WHERE event_id = $1',
+                           "dead_1")  # fmt: skip
+        return rows[0]["inbox_state"] == "delivered"
+
+    await wait_until(delivered, "the redelivery to reach the app", within=15)
+    await page.reload()
+    assert "/console/redelivering?" in page.url
+    await asyncio.sleep(WATCH)  # some redeliverer polls: a second redeliver would go out
+    ids = [json.loads(r.body)["id"] for r in upstream.requests]
+    assert ids.count("dead_1") == 2  # the first delivery, and the redelivery once
     assert seen == []

@@ -933,19 +933,25 @@ class Inbox:
         """A page of the kept rows ``criteria`` select, newest first, and the cursor of the next
         page (None: this was the last). With ``criteria.body_bytes``, only the rows whose body
         is JSON holding ``body_value`` at ``body_path``, checked by the server
-        (``Statements.body_match``: no body is read here), ``BROWSE_SCAN`` rows at most: a page
-        may then be short, or empty, with a next one."""
+        (``Statements.body_match``: no body is read here), in ``criteria.states``, among the
+        newest ``BROWSE_SCAN`` rows at most: a page may then be short, or empty, with a next
+        one."""
         rows: list[Listed] = []
         scanned = 0
         cursor = criteria
+        states = set(criteria.states)  # with a body filter, checked here (``_kept_where``)
         async with self._acquire() as connection:
             with plainly("query failed"):
                 while True:
                     statement, args = self.statements.browse(cursor)
                     batch = await connection.fetch(statement, *args, timeout=self.op_timeout)
                     if criteria.body_bytes is not None:
-                        matched = await self._matching(connection, batch, body_path, body_value)
-                        rows += (Listed(*row) for row in batch if (row[0], row[1]) in matched)
+                        wanted = [r for r in batch if not states or r["inbox_state"] in states]
+                        if wanted:
+                            matched = await self._matching(
+                                connection, wanted, body_path, body_value
+                            )
+                            rows += (Listed(*r) for r in wanted if (r[0], r[1]) in matched)
                     else:
                         rows += (Listed(*row) for row in batch)
                     if len(batch) < cursor.limit:
@@ -961,6 +967,24 @@ class Inbox:
             rows = rows[: criteria.limit]
             return rows, (rows[-1].received_at, rows[-1].event_id)
         return rows, (last["received_at"], last["event_id"])
+
+    async def count(self, criteria: Criteria, most: int, within: float) -> int | None:
+        """How many kept rows ``criteria`` select, up to ``most`` + 1 (more: ``most`` + 1),
+        read through an index (the kept rows', or the inbox's for pending and dead); not with a
+        body filter (``Statements.count``). None: not counted within ``within`` seconds (a
+        filter the indexes do not answer, over many kept rows)."""
+        statement, args = self.statements.count(criteria, most)
+        async with self._acquire() as connection:
+            try:
+                with plainly("query failed"):
+                    async with connection.transaction():
+                        await connection.execute(sql.statement_timeout(within))
+                        counted: int = await connection.fetchval(
+                            statement, *args, timeout=self.op_timeout
+                        )
+            except errors.StatementCancelled:
+                return None
+        return counted
 
     async def _matching(
         self, connection: pool.Connection, batch: list[pool.Record], path: tuple[str, ...],

@@ -599,27 +599,7 @@ class Statements:
             args.append(value)
             return f"${len(args)}{cast}"
 
-        # Ordered by the kept rows' own index (sql's kept index), as its predicate says.
-        where = ["inbox_state IS NOT NULL"]
-        # Only the configured routes' rows: not another deployment's on a shared table, nor the
-        # reserved scopes' ("~holds").
-        where.append(f"split_part(scope, '/', 1) = ANY({param(list(criteria.scopes), '::text[]')})")
-        if criteria.scope is not None:
-            where.append(sql.IN_SCOPE.replace("$1", param(criteria.scope, "::text")))
-        if criteria.state is not None:
-            where.append(f"inbox_state = {param(criteria.state, '::text')}")
-        if criteria.since is not None:
-            where.append(f"received_at >= {param(criteria.since, '::timestamptz')}")
-        if criteria.until is not None:
-            where.append(f"received_at < {param(criteria.until, '::timestamptz')}")
-        if criteria.event_id is not None:
-            where.append(_named_by(criteria.event_id, criteria.composite, param))
-        if criteria.event_type is not None:
-            where.append(f"event_type = {param(criteria.event_type, '::text')}")
-        if criteria.body_bytes is not None:
-            # The value's bytes somewhere in the body: the JSON path is checked on the rows
-            # this finds by ``body_match``, in the server too (``Inbox.browse``).
-            where.append(f"position({param(criteria.body_bytes, '::bytea')} in inbox_body) > 0")
+        where = _kept_where(criteria, param)
         if criteria.after is not None:
             at, event_id = criteria.after
             where.append(
@@ -633,6 +613,24 @@ class Statements:
             f"inbox_attempts -> -1 ->> 'error' FROM {self.quoted} "
             f"WHERE {' AND '.join(where)} ORDER BY received_at DESC, event_id DESC "
             f"LIMIT {param(criteria.limit, '::int')}"
+        )
+        return statement, args
+
+    def count(self, criteria: Criteria, most: int) -> tuple[str, list[object]]:
+        """How many kept rows ``criteria`` select (its cursor and limit aside), counted up to
+        ``most`` + 1 at most: the statement and its parameters. Not with a body filter, whose
+        JSON path only ``body_match`` checks, row by row."""
+        assert criteria.body_bytes is None
+        args: list[object] = []
+
+        def param(value: object, cast: str = "") -> str:
+            args.append(value)
+            return f"${len(args)}{cast}"
+
+        where = " AND ".join(_kept_where(criteria, param))
+        statement = (
+            f"SELECT count(*) FROM (SELECT FROM {self.quoted} WHERE {where} "
+            f"LIMIT {param(most + 1, '::int')}) AS counted"
         )
         return statement, args
 
@@ -692,6 +690,36 @@ class Statements:
         )
 
 
+def _kept_where(criteria: Criteria, param: Callable[[object, str], str]) -> list[str]:
+    """The conditions of ``criteria`` (its cursor aside) on the kept rows, for ``browse`` and
+    ``count`` alike."""
+    # Read by the kept rows' own index (sql's kept index), as its predicate says.
+    where = ["inbox_state IS NOT NULL"]
+    # Only the configured routes' rows: not another deployment's on a shared table, nor the
+    # reserved scopes' ("~holds").
+    where.append(f"split_part(scope, '/', 1) = ANY({param(list(criteria.scopes), '::text[]')})")
+    if criteria.scope is not None:
+        where.append(sql.IN_SCOPE.replace("$1", param(criteria.scope, "::text")))
+    if criteria.states and criteria.body_bytes is None:
+        # With a body filter, ``Inbox.browse`` checks the state of the rows it walks: a state
+        # here steers the plan to every pending and dead row's body at each batch (the inbox's
+        # index), not the newest ``BROWSE_SCAN`` rows' by the kept index.
+        where.append(f"inbox_state = ANY({param(list(criteria.states), '::text[]')})")
+    if criteria.since is not None:
+        where.append(f"received_at >= {param(criteria.since, '::timestamptz')}")
+    if criteria.until is not None:
+        where.append(f"received_at < {param(criteria.until, '::timestamptz')}")
+    if criteria.event_id is not None:
+        where.append(_named_by(criteria.event_id, criteria.composite, param))
+    if criteria.event_type is not None:
+        where.append(f"event_type = {param(criteria.event_type, '::text')}")
+    if criteria.body_bytes is not None:
+        # The value's bytes somewhere in the body: the JSON path is checked on the rows
+        # this finds by ``body_match``, in the server too (``Inbox.browse``).
+        where.append(f"position({param(criteria.body_bytes, '::bytea')} in inbox_body) > 0")
+    return where
+
+
 # $2 an ID as an operator gave it: that row, and its rows bound to a body (``sql``'s resolve).
 _NAMED = (
     f"(event_id = $2 OR (event_id >= $2 || '~' AND event_id <= $2 || '~{'f' * sql.BOUND_DIGITS}' "
@@ -721,7 +749,7 @@ class Criteria:
     cursor: the (received_at, event_id) of the last row of the page before."""
 
     scope: str | None = None
-    state: str | None = None
+    states: tuple[str, ...] = ()  # any of these (none: any state)
     since: datetime | None = None
     until: datetime | None = None
     event_id: str | None = None

@@ -111,6 +111,11 @@ def lock_timeout(seconds: float) -> str:
     return f"SET LOCAL lock_timeout = '{_millis(seconds)}'"
 
 
+def statement_timeout(seconds: float) -> str:
+    """Bound this transaction's statements to ``seconds`` each (57014 past it)."""
+    return f"SET LOCAL statement_timeout = '{_millis(seconds)}'"
+
+
 # What a bounded statement may take beyond its lock wait for its own work: on Citus, the
 # coordinator's round trip to a worker, or a new connection to one.
 STATEMENT_MARGIN = 0.25
