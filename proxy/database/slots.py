@@ -4,13 +4,14 @@ shared: true}``): N rows of the claim table, each a place, held by a row lock.
 The rows are of scope ``sql.SLOTS`` ("~slots/app": no route's, so never swept, listed or
 counted), event IDs "0" to "N-1", made at start (``make``: INSERT ... ON CONFLICT DO NOTHING,
 so every replica may, and rows of a larger N before are left, never taken: only IDs below N
-are). A place is taken by ``take``, one statement (``FOR UPDATE SKIP LOCKED LIMIT 1``) in the
-transaction that holds the delivery at the app: a first delivery's claim (after its claim row,
-and its object's row on an ordered route: always in that order, and SKIP LOCKED never waits, so
-no two transactions wait on each other), a redelivery's take. It is freed with that
-transaction: COMMIT, ROLLBACK, or its connection dying with a replica killed, so a place cannot
-leak, with no lease, no heartbeat and no second store. None free: the caller looks again after
-a short backoff (``backoff``), or keeps or refuses the delivery.
+are). A place is taken by ``take``, one statement (``FOR UPDATE SKIP LOCKED LIMIT 1``, one
+round trip: ``sql.take_place``) in the transaction that holds the delivery at the app: a first
+delivery's claim (after its claim row, and its object's row on an ordered route: always in that
+order, and SKIP LOCKED never waits, so no two transactions wait on each other), a redelivery's
+take. It is freed with that transaction: COMMIT, ROLLBACK, or its connection dying with a
+replica killed, so a place cannot leak, with no lease, no heartbeat and no second store. None
+free: the caller looks again after a short backoff (``backoff``), or keeps or refuses the
+delivery.
 
 FOR UPDATE needs the UPDATE privilege on a column of the table: the inbox's grant (its columns,
 ``inbox.GRANT_HINT``) is the one asked for, as the redeliverer's takes need it too.
@@ -28,6 +29,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 
 from proxy.database import pool, sql
+
+# What ``take``'s statement answers when it locked a place (``sql.take_place``).
+TAKEN = "SELECT 1"
 
 # The first wait between two looks for a free place, doubled after each up to BACKOFF_MAX.
 BACKOFF = 0.01
@@ -58,12 +62,9 @@ class Slots:
             "SELECT $1, g::text, 'slot' FROM generate_series(0, $2 - 1) AS g "
             "ON CONFLICT (scope, event_id) DO NOTHING"
         )
-        # $1 the scope, $2 the IDs below the limit. The rows held are passed over inside the
-        # server; no ORDER BY: which free place does not matter.
-        self._take = (
-            f"SELECT event_id FROM {quoted} WHERE scope = $1 AND event_id = ANY($2::text[]) "
-            "LIMIT 1 FOR UPDATE SKIP LOCKED"
-        )
+        # Among the IDs below the limit, the rows held passed over inside the server; no ORDER
+        # BY: which free place does not matter.
+        self.take_statement = sql.take_place(quoted, self.scope, self.ids)
         self._free = (
             f"SELECT count(*) FROM (SELECT FROM {quoted} WHERE scope = $1 "
             "AND event_id = ANY($2::text[]) FOR UPDATE SKIP LOCKED) AS free"
@@ -73,13 +74,11 @@ class Slots:
         """The rows of the places, those missing made (every replica's start)."""
         await connection.execute(self._make, self.scope, self.limit, timeout=self.op_timeout)
 
-    async def take(self, connection: pool.Connection) -> str | None:
-        """Hold a free place in ``connection``'s open transaction, until it ends: its ID, or
-        None when every one is held. Never waits on a lock."""
-        taken: str | None = await connection.fetchval(
-            self._take, self.scope, self.ids, timeout=self.op_timeout
-        )
-        return taken
+    async def take(self, connection: pool.Connection) -> bool:
+        """Hold a free place in ``connection``'s open transaction, until it ends: whether one
+        was free (False: every one is held). Never waits on a lock."""
+        status: str = await connection.execute(self.take_statement, timeout=self.op_timeout)
+        return status == TAKEN
 
     async def held(self, acquire: Acquire) -> int:
         """How many places are held now, by every replica (see the module's docstring)."""
@@ -92,10 +91,10 @@ class Slots:
         return self.limit - free
 
     @contextlib.asynccontextmanager
-    async def kept(self, connection: pool.Connection, begin: str) -> AsyncIterator[str | None]:
+    async def kept(self, connection: pool.Connection, begin: str) -> AsyncIterator[bool]:
         """A place held on ``connection`` in a transaction of its own (a hand-off's: its claim
-        commits while the app still works), until the block ends: its ID, or None when none
-        was free (the transaction ended at once)."""
+        commits while the app still works), until the block ends: whether one was free (the
+        transaction ended at once if not)."""
         with pool.translated("taking a place at the app failed"):
             await connection.execute(begin, timeout=self.op_timeout)
             taken = await self.take(connection)

@@ -124,6 +124,17 @@ STATEMENT_MARGIN = 0.25
 _CONFORMING = "SET LOCAL standard_conforming_strings = on"
 
 
+def take_place(quoted: str, scope: str, ids: list[str]) -> str:
+    """Lock one free row of ``scope`` among ``ids`` (``database.slots``' places), its values
+    literals: one round trip, where a statement with parameters is two without a statement
+    cache (Parse and Describe, then Bind). Its status is ``SELECT 1`` when it locked one."""
+    listed = _literal("{" + ",".join(ids) + "}")
+    return (
+        f"SELECT FROM {quoted} WHERE scope = {_literal(scope)} AND event_id = "
+        f"ANY({listed}::text[]) LIMIT 1 FOR UPDATE SKIP LOCKED"
+    )
+
+
 def wait_bound(seconds: float, *, distributed: bool) -> str:
     """Bound this transaction's next statements' waits on row locks to ``seconds`` with
     ``lock_timeout`` (55P03 past it); on a table ``distributed`` by Citus, each statement to

@@ -447,7 +447,7 @@ class Store:
             return None
         return await self.slots.held(self._connection)
 
-    def place_keeper(self) -> contextlib.AbstractAsyncContextManager[str | None] | None:
+    def place_keeper(self) -> contextlib.AbstractAsyncContextManager[bool] | None:
         """A place at the app held in a transaction of its own on a connection free now (a
         hand-off's, while its claim commits: ``slots.Slots.kept``); None when the limit is not
         shared or no connection is free at once (the hand-off does not happen)."""
@@ -456,7 +456,7 @@ class Store:
         return self._kept_place(self.slots)
 
     @contextlib.asynccontextmanager
-    async def _kept_place(self, places: slots.Slots) -> AsyncIterator[str | None]:
+    async def _kept_place(self, places: slots.Slots) -> AsyncIterator[bool]:
         async with self._connection() as connection, places.kept(connection, self._begin) as held:
             yield held
 
