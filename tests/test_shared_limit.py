@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy import app_keys, app_limit, errors
+from proxy import app_keys, app_limit, database, errors
 from proxy.database import inbox, slots, sql
 from tests.helpers import (
     CORVEL,
@@ -37,6 +37,7 @@ KEPT = {"name": "hooks", "path": "/hooks", "event_id": "body:/id",
 PLAIN = {"name": "plain", "path": "/plain", "event_id": "body:/id"}
 QUICK = {"poll": "100ms"}
 SHARED = {"concurrency": {"limit": 2, "shared": True}}
+PLACES = ["0000000000", "0000000001", "0000000002"]  # the places' IDs, slots.WIDTH digits
 
 
 def test_the_mapping_form_shares_the_limit_and_the_number_stays_per_replica(
@@ -83,14 +84,14 @@ async def test_the_places_are_made_at_start_and_a_smaller_limit_takes_only_its_o
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     await make_proxy(routes=[PLAIN], upstream={"concurrency": {"limit": 3, "shared": True}})
-    assert await _slot_rows(pg_dsn, table) == ["0", "1", "2"]
-    # A rolling restart to a limit of 1: the old rows stay, only "0" is ever taken.
+    assert await _slot_rows(pg_dsn, table) == PLACES[:3]
+    # A rolling restart to a limit of 1: the old rows stay, only place 0 is ever taken.
     upstream.gate = asyncio.Event()
     proxy = await make_proxy(
         routes=[PLAIN], upstream={"concurrency": {"limit": 1, "shared": True}},
         database={"pool_timeout": "300ms"},
     )  # fmt: skip
-    assert await _slot_rows(pg_dsn, table) == ["0", "1", "2"]
+    assert await _slot_rows(pg_dsn, table) == PLACES[:3]
     first = asyncio.ensure_future(proxy.post("/plain", data=b'{"id": "a"}'))
     await wait_until(lambda: _at_app(upstream, 1), "the first at the app")
     second = await proxy.post("/plain", data=b'{"id": "b"}')
@@ -288,6 +289,26 @@ async def test_a_shared_limit_without_the_inbox_grant_refuses_to_start_naming_it
     assert f'{inbox.GRANT_HINT} ON "{table}" TO {role}' in refused.value.message
 
 
+async def test_on_a_table_citus_distributes_a_shared_limit_refuses_to_start_naming_why(
+    proxy_config: Any, pg_dsn: str, table: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Citus spreads the places over its shards by event_id and locks no rows across shards:
+    every take would fail, so the start is refused, saying to set the limit per replica. (No
+    Citus in CI: its catalog's answer is given.)"""
+
+    async def distributed(_: database.Store) -> database.Distribution:
+        return database.Distribution("event_id", 32)
+
+    monkeypatch.setattr(database.Store, "distribution", distributed)
+    cfg = proxy_config(routes=[PLAIN], upstream=SHARED)
+    with pytest.raises(errors.StoreUnavailable) as refused:
+        await start_up(cfg)
+    assert refused.value.message == slots.NOT_ON_CITUS
+    assert await _slot_rows(pg_dsn, table) == []  # no place made, none to take
+    per_replica = proxy_config(routes=[PLAIN], upstream={"concurrency": 2})
+    await start_up(per_replica)  # the per-replica limit starts there
+
+
 async def test_with_the_documented_grants_a_shared_limit_takes_its_places(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
@@ -298,4 +319,4 @@ async def test_with_the_documented_grants_a_shared_limit_takes_its_places(
         )
         assert (await proxy.post("/plain", data=b'{"id": "granted"}')).status == 200
         assert await proxy.app[app_keys.STORE].places_held() == 0
-    assert await _slot_rows(pg_dsn, table) == ["0", "1"]
+    assert await _slot_rows(pg_dsn, table) == PLACES[:2]

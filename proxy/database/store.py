@@ -433,7 +433,10 @@ class Store:
         await self._pool.close(self.op_timeout)
 
     async def _make_slots(self, limit: int) -> None:
-        """The rows of ``limit`` places at the app shared by every replica (those missing)."""
+        """The rows of ``limit`` places at the app shared by every replica (those missing).
+        NotPrepared on a table Citus distributes (``slots.NOT_ON_CITUS``)."""
+        if self.distributed:
+            raise errors.NotPrepared(slots.NOT_ON_CITUS)
         places = slots.Slots(self.queries.quoted, limit, self.op_timeout)
         async with self._connection() as connection:
             with translated("cannot make the places at the app"):
