@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections import Counter
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
 from proxy import app_keys, app_limit, database, errors
 from proxy.database import inbox, slots, sql
@@ -21,6 +23,7 @@ from tests.helpers import (
     FakeUpstream,
     MakeProxy,
     Serve,
+    Served,
     SlowApp,
     execute,
     fetch,
@@ -264,6 +267,70 @@ async def test_a_replica_killed_holding_every_place_frees_them(
             answer.cancel()
     rows = await fetch(pg_dsn, f"SELECT event_id FROM \"{table}\" WHERE scope = 'corvel'")
     assert [row["event_id"] for row in rows] == ["after"]  # the holder's were rolled back
+
+
+async def _post(url: str, event: str) -> int:
+    """One webhook on a connection of its own (none kept alive into a worker's drain)."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        body = json.dumps({"id": event}).encode()
+        async with session.post(f"{url}/webhooks/corvel", data=body) as answer:
+            return answer.status
+
+
+async def _reload(served: Served, limit: int, count: int) -> None:
+    """Set the shared limit in ``served``'s file, SIGHUP its supervisor, and wait for its
+    ``count``-th "reloaded" line (the new workers listen; the old ones drain)."""
+    settings = yaml.safe_load(served.config_file.read_text())
+    settings["upstream"]["concurrency"] = {"limit": limit, "shared": True}
+    served.config_file.write_text(yaml.safe_dump(settings))
+    served.process.send_signal(signal.SIGHUP)
+
+    async def reloaded() -> bool:
+        return sum(1 for x in served.lines() if x["msg"].startswith("reloaded")) >= count
+
+    await wait_until(reloaded, f"reload {count}", within=60)
+
+
+async def test_a_shared_limit_raised_then_lowered_by_sighup_holds_the_larger_while_old_drain(
+    serve: Serve, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    """``workers: 2``, a shared limit of 2, the app holding every request. Raised to 4 by
+    SIGHUP while the old workers hold 2 and one waits: the new workers make places 2 and 3 and
+    take them (4 at the app), a fifth waits; then lowered to 1 with 4 held: the new workers
+    wait for place 0 until the old ones' attempts end, and from then on 1 is at the app."""
+    upstream.gate = asyncio.Event()
+    served = await serve(
+        workers=2, upstream={"concurrency": {"limit": 2, "shared": True}},
+        database={"pool_timeout": "30s"}, shutdown_timeout="30s",
+    )  # fmt: skip
+    first = [asyncio.ensure_future(_post(served.url, f"old-{n}")) for n in range(3)]
+    await wait_until(lambda: _at_app(upstream, 2), "the old workers' two at the app")
+    await _reload(served, 4, 1)
+    assert await _slot_rows(pg_dsn, table) == [slots.place_id(n) for n in range(4)]
+    second = [asyncio.ensure_future(_post(served.url, f"new-{n}")) for n in range(3)]
+    await wait_until(lambda: _at_app(upstream, 4), "the new workers' places 2 and 3 taken")
+    await asyncio.sleep(1)
+    assert len(upstream.requests) == 4  # never more than the larger limit: 2 wait
+    upstream.gate.set()
+    assert await asyncio.gather(*first, *second) == [200] * 6
+
+    # Lowered to 1 while the workers of limit 4 hold 4 places.
+    upstream.gate, before = asyncio.Event(), len(upstream.requests)
+    held = [asyncio.ensure_future(_post(served.url, f"four-{n}")) for n in range(4)]
+    await wait_until(lambda: _at_app(upstream, before + 4), "four at the app")
+    await _reload(served, 1, 2)
+    lowered = [asyncio.ensure_future(_post(served.url, f"one-{n}")) for n in range(2)]
+    await asyncio.sleep(1)
+    assert len(upstream.requests) == before + 4  # no more than 4, the new ones wait
+    gate, upstream.gate = upstream.gate, asyncio.Event()
+    gate.set()  # the old workers' four end; the new workers take place 0, one at a time
+    assert await asyncio.gather(*held) == [200] * 4
+    await wait_until(lambda: _at_app(upstream, before + 5), "one of the new at the app")
+    await asyncio.sleep(1)
+    assert len(upstream.requests) == before + 5  # the new limit: one at the app
+    upstream.gate.set()
+    assert await asyncio.gather(*lowered) == [200] * 2
 
 
 def test_the_backoff_is_short_and_bounded() -> None:
