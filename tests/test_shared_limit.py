@@ -83,6 +83,34 @@ async def test_off_no_slot_rows_are_made_and_no_place_is_taken(
     assert await _slot_rows(pg_dsn, table) == []
 
 
+async def test_a_row_of_the_places_scope_with_an_id_of_another_width_is_never_a_place(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    """IDs of another width (a build before the places' IDs had ten digits wrote "0", "1", …)
+    fall outside "from 0000000000 to below N": the limit stays N."""
+    await _made(pg_dsn, table)
+    await execute(
+        pg_dsn, f"INSERT INTO \"{table}\" (scope, event_id, event_type) "
+        "SELECT '~slots/app', g::text, 'slot' FROM generate_series(0, 9) AS g",
+    )  # fmt: skip
+    upstream.gate = asyncio.Event()
+    one, two = [
+        await make_proxy(
+            routes=[PLAIN], upstream={"concurrency": {"limit": 1, "shared": True}},
+            database={"pool_timeout": "300ms"},
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    first = asyncio.ensure_future(one.post("/plain", data=b'{"id": "a"}'))
+    await wait_until(lambda: _at_app(upstream, 1), "the first at the app")
+    second = await two.post("/plain", data=b'{"id": "b"}')  # the other replica: its room free
+    assert second.status == 503  # not sent on row "0"
+    assert len(upstream.requests) == 1
+    assert await one.app[app_keys.STORE].places_held() == 1
+    upstream.gate.set()
+    assert (await first).status == 200
+
+
 async def test_the_places_are_made_at_start_and_a_smaller_limit_takes_only_its_own(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:

@@ -5,8 +5,9 @@ The rows are of scope ``sql.SLOTS`` ("~slots/app": no route's, so never swept, l
 counted), event IDs 0 to N-1 written with ``WIDTH`` digits ("0000000000" …), made at start
 (``make``: INSERT ... ON CONFLICT DO NOTHING, so every replica may, and rows of a larger N
 before are left, never taken: only IDs below N are). Of one width, the IDs sort as their
-numbers, so "below N" is one range of the primary key's index, planned as cheaply whatever N
-(a list of N IDs costs its planning at each call: twice the take's, at N = 64).
+numbers, so "from 0 to below N" is one range of the primary key's index, planned as cheaply
+whatever N (a list of N IDs costs its planning at each call: twice the take's, at N = 64), and
+no ID of another width falls inside it ("0" sorts before "0000000000", "1" after "0000000064").
 
 A place is taken by ``take``, one statement (``FOR UPDATE SKIP LOCKED LIMIT 1``, one round
 trip: ``sql.take_place``) in the transaction that holds the delivery at the app: a first
@@ -86,10 +87,10 @@ class Slots:
         )
         # Among the IDs below the limit, the rows held passed over inside the server; no ORDER
         # BY: which free place does not matter.
-        self.take_statement = sql.take_place(quoted, self.scope, self.below)
+        self.take_statement = sql.take_place(quoted, self.scope, place_id(0), self.below)
         self._free = (
             f"SELECT count(*) FROM (SELECT FROM {quoted} WHERE scope = $1 "
-            "AND event_id < $2 FOR UPDATE SKIP LOCKED) AS free"
+            "AND event_id >= $2 AND event_id < $3 FOR UPDATE SKIP LOCKED) AS free"
         )
 
     async def make(self, connection: pool.Connection) -> None:
@@ -108,7 +109,11 @@ class Slots:
             with pool.translated("reading the places held at the app failed"):
                 async with connection.transaction():
                     free: int = await connection.fetchval(
-                        self._free, self.scope, self.below, timeout=self.op_timeout
+                        self._free,
+                        self.scope,
+                        place_id(0),
+                        self.below,
+                        timeout=self.op_timeout,
                     )
         return self.limit - free
 

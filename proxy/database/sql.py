@@ -125,14 +125,14 @@ STATEMENT_MARGIN = 0.25
 _CONFORMING = "SET LOCAL standard_conforming_strings = on"
 
 
-def take_place(quoted: str, scope: str, below: str) -> str:
-    """Lock one free row of ``scope`` whose ID is ``below`` (``database.slots``' places), its
-    values literals: one round trip, where a statement with parameters is two without a
-    statement cache (Parse and Describe, then Bind). Its status is ``SELECT 1`` when it locked
-    one."""
+def take_place(quoted: str, scope: str, first: str, below: str) -> str:
+    """Lock one free row of ``scope`` whose ID is from ``first`` and below ``below``
+    (``database.slots``' places), its values literals: one round trip, where a statement with
+    parameters is two without a statement cache (Parse and Describe, then Bind). Its status is
+    ``SELECT 1`` when it locked one."""
     return (
-        f"SELECT FROM {quoted} WHERE scope = {_literal(scope)} AND event_id < {_literal(below)} "
-        "LIMIT 1 FOR UPDATE SKIP LOCKED"
+        f"SELECT FROM {quoted} WHERE scope = {_literal(scope)} AND event_id >= {_literal(first)} "
+        f"AND event_id < {_literal(below)} LIMIT 1 FOR UPDATE SKIP LOCKED"
     )
 
 
