@@ -1,8 +1,8 @@
 """What a delivery kept by the limit at the app costs, against a forwarded one, side by side.
 
     python bench/keep_cost.py [--rounds 4] [--duration 5] [--workers 2] [--pool 40]
-                              [--connections 32,1] [--grow | --ordered] [--statements]
-                              [--out FILE]
+                              [--connections 32,1] [--grow | --ordered | --shared]
+                              [--statements] [--out FILE] [--json FILE]
 
 Two proxies on the same embedded PostgreSQL and the same ``redeliver`` route: one forwards to a
 fast app under a limit it never reaches (``upstream.concurrency`` 64); the other has
@@ -10,19 +10,26 @@ fast app under a limit it never reaches (``upstream.concurrency`` 64); the other
 answers, so that every webhook wrk sends it is kept by the limit (the short keep transaction:
 claim, the row's UPDATE, COMMIT, answered 202; its route's ``hand_off`` of 1 ms keeps it at
 once, where a route waits ``app_limit.KEEP_WAIT`` for a place first), each kept run from an
-empty inbox unless ``--grow``. ``--statements`` loads pg_stat_statements and adds where
-PostgreSQL's time goes in the kept runs, per statement and kept webhook. Each round runs wrk
-(new event IDs) against each, the order reversed every other round, and reports CPU per webhook
-(the proxy and PostgreSQL), throughput and latency, and kept ÷ forwarded. With ``--ordered``,
-what ``order`` costs instead: the second proxy forwards too, to an app of its own, on the same
-route with ``order: {key: body:/id}`` (each event its own object, so that nothing waits: the
-object row's statement alone), and the table is ordered ÷ plain. Loopback only; every load run
-is bounded; every process started is stopped by PID.
+empty inbox unless ``--grow``; ``--statements`` adds where PostgreSQL's time goes in the kept
+runs, per statement and kept webhook (pg_stat_statements). Each round runs wrk (new event IDs)
+against each, the order reversed every other round, and reports CPU per webhook (the proxy and
+PostgreSQL), throughput and latency, and kept ÷ forwarded. With ``--ordered``, what ``order``
+costs instead: the second proxy forwards too, to an app of its own, on the same route with
+``order: {key: body:/id}`` (each event its own object, so that nothing waits: the object row's
+statement alone), and the table is ordered ÷ plain. With ``--shared``, what a limit shared by
+every replica costs: both forward, each to an app of its own, on the same route, one under the
+per-replica ``upstream.concurrency`` 64, the other under ``{limit: 64, shared: true}`` (each
+webhook takes a place, a row of ``~slots/app`` locked in its claim's transaction: every
+worker's room is 32 either way, so the room never binds), and the table is shared ÷ per-
+replica; then one more c32 run on each, alone, counts the statements per webhook
+(pg_stat_statements) and the connections the proxies opened and used, and the take is
+EXPLAINed. Loopback only; every load run is bounded; every process started is stopped by PID.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import shlex
@@ -39,15 +46,18 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import asyncpg
 import yaml
 
 from bench import loads, procs, report
 from bench.run import SCOPE, TABLE, Bench, Settings, prepare_database
+from proxy.database import pool, slots
 
 LIMIT = 64  # the forwarding proxy's: above what c32 sends
 # The two proxies compared: the first forwards to a fast app on a plain route.
 KEPT = ("forwarded", "kept")
 ORDERED = ("plain", "ordered")
+SHARED = ("per-replica", "shared")
 KEPT_LIMIT = 'dedup_inbox_kept_total{reason="limit",route="kept"}'
 
 
@@ -129,11 +139,12 @@ def start(
     fast = bench.start_upstream("app")
     forwarded = bench.start_proxy(names[0], fast, args.pool, workers=args.workers,
                                   concurrency=LIMIT, routes=[route(SCOPE)])  # fmt: skip
-    if args.ordered:
-        other = bench.start_upstream("app-ordered")
-        second = bench.start_proxy("ordered", other, args.pool, workers=args.workers,
-                                   concurrency=LIMIT,
-                                   routes=[route("ordered", ordered=True)])  # fmt: skip
+    if args.ordered or args.shared:
+        other = bench.start_upstream(f"app-{names[1]}")
+        limit: int | dict[str, Any] = {"limit": LIMIT, "shared": True} if args.shared else LIMIT
+        second = bench.start_proxy(names[1], other, args.pool, workers=args.workers,
+                                   concurrency=limit,
+                                   routes=[route(names[1], ordered=args.ordered)])  # fmt: skip
         counters: loads.Upstream = loads.Upstream(other.port)
     else:
         other = bench.start_upstream("app-held", delay=86_400)
@@ -144,8 +155,8 @@ def start(
         counters = Held(other.port)
         fill_the_app(bench, second, args.workers)
     bench.wrk("", f"warm-up {names[0]}", forwarded, fast, 32, seconds=warmup)
-    if args.ordered:
-        bench.wrk("", "warm-up ordered", second, other, 32, seconds=warmup)
+    if args.ordered or args.shared:
+        bench.wrk("", f"warm-up {names[1]}", second, other, 32, seconds=warmup)
     return {
         names[0]: (forwarded, fast, loads.Upstream(fast.port)),
         names[1]: (second, other, counters),
@@ -183,89 +194,13 @@ def measure(
     return results, statements
 
 
-def load_statements(bench: Bench) -> None:
-    """pg_stat_statements in the bench's server: its library loads at the server's start."""
-    for setting, value in STATEMENTS_SETTINGS.items():
-        bench.sql(f"ALTER SYSTEM SET {setting} = '{value}'")
-    bench.database.stop()
-    bench.dsn = bench.database.start()
-    bench.sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--duration", type=int, default=5, help="seconds per load run")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--pool", type=int, default=40, help="database.pool_size per worker")
-    parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
-    parser.add_argument("--grow", action="store_true", help="keep the kept rows from run to "
-                        "run (default: each kept run starts with an empty inbox)")  # fmt: skip
-    parser.add_argument("--ordered", action="store_true", help="compare a route with order "
-                        "against the same route without, both forwarding")  # fmt: skip
-    parser.add_argument("--statements", action="store_true", help="load pg_stat_statements "
-                        "and also report where PostgreSQL's time goes in the kept runs, by "
-                        "statement")  # fmt: skip
-    parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
-    parser.add_argument("--json", type=Path, help="also write the runs as JSON here")
-    args = parser.parse_args(argv)
-    if args.ordered and args.grow:
-        parser.error("--grow is for the kept runs; --ordered has none")
-    loads.wrk_path()
-    settings = Settings(seconds=args.duration, pool=args.pool, warmup=2, rounds=args.rounds)
-    workdir = Path(tempfile.mkdtemp(prefix="dedup-keep-cost-"))
-    bench = Bench(settings, workdir)
-    names = ORDERED if args.ordered else KEPT
-    try:
-        prepare_database(bench)
-        if args.statements:
-            load_statements(bench)
-        runs = start(bench, args, names, settings.warmup)
-        results, statements = measure(bench, args, runs, names)
-        kept_total = 0.0 if args.ordered else metric(admin_url(bench, "kept"), KEPT_LIMIT)
-    finally:
-        bench.close()
-        shutil.rmtree(workdir, ignore_errors=True)
-    _check(results)
-    given = sys.argv[1:] if argv is None else argv
-    command = shlex.join(["python", "bench/keep_cost.py", *given])
-    machine = report.machine()
-    setup = (
-        f"plain and ordered (order: {{key: body:/id}}, each event its own object) both forward, "
-        f"upstream.concurrency {LIMIT}, each to an app of its own"
-        if args.ordered
-        else f"forwarded: upstream.concurrency {LIMIT}, kept: {args.workers} (each place held); "
-        f"{kept_total:,.0f} kept by the limit in all; each kept run started with "
-        f"{'the rows the runs before it kept' if args.grow else 'an empty inbox'}"
-    )
-    text = (
-        f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
-        f"{args.workers} workers, pool {args.pool} each; a redeliver route; {setup}\n\n"
-        f"{_table(results, names)}\n"
-    )
-    if statements:
-        text += "\n" + _statements_table(statements) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
-    if args.json is not None:
-        runs_json = {f"{n} c{c} r{r}": _figures(result) for (n, c, r), result in results.items()}
-        args.json.write_text(json.dumps(runs_json, indent=2), encoding="utf-8")
-    return 0
-
-
-# pg_stat_statements, for --statements: its library loaded at the server's start.
-STATEMENTS_SETTINGS = {"shared_preload_libraries": "pg_stat_statements",
-                       "pg_stat_statements.track_planning": "on"}  # fmt: skip
-
-
 def statement_times(bench: Bench, webhooks: int) -> dict[str, float]:
     """PostgreSQL's time (planning and execution, µs) per kept webhook for each statement since
     the last reset, by the statement's first 70 characters (the kept runs reset it first)."""
     rows = bench.value(
         "SELECT json_agg(json_build_array(text, ms)) FROM (SELECT left(regexp_replace(query, "
         "'\\s+', ' ', 'g'), 70) AS text, sum(total_exec_time + total_plan_time) AS ms "
-        "FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_statements%' GROUP BY 1 "
+        f"FROM pg_stat_statements WHERE query NOT LIKE '%{OURS}%' GROUP BY 1 "
         "ORDER BY 2 DESC LIMIT 8) AS top"
     )
     return {str(t): float(ms) * 1000 / max(webhooks, 1) for t, ms in json.loads(rows or "[]")}
@@ -279,6 +214,205 @@ def _statements_table(statements: dict[str, list[float]]) -> str:
     for text, median in sorted(medians.items(), key=lambda item: -item[1]):
         lines.append(f"| `{text}` | {median:,.0f} |")
     return "\n".join(lines)
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--duration", type=int, default=5, help="seconds per load run")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--pool", type=int, default=40, help="database.pool_size per worker")
+    parser.add_argument("--connections", default="32,1", help="comma-separated wrk -c values")
+    parser.add_argument("--grow", action="store_true", help="keep the kept rows from run to "
+                        "run (default: each kept run starts with an empty inbox)")  # fmt: skip
+    parser.add_argument("--ordered", action="store_true", help="compare a route with order "
+                        "against the same route without, both forwarding")  # fmt: skip
+    parser.add_argument("--shared", action="store_true", help="compare a limit shared by "
+                        "every replica against the per-replica one, both forwarding")  # fmt: skip
+    parser.add_argument("--statements", action="store_true", help="also report where "
+                        "PostgreSQL's time goes in the kept runs, by statement")  # fmt: skip
+    parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
+    parser.add_argument("--json", type=Path, help="also write the runs as JSON here")
+    args = parser.parse_args(argv)
+    if (args.ordered or args.shared) and args.grow:
+        parser.error("--grow is for the kept runs; --ordered and --shared have none")
+    if args.ordered and args.shared:
+        parser.error("--ordered and --shared are two comparisons: one at a time")
+    if args.statements and (args.ordered or args.shared):
+        parser.error("--statements is for the kept runs (--shared counts its own statements)")
+    return args
+
+
+def _setup(args: argparse.Namespace, kept_total: float) -> str:
+    """What the two proxies were, for the table's heading."""
+    if args.ordered:
+        return (
+            "plain and ordered (order: {key: body:/id}, each event its own object) both "
+            f"forward, upstream.concurrency {LIMIT}, each to an app of its own"
+        )
+    if args.shared:
+        return (
+            f"per-replica (upstream.concurrency {LIMIT}) and shared ({{limit: {LIMIT}, shared: "
+            "true}) both forward, each to an app of its own"
+        )
+    return (
+        f"forwarded: upstream.concurrency {LIMIT}, kept: {args.workers} (each place held); "
+        f"{kept_total:,.0f} kept by the limit in all; each kept run started with "
+        f"{'the rows the runs before it kept' if args.grow else 'an empty inbox'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    loads.wrk_path()
+    settings = Settings(seconds=args.duration, pool=args.pool, warmup=2, rounds=args.rounds)
+    workdir = Path(tempfile.mkdtemp(prefix="dedup-keep-cost-"))
+    bench = Bench(settings, workdir)
+    names = ORDERED if args.ordered else SHARED if args.shared else KEPT
+    kept_total = 0.0
+    counted = ""
+    try:
+        if args.shared or args.statements:  # the statements per webhook counted
+            prepare_database(bench, **STATEMENTS_COUNTED)
+            bench.sql("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        else:
+            prepare_database(bench)
+        runs = start(bench, args, names, settings.warmup)
+        results, statements = measure(bench, args, runs, names)
+        if statements:
+            counted = "\n" + _statements_table(statements) + "\n"
+        if args.shared:
+            counted = count(bench, runs, names, settings.seconds)
+        elif not args.ordered:
+            kept_total = metric(admin_url(bench, "kept"), KEPT_LIMIT)
+    finally:
+        bench.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    _check(results)
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "bench/keep_cost.py", *given])
+    machine = report.machine()
+    setup = _setup(args, kept_total)
+    text = (
+        f"`{command}`: {machine.get('nproc', '?')} CPUs, {args.duration} s per run, "
+        f"{args.workers} workers, pool {args.pool} each; a redeliver route; {setup}\n\n"
+        f"{_table(results, names)}\n{counted}"
+    )
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text, encoding="utf-8")
+    if args.json is not None:
+        runs_json = {f"{n} c{c} r{r}": _figures(result) for (n, c, r), result in results.items()}
+        args.json.write_text(json.dumps(runs_json, indent=2), encoding="utf-8")
+    return 0
+
+
+# The server's settings for ``count``: pg_stat_statements, planning times included.
+STATEMENTS_COUNTED = {"shared_preload_libraries": "pg_stat_statements",
+                      "pg_stat_statements.track_planning": "on"}  # fmt: skip
+# The statements the bench's own sessions send (the sampler, the counts), not counted.
+OURS = "pg_stat_"
+
+
+def count(bench: Bench, runs: dict[str, Run], names: tuple[str, str], seconds: int) -> str:
+    """One more c32 run on each proxy, alone, after pg_stat_statements_reset(): the statements
+    per webhook each sent (every one whose calls reach a hundredth of the webhooks, and all of
+    them together), the connections the proxies opened during the run and the most busy at
+    once (sampled every 20 ms); then the shared take's plans. Markdown."""
+    lines = ["", "Statements per webhook (pg_stat_statements, one c32 run on each, alone):", ""]
+    for name in names:
+        proxy, app, counters = runs[name]
+        asyncio.run(_query(bench.dsn, "SELECT pg_stat_statements_reset()"))
+        started = asyncio.run(_query(bench.dsn, "SELECT now()"))[0][0]
+        busy: list[int] = []
+        stop = threading.Event()
+        sampler = threading.Thread(target=_sample_busy, args=(bench.dsn, busy, stop))
+        sampler.start()
+        try:
+            result = bench._record("", loads.wrk(
+                f"{name} c32 (statements)", f"http://127.0.0.1:{proxy.port}/hook",
+                connections=32, seconds=seconds, probes=bench.probes(proxy=proxy, upstream=app),
+                upstream=counters, run_id=bench.run_id(),
+            ))  # fmt: skip
+        finally:
+            stop.set()
+            sampler.join(timeout=30)
+        webhooks = max(result.upstream.get("calls", 0), 1)
+        rows = asyncio.run(_query(
+            bench.dsn, "SELECT calls, regexp_replace(query, '\\s+', ' ', 'g'), total_exec_time, "
+            "total_plan_time, wal_records FROM pg_stat_statements WHERE query NOT LIKE $1 "
+            "ORDER BY calls DESC, query",
+            f"%{OURS}%",
+        ))  # fmt: skip
+        opened = asyncio.run(_query(
+            bench.dsn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+            "AND backend_start >= $2", pool.APPLICATION_NAME, started,
+        ))[0][0]  # fmt: skip
+        total = sum(calls for calls, *_ in rows)
+        lines.append(f"**{name}**: {webhooks:,} webhooks, {total / webhooks:.2f} statements "
+                     f"each; {opened} connections opened during the run, at most "
+                     f"{max(busy, default=0)} busy at once")  # fmt: skip
+        lines.append("")
+        lines += ["| calls per webhook | mean ms planning, executing | WAL records per call "
+                  "| statement |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {calls / webhooks:.3f} | {planned / calls:.3f}, {spent / calls:.3f} | "
+                  f"{wal / calls:.2f} | `{_short(text)}` |"
+                  for calls, text, spent, planned, wal in rows
+                  if calls >= webhooks / 100]  # fmt: skip
+        lines.append("")
+    return "\n".join([*lines, _plans(bench), ""])
+
+
+def _short(text: str, most: int = 160) -> str:
+    return (text if len(text) <= most else text[: most - 1] + "…").replace("|", "\\|")
+
+
+def _plans(bench: Bench) -> str:
+    """The take's plan, run once in a transaction rolled back, over the table the runs filled
+    (its planning too: a statement sent as text is planned at each call)."""
+    places = slots.Slots(f'"{TABLE}"', LIMIT, 10.0)
+    rows = asyncio.run(_query(bench.dsn, f"SELECT count(*) FROM {TABLE}"))[0][0]
+    plan = asyncio.run(_explain(bench.dsn, places.take_statement))
+    return (f"The take over {rows:,} rows of the claim table, EXPLAIN ANALYZE (rolled "
+            f"back):\n\n```\n{plan}\n```")  # fmt: skip
+
+
+async def _explain(dsn: str, statement: str) -> str:
+    connection = await asyncpg.connect(dsn)
+    transaction = connection.transaction()
+    await transaction.start()
+    try:
+        found = await connection.fetch(f"EXPLAIN (ANALYZE, BUFFERS, TIMING OFF) {statement}")
+        return "\n".join(row[0] for row in found)
+    finally:
+        await transaction.rollback()  # the row it locked
+        await connection.close()
+
+
+async def _query(dsn: str, query: str, *args: object) -> list[Any]:
+    connection = await asyncpg.connect(dsn)
+    try:
+        return list(await connection.fetch(query, *args))
+    finally:
+        await connection.close()
+
+
+def _sample_busy(dsn: str, busy: list[int], stop: threading.Event) -> None:
+    """The proxies' connections in a statement or a transaction, every 20 ms until ``stop``."""
+
+    async def sample() -> None:
+        connection = await asyncpg.connect(dsn)
+        try:
+            while not stop.is_set():
+                busy.append(await connection.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+                    "AND state <> 'idle'", pool.APPLICATION_NAME,
+                ))  # fmt: skip
+                await asyncio.sleep(0.02)
+        finally:
+            await connection.close()
+
+    asyncio.run(sample())
 
 
 def _check(results: Results) -> None:

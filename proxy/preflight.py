@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from proxy import config, database, errors, logs, operations
+from proxy.database import slots
 from proxy.upstream import forwarder
 
 Report = Callable[[bool, str], None]
@@ -54,6 +55,8 @@ async def preflight(cfg: config.Config, out: TextIO = sys.stdout) -> int:
             distribution = await store.distribution()
             if distribution is not None:
                 report(*citus_line(cfg.database.table, distribution))
+                if distribution.distributed and cfg.upstream.shared:
+                    report(False, f"citus: {slots.NOT_ON_CITUS}")
                 if not distribution.conforming:
                     report(False, CITUS_NOT_CONFORMING)
         await _check_pooler(store, report)

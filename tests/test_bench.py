@@ -228,6 +228,22 @@ def test_the_ordered_cost_run_compares_an_ordered_route_with_a_plain_one() -> No
     assert float(rows[0][-1].strip(" |")) > 0
 
 
+def test_the_shared_cost_run_compares_a_shared_limit_with_a_per_replica_one() -> None:
+    """bench/keep_cost.py --shared, one short round: both proxies' apps took each webhook once
+    (the script checks it), the table has their ratios, and the statements counted show the
+    shared limit's one statement more per webhook, with no connection opened."""
+    stdout = _script("bench/keep_cost.py", "--shared", "--rounds", "1", "--duration", "1",
+                     "--connections", "32", timeout=180)  # fmt: skip
+    assert "| proxy CPU shared ÷ per-replica | PostgreSQL CPU shared ÷ per-replica |" in stdout
+    rows = [line.split(" | ") for line in stdout.splitlines() if line.startswith("| 32 | 1 |")]
+    assert len(rows) == 1
+    assert float(rows[0][-1].strip(" |")) > 0
+    counted = dict(re.findall(r"\*\*(per-replica|shared)\*\*: [\d,]+ webhooks, ([\d.]+) "
+                              r"statements each; 0 connections opened", stdout))  # fmt: skip
+    assert float(counted["shared"]) - float(counted["per-replica"]) == pytest.approx(1, abs=0.1)
+    assert "Index Scan using" in stdout  # the take's plan
+
+
 def test_the_scale_run_measures_growth_the_sweep_and_open_claims(tmp_path: Path) -> None:
     """bench/scale.py --quick: a full table, a sweep that deleted rows, and each pool size."""
     stdout = _script("bench/scale.py", "--quick", "--out", str(tmp_path / "SCALE.md"), timeout=400)

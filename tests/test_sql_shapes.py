@@ -25,7 +25,7 @@ import pglast
 import pytest
 from pglast import ast, enums
 
-from proxy.database import inbox_sql, sql
+from proxy.database import inbox_sql, slots, sql
 
 _TABLE = ("dedup", "claims")
 _QUERIES = sql.for_table(".".join(_TABLE))
@@ -333,6 +333,14 @@ def test_the_checker_reports_each_refused_shape(name: str, text: str, rule: str 
         assert problems == []
     else:
         assert any(p.startswith(rule) for p in problems), problems
+
+
+def test_a_shared_limits_take_is_a_shape_citus_refuses_so_it_is_refused_there() -> None:
+    """The places of ``upstream.concurrency: {limit: N, shared: true}`` are N rows spread over
+    the shards by event_id, locked by one statement: rule 1. Not run on Citus: the start is
+    refused (``slots.NOT_ON_CITUS``, tests/test_shared_limit.py)."""
+    take = slots.Slots(sql.for_table(".".join(_TABLE)).quoted, 4, 1.0).take_statement
+    assert any(p.startswith("rule 1") for p in _problems(take, "take_place"))
 
 
 def test_the_ddl_goes_one_statement_at_a_time() -> None:

@@ -336,7 +336,7 @@ class Claim:
             raise RuntimeError(f"claim of {self.key.event_id!r} takes no place")
         try:
             with pool.translated("taking a place at the app failed", self.abandon):
-                return await places.take(self._connection) is not None
+                return await places.take(self._connection)
         except asyncio.CancelledError:
             self._discard()
             raise

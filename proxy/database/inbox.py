@@ -517,7 +517,7 @@ class Redelivery:
         """Hold one of the places at the app shared by every replica (``database.slots``) in
         the redelivery's transaction, after its row (and its object's): whether one was free."""
         with pool.translated("taking a place at the app failed", self._discard):
-            return await places.take(self._connection) is not None
+            return await places.take(self._connection)
 
     async def release(self) -> None:
         if self._done:

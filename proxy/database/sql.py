@@ -57,8 +57,9 @@ RECEIPT_KEY = "~receipt-key"
 # transaction: held while the app works, freed with the transaction.
 ORDER = "~order"
 # The scope of the places at the app held by every replica together (``database.slots``): SLOTS,
-# "/" and whose ("app"), keyed "0" to "N-1"; never a route's. Locked FOR UPDATE SKIP LOCKED in
-# the transaction of a delivery at the app, after its claim row and its object's row.
+# "/" and whose ("app"), keyed 0 to N-1 in ``slots.WIDTH`` digits; never a route's. Locked FOR
+# UPDATE SKIP LOCKED in the transaction of a delivery at the app, after its claim row and its
+# object's row.
 SLOTS = "~slots"
 ORDER_SAVEPOINT = "ordered"
 # What ``Queries.hold_object``'s status says: the event is older than the version accepted; an
@@ -127,6 +128,17 @@ STATEMENT_MARGIN = 0.25
 # event ID would be stored doubled, and the body's digest mangled. On for the transaction,
 # whatever the role's default.
 _CONFORMING = "SET LOCAL standard_conforming_strings = on"
+
+
+def take_place(quoted: str, scope: str, first: str, below: str) -> str:
+    """Lock one free row of ``scope`` whose ID is from ``first`` and below ``below``
+    (``database.slots``' places), its values literals: one round trip, where a statement with
+    parameters is two without a statement cache (Parse and Describe, then Bind). Its status is
+    ``SELECT 1`` when it locked one."""
+    return (
+        f"SELECT FROM {quoted} WHERE scope = {_literal(scope)} AND event_id >= {_literal(first)} "
+        f"AND event_id < {_literal(below)} LIMIT 1 FOR UPDATE SKIP LOCKED"
+    )
 
 
 def wait_bound(seconds: float, *, distributed: bool) -> str:

@@ -433,7 +433,10 @@ class Store:
         await self._pool.close(self.op_timeout)
 
     async def _make_slots(self, limit: int) -> None:
-        """The rows of ``limit`` places at the app shared by every replica (those missing)."""
+        """The rows of ``limit`` places at the app shared by every replica (those missing).
+        NotPrepared on a table Citus distributes (``slots.NOT_ON_CITUS``)."""
+        if self.distributed:
+            raise errors.NotPrepared(slots.NOT_ON_CITUS)
         places = slots.Slots(self.queries.quoted, limit, self.op_timeout)
         async with self._connection() as connection:
             with translated("cannot make the places at the app"):
@@ -447,7 +450,7 @@ class Store:
             return None
         return await self.slots.held(self._connection)
 
-    def place_keeper(self) -> contextlib.AbstractAsyncContextManager[str | None] | None:
+    def place_keeper(self) -> contextlib.AbstractAsyncContextManager[bool] | None:
         """A place at the app held in a transaction of its own on a connection free now (a
         hand-off's, while its claim commits: ``slots.Slots.kept``); None when the limit is not
         shared or no connection is free at once (the hand-off does not happen)."""
@@ -456,7 +459,7 @@ class Store:
         return self._kept_place(self.slots)
 
     @contextlib.asynccontextmanager
-    async def _kept_place(self, places: slots.Slots) -> AsyncIterator[str | None]:
+    async def _kept_place(self, places: slots.Slots) -> AsyncIterator[bool]:
         async with self._connection() as connection, places.kept(connection, self._begin) as held:
             yield held
 
