@@ -250,11 +250,12 @@ async def show(
     if shown is None:
         print(found.problems.get(event_id, f"not found: {scope} {event_id}"), file=sys.stderr)
         return 1
+    now_to = None if shown.request is None else redelivered_to(cfg, shown.request)
     if as_json:
-        out.write(operations.json_document(shown_json(shown)))
+        out.write(operations.json_document(shown_json(shown, now_to)))
         return 0
     if not body:
-        out.write(describe(shown))
+        out.write(describe(shown, now_to))
         return 0
     if shown.request is None or shown.body_bytes is None:
         print(f"no body kept: {scope} {event_id} ({_state(shown)})", file=sys.stderr)
@@ -265,14 +266,25 @@ async def show(
     return 0
 
 
+def redelivered_to(cfg: config.Config, request: inbox.StoredRequest) -> str | None:
+    """Where a redelivery of ``request`` goes now, as the redeliverer picks it: the upstream of
+    its route in the configuration (which may have changed since it was first sent); None when
+    the configuration has no route of that name (it goes to the upstream it was sent to)."""
+    for route in cfg.routes:
+        if route.name == request.route:
+            return route.upstream
+    return None
+
+
 def _state(shown: inbox.Shown) -> str:
     return shown.state or "delivered at the first try"
 
 
-def describe(shown: inbox.Shown) -> str:
+def describe(shown: inbox.Shown, now_to: str | None = None) -> str:
     """``events show``'s block: the event (its ID as the provider sent it, and the claim's as
     stored where that differs), its state and why it is so now (``Shown.reason``), the request
-    kept and every attempt with what the app answered. A dead row's schedule is over: no
+    kept (where it was sent, and where a redelivery goes now: ``now_to``, ``redelivered_to``)
+    and every attempt with what the app answered. A dead row's schedule is over: no
     ``until``."""
     event_id = database.unbound(shown.event_id)
     why = shown.reason(_when)
@@ -293,7 +305,9 @@ def describe(shown: inbox.Shown) -> str:
     for name, value in fields:
         text.write(f"{name + ':':<13}{logs.printable(value)}\n")
     if shown.request is not None:
-        text.write(_request(shown.request, shown.body_bytes, shown.state, bool(shown.attempts)))
+        text.write(
+            _request(shown.request, shown.body_bytes, shown.state, bool(shown.attempts), now_to)
+        )
     elif shown.state is None:
         text.write("request:     not kept (delivered at the first try)\n")
     else:
@@ -314,8 +328,9 @@ def _place(place: inbox.Place) -> list[tuple[str, str]]:
     return [("object", f"{place.object} ({version})"), ("behind", behind)]
 
 
-def shown_json(shown: inbox.Shown) -> dict[str, Any]:
-    """``events show --json``: what ``describe`` shows, with stable keys. The target and the
+def shown_json(shown: inbox.Shown, now_to: str | None = None) -> dict[str, Any]:
+    """``events show --json``: what ``describe`` shows, with stable keys (``upstream`` where the
+    request was sent, ``redelivery_upstream`` where a redelivery goes now). The target and the
     header values are strings, or ``{"base64": …}`` for one holding bytes that are not UTF-8
     (as the inbox stores them); masked headers' values are ``null``, with their size."""
     request, place = shown.request, shown.place
@@ -328,7 +343,9 @@ def shown_json(shown: inbox.Shown) -> dict[str, Any]:
         "changed": operations.timestamp(shown.changed),
         "request": None if request is None else {
             "method": request.method, "target": inbox.wire(request.target),
-            "upstream": request.upstream, "route": request.route, "kept_for": request.kept_for,
+            "upstream": logs.mask(request.upstream),
+            "redelivery_upstream": logs.mask(now_to or request.upstream),
+            "route": request.route, "kept_for": request.kept_for,
             "headers": [_header_json(name, value) for name, value in request.headers],
             "body_bytes": shown.body_bytes,
         },
@@ -349,11 +366,24 @@ def _header_json(name: str, value: str) -> dict[str, Any]:
 
 
 def _request(
-    delivery: inbox.StoredRequest, body_bytes: int | None, state: str | None, tried: bool
+    delivery: inbox.StoredRequest,
+    body_bytes: int | None,
+    state: str | None,
+    tried: bool,
+    now_to: str | None,
 ) -> str:
+    # An upstream's URL may carry a password (http://user:pass@app): masked, as check does.
+    sent = logs.mask(delivery.upstream)
+    if now_to is None:
+        redelivery = f"{sent} (route {delivery.route} is not configured now)"
+    elif now_to == delivery.upstream:
+        redelivery = f"{sent} (the same: route {delivery.route}'s upstream now)"
+    else:
+        redelivery = f"{logs.mask(now_to)} (route {delivery.route}'s upstream now, changed since)"
     lines = [
         f"request:     {delivery.method} {logs.printable(delivery.target)}",
-        f"upstream:    {delivery.upstream}",
+        f"upstream:    {sent} (where it was sent)",
+        f"redelivery:  {redelivery}",
         f"route:       {delivery.route}",
     ]
     if (why := delivery.kept_because(tried)) is not None:  # kept before its attempt ended

@@ -175,7 +175,8 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
     assert fields["state"].strip() == "pending"
     assert {"received_at", "next due", "until", "changed"} <= set(fields)
     assert fields["request"].strip() == "POST /hooks?attempt=1"
-    assert fields["upstream"].strip() == upstream.url
+    assert fields["upstream"].strip() == f"{upstream.url} (where it was sent)"
+    assert fields["redelivery"].strip() == f"{upstream.url} (the same: route hooks's upstream now)"
     assert fields["body"].strip() == f"{len(body)} bytes"
     assert "  Authorization: <redacted 13 bytes>" in out.splitlines()
     assert "  X-Signature: sig=abc" in out.splitlines()
@@ -196,6 +197,36 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
 
     code, out, err = await cli(config_file, "show", "--route", "hooks", "nope")
     assert (code, out, err) == (1, "", "not found: hooks nope\n")
+
+
+def moving(config_file: Path, upstream: str) -> None:
+    """The first route of ``config_file`` sent to ``upstream`` from now on."""
+    settings = yaml.safe_load(config_file.read_text())
+    settings["routes"][0]["upstream"] = upstream
+    config_file.write_text(yaml.safe_dump(settings))
+
+
+async def test_show_says_where_it_was_sent_and_where_a_redelivery_goes_now(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, routes: list[dict[str, Any]]
+) -> None:
+    upstream.respond = answering(503)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    await proxy.post("/hooks", data=b'{"id": "moved"}')
+    moved = f"http://svc:pw@127.0.0.1:{free_port()}"  # the app moved since (and signs in)
+    moving(config_file, moved)
+
+    code, out, err = await cli(config_file, "show", "--route", "hooks", "moved")
+    code_json, document, _ = await cli(config_file, "show", "--route", "hooks", "moved", "--json")
+
+    assert (code, err, code_json) == (0, "", 0)
+    lines = out.splitlines()
+    # Before: "upstream:    <the old one>" alone, where the redeliverer no longer sends it.
+    assert f"upstream:    {upstream.url} (where it was sent)" in lines
+    masked = moved.replace(":pw@", ":***@")
+    assert f"redelivery:  {masked} (route hooks's upstream now, changed since)" in lines
+    assert ":pw@" not in out
+    request = json.loads(document)["request"]
+    assert (request["upstream"], request["redelivery_upstream"]) == (upstream.url, masked)
 
 
 def with_github(config_file: Path) -> list[dict[str, Any]]:
