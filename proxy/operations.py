@@ -339,21 +339,34 @@ def describe_hold(scope: str, hold: database.Hold) -> str:
 
 async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:
     """The claim table; and, with a route that has ``receipt``, the receipts' table and
-    function in each receipts' database."""
+    function in each receipts' database. A failure names the database it happened in."""
     async with open_store(cfg) as store:
-        await store.migrate()
+        try:
+            await store.migrate()
+        except errors.StoreUnavailable as exc:
+            raise errors.StoreUnavailable(
+                f"table {cfg.database.table} in the claim database ({server_of(store.dsn)}): "
+                f"{exc.message}"
+            ) from exc
         out.write(f"schema applied: table {cfg.database.table}\n")
         claim_dsn = store.dsn
-    places = {route.receipt.dsn or claim_dsn for route in cfg.routes if route.receipt}
-    for dsn in sorted(places):
+    places: dict[str, list[str]] = {}
+    for route in cfg.routes:
+        if route.receipt is not None:
+            places.setdefault(route.receipt.dsn or claim_dsn, []).append(route.name)
+    for dsn, names in sorted(places.items()):
+        where = "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn)
         receipts = database.Receipts(
             dsn, connect_timeout=cfg.database.connect_timeout,
             op_timeout=cfg.database.connect_timeout,
         )  # fmt: skip
         try:
             await receipts.migrate()
+        except errors.StoreUnavailable as exc:
+            raise errors.StoreUnavailable(
+                f"receipts in {where} (route {', '.join(names)}): {exc.message}"
+            ) from exc
         finally:
             await receipts.close()
-        where = "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn)
         out.write(f"schema applied: receipts ({database.receipts.TABLE}) in {where}\n")
     return 0
