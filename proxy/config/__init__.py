@@ -283,6 +283,7 @@ def load(
     secrets: bool = True,
     receipts: bool | None = None,
     base: Path | None = None,
+    named: str | None = None,
 ) -> Config:
     """Read and validate a config file; raise ConfigError listing every problem. Without
     ``secrets`` the routes' signing secrets are not read (their ``${VAR}`` may be unset) and
@@ -292,8 +293,9 @@ def load(
 
     A relative ``database.data_dir`` is read against ``base``, by default the file's own
     directory: whichever directory a command runs from (a systemd unit, a cron job, an
-    operator's shell), one configuration means one embedded server."""
-    source = str(path)
+    operator's shell), one configuration means one embedded server. ``named``: the file its
+    problems are said of, when ``path`` is a copy of it (the supervisor's)."""
+    source = str(path) if named is None else named
     try:
         text = read_file(path).decode("utf-8")
     except UnicodeDecodeError as exc:
