@@ -935,6 +935,7 @@ def refusal(
     outcome and why on its log line: every refusal, on a route or not, is written here."""
     line["outcome"] = exc.outcome
     line["error"] = exc.message
+    line["code"] = exc.code
     return error_response(exc, problem=problem)
 
 
