@@ -115,7 +115,7 @@ class Route:
             if route.idempotency
             else webhooks.WebhookSemantics(route)
         )
-        self.meters = meters.route(route.name)
+        self.meters = meters.route(route.name, route)
         self.client_timeout = cfg.client_timeout
         self.client_body_timeout = cfg.client_body_timeout
         # A route's claim_wait (a provider's short deadline) only ever shortens the global one:
