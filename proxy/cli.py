@@ -371,7 +371,8 @@ def _hold_actions(action: Callable[..., argparse.ArgumentParser]) -> None:
         "end a route's hold (a pause, or the app's Retry-After) on every replica",
         lambda cfg, args: inbox_commands.resume(cfg, args.route, by=args.by),
         "End the route's hold: every running proxy redelivers its pending deliveries again, "
-        "within the limit at the app. Exit status 1 if it was not held.",
+        "within the limit at the app (a route with redeliver), or forwards its webhooks again "
+        "(a route without, which kept none). Exit status 1 if it was not held.",
     )
     resuming.add_argument("--by", help="who resumes (default: the OS user)")
 

@@ -31,6 +31,8 @@ T = TypeVar("T")
 # Signature headers are printed: they are the event's, and useless without the secret.
 MASKED_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 LAST_ERROR_WIDTH = 60
+# events pending's and dead's lines: a wider one narrows its last answer and event type ("…").
+TABLE_WIDTH = 120
 _DUE_NOW = "delivery(ies) due now; the redeliverer takes them within its poll interval"
 # How many of the rows a dry run lists.
 SAMPLE = 10
@@ -103,21 +105,42 @@ async def _each_scope(
 
 
 def _table(rows: Sequence[inbox.Listed], pending: bool, out: TextIO) -> None:
-    """Kept rows as ``events pending``/``dead`` list them, a line each."""
+    """Kept rows as ``events pending``/``dead`` list them, a line each, the ID as the provider
+    sent it (the commands take it; the claim's, bound to the body, is in ``events show`` and
+    ``--json``), whole. Wider than ``TABLE_WIDTH`` (a GitHub ID, a long answer), the event
+    type is cut ("…") and the last answer and next due time go on an indented line of their
+    own under each row."""
     headers = (*_LISTED, *(("next_due",) if pending else ()), "body_bytes")
+    cells = [
+        (
+            _when(r.received_at), r.scope, database.unbound(r.event_id), r.event_type or "-",
+            r.attempts, _last(r.last_status, r.last_error),
+            *((_when(r.due),) if pending else ()),
+            "-" if r.body_bytes is None else r.body_bytes,
+        )
+        for r in rows
+    ]  # fmt: skip
+    text = io.StringIO()
+    operations.table(cells, headers, text, width=TABLE_WIDTH, shrink=("event_type",))
+    if max(map(len, text.getvalue().splitlines())) <= TABLE_WIDTH:
+        out.write(text.getvalue())
+        return
+    narrow = [i for i, name in enumerate(headers) if name not in ("last", "next_due")]
+    text = io.StringIO()
     operations.table(
-        [
-            (
-                _when(r.received_at), r.scope, r.event_id, r.event_type or "-", r.attempts,
-                _last(r.last_status, r.last_error),
-                *((_when(r.due),) if pending else ()),
-                "-" if r.body_bytes is None else r.body_bytes,
-            )
-            for r in rows
-        ],
-        headers,
-        out,
-    )  # fmt: skip
+        [[row[i] for i in narrow] for row in cells],
+        [headers[i] for i in narrow],
+        text,
+        width=TABLE_WIDTH,
+        shrink=("event_type",),
+    )
+    lines = text.getvalue().splitlines()
+    out.write(lines[0] + "\n")
+    for line, row in zip(lines[1:], rows, strict=True):
+        due = f"next due {_when(row.due)}; " if pending else ""
+        below = f"    {due}last: {logs.printable(_last(row.last_status, row.last_error))}"
+        cut = below if len(below) <= TABLE_WIDTH else below[: TABLE_WIDTH - 1] + "…"
+        out.write(f"{line}\n{cut}\n")
 
 
 def _listed_json(row: inbox.Listed) -> dict[str, Any]:
@@ -663,9 +686,13 @@ async def resume_route(
     if was is None:
         return None
     wait = values.format_duration(cfg.redeliverer.poll)
+    if any(r.redeliver for r in cfg.routes if r.scope == found.scope):
+        then = f"redelivers its pending deliveries again within {wait}, at the limit at the app"
+    else:  # it kept nothing: its webhooks were refused, and the provider's retries come through
+        then = f"forwards its webhooks again within {wait} (it keeps none to redeliver)"
     return (
         f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
-        f"proxy redelivers its pending deliveries again within {wait}, at the limit at the app"
+        f"proxy {then}"
     )
 
 

@@ -170,13 +170,32 @@ def timestamp(value: datetime | None) -> str | None:
     return None if value is None else value.astimezone(UTC).isoformat()
 
 
-def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
-    """A plain aligned text table, each cell escaped for the terminal (``logs.printable``)."""
+def table(
+    rows: Sequence[Sequence[object]],
+    headers: Sequence[str],
+    out: TextIO,
+    *,
+    width: int | None = None,
+    shrink: Sequence[str] = (),
+) -> None:
+    """A plain aligned text table, each cell escaped for the terminal (``logs.printable``).
+    With ``width``, a table wider than that narrows the ``shrink`` columns, in that order, down
+    to their header's width at least, their longer cells cut with "…"."""
     cells = [
         [str(h) for h in headers],
         *[["" if v is None else logs.printable(str(v)) for v in r] for r in rows],
     ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    over = 0 if width is None else sum(widths) + 2 * (len(widths) - 1) - width
+    for name in shrink:
+        column = list(headers).index(name)
+        cut = min(max(over, 0), widths[column] - max(len(name), 2))
+        if cut > 0:
+            widths[column] -= cut
+            over -= cut
+            for row in cells[1:]:
+                if len(row[column]) > widths[column]:
+                    row[column] = row[column][: widths[column] - 1] + "…"
     for row in cells:
         line = "  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True))
         out.write(line.rstrip() + "\n")

@@ -478,3 +478,22 @@ async def _free(copy: Any, scope: str) -> bool:
 
 async def _requests(upstream: FakeUpstream, n: int) -> bool:
     return len(upstream.requests) >= n
+
+
+async def test_resume_promises_redeliveries_only_on_a_route_that_keeps(
+    make_proxy: MakeProxy, config_file: Path
+) -> None:
+    await make_proxy(routes=[ROUTE, PLAIN], redeliverer=QUICK)  # the holds' rows are made
+    for name in ("plain", "hooks"):
+        code, _, _ = await events(config_file, "pause", "--route", name)
+        assert code == 0
+
+    _, plain, _ = await events(config_file, "resume", "--route", "plain")
+    _, hooks, _ = await events(config_file, "resume", "--route", "hooks")
+
+    # Before: "redelivers its pending deliveries again" on plain too, which keeps none.
+    assert plain == (
+        "resumed: route plain (scope plain), paused until now; every running proxy forwards "
+        "its webhooks again within 100ms (it keeps none to redeliver)\n"
+    )
+    assert "redelivers its pending deliveries again within 100ms" in hooks

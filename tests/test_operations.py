@@ -419,6 +419,13 @@ def test_table_formatting() -> None:
         "a               1",
         "long value  x   22",
     ]
+    out = io.StringIO()
+    operations.table(rows, ("h1", "h2", "h3"), out, width=12, shrink=("h1",))
+    assert out.getvalue().splitlines() == [  # 18 columns wide: h1 cut by 6, its cell with "…"
+        "h1    h2  h3",
+        "a         1",
+        "lon…  x   22",
+    ]
 
 
 async def test_events_of_a_route_scoped_by_its_path(
