@@ -604,8 +604,8 @@ def _schema(args: argparse.Namespace) -> int:
         print(f"-- The receipts (route {', '.join(here)}: receipt), in the claim database:")
         print(_receipts_sql(), end="")
     if elsewhere:
-        print(f"-- Route {', '.join(elsewhere)} keeps its receipts in its receipt.dsn: "
-              "apply 'dedup-proxy schema --receipts' there.")  # fmt: skip
+        where = "its receipt.dsn: apply 'dedup-proxy schema --receipts' there."
+        print(f"-- Route {', '.join(elsewhere)} keeps its receipts in {where}")
     return 0
 
 

@@ -253,12 +253,12 @@ class Reconciler:
         """The gaps, oldest first, at most ``max_per_run``, ``pace`` a second at most."""
         todo = sorted(report.gaps, key=lambda d: d.at)[: settings.max_per_run]
         if todo:
-            self._say(f"{len(report.gaps)} gap(s); recovering {len(todo)}, at most "
-                      f"{self._pace:g} a second")  # fmt: skip
+            pace = f"at most {self._pace:g} a second"
+            self._say(f"{len(report.gaps)} gap(s); recovering {len(todo)}, {pace}")
         for done, delivery in enumerate(todo):
             if done and done % PROGRESS_RECOVERED == 0:
-                self._say(f"{done} of {len(todo)} gap(s) done, {len(report.recovered)} "
-                          "recovered")  # fmt: skip
+                recovered = len(report.recovered)
+                self._say(f"{done} of {len(todo)} gap(s) done, {recovered} recovered")
             if time.monotonic() >= deadline:
                 log.warning("reconcile of route %s: the period ended with %d gap(s) left for "
                             "the next run", route.name,
