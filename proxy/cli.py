@@ -107,11 +107,22 @@ def _parser() -> argparse.ArgumentParser:
             _operator(lambda cfg, args: operations.stats(cfg, as_json=args.json)),
         )
     )
-    command("schema", "print the claim table's DDL (for create_schema: false deployments)", _schema)
+    schema = command(
+        "schema",
+        "print the claim table's DDL (for create_schema: false deployments), and the "
+        "receipts' where routes with receipt keep them in the claim database",
+        _schema,
+    )
+    schema.add_argument(
+        "--receipts",
+        action="store_true",
+        help="print only the receipts' table and function (for the database receipt.dsn names)",
+    )
     command(
         "migrate",
-        "create or upgrade the claim table",
-        _operator(lambda cfg, args: operations.migrate(cfg)),
+        "create or upgrade the claim table, and the receipts' table in each receipts' database",
+        # The one operator command that reads receipt.dsn: it makes the receipts' table there.
+        lambda args: _operate(operations.migrate(_load(args, receipts=True))),
     )
     demo.add_arguments(
         command("demo", "see the proxy absorb duplicates, in one command", demo.main, starts=True)
@@ -270,7 +281,9 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         "signed). Needs the route's API token.",
     )
     # The API token is a secret: this command reads the configuration with them.
-    reconciling.set_defaults(func=lambda args: _operate(reconcile(_load(args, secrets=True), args)))
+    reconciling.set_defaults(
+        func=lambda args: _operate(reconcile(_load(args, secrets=True, receipts=False), args))
+    )
     reconciling.add_argument(
         "--since", type=_duration, help="look back this far (default: the route's since)"
     )
@@ -358,7 +371,8 @@ def _hold_actions(action: Callable[..., argparse.ArgumentParser]) -> None:
         "end a route's hold (a pause, or the app's Retry-After) on every replica",
         lambda cfg, args: inbox_commands.resume(cfg, args.route, by=args.by),
         "End the route's hold: every running proxy redelivers its pending deliveries again, "
-        "within the limit at the app. Exit status 1 if it was not held.",
+        "within the limit at the app (a route with redeliver), or forwards its webhooks again "
+        "(a route without, which kept none). Exit status 1 if it was not held.",
     )
     resuming.add_argument("--by", help="who resumes (default: the OS user)")
 
@@ -559,23 +573,52 @@ def _name(args: argparse.Namespace) -> str:
     return " ".join(filter(None, ("dedup-proxy", args.command, getattr(args, "action", None))))
 
 
-def _load(args: argparse.Namespace, *, secrets: bool = False) -> config.Config:
+def _load(
+    args: argparse.Namespace, *, secrets: bool = False, receipts: bool | None = None
+) -> config.Config:
     """The configuration ``--config`` names; with ``secrets`` (for serve, and check, which
     shows what it would verify with) the signing secrets and the ``OTEL_*`` variables too: the
-    other commands run where those may not be set."""
+    other commands run where those may not be set; with ``receipts`` (by default: as
+    ``secrets``; migrate) the routes' ``receipt.dsn``, which only they use."""
     if not args.config:
         raise errors.UsageError(f"no configuration; pass --config FILE or set {CONFIG_ENV}")
-    cfg = config.load(args.config, secrets=secrets)
+    cfg = config.load(args.config, secrets=secrets, receipts=receipts)
     if secrets:
         tracing.summary(os.environ)  # the OTEL_* variables: refused before starting
     return cfg
 
 
 def _schema(args: argparse.Namespace) -> int:
-    """The DDL for the configured claim table; without a configuration, the default table's."""
-    table = _load(args).database.table if args.config else config.DEFAULT_TABLE
-    print(database.schema_sql(table), end="")
+    """The DDL for the configured claim table (without a configuration, the default table's),
+    then the receipts' where a route keeps them in the claim database; with ``--receipts``, the
+    receipts' alone. A route whose receipts are in its ``receipt.dsn`` is named in a comment."""
+    cfg = _load(args) if args.config else None
+    receipted = [] if cfg is None else [r for r in cfg.routes if r.receipt is not None]
+    here = [r.name for r in receipted if r.receipt is not None and r.receipt.dsn is None]
+    elsewhere = [r.name for r in receipted if r.receipt is not None and r.receipt.dsn]
+    if args.receipts:
+        print(_receipts_sql(), end="")
+        return 0
+    print(database.schema_sql(cfg.database.table if cfg else config.DEFAULT_TABLE), end="")
+    if here:
+        print(f"-- The receipts (route {', '.join(here)}: receipt), in the claim database:")
+        print(_receipts_sql(), end="")
+    if elsewhere:
+        where = "its receipt.dsn: apply 'dedup-proxy schema --receipts' there."
+        print(f"-- Route {', '.join(elsewhere)} keeps its receipts in {where}")
     return 0
+
+
+def _receipts_sql() -> str:
+    """The receipts' table and function (``database.receipts``), with the grants they need as
+    comments, the roles placeholders (docs/deployment.md, "The receipts' database")."""
+    table, function = database.receipts.TABLE, database.receipts.FUNCTION
+    return "".join(f"{statement};\n" for statement in database.receipts.DDL) + (
+        "-- Then, <proxy_role> and <app_role> being the roles' names:\n"
+        f"--   GRANT SELECT, INSERT, DELETE ON {table} TO <proxy_role>;\n"
+        f"--   GRANT INSERT ON {table} TO <app_role>;\n"
+        f"--   GRANT EXECUTE ON FUNCTION {function}(text) TO <app_role>;\n"
+    )
 
 
 def _check(args: argparse.Namespace) -> int:

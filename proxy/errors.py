@@ -84,6 +84,7 @@ status, code, public text, outcome (the log line's and the metric's) and shed re
                                          (outcome unavailable, shed: limit)
           + RoutePaused             503  the route is held (events pause) and cannot keep
                                          what arrives: it has no redeliver
+            + RouteHeldForTheApp    503  the same, held because the app answered Retry-After
         + UpstreamFailed                 the app's answer did not come through (outcome
                                          upstream_error); carries .upstream_status (the status
                                          line, if it came)
@@ -485,13 +486,21 @@ class RoutePaused(AppBusy):
 
     @classmethod
     def holding(cls, route: str, hold: Any) -> RoutePaused:
-        """The refusal of a webhook on ``route`` while ``hold`` (a ``database.Hold``) holds it:
-        ``Retry-After`` its remaining time, from 5 s to a minute (the provider backs off on its
-        own past that)."""
+        """The refusal of a webhook on ``route`` while ``hold`` (a ``database.Hold``) holds it,
+        saying what holds it (an operator's pause, or the app's Retry-After): ``Retry-After``
+        its remaining time, from 5 s to a minute (the provider backs off on its own past
+        that)."""
         left = 60.0 if hold.until is None else hold.until - time.time()
-        refusal = cls(f"route {route!r} is held ({hold.reason}; dedup-proxy events resume)")
+        held = RoutePaused if hold.reason == "paused" else RouteHeldForTheApp
+        refusal = held(f"route {route!r} is held ({hold.reason}; dedup-proxy events resume)")
         refusal.retry_after = int(min(60.0, max(5.0, left)))
         return refusal
+
+
+class RouteHeldForTheApp(RoutePaused):
+    """The app asked for a pause (Retry-After); try again later."""
+
+    code = "app_retry_after"
 
 
 class UpstreamTimeout(UpstreamFailed):

@@ -31,6 +31,8 @@ T = TypeVar("T")
 # Signature headers are printed: they are the event's, and useless without the secret.
 MASKED_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 LAST_ERROR_WIDTH = 60
+# events pending's and dead's lines: a wider one narrows its last answer and event type ("…").
+TABLE_WIDTH = 120
 _DUE_NOW = "delivery(ies) due now; the redeliverer takes them within its poll interval"
 # How many of the rows a dry run lists.
 SAMPLE = 10
@@ -103,21 +105,42 @@ async def _each_scope(
 
 
 def _table(rows: Sequence[inbox.Listed], pending: bool, out: TextIO) -> None:
-    """Kept rows as ``events pending``/``dead`` list them, a line each."""
+    """Kept rows as ``events pending``/``dead`` list them, a line each, the ID as the provider
+    sent it (the commands take it; the claim's, bound to the body, is in ``events show`` and
+    ``--json``), whole. Wider than ``TABLE_WIDTH`` (a GitHub ID, a long answer), the event
+    type is cut ("…") and the last answer and next due time go on an indented line of their
+    own under each row."""
     headers = (*_LISTED, *(("next_due",) if pending else ()), "body_bytes")
+    cells = [
+        (
+            _when(r.received_at), r.scope, database.unbound(r.event_id), r.event_type or "-",
+            r.attempts, _last(r.last_status, r.last_error),
+            *((_when(r.due),) if pending else ()),
+            "-" if r.body_bytes is None else r.body_bytes,
+        )
+        for r in rows
+    ]  # fmt: skip
+    text = io.StringIO()
+    operations.table(cells, headers, text, width=TABLE_WIDTH, shrink=("event_type",))
+    if max(map(len, text.getvalue().splitlines())) <= TABLE_WIDTH:
+        out.write(text.getvalue())
+        return
+    narrow = [i for i, name in enumerate(headers) if name not in ("last", "next_due")]
+    text = io.StringIO()
     operations.table(
-        [
-            (
-                _when(r.received_at), r.scope, r.event_id, r.event_type or "-", r.attempts,
-                _last(r.last_status, r.last_error),
-                *((_when(r.due),) if pending else ()),
-                "-" if r.body_bytes is None else r.body_bytes,
-            )
-            for r in rows
-        ],
-        headers,
-        out,
-    )  # fmt: skip
+        [[row[i] for i in narrow] for row in cells],
+        [headers[i] for i in narrow],
+        text,
+        width=TABLE_WIDTH,
+        shrink=("event_type",),
+    )
+    lines = text.getvalue().splitlines()
+    out.write(lines[0] + "\n")
+    for line, row in zip(lines[1:], rows, strict=True):
+        due = f"next due {_when(row.due)}; " if pending else ""
+        below = f"    {due}last: {logs.printable(_last(row.last_status, row.last_error))}"
+        cut = below if len(below) <= TABLE_WIDTH else below[: TABLE_WIDTH - 1] + "…"
+        out.write(f"{line}\n{cut}\n")
 
 
 def _listed_json(row: inbox.Listed) -> dict[str, Any]:
@@ -250,11 +273,12 @@ async def show(
     if shown is None:
         print(found.problems.get(event_id, f"not found: {scope} {event_id}"), file=sys.stderr)
         return 1
+    now_to = None if shown.request is None else redelivered_to(cfg, shown.request)
     if as_json:
-        out.write(operations.json_document(shown_json(shown)))
+        out.write(operations.json_document(shown_json(shown, now_to)))
         return 0
     if not body:
-        out.write(describe(shown))
+        out.write(describe(shown, now_to))
         return 0
     if shown.request is None or shown.body_bytes is None:
         print(f"no body kept: {scope} {event_id} ({_state(shown)})", file=sys.stderr)
@@ -265,14 +289,25 @@ async def show(
     return 0
 
 
+def redelivered_to(cfg: config.Config, request: inbox.StoredRequest) -> str | None:
+    """Where a redelivery of ``request`` goes now, as the redeliverer picks it: the upstream of
+    its route in the configuration (which may have changed since it was first sent); None when
+    the configuration has no route of that name (it goes to the upstream it was sent to)."""
+    for route in cfg.routes:
+        if route.name == request.route:
+            return route.upstream
+    return None
+
+
 def _state(shown: inbox.Shown) -> str:
     return shown.state or "delivered at the first try"
 
 
-def describe(shown: inbox.Shown) -> str:
+def describe(shown: inbox.Shown, now_to: str | None = None) -> str:
     """``events show``'s block: the event (its ID as the provider sent it, and the claim's as
     stored where that differs), its state and why it is so now (``Shown.reason``), the request
-    kept and every attempt with what the app answered. A dead row's schedule is over: no
+    kept (where it was sent, and where a redelivery goes now: ``now_to``, ``redelivered_to``)
+    and every attempt with what the app answered. A dead row's schedule is over: no
     ``until``."""
     event_id = database.unbound(shown.event_id)
     why = shown.reason(_when)
@@ -293,7 +328,9 @@ def describe(shown: inbox.Shown) -> str:
     for name, value in fields:
         text.write(f"{name + ':':<13}{logs.printable(value)}\n")
     if shown.request is not None:
-        text.write(_request(shown.request, shown.body_bytes, shown.state, bool(shown.attempts)))
+        text.write(
+            _request(shown.request, shown.body_bytes, shown.state, bool(shown.attempts), now_to)
+        )
     elif shown.state is None:
         text.write("request:     not kept (delivered at the first try)\n")
     else:
@@ -314,8 +351,9 @@ def _place(place: inbox.Place) -> list[tuple[str, str]]:
     return [("object", f"{place.object} ({version})"), ("behind", behind)]
 
 
-def shown_json(shown: inbox.Shown) -> dict[str, Any]:
-    """``events show --json``: what ``describe`` shows, with stable keys. The target and the
+def shown_json(shown: inbox.Shown, now_to: str | None = None) -> dict[str, Any]:
+    """``events show --json``: what ``describe`` shows, with stable keys (``upstream`` where the
+    request was sent, ``redelivery_upstream`` where a redelivery goes now). The target and the
     header values are strings, or ``{"base64": …}`` for one holding bytes that are not UTF-8
     (as the inbox stores them); masked headers' values are ``null``, with their size."""
     request, place = shown.request, shown.place
@@ -328,7 +366,9 @@ def shown_json(shown: inbox.Shown) -> dict[str, Any]:
         "changed": operations.timestamp(shown.changed),
         "request": None if request is None else {
             "method": request.method, "target": inbox.wire(request.target),
-            "upstream": request.upstream, "route": request.route, "kept_for": request.kept_for,
+            "upstream": logs.mask(request.upstream),
+            "redelivery_upstream": logs.mask(now_to or request.upstream),
+            "route": request.route, "kept_for": request.kept_for,
             "headers": [_header_json(name, value) for name, value in request.headers],
             "body_bytes": shown.body_bytes,
         },
@@ -349,11 +389,24 @@ def _header_json(name: str, value: str) -> dict[str, Any]:
 
 
 def _request(
-    delivery: inbox.StoredRequest, body_bytes: int | None, state: str | None, tried: bool
+    delivery: inbox.StoredRequest,
+    body_bytes: int | None,
+    state: str | None,
+    tried: bool,
+    now_to: str | None,
 ) -> str:
+    # An upstream's URL may carry a password (http://user:pass@app): masked, as check does.
+    sent = logs.mask(delivery.upstream)
+    if now_to is None:
+        redelivery = f"{sent} (route {delivery.route} is not configured now)"
+    elif now_to == delivery.upstream:
+        redelivery = f"{sent} (the same: route {delivery.route}'s upstream now)"
+    else:
+        redelivery = f"{logs.mask(now_to)} (route {delivery.route}'s upstream now, changed since)"
     lines = [
         f"request:     {delivery.method} {logs.printable(delivery.target)}",
-        f"upstream:    {delivery.upstream}",
+        f"upstream:    {sent} (where it was sent)",
+        f"redelivery:  {redelivery}",
         f"route:       {delivery.route}",
     ]
     if (why := delivery.kept_because(tried)) is not None:  # kept before its attempt ended
@@ -633,9 +686,13 @@ async def resume_route(
     if was is None:
         return None
     wait = values.format_duration(cfg.redeliverer.poll)
+    if any(r.redeliver for r in cfg.routes if r.scope == found.scope):
+        then = f"redelivers its pending deliveries again within {wait}, at the limit at the app"
+    else:  # it kept nothing: its webhooks were refused, and the provider's retries come through
+        then = f"forwards its webhooks again within {wait} (it keeps none to redeliver)"
     return (
         f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
-        f"proxy redelivers its pending deliveries again within {wait}, at the limit at the app"
+        f"proxy {then}"
     )
 
 

@@ -58,6 +58,7 @@ class LogLine(TypedDict, total=False):
     inbox_kept_as: str  # redeliver: not kept, its signed body kept already under this ID
     inbox_not_kept: bool  # redeliver: not kept, the database failed or refused to keep it
     outcome: errors.Outcome
+    code: str  # the proxy's own answer's code, when it refused (app_busy, route_paused...)
     error: str  # why the request was not carried through (the RequestError's message)
     shed: str  # "memory" or "pool": shed to protect the worker
     client_gone: bool  # the client went away before its answer was written
@@ -89,6 +90,15 @@ _LEVELS = {
 # burst would be a wall of warnings. A delivery handed off ("deadline") stays a warning: the app
 # was slower than the provider's deadline.
 _HELD_BACK = ("limit", "paused", "retry_after")
+# A 503 refused by design, not for a fault (errors are for faults): the limit at the app or the
+# memory budget full at warning (the provider must retry: it is delayed), a route held by an
+# operator's pause or the app's Retry-After at info, as a delivery kept for those is.
+_BACK_PRESSURE = {
+    "app_busy": logging.WARNING,
+    "overloaded": logging.WARNING,
+    "route_paused": logging.INFO,
+    "app_retry_after": logging.INFO,
+}
 
 
 class _RequestIds:
@@ -168,4 +178,6 @@ def finish(
     unrouted = outcome == "rejected" and line["status"] in _UNROUTED
     if unrouted or (outcome == "queued" and line.get("kept_for") in _HELD_BACK):
         level = logging.INFO
+    elif outcome == "unavailable" and line.get("code") in _BACK_PRESSURE:
+        level = _BACK_PRESSURE[line["code"]]
     logs.line(log, level, f"{line['method']} {line['path']} -> {outcome}", line)

@@ -22,15 +22,24 @@ import os
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
+import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import proxy
 from proxy import app_limit, errors
 
+if TYPE_CHECKING:
+    from proxy.config import routes
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# No ``*_created`` samples: each counter's and histogram's creation time, which Prometheus
+# stores from the text format as series of their own (nearly doubling a single process's; the
+# multiprocess mode of workers: N has none), and which no dashboard or rule here reads.
+# prometheus-client's switch is the process's, and the proxy owns its process.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Every outcome (``errors.Outcome``), each request counted under one.
 OUTCOMES: tuple[errors.Outcome, ...] = get_args(errors.Outcome)
@@ -133,6 +142,19 @@ class Durations:
     def flush(self) -> None:
         for timings in self._by_outcome.values():
             timings.flush()
+
+
+class _Off:
+    """The counter of a feature a route does not have: counts nothing, exports no series (a
+    series that can never move is noise in every query over it)."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+
+_OFF = _Off()
 
 
 @dataclass(frozen=True, slots=True)
@@ -594,23 +616,35 @@ class Metrics:
             multiprocess_mode="max",
         )
 
-    def route(self, name: str) -> RouteMeters:
-        """The metric children of one route (``""``: pass-through)."""
+    def route(self, name: str, config: routes.RouteConfig | None = None) -> RouteMeters:
+        """The metric children of one route (``""``: pass-through); with its ``config``, the
+        series of a feature it does not have (receipts, replays, the inbox's) are not made,
+        nor for pass-through, which has none of them."""
+        every = config is None and name != ""
+        stores = every or (config is not None and (config.replay or config.idempotency))
+        keeps = every or (config is not None and config.redeliver is not None)
+        receipted = every or (config is not None and config.receipt is not None)
         meters = RouteMeters(
             requests={outcome: Tally(self.requests.labels(name, outcome)) for outcome in OUTCOMES},
             mismatches=self.mismatches.labels(name),
             oversized=self.oversized.labels(name),
-            replays=self.replays.labels(name),
-            replay_skipped=self.replay_skipped.labels(name),
+            replays=self.replays.labels(name) if stores else _OFF,
+            replay_skipped=self.replay_skipped.labels(name) if stores else _OFF,
             reused_bodies=self.reused_bodies.labels(name),
             ambiguous_commits=self.ambiguous_commits.labels(name),
             unsent_commits=self.unsent_commits.labels(name),
-            answer_store_failures=self.answer_store_failures.labels(name),
-            inbox_full=self.inbox_full.labels(name),
-            inbox_replays=self.inbox_replays.labels(name),
-            inbox_keep_failures=self.inbox_keep_failures.labels(name),
-            kept={reason: self.inbox_kept.labels(name, reason) for reason in KEPT_REASONS},
-            receipts={result: self.receipts.labels(name, result) for result in RECEIPT_RESULTS},
+            answer_store_failures=self.answer_store_failures.labels(name) if stores else _OFF,
+            inbox_full=self.inbox_full.labels(name) if keeps else _OFF,
+            inbox_replays=self.inbox_replays.labels(name) if keeps else _OFF,
+            inbox_keep_failures=self.inbox_keep_failures.labels(name) if keeps else _OFF,
+            kept={
+                reason: self.inbox_kept.labels(name, reason) if keeps else _OFF
+                for reason in KEPT_REASONS
+            },
+            receipts={
+                result: self.receipts.labels(name, result) if receipted else _OFF
+                for result in RECEIPT_RESULTS
+            },
             upstream_duration=Timings(self.upstream_duration.labels(name)),
             claim_wait=Timings(self.claim_wait.labels(name)),
             commit_duration=Timings(self.commit_duration.labels(name)),

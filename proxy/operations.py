@@ -170,13 +170,32 @@ def timestamp(value: datetime | None) -> str | None:
     return None if value is None else value.astimezone(UTC).isoformat()
 
 
-def table(rows: Sequence[Sequence[object]], headers: Sequence[str], out: TextIO) -> None:
-    """A plain aligned text table, each cell escaped for the terminal (``logs.printable``)."""
+def table(
+    rows: Sequence[Sequence[object]],
+    headers: Sequence[str],
+    out: TextIO,
+    *,
+    width: int | None = None,
+    shrink: Sequence[str] = (),
+) -> None:
+    """A plain aligned text table, each cell escaped for the terminal (``logs.printable``).
+    With ``width``, a table wider than that narrows the ``shrink`` columns, in that order, down
+    to their header's width at least, their longer cells cut with "…"."""
     cells = [
         [str(h) for h in headers],
         *[["" if v is None else logs.printable(str(v)) for v in r] for r in rows],
     ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    over = 0 if width is None else sum(widths) + 2 * (len(widths) - 1) - width
+    for name in shrink:
+        column = list(headers).index(name)
+        cut = min(max(over, 0), widths[column] - max(len(name), 2))
+        if cut > 0:
+            widths[column] -= cut
+            over -= cut
+            for row in cells[1:]:
+                if len(row[column]) > widths[column]:
+                    row[column] = row[column][: widths[column] - 1] + "…"
     for row in cells:
         line = "  ".join(value.ljust(width) for value, width in zip(row, widths, strict=True))
         out.write(line.rstrip() + "\n")
@@ -339,21 +358,34 @@ def describe_hold(scope: str, hold: database.Hold) -> str:
 
 async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:
     """The claim table; and, with a route that has ``receipt``, the receipts' table and
-    function in each receipts' database."""
+    function in each receipts' database. A failure names the database it happened in."""
     async with open_store(cfg) as store:
-        await store.migrate()
+        try:
+            await store.migrate()
+        except errors.StoreUnavailable as exc:
+            raise errors.StoreUnavailable(
+                f"table {cfg.database.table} in the claim database ({server_of(store.dsn)}): "
+                f"{exc.message}"
+            ) from exc
         out.write(f"schema applied: table {cfg.database.table}\n")
         claim_dsn = store.dsn
-    places = {route.receipt.dsn or claim_dsn for route in cfg.routes if route.receipt}
-    for dsn in sorted(places):
+    places: dict[str, list[str]] = {}
+    for route in cfg.routes:
+        if route.receipt is not None:
+            places.setdefault(route.receipt.dsn or claim_dsn, []).append(route.name)
+    for dsn, names in sorted(places.items()):
+        where = "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn)
         receipts = database.Receipts(
             dsn, connect_timeout=cfg.database.connect_timeout,
             op_timeout=cfg.database.connect_timeout,
         )  # fmt: skip
         try:
             await receipts.migrate()
+        except errors.StoreUnavailable as exc:
+            raise errors.StoreUnavailable(
+                f"receipts in {where} (route {', '.join(names)}): {exc.message}"
+            ) from exc
         finally:
             await receipts.close()
-        where = "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn)
         out.write(f"schema applied: receipts ({database.receipts.TABLE}) in {where}\n")
     return 0

@@ -115,7 +115,7 @@ class Route:
             if route.idempotency
             else webhooks.WebhookSemantics(route)
         )
-        self.meters = meters.route(route.name)
+        self.meters = meters.route(route.name, route)
         self.client_timeout = cfg.client_timeout
         self.client_body_timeout = cfg.client_body_timeout
         # A route's claim_wait (a provider's short deadline) only ever shortens the global one:
@@ -922,6 +922,7 @@ def refusal(
     outcome and why on its log line: every refusal, on a route or not, is written here."""
     line["outcome"] = exc.outcome
     line["error"] = exc.message
+    line["code"] = exc.code
     return error_response(exc, problem=problem)
 
 

@@ -85,10 +85,11 @@ async def _check_receipts(cfg: config.Config, claim_dsn: str, report: Report) ->
                 report(False, f"{what}: {table} or {function}() is missing: run 'dedup-proxy "
                        "migrate'")  # fmt: skip
                 continue
-            if lacking := await receipts.ungranted():
+            role, lacking = await receipts.ungranted()
+            if lacking:
                 table = database.receipts.TABLE
-                report(False, f"{what}: the role lacks {', '.join(lacking)} on {table}: GRANT "
-                       f"SELECT, INSERT, DELETE ON {table} TO the proxy's role")  # fmt: skip
+                report(False, f"{what}: role {role} lacks {', '.join(lacking)} on {table}: "
+                       f"GRANT SELECT, INSERT, DELETE ON {table} TO {role}")  # fmt: skip
                 continue
             age = await receipts.newest_age()
         except errors.StoreUnavailable as exc:

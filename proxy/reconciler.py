@@ -55,6 +55,10 @@ FIRST_RUN_DELAY = 1.0
 # ``events reconcile``'s exit status when the run read the provider's log only to its page
 # bound (otherwise complete); 1 when the API stopped the run.
 EXIT_TRUNCATED = 3
+# ``events reconcile``'s progress on stderr: a line every this many events read from the
+# provider's log, and every this many gaps recovered (a run is paced: minutes for thousands).
+PROGRESS_READ = 1000
+PROGRESS_RECOVERED = 25
 
 DeliveryLogFactory = Callable[[reconciling.Reconcile], providers_api.DeliveryLog]
 
@@ -103,12 +107,16 @@ class Reconciler:
         *,
         pace: float,
         open_log: DeliveryLogFactory = delivery_log,
+        progress: TextIO | None = None,
     ) -> None:
+        """``progress``: a one-off run's (``events reconcile``): its progress is written there,
+        and its messages promise no next run."""
         self._store = store
         self._routes = tuple(route for route in configured if route.reconcile is not None)
         self._metrics = meters
         self._pace = pace
         self._open_log = open_log
+        self._progress = progress
         # A route's next run not before this (time.monotonic()): a long Retry-After.
         self._not_before: dict[str, float] = {}
 
@@ -179,8 +187,8 @@ class Reconciler:
             self._metrics.reconcile_errors.labels(route.name, exc.kind).inc()
             if isinstance(exc, errors.ProviderRateLimited):
                 self._not_before[route.name] = time.monotonic() + exc.retry_after
-            log.warning("reconcile of route %s stopped: %s (the next run in %s)", route.name,
-                        exc.message, values.format_duration(settings.every))  # fmt: skip
+            log.warning("reconcile of route %s stopped: %s%s", route.name, exc.message,
+                        self._next_run(settings))  # fmt: skip
         except errors.StoreUnavailable:
             self._metrics.reconcile_errors.labels(route.name, "database").inc()
             raise
@@ -209,7 +217,12 @@ class Reconciler:
         since = time.time() - report.since
 
         async def read() -> list[providers_api.Delivery]:
-            return [delivery async for delivery in provider_log.deliveries(since)]
+            read: list[providers_api.Delivery] = []
+            async for delivery in provider_log.deliveries(since):
+                read.append(delivery)
+                if len(read) % PROGRESS_READ == 0:
+                    self._say(f"read {len(read)} event(s) of the provider's log so far")
+            return read
 
         report.deliveries = await self._politely(route, read, deadline)
         report.truncated = provider_log.truncated
@@ -238,7 +251,14 @@ class Reconciler:
         deadline: float,
     ) -> None:
         """The gaps, oldest first, at most ``max_per_run``, ``pace`` a second at most."""
-        for delivery in sorted(report.gaps, key=lambda d: d.at)[: settings.max_per_run]:
+        todo = sorted(report.gaps, key=lambda d: d.at)[: settings.max_per_run]
+        if todo:
+            pace = f"at most {self._pace:g} a second"
+            self._say(f"{len(report.gaps)} gap(s); recovering {len(todo)}, {pace}")
+        for done, delivery in enumerate(todo):
+            if done and done % PROGRESS_RECOVERED == 0:
+                recovered = len(report.recovered)
+                self._say(f"{done} of {len(todo)} gap(s) done, {recovered} recovered")
             if time.monotonic() >= deadline:
                 log.warning("reconcile of route %s: the period ended with %d gap(s) left for "
                             "the next run", route.name,
@@ -266,6 +286,18 @@ class Reconciler:
                 report.recovered.append(delivery)
                 self._metrics.reconcile_recovered.labels(route.name).inc()
             await asyncio.sleep(1.0 / self._pace)
+
+    def _next_run(self, settings: reconciling.Reconcile) -> str:
+        """When the route's next run is, as a message ends: nothing for a one-off run."""
+        if self._progress is not None:
+            return ""
+        return f" (the next run in {values.format_duration(settings.every)})"
+
+    def _say(self, text: str) -> None:
+        """A one-off run's progress line (none for the proxy's own runs: they log)."""
+        if self._progress is not None:
+            self._progress.write(f"{text}\n")
+            self._progress.flush()
 
     async def _claimed_since(
         self, route: routes.RouteConfig, delivery: providers_api.Delivery
@@ -310,12 +342,14 @@ async def command(
     since: float | None,
     dry_run: bool,
     out: TextIO = sys.stdout,
+    progress: TextIO = sys.stderr,
     open_log: DeliveryLogFactory = delivery_log,
 ) -> int:
     """``events reconcile``: one run over the route now, whatever replica's turn it is (a
     recovery is a duplicate at worst); what the provider says, and what was (or, with
-    ``dry_run``, would be) recovered. Exit status 1 if the provider's API stopped the run,
-    ``EXIT_TRUNCATED`` if it read the provider's log only to its page bound."""
+    ``dry_run``, would be) recovered, its progress on ``progress`` meanwhile. Exit status 1 if
+    the provider's API stopped the run, ``EXIT_TRUNCATED`` if it read the provider's log only to
+    its page bound."""
     route = operations.route_of(cfg, route_name)
     if route.reconcile is None:
         raise errors.UsageError(f"route {route.name!r} has no reconcile section")
@@ -323,7 +357,7 @@ async def command(
     async with operations.open_store(cfg) as store:
         runs = Reconciler(
             store, cfg.routes, metrics.Metrics(), pace=float(cfg.upstream.concurrency or 10),
-            open_log=open_log,
+            open_log=open_log, progress=progress,
         )  # fmt: skip
         report = await runs.reconcile(route, since=window, dry_run=dry_run)
     out.write(describe(report, dry_run=dry_run))

@@ -338,14 +338,16 @@ class Supervisor:
             )  # fmt: skip
             return
         candidate.replace(self.snapshot)  # what every worker started from now on loads
+        changed = changes(self.cfg, cfg)
         self.cfg = cfg
         logs.setup(cfg.log)
         for number in sorted(self.workers):
             if self.stopping.is_set() or not await self._roll(number):
                 return
         log.info(
-            "reloaded %s: %d workers replaced in %.1fs",
+            "reloaded %s: %d workers replaced in %.1fs; %s",
             self.config_path, len(self.workers), time.monotonic() - started,
+            "; ".join(changed) or "nothing changed",
         )  # fmt: skip
 
     async def _roll(self, number: int) -> bool:
@@ -610,8 +612,42 @@ def _snapshot(config_path: str, copy: Path) -> config.Config:
         copy.write_bytes(text)
     except OSError as exc:
         raise errors.ProxyError(f"cannot copy the configuration to {copy}: {exc}") from exc
-    # Paths in it mean what they meant beside the operator's file, not beside the copy.
-    return config.load(copy, base=Path(os.path.abspath(config_path)).parent)
+    # Paths in it mean what they meant beside the operator's file, not beside the copy; and
+    # its problems are said of the operator's file, which is the one to fix.
+    return config.load(copy, base=Path(os.path.abspath(config_path)).parent, named=config_path)
+
+
+def changes(running: config.Config, new: config.Config) -> list[str]:
+    """What a reload changes, by name only (a value may be a secret): each setting that
+    differs (``database.pool_size``; a section's name when it is not a dataclass), the routes
+    added and removed, and each changed route with its settings that differ."""
+    said = []
+    for name, was, now in _differing(running, new):
+        if name == "routes":
+            continue
+        if dataclasses.is_dataclass(was) and type(was) is type(now):
+            said += [f"{name}.{inner}" for inner, _, _ in _differing(was, now)]
+        else:
+            said.append(name)
+    before = {route.name: route for route in running.routes}
+    after = {route.name: route for route in new.routes}
+    if added := [name for name in after if name not in before]:
+        said.append(f"routes added: {', '.join(added)}")
+    if removed := [name for name in before if name not in after]:
+        said.append(f"routes removed: {', '.join(removed)}")
+    for name in (name for name in after if name in before):
+        if fields := [field for field, _, _ in _differing(before[name], after[name])]:
+            said.append(f"route {name}: {', '.join(fields)}")
+    return said
+
+
+def _differing(was: object, now: object) -> list[tuple[str, object, object]]:
+    """The fields of two dataclasses of one type whose values differ."""
+    return [
+        (field.name, getattr(was, field.name), getattr(now, field.name))
+        for field in dataclasses.fields(was)  # type: ignore[arg-type]
+        if getattr(was, field.name) != getattr(now, field.name)
+    ]
 
 
 def restart_only(running: config.Config, new: config.Config) -> list[str]:

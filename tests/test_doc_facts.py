@@ -10,6 +10,8 @@
   of bench/RESULTS.md, the benchmark's own output: a figure in µs, ms, MB or per second in
   their "Sizing" sections must be printed there with the same unit. A figure worked out from
   others (a sum, a rate at a given CPU) is written with "≈" and is not looked up.
+- A section the code cites (``docs/page.md, "Section"``, in a message or a comment) is a heading
+  of that page (or, in docs/configuration.md, a key it documents).
 """
 
 from __future__ import annotations
@@ -232,6 +234,28 @@ def test_a_table_of_contents_lists_every_section_in_order(page: Path) -> None:
     assert listed == sections, (
         f"{page.relative_to(ROOT)}: its contents list {listed}, its ## sections are {sections}"
     )
+
+
+def citations() -> Iterator[tuple[str, str, str]]:
+    """Each ``(docs/page.md, "Section")`` the code writes on one line: module, page, section."""
+    for module in sorted((ROOT / "proxy").rglob("*.py")):
+        text = module.read_text().replace("\\'", "'")
+        for found in re.finditer(r'docs/([a-z-]+\.md), "([^"\n]+)"', text):
+            yield str(module.relative_to(ROOT)), found[1], found[2]
+
+
+def test_a_section_the_code_cites_exists() -> None:
+    cited = list(citations())
+    assert len(cited) > 5  # the extractor finding none would pass
+    for module, page, title in cited:
+        text = (ROOT / "docs" / page).read_text()
+        headings = [h.replace("`", "") for h in re.findall(r"^#{1,4} (.+)$", text, re.MULTILINE)]
+        # "Reconcile" cites "## Reconcile: recovering what the provider failed to deliver".
+        named = any(re.match(rf"{re.escape(title)}($|[: ])", h) for h in headings)
+        key = re.search(rf"`([\w\[\].]+\.)?{re.escape(title)}`", text)
+        assert named or (page == "configuration.md" and key), (
+            f"{module} cites docs/{page}, {title!r}: no such section"
+        )
 
 
 def rules_alerts() -> list[tuple[str, str]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -415,3 +416,84 @@ async def test_a_retry_after_hold_is_capped_and_a_tenants_ended_rows_do_not_pile
             await copy.hold_for_retry_after(f"hooks/{tenant}", 60)
         assert copy.held_paths(["hooks"]) == ["hooks/a", "hooks/b"]
         assert set(await store.holds.active(["hooks"])) == {"hooks/a", "hooks/b"}
+
+
+async def test_a_held_routes_503_says_what_holds_it_and_back_pressure_is_no_error(
+    make_proxy: MakeProxy, upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A route without redeliver answers 503 while held, with the cause as its code; the limit
+    at the app with app_busy. None of them is a fault: no error-level line (before: every one
+    at error, and route_paused whatever held the route)."""
+    caplog.set_level(logging.INFO, logger="proxy.pipeline")
+    proxy = await make_proxy(
+        routes=[PLAIN], upstream={"concurrency": 1}, database={"pool_timeout": "300ms"}
+    )
+    store, copy = proxy.app[app_keys.STORE], proxy.app[app_keys.HOLDS]
+
+    async def refused(event_id: str) -> tuple[str, str]:
+        answer = await proxy.post("/plain", data=json.dumps({"id": event_id}))
+        assert answer.status == 503
+        said = await answer.json()
+        return said["error"], said["message"]
+
+    await store.holds.hold_at_least("plain", 60, by="the app", note="429 Retry-After: 60")
+    await wait_until(lambda: _held(copy, "plain"), "the worker to see the app's hold")
+    by_the_app = await refused("r1")
+    await store.holds.hold("plain", None, by="ops", note="deploy")
+    await wait_until(lambda: _paused(copy, "plain"), "the worker to see the pause")
+    paused = await refused("p1")
+    await store.holds.release("plain", by="ops")
+    await wait_until(lambda: _free(copy, "plain"), "the worker to see the route free")
+    upstream.gate = asyncio.Event()
+    first = asyncio.ensure_future(proxy.post("/plain", data=b'{"id": "a"}'))
+    await wait_until(lambda: _requests(upstream, 1), "the first at the app")
+    busy = await refused("b1")
+    upstream.gate.set()
+    assert (await first).status == 200
+
+    assert by_the_app == (
+        "app_retry_after",
+        "The app asked for a pause (Retry-After); try again later.",
+    )
+    assert paused == ("route_paused", "The route is paused; try again later.")
+    assert busy[0] == "app_busy"
+    lines = {r.fields["event_id"]: r for r in caplog.records if hasattr(r, "fields")
+             and r.fields.get("outcome") == "unavailable"}  # fmt: skip
+    assert {event: r.fields["code"] for event, r in lines.items()} == {
+        "r1": "app_retry_after", "p1": "route_paused", "b1": "app_busy"
+    }  # fmt: skip
+    assert {event: r.levelname for event, r in lines.items()} == {
+        "r1": "INFO", "p1": "INFO", "b1": "WARNING"
+    }  # fmt: skip
+
+
+async def _paused(copy: Any, scope: str) -> bool:
+    hold = copy.held(scope)
+    return hold is not None and hold.reason == HoldKind.PAUSED
+
+
+async def _free(copy: Any, scope: str) -> bool:
+    return copy.held(scope) is None
+
+
+async def _requests(upstream: FakeUpstream, n: int) -> bool:
+    return len(upstream.requests) >= n
+
+
+async def test_resume_promises_redeliveries_only_on_a_route_that_keeps(
+    make_proxy: MakeProxy, config_file: Path
+) -> None:
+    await make_proxy(routes=[ROUTE, PLAIN], redeliverer=QUICK)  # the holds' rows are made
+    for name in ("plain", "hooks"):
+        code, _, _ = await events(config_file, "pause", "--route", name)
+        assert code == 0
+
+    _, plain, _ = await events(config_file, "resume", "--route", "plain")
+    _, hooks, _ = await events(config_file, "resume", "--route", "hooks")
+
+    # Before: "redelivers its pending deliveries again" on plain too, which keeps none.
+    assert plain == (
+        "resumed: route plain (scope plain), paused until now; every running proxy forwards "
+        "its webhooks again within 100ms (it keeps none to redeliver)\n"
+    )
+    assert "redelivers its pending deliveries again within 100ms" in hooks

@@ -288,6 +288,16 @@ async def test_pending_and_dead_rows_are_never_swept_dead_ones_after_their_reten
     ("extra", "problem"),
     [
         ({"on_duplicate": "replay"}, "not with on_duplicate: replay"),
+        # Before: "not with on_duplicate: replay", a key the route never wrote.
+        (
+            {
+                "preset": "twilio",
+                "event_id": None,
+                "verify": {"secret": "s", "public_url": "https://hooks.example.com"},
+            },
+            "redeliver: not with preset twilio, which answers a duplicate with the app's first "
+            "answer (on_duplicate: replay, its default)",
+        ),
         ({"semantics": "idempotency-key", "event_id": None}, "not with semantics: idempotency-key"),
         ({"retention": "1d", "redeliver": {"for": "3d"}}, "must be at most the route's retention"),
         ({"redeliver": "sometimes"}, "must be true, false or a mapping"),

@@ -147,12 +147,15 @@ async def test_pending_and_dead_list_the_kept_deliveries_oldest_first(
     assert [line[1:7] for line in lines[1:-1]] == [["hooks", "d1", "t.d1", "1", "422", size]]
     assert out.splitlines()[-1] == "1 dead delivery(ies) in scope hooks"
 
-    # No answer at all: the last column is what went wrong, in words.
+    # No answer at all: the last answer is what went wrong, in words; too long for the row's
+    # 120 columns, on a line of its own below it, with the next due time.
     code, out, _ = await cli(config_file, "pending", "--route", "down")
     print(out)
-    header, listed = out.splitlines()[:2]
-    last = listed[header.index("last") : header.index("next_due")].strip()
-    assert last == "upstream refused the connection: nothing listens there"
+    header, listed, below = out.splitlines()[:3]
+    assert "last" not in header.split()
+    assert listed.split()[1:3] == ["down", "u1"]
+    assert below.startswith("    next due ")
+    assert below.endswith("; last: upstream refused the connection: nothing listens there")
 
 
 async def test_show_prints_the_state_the_request_kept_and_every_attempt(
@@ -175,7 +178,8 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
     assert fields["state"].strip() == "pending"
     assert {"received_at", "next due", "until", "changed"} <= set(fields)
     assert fields["request"].strip() == "POST /hooks?attempt=1"
-    assert fields["upstream"].strip() == upstream.url
+    assert fields["upstream"].strip() == f"{upstream.url} (where it was sent)"
+    assert fields["redelivery"].strip() == f"{upstream.url} (the same: route hooks's upstream now)"
     assert fields["body"].strip() == f"{len(body)} bytes"
     assert "  Authorization: <redacted 13 bytes>" in out.splitlines()
     assert "  X-Signature: sig=abc" in out.splitlines()
@@ -196,6 +200,36 @@ async def test_show_prints_the_state_the_request_kept_and_every_attempt(
 
     code, out, err = await cli(config_file, "show", "--route", "hooks", "nope")
     assert (code, out, err) == (1, "", "not found: hooks nope\n")
+
+
+def moving(config_file: Path, upstream: str) -> None:
+    """The first route of ``config_file`` sent to ``upstream`` from now on."""
+    settings = yaml.safe_load(config_file.read_text())
+    settings["routes"][0]["upstream"] = upstream
+    config_file.write_text(yaml.safe_dump(settings))
+
+
+async def test_show_says_where_it_was_sent_and_where_a_redelivery_goes_now(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path, routes: list[dict[str, Any]]
+) -> None:
+    upstream.respond = answering(503)
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    await proxy.post("/hooks", data=b'{"id": "moved"}')
+    moved = f"http://svc:pw@127.0.0.1:{free_port()}"  # the app moved since (and signs in)
+    moving(config_file, moved)
+
+    code, out, err = await cli(config_file, "show", "--route", "hooks", "moved")
+    code_json, document, _ = await cli(config_file, "show", "--route", "hooks", "moved", "--json")
+
+    assert (code, err, code_json) == (0, "", 0)
+    lines = out.splitlines()
+    # Before: "upstream:    <the old one>" alone, where the redeliverer no longer sends it.
+    assert f"upstream:    {upstream.url} (where it was sent)" in lines
+    masked = moved.replace(":pw@", ":***@")
+    assert f"redelivery:  {masked} (route hooks's upstream now, changed since)" in lines
+    assert ":pw@" not in out
+    request = json.loads(document)["request"]
+    assert (request["upstream"], request["redelivery_upstream"]) == (upstream.url, masked)
 
 
 def with_github(config_file: Path) -> list[dict[str, Any]]:
@@ -261,6 +295,39 @@ async def test_the_commands_take_the_id_as_the_provider_sent_it_and_the_logs_car
 
 
 GUID = "20ed78ab-6a3e-11ef-8d3c-5d1e2b1c9f00"
+
+
+async def test_pending_lines_fit_120_columns_the_id_whole_as_the_provider_sent_it(
+    make_proxy: MakeProxy, upstream: FakeUpstream, config_file: Path
+) -> None:
+    """A GitHub delivery (its claim bound to the body), a long event type, and no answer from
+    the app: each line within 120 columns (before: 200 and more), the event type cut with "…",
+    the ID whole, as the commands take it, the last answer and next due time on a line below."""
+    routes = with_github(config_file)
+    routes[-1]["upstream"] = f"http://127.0.0.1:{free_port()}"  # nothing listens: an error
+    proxy = await make_proxy(routes=routes, redeliverer=QUICK)
+    body = b'{"zen": "Keep it logically awesome."}'
+    headers = github_headers(body, GUID, "123456789")
+    headers["X-GitHub-Event"] = "pull_request_review_comment_thread_resolved"
+    assert (await proxy.post("/webhooks/github", data=body, headers=headers)).status == 202
+
+    code, out, err = await cli(config_file, "pending", "--route", "github")
+    print(out)
+
+    assert (code, err) == (0, "")
+    header, listed, below = out.splitlines()[:3]
+    assert max(len(line) for line in out.splitlines()) <= 120
+    assert header.split() == ["received_at", "scope", "event_id", "event_type", "attempts",
+                              "body_bytes"]  # fmt: skip
+    assert listed.split()[2] == f"123456789:{GUID}"
+    kind = listed[header.index("event_type") : header.index("attempts")].strip()
+    assert kind.endswith("…")
+    assert "pull_request_review_comment_thread_resolved".startswith(kind[:-1])
+    assert re.fullmatch(
+        r"    next due \S+; last: upstream refused the connection: nothing listens there", below
+    ), below
+    code, out, _ = await cli(config_file, "show", "--route", "github", f"123456789:{GUID}")
+    assert code == 0  # the ID as listed is taken
 
 
 async def test_a_github_guid_as_github_shows_it_finds_its_delivery_in_every_command(
@@ -742,9 +809,8 @@ async def test_pending_and_dead_without_route_list_every_route_and_json_is_one_d
     code, out, err = await cli(config_file, "pending")
 
     assert (code, err) == (0, "")
-    assert [line.split()[1:3] for line in out.splitlines()[1:-1]] == [
-        ["hooks", "p1"], ["down", "u1"],
-    ]  # fmt: skip
+    rows = [line for line in out.splitlines()[1:-1] if not line.startswith(" ")]
+    assert [line.split()[1:3] for line in rows] == [["hooks", "p1"], ["down", "u1"]]
     assert out.splitlines()[-1] == "2 pending delivery(ies) in scope hooks, tenants, down, plain"
     code, out, err = await cli(config_file, "pending", "--json", "--limit", "1")
     assert (code, err) == (0, "")

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy import metrics
+from tests.helpers import MakeProxy, metrics_text
 
 BUCKETS = metrics._BUCKETS
 # Seconds, the bucket bounds themselves included (a value on a bound is in that bucket).
@@ -120,3 +121,28 @@ def test_a_flush_that_fails_midway_never_counts_twice() -> None:
     assert total is not None
     assert count <= 3
     assert total <= 0.0005 + 0.5 + 0.5 + 1e-9
+
+
+async def test_metrics_carry_no_created_series_and_none_of_a_feature_a_route_lacks(
+    make_proxy: MakeProxy,
+) -> None:
+    kept = {"name": "kept", "path": "/kept", "event_id": "body:/id",
+            "redeliver": {"schedule": ["1h"], "for": "1d"}}  # fmt: skip
+    plain = {"name": "plain", "path": "/plain", "event_id": "body:/id"}
+    proxy = await make_proxy(routes=[kept, plain])
+    assert (await proxy.post("/plain", data=b'{"id": "c1"}')).status == 200
+
+    text = metrics_text(proxy)
+    lines = text.splitlines()
+
+    assert 'dedup_requests_total{outcome="processed",route="plain"} 1.0' in text
+    # Before: dedup_requests_created, dedup_upstream_duration_seconds_created, … a series each.
+    assert [line for line in lines if "_created" in line] == []
+    # Before: route plain had dedup_inbox_kept_total (6 reasons), dedup_receipts_total (4
+    # results), dedup_replays_total… all 0 for ever; pass-through (route "") likewise.
+    for family in ("dedup_inbox_kept_total", "dedup_inbox_full_total", "dedup_receipts_total",
+                   "dedup_replays_total", "dedup_answer_store_failures_total"):  # fmt: skip
+        for route in ("plain", ""):
+            assert not [x for x in lines if x.startswith(f"{family}{{") and f'route="{route}"' in x]
+    assert 'dedup_inbox_kept_total{reason="limit",route="kept"} 0.0' in text
+    assert not [x for x in lines if x.startswith("dedup_receipts_total{")]  # no route has one

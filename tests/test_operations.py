@@ -419,6 +419,13 @@ def test_table_formatting() -> None:
         "a               1",
         "long value  x   22",
     ]
+    out = io.StringIO()
+    operations.table(rows, ("h1", "h2", "h3"), out, width=12, shrink=("h1",))
+    assert out.getvalue().splitlines() == [  # 18 columns wide: h1 cut by 6, its cell with "…"
+        "h1    h2  h3",
+        "a         1",
+        "lon…  x   22",
+    ]
 
 
 async def test_events_of_a_route_scoped_by_its_path(
@@ -485,3 +492,76 @@ def test_a_table_escapes_what_came_from_outside() -> None:
     out = io.StringIO()
     operations.table([(HOSTILE, 1)], ("from outside", "n"), out)
     assert out.getvalue().splitlines()[1].startswith("deploy\\u001b]52;c;")
+
+
+def receipted(path: Path, pg_dsn: str, table: str, url: str, receipts_dsn: str) -> Path:
+    """A configuration at ``path`` whose route ``pay`` keeps its receipts in the claim
+    database, and ``app`` in the database ``receipts_dsn`` names."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "upstream": {"url": url},
+                "database": {"dsn": pg_dsn, "table": table},
+                "routes": [
+                    {"name": "pay", "path": "/pay", "event_id": "body:/id", "receipt": True},
+                    {"name": "app", "path": "/app", "event_id": "body:/id",
+                     "receipt": {"dsn": receipts_dsn}},
+                ],
+            }
+        )
+    )  # fmt: skip
+    return path
+
+
+async def test_schema_prints_the_receipts_ddl_and_migrate_names_the_database_that_failed(
+    tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
+) -> None:
+    nowhere = "postgresql://app:pw@127.0.0.1:9/ledger"  # nothing listens on port 9
+    path = receipted(tmp_path / "config.yaml", pg_dsn, table, upstream.url, nowhere)
+
+    code, ddl, _ = await run_cli("schema", "--config", str(path))
+    code_alone, alone, _ = await run_cli("schema", "--receipts")
+    code_migrate, out, err = await run_cli("migrate", "--config", str(path))
+
+    assert (code, code_alone) == (0, 0)
+    # Before: the claim table's DDL alone.
+    assert f'CREATE TABLE IF NOT EXISTS "{table}"' in ddl
+    assert "-- The receipts (route pay: receipt), in the claim database:" in ddl
+    assert "CREATE TABLE IF NOT EXISTS dedup_receipts" in ddl
+    assert "-- Route app keeps its receipts in its receipt.dsn" in ddl
+    assert "CREATE OR REPLACE FUNCTION dedup_receipt(receipt text)" in alone
+    assert "--   GRANT SELECT, INSERT, DELETE ON dedup_receipts TO <proxy_role>;" in alone
+    assert table not in alone
+    assert code_migrate == 1
+    assert out.startswith(f"schema applied: table {table}\n")
+    # Before: "dedup-proxy migrate: cannot connect to the receipts' database: …", not which.
+    assert err.startswith(
+        "dedup-proxy migrate: receipts in postgresql://app:***@127.0.0.1:9/ledger (route app): "
+    ), err
+    assert "pw" not in err
+
+
+async def test_commands_that_touch_no_receipt_need_no_receipt_dsn_variable(
+    tmp_path: Path, pg_dsn: str, table: str, upstream: FakeUpstream
+) -> None:
+    unset = "DEDUP_TEST_NEVER_SET_APP_DATABASE"
+    path = receipted(tmp_path / "config.yaml", pg_dsn, table, upstream.url, f"${{{unset}}}")
+    await execute(pg_dsn, database.schema_sql(table))
+
+    ran = {
+        " ".join(command): await run_cli(*command, "--config", str(path))
+        for command in (
+            ("stats",),
+            ("schema",),
+            ("events", "list", "--route", "pay"),
+            ("events", "pending"),
+        )
+    }
+    migrate = await run_cli("migrate", "--config", str(path))
+
+    # Before: each exit 2, "routes[1].receipt.dsn: environment variable … is not set".
+    assert {command: (code, err) for command, (code, _, err) in ran.items()} == {
+        command: (0, "") for command in ran
+    }
+    assert migrate[0] == 2  # migrate makes the receipts' table there: it needs it
+    assert f"routes[1].receipt.dsn: environment variable {unset} is not set" in migrate[2]

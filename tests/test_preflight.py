@@ -129,8 +129,8 @@ async def test_a_receipt_routes_database_is_checked_and_its_newest_receipt_said(
     code, line = await receipts_line()
     assert code == 1
     assert line.endswith(
-        "(route pay): the role lacks DELETE on dedup_receipts: GRANT SELECT, INSERT, DELETE ON "
-        "dedup_receipts TO the proxy's role"
+        "(route pay): role receipts_reader lacks DELETE on dedup_receipts: GRANT SELECT, "
+        "INSERT, DELETE ON dedup_receipts TO receipts_reader"
     ), line
     routes[0]["receipt"] = {"dsn": receipts_dsn}
     await execute(receipts_dsn, "SELECT dedup_receipt('a-receipt')")

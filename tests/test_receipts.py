@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +17,9 @@ import pytest
 from aiohttp import web
 
 from proxy import database
+from proxy.database import sql
 from tests.helpers import MakeProxy, Serve, execute, fetch, wait_until
+from tests.roles import DOCUMENTED, limited_role
 
 ROUTE = {"name": "pay", "path": "/pay", "event_id": "body:/id", "receipt": True}
 # The receipts' table is shared by every test (one per database): each test's claim table
@@ -333,3 +336,35 @@ async def test_a_redelivery_carries_the_proxys_receipt_and_no_dedup_header_it_wa
     sent, again = upstream.requests[0].headers, upstream.requests[1].headers
     assert sent["dedup-receipt"] == again["dedup-receipt"] != [forged]
     assert "dedup-other" not in again
+
+
+async def test_a_start_under_the_documented_grants_warns_of_nothing(
+    make_proxy: MakeProxy, app: LedgerApp, pg_dsn: str, table: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """create_schema: true (the default), the tables made by their owner, the proxy's role
+    holding only the grants docs/deployment.md lists: its start has nothing to say of the
+    receipts (before: "the receipts' database is not ready yet: … permission denied for schema
+    public" at every start, from DDL it did not need)."""
+    await execute(pg_dsn, sql.for_table(table).schema)
+    async with limited_role(pg_dsn, table, DOCUMENTED) as (role, dsn):
+        await execute(pg_dsn, f"GRANT SELECT, INSERT, DELETE ON dedup_receipts TO {role}")
+        try:
+            await make_proxy(**settings(app), database={"dsn": dsn})
+
+            async def looked() -> bool:
+                said = [r for r in caplog.records if "receipts'" in r.getMessage()]
+                looks = await fetch(
+                    pg_dsn,
+                    "SELECT 1 FROM pg_stat_activity WHERE usename = $1 AND state = 'idle' "
+                    "AND query LIKE '%to_regclass(''dedup_receipts'')%'",
+                    role,
+                )
+                return bool(said or looks)
+
+            await wait_until(looked, "the start's look at the receipts' table")
+        finally:
+            await execute(pg_dsn, f"REVOKE ALL ON dedup_receipts FROM {role}")
+
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [message for message in said if "receipts'" in message], said

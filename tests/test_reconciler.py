@@ -574,3 +574,44 @@ async def test_a_run_that_fails_unexpectedly_is_logged_and_counted_and_the_other
         "run in 1h)"
     ]
     assert 'dedup_reconcile_errors_total{kind="crashed",route="broken"} 1.0' in metrics_text(proxy)
+
+
+@pytest.mark.usefixtures("no_background_runs")
+async def test_a_one_off_run_says_its_progress_on_stderr_and_promises_no_next_run(
+    make_proxy: MakeProxy,
+    proxy_config: Any,
+    hook: GitHubHook,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(reconciler, "PROGRESS_READ", 2)
+    monkeypatch.setattr(reconciler, "PROGRESS_RECOVERED", 2)
+    routes = [_route(hook.api_url)]
+    proxy = await make_proxy(routes=routes)
+    await _gaps(hook, 5)
+    hook.target = str(proxy.make_url("/webhooks/github"))
+    progress = io.StringIO()
+
+    status = await reconciler.command(
+        proxy_config(routes=routes), "github", since=None, dry_run=False, out=io.StringIO(),
+        progress=progress,
+    )  # fmt: skip
+
+    assert status == 0
+    said = progress.getvalue().splitlines()  # before: nothing until the run's end
+    assert "read 4 event(s) of the provider's log so far" in said
+    assert any(line.startswith("5 gap(s); recovering 5, at most ") for line in said)
+    assert "4 of 5 gap(s) done, 4 recovered" in said
+
+    await _gaps(hook, 1, prefix="late")
+    hook.faults.append((401, {}))
+    caplog.clear()
+    status = await reconciler.command(
+        proxy_config(routes=routes), "github", since=None, dry_run=False, out=io.StringIO(),
+        progress=io.StringIO(),
+    )  # fmt: skip
+
+    assert status == 1
+    stopped = [r.getMessage() for r in caplog.records if "stopped" in r.getMessage()]
+    assert stopped
+    assert not any("the next run in" in message for message in stopped)  # a one-off run

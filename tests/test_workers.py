@@ -649,6 +649,31 @@ async def test_sighup_on_a_file_swapped_for_a_huge_one_or_dev_zero_reads_a_bound
     assert supervised.process.returncode is None
 
 
+async def test_a_reload_names_the_operators_file_and_says_what_it_changed(
+    supervised: Served,
+) -> None:
+    settings = yaml.safe_load(supervised.config_file.read_text())
+    supervised.config_file.write_text("routes: [\n  {name: broken\n")  # not YAML
+    refused = await _hangup(supervised, "reload refused")
+    secret = "s3cret-never-logged"
+    settings["claim_wait"] = "7s"
+    settings["database"]["pool_size"] = 5
+    settings["routes"][0]["retention"] = "2d"
+    settings["routes"].append({"name": "signed", "path": "/signed", "preset": "github",
+                               "verify": {"secret": secret}})  # fmt: skip
+    supervised.config_file.write_text(yaml.safe_dump(settings))
+    reloaded = await _hangup(supervised, "reloaded")
+
+    # Before: 'in "/tmp/dedup-proxy-…/next-config.yaml", line 3', the supervisor's own copy.
+    assert f'in "{supervised.config_file}", line' in refused["msg"], refused["msg"]
+    assert "next-" not in refused["msg"]
+    # Before: "reloaded …: 2 workers replaced in 1.2s", and nothing of what changed.
+    assert reloaded["msg"].endswith(
+        "database.pool_size; claim_wait; routes added: signed; route corvel: retention"
+    ), reloaded["msg"]
+    assert secret not in json.dumps(supervised.lines())
+
+
 async def _duplicate_on(url: str, path: str, event_id: str) -> str | None:
     """The Dedup-Status of a second copy of ``event_id`` to ``path`` (None: not claimed)."""
     async with aiohttp.ClientSession() as session:

@@ -277,15 +277,25 @@ def read_file(path: str | os.PathLike[str]) -> bytes:
         raise errors.ConfigError(str(path), [f"not a configuration file: {exc}"]) from exc
 
 
-def load(path: str | os.PathLike[str], *, secrets: bool = True, base: Path | None = None) -> Config:
+def load(
+    path: str | os.PathLike[str],
+    *,
+    secrets: bool = True,
+    receipts: bool | None = None,
+    base: Path | None = None,
+    named: str | None = None,
+) -> Config:
     """Read and validate a config file; raise ConfigError listing every problem. Without
     ``secrets`` the routes' signing secrets are not read (their ``${VAR}`` may be unset) and
-    their verifiers refuse every request: for the commands that verify nothing.
+    their verifiers refuse every request: for the commands that verify nothing. Without
+    ``receipts`` (by default: as ``secrets``) a route's ``receipt.dsn`` is taken as written,
+    its ``${VAR}`` not looked up: for the commands that touch no receipt.
 
     A relative ``database.data_dir`` is read against ``base``, by default the file's own
     directory: whichever directory a command runs from (a systemd unit, a cron job, an
-    operator's shell), one configuration means one embedded server."""
-    source = str(path)
+    operator's shell), one configuration means one embedded server. ``named``: the file its
+    problems are said of, when ``path`` is a copy of it (the supervisor's)."""
+    source = str(path) if named is None else named
     try:
         text = read_file(path).decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -300,7 +310,7 @@ def load(path: str | os.PathLike[str], *, secrets: bool = True, base: Path | Non
         # PyYAML's constructors let these through for e.g. `2001-13-01`, `!!timestamp x`,
         # 5000-digit integers or deep nesting.
         raise errors.ConfigError(source, [f"not valid YAML: {exc!r}"]) from exc
-    cfg = parse(raw, source=source, secrets=secrets)
+    cfg = parse(raw, source=source, secrets=secrets, receipts=receipts)
     return _with_data_dir(cfg, Path(os.path.abspath(path)).parent if base is None else base)
 
 
@@ -356,9 +366,11 @@ def _concurrency(r: reader.Reader, up: dict[str, Any]) -> tuple[int | None, bool
     return limit, shared
 
 
-def parse(raw: object, *, source: str = "<config>", secrets: bool = True) -> Config:
-    """Validate an already-parsed YAML document (``secrets``: as ``load``)."""
-    r = reader.Reader(secrets=secrets)
+def parse(
+    raw: object, *, source: str = "<config>", secrets: bool = True, receipts: bool | None = None
+) -> Config:
+    """Validate an already-parsed YAML document (``secrets``, ``receipts``: as ``load``)."""
+    r = reader.Reader(secrets=secrets, receipts=secrets if receipts is None else receipts)
     top = r.mapping(raw, "", TOP_KEYS)
     listen = r.value(top, "listen", "", _listen, _listen(DEFAULT_LISTEN))
     up = r.mapping(

@@ -24,11 +24,13 @@ T = TypeVar("T")
 class Reader:
     """Walks the parsed YAML, interpolating and validating, and collects every problem. Without
     ``secrets``, the values read as secrets (``strings(secret=True)``) are taken as written:
-    their ``${VAR}`` is not looked up, so an unset one is no problem."""
+    their ``${VAR}`` is not looked up, so an unset one is no problem; without ``receipts``,
+    likewise a route's ``receipt.dsn``."""
 
-    def __init__(self, *, secrets: bool = True) -> None:
+    def __init__(self, *, secrets: bool = True, receipts: bool = True) -> None:
         self.problems: list[str] = []
         self.secrets = secrets
+        self.receipts = receipts
 
     def problem(self, path: str, message: str) -> None:
         self.problems.append(f"{path}: {message}" if path else message)

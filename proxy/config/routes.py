@@ -364,7 +364,7 @@ def _check_options(
             r.problem(f"{path}.{option}", "only with on_duplicate: replay")
     if route_config.replay_max_body > MAX_REPLAY_MAX_BODY:
         r.problem(f"{path}.replay_max_body", f"must be at most {MAX_REPLAY_MAX_BODY} (1MiB)")
-    _check_redeliver(r, path, route_config)
+    _check_redeliver(r, path, route_config, written="on_duplicate" in route)
     if route_config.order is not None and route_config.idempotency:
         r.problem(f"{path}.order", "only on webhook routes, not semantics: idempotency-key")
     if route_config.reconcile is not None and route_config.scoped_by_path:
@@ -416,8 +416,11 @@ def _receipt(r: reader.Reader, raw: object, path: str) -> Receipt | None:
             r.problem(f"{path}.receipt", "must be true, false or a mapping of dsn, wait")
             return None
     section: dict[str, Any] = r.mapping(raw, f"{path}.receipt", RECEIPT_KEYS)
+    written = section.get("dsn")
+    # A command that touches no receipt runs where the app database's variable is not set.
+    unread = not r.receipts and isinstance(written, str) and "$" in written
     return Receipt(
-        dsn=r.value(section, "dsn", f"{path}.receipt", _receipt_dsn, None),
+        dsn=written if unread else r.value(section, "dsn", f"{path}.receipt", _receipt_dsn, None),
         wait=r.value(
             section, "wait", f"{path}.receipt", values.parse_duration_upto(60.0),
             DEFAULT_RECEIPT_WAIT,
@@ -439,14 +442,22 @@ def _hand_off(value: object) -> float | None:
     return values.parse_duration_upto(MAX_HAND_OFF)(value)
 
 
-def _check_redeliver(r: reader.Reader, path: str, route: RouteConfig) -> None:
-    """Only where the sender acts on no answer but the 2xx, and kept as long as it retries."""
+def _check_redeliver(
+    r: reader.Reader, path: str, route: RouteConfig, *, written: bool = True
+) -> None:
+    """Only where the sender acts on no answer but the 2xx, and kept as long as it retries.
+    ``written``: whether the route says ``on_duplicate`` itself (else its preset does)."""
     if route.receipt is not None and route.idempotency:
         r.problem(f"{path}.receipt", "only on webhook routes, not semantics: idempotency-key")
     if route.redeliver is None:
         return
     if route.idempotency or route.replay:
         why = "semantics: idempotency-key" if route.idempotency else "on_duplicate: replay"
+        if not route.idempotency and not written:
+            why = (
+                f"preset {route.preset}, which answers a duplicate with the app's first answer "
+                "(on_duplicate: replay, its default)"
+            )
         r.problem(
             f"{path}.redeliver",
             f"not with {why}: the sender needs the app's answer, and a kept delivery is "

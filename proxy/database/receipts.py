@@ -181,12 +181,14 @@ class Receipts:
             missing: bool = await connection.fetchval(_MISSING, timeout=self._op_timeout)
         return missing
 
-    async def ungranted(self) -> list[str]:
-        """The privileges on the receipts' table that the proxy needs and its role lacks: of
-        SELECT, INSERT (the look, rolled back) and DELETE (the sweep)."""
+    async def ungranted(self) -> tuple[str, list[str]]:
+        """The proxy's role here (as a GRANT names it), and the privileges on the receipts'
+        table that it needs and lacks: of SELECT, INSERT (the look, rolled back) and DELETE
+        (the sweep)."""
         async with self._connection("reading the receipts' grants failed") as connection:
+            role: str = await connection.fetchval("SELECT current_user", timeout=self._op_timeout)
             lacking: list[str] = await connection.fetchval(_UNGRANTED, timeout=self._op_timeout)
-        return lacking
+        return role, lacking
 
     async def newest_age(self) -> float | None:
         """Seconds since the newest receipt kept was written; None when none is kept."""

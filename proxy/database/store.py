@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# What each privilege is for, as the refusal to start says it (docs/deployment.md, "The role").
+# What each privilege is for, as the refusal to start says it
+# (docs/deployment.md, "Database role and grants").
 PRIVILEGES = {
     "SELECT": "duplicates and readiness read the claims",
     "INSERT": "the claim itself",

@@ -111,7 +111,7 @@ def answered(status: int, headers: Mapping[str, str], what: str) -> None:
     if status in (401, 403):
         raise errors.ProviderUnauthorized(
             f"{what}: {status}: the token expired, was revoked or lacks the permission "
-            '(docs/security.md, "The reconciler\'s token")'
+            '(docs/security.md, "The reconcile token")'
         )
     if status >= 500:
         raise errors.ProviderUnavailable(f"{what}: the provider answered {status}")
