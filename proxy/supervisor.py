@@ -78,7 +78,7 @@ DSN_ENV = "DEDUP_PROXY_WORKER_DSN"  # set in a worker when the supervisor runs t
 TIMEOUT_ENV = "DEDUP_PROXY_WORKER_TIMEOUT"  # seconds without a heartbeat before a worker is killed
 BEAT_INTERVAL = 1.0
 # gunicorn's default, well above a healthy worker's longest stall: the parses of the worst-case
-# JSON bodies max_buffered lets it hold at once, run back to back (bench/RESULTS.md, Loop stall:
+# JSON bodies max_buffered lets it hold at once, run back to back (bench/RESULTS.md, loop_stall:
 # 3.3 s per 25 MiB). A worker killed while only slow loses its requests; a hung one meanwhile
 # holds up only the connections it had accepted: its siblings adopt what waits in its queue.
 DEFAULT_TIMEOUT = 30.0
