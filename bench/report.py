@@ -441,7 +441,22 @@ def machine() -> dict[str, str]:
         ),
         "wrk": wrk_version.split("Copyright")[0].strip(),
         "load_before": loadavg(),
+        "commit": commit(),
     }
+
+
+def commit() -> str:
+    """The checkout measured: its commit, marked when the tree differs from it."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args: str) -> str:
+        run = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
+        return run.stdout.strip() if run.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD") or "?"
+    return (
+        f"{head} with uncommitted changes" if git("status", "--porcelain", "--", "proxy") else head
+    )
 
 
 def _installed(name: str) -> bool:
@@ -450,6 +465,28 @@ def _installed(name: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+TITLE = "# dedup-proxy benchmark results"
+HISTORY = "History: `git log -p bench/RESULTS.md`."
+RUN_HEADING = "## run"
+
+
+def splice(existing: str, run: str) -> str:
+    """``existing`` (RESULTS.md) with its run section replaced by ``document``'s.
+
+    The run section is what bench/run.py measures; the other studies' sections are kept by hand,
+    each under a level-2 heading of its own, and survive a run. A file without a run section is
+    replaced whole.
+    """
+    heading = re.compile(rf"^{re.escape(RUN_HEADING)}\n", re.M)
+    old, new = heading.search(existing), heading.search(run)
+    if old is None or new is None:
+        return run
+    after = re.compile(r"^## ", re.M).search(existing, old.end())
+    rest = existing[after.start() :] if after else ""
+    section = run[new.start() :].rstrip("\n") + "\n"
+    return existing[: old.start()] + section + ("\n" + rest if rest else "")
 
 
 def document(
@@ -461,10 +498,15 @@ def document(
         f"- {t.name}: {t.measured} (target {t.limit}): {_verdict(t.ok)}" for t in targets(f)
     )
     fill = f.facts.get("fill_seconds")
-    return f"""# dedup-proxy benchmark results
+    return f"""{TITLE}
+
+{HISTORY}
+
+{RUN_HEADING}
 
 - Date: {now}
 - Command: `{command}` (from the repository root, with the project's venv)
+- Commit: `{machine["commit"]}`
 - Machine: {machine["nproc"]} CPUs (`nproc`), {machine["memory"]} memory, {machine["cpu"]}, \
 {machine["kernel"]}
 - Software: Python {machine["python"]}, {machine["packages"]}, PostgreSQL \
@@ -478,7 +520,7 @@ programs on the machine used {sum(noise) / max(len(noise), 1):.2f} cores on aver
 load runs (at most {max(noise, default=0):.2f}). Everything (PostgreSQL, upstream, proxy, load \
 generator) shares the same {machine["nproc"]} CPUs.
 
-## The performance issue's figures
+### The performance issue's figures
 
 The proxy and the naive one (`bench/naive.py`) with 2 workers and a pool of {pool} connections
 each in all, the app alone and pgbench, at 1 and 32 connections, in {len(rounds(f))} rounds run
@@ -488,19 +530,19 @@ is on the mean.
 
 {headline_table(f)}
 
-## Everything else
+### Everything else
 
 {main_table}
 
-## Targets
+### Targets
 
 {goals}
 
-## Every run
+### Every run
 
 {runs_table(f)}
 
-## Method
+### Method
 
 - Event IDs: `bench/unique_ids.lua` gives every request `{{8 random hex}}-{{run}}-{{thread}}-{{n}}`,
   unique per run, thread and request, and scattered over the index like providers' IDs. The

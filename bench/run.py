@@ -583,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         document = report.document(
             table, bench.figures, machine, command, seconds=settings.seconds, pool=settings.pool
         )
+        if out.exists():
+            document = report.splice(out.read_text(encoding="utf-8"), document)
         out.write_text(document, encoding="utf-8")
         print(f"\nwritten to {out}", file=sys.stderr)
     if args.json is not None:
