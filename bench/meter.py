@@ -2,14 +2,17 @@
 shared 2-core machine cannot blur as it blurs CPU seconds.
 
     python bench/meter.py [--webhooks 300] [--warmup 50] [--runs 2] [--routes plain,stripe]
-                          [--ablations floor,log-line,key,turn] [--shared] [--out FILE]
-                          [--json FILE]
+                          [--ablations floor,log-line,key,turn]
+                          [--variants shared,ordered,receipt] [--out FILE] [--json FILE]
 
 The contenders: the proxy of ``HEAD``, the naive proxy (bench/naive.py) and ``HEAD`` with each
 ablation applied (bench/ablations/*.patch, in scratch worktrees as bench/ablate.py makes them;
-``floor`` is the proxy doing only what the naive proxy does); with ``--shared``, ``HEAD`` again
-with its limit shared by every replica (``upstream.concurrency: {limit: N, shared: true}``, N
-its share: each webhook takes a place, one statement more). Each runs as one process
+``floor`` is the proxy doing only what the naive proxy does); with ``--variants``, ``HEAD``
+again with one of this round's features on, to say what it costs: ``shared``, its limit shared
+by every replica (``upstream.concurrency: {limit: N, shared: true}``, N its share: each webhook
+takes a place, one statement more); ``ordered``, the route with ``order: {key: body:/id}``
+(each event its own object: the object row's statement alone); ``receipt``, the route with
+``receipt`` (the receipt's key in each request to the app). Each runs as one process
 (``workers: 1``, with the pool and the share of ``upstream.concurrency`` of one of
 bench/ablate.py's workers) at ``nice 19`` with ``PYTHONHASHSEED=0``, in front of the same app
 (bench/upstream.py) and embedded PostgreSQL, and gets the same stream from a small client in
@@ -54,12 +57,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import ablate, loads, procs, report
-from bench.run import STRIPE_SECRET, TABLE, Bench, Settings, checkout_env, prepare_database
+from bench.run import (
+    SCOPE,
+    STRIPE_SECRET,
+    TABLE,
+    Bench,
+    Settings,
+    checkout_env,
+    prepare_database,
+)
 
 WEBHOOKS = 300
 WARMUP = 50
@@ -71,7 +83,12 @@ MARK = "-meter-"  # in every event ID the stream sends (its claims are deleted b
 # One of bench/ablate.py's workers: its pool, its share of upstream.concurrency.
 POOL = ablate.POOL
 CONCURRENCY = ablate.CONCURRENCY // ablate.WORKERS
-SHARED = "shared"  # the contender whose limit is shared by every replica (--shared)
+# HEAD again with one feature on (--variants): what each adds to the route.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "shared": {},  # the limit shared by every replica: upstream.concurrency, not the route
+    "ordered": {"order": {"key": "body:/id"}},
+    "receipt": {"receipt": True},
+}
 SETTLE = 0.3  # seconds for the work after the last answer (the log line) before a switch
 
 
@@ -195,8 +212,8 @@ def one(
     bench: Bench, app: procs.Service, *, contender: str, route: str, how: str,
     checkout: Path | None, webhooks: int, warmup: int,
 ) -> float | dict[str, int]:  # fmt: skip
-    """One contender's ``how`` count for the measured stream, in a process of its own (the
-    contender ``shared``: its limit shared by every replica)."""
+    """One contender's ``how`` count for the measured stream, in a process of its own (a
+    variant's: ``HEAD`` with its feature on, ``VARIANTS``)."""
     tag = f"{contender}-{route}-{how}-{bench.run_id()}"
     meter: Callgrind | Strace = (Callgrind if how == "instructions" else Strace)(
         bench.workdir / f"{how}.{tag}"
@@ -212,8 +229,9 @@ def one(
         service = bench.start_proxy(
             tag, app, POOL, env=checkout_env(checkout),
             concurrency={"limit": CONCURRENCY, "shared": True}
-            if contender == SHARED else CONCURRENCY,
+            if contender == "shared" else CONCURRENCY,
             stripe_secret=STRIPE_SECRET if route == "stripe" else "", launcher=launcher,
+            routes=_variant_routes(route, contender),
         )  # fmt: skip
     upstream = loads.Upstream(app.port)
     upstream.reset()
@@ -236,9 +254,23 @@ def one(
     return counted
 
 
+def _variant_routes(route: str, contender: str) -> list[dict[str, Any]] | None:
+    """The route of a variant that changes it (``VARIANTS``), as ``Bench.start_proxy`` makes
+    ``route``'s with its feature added; None for every other contender."""
+    extra = VARIANTS.get(contender)
+    if not extra:
+        return None
+    if route == "stripe":
+        base = {"name": SCOPE, "path": "/hook", "preset": "stripe",
+                "verify": {"secrets": [STRIPE_SECRET]}}  # fmt: skip
+    else:
+        base = {"name": SCOPE, "path": "/hook", "event_id": "body:/id"}
+    return [{**base, **extra}]
+
+
 def measure(
     names: Sequence[str], routes: Sequence[str], *, webhooks: int = WEBHOOKS,
-    warmup: int = WARMUP, runs: int = RUNS, shared: bool = False,
+    warmup: int = WARMUP, runs: int = RUNS, variants: Sequence[str] = (),
 ) -> list[Count]:  # fmt: skip
     """Every contender's counts on every route, ``runs`` times."""
     for tool in ("valgrind", "callgrind_control", "strace"):
@@ -253,8 +285,8 @@ def measure(
         app = bench.start_upstream("app")
         checkouts: dict[str, Path | None] = {"naive": None}
         checkouts["proxy"] = ablate.worktree(workdir / "tree-head", trees)
-        if shared:
-            checkouts[SHARED] = checkouts["proxy"]
+        for variant in variants:
+            checkouts[variant] = checkouts["proxy"]
         for name in names:
             checkouts[name] = ablate.worktree(workdir / f"tree-{name}", trees, name)
         for run in range(1, runs + 1):
@@ -351,8 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routes", default=",".join(ROUTES), help="plain, stripe or both")
     parser.add_argument("--ablations", default="",
                         help="comma-separated names of bench/ablations/*.patch")  # fmt: skip
-    parser.add_argument("--shared", action="store_true", help="also HEAD with its limit "
-                        "shared by every replica (one statement more per webhook)")  # fmt: skip
+    parser.add_argument("--variants", default="", help="comma-separated: also HEAD with one "
+                        f"feature on, of {', '.join(VARIANTS)}")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     parser.add_argument("--json", type=Path, help="also write every count here")
     args = parser.parse_args(argv)
@@ -361,11 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     known = sorted(p.stem for p in ablate.ABLATIONS.glob("*.patch"))
     if unknown := [n for n in names if n not in known]:
         parser.error(f"no ablation {', '.join(unknown)}: one of {', '.join(known)}")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if odd := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"no variant {', '.join(odd)}: one of {', '.join(VARIANTS)}")
     if wrong := [r for r in routes if r not in ROUTES]:
         parser.error(f"no route {', '.join(wrong)}: one of {', '.join(ROUTES)}")
     head = ablate._git("rev-parse", "--short", "HEAD").strip()  # what the worktrees check out
     counts = measure(names, routes, webhooks=args.webhooks, warmup=args.warmup, runs=args.runs,
-                     shared=args.shared)  # fmt: skip
+                     variants=variants)  # fmt: skip
     command = shlex.join(["python", "bench/meter.py", *(sys.argv[1:] if argv is None else argv)])
     machine = report.machine()
     text = (

@@ -325,16 +325,26 @@ async def _holds(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
-async def _executor(app: web.Application) -> AsyncIterator[None]:
+async def _services(app: web.Application) -> AsyncIterator[None]:
     """This worker's attempts at the app and what each leads to (``delivery.Executor``), for
-    the pipeline and the redeliverer alike: once the forwarder, the receipts and the holds
-    are."""
-    app[app_keys.EXECUTOR] = delivery.Executor(
+    the pipeline and the redeliverer alike, and what every request uses (``Services``, handed
+    to each request's cycle): once the forwarder, the receipts and the holds are."""
+    executor = app[app_keys.EXECUTOR] = delivery.Executor(
         app[app_keys.STORE],
         app[app_keys.FORWARDER],
         holds=app[app_keys.HOLDS],
         receipts_=app[app_keys.RECEIPTS],
         meters=app[app_keys.METRICS],
+    )
+    app[app_keys.SERVICES] = app_keys.Services(
+        store=app[app_keys.STORE],
+        executor=executor,
+        forwarder=app[app_keys.FORWARDER],
+        room=app[app_keys.ROOM],
+        holds=app[app_keys.HOLDS],
+        flights=app[app_keys.FLIGHTS],
+        budget=app[app_keys.BUDGET],
+        metrics=app[app_keys.METRICS],
     )
     yield
 
@@ -510,7 +520,7 @@ def create_app(cfg: config.Config) -> web.Application:
             _sweeper,
             _receipts,
             _holds,
-            _executor,
+            _services,
             _redeliverer,
             _reconciler,
         ]

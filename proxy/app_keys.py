@@ -6,6 +6,7 @@ worker (``server``) read of it, in one module below all of them.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import jinja2
 from aiohttp import web
@@ -39,6 +40,22 @@ class Start:
         self.failed.set()
 
 
+@dataclass(frozen=True, slots=True)
+class Services:
+    """What every request of a worker uses, built once at its start (``app``) and handed to
+    each request's cycle (``pipeline.Cycle``), as uvicorn's protocol hands its
+    ``RequestResponseCycle`` the transport: the cycle looks nothing up on the application."""
+
+    store: database.Store
+    executor: delivery.Executor  # the attempt, and what it leads to (receipts, holds)
+    forwarder: forwarder.Forwarder
+    room: app_limit.Room
+    holds: route_holds.Holds  # which scopes are held now, read without a round trip
+    flights: flights.Flights
+    budget: memory.Budget
+    metrics: metrics.Metrics
+
+
 CONFIG = web.AppKey("config", config.Config)
 DSN = web.AppKey("dsn", str)
 TRACING = web.AppKey("tracing", tracing.Tracing)
@@ -56,6 +73,8 @@ ROOM = web.AppKey("room", app_limit.Room)
 RECEIPTS = web.AppKey("receipts", dict[str, database.Receipts])
 # This worker's attempts at the app and what each leads to (receipts, Retry-After holds).
 EXECUTOR = web.AppKey("executor", delivery.Executor)
+# What every request uses (the above, once the worker has started), handed to its cycle.
+SERVICES = web.AppKey("services", Services)
 # On the admin listener's application (``admin``): the proxy's, whose keys above it reads.
 PROXY = web.AppKey("proxy", web.Application)
 # On the console's (``console``): its settings and its page templates.

@@ -155,16 +155,22 @@ class Cycle:
 
     __slots__ = (
         "body", "event_id", "line", "object", "receipt", "request", "reservation", "route",
-        "scope", "sent", "started", "target", "trace", "turn", "verifier",
+        "scope", "sent", "services", "started", "target", "trace", "turn", "verifier",
     )  # fmt: skip
 
     reservation: memory.Reservation  # set once the request is in the budget (``run``)
 
     def __init__(
-        self, route: Route, request: web.Request, match: paths.Match[Route], started: float
+        self,
+        route: Route,
+        request: web.Request,
+        match: paths.Match[Route],
+        started: float,
+        services: app_keys.Services,
     ) -> None:
         self.route = route
         self.request = request
+        self.services = services  # what every request uses, handed in (never looked up)
         self.started = started
         self.target = match.target
         self.scope = route.config.scope_for(match.values)
@@ -189,7 +195,7 @@ class Cycle:
                 raise errors.MethodNotAllowed(
                     f"route {route.config.name!r} takes {', '.join(methods)}", methods
                 )
-            with request.app[app_keys.BUDGET].reservation() as reservation:
+            with self.services.budget.reservation() as reservation:
                 self.reservation = reservation
                 response, outcome = await self._process()
                 self.line["outcome"] = outcome
@@ -229,7 +235,7 @@ class Cycle:
             if not route.config.forward_missing_id:
                 raise
             return await self._unclaimed()
-        route.semantics.refuse_in_flight(self.request.app[app_keys.FLIGHTS], key)
+        route.semantics.refuse_in_flight(self.services.flights, key)
         return await self._once(key)
 
     async def _handshake(self) -> web.Response | None:
@@ -262,7 +268,7 @@ class Cycle:
     async def _unclaimed(self) -> tuple[web.StreamResponse, errors.Outcome]:
         """Forward a request without an event ID, unclaimed (a handshake), in its turn at the
         app."""
-        room = self.request.app[app_keys.ROOM]
+        room = self.services.room
         await self._wait_for_room(room)
         try:
             result = await self._call()
@@ -309,7 +315,7 @@ class Cycle:
         committed it, answer as a duplicate at once."""
         route = self.route
         started = time.perf_counter()
-        turn = self.request.app[app_keys.FLIGHTS].turn((key.scope, key.event_id), route.claim_wait)
+        turn = self.services.flights.turn((key.scope, key.event_id), route.claim_wait)
         self.turn = turn
         async with turn as flight:
             if flight.committed_sha256 is not None:
@@ -334,9 +340,9 @@ class Cycle:
         event the app has no room for, on a route that redelivers), or settle it as a
         duplicate."""
         route, trace = self.route, self.trace
-        store = self.request.app[app_keys.STORE]
-        keys = await self.request.app[app_keys.EXECUTOR].receipt_keys(route.config)
-        room = self.request.app[app_keys.ROOM]
+        store = self.services.store
+        keys = await self.services.executor.receipt_keys(route.config)
+        room = self.services.room
         kept_for = await self._enter(room)  # None: a place at the app is this request's
         try:
             span = trace.database("claim", "INSERT")
@@ -421,7 +427,7 @@ class Cycle:
         waits its turn up to pool_timeout, then AppBusy; held, it is refused at once
         (RoutePaused). Their providers retry."""
         route = self.route
-        hold = self.request.app[app_keys.HOLDS].held(self.scope)
+        hold = self.services.holds.held(self.scope)
         if route.redeliver is not None:
             if hold is not None:
                 return hold.reason  # paused, or the app asked to wait: kept, sent after
@@ -461,7 +467,7 @@ class Cycle:
         the limit is not shared). None free within ``_keep_wait`` on a route that redelivers:
         the delivery kept, as when this worker's room is full (202, kept_for "limit"); within
         pool_timeout on any other route: AppBusy (503), the claim released on the way out."""
-        places = self.request.app[app_keys.STORE].slots
+        places = self.services.store.slots
         if places is None:
             return None
         route = self.route
@@ -471,7 +477,7 @@ class Cycle:
         tries = 0
         while not await claim.take_place(places):
             if tries == 0:
-                self.request.app[app_keys.METRICS].app_place_waits.inc()
+                self.services.metrics.app_place_waits.inc()
             left = deadline - time.monotonic()
             if left <= 0:
                 self.line["place_waited"] = tries
@@ -500,7 +506,7 @@ class Cycle:
         )
         if kept is not None:
             if reason == "limit":
-                self.request.app[app_keys.ROOM].overflowed()  # due now: the lanes look
+                self.services.room.overflowed()  # due now: the lanes look
             return kept
         await self._release(claim)
         if self.line.get("inbox_not_kept"):
@@ -576,7 +582,7 @@ class Cycle:
         """Whether the app committed this delivery's receipt (``database.receipts``): True,
         False, None (undecided); counted and on the log line."""
         assert self.receipt is not None
-        executor = self.request.app[app_keys.EXECUTOR]
+        executor = self.services.executor
         written, self.line["receipt"] = await executor.receipt_written(
             self.route.config, self.receipt
         )
@@ -608,7 +614,7 @@ class Cycle:
         meant to settle would be settled as "not done", and the event sent again."""
         route = self.route
         assert self.receipt is not None
-        executor = self.request.app[app_keys.EXECUTOR]
+        executor = self.services.executor
         if await executor.receipt_missing(route.config, self.receipt):
             self.line["receipt"] = "missing"
             log.warning(
@@ -646,7 +652,7 @@ class Cycle:
         the limit, two places held for an instant at most. Whether one was (True when the
         limit is not shared); if not, no hand-off: the attempt is waited for in the claim's
         place."""
-        store = self.request.app[app_keys.STORE]
+        store = self.services.store
         if store.slots is None:
             return True
         keeper = store.place_keeper()
@@ -692,10 +698,10 @@ class Cycle:
         route, line = self.route, self.line
         obj = self.object
         handed = database.HandedOff(
-            self.request.app[app_keys.STORE].inbox, claim.key.scope, claim.key.event_id,
+            self.services.store.inbox, claim.key.scope, claim.key.event_id,
             obj=None if obj is None else obj.key, version=None if obj is None else obj.version,
         )  # fmt: skip
-        executor = self.request.app[app_keys.EXECUTOR]
+        executor = self.services.executor
         try:
             line["handed_off"] = await executor.record(
                 handed, route.config, result, claim.key.scope, self.receipt
@@ -735,7 +741,7 @@ class Cycle:
         if route.redeliver is None:
             return None  # relayed, the claim released: the provider's retry is the next try
         # Its redeliveries, and its scope's, wait as long on every replica.
-        retry_after = await self.request.app[app_keys.EXECUTOR].back_off(claim.key.scope, result)
+        retry_after = await self.services.executor.back_off(claim.key.scope, result)
         if retry_after is None:
             return await self._keep(claim, result.attempt)
         delay = max(retry_after, route.redeliver.schedule[0])
@@ -747,9 +753,9 @@ class Cycle:
 
     def _outgoing(self) -> transports.Request:
         """The request the app is sent (with the receipt's key, on a route with receipt)."""
-        client = self.request.app[app_keys.FORWARDER]
+        client = self.services.forwarder
         outgoing = client.outgoing(self.request, self.target, self.body, self.line["request_id"])
-        self.request.app[app_keys.EXECUTOR].with_receipt(outgoing.headers, self.receipt)
+        self.services.executor.with_receipt(outgoing.headers, self.receipt)
         return outgoing
 
     async def _keep(
@@ -851,7 +857,7 @@ class Cycle:
         route, line = self.route, self.line
         started = time.perf_counter()
         outgoing = self._outgoing()
-        result = await self.request.app[app_keys.EXECUTOR].attempt(
+        result = await self.services.executor.attempt(
             route.config.upstream, outgoing, self.reservation.answer, self.trace,
             keeps=route.redeliver is not None,
         )  # fmt: skip
@@ -942,13 +948,14 @@ def make_dispatcher(
 
     async def dispatch(request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
+        services = request.app[app_keys.SERVICES]
         try:
             # Before anything reads a header: what is read must be what the app receives.
             forwarder.refuse_not_utf8(request.headers)
             target = paths.normalize(request.raw_path)
             match = table.match(target, request.raw_path)
             if match is not None and match.route.semantics.handles(request.method):
-                return await Cycle(match.route, request, match, started).run()
+                return await Cycle(match.route, request, match, started, services).run()
             if not paths.passes(passthrough, target.path):
                 if match is not None:
                     # A method an idempotency-key route does not claim is pass-through
@@ -971,8 +978,8 @@ def make_dispatcher(
         try:
             if refused is not None:
                 raise refused
-            with request.app[app_keys.BUDGET].reservation() as reservation:
-                response = await request.app[app_keys.FORWARDER].relay(
+            with services.budget.reservation() as reservation:
+                response = await services.forwarder.relay(
                     request,
                     upstream if match is None else match.route.config.upstream,
                     target.path + target.query,

@@ -106,6 +106,19 @@ def test_what_an_attempt_leads_to_is_decided_in_delivery_alone() -> None:
     assert consequences <= ANNOTATED["proxy.delivery"]
 
 
+def test_a_requests_cycle_is_handed_its_services_and_looks_nothing_up() -> None:
+    """``pipeline.Cycle`` uses what ``app_keys.Services`` hands it (uvicorn's cycle is handed its
+    transport): no ``request.app[...]`` look-up inside the class."""
+    tree = ast.parse(MODULES["proxy.pipeline"].read_text())
+    [cycle] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Cycle"]
+    lookups = [
+        ast.unparse(node)
+        for node in ast.walk(cycle)
+        if isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith(".app")
+    ]
+    assert lookups == []
+
+
 def test_only_the_tracing_package_imports_opentelemetry() -> None:
     """The extra is optional: the rest of the package runs without it installed."""
     importers = sorted(
