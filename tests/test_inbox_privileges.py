@@ -63,7 +63,7 @@ async def test_with_the_documented_grants_a_failure_is_kept_and_redelivered(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
 ) -> None:
     upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
-    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX) as (_, dsn):
+    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX, counts=True) as (_, dsn):
         proxy = await make_proxy(
             routes=[KEPT],
             redeliverer={"poll": "100ms"},
@@ -97,7 +97,7 @@ async def test_a_grant_revoked_while_running_relays_the_failure_and_counts_it(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
 ) -> None:
     upstream.respond = lambda n: web.Response(status=503, text="down")
-    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX) as (role, dsn):
+    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX, counts=True) as (role, dsn):
         proxy = await make_proxy(
             routes=[KEPT],
             redeliverer={"poll": "100ms"},
