@@ -24,9 +24,10 @@ from tests.helpers import (
     sweeper_of,
     wait_until,
 )
-from tests.test_inbox_schema import KEPT, release_0_2_0_table
 
 QUICK = {"poll": "100ms", "rate": 1000}
+KEPT = {"name": "hooks", "path": "/hooks", "event_id": "body:/id",
+        "redeliver": {"schedule": ["1h"], "for": "1d"}}  # fmt: skip
 HOOKS = {"name": "hooks", "path": "/hooks", "event_id": "body:/id",
          "redeliver": {"schedule": ["1h"], "for": "1d", "dead_retention": "1d"}}  # fmt: skip
 # A templated route: its rows' scopes are per path ("open/a"), its cap the route's.
@@ -34,6 +35,21 @@ OPEN = {"name": "open", "path": "/open/{tenant}", "event_id": "body:/id",
         "redeliver": {"schedule": ["1h"], "for": "1d"}}  # fmt: skip
 HANDED = {"name": "handed", "path": "/handed", "event_id": "body:/id", "hand_off": "300ms",
           "redeliver": {"schedule": ["1h"], "for": "1d"}}  # fmt: skip
+
+
+async def release_0_2_0_table(dsn: str, table: str) -> None:
+    """The claim table as 0.2.0 made it: the inbox's columns but inbox_size, no counts."""
+    types = {name: kind for name, kind in sql.INBOX_TYPES.items() if name != "inbox_size"}
+    columns = ", ".join(f"{name} {kind}" for name, kind in types.items())
+    await execute(
+        dsn,
+        f'CREATE TABLE "{table}" (scope text NOT NULL, event_id text NOT NULL, event_type text, '
+        "received_at timestamptz NOT NULL DEFAULT now(), body_sha256 bytea, "
+        f"answer_status smallint, answer_headers jsonb, answer_body bytea, {columns}, "
+        f'PRIMARY KEY (scope, event_id)); CREATE INDEX "{table}_received_at_idx" '
+        f'ON "{table}" (received_at); CREATE INDEX "{table}_inbox_idx" ON "{table}" '
+        "(inbox_state, inbox_due) WHERE inbox_state IN ('pending', 'dead')",
+    )
 
 
 async def counts(dsn: str, table: str) -> dict[str, tuple[int, int]]:

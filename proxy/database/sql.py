@@ -85,8 +85,7 @@ _NOT_KEPT = "(inbox_state IS NULL OR inbox_state NOT IN ('pending', 'dead'))"
 # The kept rows' counts (``kept_counts``): the table beside the claim table, its name the claim
 # table's and this; the triggers on the claim table that keep it, by their names.
 KEPT_COUNTS = "_kept"
-KEPT_TRIGGERS = ("dedup_kept_insert", "dedup_kept_update", "dedup_kept_delete",
-                 "dedup_kept_truncate")  # fmt: skip
+KEPT_TRIGGERS = tuple(f"dedup_kept_{op}" for op in ("insert", "update", "delete", "truncate"))
 
 
 def stored(row: str = "") -> str:
