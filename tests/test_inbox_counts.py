@@ -292,3 +292,20 @@ async def test_folding_the_buckets_of_backends_gone_keeps_the_sums(
     # Zero rows are not kept: the per-path scopes all discarded count nothing, and have no row
     # but a live backend's.
     assert not [r for r in left if r["bucket"] == 0 and (r["rows"], r["bytes"]) == (0, 0)]
+
+
+async def test_a_table_named_too_long_for_the_counts_names_has_none_and_counts_its_rows(
+    pg_dsn: str,
+) -> None:
+    """PostgreSQL cuts a name at 63 bytes: the counts' would be the claim table's own."""
+    table = "t" * 60
+    try:
+        await execute(pg_dsn, sql.for_table(table).schema)
+        triggers = await fetch(
+            pg_dsn, f"SELECT tgname FROM pg_trigger WHERE tgrelid = to_regclass('{table}')"
+        )
+        assert triggers == []
+        missing = await fetch(pg_dsn, sql.for_table(table).schema_missing)
+        assert (missing[0]["inbox"], missing[0]["kept_counts"]) == (True, False)
+    finally:
+        await execute(pg_dsn, f'DROP TABLE IF EXISTS "{table}"')

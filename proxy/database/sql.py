@@ -412,7 +412,8 @@ def _kept_counts(table: str) -> str:
     The functions run as their owner (SECURITY DEFINER, with a search_path of pg_catalog
     only): every role writing the claim table counts, none needs a grant on the counts to do
     so, and a proxy running while a migrate adds them goes on as before. Not on Citus: a
-    distributed table takes no such triggers (``Store.counted``)."""
+    distributed table takes no such triggers (``Inbox.counted``); nor for a table whose name
+    is too long for the functions' (PostgreSQL would cut them to the claim table's own)."""
     name = table.rpartition(".")[2]
     insert, update, delete, truncate = KEPT_TRIGGERS
     names = {
@@ -446,7 +447,8 @@ DECLARE
     counts text;
     delta text;
 BEGIN
-    IF claims IS NULL OR EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') THEN
+    IF claims IS NULL OR octet_length(<delta>) > 63
+        OR EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') THEN
         RETURN;
     END IF;
     SELECT quote_ident(n.nspname), quote_ident(n.nspname) || '.' || quote_ident(c.relname)
