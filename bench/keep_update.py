@@ -87,7 +87,7 @@ async def keep_statement(connection: asyncpg.Connection) -> str:
     """The keep this checkout's store sends on the table (``Inbox.counted``)."""
     statements = inbox_sql.Statements(sql.for_table(TABLE).quoted)
     row = await connection.fetchrow(sql.for_table(TABLE).schema_missing)
-    counted = row is not None and "kept_counts" in row.keys() and row["kept_counts"]
+    counted = row is not None and "kept_counts" in row and row["kept_counts"]
     return str(statements.keep_counted) if counted else str(statements.keep)
 
 
