@@ -309,3 +309,65 @@ async def test_a_table_named_too_long_for_the_counts_names_has_none_and_counts_i
         assert (missing[0]["inbox"], missing[0]["kept_counts"]) == (True, False)
     finally:
         await execute(pg_dsn, f'DROP TABLE IF EXISTS "{table}"')
+
+
+async def test_a_replica_running_when_migrate_adds_the_counts_reads_them_from_its_next_sweep(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
+) -> None:
+    upstream.respond = lambda n: web.Response(status=503)
+    steps = sql.for_table(table).schema_steps
+    for step in steps[:-1]:  # the table as the release before the counts made it
+        await execute(pg_dsn, step)
+    proxy = await make_proxy(routes=[HOOKS])
+    store = proxy.app[app_keys.STORE]
+    assert (await proxy.post("/hooks", data=b'{"id": "m0"}')).status == 202
+    assert not store.inbox.counted
+
+    await execute(pg_dsn, steps[-1])  # dedup-proxy migrate
+    await sweeper_of(proxy).sweep()
+
+    assert store.inbox.counted
+    assert (await proxy.post("/hooks", data=b'{"id": "m1"}')).status == 202
+    assert (await exact(pg_dsn, table))["hooks"][0] == 2
+
+
+async def test_the_counts_made_while_a_transaction_keeps_rows_count_them_once_it_commits(
+    pg_dsn: str, table: str
+) -> None:
+    """The seed waits for the writes in flight (the table's lock): a row kept by a transaction
+    still open when the count begins is counted once, by the seed, not missed."""
+    steps = sql.for_table(table).schema_steps
+    for step in steps[:-1]:
+        await execute(pg_dsn, step)
+    await execute(
+        pg_dsn,
+        f'INSERT INTO "{table}" (scope, event_id, inbox_state, inbox_size) VALUES '
+        "('hooks', 'w0', 'pending', 10), ('hooks', 'w1', NULL, NULL), ('hooks', 'w2', NULL, NULL)",
+    )
+    writer = await asyncpg.connect(pg_dsn)
+    migrator = await asyncpg.connect(pg_dsn)
+    try:
+        transaction = writer.transaction()
+        await transaction.start()
+        await writer.execute(
+            f"UPDATE \"{table}\" SET inbox_state = 'pending', inbox_size = 20 WHERE event_id = 'w1'"
+        )
+        migrate = asyncio.ensure_future(migrator.execute(steps[-1]))
+        pid = migrator.get_server_pid()
+
+        async def waiting() -> bool:
+            found = await fetch(
+                pg_dsn, "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid
+            )
+            return bool(found) and found[0]["wait_event_type"] == "Lock"
+
+        await wait_until(waiting, "the migrate waiting for the writer")
+        await writer.execute(
+            f"UPDATE \"{table}\" SET inbox_state = 'dead', inbox_size = 40 WHERE event_id = 'w2'"
+        )
+        await transaction.commit()
+        await asyncio.wait_for(migrate, 10)
+    finally:
+        await writer.close()
+        await migrator.close()
+    assert await exact(pg_dsn, table) == {"hooks": (3, 70)}
