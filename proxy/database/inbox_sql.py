@@ -170,7 +170,7 @@ class Statements:
         # collation: "scope" up to "scope0", '0' the character after '/'), whatever the
         # backlog; committed counts, as ``keep`` sees committed rows. The signed body's look
         # reads the kept rows as ``keep`` does, only on a route bound to what is signed ($13).
-        # Never on Citus, which has no counts (``Store.counted``).
+        # Never on Citus, which has no counts (``Inbox.counted``).
         update, size = self._kept()
         return (
             f"{update} AND (SELECT coalesce(sum(rows), 0) < $11 AND "

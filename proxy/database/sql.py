@@ -82,7 +82,7 @@ INBOX_TYPES = {"inbox_state": "text", "inbox_request": "jsonb", "inbox_body": "b
 INBOX_COLUMNS = tuple(INBOX_TYPES)
 # The inbox's states whose rows hold a body: never removed by the retention sweep.
 _NOT_KEPT = "(inbox_state IS NULL OR inbox_state NOT IN ('pending', 'dead'))"
-# The kept rows' counts (``kept_counts``): the table beside the claim table, its name the claim
+# The kept rows' counts (``_kept_counts``): the table beside the claim table, its name the claim
 # table's and this; the triggers on the claim table that keep it, by their names.
 KEPT_COUNTS = "_kept"
 KEPT_TRIGGERS = tuple(f"dedup_kept_{op}" for op in ("insert", "update", "delete", "truncate"))

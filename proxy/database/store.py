@@ -645,10 +645,10 @@ class Store:
                 if missing and self._settings.create_schema:
                     await apply_schema(connection, self.queries, f"cannot prepare table {table}")
                     self._inbox_columns = True  # the whole DDL, the inbox's columns included
+                    missing = ""
+                    # What the DDL made of the kept rows' counts (nothing on Citus).
                     row = await connection.fetchrow(self.queries.schema_missing)
                 self.inbox.counts = bool(row and row["kept_counts"])
-                if missing and self._settings.create_schema:
-                    return
         if missing:
             raise errors.NotPrepared(
                 f"table {table}: {missing}, and database.create_schema is false; run "
