@@ -9,17 +9,21 @@ one route's scope, ``--kept`` of them kept (pending, a 1 KiB body and a request'
 keep``, the cap's check included) run in a transaction that is rolled back, ``--times``
 times: the median. ``--explain`` also prints EXPLAIN (ANALYZE, BUFFERS) at each level;
 ``--index`` creates an index first (its text with {table} for the table's name), to see
-whether the cap's count uses it. The statement is this checkout's: run another checkout's
-with ``PYTHONPATH`` pointing at it.
+whether the cap's count uses it. The statement is this checkout's, the one its store sends: on
+a table with the kept rows' counts (``sql._kept_counts``), ``keep_counted``. Run another
+checkout's with ``PYTHONPATH`` pointing at it. Without ``DEDUP_PROXY_TEST_DSN``, on an embedded
+PostgreSQL of its own, stopped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +32,7 @@ if __package__ in (None, ""):
 
 import asyncpg
 
+from proxy import embedded
 from proxy.database import inbox, inbox_sql, sql
 
 TABLE = "keep_update_bench"
@@ -44,7 +49,7 @@ REQUEST = inbox.StoredRequest(
 async def fill(connection: asyncpg.Connection, claims: int, kept: int) -> None:
     """The table afresh: ``claims`` claims of the scope, the first ``kept`` of them kept."""
     queries = sql.for_table(TABLE)
-    await connection.execute(f"DROP TABLE IF EXISTS {queries.quoted}")
+    await drop(connection)
     for step in queries.schema_steps:
         await connection.execute(step)
     await connection.execute(
@@ -69,11 +74,28 @@ async def fill(connection: asyncpg.Connection, claims: int, kept: int) -> None:
     await connection.execute(f"VACUUM ANALYZE {queries.quoted}")
 
 
+async def drop(connection: asyncpg.Connection) -> None:
+    """The table gone, and the kept rows' counts beside it (a checkout that makes them)."""
+    await connection.execute(
+        f"DROP TABLE IF EXISTS {TABLE}; DROP TABLE IF EXISTS {TABLE}_kept; "
+        f"DROP FUNCTION IF EXISTS {TABLE}_kept_delta(); "
+        f"DROP FUNCTION IF EXISTS {TABLE}_kept_fold(integer)"
+    )
+
+
+async def keep_statement(connection: asyncpg.Connection) -> str:
+    """The keep this checkout's store sends on the table (``Inbox.counted``)."""
+    statements = inbox_sql.Statements(sql.for_table(TABLE).quoted)
+    row = await connection.fetchrow(sql.for_table(TABLE).schema_missing)
+    counted = row is not None and "kept_counts" in row and row["kept_counts"]
+    return str(statements.keep_counted) if counted else str(statements.keep)
+
+
 async def timed(connection: asyncpg.Connection, times: int, explain: bool) -> float:
     """The median of ``times`` keeps of one more claim, each rolled back, in milliseconds."""
-    statements = inbox_sql.Statements(sql.for_table(TABLE).quoted)
+    keep = await keep_statement(connection)
     args = (SCOPE, "evt_new", "pending", REQUEST.encoded(), BODY, 503, None, 60.0, 86_400.0,
-            SCOPE, 1_000_000, 1 << 40, None, 1)  # fmt: skip
+            SCOPE, 1_000_000, 1 << 40, None, 1, None)  # fmt: skip
     await connection.execute(
         f"INSERT INTO {sql.for_table(TABLE).quoted} (scope, event_id) VALUES ($1, 'evt_new')",
         SCOPE,
@@ -84,7 +106,7 @@ async def timed(connection: asyncpg.Connection, times: int, explain: bool) -> fl
         await transaction.start()
         try:
             start = time.perf_counter()
-            status = await connection.execute(statements.keep, *args)
+            status = await connection.execute(keep, *args)
             elapsed.append((time.perf_counter() - start) * 1000)
             assert status == "UPDATE 1", status
         finally:
@@ -93,7 +115,7 @@ async def timed(connection: asyncpg.Connection, times: int, explain: bool) -> fl
         transaction = connection.transaction()
         await transaction.start()
         try:
-            plan = await connection.fetch(f"EXPLAIN (ANALYZE, BUFFERS) {statements.keep}", *args)
+            plan = await connection.fetch(f"EXPLAIN (ANALYZE, BUFFERS) {keep}", *args)
             print("\n".join(row[0] for row in plan))
         finally:
             await transaction.rollback()
@@ -108,7 +130,18 @@ async def main() -> None:
     parser.add_argument("--explain", action="store_true")
     parser.add_argument("--index", help="an index to create first, {table} for the table")
     args = parser.parse_args()
-    connection = await asyncpg.connect(os.environ["DEDUP_PROXY_TEST_DSN"])
+    with contextlib.ExitStack() as stack:
+        dsn = os.environ.get("DEDUP_PROXY_TEST_DSN")
+        if dsn is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="keep-")))
+            database = embedded.EmbeddedPostgres(workdir / "pg")
+            dsn = database.start()
+            stack.callback(database.stop)
+        await measure(dsn, args)
+
+
+async def measure(dsn: str, args: argparse.Namespace) -> None:
+    connection = await asyncpg.connect(dsn)
     try:
         print("| kept rows of the route | the keep UPDATE, median of", args.times, "|")
         print("|---|---|")
@@ -120,7 +153,7 @@ async def main() -> None:
             median = await timed(connection, args.times, args.explain)
             print(f"| {kept:,} | {median:.2f} ms |", flush=True)
     finally:
-        await connection.execute(f"DROP TABLE IF EXISTS {TABLE}")
+        await drop(connection)
         await connection.close()
 
 

@@ -12,7 +12,8 @@ retried at the next interval. The batches themselves are the store's (``Store.sw
 Deliveries kept for redelivery (``redeliver``) are never removed while pending or dead; dead
 ones go after the route's ``dead_retention``, counted from when they died. An ordered route's
 object rows (``order``) go after the route's ``retention`` since their object was last held, but
-while one is held or its object keeps a pending or dead delivery.
+while one is held or its object keeps a pending or dead delivery. Each round also folds the
+kept rows' counts left by database backends gone (``Store.fold_kept_counts``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class Sweeper:
         for scope, idle in self._objects.items():
             objects = await self._batches(scope, self._store.inbox.sweep_objects, idle)
             removed[scope] = objects or 0
+        # The kept rows' counts of backends gone, folded (a batch a round: each backend that
+        # wrote any leaves one row per scope it counted in, until then).
+        await self._store.fold_kept_counts(self._settings.batch)
         self._metrics.retention_last_run.set_to_current_time()
         if any(removed.values()):
             log.info(

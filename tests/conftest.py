@@ -124,7 +124,11 @@ async def table(pg_dsn: str) -> AsyncIterator[str]:
     yield name
     connection = await asyncpg.connect(pg_dsn)
     try:
-        await connection.execute(f'DROP TABLE IF EXISTS "{name}"')
+        await connection.execute(
+            f'DROP TABLE IF EXISTS "{name}"; DROP TABLE IF EXISTS "{name}_kept"; '
+            f'DROP FUNCTION IF EXISTS "{name}_kept_delta"(); '
+            f'DROP FUNCTION IF EXISTS "{name}_kept_fold"(integer)'
+        )
     finally:
         await connection.close()
 

@@ -30,16 +30,19 @@ def as_role(dsn: str, role: str, password: str) -> str:
 
 @asynccontextmanager
 async def limited_role(
-    dsn: str, table: str, *grants: str, password: str = "s3cret-pw"
+    dsn: str, table: str, *grants: str, password: str = "s3cret-pw", counts: bool = False
 ) -> AsyncIterator[tuple[str, str]]:
     """A login role holding ``grants`` on ``table`` (which must exist; ``schema.name`` or a
-    name on search_path) and nothing else: (its name, a DSN that connects as it). Dropped
+    name on search_path) and nothing else: (its name, a DSN that connects as it); with
+    ``counts``, SELECT on the kept rows' counts beside it too (a redelivering route's). Dropped
     afterwards, with any USAGE a test gave it on the table's schema."""
     role = f"dedup_{uuid.uuid4().hex[:10]}"
     schema, _, name = table.rpartition(".")
     quoted = f'"{schema}"."{name}"' if schema else f'"{table}"'
+    kept = f'{quoted[:-1]}_kept"'
     script = [f"CREATE ROLE {role} LOGIN PASSWORD '{password}'"]
     script += [f"GRANT {grant} ON {quoted} TO {role}" for grant in grants]
+    script += [f"GRANT SELECT ON {kept} TO {role}"] if counts else []
     await execute(dsn, "; ".join(script))
     try:
         yield role, as_role(dsn, role, password)
@@ -50,6 +53,7 @@ async def limited_role(
             # REVOKE rather than DROP OWNED, which PostgreSQL 15 allows only a member of the
             # role (CI's role there has CREATEROLE, not superuser).
             f"WHERE usename = '{role}'; REVOKE ALL ON {quoted} FROM {role}; "
+            + (f"REVOKE ALL ON {kept} FROM {role}; " if counts else "")
             + (f'REVOKE ALL ON SCHEMA "{schema}" FROM {role}; ' if schema else "")
             + f"DROP ROLE {role}",
         )

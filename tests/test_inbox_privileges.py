@@ -63,7 +63,7 @@ async def test_with_the_documented_grants_a_failure_is_kept_and_redelivered(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
 ) -> None:
     upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
-    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX) as (_, dsn):
+    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX, counts=True) as (_, dsn):
         proxy = await make_proxy(
             routes=[KEPT],
             redeliverer={"poll": "100ms"},
@@ -82,6 +82,45 @@ async def test_with_the_documented_grants_a_failure_is_kept_and_redelivered(
         assert [a["status"] for a in json.loads(rows[0]["inbox_attempts"])] == [503, 200]
 
 
+async def test_without_select_on_the_kept_rows_counts_the_proxy_refuses_to_start_naming_it(
+    proxy_config: object, pg_dsn: str, schema: str
+) -> None:
+    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX) as (role, dsn):
+        cfg = proxy_config(  # type: ignore[operator]
+            routes=[KEPT], database={"dsn": dsn, "create_schema": False}
+        )
+        with pytest.raises(errors.StoreUnavailable) as refused:
+            await start_up(cfg)
+    assert refused.value.message == (
+        f'table {schema}: role {role} lacks privileges: GRANT SELECT ON "{schema}_kept" TO '
+        f"{role} (redeliver's cap reads the kept rows' counts there instead of counting the "
+        "rows at each keep)"
+    )
+
+
+async def test_the_counts_are_kept_by_a_role_that_may_only_read_them(
+    make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
+) -> None:
+    """The triggers write the counts as their owner: the proxy's role needs no grant to write
+    them, and a proxy of the release before them, running while a migrate adds them, none."""
+    upstream.respond = lambda n: web.Response(status=503 if n < 2 else 200)
+    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX, counts=True) as (_, dsn):
+        proxy = await make_proxy(
+            routes=[KEPT], redeliverer={"poll": "100ms"},
+            database={"dsn": dsn, "create_schema": False},
+        )  # fmt: skip
+        assert proxy.app[app_keys.STORE].inbox.counted
+        for n in range(2):
+            assert (await proxy.post("/hooks", data=f'{{"id": "r{n}"}}'.encode())).status == 202
+        kept = f'SELECT sum(rows) AS n FROM "{schema}_kept"'
+        assert (await fetch(pg_dsn, kept))[0]["n"] == 2
+
+        async def delivered() -> bool:
+            return (await fetch(pg_dsn, kept))[0]["n"] == 0
+
+        await wait_until(delivered, "both delivered, and uncounted, as the limited role")
+
+
 async def test_a_route_without_redeliver_needs_no_inbox_grant(
     proxy_config: object, pg_dsn: str, schema: str
 ) -> None:
@@ -97,7 +136,7 @@ async def test_a_grant_revoked_while_running_relays_the_failure_and_counts_it(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, schema: str
 ) -> None:
     upstream.respond = lambda n: web.Response(status=503, text="down")
-    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX) as (role, dsn):
+    async with limited_role(pg_dsn, schema, DOCUMENTED, INBOX, counts=True) as (role, dsn):
         proxy = await make_proxy(
             routes=[KEPT],
             redeliverer={"poll": "100ms"},

@@ -646,7 +646,7 @@ async def test_with_exactly_the_documented_grants_an_ordered_route_holds_keeps_a
     app.fail[("cus_1", 1)] = 1
     route = ordered(retention="1d", redeliver={"schedule": ["300ms"], "for": "1d"})
     route["order"] = {**route["order"], "supersede": ["customer.updated"]}
-    async with limited_role(pg_dsn, table, DOCUMENTED, INBOX) as (_, dsn):
+    async with limited_role(pg_dsn, table, DOCUMENTED, INBOX, counts=True) as (_, dsn):
         proxy = await make_proxy(
             routes=[route],
             upstream={"url": app.url, "concurrency": 3},

@@ -408,7 +408,7 @@ async def test_with_the_documented_grants_a_shared_limit_takes_its_places(
     make_proxy: MakeProxy, upstream: FakeUpstream, pg_dsn: str, table: str
 ) -> None:
     await _made(pg_dsn, table)
-    async with limited_role(pg_dsn, table, DOCUMENTED, INBOX) as (_, dsn):
+    async with limited_role(pg_dsn, table, DOCUMENTED, INBOX, counts=True) as (_, dsn):
         proxy = await make_proxy(
             routes=[PLAIN], upstream=SHARED, database={"dsn": dsn, "create_schema": False}
         )

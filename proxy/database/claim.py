@@ -427,8 +427,9 @@ class Claim:
             await self._connection.execute(
                 statements.keep_signed, policy.cap_scope, policy.signed, timeout=store.op_timeout
             )
+        keep = statements.keep_counted if store.inbox.counted else statements.keep
         status = await self._connection.execute(
-            statements.keep, key.scope, key.event_id, state, request.encoded(),
+            keep, key.scope, key.event_id, state, request.encoded(),
             request.body, attempt.status, attempt.error, policy.delay, policy.until,
             policy.cap_scope, policy.max_pending, policy.max_pending_bytes, policy.signed,
             1 if policy.attempted else 0, attempt.answer(), timeout=store.op_timeout,

@@ -606,6 +606,14 @@ class Inbox:
         self._begin = begin
         self.op_timeout = op_timeout
         self.distributed = False
+        # Whether the table has the kept rows' counts, whole and readable (``Store``'s probe).
+        self.counts = False
+
+    @property
+    def counted(self) -> bool:
+        """Whether a keep reads its cap from the kept rows' counts (``keep_counted``): the table
+        has them, and Citus does not distribute it (a distributed table has no triggers)."""
+        return self.counts and not self.distributed
 
     def set_distributed(self, distributed: bool, begin: str) -> None:
         """As the store found the table (``Store.notice_distribution``): distributed by Citus or

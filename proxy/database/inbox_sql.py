@@ -61,14 +61,8 @@ _DISCARDED = (
     "inbox_state = 'discarded', inbox_body = NULL, inbox_request = NULL, inbox_size = NULL, "
     "inbox_due = NULL, inbox_changed = now()"
 )
-# What a kept row stores of its request and its attempts, counted against max_pending_bytes:
-# its inbox_size, written by ``keep`` and ``failed``; for a row kept without it (before the
-# upgrade, or by a replica of 0.2.0 on the same table), the same bytes read from the row,
-# converting its jsonb to text.
-_STORED = (
-    "coalesce(inbox_size, coalesce(octet_length(inbox_request::text), 0) "
-    "+ coalesce(octet_length(inbox_body), 0) + coalesce(octet_length(inbox_attempts::text), 0))"
-)
+# What a kept row stores of its request and its attempts, counted against max_pending_bytes.
+_STORED = sql.stored()
 # The rows a route's cap counts: the kept rows of the cap's scope and its per-path ones.
 _CAPPED = sql.IN_SCOPE.replace("$1", "{scope}") + " AND inbox_state IN ('pending', 'dead')"
 # A claim bound to what is signed (webhooks.bound) ends with its signed part, "~" and 32 hex
@@ -121,23 +115,14 @@ class Statements:
 
     quoted: str
 
-    @property
-    def keep(self) -> str:
+    def _kept(self) -> tuple[str, str]:
+        """``keep``'s UPDATE but its cap, and the bytes it keeps."""
         # $1 scope, $2 event ID, $3 state, $4 request, $5 body, $6 status, $7 error, $8
-        # delay, $9 until, $10 the cap's scope, $11 max count, $12 max bytes, $13 the
-        # claim's signed part or NULL, $14 the attempts made (1; 0 for a delivery kept
-        # before its attempt ended: the array's element $14 is removed, so the attempt is
-        # recorded only if made), $15 what the app answered (``_ATTEMPT``). Under the cap
-        # only: the kept rows of the cap's scope and its per-path ones (pending and dead: both
-        # hold requests), this one counted, each by what it stores (its headers as well as its
-        # body: the headers alone can be 1 MiB; its attempts' answers). And, on a route whose
-        # claims are bound to what is signed, only if none of those rows holds this signed
-        # body already under another ID (a replay: ``KEPT_AS``; ``keep_signed`` first, so
-        # that concurrent replays see the one kept).
-        # Concurrent failures each see the others' uncommitted rows as absent, so the cap
-        # can be passed by the deliveries failing at that moment (at most the pool's size).
-        # inbox_size: what the row stores, from the parameters (no row's jsonb converted), its
-        # attempt's answer included, so that the next keep's cap reads a number.
+        # delay, $9 until, $14 the attempts made (1; 0 for a delivery kept before its attempt
+        # ended: the array's element $14 is removed, so the attempt is recorded only if made),
+        # $15 what the app answered (``_ATTEMPT``). inbox_size: what the row stores, from the
+        # parameters (no row's jsonb converted), its attempt's answer included, so that the
+        # next keep's cap reads a number.
         attempts = (
             "(jsonb_build_array("
             + _ATTEMPT.format(n="1", status="$6", error="$7", answer="$15")
@@ -155,10 +140,45 @@ class Statements:
             "inbox_due = now() + make_interval(secs => "
             "CASE WHEN $3 = 'pending' THEN $8::float8 END), "
             "inbox_until = now() + make_interval(secs => $9), inbox_changed = now() "
-            "WHERE scope = $1 AND event_id = $2 AND (SELECT count(*) < $11 AND "
+            "WHERE scope = $1 AND event_id = $2"
+        ), size
+
+    @property
+    def keep(self) -> str:
+        # ``_kept``'s parameters, $10 the cap's scope, $11 max count, $12 max bytes, $13 the
+        # claim's signed part or NULL. Under the cap only: the kept rows of the cap's scope and
+        # its per-path ones (pending and dead: both hold requests), this one counted, each by
+        # what it stores (its headers as well as its body: the headers alone can be 1 MiB; its
+        # attempts' answers). And, on a route whose claims are bound to what is signed, only
+        # if none of those rows holds this signed body already under another ID (a replay:
+        # ``KEPT_AS``; ``keep_signed`` first, so that concurrent replays see the one kept).
+        # Concurrent failures each see the others' uncommitted rows as absent, so the cap
+        # can be passed by the deliveries failing at that moment (at most the pool's size).
+        # The rows counted here, one by one: ``keep_counted`` reads their counts instead.
+        update, size = self._kept()
+        return (
+            f"{update} AND (SELECT count(*) < $11 AND "
             f"coalesce(sum({_STORED}), 0) + {size} <= $12 AND NOT "
             f"coalesce(bool_or({_SIGNED.format(part='$13::text')}), false) "
             f"FROM {self.quoted} WHERE {_CAPPED.format(scope='$10')})"
+        )
+
+    @property
+    def keep_counted(self) -> str:
+        # ``keep``, its cap read from the kept rows' counts (``sql._kept_counts``): the rows of
+        # the cap's scopes' buckets, a range of the counts' key (their scope is in the "C"
+        # collation: "scope" up to "scope0", '0' the character after '/'), whatever the
+        # backlog; committed counts, as ``keep`` sees committed rows. The signed body's look
+        # reads the kept rows as ``keep`` does, only on a route bound to what is signed ($13).
+        # Never on Citus, which has no counts (``Inbox.counted``).
+        update, size = self._kept()
+        return (
+            f"{update} AND (SELECT coalesce(sum(rows), 0) < $11 AND "
+            f'coalesce(sum(bytes), 0) + {size} <= $12 FROM {self.quoted[:-1]}{sql.KEPT_COUNTS}" '
+            "WHERE scope >= $10::text AND scope < $10::text || '0' "
+            f"AND {sql.IN_SCOPE.replace('$1', '$10::text')}) "
+            f"AND NOT EXISTS (SELECT FROM {self.quoted} WHERE $13::text IS NOT NULL "
+            f"AND {_CAPPED.format(scope='$10')} AND {_SIGNED.format(part='$13::text')})"
         )
 
     @property

@@ -83,6 +83,23 @@ INBOX_TYPES = {"inbox_state": "text", "inbox_request": "jsonb", "inbox_body": "b
 INBOX_COLUMNS = tuple(INBOX_TYPES)
 # The inbox's states whose rows hold a body: never removed by the retention sweep.
 _NOT_KEPT = "(inbox_state IS NULL OR inbox_state NOT IN ('pending', 'dead'))"
+# The kept rows' counts (``_kept_counts``): the table beside the claim table, its name the claim
+# table's and this; the triggers on the claim table that keep it, by their names.
+KEPT_COUNTS = "_kept"
+KEPT_TRIGGERS = tuple(f"dedup_kept_{op}" for op in ("insert", "update", "delete", "truncate"))
+
+
+def stored(row: str = "") -> str:
+    """What a kept ``row`` (a table alias, or "NEW."/"OLD." in a trigger; "" the row itself)
+    stores of its request and its attempts, counted against max_pending_bytes: its inbox_size,
+    written by every keep and failed attempt; for a row kept without it (before the upgrade, or
+    by a replica of 0.2.0 on the same table), the same bytes read from the row, converting its
+    jsonb to text."""
+    return (
+        f"coalesce({row}inbox_size, coalesce(octet_length({row}inbox_request::text), 0) "
+        f"+ coalesce(octet_length({row}inbox_body), 0) "
+        f"+ coalesce(octet_length({row}inbox_attempts::text), 0))"
+    )
 
 
 def _quote(table: str) -> str:
@@ -232,6 +249,7 @@ class Queries:
     reconcile_lock: str
     reconcile_expire: str
     reconcile_take: str
+    kept_fold: str
 
     @property
     def schema(self) -> str:
@@ -394,6 +412,157 @@ def last_part_named(given: str) -> str:
     )
 
 
+def _kept_counts(table: str) -> str:
+    """The kept rows' counts beside ``table`` (``KEPT_COUNTS``), in one statement: its table,
+    the triggers' function and the sweeper's fold, in the claim table's schema; then, when
+    the triggers are not there yet, the counts seeded from the rows and the triggers made, in
+    the same transaction under a lock that holds the table's writes (the claims in flight
+    finish first, new ones wait): no write falls between the seed and the triggers.
+
+    Each row entering or leaving the kept states (pending, dead), or changing what it stores
+    while kept, adds its difference to its scope's row of the backend making the change
+    (bucket ``pg_backend_pid()``). A backend runs one transaction at a time, so no two
+    transactions ever update one counter row: no row every keep waits on, no lock order
+    between them, no deadlock; the cap's read sums the buckets of its scopes. The sweeper
+    folds the buckets of backends gone into bucket 0 (``kept_fold``), rows it locks skipped.
+
+    The functions run as their owner (SECURITY DEFINER, with a search_path of pg_catalog
+    only): every role writing the claim table counts, none needs a grant on the counts to do
+    so, and a proxy running while a migrate adds them goes on as before. Not on Citus: a
+    distributed table takes no such triggers (``Inbox.counted``); nor for a table whose name
+    is too long for the functions' (PostgreSQL would cut them to the claim table's own)."""
+    name = table.rpartition(".")[2]
+    insert, update, delete, truncate = KEPT_TRIGGERS
+    names = {
+        "<table>": _literal(table),
+        "<counts>": _literal(name + KEPT_COUNTS),
+        "<delta>": _literal(name + KEPT_COUNTS + "_delta"),
+        "<fold>": _literal(name + KEPT_COUNTS + "_fold"),
+        "<triggers>": ", ".join(map(_literal, KEPT_TRIGGERS)),
+        "<insert>": insert,
+        "<update>": update,
+        "<delete>": delete,
+        "<truncate>": truncate,
+        "<stored>": stored(),
+        "<stored OLD>": stored("OLD."),
+        "<stored NEW>": stored("NEW."),
+        "<add>": "ON CONFLICT (scope, bucket)\n"
+        "            DO UPDATE SET rows = k.rows + excluded.rows, bytes = k.bytes + excluded.bytes",
+    }
+    text = _KEPT_COUNTS
+    for marker, value in names.items():
+        text = text.replace(marker, value)
+    return text
+
+
+# ``_kept_counts``'s statement; its <markers> are replaced by names and expressions.
+_KEPT_COUNTS = """DO $do$
+DECLARE
+    claims regclass := to_regclass(<table>);
+    place text;
+    target text;
+    counts text;
+    delta text;
+BEGIN
+    IF claims IS NULL OR octet_length(<delta>) > 63
+        OR EXISTS (SELECT FROM pg_extension WHERE extname = 'citus') THEN
+        RETURN;
+    END IF;
+    SELECT quote_ident(n.nspname), quote_ident(n.nspname) || '.' || quote_ident(c.relname)
+        INTO place, target
+        FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace WHERE c.oid = claims;
+    counts := place || '.' || quote_ident(<counts>);
+    delta := place || '.' || quote_ident(<delta>);
+    EXECUTE 'CREATE TABLE IF NOT EXISTS ' || counts || ' (
+    scope  text COLLATE "C" NOT NULL,
+    bucket integer NOT NULL,
+    rows   bigint NOT NULL,
+    bytes  bigint NOT NULL,
+    PRIMARY KEY (scope, bucket)
+)';
+    EXECUTE format($f$CREATE OR REPLACE FUNCTION %2$s() RETURNS trigger
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    gone text;
+    gone_bytes bigint;
+    kept_bytes bigint;
+BEGIN
+    IF TG_OP = 'TRUNCATE' THEN
+        DELETE FROM %1$s;
+        RETURN NULL;
+    END IF;
+    IF TG_OP <> 'INSERT' THEN
+        IF OLD.inbox_state IN ('pending', 'dead') AND left(OLD.scope, 1) <> '~' THEN
+            gone := OLD.scope;
+            gone_bytes := <stored OLD>;
+        END IF;
+    END IF;
+    IF TG_OP <> 'DELETE' THEN
+        IF NEW.inbox_state IN ('pending', 'dead') AND left(NEW.scope, 1) <> '~' THEN
+            kept_bytes := <stored NEW>;
+            IF gone IS NOT DISTINCT FROM NEW.scope THEN
+                IF kept_bytes <> gone_bytes THEN
+                    INSERT INTO %1$s AS k VALUES
+                        (NEW.scope, pg_backend_pid(), 0, kept_bytes - gone_bytes) <add>;
+                END IF;
+                RETURN NULL;
+            END IF;
+            INSERT INTO %1$s AS k VALUES (NEW.scope, pg_backend_pid(), 1, kept_bytes) <add>;
+        END IF;
+    END IF;
+    IF gone IS NOT NULL THEN
+        INSERT INTO %1$s AS k VALUES (gone, pg_backend_pid(), -1, -gone_bytes) <add>;
+    END IF;
+    RETURN NULL;
+END
+$fn$$f$, counts, delta);
+    EXECUTE format($f$CREATE OR REPLACE FUNCTION %2$s(batch integer) RETURNS bigint
+    LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fn$
+DECLARE
+    folded bigint;
+BEGIN
+    WITH gone AS (
+        DELETE FROM %1$s WHERE (scope, bucket) IN (
+            SELECT scope, bucket FROM %1$s AS c WHERE bucket <> 0
+            AND NOT EXISTS (SELECT FROM pg_stat_activity AS a WHERE a.pid = c.bucket)
+            LIMIT batch FOR UPDATE SKIP LOCKED)
+        RETURNING scope, rows, bytes
+    ), added AS (
+        INSERT INTO %1$s AS k
+        SELECT scope, 0, sum(rows), sum(bytes) FROM gone GROUP BY scope <add>
+    )
+    SELECT count(*) INTO folded FROM gone;
+    DELETE FROM %1$s WHERE bucket = 0 AND rows = 0 AND bytes = 0;
+    RETURN folded;
+END
+$fn$$f$, counts, place || '.' || quote_ident(<fold>));
+    IF (SELECT count(*) FROM pg_trigger WHERE tgrelid = claims AND tgname IN (<triggers>)) < 4
+    THEN
+        EXECUTE 'LOCK TABLE ' || target || ' IN SHARE ROW EXCLUSIVE MODE';
+        EXECUTE format('DROP TRIGGER IF EXISTS <insert> ON %1$s; '
+            'DROP TRIGGER IF EXISTS <update> ON %1$s; DROP TRIGGER IF EXISTS <delete> ON %1$s; '
+            'DROP TRIGGER IF EXISTS <truncate> ON %1$s', target);
+        EXECUTE 'DELETE FROM ' || counts;
+        EXECUTE format($f$INSERT INTO %1$s
+    SELECT scope, 0, count(*), sum(<stored>)
+    FROM %2$s WHERE inbox_state IN ('pending', 'dead') AND left(scope, 1) <> '~'
+    GROUP BY scope$f$, counts, target);
+        EXECUTE format($f$CREATE TRIGGER <insert> AFTER INSERT ON %1$s FOR EACH ROW
+    WHEN (NEW.inbox_state IN ('pending', 'dead')) EXECUTE FUNCTION %2$s()$f$, target, delta);
+        EXECUTE format($f$CREATE TRIGGER <update>
+    AFTER UPDATE OF scope, inbox_state, inbox_size, inbox_request, inbox_body, inbox_attempts
+    ON %1$s FOR EACH ROW
+    WHEN (OLD.inbox_state IN ('pending', 'dead') OR NEW.inbox_state IN ('pending', 'dead'))
+    EXECUTE FUNCTION %2$s()$f$, target, delta);
+        EXECUTE format($f$CREATE TRIGGER <delete> AFTER DELETE ON %1$s FOR EACH ROW
+    WHEN (OLD.inbox_state IN ('pending', 'dead')) EXECUTE FUNCTION %2$s()$f$, target, delta);
+        EXECUTE format($f$CREATE TRIGGER <truncate> AFTER TRUNCATE ON %1$s
+    FOR EACH STATEMENT EXECUTE FUNCTION %2$s()$f$, target, delta);
+    END IF;
+END
+$do$"""
+
+
 @functools.cache
 def for_table(table: str) -> Queries:
     """The statements over ``table`` (a validated ``[schema.]name``)."""
@@ -450,6 +619,9 @@ def for_table(table: str) -> Queries:
             # without it those reads scan the scope's pending rows.
             f'CREATE INDEX IF NOT EXISTS "{object_index}" ON {quoted} '
             "(scope, (inbox_request ->> 'object'))\n    WHERE inbox_state = 'pending'",
+            # The kept rows' counts, which redeliver's cap reads instead of counting the rows.
+            # Not required: without them (not migrated since, or on Citus) each keep counts.
+            _kept_counts(table),
         ),
         # Concurrent CREATE TABLE IF NOT EXISTS can still collide in the catalog.
         schema_lock=f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK_KEY})",
@@ -466,7 +638,17 @@ def for_table(table: str) -> Queries:
             f" EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass({_literal(table)})"
             "         AND attname = 'inbox_size' AND NOT attisdropped) AS inbox_size,"
             f" to_regclass({_literal(schema + dot + inbox_index)}) IS NOT NULL AS inbox_index,"
-            f" to_regclass({_literal(schema + dot + index)}) IS NOT NULL AS index"
+            f" to_regclass({_literal(schema + dot + index)}) IS NOT NULL AS index,"
+            # The kept rows' counts (``_kept_counts``), whole and readable: their four
+            # triggers, enabled, and their table, in the claim table's schema, which the role
+            # may read. False: each keep counts the rows.
+            " (SELECT count(*) = 4 FROM pg_trigger WHERE tgrelid = "
+            f"to_regclass({_literal(table)}) AND tgname IN "
+            f"({', '.join(map(_literal, KEPT_TRIGGERS))}) AND tgenabled <> 'D')"
+            " AND coalesce((SELECT c.relnamespace = k.relnamespace"
+            " AND has_table_privilege(k.oid, 'SELECT') FROM pg_class AS c, pg_class AS k"
+            f" WHERE c.oid = to_regclass({_literal(table)})"
+            f" AND k.oid = to_regclass({_literal(table + KEPT_COUNTS)})), false) AS kept_counts"
         ),
         # The claim table's schema and whether the role may use it (USAGE): without, every
         # statement naming the table fails ('permission denied for schema'), and a name looked
@@ -504,6 +686,9 @@ def for_table(table: str) -> Queries:
             f"    AND attname IN ({', '.join(map(_literal, INBOX_COLUMNS))})"
             "    AND NOT attisdropped)"
             " AS inbox,"
+            # NULL without the kept rows' counts (``_kept_counts``).
+            f" has_table_privilege(to_regclass({_literal(table + KEPT_COUNTS)}), 'SELECT')"
+            " AS kept_counts,"
             # Whether a claim can commit here, as target_session_attrs=read-write judges it,
             # and whether its COMMIT waits for a standby (docs/deployment.md, "High
             # availability").
@@ -639,4 +824,7 @@ def for_table(table: str) -> Queries:
             f"INSERT INTO {quoted} (scope, event_id, event_type) VALUES "
             f"('{RECONCILE_RUNS}', $1, 'run') ON CONFLICT (scope, event_id) DO NOTHING"
         ),
+        # $1 batch: the kept rows' counts of at most that many backends gone folded into
+        # bucket 0 (``_kept_counts``); how many were.
+        kept_fold=f'SELECT {quoted[:-1]}{KEPT_COUNTS}_fold"($1::int)',
     )

@@ -278,6 +278,11 @@ def _lacking(
             "locks them while redelivering: FOR UPDATE needs it; order locks an object's row "
             "by INSERT ... ON CONFLICT DO UPDATE and records its accepted version)"
         )
+    if kept and row["kept_counts"] is False:
+        grants.append(
+            f"GRANT SELECT ON {queries.quoted[:-1]}{sql.KEPT_COUNTS}\" TO {role} (redeliver's cap "
+            "reads the kept rows' counts there instead of counting the rows at each keep)"
+        )
     return f"role {role} lacks privileges: " + "; ".join(grants) if grants else ""
 
 
@@ -644,7 +649,10 @@ class Store:
                 if missing and self._settings.create_schema:
                     await apply_schema(connection, self.queries, f"cannot prepare table {table}")
                     self._inbox_columns = True  # the whole DDL, the inbox's columns included
-                    return
+                    missing = ""
+                    # What the DDL made of the kept rows' counts (nothing on Citus).
+                    row = await connection.fetchrow(self.queries.schema_missing)
+                self.inbox.counts = bool(row and row["kept_counts"])
         if missing:
             raise errors.NotPrepared(
                 f"table {table}: {missing}, and database.create_schema is false; run "
@@ -719,14 +727,35 @@ class Store:
         return _writable(row), Replication(row["synchronous_commit"], row["standby_names"])
 
     async def notice_inbox_columns(self) -> None:
-        """Read again whether the table has the inbox's columns, until it has: a migrate run
-        after this replica started adds them (one catalog read per sweep round until then)."""
-        if self._inbox_columns:
+        """Read again whether the table has the inbox's columns and the kept rows' counts,
+        until it has: a migrate run after this replica started adds them (one catalog read per
+        sweep round until then; on Citus, which has no counts, every round)."""
+        if self._inbox_columns and self.inbox.counts:
             return
         async with self._connection() as connection:
             with translated("reading the claim table's columns failed"):
                 row = await connection.fetchrow(self.queries.schema_missing)
         self._inbox_columns = bool(row and row["inbox"])
+        self.inbox.counts = bool(row and row["kept_counts"])
+
+    async def fold_kept_counts(self, batch: int) -> int | None:
+        """Fold the kept rows' counts of at most ``batch`` backends gone into one row per scope
+        (``sql._kept_counts``), in a short transaction under the sweeper's lock: how many
+        were; None when another replica holds the lock, or the table has no counts."""
+        if not self.inbox.counted:
+            return None
+        async with self._connection() as connection:
+            with translated("folding the kept rows' counts failed"):
+                async with connection.transaction():
+                    locked = await connection.fetchval(
+                        self.queries.sweep_lock, timeout=self.op_timeout
+                    )
+                    if not locked:
+                        return None
+                    folded = await connection.fetchval(
+                        self.queries.kept_fold, batch, timeout=self.op_timeout
+                    )
+        return int(folded)
 
     async def sweep_batch(self, scope: str, retention: float, batch: int) -> int | None:
         """Delete one batch of ``scope``'s claims older than ``retention`` seconds, in a short
