@@ -9,7 +9,8 @@ kept deliveries (those that need attention, pending and dead, unless the filter 
 headers masked where they carry credentials or signatures, its body's first ``BODY_CAP`` bytes,
 pretty-printed when that is all of it, every attempt) and the lookup of a provider's event ID on
 every route, among all claims. Only the configured routes' rows are shown: not another deployment's
-on a shared table, nor the reserved scopes' (``~holds``). The overview also says which routes are
+on a shared table, nor the reserved scopes' (``~holds``). A row, a hold and a time are worded as
+the CLI words them (``presenting``), in a page's time form. The overview also says which routes are
 held (an operator's pause, or the app's Retry-After: ``database.holds``, read from the database, so
 as every replica holds them), this replica's requests at the app against its limit (and a shared
 limit's places held by every replica, read from their rows), and this
@@ -18,7 +19,8 @@ leaves no claim: a duplicate, a rejected signature, a refusal). With ``admin.con
 operator redelivers or discards an event, redelivers what a filter shows (its count and its first
 events, then a confirmation, answered by a redirect to a page saying how many it still shows
 pending, linked to that list: a reload reads it again, redelivering nothing), or pauses and resumes
-a route (``inbox_commands``' pause and resume); each action is logged with who did it.
+a route (``operations``' pause and resume, as ``events pause`` and ``resume`` do); each action
+is logged with who did it.
 
 Everything shown is what a sender sent, so it is escaped (Jinja2's autoescape), and the pages
 hold no script; ``console_gate`` adds the policy that keeps it so, the credential and the
@@ -49,7 +51,7 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
-from proxy import app_keys, console_gate, database, errors, inbox_commands, logs, metrics
+from proxy import app_keys, console_gate, database, errors, logs, metrics, operations, presenting
 from proxy.config import routes as routes_module
 from proxy.config import values
 from proxy.database import inbox
@@ -77,12 +79,6 @@ ALL = "all"
 COUNT_MAX = 10_000
 # ...and gives up counting after this many seconds (a filter no index answers, over many rows).
 COUNT_TIME = 0.5
-# The header values shown only by their first characters: credentials of the sender's session
-# and signatures (a signature is useless without the secret, but it is not the console's to
-# hand around).
-_MASKED = ("authorization", "cookie", "signature", "secret", "token", "api-key", "apikey",
-           "password", "x-hub-signature")  # fmt: skip
-_SHOWN_PREFIX = 8
 _STATIC = Path(__file__).with_name("console_static")
 _DONE = {"redelivered": "Made due now: the redeliverer sends it within its poll interval.",
          "discarded": "Discarded: the body is dropped, the claim stays.",
@@ -212,40 +208,6 @@ def _cursor(query: Mapping[str, str]) -> tuple[datetime, str] | None:
     return when, event_id
 
 
-def _when(value: datetime | None) -> str:
-    """A time as the pages show it: UTC, to the second (the column headers say UTC)."""
-    return "" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _attempt_at(value: object) -> str:
-    try:
-        return _when(datetime.fromisoformat(str(value)))
-    except ValueError:
-        return str(value)
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0, int(seconds))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (secs, "s")]
-    shown = [f"{n}{unit}" for n, unit in parts if n][:2]
-    return " ".join(shown) or "0s"
-
-
-def masked(name: str, value: str) -> str:
-    """A header's value as the event page shows it: whole, or its first characters and its
-    length where the name says it carries a credential or a signature."""
-    lowered = name.lower()
-    if not any(word in lowered for word in _MASKED):
-        return value
-    size = len(value.encode("utf-8", "surrogateescape"))
-    return f"{value[:_SHOWN_PREFIX]}… (masked, {size} bytes)"
-
-
 def pretty_body(body: bytes, size: int | None = None) -> tuple[str, bool]:
     """The body as text, and whether it was cut at ``BODY_CAP`` bytes: ``body`` is its first
     bytes as read, ``size`` its whole length (default: ``body``'s). Indented if it is JSON, only
@@ -260,16 +222,6 @@ def pretty_body(body: bytes, size: int | None = None) -> tuple[str, bool]:
             if len(pretty) <= BODY_CAP:
                 text = pretty
     return text, cut
-
-
-def _state(state: str | None) -> str:
-    return state or "delivered at the first try"
-
-
-def _inert(text: str) -> str:
-    """An app's answer as a page shows it: each line's control and format characters as
-    escapes (``logs.printable``), which a page autoescapes then as any text."""
-    return "\n".join(logs.printable(line) for line in text.splitlines())
 
 
 def _render(request: web.Request, name: str, status: int = 200, **context: Any) -> web.Response:
@@ -346,16 +298,7 @@ def held(hold: database.Hold | None, now: float) -> str:
     """A route's hold as the overview says it ("" when not held)."""
     if hold is None or not hold.held_at(now):
         return ""
-    since = _when(datetime.fromtimestamp(hold.since, UTC))
-    if hold.until is None:
-        until = "until resumed"
-    else:
-        ends = _when(datetime.fromtimestamp(hold.until, UTC))
-        until = f"until {ends} ({_age(hold.until - now)} left)"
-    if hold.reason == database.HoldKind.RETRY_AFTER:
-        return f"held for the app's Retry-After since {since}, {until}"
-    note = f": {hold.note}" if hold.note else ""
-    return f"paused by {hold.by} since {since}, {until}{note}"
+    return presenting.hold(hold, now, presenting.page_when)
 
 
 async def overview(request: web.Request) -> web.Response:
@@ -373,13 +316,13 @@ async def overview(request: web.Request) -> web.Response:
         outcomes = since_start.get(route.name, [])
         rows.append({"route": route, "level": level, "hour": hour,
                      "per_minute": f"{hour.received / 60:.1f}",
-                     "oldest": _age(level.oldest_pending),
+                     "oldest": presenting.age(level.oldest_pending),
                      "held": held(holds.get(route.scope), now),
                      "outcomes": outcomes, "requests": sum(n for _, n in outcomes)})  # fmt: skip
     in_flight, limit = meters.app_use()
     blocked = await _blocked(store, routes)
     return _render(
-        request, "overview.html", title="Overview", rows=rows, now=_when(_now()),
+        request, "overview.html", title="Overview", rows=rows, now=presenting.page_when(_now()),
         in_flight=in_flight, limit=limit, done=_HELD.get(request.query.get("done", "")),
         note_max=NOTE_MAX, blocked=blocked, blocked_shown=BLOCKED_SHOWN,
         places=await _places(store, meters),
@@ -412,12 +355,12 @@ async def _blocked(
         objects = [
             {
                 "row": row,
-                "since": _when(row.since),
-                "age": _age((now - row.since).total_seconds()),
+                "since": presenting.page_when(row.since),
+                "age": presenting.age((now - row.since).total_seconds()),
                 "head": database.unbound(row.head),
                 "link": urllib.parse.urlencode({"scope": row.scope, "id": row.head}),
-                "state": "at the app" if row.at_app else f"pending, due {_when(row.due)}",
-                "last": str(row.last_status or " ".join((row.last_error or "-").split())),
+                "state": presenting.head_state(row, presenting.page_when),
+                "last": presenting.last(row.last_status, row.last_error),
             }
             for row in found
         ]
@@ -457,8 +400,9 @@ async def events(request: web.Request) -> web.Response:
 
 def _listed(row: inbox.Listed) -> dict[str, Any]:
     """A kept row as a list shows it (the kept deliveries, a bulk redeliver's confirmation)."""
-    return {"row": row, "received": _when(row.received_at), "due": _when(row.due),
-            "event": database.unbound(row.event_id),
+    return {"row": row, "received": presenting.page_when(row.received_at),
+            "due": presenting.page_when(row.due), "event": database.unbound(row.event_id),
+            "last": presenting.last(row.last_status, row.last_error),
             "link": urllib.parse.urlencode({"scope": row.scope, "id": row.event_id})}  # fmt: skip
 
 
@@ -498,26 +442,13 @@ async def event(request: web.Request) -> web.Response:
     body, cut = ("", False)
     if delivery is not None:
         body, cut = pretty_body(delivery.body, shown.body_bytes)
-    headers = [(name, masked(name, value)) for name, value in delivery.headers] if delivery else []
-    attempts = [
-        {
-            "n": a.get("n") or n,
-            "at": _attempt_at(a.get("at")),
-            "status": a.get("status"),
-            "error": a.get("error") or "",
-            "ms": a.get("ms"),
-            "headers": a.get("headers") or [],
-            "body": _inert(a.get("body") or ""),
-            "body_bytes": a.get("body_bytes"),
-            "cut": (a.get("body_bytes") or 0) > inbox.ATTEMPT_BODY,
-        }
-        for n, a in enumerate(shown.attempts, 1)
-    ]
+    headers = presenting.shown_headers(delivery.headers) if delivery else []
+    attempts = presenting.attempts(shown.attempts, presenting.page_when)
     return _render(
         request, "event.html", title="Event", shown=shown, event=database.unbound(shown.event_id),
-        state=_state(shown.state), delivery=delivery, headers=headers, body=body, cut=cut,
-        body_cap=BODY_CAP, attempts=attempts, route=route, when=_when,
-        why=shown.reason(_when), attempt_body=inbox.ATTEMPT_BODY,
+        state=presenting.state(shown.state), delivery=delivery, headers=headers, body=body, cut=cut,
+        body_cap=BODY_CAP, attempts=attempts, route=route, when=presenting.page_when,
+        why=shown.reason(presenting.page_when), attempt_body=inbox.ATTEMPT_BODY,
         # Why it was first kept, below the reason it is kept now: history, once it was tried.
         kept_for=None if delivery is None or not shown.attempts
         else delivery.kept_because(True),
@@ -540,7 +471,8 @@ async def lookup(request: web.Request) -> web.Response:
         found = await store.inbox.lookup(scopes, scoped, composite, given)
         tried = _tried(routes, given)
     rows = [
-        {"found": f, "state": _state(f.state), "received": _when(f.received_at),
+        {"found": f, "state": presenting.state(f.state),
+         "received": presenting.page_when(f.received_at),
          "link": urllib.parse.urlencode({"scope": f.scope, "id": f.event_id})}
         for f in found
     ]  # fmt: skip
@@ -691,8 +623,8 @@ async def redelivering(request: web.Request) -> web.Response:
     still = len(await _selected(request, pending))
     return _render(
         request, "bulk_done.html", title="Redelivering", changed=changed, count=count,
-        now=_when(_now()), pending=pending.query(), still=still, too_many=still > BULK_MAX,
-        bulk_max=BULK_MAX,
+        now=presenting.page_when(_now()), pending=pending.query(), still=still,
+        too_many=still > BULK_MAX, bulk_max=BULK_MAX,
     )  # fmt: skip
 
 
@@ -722,7 +654,7 @@ async def pause(request: web.Request) -> web.Response:
         raise BadForm(f"for: {exc}") from None
     note = " ".join(str(form.get("note", "")).split())[:NOTE_MAX] or None
     store = _store(request)
-    said = await inbox_commands.pause_route(
+    said = await operations.pause_route(
         store, request.app[app_keys.PROXY][app_keys.CONFIG], route.name, for_=for_, note=note,
         by=_operator(request),
     )  # fmt: skip
@@ -735,7 +667,7 @@ async def pause(request: web.Request) -> web.Response:
 async def resume(request: web.Request) -> web.Response:
     route, _ = await _route_form(request)
     store = _store(request)
-    said = await inbox_commands.resume_route(
+    said = await operations.resume_route(
         store, request.app[app_keys.PROXY][app_keys.CONFIG], route.name, by=_operator(request)
     )
     log.info("console: %s resumed route %s: %s", _operator(request), route.name,

@@ -1,56 +1,37 @@
 """The inbox's operator commands: ``events pending``, ``dead``, ``blocked``, ``show``,
 ``redeliver`` and ``discard``, over the rows a route with ``redeliver`` keeps
 (``proxy.database.inbox``); and ``events pause`` and ``resume``, which hold and release a
-route's scope on every replica (``proxy.database.holds``).
+route's scope on every replica (``operations.pause_route``, as the console does).
 
 Each opens a store of one connection (``operations.open_store``), as the other operator
 commands do. None sends anything to the app: ``redeliver`` makes rows due now, and a running
 proxy's redeliverer sends them. ``redeliver`` and ``discard`` of every row in a state count
 first and change the rows in batches each committed on its own (``_bulk``); the listings and
-``show`` print one JSON document with ``--json``.
+``show`` print one JSON document with ``--json``. A row's state, times, headers and attempts
+are worded as the console words them (``presenting``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import getpass
 import io
-import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, BinaryIO, NamedTuple, TextIO, TypeVar
 
-from proxy import config, database, errors, logs, operations
+from proxy import config, database, errors, logs, operations, presenting
 from proxy.config import routes, values
 from proxy.database import inbox
 
 T = TypeVar("T")
 
-# Their values are credentials of the sender's session, not of the event: masked in ``show``.
-# Signature headers are printed: they are the event's, and useless without the secret.
-MASKED_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
-LAST_ERROR_WIDTH = 60
 # events pending's and dead's lines: a wider one narrows its last answer and event type ("…").
 TABLE_WIDTH = 120
 _DUE_NOW = "delivery(ies) due now; the redeliverer takes them within its poll interval"
 # How many of the rows a dry run lists.
 SAMPLE = 10
 _LISTED = ("received_at", "scope", "event_id", "event_type", "attempts", "last")
-
-
-def _when(value: datetime | None) -> str:
-    return "-" if value is None else value.astimezone(UTC).isoformat(timespec="seconds")
-
-
-def _last(status: int | None, error: str | None) -> str:
-    """The last attempt, in a column: the app's status, else what went wrong, shortened."""
-    if status is not None:
-        return str(status)
-    if not error:
-        return "-"
-    text = " ".join(error.split())
-    return text if len(text) <= LAST_ERROR_WIDTH else text[: LAST_ERROR_WIDTH - 1] + "…"
 
 
 async def listing(
@@ -113,9 +94,9 @@ def _table(rows: Sequence[inbox.Listed], pending: bool, out: TextIO) -> None:
     headers = (*_LISTED, *(("next_due",) if pending else ()), "body_bytes")
     cells = [
         (
-            _when(r.received_at), r.scope, database.unbound(r.event_id), r.event_type or "-",
-            r.attempts, _last(r.last_status, r.last_error),
-            *((_when(r.due),) if pending else ()),
+            presenting.when(r.received_at), r.scope, database.unbound(r.event_id),
+            r.event_type or "-", r.attempts, presenting.last(r.last_status, r.last_error),
+            *((presenting.when(r.due),) if pending else ()),
             "-" if r.body_bytes is None else r.body_bytes,
         )
         for r in rows
@@ -137,8 +118,8 @@ def _table(rows: Sequence[inbox.Listed], pending: bool, out: TextIO) -> None:
     lines = text.getvalue().splitlines()
     out.write(lines[0] + "\n")
     for line, row in zip(lines[1:], rows, strict=True):
-        due = f"next due {_when(row.due)}; " if pending else ""
-        below = f"    {due}last: {logs.printable(_last(row.last_status, row.last_error))}"
+        due = f"next due {presenting.when(row.due)}; " if pending else ""
+        below = f"    {due}last: {logs.printable(presenting.last(row.last_status, row.last_error))}"
         cut = below if len(below) <= TABLE_WIDTH else below[: TABLE_WIDTH - 1] + "…"
         out.write(f"{line}\n{cut}\n")
 
@@ -194,10 +175,10 @@ async def blocked(
                 r.object,
                 database.unbound(r.head),
                 r.event_type or "-",
-                _when(r.since),
-                _head_state(r),
+                presenting.when(r.since),
+                presenting.head_state(r, presenting.when),
                 r.attempts,
-                _last(r.last_status, r.last_error),
+                presenting.last(r.last_status, r.last_error),
                 r.behind,
             )
             for r in rows
@@ -223,11 +204,6 @@ async def blocked(
     else:
         out.write(f"{len(rows)} {what}\n")
     return 0
-
-
-def _head_state(row: inbox.Blocked) -> str:
-    """A head's state in a column: at the app (handed off), or pending and when it is due."""
-    return "at the app" if row.at_app else f"pending, due {_when(row.due)}"
 
 
 def _blocked_json(row: inbox.Blocked) -> dict[str, Any]:
@@ -281,7 +257,8 @@ async def show(
         out.write(describe(shown, now_to))
         return 0
     if shown.request is None or shown.body_bytes is None:
-        print(f"no body kept: {scope} {event_id} ({_state(shown)})", file=sys.stderr)
+        said = presenting.state(shown.state)
+        print(f"no body kept: {scope} {event_id} ({said})", file=sys.stderr)
         return 1
     target = raw if raw is not None else sys.stdout.buffer
     target.write(shown.request.body)
@@ -299,10 +276,6 @@ def redelivered_to(cfg: config.Config, request: inbox.StoredRequest) -> str | No
     return None
 
 
-def _state(shown: inbox.Shown) -> str:
-    return shown.state or "delivered at the first try"
-
-
 def describe(shown: inbox.Shown, now_to: str | None = None) -> str:
     """``events show``'s block: the event (its ID as the provider sent it, and the claim's as
     stored where that differs), its state and why it is so now (``Shown.reason``), the request
@@ -310,18 +283,22 @@ def describe(shown: inbox.Shown, now_to: str | None = None) -> str:
     and every attempt with what the app answered. A dead row's schedule is over: no
     ``until``."""
     event_id = database.unbound(shown.event_id)
-    why = shown.reason(_when)
+    why = shown.reason(presenting.when)
     fields = [
         ("event", event_id),
         *((("claim", shown.event_id),) if event_id != shown.event_id else ()),
         ("scope", shown.scope),
         ("type", shown.event_type or "-"),
-        ("received_at", _when(shown.received_at)),
-        ("state", _state(shown)),
+        ("received_at", presenting.when(shown.received_at)),
+        ("state", presenting.state(shown.state)),
         *((("why", why),) if why else ()),
-        *((("next due", _when(shown.due)),) if shown.due else ()),
-        *((("until", _when(shown.until)),) if shown.until and shown.state != "dead" else ()),
-        *((("changed", _when(shown.changed)),) if shown.changed else ()),
+        *((("next due", presenting.when(shown.due)),) if shown.due else ()),
+        *(
+            (("until", presenting.when(shown.until)),)
+            if shown.until and shown.state != "dead"
+            else ()
+        ),
+        *((("changed", presenting.when(shown.changed)),) if shown.changed else ()),
         *(_place(shown.place) if shown.place else ()),
     ]
     text = io.StringIO()
@@ -332,7 +309,7 @@ def describe(shown: inbox.Shown, now_to: str | None = None) -> str:
             _request(shown.request, shown.body_bytes, shown.state, bool(shown.attempts), now_to)
         )
     elif shown.state is None:
-        text.write("request:     not kept (delivered at the first try)\n")
+        text.write(f"request:     not kept ({presenting.FIRST_TRY})\n")
     else:
         text.write(f"request:     dropped ({shown.state}), headers and body\n")
     text.write(_attempts(shown.attempts))
@@ -345,8 +322,8 @@ def _place(place: inbox.Place) -> list[tuple[str, str]]:
     behind = (
         "none: first of its object (sent when its object is free)"
         if place.behind is None
-        else f"{database.unbound(place.behind)}, pending since {_when(place.behind_since)}: "
-        "sent first"
+        else f"{database.unbound(place.behind)}, pending since "
+        f"{presenting.when(place.behind_since)}: sent first"
     )
     return [("object", f"{place.object} ({version})"), ("behind", behind)]
 
@@ -361,7 +338,7 @@ def shown_json(shown: inbox.Shown, now_to: str | None = None) -> dict[str, Any]:
         "event_id": database.unbound(shown.event_id), "claim_id": shown.event_id,
         "scope": shown.scope, "event_type": shown.event_type,
         "received_at": operations.timestamp(shown.received_at), "state": shown.state,
-        "why": shown.reason(_when),
+        "why": shown.reason(presenting.when),
         "next_due": operations.timestamp(shown.due), "until": operations.timestamp(shown.until),
         "changed": operations.timestamp(shown.changed),
         "request": None if request is None else {
@@ -372,7 +349,7 @@ def shown_json(shown: inbox.Shown, now_to: str | None = None) -> dict[str, Any]:
             "headers": [_header_json(name, value) for name, value in request.headers],
             "body_bytes": shown.body_bytes,
         },
-        "attempts": shown.attempts,
+        "attempts": [_attempt_json(attempt) for attempt in shown.attempts],
         "object": None if place is None else {
             "key": place.object, "version": place.version, "accepted": place.accepted,
             "behind": None if place.behind is None else database.unbound(place.behind),
@@ -382,10 +359,18 @@ def shown_json(shown: inbox.Shown, now_to: str | None = None) -> dict[str, Any]:
 
 
 def _header_json(name: str, value: str) -> dict[str, Any]:
-    if name.lower() in MASKED_HEADERS:
-        size = len(value.encode("utf-8", "surrogateescape"))
-        return {"name": name, "value": None, "redacted_bytes": size}
+    if presenting.masked(name):
+        return {"name": name, "value": None, "redacted_bytes": presenting.size(value)}
     return {"name": name, "value": inbox.wire(value)}
+
+
+def _attempt_json(attempt: dict[str, Any]) -> dict[str, Any]:
+    """An attempt as kept, a masked header of the app's answer with its value ``null``."""
+    if not attempt.get("headers"):
+        return attempt
+    headers = [[name, None if presenting.masked(name) else value]
+               for name, value in attempt["headers"]]  # fmt: skip
+    return {**attempt, "headers": headers}
 
 
 def _request(
@@ -412,60 +397,50 @@ def _request(
     if (why := delivery.kept_because(tried)) is not None:  # kept before its attempt ended
         lines.append(f"kept for:    {logs.printable(why)}")
     lines.append("headers:")
-    # What a client sent, shown to an operator's terminal: escaped as the log lines are.
-    for name, value in delivery.headers:
-        if name.lower() in MASKED_HEADERS:
-            shown = f"<redacted {len(value.encode('utf-8', 'surrogateescape'))} bytes>"
-        else:
-            shown = logs.printable(value)
-        lines.append(f"  {logs.printable(name)}: {shown}")
+    lines += (f"  {name}: {value}" for name, value in presenting.shown_headers(delivery.headers))
     kept = f"dropped ({state})" if body_bytes is None else f"{body_bytes} bytes"
     lines.append(f"body:        {kept}")
     return "\n".join(lines) + "\n"
 
 
-def _attempts(attempts: Sequence[dict[str, Any]]) -> str:
+def _attempts(kept: Sequence[dict[str, Any]]) -> str:
     """Every attempt kept, oldest first, in a table (its number, time, the app's status, how
     long it took, the proxy's error); then, for each that has one, what the app answered: its
-    headers kept and its body's first bytes, each line escaped for the terminal."""
-    if not attempts:
+    headers kept and its body's first bytes (``presenting.attempts``)."""
+    if not kept:
         return "attempts:    none recorded\n"
-    rows = []
-    answers = []
-    for index, attempt in enumerate(attempts, 1):
-        try:
-            at = _when(datetime.fromisoformat(attempt["at"]))
-        except (TypeError, ValueError):
-            at = str(attempt.get("at"))
-        status, ms, n = attempt.get("status"), attempt.get("ms"), attempt.get("n") or index
-        error = logs.printable(str(attempt.get("error") or "-"))
-        rows.append((n, at, "-" if status is None else status, "-" if ms is None else ms, error))
-        answers.append(_answer(n, attempt))
+    told = presenting.attempts(kept, presenting.when)
+    rows = [
+        (
+            a.n,
+            a.at,
+            "-" if a.status is None else a.status,
+            "-" if a.ms is None else a.ms,
+            a.error or "-",
+        )
+        for a in told
+    ]
     text = io.StringIO()
     operations.table(rows, ("#", "at", "status", "ms", "error"), text)
     indented = "".join(f"  {line}\n" for line in text.getvalue().splitlines())
-    made = rows[-1][0]
-    kept = f" ({len(attempts)} kept: the first and the newest)" if made != len(attempts) else ""
-    return f"attempts:    {made}{kept}\n{indented}" + "".join(answers)
+    made = told[-1].n
+    more = f" ({len(told)} kept: the first and the newest)" if made != len(told) else ""
+    return f"attempts:    {made}{more}\n{indented}" + "".join(map(_answer, told))
 
 
-def _answer(n: object, attempt: dict[str, Any]) -> str:
-    """What the app answered at attempt ``n``, as ``_attempts`` prints it ("" when nothing
-    of it is kept)."""
-    headers, body, size = attempt.get("headers") or [], attempt.get("body") or "", None
-    if isinstance(attempt.get("body_bytes"), int):
-        size = attempt["body_bytes"]
-    if not headers and size is None:
+def _answer(attempt: presenting.Attempt) -> str:
+    """What the app answered at an attempt, as ``_attempts`` prints it ("" when nothing of it
+    is kept)."""
+    if not attempt.headers and attempt.body_bytes is None:
         return ""
-    lines = [f"  answer #{n}: {logs.printable(inbox.attempt_words(attempt))}"]
-    lines += (
-        f"    {logs.printable(str(name))}: {logs.printable(str(value))}" for name, value in headers
-    )
-    if size is not None:
-        cut = f", the first {inbox.ATTEMPT_BODY} shown" if size > inbox.ATTEMPT_BODY else ""
-        lines.append(f"    body: {size} bytes{cut}" + (":" if body else ""))
-        # The app's bytes on an operator's terminal: each line escaped as the log lines are.
-        lines += (f"    | {logs.printable(line)}" for line in str(body).splitlines())
+    lines = [f"  answer #{attempt.n}: {attempt.words}"]
+    lines += (f"    {name}: {value}" for name, value in attempt.headers)
+    if attempt.body_bytes is not None:
+        cut = f", the first {inbox.ATTEMPT_BODY} shown" if attempt.cut else ""
+        lines.append(
+            f"    body: {attempt.body_bytes} bytes{cut}" + (":" if attempt.body_lines else "")
+        )
+        lines += (f"    | {line}" for line in attempt.body_lines)
     return "\n".join(lines) + "\n"
 
 
@@ -600,7 +575,7 @@ async def redeliver(
         left = [stored for stored in named.stored.values() if stored not in done]
         at_app = await store.inbox.at_app(scope, left) if left else {}
     why = {stored: f"at the app now, not made due (handed off, its first attempt still going "
-                   f"on; try again when it ends, by {_when(lease)} at the latest)"
+                   f"on; try again when it ends, by {presenting.when(lease)} at the latest)"
            for stored, lease in at_app.items()}  # fmt: skip
     named.report(event_ids, done, "redelivering", out, why)
     out.write(f"{len(changed)} {_DUE_NOW}\n")
@@ -639,63 +614,6 @@ async def discard(
     return 0 if named.all_done(discarded) else 1
 
 
-def operator() -> str:
-    """Who runs this command, as a hold records it: the OS user."""
-    try:
-        return getpass.getuser()
-    except OSError:  # no USER and no passwd entry (a container's arbitrary UID)
-        return f"uid {os.getuid()}"
-
-
-async def pause_route(
-    store: database.Store,
-    cfg: config.Config,
-    route: str,
-    *,
-    for_: float | None,
-    note: str | None,
-    by: str,
-) -> list[str]:
-    """Hold the route's scope on every replica, for ``for_`` seconds (None: until resumed),
-    replacing any hold it had: ``events pause``'s and the console's. What it says, a line each:
-    the hold, the routes held with it, what becomes of webhooks of a route that does not
-    redeliver, and when the running proxies hold it."""
-    found = operations.route_of(cfg, route)
-    hold = await store.holds.hold(found.scope, for_, by=by, note=note)
-    lines = [f"paused: {operations.describe_hold(found.scope, hold)}"]
-    sharing = [r.name for r in cfg.routes if r.scope == found.scope and r.name != found.name]
-    if sharing:
-        lines.append(f"routes {', '.join(sharing)} share scope {found.scope}: held too")
-    if found.redeliver is None:
-        lines.append(
-            f"route {found.name} has no redeliver: while paused its webhooks are answered 503 "
-            "with Retry-After, and the provider sends them again later"
-        )
-    wait = values.format_duration(cfg.redeliverer.poll)
-    lines.append(f"every running proxy holds it within {wait} (redeliverer.poll)")
-    return lines
-
-
-async def resume_route(
-    store: database.Store, cfg: config.Config, route: str, *, by: str
-) -> str | None:
-    """End the route scope's hold (a pause, or the app's Retry-After) on every replica: what it
-    says (None: it held none)."""
-    found = operations.route_of(cfg, route)
-    was = await store.holds.release(found.scope, by=by)
-    if was is None:
-        return None
-    wait = values.format_duration(cfg.redeliverer.poll)
-    if any(r.redeliver for r in cfg.routes if r.scope == found.scope):
-        then = f"redelivers its pending deliveries again within {wait}, at the limit at the app"
-    else:  # it kept nothing: its webhooks were refused, and the provider's retries come through
-        then = f"forwards its webhooks again within {wait} (it keeps none to redeliver)"
-    return (
-        f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
-        f"proxy {then}"
-    )
-
-
 async def pause(
     cfg: config.Config,
     route: str,
@@ -705,10 +623,12 @@ async def pause(
     by: str | None = None,
     out: TextIO = sys.stdout,
 ) -> int:
-    """``pause_route`` from the command line (by the OS user unless ``by`` says who)."""
+    """``operations.pause_route`` from the command line (by the OS user unless ``by`` says who)."""
     operations.route_of(cfg, route)
     async with operations.open_store(cfg) as store:
-        lines = await pause_route(store, cfg, route, for_=for_, note=note, by=by or operator())
+        lines = await operations.pause_route(
+            store, cfg, route, for_=for_, note=note, by=by or operations.operator()
+        )
     out.write("".join(f"{line}\n" for line in lines))
     return 0
 
@@ -716,10 +636,10 @@ async def pause(
 async def resume(
     cfg: config.Config, route: str, *, by: str | None = None, out: TextIO = sys.stdout
 ) -> int:
-    """``resume_route`` from the command line. Exit 1 if it held none."""
+    """``operations.resume_route`` from the command line. Exit 1 if it held none."""
     found = operations.route_of(cfg, route)
     async with operations.open_store(cfg) as store:
-        said = await resume_route(store, cfg, route, by=by or operator())
+        said = await operations.resume_route(store, cfg, route, by=by or operations.operator())
     if said is None:
         print(f"not held: route {found.name} (scope {found.scope})", file=sys.stderr)
         return 1

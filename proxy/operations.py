@@ -1,8 +1,11 @@
-"""The operator commands: look at the claims, release some, apply the schema.
+"""The operator commands: look at the claims, release some, hold a route and release it, apply
+the schema.
 
 Each command opens a store of one connection (``open_store``) from the same configuration file
 the proxy reads (starting the embedded server if that is what it names, and stopping it), does
-its work through the store's methods and closes it. The preflight (``check --database``) is in
+its work through the store's methods and closes it. A route's pause and resume
+(``pause_route``, ``resume_route``) are the CLI's ``events pause`` and ``resume`` and the
+console's alike, which give them a store of their own. The preflight (``check --database``) is in
 ``preflight``.
 """
 
@@ -10,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import json
+import os
 import sys
+import time
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple, TextIO
 
-from proxy import config, database, embedded, errors, logs
+from proxy import config, database, embedded, errors, logs, presenting
 from proxy.config import routes, values
 
 
@@ -226,7 +232,7 @@ async def list_events(
         return 0
     table(
         [
-            (r.received_at.isoformat(timespec="seconds"), r.scope, r.event_id,
+            (presenting.when(r.received_at), r.scope, r.event_id,
              r.event_type or "-", r.state or "-")
             for r in rows
         ],
@@ -316,9 +322,7 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout, *, as_json: bool =
         ]}))  # fmt: skip
         return 0
 
-    def when(value: datetime | None) -> str:
-        return value.isoformat(timespec="seconds") if value else "-"
-
+    when = presenting.when
     table(
         [
             (r.route, r.scope, r.rows, r.pending, r.dead, when(r.oldest), when(r.newest),
@@ -328,8 +332,9 @@ async def stats(cfg: config.Config, out: TextIO = sys.stdout, *, as_json: bool =
         ("route", "scope", "rows", "pending", "dead", "oldest", "newest", "retention"),
         out,
     )  # fmt: skip
+    now = time.time()
     for scope, hold in sorted(held.items()):
-        out.write(f"held: {describe_hold(scope, hold)}\n")
+        out.write(f"held: {presenting.hold(hold, now, presenting.when, scope)}\n")
     return 0
 
 
@@ -341,18 +346,60 @@ async def _holds(store: database.Store) -> dict[str, database.Hold]:
         return {}
 
 
-def describe_hold(scope: str, hold: database.Hold) -> str:
-    """A hold in one line: its scope, kind, who set it, since and until when, and why; the
-    words typed (by whom, why: the console's) escaped for the terminal."""
+def operator() -> str:
+    """Who runs this command, as a hold records it: the OS user."""
+    try:
+        return getpass.getuser()
+    except OSError:  # no USER and no passwd entry (a container's arbitrary UID)
+        return f"uid {os.getuid()}"
 
-    def when(at: float) -> str:
-        return datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
 
-    until = "until resumed" if hold.until is None else f"until {when(hold.until)}"
-    note = f": {logs.printable(hold.note)}" if hold.note else ""
+async def pause_route(
+    store: database.Store,
+    cfg: config.Config,
+    route: str,
+    *,
+    for_: float | None,
+    note: str | None,
+    by: str,
+) -> list[str]:
+    """Hold the route's scope on every replica, for ``for_`` seconds (None: until resumed),
+    replacing any hold it had: ``events pause``'s and the console's. What it says, a line each:
+    the hold, the routes held with it, what becomes of webhooks of a route that does not
+    redeliver, and when the running proxies hold it."""
+    found = route_of(cfg, route)
+    hold = await store.holds.hold(found.scope, for_, by=by, note=note)
+    lines = [f"paused: {presenting.hold(hold, time.time(), presenting.when, found.scope)}"]
+    sharing = [r.name for r in cfg.routes if r.scope == found.scope and r.name != found.name]
+    if sharing:
+        lines.append(f"routes {', '.join(sharing)} share scope {found.scope}: held too")
+    if found.redeliver is None:
+        lines.append(
+            f"route {found.name} has no redeliver: while paused its webhooks are answered 503 "
+            "with Retry-After, and the provider sends them again later"
+        )
+    wait = values.format_duration(cfg.redeliverer.poll)
+    lines.append(f"every running proxy holds it within {wait} (redeliverer.poll)")
+    return lines
+
+
+async def resume_route(
+    store: database.Store, cfg: config.Config, route: str, *, by: str
+) -> str | None:
+    """End the route scope's hold (a pause, or the app's Retry-After) on every replica: what it
+    says (None: it held none)."""
+    found = route_of(cfg, route)
+    was = await store.holds.release(found.scope, by=by)
+    if was is None:
+        return None
+    wait = values.format_duration(cfg.redeliverer.poll)
+    if any(r.redeliver for r in cfg.routes if r.scope == found.scope):
+        then = f"redelivers its pending deliveries again within {wait}, at the limit at the app"
+    else:  # it kept nothing: its webhooks were refused, and the provider's retries come through
+        then = f"forwards its webhooks again within {wait} (it keeps none to redeliver)"
     return (
-        f"scope {logs.printable(scope)} {hold.reason} by {logs.printable(hold.by)} since "
-        f"{when(hold.since)}, {until}{note}"
+        f"resumed: route {found.name} (scope {found.scope}), {was} until now; every running "
+        f"proxy {then}"
     )
 
 

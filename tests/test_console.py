@@ -127,8 +127,9 @@ async def test_the_pages_show_what_the_proxy_kept(
     shown = await page(admin, "/console/event?scope=hooks&id=evt_pending")
     assert "POST /hooks" in shown
     assert "&#34;customer&#34;: &#34;cus_123&#34;" in shown
-    assert "Stripe-Signature" in shown
-    assert "ab" * 32 not in shown
+    # Masked as ``events show`` masks it (``presenting``): its size only, not a character.
+    assert "<td>Stripe-Signature</td><td><code>&lt;redacted 71 bytes&gt;</code></td>" in shown
+    assert "t=1,v1=" not in shown
     assert "503" in shown  # the attempt
 
     found = await page(admin, "/console/lookup?id=evt_ok")
@@ -497,15 +498,6 @@ async def test_pause_and_resume_from_the_overview_hold_every_replica_and_are_log
     async with admin.post("/console/resume", data=resume, headers=headers) as response:
         assert "Nothing to resume" in await response.text()
     assert PASSWORD not in caplog.text
-
-
-def test_masked_headers_show_a_prefix_only() -> None:
-    assert console.masked("Stripe-Signature", "t=1,v1=" + "ab" * 32) == (
-        "t=1,v1=a… (masked, 71 bytes)"
-    )
-    assert console.masked("X-Hub-Signature-256", "sha256=ff").startswith("sha256=f…")
-    assert console.masked("Authorization", "Bearer secret-token").startswith("Bearer s…")
-    assert console.masked("Content-Type", "application/json") == "application/json"
 
 
 def test_a_body_is_pretty_printed_up_to_its_cap() -> None:

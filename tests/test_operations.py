@@ -474,7 +474,7 @@ async def test_a_pause_s_words_typed_in_the_console_reach_the_terminal_escaped(
     await make_proxy()
     cfg = config.load(config_file)
     async with operations.open_store(cfg) as store:  # as the console pauses a route
-        said = await inbox_commands.pause_route(
+        said = await operations.pause_route(
             store, cfg, "corvel", for_=None, note=HOSTILE, by=f"ops{HOSTILE}"
         )
     summary = io.StringIO()
