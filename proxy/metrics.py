@@ -483,7 +483,7 @@ class Metrics:
         )
 
     def _load_meters(self) -> None:
-        """What sheds load: requests shed, bytes buffered, draining."""
+        """Load and shutdown: requests shed, bytes held against max_buffered, draining."""
         self.shed = Counter(
             "dedup_shed_requests",
             "Requests answered 503 (or connections refused) to shed load, by reason: memory "
