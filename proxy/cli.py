@@ -139,7 +139,6 @@ def _parser() -> argparse.ArgumentParser:
 def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The parsers of ``events``' actions, each with ``--route``, then its own arguments, then
     ``--config``, and its action attached."""
-    scope_help = "the event's scope, for a route scoped by its path (events pending shows it)"
     built = []
 
     def action(
@@ -161,6 +160,20 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         built.append(sub)
         return sub
 
+    _claim_actions(action)
+    _kept_actions(action)
+    _delivery_actions(action)
+    _hold_actions(action)
+    _reconcile_action(action)
+    for sub in built:
+        _config_option(sub)
+
+
+_SCOPE_HELP = "the event's scope, for a route scoped by its path (events pending shows it)"
+
+
+def _claim_actions(action: Callable[..., argparse.ArgumentParser]) -> None:
+    """``events list`` and ``forget`` (``operations``): the claims themselves."""
     listing = action(
         "list",
         "recent claims of a route, newest first",
@@ -186,6 +199,11 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         "--scope", help="the claims' scope, for a route scoped by its path (events list shows it)"
     )
     forgetting.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
+
+
+def _kept_actions(action: Callable[..., argparse.ArgumentParser]) -> None:
+    """``events pending``, ``dead`` and ``blocked`` (``inbox_commands``): the deliveries a route
+    with redeliver keeps, listed."""
     for state, text in (
         (
             database.InboxState.PENDING,
@@ -233,6 +251,11 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         "--limit", type=_positive, default=50, help="at most this many (default 50)"
     )
     _json_option(blocking)
+
+
+def _delivery_actions(action: Callable[..., argparse.ArgumentParser]) -> None:
+    """``events show``, ``redeliver`` and ``discard`` (``inbox_commands``): a kept delivery
+    shown, or kept ones made due now or dropped."""
     showing = action(
         "show",
         "one event: its state, the request kept and every attempt",
@@ -241,7 +264,7 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         ),
         "one event: its state, the request kept and every attempt",
     )
-    showing.add_argument("--scope", help=scope_help)
+    showing.add_argument("--scope", help=_SCOPE_HELP)
     showing.add_argument(
         "--body", action="store_true", help="write only the kept body, as sent, to stdout"
     )
@@ -255,7 +278,7 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         "route's in that state) due now, with the route's whole redeliver.for again. A running "
         "proxy's redeliverer sends them; this command sends nothing." + _BULK,
     )
-    _bulk_options(redelivering, scope_help, "now, not at its next due time (the app is back)")
+    _bulk_options(redelivering, "now, not at its next due time (the app is back)")
     discarding = action(
         "discard",
         "drop pending or dead deliveries for good; their claims stay",
@@ -265,8 +288,11 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
         "so the provider's copies are still answered as duplicates: to let a copy through to "
         "the app instead, use events forget." + _BULK,
     )
-    _bulk_options(discarding, scope_help, "")
-    _hold_actions(action)
+    _bulk_options(discarding, "")
+
+
+def _reconcile_action(action: Callable[..., argparse.ArgumentParser]) -> None:
+    """``events reconcile`` (``reconciler``): one run, with the route's API token read."""
 
     def reconcile(cfg: config.Config, args: argparse.Namespace) -> Coroutine[Any, Any, int]:
         return reconciler.command(cfg, args.route, since=args.since, dry_run=args.dry_run)
@@ -290,8 +316,6 @@ def _event_actions(actions: argparse._SubParsersAction[argparse.ArgumentParser])
     reconciling.add_argument(
         "--dry-run", action="store_true", help="print what would be recovered; recover nothing"
     )
-    for sub in built:
-        _config_option(sub)
 
 
 _BULK = (
@@ -302,10 +326,10 @@ _BULK = (
 )
 
 
-def _bulk_options(sub: argparse.ArgumentParser, scope_help: str, pending_help: str) -> None:
+def _bulk_options(sub: argparse.ArgumentParser, pending_help: str) -> None:
     """``events redeliver``'s and ``discard``'s: the IDs, or every row of the route in a state
     (``--dead``, ``--pending``, ``--since``, ``--dry-run``)."""
-    sub.add_argument("--scope", help=scope_help + "; with --dead or --pending, narrows it")
+    sub.add_argument("--scope", help=_SCOPE_HELP + "; with --dead or --pending, narrows it")
     every = sub.add_mutually_exclusive_group()
     every.add_argument(
         "--dead",

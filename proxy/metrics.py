@@ -195,6 +195,8 @@ class Metrics:
         self._replication: Callable[[], bool | None] | None = None
         self._buffered: Callable[[], int] | None = None
         self._room: app_limit.Room | None = None  # read at every flush (and its waits so far)
+        self._grants: Sequence[str] = ()
+        self._missing_grants: Callable[[], Sequence[str]] | None = None
         self._held: list[Tally | Timings | Durations | Level] = []
         self.build_info = Gauge(
             "dedup_build_info",
@@ -205,6 +207,21 @@ class Metrics:
             multiprocess_mode="livemax",
         )
         self.build_info.labels(proxy.__version__, platform.python_version()).set(1)
+        self._request_counters()
+        self._commit_counters()
+        self._keep_counters()
+        self._flow_meters()
+        self._inbox_counts()
+        self._inbox_ages()
+        self._request_timings()
+        self._database_meters()
+        self._background_meters()
+        self._load_meters()
+        self._grant_gauges()
+
+    def _request_counters(self) -> None:
+        """Requests by outcome, and what else became of them: a mismatched, reused or oversized
+        body, a duplicate answered with the stored answer or without it."""
         self.requests = Counter(
             "dedup_requests",
             "Requests by route and outcome (route is empty for pass-through).",
@@ -243,6 +260,9 @@ class Metrics:
             ["route"],
             registry=self.registry,
         )
+
+    def _commit_counters(self) -> None:
+        """The COMMITs after an upstream 2xx that went wrong, and the answers not stored."""
         self.ambiguous_commits = Counter(
             "dedup_ambiguous_commits",
             "COMMITs after an upstream 2xx that failed and could not be reconciled: whether "
@@ -266,6 +286,9 @@ class Metrics:
             ["route"],
             registry=self.registry,
         )
+
+    def _keep_counters(self) -> None:
+        """The failed deliveries the inbox did not keep (a route with redeliver)."""
         self.inbox_full = Counter(
             "dedup_inbox_full",
             "Failed deliveries not kept for redelivery because the inbox was at its cap "
@@ -291,7 +314,9 @@ class Metrics:
             ["route"],
             registry=self.registry,
         )
-        self._flow_meters()
+
+    def _inbox_counts(self) -> None:
+        """The redeliveries by result, and the deliveries the inbox holds, pending or dead."""
         self.redeliveries = Counter(
             "dedup_redeliveries",
             "Redeliveries of kept deliveries by result: delivered (a 2xx), failed (tried "
@@ -322,6 +347,9 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="mostrecent",
         )
+
+    def _inbox_ages(self) -> None:
+        """How long the inbox's oldest deliveries have waited, and when its levels were read."""
         self.inbox_oldest_pending = Gauge(
             "dedup_inbox_oldest_pending_seconds",
             "Age of the oldest pending delivery (0: none).",
@@ -354,6 +382,10 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="max",
         )
+
+    def _request_timings(self) -> None:
+        """The phases of a request (the app, the claim, the COMMIT, the whole), and the requests
+        in flight."""
         self.upstream_duration = Histogram(
             "dedup_upstream_duration_seconds",
             "Time for the upstream to answer a webhook.",
@@ -391,6 +423,9 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livesum",
         )
+
+    def _database_meters(self) -> None:
+        """The pool's connections, its connects by result, whether COMMITs wait for a standby."""
         self.pool_size = Gauge(
             "dedup_database_connections",
             "Database connections open.",
@@ -423,6 +458,9 @@ class Metrics:
             # Every worker reads the same server; one still starting has not read it yet.
             multiprocess_mode="livemax",
         )
+
+    def _background_meters(self) -> None:
+        """The tracer's spans and the retention sweeper's deletions."""
         self.trace_spans = Counter(
             "dedup_trace_spans",
             "Spans by what became of them, with tracing on: exported; failed (the collector "
@@ -443,6 +481,9 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="max",
         )
+
+    def _load_meters(self) -> None:
+        """Load and shutdown: requests shed, bytes held against max_buffered, draining."""
         self.shed = Counter(
             "dedup_shed_requests",
             "Requests answered 503 (or connections refused) to shed load, by reason: memory "
@@ -464,6 +505,8 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livemax",
         )
+
+    def _grant_gauges(self) -> None:
         # The grants besides the claim's (database.DEGRADED): read at start and at every
         # readiness check, which they do not fail.
         self.grant_missing = Gauge(
@@ -476,8 +519,6 @@ class Metrics:
             registry=self.registry,
             multiprocess_mode="livemax",
         )
-        self._grants: Sequence[str] = ()
-        self._missing_grants: Callable[[], Sequence[str]] | None = None
 
     def _ordering_gauges(self) -> None:
         # The routes with order, as the redeliverer's level reader reads them (redeliverer).

@@ -369,46 +369,13 @@ def _concurrency(r: reader.Reader, up: dict[str, Any]) -> tuple[int | None, bool
 def parse(
     raw: object, *, source: str = "<config>", secrets: bool = True, receipts: bool | None = None
 ) -> Config:
-    """Validate an already-parsed YAML document (``secrets``, ``receipts``: as ``load``)."""
+    """Validate an already-parsed YAML document (``secrets``, ``receipts``: as ``load``). The
+    sections are read in a fixed order, which is the order of the problems."""
     r = reader.Reader(secrets=secrets, receipts=secrets if receipts is None else receipts)
     top = r.mapping(raw, "", TOP_KEYS)
     listen = r.value(top, "listen", "", _listen, _listen(DEFAULT_LISTEN))
-    up = r.mapping(
-        top.get("upstream"),
-        "upstream",
-        ("url", "timeout", "preserve_host", "keepalive", "concurrency"),
-    )
-    concurrency, shared = _concurrency(r, up)
-    upstream = UpstreamConfig(
-        url=r.required(up, "url", "upstream", values.parse_http_url) or "",
-        timeout=r.value(up, "timeout", "upstream", _SHORT_DURATION, DEFAULT_UPSTREAM_TIMEOUT),
-        preserve_host=r.value(up, "preserve_host", "upstream", values.parse_bool, True),
-        keepalive=r.value(
-            up, "keepalive", "upstream", values.parse_duration, DEFAULT_UPSTREAM_KEEPALIVE
-        ),
-        concurrency=concurrency,
-        shared=shared,
-    )
-    db = r.mapping(top.get("database"), "database", DATABASE_KEYS)
-    if top.get("database") is None:
-        r.problem("database", "is required (dsn: embedded, or a postgresql:// URL)")
-    dsn = r.required(db, "dsn", "database", _dsn) if top.get("database") is not None else None
-    database = DatabaseConfig(
-        dsn=_with_password_file(r, db, dsn),
-        data_dir=Path(r.value(db, "data_dir", "database", str, DEFAULT_DATA_DIR)),
-        table=r.value(db, "table", "database", values.parse_table, DEFAULT_TABLE),
-        create_schema=r.value(db, "create_schema", "database", values.parse_bool, True),
-        pool_size=r.value(
-            db, "pool_size", "database", values.parse_positive_int, DEFAULT_POOL_SIZE
-        ),
-        pool_timeout=r.value(db, "pool_timeout", "database", _SHORT_DURATION, DEFAULT_POOL_TIMEOUT),
-        connect_timeout=r.value(
-            db, "connect_timeout", "database", _SHORT_DURATION, DEFAULT_CONNECT_TIMEOUT
-        ),
-        start_timeout=r.value(
-            db, "start_timeout", "database", values.parse_duration, DEFAULT_START_TIMEOUT
-        ),
-    )
+    upstream = _upstream(r, top.get("upstream"))
+    database = _database(r, top.get("database"))
     lg = r.mapping(top.get("log"), "log", ("level", "format"))
     adm = r.mapping(top.get("admin"), "admin", ("listen", "console", "allowed_hosts"))
     admin_listen = r.value(adm, "listen", "admin", _listen, _listen(DEFAULT_ADMIN_LISTEN))
@@ -431,22 +398,8 @@ def parse(
             top, "client_body_timeout", "", _SHORT_DURATION, DEFAULT_CLIENT_BODY_TIMEOUT
         ),
         send_timeout=r.value(top, "send_timeout", "", _SHORT_DURATION, DEFAULT_SEND_TIMEOUT),
-        admin=AdminConfig(
-            listen=admin_listen,
-            console=console.parse_console(
-                r,
-                adm.get("console"),
-                listen=str(admin_listen),
-                loopback=values.is_loopback(admin_listen.host),
-            ),
-            allowed_hosts=r.value(adm, "allowed_hosts", "admin", values.parse_host_names, ()),
-        ),
-        sweeper=SweeperConfig(
-            interval=r.value(
-                sw, "interval", "sweeper", values.parse_duration, DEFAULT_SWEEP_INTERVAL
-            ),
-            batch=r.value(sw, "batch", "sweeper", values.parse_positive_int, DEFAULT_SWEEP_BATCH),
-        ),
+        admin=_admin(r, adm, admin_listen),
+        sweeper=_sweeper(r, sw),
         redeliverer=redeliver.parse_redeliverer(r, top.get("redeliverer")),
         workers=r.value(top, "workers", "", values.parse_positive_int, 1),
         passthrough=r.value(top, "passthrough", "", _passthrough, None),
@@ -456,15 +409,81 @@ def parse(
         ),
         max_head=r.value(top, "max_head", "", _head_size, DEFAULT_MAX_HEAD),
         trusted_proxies=r.value(top, "trusted_proxies", "", proxy_headers.parse_networks, ()),
-        log=LogConfig(
-            level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
-            format=r.value(
-                lg, "format", "log", values.parse_choice("auto", "json", "text"), "auto"
-            ),
-        ),
+        log=_log(r, lg),
     )
     recovering = (_stripe_recovery(r, n, route, listen) for n, route in enumerate(config.routes))
     config = replace(config, routes=tuple(recovering))
+    _check_together(r, config)
+    if r.problems:
+        raise errors.ConfigError(source, r.problems)
+    return config
+
+
+def _upstream(r: reader.Reader, raw: object) -> UpstreamConfig:
+    up = r.mapping(raw, "upstream", ("url", "timeout", "preserve_host", "keepalive", "concurrency"))
+    concurrency, shared = _concurrency(r, up)
+    return UpstreamConfig(
+        url=r.required(up, "url", "upstream", values.parse_http_url) or "",
+        timeout=r.value(up, "timeout", "upstream", _SHORT_DURATION, DEFAULT_UPSTREAM_TIMEOUT),
+        preserve_host=r.value(up, "preserve_host", "upstream", values.parse_bool, True),
+        keepalive=r.value(
+            up, "keepalive", "upstream", values.parse_duration, DEFAULT_UPSTREAM_KEEPALIVE
+        ),
+        concurrency=concurrency,
+        shared=shared,
+    )
+
+
+def _database(r: reader.Reader, raw: object) -> DatabaseConfig:
+    db = r.mapping(raw, "database", DATABASE_KEYS)
+    if raw is None:
+        r.problem("database", "is required (dsn: embedded, or a postgresql:// URL)")
+    dsn = r.required(db, "dsn", "database", _dsn) if raw is not None else None
+    return DatabaseConfig(
+        dsn=_with_password_file(r, db, dsn),
+        data_dir=Path(r.value(db, "data_dir", "database", str, DEFAULT_DATA_DIR)),
+        table=r.value(db, "table", "database", values.parse_table, DEFAULT_TABLE),
+        create_schema=r.value(db, "create_schema", "database", values.parse_bool, True),
+        pool_size=r.value(
+            db, "pool_size", "database", values.parse_positive_int, DEFAULT_POOL_SIZE
+        ),
+        pool_timeout=r.value(db, "pool_timeout", "database", _SHORT_DURATION, DEFAULT_POOL_TIMEOUT),
+        connect_timeout=r.value(
+            db, "connect_timeout", "database", _SHORT_DURATION, DEFAULT_CONNECT_TIMEOUT
+        ),
+        start_timeout=r.value(
+            db, "start_timeout", "database", values.parse_duration, DEFAULT_START_TIMEOUT
+        ),
+    )
+
+
+def _admin(r: reader.Reader, adm: dict[str, Any], listen: Listen) -> AdminConfig:
+    """``admin`` beyond its ``listen``, read before the routes (``adm``: its mapping)."""
+    return AdminConfig(
+        listen=listen,
+        console=console.parse_console(
+            r, adm.get("console"), listen=str(listen), loopback=values.is_loopback(listen.host)
+        ),
+        allowed_hosts=r.value(adm, "allowed_hosts", "admin", values.parse_host_names, ()),
+    )
+
+
+def _sweeper(r: reader.Reader, sw: dict[str, Any]) -> SweeperConfig:
+    return SweeperConfig(
+        interval=r.value(sw, "interval", "sweeper", values.parse_duration, DEFAULT_SWEEP_INTERVAL),
+        batch=r.value(sw, "batch", "sweeper", values.parse_positive_int, DEFAULT_SWEEP_BATCH),
+    )
+
+
+def _log(r: reader.Reader, lg: dict[str, Any]) -> LogConfig:
+    return LogConfig(
+        level=r.value(lg, "level", "log", values.parse_choice(*_LEVELS), "info"),
+        format=r.value(lg, "format", "log", values.parse_choice("auto", "json", "text"), "auto"),
+    )
+
+
+def _check_together(r: reader.Reader, config: Config) -> None:
+    """What one section's values allow of another's."""
     if any(route.redeliver for route in config.routes) and config.database.pool_size < 2:
         r.problem(
             "database.pool_size",
@@ -476,9 +495,6 @@ def parse(
         r.problem("workers", f"must be at most {MAX_WORKERS}, got {config.workers}")
     if config.admin.listen.port == config.listen.port:
         r.problem("admin.listen", f"must not share the public port {config.listen.port}")
-    if r.problems:
-        raise errors.ConfigError(source, r.problems)
-    return config
 
 
 def _stripe_recovery(

@@ -304,23 +304,39 @@ def _parse_route(
             route, "replay_max_body", path, values.parse_size, DEFAULT_REPLAY_MAX_BODY
         ),
         replay_set_cookie=r.value(route, "replay_set_cookie", path, values.parse_bool, False),
+    )
+    route_config = _with_delivery(r, route, path, route_config, hand_off=defaults.hand_off)
+    _check_options(r, route, path, route_config)
+    if name is None or pattern is None or event_id is None:
+        return None
+    return route_config
+
+
+def _with_delivery(
+    r: reader.Reader, route: dict[str, Any], path: str, read: RouteConfig, *, hand_off: float | None
+) -> RouteConfig:
+    """``read`` with how its deliveries are followed up, read after the rest: ``redeliver``,
+    ``hand_off`` (by default ``hand_off``, the preset's share), ``receipt``, ``reconcile`` and
+    ``order``."""
+    route_config = dataclasses.replace(
+        read,
         # A claim redelivered late must outlive the provider's copies: never past retention.
         redeliver=redeliver.parse_redeliver(
             r,
             r.interpolate(route.get("redeliver"), f"{path}.redeliver"),
             f"{path}.redeliver",
-            default_for=min(redeliver.DEFAULT_FOR, retention),
+            default_for=min(redeliver.DEFAULT_FOR, read.retention),
         ),
-        hand_off=r.value(route, "hand_off", path, _hand_off, defaults.hand_off),
+        hand_off=r.value(route, "hand_off", path, _hand_off, hand_off),
         receipt=_receipt(r, r.interpolate(route.get("receipt"), f"{path}.receipt"), path),
         reconcile=reconciling.parse_reconcile(
-            r, route.get("reconcile"), f"{path}.reconcile", preset=preset_name
+            r, route.get("reconcile"), f"{path}.reconcile", preset=read.preset
         ),
         order=ordering.parse_order(
             r,
             r.interpolate(route.get("order"), f"{path}.order"),
             f"{path}.order",
-            preset=preset_name,
+            preset=read.preset,
         ),
     )
     if route_config.redeliver is None and route_config.hand_off is not None:
@@ -330,9 +346,6 @@ def _parse_route(
                 "only with redeliver: handing off keeps the delivery for the redeliverer",
             )
         route_config = dataclasses.replace(route_config, hand_off=None)
-    _check_options(r, route, path, route_config)
-    if name is None or pattern is None or event_id is None:
-        return None
     return route_config
 
 
