@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-LATE = 3.0
+LATE = 4.0
 
 App = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
