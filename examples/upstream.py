@@ -12,7 +12,8 @@ the claim so that the retry is forwarded again.
 
 With ``--receipts`` it is the app of a route with ``receipt`` (docs/how-it-works.md, "The
 receipt"): each request credits a ledger (``example_ledger``, made if missing) and writes its
-``Dedup-Receipt`` in the same transaction; a second delivery of an event fails on the first's
+``Dedup-Receipt`` first in the same transaction (without one, the route's receipt off, it
+credits alone); a second delivery of an event fails on the first's
 receipt, rolls back, and is answered 500, which the proxy settles as processed. DSN is the
 database that holds the receipts (``dedup-proxy migrate`` made ``dedup_receipt`` there).
 """
@@ -54,20 +55,20 @@ async def handle(request: web.Request) -> web.Response:
 async def credit(request: web.Request) -> web.Response:
     """``--receipts``: credit the ledger and write the receipt, in one transaction."""
     body = await request.read()
-    receipt = request.headers.get("Dedup-Receipt")
-    if receipt is None:
-        return web.Response(status=400, text="no Dedup-Receipt: is the route's receipt on?\n")
+    receipt = request.headers.get("Dedup-Receipt")  # none: the route's receipt is off
     async with request.app[POOL].acquire() as connection:
         try:
             async with connection.transaction():
+                if receipt is not None:  # first: a second delivery fails before any work
+                    await connection.execute("SELECT dedup_receipt($1)", receipt)
                 await connection.execute(
                     "INSERT INTO example_ledger (body) VALUES ($1)", body.decode("utf-8", "replace")
                 )
-                await connection.execute("SELECT dedup_receipt($1)", receipt)
         except asyncpg.UniqueViolationError:
-            print(f"app refused a second delivery: receipt {receipt[:12]}… exists", flush=True)
+            # Not caught to answer 2xx: the 500 sends the proxy to the first delivery's receipt.
+            print(f"app refused a second delivery: receipt {receipt!s:.12}… exists", flush=True)
             return web.Response(status=500, text="done already\n")
-    print(f"app credited {body[:60]!r} with receipt {receipt[:12]}…", flush=True)
+    print(f"app credited {body[:60]!r} with receipt {receipt!s:.12}…", flush=True)
     return web.Response(text="credited\n")
 
 

@@ -626,18 +626,18 @@ async def reconcile_once(
 
 def npm_install(where: Path, *packages: str) -> Path:
     """``packages`` installed from npm under ``where`` (its ``node_modules``): for the tests that
-    run a provider's or a framework's own JavaScript. Node and npm are Debian's ``nodejs`` and
-    ``npm``: without them the test fails in CI (``CI=true``, which installs them) and is skipped
-    elsewhere, saying what to install."""
+    run a provider's or a framework's own JavaScript (its libraries, the node-postgres receipt
+    app). Node and npm: without them the test fails in CI (``CI=true``, which installs them) and
+    is skipped elsewhere, saying what to install."""
     missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
     if missing:
         message = f"{' and '.join(missing)} not installed (apt-get install nodejs npm)"
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    subprocess.run(
-        ["npm", "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(where),
-         *packages],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+    npm = ["npm", "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(where),
+           *packages]  # fmt: skip
+    done = subprocess.run(npm, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(npm)} failed:\n{done.stderr}")
     return where / "node_modules"

@@ -368,3 +368,25 @@ async def test_a_start_under_the_documented_grants_warns_of_nothing(
 
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [message for message in said if "receipts'" in message], said
+
+
+async def test_a_delivery_kept_before_receipt_was_turned_on_is_redelivered_with_its_key(
+    make_proxy: MakeProxy, upstream: Any, pg_dsn: str, table: str
+) -> None:
+    # Issue 51: turning receipt on with deliveries already kept sent them without the key, and
+    # an app that indexes the header failed each of them on every attempt.
+    upstream.respond = lambda n: web.Response(status=503 if n == 0 else 200)
+    plain = {**ROUTE, "receipt": False, "redeliver": {"schedule": ["1h"], "for": "1d"}}
+    before = await make_proxy(routes=[plain])  # its schedule: due in an hour
+    assert (await before.post("/pay", data=b'{"id": "t1"}')).status == 202  # kept, no key
+    await before.close()
+
+    after = await make_proxy(
+        routes=[{**plain, "receipt": True}], redeliverer={"poll": "100ms", "rate": 1000}
+    )
+    await wait_until(lambda: _receipts_ready(after), "the receipts' table")
+    await execute(pg_dsn, f"UPDATE \"{table}\" SET inbox_due = now() WHERE event_id = 't1'")
+    await wait_until(lambda: asyncio.sleep(0, result=len(upstream.requests) >= 2), "redelivery")
+
+    assert "dedup-receipt" not in upstream.requests[0].headers
+    assert len(upstream.requests[1].headers["dedup-receipt"][0]) == 64
