@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import proxy
-from proxy import app_limit, errors
+from proxy import app_limit, database, errors
 
 if TYPE_CHECKING:
     from proxy.config import routes
@@ -43,8 +43,9 @@ prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Every outcome (``errors.Outcome``), each request counted under one.
 OUTCOMES: tuple[errors.Outcome, ...] = get_args(errors.Outcome)
-# Why a delivery was kept for the redeliverer (dedup_inbox_kept_total's reason).
-KEPT_REASONS = ("failed", "limit", "deadline", "paused", "retry_after", "ordering")
+# Why a delivery was kept (``database.KeptFor``), as dedup_inbox_kept_total counts it: a hand-off
+# is counted as the deadline it answered before.
+KEPT_REASONS = tuple(str(r) for r in database.KeptFor if r is not database.KeptFor.HANDED_OFF)
 # What a look at a receipt found (dedup_receipts_total's result).
 RECEIPT_RESULTS = ("written", "absent", "undecided", "missing")
 # From a fast local app (milliseconds) to a provider's patience (tens of seconds).

@@ -416,23 +416,46 @@ async def migrate(cfg: config.Config, out: TextIO = sys.stdout) -> int:
             ) from exc
         out.write(f"schema applied: table {cfg.database.table}\n")
         claim_dsn = store.dsn
+    for place in receipt_databases(cfg, claim_dsn):
+        receipts = place.open(cfg)
+        try:
+            await receipts.migrate()
+        except errors.StoreUnavailable as exc:
+            raise errors.StoreUnavailable(f"{place.what}: {exc.message}") from exc
+        finally:
+            await receipts.close()
+        out.write(f"schema applied: receipts ({database.receipts.TABLE}) in {place.where}\n")
+    return 0
+
+
+class ReceiptDatabase(NamedTuple):
+    """A receipts' database (``receipt``) and the routes whose apps write their receipts there."""
+
+    dsn: str
+    where: str  # "the claim database", or the DSN with its password masked
+    routes: tuple[str, ...]
+
+    @property
+    def what(self) -> str:
+        """As a problem with it is named: the database and its routes."""
+        return f"receipts in {self.where} (route {', '.join(self.routes)})"
+
+    def open(self, cfg: config.Config) -> database.Receipts:
+        """Its connection, opened when first asked, on the claim database's timeouts."""
+        timeout = cfg.database.connect_timeout
+        return database.Receipts(self.dsn, connect_timeout=timeout, op_timeout=timeout)
+
+
+def receipt_databases(cfg: config.Config, claim_dsn: str) -> list[ReceiptDatabase]:
+    """The receipts' databases of the routes with ``receipt``, each once, in the order of their
+    DSNs: the claim database's (``claim_dsn``) where a route names none."""
     places: dict[str, list[str]] = {}
     for route in cfg.routes:
         if route.receipt is not None:
             places.setdefault(route.receipt.dsn or claim_dsn, []).append(route.name)
-    for dsn, names in sorted(places.items()):
-        where = "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn)
-        receipts = database.Receipts(
-            dsn, connect_timeout=cfg.database.connect_timeout,
-            op_timeout=cfg.database.connect_timeout,
-        )  # fmt: skip
-        try:
-            await receipts.migrate()
-        except errors.StoreUnavailable as exc:
-            raise errors.StoreUnavailable(
-                f"receipts in {where} (route {', '.join(names)}): {exc.message}"
-            ) from exc
-        finally:
-            await receipts.close()
-        out.write(f"schema applied: receipts ({database.receipts.TABLE}) in {where}\n")
-    return 0
+    return [
+        ReceiptDatabase(
+            dsn, "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn), tuple(names)
+        )
+        for dsn, names in sorted(places.items())
+    ]

@@ -48,6 +48,7 @@ from proxy.database import inbox, slots
 from proxy.upstream import forwarder, http1, proxy_headers, transports
 
 log = logging.getLogger(__name__)
+KeptFor = database.KeptFor
 
 # Why a new event was kept without being sent (``Cycle._keep_unsent``), as the refusal says
 # when it could not be kept either.
@@ -414,7 +415,7 @@ class Cycle:
             payload = {"status": "superseded", "event_id": self.event_id}
             return _json(200, payload, "superseded"), "superseded"
         if self.route.redeliver is not None:
-            return await self._keep_unsent(claim, "ordering")
+            return await self._keep_unsent(claim, KeptFor.ORDERING)
         raise errors.ClaimWaitExceeded(
             f"another delivery of object {self.object.key if self.object else ''!r} is at the app"
         )
@@ -432,7 +433,7 @@ class Cycle:
             if hold is not None:
                 return hold.reason  # paused, or the app asked to wait: kept, sent after
             behind = route.config.verify is None
-            return None if await room.enter(self._keep_wait(), behind=behind) else "limit"
+            return None if await room.enter(self._keep_wait(), behind=behind) else KeptFor.LIMIT
         if hold is not None:
             raise errors.RoutePaused.holding(route.config.name, hold)
         await self._wait_for_room(room)
@@ -482,7 +483,7 @@ class Cycle:
             if left <= 0:
                 self.line["place_waited"] = tries
                 if keeps:
-                    return await self._keep_unsent(claim, "limit")
+                    return await self._keep_unsent(claim, KeptFor.LIMIT)
                 raise errors.AppBusy(
                     f"no place at the app within {patience:g}s: {places.limit} requests at it "
                     "already, from every replica (upstream.concurrency, shared)"
@@ -496,7 +497,7 @@ class Cycle:
     async def _keep_unsent(
         self, claim: database.Claim, reason: str
     ) -> tuple[web.StreamResponse, errors.Outcome]:
-        """Keep a new event the app was not sent (``reason``: why, as ``metrics.KEPT_REASONS``),
+        """Keep a new event the app was not sent (``reason``: why, a ``database.KeptFor``),
         due at once, and answer 202: the redeliverer sends it when the app has room, oldest
         first. When it cannot be kept, the claim is released and the provider told to retry:
         503."""
@@ -505,7 +506,7 @@ class Cycle:
             claim, database.Attempt(None), reason=reason, attempted=False, why=reason
         )
         if kept is not None:
-            if reason == "limit":
+            if reason == KeptFor.LIMIT:
                 self.services.room.overflowed()  # due now: the lanes look
             return kept
         await self._release(claim)
@@ -635,7 +636,7 @@ class Cycle:
             return await self._call(), None
         after = route.hand_off - (time.perf_counter() - self.started)
         if after <= 0:
-            return delivery.Result(None), await self._keep_unsent(claim, "deadline")
+            return delivery.Result(None), await self._keep_unsent(claim, KeptFor.DEADLINE)
         # A shared place carried past the keep's COMMIT (``_carry_place``), until the attempt ends.
         async with contextlib.AsyncExitStack() as place:
             result, handed = await delivery.handing_off(
@@ -679,8 +680,8 @@ class Cycle:
             return None
         self.sent = self._unsent_headers()
         kept = await self._keep(
-            claim, database.Attempt(None), reason="deadline", delay=route.lease,
-            attempted=False, why="handed_off",
+            claim, database.Attempt(None), reason=KeptFor.DEADLINE, delay=route.lease,
+            attempted=False, why=KeptFor.HANDED_OFF,
         )  # fmt: skip
         if kept is None:
             await place.aclose()  # the claim still holds its place
@@ -745,7 +746,7 @@ class Cycle:
         if retry_after is None:
             return await self._keep(claim, result.attempt)
         delay = max(retry_after, route.redeliver.schedule[0])
-        return await self._keep(claim, result.attempt, reason="retry_after", delay=delay)
+        return await self._keep(claim, result.attempt, reason=KeptFor.RETRY_AFTER, delay=delay)
 
     def _unsent_headers(self) -> tuple[tuple[str, str], ...]:
         """The headers the app is sent, for a delivery kept before its attempt ended."""
@@ -763,13 +764,13 @@ class Cycle:
         claim: database.Claim,
         attempt: database.Attempt,
         *,
-        reason: str = "failed",
+        reason: str = KeptFor.FAILED,
         delay: float | None = None,
         attempted: bool = True,
         why: str | None = None,
     ) -> tuple[web.StreamResponse, errors.Outcome] | None:
         """On a route that redelivers: keep the delivery and answer 202 (the provider need not
-        retry); ``reason``: why (``metrics.KEPT_REASONS``: the app failed it, or it was not
+        retry); ``reason``: why (``database.KeptFor``: the app failed it, or it was not
         sent, then due at once); ``why``: what the kept row says of it for an operator
         (``inbox.KEPT_UNSENT``'s keys), when no attempt of its is recorded. None on any other
         route, or when it could not be kept (over the cap, its signed body kept already under
@@ -813,7 +814,7 @@ class Cycle:
         payload: dict[str, Any] = {"status": outcome, "event_id": self.event_id}
         if attempted:
             payload["upstream_status"] = attempt.status  # null: no answer came
-        if reason != "failed":
+        if reason != KeptFor.FAILED:
             line["kept_for"] = reason
             payload["kept_for"] = reason
         return _json(202, payload, outcome), outcome

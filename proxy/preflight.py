@@ -68,17 +68,9 @@ async def _check_receipts(cfg: config.Config, claim_dsn: str, report: Report) ->
     """Each receipts' database (``receipt``): its table and function, the role's grants on
     the table, and when its app last wrote a receipt. None written is said, not failed: a new
     app has written none yet, and ``serve`` warns at each 2xx that comes without one."""
-    places: dict[str, list[str]] = {}
-    for route in cfg.routes:
-        if route.receipt is not None:
-            places.setdefault(route.receipt.dsn or claim_dsn, []).append(route.name)
-    for dsn, names in sorted(places.items()):
-        where = "the claim database" if dsn == claim_dsn else config.redact_dsn(dsn)
-        what = f"receipts in {where} (route {', '.join(names)})"
-        receipts = database.Receipts(
-            dsn, connect_timeout=cfg.database.connect_timeout,
-            op_timeout=cfg.database.connect_timeout,
-        )  # fmt: skip
+    for place in operations.receipt_databases(cfg, claim_dsn):
+        what = place.what
+        receipts = place.open(cfg)
         try:
             if await receipts.missing():
                 table, function = database.receipts.TABLE, database.receipts.FUNCTION

@@ -1229,10 +1229,7 @@ def _certificates(
     try:
         from proxy import certificates
     except ImportError as exc:
-        raise ValueError(
-            f"scheme {scheme} needs the cryptography package: install "
-            f"webhook-dedup-proxy[{scheme}] ({exc})"
-        ) from None
+        raise _without_cryptography(scheme, exc) from None
     if hosts is not None and (isinstance(hosts, str) or not hosts):
         raise ValueError("cert_hosts must be a non-empty list of host or host:port")
     paypal = scheme == "paypal"
@@ -1270,10 +1267,15 @@ def _need_cryptography(scheme: str) -> None:
     try:
         import cryptography  # noqa: F401
     except ImportError as exc:
-        raise ValueError(
-            f"scheme {scheme} needs the cryptography package: install "
-            f"webhook-dedup-proxy[{scheme}] ({exc})"
-        ) from None
+        raise _without_cryptography(scheme, exc) from None
+
+
+def _without_cryptography(scheme: str, exc: ImportError) -> ValueError:
+    """What a scheme that needs ``cryptography`` says without it: the extra named after it."""
+    return ValueError(
+        f"scheme {scheme} needs the cryptography package: install "
+        f"webhook-dedup-proxy[{scheme}] ({exc})"
+    )
 
 
 def _ed25519_keys(secrets: Sequence[str]) -> tuple[Ed25519PublicKey, ...]:

@@ -77,18 +77,33 @@ def plainly(what: str, outdated: str = OUTDATED) -> Iterator[None]:
         raise errors.TableMissing(outdated) from exc.__cause__
 
 
-# Why a delivery was kept before its attempt at the app ended (``StoredRequest.kept_for``: the
-# reasons of ``metrics.KEPT_REASONS`` but "failed", and a hand-off), in the words the refusal,
-# ``events show`` and the console use. A delivery the app failed has its attempt recorded instead.
-KEPT_UNSENT = {
-    "limit": "not sent: the limit at the app was reached (upstream.concurrency)",
-    "deadline": "not sent: the route's hand_off had passed before the app could be sent it",
-    "paused": "not sent: the route is paused",
-    "retry_after": "not sent: the app asked to wait (Retry-After)",
-    "handed_off": "handed off: the app had not answered by the route's hand_off, the provider "
-    "was answered 202 and the attempt went on",
-    "ordering": "not sent: another delivery of its object was at the app, or kept before it "
-    "(order)",
+class KeptFor(enum.StrEnum):
+    """Why a delivery was kept: the app failed it, or it was kept before its attempt ended (the
+    others). The one set of these words: ``dedup_inbox_kept_total``'s reasons
+    (``metrics.KEPT_REASONS``: every one but ``HANDED_OFF``, counted as ``DEADLINE``) and a kept
+    row's ``StoredRequest.kept_for`` (every one but ``FAILED``: a failed attempt is recorded)."""
+
+    FAILED = "failed"
+    LIMIT = "limit"
+    DEADLINE = "deadline"
+    PAUSED = "paused"
+    RETRY_AFTER = "retry_after"
+    ORDERING = "ordering"
+    HANDED_OFF = "handed_off"
+
+
+# Why a delivery was kept before its attempt at the app ended (``StoredRequest.kept_for``), in the
+# words the refusal, ``events show`` and the console use. A delivery the app failed has its
+# attempt recorded instead.
+KEPT_UNSENT: dict[str, str] = {
+    KeptFor.LIMIT: "not sent: the limit at the app was reached (upstream.concurrency)",
+    KeptFor.DEADLINE: "not sent: the route's hand_off had passed before the app could be sent it",
+    KeptFor.PAUSED: "not sent: the route is paused",
+    KeptFor.RETRY_AFTER: "not sent: the app asked to wait (Retry-After)",
+    KeptFor.HANDED_OFF: "handed off: the app had not answered by the route's hand_off, the "
+    "provider was answered 202 and the attempt went on",
+    KeptFor.ORDERING: "not sent: another delivery of its object was at the app, or kept before "
+    "it (order)",
 }
 
 
