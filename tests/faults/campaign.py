@@ -113,7 +113,7 @@ import yaml
 from aiohttp import web
 
 from proxy import app_limit, config, embedded, errors
-from proxy.database import pool, sql
+from proxy.database import pool, slots, sql
 from tests.faults import (
     checker,
     databases,
@@ -1072,7 +1072,7 @@ async def check_places_free(c: Cluster, within: float = 2.0) -> checker.PostChec
         f'SELECT count(*) FROM (SELECT FROM "{c.settings.table}" WHERE scope = $1 '
         "AND event_id = ANY($2::text[]) FOR UPDATE SKIP LOCKED) AS free"
     )
-    scope, ids = f"{sql.SLOTS}/app", [str(n) for n in range(limit)]
+    scope, ids = f"{sql.SLOTS}/app", [slots.place_id(n) for n in range(limit)]
     free = [0]
 
     async def all_free() -> bool:
