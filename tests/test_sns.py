@@ -4,17 +4,23 @@ preset through the proxy.
 The stand-in serves, over TLS on 127.0.0.1, a certificate whose key signs the messages here, as
 SNS's ``SigningCertURL`` serves its leaf alone; the canonical string is cross-checked against
 the ``aws-sns-message-validator`` package (a third party's: AWS publishes no Python validator),
-which also verifies (SignatureVersion 1, the one it knows) what the proxy accepted. The
-allow-list of AWS's hosts is replaced (``cert_hosts``) by the stand-in's, as only tests do.
+which also verifies (SignatureVersion 1, the one it knows) what the proxy accepted; and AWS's own
+JavaScript validator (``sns-validator``, ``aws/aws-js-sns-message-validator``, run by node)
+accepts what the proxy accepts and refuses what it refuses, for SignatureVersion 1 and 2, its
+certificate fetched from the same stand-in. The allow-list of AWS's hosts is replaced
+(``cert_hosts``) by the stand-in's, as only tests do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import importlib
 import json
+import os
 from collections import Counter
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from multidict import CIMultiDict
 
 from proxy import errors, signatures
-from tests.helpers import FakeUpstream, MakeProxy, claimed
+from tests.helpers import FakeUpstream, MakeProxy, claimed, npm_install
 
 TOPIC = "arn:aws:sns:us-west-2:123456789012:MyTopic"
 CERT_PATH = "/SimpleNotificationService-f3ecfb7224c7233fe7bb5f59f96de52f.pem"
@@ -388,3 +394,52 @@ async def test_with_confirm_subscription_the_proxy_confirms_a_verified_subscript
 def test_confirm_subscription_is_for_sns_only() -> None:
     with pytest.raises(ValueError, match="confirm_subscription: only for scheme sns, not stripe"):
         signatures.build("stripe", ["whsec_x"], confirm_subscription=True)
+
+
+# AWS's own validator (npm ``sns-validator``): the message in a file, its answer printed; the
+# certificate host held to the stand-in's (its ``hostPattern``), trusted through the test CA.
+AWS_VALIDATOR = """
+import { readFileSync } from "node:fs";
+import MessageValidator from "sns-validator";
+const validator = new MessageValidator(/^127\\.0\\.0\\.1:\\d+$/);
+validator.validate(JSON.parse(readFileSync(process.argv[2], "utf8")), (error) =>
+  console.log(error ? `false ${error.message}` : "true"));
+"""
+
+
+@pytest.fixture(scope="module")
+def aws_validator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    where = tmp_path_factory.mktemp("sns-validator")
+    npm_install(where, "sns-validator@0.3")
+    script = where / "validate.mjs"
+    script.write_text(AWS_VALIDATOR)
+    return script
+
+
+async def aws_says(script: Path, ca_file: str, sent: dict[str, str]) -> str:
+    """What AWS's validator says of ``sent``: a process of its own, awaited (not run blocking:
+    it fetches the certificate from the stand-in, which answers in this test's loop)."""
+    body = script.parent / f"message-{len(os.listdir(script.parent))}.json"
+    body.write_text(json.dumps(sent))
+    process = await asyncio.create_subprocess_exec(
+        "node", str(script), str(body), stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "NODE_EXTRA_CA_CERTS": ca_file},
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+    return out.decode().strip()
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+async def test_awss_own_validator_accepts_what_we_accept_and_refuses_what_we_refuse(
+    host: Host, ca_file: str, aws_validator: Path, version: str
+) -> None:
+    verifier = sns(host, ca_file)
+    sent = message(host, version=version)
+    swapped = {**sent, "Message": '{"order": 42, "state": "refunded"}'}
+    downgraded = {**sent, "SignatureVersion": "1" if version == "2" else "2"}
+
+    await check(verifier, sent)
+    assert await aws_says(aws_validator, ca_file, sent) == "true"
+    for forged in (swapped, downgraded):
+        assert await refused(verifier, forged)
+        assert (await aws_says(aws_validator, ca_file, forged)).startswith("false")
