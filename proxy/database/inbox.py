@@ -711,22 +711,28 @@ class Inbox:
     ) -> Taken | None:
         """The oldest of one page of due rows that this transaction could lock: by one
         statement, or on Citus by one per key."""
-        if not self.distributed:
-            keys = [(c["scope"], c["event_id"]) for c in due]
-            # Bounded: each row whose object is held is passed over, and the page shrinks.
-            while keys:
-                found: pool.Record | None = await connection.fetchrow(
-                    self.statements.take_first_free, [k[0] for k in keys],
-                    [k[1] for k in keys], timeout=self.op_timeout,
-                )  # fmt: skip
-                if found is None:
-                    return None
-                taken, accepted = await self._object_taken(connection, found)
-                if taken:
-                    return found, accepted
-                # Its row stays locked by this transaction (no other lane needs it meanwhile).
-                keys.remove((found["scope"], found["event_id"]))
-            return None
+        if self.distributed:
+            return await self._lock_each(connection, due)
+        keys = [(c["scope"], c["event_id"]) for c in due]
+        # Bounded: each row whose object is held is passed over, and the page shrinks.
+        while keys:
+            found: pool.Record | None = await connection.fetchrow(
+                self.statements.take_first_free, [k[0] for k in keys],
+                [k[1] for k in keys], timeout=self.op_timeout,
+            )  # fmt: skip
+            if found is None:
+                return None
+            taken, accepted = await self._object_taken(connection, found)
+            if taken is None:
+                return None
+            if taken:
+                return found, accepted
+            # Its row stays locked by this transaction (no other lane needs it meanwhile).
+            keys.remove((found["scope"], found["event_id"]))
+        return None
+
+    async def _lock_each(self, connection: pool.Connection, due: list[pool.Record]) -> Taken | None:
+        """``_lock_first`` on Citus: each due row tried in turn, a statement each."""
         for candidate in due:
             row: pool.Record | None = await connection.fetchrow(
                 self.statements.take, candidate["scope"], candidate["event_id"],
@@ -735,16 +741,22 @@ class Inbox:
             if row is None:
                 continue
             taken, accepted = await self._object_taken(connection, row)
+            if taken is None:
+                return None
             if taken:
                 return row, accepted
         return None
 
     async def _object_taken(
         self, connection: pool.Connection, row: pool.Record
-    ) -> tuple[bool, str | None]:
+    ) -> tuple[bool | None, str | None]:
         """Whether the object of a taken row (an ordered route's) is this redelivery's now,
         its row locked (True for a row of no object), and the newest version of it the app
-        accepted; False: a delivery of it is at the app."""
+        accepted; False: a delivery of it is at the app, its row held by that delivery's
+        transaction. None: this transaction holds the object's row, but a delivery of it
+        handed off after the take read its rows is still at the app: the take gives up (its
+        transaction rolled back, so that the object's row, which that delivery's result is
+        written to, is not held while another row is redelivered)."""
         request = row["inbox_request"]
         fields = json.loads(request) if isinstance(request, str) else request
         key = fields.get("object") if isinstance(fields, dict) else None
@@ -755,7 +767,18 @@ class Inbox:
         taken = await connection.fetchrow(
             self.statements.take_object, scope, key, timeout=self.op_timeout
         )
-        return taken is not None, None if taken is None else taken["accepted"]
+        if taken is None:
+            return False, None
+        # The take read the object's rows before it held the object: a delivery of it handed
+        # off meanwhile (its keep's COMMIT let go of the object's row) is still at the app.
+        at_app = await connection.fetchval(
+            self.statements.object_at_app,
+            row["scope"],
+            key,
+            row["event_id"],
+            timeout=self.op_timeout,
+        )
+        return (None, None) if at_app else (True, taken["accepted"])
 
     async def kept(self, scope: str, state: InboxState, limit: int) -> tuple[list[Listed], int]:
         """The oldest ``limit`` rows of ``scope`` in ``state``, and how many there are."""

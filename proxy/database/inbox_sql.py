@@ -262,6 +262,18 @@ class Statements:
         )
 
     @property
+    def object_at_app(self) -> str:
+        # $1 a row's scope, $2 its object's key, $3 its event ID: whether another delivery of
+        # that object, handed off, is still at the app (``_AT_APP``). Read after the object's
+        # row was locked (``take_object``), in a statement of its own: a hand-off whose keep
+        # committed after the take's snapshot, letting go of that lock, is seen here.
+        return (
+            f"SELECT EXISTS (SELECT FROM {self.quoted} WHERE scope = $1 "
+            "AND inbox_state = 'pending' AND inbox_request ->> 'object' = $2 "
+            f"AND event_id <> $3 AND {_AT_APP})"
+        )
+
+    @property
     def superseded(self) -> str:
         # $1 scope, $2 event ID: a kept delivery older than its object's accepted version, not
         # sent; its request and body stay (an operator may still send it), and its bytes leave

@@ -54,7 +54,10 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
   (``upstream.timeout`` + 5 s) ends. A second call of the event beside it or after it is
   exposed to the same windows as any forward (a fault on its replica, an answer after
   ``upstream.timeout``), never to ``no_answer``; a kill of its replica during the wait, after
-  which the row is sent again at the lease's end, is counted as ``hand_off_kill``.
+  which the row is sent again at the lease's end, is counted as ``hand_off_kill``, and a result
+  the proxy could not record when the attempt ended (its line says ``handed_off: unrecorded``:
+  no free pool connection in time, or the link lost), sent again at the lease's end too, as
+  ``hand_off_unrecorded``.
 - **Redeliveries are doubles only in the windows.** A call carrying a delivery's ID that is not
   that delivery's first forward (its first call while it was in flight, from the replica it
   was sent to) is a redelivery, made by the replica whose port it reached.
@@ -709,7 +712,18 @@ def _exposures_of(records: Records, event: _Event, call: UpstreamCall) -> list[t
     own = next((d for d in event.deliveries if d.delivery_id == call.delivery_id), None)
     if own is not None and event.committed(own):
         return []  # its claim held its lock until an acknowledged COMMIT: no fault reached it
-    return exposures(records, call, own)
+    reasons = exposures(records, call, own)
+    if own is None or own.kept_for != HANDED_OFF:
+        return reasons
+    line = event.request_line(own)
+    if line is not None and line.get("handed_off") == "unrecorded":
+        # The attempt's result could not be written when it ended (no free pool connection in
+        # time, the link lost; the line says why): the row stays due at its lease's end and is
+        # sent again then (docs/guarantees.md, the hand-off's window 1).
+        why = line.get("commit_error", "")
+        text = f"delivery {own.delivery_id} handed off, its result not recorded ({why})"
+        reasons.append(("hand_off_unrecorded", text))
+    return reasons
 
 
 def _in_flight_twice(records: Records, event: _Event) -> Iterator[Violation]:
