@@ -256,6 +256,7 @@ async def _tend_receipts(cfg: config.Config, retention: dict[database.Receipts, 
             # Looked at first, as the claim table is: under the documented grants the role may
             # not CREATE, and the DDL it needs not is no failure to report at every start.
             if not await receipts.missing():
+                log.debug("the receipts' table and function are there")
                 continue
             if not cfg.database.create_schema:
                 log.error("%s", missing)
