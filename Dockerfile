@@ -15,18 +15,31 @@
 # - Port 8080: webhooks. Port 9901: admin (/healthz, /readyz, /metrics), not for the internet.
 
 FROM python:3.11-slim-bookworm AS build
+# The compiled build (setup.py, DEDUP_PROXY_COMPILE=1: the hot modules compiled with mypyc, about
+# 13 % fewer instructions per webhook) needs a C compiler and Python's headers, here only: the
+# runtime stage below gets the built modules, not the tools. (The official image has the headers;
+# a stand-in base with Debian's Python gets them from libpython3.11-dev.)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && { test -e "$(python -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" \
+         || apt-get install -y --no-install-recommends libpython3.11-dev; } \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
 # Installed under /install in /usr/local's layout (the dedup-proxy script runs /usr/local/bin's
 # python), then copied to /usr/local below: no wheels, sources or pip cache in the runtime stage.
-RUN pip install --no-cache-dir --disable-pip-version-check --no-warn-script-location \
-        --prefix=/install "/src[fast,otel,github-app]"
+# mypy (mypyc) and setuptools are the build's, installed here and not in /install.
+RUN pip install --no-cache-dir --disable-pip-version-check "mypy==2.4.1" "setuptools>=77" \
+    && DEDUP_PROXY_COMPILE=1 pip install --no-cache-dir --disable-pip-version-check \
+        --no-warn-script-location --no-build-isolation --prefix=/install \
+        "/src[fast,otel,github-app]"
 
 FROM python:3.11-slim-bookworm
 # proxy.__version__, the tag the image is pushed under (docs/development.md, "Releases").
 LABEL org.opencontainers.image.title="dedup-proxy" \
-      org.opencontainers.image.version="0.3.0"
+      org.opencontainers.image.version="0.4.0.dev0"
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 RUN groupadd --system --gid 10001 dedup \

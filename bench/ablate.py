@@ -25,6 +25,7 @@ the clock of this 2-core machine cannot resolve (±10 % a round).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import statistics
@@ -55,14 +56,31 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
     return done.stdout
 
 
-def worktree(scratch: Path, made: list[Path], ablation: str | None = None) -> Path:
+def worktree(
+    scratch: Path, made: list[Path], ablation: str | None = None, *, compiled: bool = False
+) -> Path:
     """A worktree of HEAD at ``scratch`` (listed in ``made`` first, so that it is removed
-    even if the patch fails), with ``bench/ablations/<ablation>.patch`` applied."""
+    even if the patch fails), with ``bench/ablations/<ablation>.patch`` applied; ``compiled``:
+    then its hot modules built in place with mypyc, as the image has them (setup.py)."""
     made.append(scratch)
     _git("worktree", "add", "--detach", "--quiet", str(scratch), "HEAD")
     if ablation is not None:
         _git("apply", str(ABLATIONS / f"{ablation}.patch"), cwd=scratch)
+    if compiled:
+        compile_in_place(scratch)
     return scratch
+
+
+def compile_in_place(checkout: Path) -> None:
+    """setup.py's compiled build, its extension modules beside their sources in ``checkout``
+    (which Python then imports instead of the sources); needs mypy in this Python."""
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"], cwd=checkout,
+        env={**os.environ, "DEDUP_PROXY_COMPILE": "1"}, capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"the compiled build in {checkout} failed:\n{done.stdout}{done.stderr}")
 
 
 def remove(trees: list[Path]) -> None:

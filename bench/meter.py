@@ -3,7 +3,8 @@ shared 2-core machine cannot blur as it blurs CPU seconds.
 
     python bench/meter.py [--webhooks 300] [--warmup 50] [--runs 2] [--routes plain,stripe]
                           [--ablations floor,log-line,key,turn]
-                          [--variants shared,ordered,receipt] [--out FILE] [--json FILE]
+                          [--variants shared,ordered,receipt] [--build compiled|pure|both]
+                          [--out FILE] [--json FILE]
 
 The contenders: the proxy of ``HEAD``, the naive proxy (bench/naive.py) and ``HEAD`` with each
 ablation applied (bench/ablations/*.patch, in scratch worktrees as bench/ablate.py makes them;
@@ -12,9 +13,12 @@ again with one of this round's features on, to say what it costs: ``shared``, it
 by every replica (``upstream.concurrency: {limit: N, shared: true}``, N its share: each webhook
 takes a place, one statement more); ``ordered``, the route with ``order: {key: body:/id}``
 (each event its own object: the object row's statement alone); ``receipt``, the route with
-``receipt`` (the receipt's key in each request to the app). Each runs as one process
-(``workers: 1``, with the pool and the share of ``upstream.concurrency`` of one of
-bench/ablate.py's workers) at ``nice 19`` with ``PYTHONHASHSEED=0``, in front of the same app
+``receipt`` (the receipt's key in each request to the app). ``--build``: the proxy as the
+image runs it, its hot modules compiled with mypyc (setup.py; the default, and this Python needs
+mypy), as the README's commands install it (pure Python), or ``both``: the compiled build, and
+the pure one beside it as contender ``pure``; an ablation is built as the proxy is. Each runs
+as one process (``workers: 1``, with the pool and the share of ``upstream.concurrency`` of one
+of bench/ablate.py's workers) at ``nice 19`` with ``PYTHONHASHSEED=0``, in front of the same app
 (bench/upstream.py) and embedded PostgreSQL, and gets the same stream from a small client in
 this process: ``--warmup`` webhooks, then ``--webhooks`` measured ones, each with a new event
 ID, one at a time over one keep-alive connection (not wrk: the same requests in the same order
@@ -88,6 +92,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "shared": {},  # the limit shared by every replica: upstream.concurrency, not the route
     "ordered": {"order": {"key": "body:/id"}},
     "receipt": {"receipt": True},
+}
+# The proxy's build: as the image has it (setup.py, DEDUP_PROXY_COMPILE=1), as the README's
+# commands install it, or the first with the second beside it as contender "pure".
+BUILDS = ("compiled", "pure", "both")
+BUILD = "compiled"
+BUILT = {
+    "compiled": "compiled with mypyc (the image's build)",
+    "pure": "pure Python (the README's install)",
+    "both": "compiled with mypyc (the image's build), and pure Python as `pure`",
 }
 SETTLE = 0.3  # seconds for the work after the last answer (the log line) before a switch
 
@@ -270,7 +283,7 @@ def _variant_routes(route: str, contender: str) -> list[dict[str, Any]] | None:
 
 def measure(
     names: Sequence[str], routes: Sequence[str], *, webhooks: int = WEBHOOKS,
-    warmup: int = WARMUP, runs: int = RUNS, variants: Sequence[str] = (),
+    warmup: int = WARMUP, runs: int = RUNS, variants: Sequence[str] = (), build: str = BUILD,
 ) -> list[Count]:  # fmt: skip
     """Every contender's counts on every route, ``runs`` times."""
     for tool in ("valgrind", "callgrind_control", "strace"):
@@ -284,11 +297,17 @@ def measure(
         prepare_database(bench)
         app = bench.start_upstream("app")
         checkouts: dict[str, Path | None] = {"naive": None}
-        checkouts["proxy"] = ablate.worktree(workdir / "tree-head", trees)
+        compiled = build == "compiled"
+        checkouts["proxy"] = ablate.worktree(workdir / "tree-head", trees, compiled=compiled)
+        if build == "both":
+            checkouts["pure"] = ablate.worktree(workdir / "tree-pure", trees)
+            ablate.compile_in_place(checkouts["proxy"])
         for variant in variants:
             checkouts[variant] = checkouts["proxy"]
         for name in names:
-            checkouts[name] = ablate.worktree(workdir / f"tree-{name}", trees, name)
+            checkouts[name] = ablate.worktree(
+                workdir / f"tree-{name}", trees, name, compiled=build != "pure"
+            )
         for run in range(1, runs + 1):
             for route in routes:
                 for contender, checkout in checkouts.items():
@@ -385,6 +404,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated names of bench/ablations/*.patch")  # fmt: skip
     parser.add_argument("--variants", default="", help="comma-separated: also HEAD with one "
                         f"feature on, of {', '.join(VARIANTS)}")  # fmt: skip
+    parser.add_argument("--build", choices=BUILDS, default=BUILD,
+                        help="the proxy's modules compiled with mypyc as the image has them "
+                        "(needs mypy), pure Python, or both: the pure build as contender "
+                        "'pure'")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     parser.add_argument("--json", type=Path, help="also write every count here")
     args = parser.parse_args(argv)
@@ -400,13 +423,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no route {', '.join(wrong)}: one of {', '.join(ROUTES)}")
     head = ablate._git("rev-parse", "--short", "HEAD").strip()  # what the worktrees check out
     counts = measure(names, routes, webhooks=args.webhooks, warmup=args.warmup, runs=args.runs,
-                     variants=variants)  # fmt: skip
+                     variants=variants, build=args.build)  # fmt: skip
     command = shlex.join(["python", "bench/meter.py", *(sys.argv[1:] if argv is None else argv)])
     machine = report.machine()
     text = (
         f"`{command}`: {machine.get('nproc', '?')} CPUs; {args.warmup} webhooks of warm-up, "
         f"then {args.webhooks} counted, one at a time, each contender one process, "
-        f"{args.runs} run(s); at `{head}`\n\n{table(counts)}\n"
+        f"{args.runs} run(s); the proxy {BUILT[args.build]}; at `{head}`\n\n{table(counts)}\n"
     )
     if names:
         text += f"\n{parts(counts)}\n"

@@ -2,4 +2,4 @@
 
 from __future__ import annotations
 
-__version__ = "0.3.0"  # the one place it is set: pyproject.toml reads it from here
+__version__ = "0.4.0.dev0"  # the one place it is set: pyproject.toml reads it from here

@@ -46,9 +46,9 @@ class IdempotencyKeySemantics:
             sent, event_type, digest = cycle.inspect(query)
         except errors.EventIdMissing as exc:
             raise errors.KeyMissing(exc.message) from None
-        except errors.EventIdInvalid as exc:
-            if type(exc) is errors.EventIdInvalid:
-                raise errors.KeyInvalid(exc.message) from None
+        except errors.EventIdInvalid as event_id_invalid:
+            if type(event_id_invalid) is errors.EventIdInvalid:
+                raise errors.KeyInvalid(event_id_invalid.message) from None
             raise
         request = cycle.request
         event_id = key(sent, route.name)

@@ -206,8 +206,8 @@ class Cycle:
                     await self._write(response)
         except errors.RequestError as exc:
             response = self._refuse(exc)
-        except BaseException as exc:  # cancelled at the end of a drain: its spans end too
-            self.trace.abort(exc)
+        except BaseException as raised:  # cancelled at the end of a drain: its spans end too
+            self.trace.abort(raised)
             raise
         finally:
             in_flight.dec()
@@ -993,8 +993,8 @@ def make_dispatcher(
             line["outcome"] = "passthrough"
         except errors.RequestError as exc:
             response = refusal(line, exc)
-        except BaseException as exc:
-            trace.abort(exc)
+        except BaseException as raised:
+            trace.abort(raised)
             raise
         log_line.finish(route_meters, line, started, response)
         trace.finish(line)

@@ -56,8 +56,8 @@ async def read(
             body = await _read_parts(content, limit, within, pause, reservation)
     except TimeoutError as exc:
         raise errors.RequestTimeout(f"body not received within {within:g}s") from exc
-    except (aiohttp.ClientPayloadError, OSError) as exc:
-        raise errors.RequestIncomplete(f"request body ended early: {exc!r}") from exc
+    except (aiohttp.ClientPayloadError, OSError) as broken:
+        raise errors.RequestIncomplete(f"request body ended early: {broken!r}") from broken
     if len(body) > limit:
         raise errors.BodyTooLarge(f"body is over max_body {limit} bytes")
     return body

@@ -260,11 +260,11 @@ class Claim:
                         sql.COMMIT_WITHOUT_ANSWER, timeout=store.op_timeout
                     )
                 return Commit(answer_refused=refused)
-        except errors.StoreUnavailable as exc:
+        except errors.StoreUnavailable as unavailable:
             self._discard()
             if await store.confirm_commit(key):
                 return Commit(reconciled=True, answer_refused=refused)
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            cause = unavailable.__cause__ if unavailable.__cause__ is not None else unavailable
             if unsent:
                 raise errors.CommitNotSent(
                     "the connection was closed before COMMIT could be sent, so the claim is "

@@ -516,22 +516,22 @@ class Client:
                 answer = await self._exchange(origin, connection, (message, body), reader)
                 answer.resend_count = 0 if reused is None else 1
                 return answer
-        except TimeoutError as exc:
+        except TimeoutError as timed_out:
             raise errors.UpstreamTimeout(
                 f"upstream did not answer within {self._timeout:g}s",
                 upstream_status=None if reader is None else reader.status,
-            ) from exc
-        except _Malformed as exc:
+            ) from timed_out
+        except _Malformed as malformed:
             raise errors.UpstreamUnavailable(
-                f"upstream sent a malformed answer: {exc}", upstream_status=exc.status
+                f"upstream sent a malformed answer: {malformed}", upstream_status=malformed.status
             ) from None
         except _Closed as exc:
             raise errors.UpstreamUnavailable(
                 "upstream closed the connection before answering completely",
                 upstream_status=exc.status,
             ) from None
-        except OSError as exc:
-            raise errors.UpstreamUnavailable(failure(exc)) from exc
+        except OSError as os_failure:
+            raise errors.UpstreamUnavailable(failure(os_failure)) from os_failure
 
     async def _exchange(
         self,
@@ -547,8 +547,8 @@ class Client:
             keep = reader.keep and limit > 0
         except errors.AnswerOverBudget as exc:
             raise exc.after(reader.status) from None
-        except _Failed as exc:
-            exc.status = reader.status
+        except _Failed as failed:
+            failed.status = reader.status
             raise
         finally:
             if keep and connection.reusable and not self._closed:

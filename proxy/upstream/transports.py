@@ -27,7 +27,6 @@ from urllib.parse import urlsplit
 import aiohttp
 import yarl
 from aiohttp import hdrs
-from aiohttp.http import RawResponseMessage
 from multidict import CIMultiDict
 
 from proxy import errors
@@ -100,22 +99,24 @@ def translated(timeout: float, status: int | None = None) -> Iterator[None]:
         raise errors.UpstreamTimeout(
             f"upstream did not answer within {timeout:g}s", upstream_status=status
         ) from exc
-    except (aiohttp.ClientError, OSError) as exc:
-        cause = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc
+    except (aiohttp.ClientError, OSError) as broken:
+        cause = broken.os_error if isinstance(broken, aiohttp.ClientConnectorError) else broken
         raise errors.UpstreamUnavailable(
             http1.failure(cause),
-            upstream_status=status if status is not None else _broken_head_status(exc),
-        ) from exc
+            upstream_status=status if status is not None else _broken_head_status(broken),
+        ) from broken
 
 
 def _broken_head_status(exc: Exception) -> int | None:
     """The status line of a head the app broke off: aiohttp's disconnection carries what its
     parser had made of the head (a plain message when there was none)."""
-    if isinstance(exc, aiohttp.ServerDisconnectedError) and isinstance(
-        exc.message, RawResponseMessage
-    ):
-        return exc.message.code
-    return None
+    if not isinstance(exc, aiohttp.ServerDisconnectedError):
+        return None
+    # Read untyped: aiohttp types it a NamedTuple or a str, and its C parser makes another class
+    # of that name, which the compiled build (setup.py) would refuse as neither.
+    message: object = getattr(exc, "message", None)
+    code = getattr(message, "code", None)  # a plain message has none
+    return code if isinstance(code, int) else None
 
 
 def relayable(upstream: aiohttp.ClientResponse) -> None:
