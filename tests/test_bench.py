@@ -391,12 +391,14 @@ def test_every_ablation_still_applies_and_its_proxy_answers_every_webhook() -> N
     assert set(measured.values()) == {"0"}, measured
 
 
-@pytest.mark.timeout(900)  # 24 processes started, 12 of them under valgrind
+@pytest.mark.timeout(600)  # 12 processes started, 6 of them under valgrind
 def test_the_meter_counts_each_contender_twice_alike(tmp_path: Path) -> None:
     """bench/meter.py with few webhooks: the proxy, the naive proxy and the floor counted on
-    both routes in both runs, every count positive, and the two runs' instructions per webhook
-    within 3 % of each other: counts, which a busy machine does not move (determinism, not
-    speed; bench/RESULTS.md has the figures and their spread at 300 webhooks)."""
+    the plain route in both runs, every count positive, and the two runs' instructions per
+    webhook within 3 % of each other: counts, which a busy machine does not move (determinism,
+    not speed; bench/RESULTS.md has the figures and their spread at 300 webhooks, on both
+    routes). The plain route alone: each process costs seconds under valgrind, and the Stripe
+    route's signed stream is the same client's."""
     for tool in ("valgrind", "strace"):
         if shutil.which(tool) is None:
             pytest.fail(f"bench/meter.py needs {tool}: apt-get install valgrind strace")
@@ -404,8 +406,9 @@ def test_the_meter_counts_each_contender_twice_alike(tmp_path: Path) -> None:
         # Pure Python: the compiled build needs mypy, which the test extra does not install
         # (the image test and CI's PostgreSQL 15 pass run the compiled build).
         [sys.executable, str(ROOT / "bench" / "meter.py"), "--webhooks", "30", "--warmup", "10",
-         "--ablations", "floor", "--build", "pure", "--json", str(tmp_path / "counts.json")],
-        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=900, check=False,
+         "--ablations", "floor", "--build", "pure", "--routes", "plain",
+         "--json", str(tmp_path / "counts.json")],
+        cwd=ROOT, capture_output=True, encoding="utf-8", timeout=600, check=False,
         env={**os.environ, "PYTHONIOENCODING": "utf-8"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
@@ -415,7 +418,7 @@ def test_the_meter_counts_each_contender_twice_alike(tmp_path: Path) -> None:
     found = {(c["route"], c["contender"], c["run"]) for c in counts}
     assert found == {
         (route, contender, run)
-        for route in ("plain", "stripe")
+        for route in ("plain",)
         for contender in ("naive", "proxy", "floor")
         for run in (1, 2)
     }
