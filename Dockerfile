@@ -30,11 +30,14 @@ COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
 # Installed under /install in /usr/local's layout (the dedup-proxy script runs /usr/local/bin's
 # python), then copied to /usr/local below: no wheels, sources or pip cache in the runtime stage.
-# mypy (mypyc) and setuptools are the build's, installed here and not in /install.
-RUN pip install --no-cache-dir --disable-pip-version-check "mypy==2.4.1" "setuptools>=77" \
-    && DEDUP_PROXY_COMPILE=1 pip install --no-cache-dir --disable-pip-version-check \
-        --no-warn-script-location --no-build-isolation --prefix=/install \
-        "/src[fast,otel,github-app]"
+# First everything, then the package again, compiled: mypyc type-checks it against the installed
+# dependencies (PYTHONPATH) and the stubs. mypy, setuptools and the stubs are the build's only.
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
+RUN pip install --prefix=/install "/src[fast,otel,github-app]" \
+    && pip install "mypy==2.4.1" "setuptools>=77" "asyncpg-stubs==0.32.0" \
+        "types-PyYAML==6.0.12.20261122" \
+    && DEDUP_PROXY_COMPILE=1 PYTHONPATH=/install/lib/python3.11/site-packages \
+        pip install --prefix=/install --no-deps --no-build-isolation --force-reinstall /src
 
 FROM python:3.11-slim-bookworm
 # proxy.__version__, the tag the image is pushed under (docs/development.md, "Releases").
