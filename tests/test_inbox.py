@@ -596,4 +596,6 @@ async def test_a_row_keeps_its_first_and_newest_attempts_and_counts_their_bytes(
     # Every answer's bytes are in the row's size, which the inbox's byte cap sums.
     assert row["inbox_size"] == row["stored"] > database.ATTEMPTS_KEPT * database.ATTEMPT_BODY
     listed, _ = await proxy.app[app_keys.STORE].inbox.kept("hooks", database.InboxState.PENDING, 5)
-    assert listed[0].attempts == numbers[-1]  # every attempt counted, not those kept
+    # Every attempt counted, not those kept; the redeliverer goes on every 10 ms, so more may
+    # have been made since the row was read (seen on the compiled build).
+    assert listed[0].attempts >= numbers[-1] > database.ATTEMPTS_KEPT
