@@ -167,8 +167,8 @@ def _importable(environ: Mapping[str, str]) -> None:
             f"tracing is asked for ({describe(environ)}) but the OpenTelemetry SDK is not "
             f"installed ({exc}): {INSTALL_HINT}"
         ) from None
-    except Exception as exc:  # the SDK refused a variable as it loaded (OTEL_PROPAGATORS=b3)
-        raise _refused(f"the OpenTelemetry SDK refused the environment: {exc}") from None
+    except Exception as refusal:  # the SDK refused a variable as it loaded (OTEL_PROPAGATORS=b3)
+        raise _refused(f"the OpenTelemetry SDK refused the environment: {refusal}") from None
 
 
 class Tracing:

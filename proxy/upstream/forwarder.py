@@ -67,7 +67,7 @@ OWN_PREFIX = "dedup-"
 _AUTO_HEADERS = (hdrs.USER_AGENT, hdrs.ACCEPT, hdrs.ACCEPT_ENCODING, hdrs.CONTENT_TYPE)
 _CHUNK = 64 * 1024
 # A byte that is not UTF-8, as aiohttp's request parser hands it over: a surrogate escape.
-_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+_NOT_UTF8 = re.compile(f"[{chr(0xDC80)}-{chr(0xDCFF)}]")
 # Awaited before a pass-through body is read: tells a client waiting with
 # ``Expect: 100-continue`` to send it (``request_body.go_ahead``).
 GoAhead = Callable[[], Awaitable[None]]
@@ -270,12 +270,9 @@ class _PausingBody:
             self._buffered.append(chunk)
             size += len(chunk)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
         buffered, self._buffered = self._buffered, []
-        for chunk in buffered:
-            yield chunk
-        while chunk := await self._read():
-            yield chunk
+        return _Chunks(buffered, self._read)
 
     async def _read(self) -> bytes:
         try:
@@ -286,6 +283,25 @@ class _PausingBody:
                 f"body paused for over client_body_timeout {self._pause:g}s"
             )
             raise self.stalled from None
+
+
+class _Chunks:
+    """``_PausingBody.chunks``: the buffered chunks, then each read until the body ends."""
+
+    def __init__(self, buffered: list[bytes], read: Callable[[], Awaitable[bytes]]) -> None:
+        self._buffered = buffered
+        self._read = read
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._buffered:
+            return self._buffered.pop(0)
+        chunk = await self._read()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
 
 def relayed(answer: http1.Answer) -> RelayedResponse:
@@ -498,13 +514,13 @@ class Forwarder:
                         allow_redirects=False,
                         timeout=self._stream_timeout,
                     )
-            except errors.UpstreamUnavailable as exc:
+            except errors.UpstreamUnavailable as unavailable:
                 # aiohttp's client reports a body that stopped as a broken connection.
                 if body is not None and body.stalled is not None:
-                    raise body.stalled from exc
+                    raise body.stalled from unavailable
                 raise
-        except errors.RequestError as exc:
-            trace.failed(span, exc.code, exc.message)
+        except errors.RequestError as failed:
+            trace.failed(span, failed.code, failed.message)
             raise
         trace.answered(span, upstream.status)
         async with upstream:
