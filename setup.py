@@ -7,7 +7,7 @@ fewer instructions per webhook (bench/RESULTS.md, "meter"). The image is built c
 (Dockerfile); so is the checkout for CI's PostgreSQL 15 pass (.ci/run). To build it yourself
 (a C compiler and Python's headers needed)::
 
-    pip install 'mypy==2.4.1' 'setuptools>=77'
+    pip install '.[compile]'         # mypyc, and what it type-checks the modules against
     DEDUP_PROXY_COMPILE=1 pip install --no-build-isolation .
 
 Everything else is in pyproject.toml.
@@ -56,7 +56,7 @@ def ext_modules() -> list[object]:
     except ImportError:
         raise SystemExit(
             "DEDUP_PROXY_COMPILE=1 needs mypyc in the build's environment: "
-            "pip install 'mypy==2.4.1', then build with --no-build-isolation"
+            "pip install '.[compile]', then build with --no-build-isolation"
         ) from None
     # One C file per module, so that ``build_ext -j`` compiles them side by side. The runtime
     # they share is a top-level module, dedup_proxy__mypyc (mypyc cannot put it in the package).
