@@ -297,16 +297,15 @@ def measure(
         prepare_database(bench)
         app = bench.start_upstream("app")
         checkouts: dict[str, Path | None] = {"naive": None}
-        compiled = build == "compiled"
+        compiled = build != "pure"  # the proxy and each ablation; "both" adds a pure tree
         checkouts["proxy"] = ablate.worktree(workdir / "tree-head", trees, compiled=compiled)
         if build == "both":
             checkouts["pure"] = ablate.worktree(workdir / "tree-pure", trees)
-            ablate.compile_in_place(checkouts["proxy"])
         for variant in variants:
             checkouts[variant] = checkouts["proxy"]
         for name in names:
             checkouts[name] = ablate.worktree(
-                workdir / f"tree-{name}", trees, name, compiled=build != "pure"
+                workdir / f"tree-{name}", trees, name, compiled=compiled
             )
         for run in range(1, runs + 1):
             for route in routes:

@@ -289,16 +289,14 @@ class _Chunks:
     """``_PausingBody.chunks``: the buffered chunks, then each read until the body ends."""
 
     def __init__(self, buffered: list[bytes], read: Callable[[], Awaitable[bytes]]) -> None:
-        self._buffered = buffered
+        self._buffered = iter(buffered)
         self._read = read
 
     def __aiter__(self) -> _Chunks:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._buffered:
-            return self._buffered.pop(0)
-        chunk = await self._read()
+        chunk = next(self._buffered, b"") or await self._read()
         if not chunk:
             raise StopAsyncIteration
         return chunk
