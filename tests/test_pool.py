@@ -117,7 +117,9 @@ async def test_a_failed_connect_frees_the_slot(pg_dsn: str) -> None:
     # most BACKOFF_BASE, during which a request is refused without connecting.
     with pytest.raises(errors.Reconnecting, match=r"after 2 failure\(s\) in a row; the last: "):
         await lender.acquire()
-    await asyncio.sleep(pool.BACKOFF_BASE)
+    # uvloop's timers count whole milliseconds from a clock read once per turn of the loop, so
+    # a sleep can end up to a millisecond before time.monotonic() says it should: sleep past it.
+    await asyncio.sleep(pool.BACKOFF_BASE + 0.01)
     third = await asyncio.wait_for(lender.acquire(), 5)  # the slot came back
     assert await third.fetchval("SELECT 1") == 1
     lender.release(third)
