@@ -53,7 +53,12 @@ On a route that redelivers (``Records.inbox``; the provider never retries), furt
   app, and its result is recorded in the row, which no lane takes before its lease
   (``upstream.timeout`` + 5 s) ends. A second call of the event beside it or after it is
   exposed to the same windows as any forward (a fault on its replica, an answer after
-  ``upstream.timeout``), never to ``no_answer``; a kill of its replica during the wait, after
+  ``upstream.timeout``), and to ``no_answer`` only once the attempt ended without the app's
+  answer (its line says ``handed_off: failed`` with no ``upstream_status``: the proxy's
+  ``upstream.timeout``, timed from its send, fired before the app answered; the call closed,
+  or the line written, before the app's answer shows it) and its row became due on the route's
+  schedule;
+  a kill of its replica during the wait, after
   which the row is sent again at the lease's end, is counted as ``hand_off_kill``, and a result
   the proxy could not record when the attempt ended (its line says ``handed_off: unrecorded``:
   no free pool connection in time, or the link lost), sent again at the lease's end too, as
@@ -716,6 +721,12 @@ def _exposures_of(records: Records, event: _Event, call: UpstreamCall) -> list[t
     if own is None or own.kept_for != HANDED_OFF:
         return reasons
     line = event.request_line(own)
+    if _handed_off_unanswered(line, call):
+        text = (
+            f"delivery {own.delivery_id} handed off, its attempt ended with no answer from the "
+            f"app, which answered {_rel(records, call.end)}"
+        )
+        reasons.append(("no_answer", text))
     if line is not None and line.get("handed_off") == "unrecorded":
         # The attempt's result could not be written when it ended (no free pool connection in
         # time, the link lost; the line says why): the row stays due at its lease's end and is
@@ -724,6 +735,22 @@ def _exposures_of(records: Records, event: _Event, call: UpstreamCall) -> list[t
         text = f"delivery {own.delivery_id} handed off, its result not recorded ({why})"
         reasons.append(("hand_off_unrecorded", text))
     return reasons
+
+
+def _handed_off_unanswered(line: Mapping[str, Any] | None, call: UpstreamCall) -> bool:
+    """Whether the proxy's ``line`` about a delivery it handed off says its attempt ended with
+    no answer from the app (``handed_off: failed``, no ``upstream_status``) and ``call``'s
+    answer came after the proxy had stopped waiting: the app saw the connection close first,
+    or answered after the line was written. (The app times a call from its handler's start,
+    which a busy harness can reach well after the proxy's send, so its own time under
+    ``upstream.timeout`` does not show the proxy's timeout.)"""
+    if line is None or line.get("handed_off") != "failed":
+        return False
+    if line.get("upstream_status") is not None:
+        return False
+    at = line.get("at")
+    closed_first = call.dropped is not None and call.dropped < call.end
+    return closed_first or (isinstance(at, float) and call.end >= at)
 
 
 def _in_flight_twice(records: Records, event: _Event) -> Iterator[Violation]:

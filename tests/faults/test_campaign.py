@@ -755,6 +755,34 @@ def test_checker_inbox_explains_a_handed_off_event_sent_again_only_by_a_kill(
         assert double.causes == causes
 
 
+@pytest.mark.parametrize(
+    ("line", "dropped", "explained"),
+    [
+        ({"handed_off": "failed", "at": 3.0}, None, True),  # logged before the app's answer
+        ({"handed_off": "failed", "at": 3.3}, 3.0, True),  # the call closed before it
+        ({"handed_off": "failed", "at": 3.3}, None, False),  # the proxy might have had it
+        ({"handed_off": "failed", "at": 3.0, "upstream_status": 503}, None, False),
+        ({"handed_off": "delivered", "at": 3.0}, None, False),
+    ],
+)
+def test_checker_inbox_explains_a_handed_off_attempt_the_proxy_timed_out_before_the_app_answered(
+    line: dict[str, object], dropped: float | None, explained: bool
+) -> None:
+    # Sent at 1.0 s; the app's handler started at 1.5 s on a busy harness, answered 200 at
+    # 3.2 s (1.7 s by its own clock, under upstream.timeout); the proxy's timeout, from its
+    # send, had fired at 3.0 s: its row was due again, and redelivered at 3.5 s (CI, seed
+    # 1654724799).
+    first = replace(_answered(_call("d1", "r1", 1.5), 200, took=1.7), dropped=dropped)
+    calls = [first, _call("d1", "r1", 3.5)]
+    logged = {"event_id": "e", "request_id": "d1", "outcome": "queued", "replica": "r1",
+              "kept_for": "deadline", **line}  # fmt: skip
+    records = _flow(calls, [_kept_for("d1", "r1", 1.0, "deadline")], logs=(logged,))
+    report, violations = checker.check(records)
+    (double,) = report.double_processed
+    assert [v.kind for v in violations] == ([] if explained else ["double_unexplained"])
+    assert double.causes == ({"no_answer"} if explained else set())
+
+
 @pytest.mark.parametrize("action", [None, checker.Action("reset", "r1", 2.0, 2.1)])
 def test_checker_inbox_flags_a_handed_off_event_at_the_app_twice_unless_a_fault_explains_it(
     action: checker.Action | None,
