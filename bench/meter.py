@@ -38,7 +38,11 @@ again in fresh processes, the spread between runs reported beside the figures (i
 within 1 % on this machine, system calls a few %: the loop's wake-ups vary with when answers
 arrive). Under callgrind a webhook takes tens of times its native time: hence the modest
 defaults. ``--routes``: ``plain`` (the event ID at ``body:/id``) and ``stripe`` (Stripe's
-preset, each request signed; the naive proxy gets the same requests and checks nothing). Every
+preset, each request signed; the naive proxy gets the same requests and checks nothing, and a
+second contender, ``naive-verified``, is the naive proxy checking each signature as Stripe's
+Python library does: the proxy's figure beside it says what the proxy costs beyond the check
+every verifying proxy makes; before the stream, each contender that checks is sent a forged
+signature, which it must answer 401 without the app seeing it). Every
 webhook must be answered 200 and reach the app once, or the run fails. Needs valgrind and strace
 (Debian: ``apt-get install valgrind strace``).
 """
@@ -102,6 +106,8 @@ BUILT = {
     "pure": "pure Python (the README's install)",
     "both": "compiled with mypyc (the image's build), and pure Python as `pure`",
 }
+# The naive proxy with bench/naive.py's Stripe check (--stripe-secret): on the stripe route only.
+NAIVE_VERIFIED = "naive-verified"
 SETTLE = 0.3  # seconds for the work after the last answer (the log line) before a switch
 
 
@@ -140,6 +146,19 @@ class Stream:
             answer.read()
             if answer.status != 200:
                 raise RuntimeError(f"webhook {event_id}: {answer.status}")
+
+    def forged(self) -> int:
+        """The status answered to a webhook whose signature is not its body's (a verifying
+        contender must refuse it, and the app must not see it)."""
+        body = b'{"id":"forged' + MARK.encode() + b'"}'
+        stamp = str(int(time.time()))
+        mac = hmac.new(STRIPE_SECRET.encode(), f"{stamp}.{{}}".encode(), hashlib.sha256)
+        headers = {"Content-Type": "application/json",
+                   "Stripe-Signature": f"t={stamp},v1={mac.hexdigest()}"}  # fmt: skip
+        self.connection.request("POST", "/hook", body, headers)
+        answer = self.connection.getresponse()
+        answer.read()
+        return answer.status
 
     def close(self) -> None:
         self.connection.close()
@@ -237,7 +256,8 @@ def one(
     launcher = ["env", "PYTHONHASHSEED=0", "nice", "-n", "19", *meter.launcher()]
     bench.sql(f"DELETE FROM {TABLE} WHERE event_id LIKE '%{MARK}%'")
     if checkout is None:
-        service = bench.start_naive(tag, app, POOL, launcher=launcher)
+        secret = STRIPE_SECRET if contender == NAIVE_VERIFIED else ""
+        service = bench.start_naive(tag, app, POOL, launcher=launcher, stripe_secret=secret)
     else:
         service = bench.start_proxy(
             tag, app, POOL, env=checkout_env(checkout),
@@ -250,6 +270,8 @@ def one(
     upstream.reset()
     stream = Stream(service.port, signed=route == "stripe")
     try:
+        if route == "stripe" and contender != "naive" and (status := stream.forged()) != 401:
+            raise RuntimeError(f"{tag}: a forged signature was answered {status}, not 401")
         stream.send("warm", warmup)
         time.sleep(SETTLE)
         meter.on(service.pid)
@@ -281,6 +303,25 @@ def _variant_routes(route: str, contender: str) -> list[dict[str, Any]] | None:
     return [{**base, **extra}]
 
 
+def _contenders(
+    workdir: Path, trees: list[Path], *, names: Sequence[str], routes: Sequence[str],
+    variants: Sequence[str], build: str,
+) -> dict[str, Path | None]:  # fmt: skip
+    """Each contender's checkout (None: the naive proxy's), its scratch worktrees in ``trees``."""
+    checkouts: dict[str, Path | None] = {"naive": None}
+    if "stripe" in routes:
+        checkouts[NAIVE_VERIFIED] = None
+    compiled = build != "pure"  # the proxy and each ablation; "both" adds a pure tree
+    checkouts["proxy"] = ablate.worktree(workdir / "tree-head", trees, compiled=compiled)
+    if build == "both":
+        checkouts["pure"] = ablate.worktree(workdir / "tree-pure", trees)
+    for variant in variants:
+        checkouts[variant] = checkouts["proxy"]
+    for name in names:
+        checkouts[name] = ablate.worktree(workdir / f"tree-{name}", trees, name, compiled=compiled)
+    return checkouts
+
+
 def measure(
     names: Sequence[str], routes: Sequence[str], *, webhooks: int = WEBHOOKS,
     warmup: int = WARMUP, runs: int = RUNS, variants: Sequence[str] = (), build: str = BUILD,
@@ -296,20 +337,14 @@ def measure(
     try:
         prepare_database(bench)
         app = bench.start_upstream("app")
-        checkouts: dict[str, Path | None] = {"naive": None}
-        compiled = build != "pure"  # the proxy and each ablation; "both" adds a pure tree
-        checkouts["proxy"] = ablate.worktree(workdir / "tree-head", trees, compiled=compiled)
-        if build == "both":
-            checkouts["pure"] = ablate.worktree(workdir / "tree-pure", trees)
-        for variant in variants:
-            checkouts[variant] = checkouts["proxy"]
-        for name in names:
-            checkouts[name] = ablate.worktree(
-                workdir / f"tree-{name}", trees, name, compiled=compiled
-            )
+        checkouts = _contenders(
+            workdir, trees, names=names, routes=routes, variants=variants, build=build
+        )
         for run in range(1, runs + 1):
             for route in routes:
                 for contender, checkout in checkouts.items():
+                    if contender == NAIVE_VERIFIED and route != "stripe":
+                        continue
                     found = {}
                     for how in COUNTS:
                         found[how] = one(
@@ -340,25 +375,28 @@ def table(counts: list[Count]) -> str:
     """One row per route and contender: each run's counts, their spread, and the naive
     proxy's ratio (instructions) and difference (system calls), each on the least of the runs
     (a busy machine only adds to a count: an answer from the app or PostgreSQL that comes later
-    costs the loop another wake-up and an await another suspension)."""
+    costs the loop another wake-up and an await another suspension); on the stripe route also
+    the ratio to ``naive-verified``'s instructions (elsewhere "-")."""
     lines = [
         "| route | contender | instructions per webhook (each run) | spread | ÷ naive | "
-        "system calls per webhook (each run) | spread | beyond naive |",
-        "|---|---|---|---|---|---|---|---|",
+        f"÷ {NAIVE_VERIFIED} | system calls per webhook (each run) | spread | beyond naive |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for route in dict.fromkeys(c.route for c in counts):
         rows = [c for c in counts if c.route == route]
         naive_instructions = min(c.instructions for c in rows if c.contender == "naive")
         naive_syscalls = min(c.syscalls for c in rows if c.contender == "naive")
+        verified = [c.instructions for c in rows if c.contender == NAIVE_VERIFIED]
         for contender in dict.fromkeys(c.contender for c in rows):
             mine = [c for c in rows if c.contender == contender]
             instructions = [c.instructions for c in mine]
             syscalls = [c.syscalls for c in mine]
+            beside = f"{min(instructions) / min(verified):.3f}" if verified else "-"
             lines.append(
                 f"| {route} | {contender} | "
                 f"{', '.join(f'{v / 1e6:.4f} M' for v in instructions)} | "
                 f"{_spread(instructions):.2%} | "
-                f"{min(instructions) / naive_instructions:.3f} | "
+                f"{min(instructions) / naive_instructions:.3f} | {beside} | "
                 f"{', '.join(f'{v:.2f}' for v in syscalls)} | {_spread(syscalls):.2%} | "
                 f"{min(syscalls) - naive_syscalls:+.2f} |"
             )
@@ -377,7 +415,7 @@ def parts(counts: list[Count]) -> str:
     for route in dict.fromkeys(c.route for c in counts):
         runs = sorted({c.run for c in counts if c.route == route})
         for contender in dict.fromkeys(c.contender for c in counts if c.route == route):
-            if contender in ("proxy", "naive"):
+            if contender in ("proxy", "naive", NAIVE_VERIFIED):
                 continue
             proxy = [by[route, "proxy", r] for r in runs]
             ablated = [by[route, contender, r] for r in runs]

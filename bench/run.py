@@ -125,15 +125,17 @@ class Bench:
 
     def start_naive(
         self, name: str, upstream: procs.Service, pool: int, workers: int = 1,
-        *, launcher: Sequence[str] = (),
+        *, launcher: Sequence[str] = (), stripe_secret: str = "",
     ) -> procs.Service:  # fmt: skip
         """bench/naive.py: the baseline a competent engineer writes in an afternoon. ``launcher``
         (here and in start_proxy): a command the process runs under (bench/meter.py's valgrind
-        or ``env``)."""
+        or ``env``). ``stripe_secret``: it checks each request's Stripe signature with it."""
         port = procs.free_port()
         argv = [*launcher, sys.executable, str(ROOT / "bench" / "naive.py"), "--port", str(port),
                 "--upstream", f"http://127.0.0.1:{upstream.port}", "--dsn", self.dsn,
                 "--table", TABLE, "--pool", str(pool), "--workers", str(workers)]  # fmt: skip
+        if stripe_secret:
+            argv += ["--stripe-secret", stripe_secret]
         return self._start(name, argv, port, slow=bool(launcher))
 
     def _start(
