@@ -223,13 +223,16 @@ class Cycle:
             self.request, route.config.max_body, route.client_timeout, self.reservation,
             pause=route.client_body_timeout,
         )  # fmt: skip
-        if self.verifier is not None:
-            # What the check needs from elsewhere (PayPal's certificate), fetched here: from
-            # here to the claim's verify nothing awaits, so it is still in the cache.
-            await signatures.prepare(self.verifier, self.request.headers, self.body)
-            answered = await self._handshake()
-            if answered is not None:
-                return answered, "handshake"
+        verifier = self.verifier
+        if verifier is not None:
+            if signatures.prepares(verifier):
+                # What the check needs from elsewhere (PayPal's certificate), fetched here:
+                # from here to the claim's verify nothing awaits, so it is still in the cache.
+                await signatures.prepare(verifier, self.request.headers, self.body)
+            if signatures.handshakes(verifier):
+                answered = await self._handshake()
+                if answered is not None:
+                    return answered, "handshake"
         try:
             key = self._key()
         except errors.EventIdMissing:
@@ -243,7 +246,8 @@ class Cycle:
         """The proxy's own answer to a provider's handshake (Meta's subscription check, Twitch's,
         Discord's and Zoom's signed ones, SNS's subscription where the proxy confirms it), never
         claimed or forwarded; a failed one is refused as a forged signature is. None for any
-        other request, refused here if its method is the handshake's, not the route's."""
+        other request, refused here if its method is the handshake's, not the route's. Only
+        for a scheme with a handshake (``signatures.handshakes``)."""
         route, request = self.route.config, self.request
         query = request.raw_path.partition("?")[2]
         try:

@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar, NoReturn, Protocol
+from typing import TYPE_CHECKING, ClassVar, NoReturn, Protocol, TypeGuard
 
 from proxy import errors, event_ids
 
@@ -1095,10 +1095,27 @@ def _iso_time(text: str, name: str) -> float:
     return moment.timestamp()
 
 
+# The schemes that fetch what ``verify`` needs first (``prepare``), and those that answer a
+# provider's handshake (``handshake``): built once, for the checks made on every request.
+_PREPARING = (PayPalSignature, SnsSignature)
+_HANDSHAKING = (MetaSignature, TwitchSignature, DiscordSignature, ZoomSignature, SnsSignature)
+
+
+def prepares(verifier: Verifier | None) -> TypeGuard[PayPalSignature | SnsSignature]:
+    """Whether ``prepare`` fetches anything for ``verifier``'s scheme (else a request need not
+    await it)."""
+    return isinstance(verifier, _PREPARING)
+
+
+def handshakes(verifier: Verifier | None) -> bool:
+    """Whether ``verifier``'s scheme has a handshake (else ``handshake`` is always None)."""
+    return isinstance(verifier, _HANDSHAKING)
+
+
 async def prepare(verifier: Verifier, headers: event_ids.MultiMapping, body: bytes) -> None:
     """Before ``verifier.verify``: fetch what it needs from elsewhere (the certificate a PayPal
-    request or an SNS message names); nothing for a scheme that needs only its secrets.
-    CertificateUnavailable if the provider could not be reached."""
+    request or an SNS message names); nothing for a scheme that needs only its secrets
+    (``prepares``). CertificateUnavailable if the provider could not be reached."""
     if isinstance(verifier, PayPalSignature):
         await verifier.prepare(headers)
     elif isinstance(verifier, SnsSignature):
@@ -1124,10 +1141,7 @@ def handshake(
     Twitch's callback verification, Discord's PING, Zoom's URL validation); None if the request
     is none. SignatureInvalid for a handshake that fails its check (a wrong verify token, a
     forged or stale signature): a handshake is answered only once it is verified."""
-    if isinstance(
-        verifier,
-        MetaSignature | TwitchSignature | DiscordSignature | ZoomSignature | SnsSignature,
-    ):
+    if isinstance(verifier, _HANDSHAKING):
         return verifier.handshake(method, query, headers, body, now)
     return None
 
