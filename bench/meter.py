@@ -4,7 +4,7 @@ shared 2-core machine cannot blur as it blurs CPU seconds.
     python bench/meter.py [--webhooks 300] [--warmup 50] [--runs 2] [--routes plain,stripe]
                           [--ablations floor,log-line,key,turn]
                           [--variants shared,ordered,receipt] [--build compiled|pure|both]
-                          [--out FILE] [--json FILE]
+                          [--clock N] [--out FILE] [--json FILE]
 
 The contenders: the proxy of ``HEAD``, the naive proxy (bench/naive.py) and ``HEAD`` with each
 ablation applied (bench/ablations/*.patch, in scratch worktrees as bench/ablate.py makes them;
@@ -30,7 +30,10 @@ process alone (not the app's, the database's or the client's), for the measured 
   (``--instr-atstart=no``), switched on and off around the stream (``callgrind_control -i``),
   then dumped (``callgrind_control -d``);
 - system calls: ``strace -c -f`` attached for the stream (SIGINT detaches it and prints its
-  table).
+  table);
+- with ``--clock N``, a third: its CPU seconds (user and system apart, ``/proc/PID/stat``) for
+  ``N`` webhooks of the same stream, natively (no valgrind or strace): whether the clock agrees
+  with the count when the load is the same.
 
 Each divided by the webhooks; each ÷ (and beyond) the naive proxy's on the same route, the least
 of the runs against the least (a busy machine only adds to a count). ``--runs``: everything
@@ -50,6 +53,7 @@ webhook must be answered 200 and reach the app once, or the run fails. Needs val
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import hmac
 import http.client
@@ -85,7 +89,6 @@ WEBHOOKS = 300
 WARMUP = 50
 RUNS = 2
 ROUTES = ("plain", "stripe")
-COUNTS = ("instructions", "syscalls")
 BODY_BYTES = 1024  # as bench/loads.py's wrk runs
 MARK = "-meter-"  # in every event ID the stream sends (its claims are deleted before a run)
 # One of bench/ablate.py's workers: its pool, its share of upstream.concurrency.
@@ -121,6 +124,9 @@ class Count:
     instructions: float
     syscalls: float
     calls: dict[str, float] = field(default_factory=dict)  # per system call's name
+    # --clock: CPU microseconds per webhook, natively, user and system apart (0: not measured)
+    user_us: float = 0.0
+    system_us: float = 0.0
 
 
 class Stream:
@@ -199,6 +205,25 @@ class Callgrind:
         return totals
 
 
+class Clock:
+    """CPU seconds, user and system apart, spent between ``on`` and ``off``, natively."""
+
+    def __init__(self, out: Path) -> None:
+        self.pid = 0
+        self.start = (0.0, 0.0)
+
+    def launcher(self) -> list[str]:
+        return []
+
+    def on(self, pid: int) -> None:
+        self.pid = pid
+        self.start = procs.user_system_seconds(pid)
+
+    def off(self) -> dict[str, float]:
+        user, system = procs.user_system_seconds(self.pid)
+        return {"user": user - self.start[0], "system": system - self.start[1]}
+
+
 class Strace:
     """System calls counted by ``strace -c -f``, attached between ``on`` and ``off``."""
 
@@ -243,13 +268,14 @@ class Strace:
 def one(
     bench: Bench, app: procs.Service, *, contender: str, route: str, how: str,
     checkout: Path | None, webhooks: int, warmup: int,
-) -> float | dict[str, int]:  # fmt: skip
+) -> float | dict[str, int] | dict[str, float]:  # fmt: skip
     """One contender's ``how`` count for the measured stream, in a process of its own (a
     variant's: ``HEAD`` with its feature on, ``VARIANTS``)."""
     tag = f"{contender}-{route}-{how}-{bench.run_id()}"
-    meter: Callgrind | Strace = (Callgrind if how == "instructions" else Strace)(
-        bench.workdir / f"{how}.{tag}"
-    )
+    kinds: dict[str, type[Callgrind | Strace | Clock]] = {
+        "instructions": Callgrind, "syscalls": Strace, "cpu": Clock,
+    }  # fmt: skip
+    meter = kinds[how](bench.workdir / f"{how}.{tag}")
     # At the lowest priority: the app's and PostgreSQL's answers are then ready when the
     # contender polls, as they are on a quiet machine, rather than a wake-up later under load
     # (three runs at a load average of 5: within 0.9 % with it, 2 % without).
@@ -322,9 +348,36 @@ def _contenders(
     return checkouts
 
 
+def _count(
+    bench: Bench, app: procs.Service, *, contender: str, route: str, run: int,
+    checkout: Path | None, webhooks: int, warmup: int, clock: int,
+) -> Count:  # fmt: skip
+    """One contender's counts on ``route`` in run ``run``, each in a process of its own; with
+    ``clock``, also its CPU for that many webhooks."""
+    measured = functools.partial(
+        one, bench, app, contender=contender, route=route, checkout=checkout, warmup=warmup
+    )
+    instructions = measured(how="instructions", webhooks=webhooks)
+    calls = measured(how="syscalls", webhooks=webhooks)
+    assert isinstance(instructions, int | float)
+    assert isinstance(calls, dict)
+    user = system = 0.0
+    if clock:
+        cpu = measured(how="cpu", webhooks=clock)
+        assert isinstance(cpu, dict)
+        user, system = cpu["user"] / clock * 1e6, cpu["system"] / clock * 1e6
+    return Count(
+        contender=contender, route=route, run=run, instructions=instructions / webhooks,
+        syscalls=sum(calls.values()) / webhooks,
+        calls={name: n / webhooks for name, n in sorted(calls.items())},
+        user_us=user, system_us=system,
+    )  # fmt: skip
+
+
 def measure(
     names: Sequence[str], routes: Sequence[str], *, webhooks: int = WEBHOOKS,
     warmup: int = WARMUP, runs: int = RUNS, variants: Sequence[str] = (), build: str = BUILD,
+    clock: int = 0,
 ) -> list[Count]:  # fmt: skip
     """Every contender's counts on every route, ``runs`` times."""
     for tool in ("valgrind", "callgrind_control", "strace"):
@@ -345,19 +398,9 @@ def measure(
                 for contender, checkout in checkouts.items():
                     if contender == NAIVE_VERIFIED and route != "stripe":
                         continue
-                    found = {}
-                    for how in COUNTS:
-                        found[how] = one(
-                            bench, app, contender=contender, route=route, how=how,
-                            checkout=checkout, webhooks=webhooks, warmup=warmup,
-                        )  # fmt: skip
-                    calls = found["syscalls"]
-                    assert isinstance(calls, dict)
-                    counts.append(Count(
-                        contender=contender, route=route, run=run,
-                        instructions=float(found["instructions"]) / webhooks,  # type: ignore[arg-type]
-                        syscalls=sum(calls.values()) / webhooks,
-                        calls={name: n / webhooks for name, n in sorted(calls.items())},
+                    counts.append(_count(
+                        bench, app, contender=contender, route=route, run=run,
+                        checkout=checkout, webhooks=webhooks, warmup=warmup, clock=clock,
                     ))  # fmt: skip
     finally:
         bench.close()
@@ -403,6 +446,38 @@ def table(counts: list[Count]) -> str:
     return "\n".join(lines)
 
 
+def clock_table(counts: list[Count]) -> str:
+    """``--clock``: the CPU per webhook on the same stream, natively, beside the instruction
+    ratio: each run's user + system microseconds, and each ÷ the naive proxy's on the route (the
+    least of the runs against the least)."""
+    lines = [
+        "| route | contender | CPU µs per webhook, user + system (each run) | CPU ÷ naive | "
+        "user ÷ naive | system ÷ naive | instructions ÷ naive |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for route in dict.fromkeys(c.route for c in counts):
+        rows = [c for c in counts if c.route == route]
+        naive = [c for c in rows if c.contender == "naive"]
+        least = {
+            "cpu": min(c.user_us + c.system_us for c in naive),
+            "user": min(c.user_us for c in naive),
+            "system": min(c.system_us for c in naive),
+            "instructions": min(c.instructions for c in naive),
+        }
+        for contender in dict.fromkeys(c.contender for c in rows):
+            mine = [c for c in rows if c.contender == contender]
+            each = ", ".join(f"{c.user_us:.0f} + {c.system_us:.0f}" for c in mine)
+            ratios = [
+                min(c.user_us + c.system_us for c in mine) / least["cpu"],
+                min(c.user_us for c in mine) / least["user"],
+                min(c.system_us for c in mine) / least["system"],
+                min(c.instructions for c in mine) / least["instructions"],
+            ]
+            lines.append(f"| {route} | {contender} | {each} | "
+                         + " | ".join(f"{r:.3f}" for r in ratios) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def parts(counts: list[Count]) -> str:
     """What each ablation removes: the proxy's count minus the ablated proxy's, per webhook
     (each run's, so that the spread shows) and as a share of the proxy's (the least)."""
@@ -445,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the proxy's modules compiled with mypyc as the image has them "
                         "(needs mypy), pure Python, or both: the pure build as contender "
                         "'pure'")  # fmt: skip
+    parser.add_argument("--clock", type=int, default=0, metavar="N",
+                        help="also each contender's CPU seconds for N webhooks of the same "
+                        "stream, natively (0: not measured)")  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the tables here (markdown)")
     parser.add_argument("--json", type=Path, help="also write every count here")
     args = parser.parse_args(argv)
@@ -460,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no route {', '.join(wrong)}: one of {', '.join(ROUTES)}")
     head = ablate._git("rev-parse", "--short", "HEAD").strip()  # what the worktrees check out
     counts = measure(names, routes, webhooks=args.webhooks, warmup=args.warmup, runs=args.runs,
-                     variants=variants, build=args.build)  # fmt: skip
+                     variants=variants, build=args.build, clock=args.clock)  # fmt: skip
     command = shlex.join(["python", "bench/meter.py", *(sys.argv[1:] if argv is None else argv)])
     machine = report.machine()
     text = (
@@ -470,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if names:
         text += f"\n{parts(counts)}\n"
+    if args.clock:
+        text += f"\n{clock_table(counts)}\n"
     print(text)
     if args.out is not None:
         args.out.write_text(text, encoding="utf-8")

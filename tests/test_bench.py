@@ -391,10 +391,11 @@ def test_every_ablation_still_applies_and_its_proxy_answers_every_webhook() -> N
     assert set(measured.values()) == {"0"}, measured
 
 
-@pytest.mark.timeout(600)  # 12 processes started, 6 of them under valgrind
+@pytest.mark.timeout(600)  # 18 processes started, 6 of them under valgrind
 def test_the_meter_counts_each_contender_twice_alike(tmp_path: Path) -> None:
     """bench/meter.py with few webhooks: the proxy, the naive proxy and the floor counted on
-    the plain route in both runs, every count positive, and the two runs' instructions per
+    the plain route in both runs (with ``--clock``, their CPU too), every count positive, and
+    the two runs' instructions per
     webhook within 3 % of each other: counts, which a busy machine does not move (determinism,
     not speed; bench/RESULTS.md has the figures and their spread at 300 webhooks, on both
     routes). The plain route alone: each process costs seconds under valgrind, and the Stripe
@@ -406,7 +407,7 @@ def test_the_meter_counts_each_contender_twice_alike(tmp_path: Path) -> None:
         # Pure Python: the compiled build needs mypy, which the test extra does not install
         # (the image test and CI's PostgreSQL 15 pass run the compiled build).
         [sys.executable, str(ROOT / "bench" / "meter.py"), "--webhooks", "30", "--warmup", "10",
-         "--ablations", "floor", "--build", "pure", "--routes", "plain",
+         "--ablations", "floor", "--build", "pure", "--routes", "plain", "--clock", "200",
          "--json", str(tmp_path / "counts.json")],
         cwd=ROOT, capture_output=True, encoding="utf-8", timeout=600, check=False,
         env={**os.environ, "PYTHONIOENCODING": "utf-8"},
@@ -414,6 +415,7 @@ def test_the_meter_counts_each_contender_twice_alike(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "| route | contender | instructions per webhook (each run) |" in done.stdout
     assert "| route | part removed |" in done.stdout
+    assert "| route | contender | CPU µs per webhook, user + system (each run) |" in done.stdout
     counts = json.loads((tmp_path / "counts.json").read_text(encoding="utf-8"))
     found = {(c["route"], c["contender"], c["run"]) for c in counts}
     assert found == {
@@ -426,6 +428,7 @@ def test_the_meter_counts_each_contender_twice_alike(tmp_path: Path) -> None:
         assert count["instructions"] > 0, count
         assert count["syscalls"] > 0, count
         assert sum(count["calls"].values()) == pytest.approx(count["syscalls"])
+        assert count["user_us"] + count["system_us"] > 0, count  # --clock: 200 natively
     for route, contender, _ in found:
         one, two = (c["instructions"] for c in counts
                     if (c["route"], c["contender"]) == (route, contender))  # fmt: skip
