@@ -142,25 +142,23 @@ class Stream:
             event_id = f"{(n * 2654435761) % 2147483648:08x}{MARK}{phase}-{n:06d}"
             pad = "x" * max(0, BODY_BYTES - 22 - len(event_id))
             body = f'{{"id":"{event_id}","pad":"{pad}"}}'
-            headers = {"Content-Type": "application/json"}
-            if self.signed:
-                stamp = str(int(time.time()))
-                mac = hmac.new(STRIPE_SECRET.encode(), f"{stamp}.{body}".encode(), hashlib.sha256)
-                headers["Stripe-Signature"] = f"t={stamp},v1={mac.hexdigest()}"
-            self.connection.request("POST", "/hook", body.encode(), headers)
-            answer = self.connection.getresponse()
-            answer.read()
-            if answer.status != 200:
-                raise RuntimeError(f"webhook {event_id}: {answer.status}")
+            if (status := self._post(body.encode())) != 200:
+                raise RuntimeError(f"webhook {event_id}: {status}")
 
     def forged(self) -> int:
         """The status answered to a webhook whose signature is not its body's (a verifying
         contender must refuse it, and the app must not see it)."""
-        body = b'{"id":"forged' + MARK.encode() + b'"}'
-        stamp = str(int(time.time()))
-        mac = hmac.new(STRIPE_SECRET.encode(), f"{stamp}.{{}}".encode(), hashlib.sha256)
-        headers = {"Content-Type": "application/json",
-                   "Stripe-Signature": f"t={stamp},v1={mac.hexdigest()}"}  # fmt: skip
+        return self._post(b'{"id":"forged' + MARK.encode() + b'"}', signs=b"{}")
+
+    def _post(self, body: bytes, signs: bytes | None = None) -> int:
+        """POST ``body``, on a signed stream with the Stripe signature of ``signs`` (by
+        default the body itself): the answer's status."""
+        headers = {"Content-Type": "application/json"}
+        if self.signed:
+            stamp = str(int(time.time()))
+            message = f"{stamp}.".encode() + (body if signs is None else signs)
+            mac = hmac.new(STRIPE_SECRET.encode(), message, hashlib.sha256)
+            headers["Stripe-Signature"] = f"t={stamp},v1={mac.hexdigest()}"
         self.connection.request("POST", "/hook", body, headers)
         answer = self.connection.getresponse()
         answer.read()
